@@ -1,0 +1,200 @@
+"""The ladder: discover rungs (`kernels/vNN_<change>.cu`), read their declarations, assemble source.
+
+A rung declares what the launcher needs in its header comment, one `lab.<key>` line each:
+
+    lab.template   d_head, B_r, B_c          template parameters, in order
+    lab.configs    (64, 64, 64), (64, 32, 32) instantiations, in order of preference
+    lab.threads    B_c, 16                    block shape (x, y, z), expressions of the parameters
+    lab.smem       4 * (B_r + 2 * B_c) * d_head  dynamic shared memory in bytes
+    lab.workspace  2                          floats of global scratch per query row (default 0)
+    lab.strided    true                       reads Q, K, V through strides (default: contiguous)
+    lab.options    --use_fast_math            extra NVRTC options
+    lab.stack      0                          local-memory bytes allowed per thread (default 0)
+
+Every rung exports the same entry point, `attention_forward<...>`, with one signature, launched on a
+grid of (ceil(T / B_r), n_heads, batch) blocks: one block per tile of B_r query rows of one head.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+KERNEL_DIR = Path(__file__).resolve().parent
+ENTRY = "attention_forward"
+_RUNG_FILE = re.compile(r"^v(\d+)_([a-z0-9_]+)\.cu$")
+_DECL = re.compile(r"^\s*(?:\*|//)\s*lab\.(\w+)\s+(.*?)\s*$")
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
+_KEYS = {"template", "configs", "threads", "smem", "workspace", "strided", "options", "stack"}
+
+
+@dataclass(frozen=True)
+class Rung:
+    name: str  # "v02_pad_k", or the file's stem for a user's own .cu
+    path: Path
+    template: tuple[str, ...]
+    configs: tuple[tuple[int, ...], ...]
+    threads: tuple[str, ...]
+    smem: str
+    workspace: str = "0"
+    strided: bool = False
+    options: tuple[str, ...] = ()
+    stack: int = 0
+    source: str = field(default="", repr=False, compare=False)
+
+    @property
+    def number(self) -> str:
+        return self.name.split("_", 1)[0]
+
+    def head_sizes(self) -> list[int]:
+        return sorted({c[0] for c in self.configs})
+
+    def params(self, config: tuple[int, ...]) -> dict[str, int]:
+        return dict(zip(self.template, config))
+
+    def name_expression(self, config: tuple[int, ...]) -> str:
+        """The one canonical spelling: `attention_forward<64, 32, 32>`."""
+        return f"{ENTRY}<{', '.join(str(int(v)) for v in config)}>"
+
+    def block(self, config) -> tuple[int, int, int]:
+        dims = [evaluate(e, self.params(config)) for e in self.threads]
+        return tuple(dims + [1] * (3 - len(dims)))
+
+    def shared_bytes(self, config) -> int:
+        return evaluate(self.smem, self.params(config))
+
+    def workspace_per_row(self, config) -> int:
+        return evaluate(self.workspace, self.params(config))
+
+
+def rung_files() -> list[Path]:
+    """Every `vNN_<change>.cu` in kernels/, in ladder order."""
+    files = [p for p in KERNEL_DIR.glob("v*.cu") if _RUNG_FILE.match(p.name)]
+    return sorted(files, key=lambda p: (int(_RUNG_FILE.match(p.name).group(1)), p.name))
+
+
+def names() -> list[str]:
+    return [p.stem for p in rung_files()]
+
+
+def resolve(kernel: str | Path) -> Path:
+    """`v8`, `v08`, `v08_o_in_smem` or a path to a .cu file -> the rung's file."""
+    text = str(kernel)
+    if text.endswith(".cu"):
+        path = Path(text).expanduser().resolve()
+        if not path.is_file():
+            raise ValueError(f"kernel file {text!r} does not exist")
+        return path
+    files = rung_files()
+    m = re.fullmatch(r"v(\d+)(?:_([a-z0-9_]+))?", text)
+    for p in files:
+        number, change = _RUNG_FILE.match(p.name).groups()
+        if m and int(m.group(1)) == int(number) and m.group(2) in (None, change):
+            return p
+    known = ", ".join(p.stem for p in files) or "none"
+    raise ValueError(f"unknown kernel {text!r}: known kernels are {known}, or give a path to a .cu file")
+
+
+_cache: dict[tuple[Path, float], Rung] = {}
+
+
+def load(kernel: str | Path) -> Rung:
+    """Read a rung's file and declarations; re-read whenever the file changes on disk."""
+    path = resolve(kernel)
+    key = (path, path.stat().st_mtime_ns)
+    if key not in _cache:
+        _cache[key] = parse(path)
+    return _cache[key]
+
+
+def parse(path: Path) -> Rung:
+    text = path.read_text()
+    decl: dict[str, str] = {}
+    for lineno, line in enumerate(text.splitlines(), 1):
+        m = _DECL.match(line)
+        if m:
+            key, value = m.groups()
+            if key not in _KEYS:
+                raise ValueError(f"{path}:{lineno}: unknown declaration lab.{key} (known: {', '.join(sorted(_KEYS))})")
+            decl[key] = value
+    missing = [k for k in ("template", "configs", "threads", "smem") if k not in decl]
+    if missing:
+        raise ValueError(f"{path}: missing declaration(s) {', '.join('lab.' + k for k in missing)}")
+    template = tuple(s.strip() for s in decl["template"].split(","))
+    if template[0] != "d_head":
+        raise ValueError(f"{path}: the first template parameter must be d_head")
+    try:
+        configs = ast.literal_eval("[" + decl["configs"] + "]")
+        configs = tuple(tuple(int(v) for v in (c if isinstance(c, tuple) else (c,))) for c in configs)
+    except (ValueError, SyntaxError) as exc:
+        raise ValueError(f"{path}: lab.configs is not a list of tuples: {decl['configs']!r}") from exc
+    for c in configs:
+        if len(c) != len(template):
+            raise ValueError(f"{path}: config {c} does not match lab.template ({', '.join(template)})")
+    rung = Rung(
+        name=path.stem,
+        path=path,
+        template=template,
+        configs=configs,
+        threads=tuple(s.strip() for s in decl["threads"].split(",")),
+        smem=decl["smem"],
+        workspace=decl.get("workspace", "0"),
+        strided=decl.get("strided", "false").lower() == "true",
+        options=tuple(decl.get("options", "").split()),
+        stack=int(decl.get("stack", "0")),
+        source=assemble(path),
+    )
+    for c in configs:  # fail at load, not at launch, on a bad expression
+        rung.block(c), rung.shared_bytes(c), rung.workspace_per_row(c)
+    return rung
+
+
+def assemble(path: Path, seen: tuple[Path, ...] = ()) -> str:
+    """The text NVRTC compiles: the file, with local `#include "x"` inlined and `#line` directives
+    so that compiler messages name the user's file and line. Inlining also puts every included
+    helper into the text CuPy hashes for its disk cache, so an edited helper is never stale."""
+    if path in seen:
+        raise ValueError(f"{path}: #include cycle through {' -> '.join(map(str, seen))}")
+    out = [f'#line 1 "{path}"']
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        m = _INCLUDE.match(line)
+        if m:
+            included = (path.parent / m.group(1)).resolve()
+            if not included.is_file():
+                raise ValueError(f"{path}:{lineno}: included file {m.group(1)!r} not found")
+            out.append(assemble(included, seen + (path,)))
+            out.append(f'#line {lineno + 1} "{path}"')
+        else:
+            out.append(line)
+    return "\n".join(out) + "\n"
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
+_FUNCS = {"min": min, "max": max}
+
+
+def evaluate(expr: str, names: dict[str, int]) -> int:
+    """Integer arithmetic on the template parameters: + - * // % min max, nothing else."""
+
+    def ev(node):
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.Name) and node.id in names:
+            return names[node.id]
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FUNCS:
+            return _FUNCS[node.func.id](*[ev(a) for a in node.args])
+        raise ValueError(f"cannot evaluate {ast.unparse(node)!r} in {expr!r} (names: {', '.join(names)})")
+
+    try:
+        tree = ast.parse(expr, mode="eval")
+    except SyntaxError as exc:
+        raise ValueError(f"bad expression {expr!r}") from exc
+    return int(ev(tree))

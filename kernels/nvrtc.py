@@ -1,0 +1,102 @@
+"""NVRTC through ctypes: compile a rung for a named architecture on a machine with no GPU.
+
+CuPy compiles for the device it finds; this module compiles for an architecture you name
+(sm_80, sm_90) and returns ptxas's resource report, so registers and spills can be read in CI.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import sys
+
+_lib = None
+
+
+def _candidates() -> list[str]:
+    found = []
+    for root in sys.path:
+        found += sorted(glob.glob(os.path.join(root, "nvidia", "cuda_nvrtc", "lib", "libnvrtc.so*")))
+        found += sorted(glob.glob(os.path.join(root, "nvidia", "cu13", "lib", "libnvrtc.so*")))
+    for home in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if home:
+            found += sorted(glob.glob(os.path.join(home, "lib64", "libnvrtc.so*")))
+    return [f for f in found if "builtins" not in f and ".alt." not in f]
+
+
+def library() -> ctypes.CDLL:
+    """Load libnvrtc: the pip wheel (nvidia-cuda-nvrtc-cu12) first, then a CUDA toolkit."""
+    global _lib
+    if _lib is None:
+        errors = []
+        for path in _candidates():
+            try:
+                _lib = ctypes.CDLL(path)
+                break
+            except OSError as exc:
+                errors.append(f"{path}: {exc}")
+        else:
+            raise RuntimeError(
+                "libnvrtc not found: install the test extra (pip install -e '.[test]', which brings "
+                "nvidia-cuda-nvrtc-cu12) or set CUDA_PATH to a CUDA toolkit"
+                + ("".join("\n  " + e for e in errors))
+            )
+        _lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+    return _lib
+
+
+def version() -> tuple[int, int]:
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    library().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    return major.value, minor.value
+
+
+class NvrtcError(RuntimeError):
+    def __init__(self, message: str, log: str = ""):
+        super().__init__(message + (("\n" + log) if log else ""))
+        self.log = log
+
+
+def compile_cubin(source: str, name: str, options: list[str], name_expressions: list[str]):
+    """Compile `source` to a cubin; return (cubin bytes, program log, {expression: lowered name})."""
+    lib = library()
+    prog = ctypes.c_void_p()
+
+    def check(status, what):
+        if status != 0:
+            raise NvrtcError(f"{what}: {lib.nvrtcGetErrorString(status).decode()}", _log(lib, prog))
+
+    check(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None, None),
+          "nvrtcCreateProgram")
+    try:
+        for expr in name_expressions:
+            check(lib.nvrtcAddNameExpression(prog, expr.encode()), "nvrtcAddNameExpression")
+        opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+        status = lib.nvrtcCompileProgram(prog, len(options), opts)
+        log = _log(lib, prog)
+        if status != 0:
+            raise NvrtcError(f"{name}: compilation failed", log)
+        size = ctypes.c_size_t()
+        check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
+        cubin = ctypes.create_string_buffer(size.value)
+        check(lib.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        lowered = {}
+        for expr in name_expressions:
+            out = ctypes.c_char_p()
+            check(lib.nvrtcGetLoweredName(prog, expr.encode(), ctypes.byref(out)), "nvrtcGetLoweredName")
+            lowered[expr] = out.value.decode()
+        return cubin.raw, log, lowered
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def _log(lib, prog) -> str:
+    if not prog.value:
+        return ""
+    size = ctypes.c_size_t()
+    if lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size)) != 0 or size.value <= 1:
+        return ""
+    buf = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, buf)
+    return buf.value.decode(errors="replace").strip()

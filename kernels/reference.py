@@ -1,0 +1,61 @@
+"""Reference attention in plain array operations, for NumPy or CuPy arrays.
+
+It computes in the dtype it is given: float64 inputs give the float64 reference the tests and
+benchmarks compare against; float32 inputs give the plain float32 implementation whose own error
+sets the tests' tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def array_module(x):
+    """numpy or cupy, whichever owns x (CuPy is imported only if x is not a NumPy array)."""
+    if isinstance(x, np.ndarray):
+        return np
+    import cupy
+
+    return cupy.get_array_module(x)
+
+
+def causal_mask(xp, T_q: int, T_k: int):
+    """True where query i may attend to key j. Aligned bottom-right: the last query sees every key,
+    so with T_q == T_k this is the usual lower triangle, and a query block of the newest T_q tokens
+    over a longer cache sees the whole past."""
+    i = xp.arange(T_q)[:, None]
+    j = xp.arange(T_k)[None, :]
+    return j <= i + (T_k - T_q)
+
+
+def reference_attention(q, k, v, *, causal: bool = True, scale: float | None = None):
+    """softmax(scale * Q K^T + mask) V over (B, NH, T, d) arrays; returns the input's array type.
+
+    Rows with no visible key (only possible when T_q > T_k) are zero. NaN and Inf in the inputs
+    propagate to the outputs they touch: nothing is masked silently."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not hasattr(x, "ndim") or x.ndim != 4:
+            raise ValueError(f"{name} must be a 4-d array (B, NH, T, d), got {getattr(x, 'shape', type(x))}")
+    xp = array_module(q)
+    if array_module(k) is not xp or array_module(v) is not xp:
+        raise TypeError("q, k and v must all be NumPy arrays or all CuPy arrays")
+    if q.shape[:2] != k.shape[:2] or k.shape != v.shape or q.shape[3] != k.shape[3]:
+        raise ValueError(f"shapes disagree: q {q.shape}, k {k.shape}, v {v.shape}")
+    dtype = np.result_type(q.dtype, k.dtype, v.dtype)
+    if dtype not in (np.float32, np.float64):
+        dtype = np.dtype(np.float32)
+    q, k, v = (x.astype(dtype, copy=False) for x in (q, k, v))
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    S = (q @ k.swapaxes(-1, -2)) * dtype.type(scale)  # (B, NH, T_q, T_k)
+    if causal:
+        visible = causal_mask(xp, q.shape[2], k.shape[2])
+        S = xp.where(visible, S, -xp.inf)
+    m = S.max(axis=-1, keepdims=True)
+    m = xp.where(xp.isneginf(m), 0, m)  # a row with no visible key: exp(-inf) = 0 everywhere
+    P = xp.exp(S - m)
+    l = P.sum(axis=-1, keepdims=True)
+    O = (P @ v) / xp.where(l == 0, 1, l)
+    return O.astype(dtype, copy=False)

@@ -1,0 +1,326 @@
+"""One launcher for every rung: validate, pick a configuration, compile through CuPy, launch.
+
+Compilation goes through `cupy.RawModule(code=..., options=..., name_expressions=[...])` and CuPy's
+disk cache; the compiled text has every local include inlined (see ladder.assemble), so an edited
+.cu or helper is always recompiled. `resources()` compiles through NVRTC directly, so it also works
+without a GPU for a named architecture.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from . import ladder, nvrtc
+
+COMMON_OPTIONS = ("-ftz=true",)  # CuPy adds -ftz=true to every compile; the NVRTC path matches it
+MAX_GRID_YZ = 65535
+
+compile_seconds = 0.0  # total time spent compiling in this process (lab.py reports it apart)
+
+
+class KernelCompileError(RuntimeError):
+    """A rung failed to compile; the message names the .cu file and line with NVRTC's log."""
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError as exc:  # pragma: no cover - depends on the machine
+        raise RuntimeError("CuPy is not installed: pip install -e '.[cuda12]' (or '.[cuda13]')") from exc
+    return cupy
+
+
+def gpu_available() -> bool:
+    try:
+        cupy = _cupy()
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+@dataclass(frozen=True)
+class DeviceLimits:
+    name: str
+    arch: str  # "sm_90"
+    sm_count: int
+    max_threads_per_block: int
+    max_shared_per_block: int  # opt-in limit for dynamic shared memory
+
+    @staticmethod
+    def current() -> "DeviceLimits":
+        cupy = _cupy()
+        dev = cupy.cuda.Device()
+        attrs = dev.attributes
+        props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+        return DeviceLimits(
+            name=props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"]),
+            arch=f"sm_{dev.compute_capability}",
+            sm_count=attrs["MultiProcessorCount"],
+            max_threads_per_block=attrs["MaxThreadsPerBlock"],
+            max_shared_per_block=attrs["MaxSharedMemoryPerBlockOptin"],
+        )
+
+
+_limits: dict[int, DeviceLimits] = {}
+
+
+def device_limits() -> DeviceLimits:
+    dev = _cupy().cuda.runtime.getDevice()
+    if dev not in _limits:
+        _limits[dev] = DeviceLimits.current()
+    return _limits[dev]
+
+
+class Instance:
+    """One rung compiled for one configuration on the current device."""
+
+    def __init__(self, rung: ladder.Rung, config: tuple[int, ...]):
+        global compile_seconds
+        cupy = _cupy()
+        self.rung, self.config = rung, config
+        self.block = rung.block(config)
+        self.smem = rung.shared_bytes(config)
+        self.workspace_per_row = rung.workspace_per_row(config)
+        self.B_r = rung.params(config).get("B_r", 1)
+        expr = rung.name_expression(config)
+        start = time.perf_counter()
+        try:
+            module = cupy.RawModule(code=rung.source, options=rung.options, name_expressions=[expr])
+            self.function = module.get_function(expr)
+        except cupy.cuda.compiler.CompileException as exc:
+            raise KernelCompileError(f"{rung.path}: {expr} failed to compile:\n{_log_of(exc)}") from None
+        finally:
+            compile_seconds += time.perf_counter() - start
+        self._fit(device_limits())
+
+    def _fit(self, limits: DeviceLimits):
+        threads = math.prod(self.block)
+        cap = min(limits.max_threads_per_block, self.function.max_threads_per_block)
+        static = self.function.shared_size_bytes
+        where = f"kernel {self.rung.name} config {self.describe()}"
+        if threads > cap:
+            raise ValueError(f"{where}: {threads} threads per block, but {limits.name} allows {cap} for it")
+        if self.smem + static > limits.max_shared_per_block:
+            raise ValueError(
+                f"{where}: needs {self.smem + static} bytes of shared memory per block, "
+                f"{limits.name} has {limits.max_shared_per_block}"
+            )
+        if self.smem > 48 * 1024:  # beyond the default, the kernel must opt in
+            self.function.max_dynamic_shared_size_bytes = self.smem
+
+    def describe(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.rung.params(self.config).items())
+
+    def blocks_per_sm(self) -> int:
+        driver = _cupy().cuda.driver
+        return driver.occupancyMaxActiveBlocksPerMultiprocessor(self.function.ptr, math.prod(self.block), self.smem)
+
+    def launch(self, q, k, v, out, workspace, scale: float):
+        cupy = _cupy()
+        B, NH, T, _ = q.shape
+        item = q.itemsize
+        q_strides = [np.int64(s // item) for s in q.strides[:3]]
+        kv_strides = [np.int64(s // item) for s in k.strides[:3]]
+        grid = ((T + self.B_r - 1) // self.B_r, NH, B)
+        self.function(
+            grid, self.block,
+            (q, k, v, out, workspace, np.int32(T), np.float32(scale), *q_strides, *kv_strides),
+            shared_mem=self.smem,
+        )
+        del cupy
+
+
+def _log_of(exc) -> str:
+    text = exc.get_message() if hasattr(exc, "get_message") else str(exc)
+    return text.strip()
+
+
+_instances: dict[tuple, Instance] = {}
+
+
+def instance(kernel, d_head: int, config=None) -> Instance:
+    """The compiled rung for head size d_head: `config` if given, else the first declared
+    configuration for d_head that fits this device (rungs declare them in order of preference)."""
+    rung = ladder.load(kernel)
+    dev = _cupy().cuda.runtime.getDevice()
+    if config is not None:
+        candidates = [_as_config(rung, config)]
+        if candidates[0][0] != d_head:
+            raise ValueError(f"config {config} has d_head={candidates[0][0]} but the inputs have d={d_head}")
+    else:
+        candidates = [c for c in rung.configs if c[0] == d_head]
+        if not candidates:
+            sizes = ", ".join(map(str, rung.head_sizes()))
+            raise ValueError(f"kernel {rung.name} supports head sizes {sizes}; got d={d_head}")
+    errors = []
+    for c in candidates:
+        key = (dev, rung.path, rung.source, rung.options, c)
+        if key not in _instances:
+            try:
+                _instances[key] = Instance(rung, c)
+            except ValueError as exc:
+                errors.append(str(exc))
+                continue
+        return _instances[key]
+    raise ValueError("no configuration fits this device:\n  " + "\n  ".join(errors))
+
+
+def _as_config(rung: ladder.Rung, config) -> tuple[int, ...]:
+    if isinstance(config, dict):
+        unknown = set(config) - set(rung.template)
+        if unknown or len(config) != len(rung.template):
+            raise ValueError(f"config {config} must give exactly {', '.join(rung.template)}")
+        config = [config[name] for name in rung.template]
+    if isinstance(config, str):
+        config = [int(v) for v in re.split(r"[,x ]+", config.strip()) if v]
+    config = tuple(int(v) for v in config)
+    if len(config) != len(rung.template) or min(config) <= 0:
+        raise ValueError(f"config {config} must be {len(rung.template)} positive integers: {', '.join(rung.template)}")
+    return config
+
+
+def validate(q, k, v, rung: ladder.Rung, causal: bool, scale):
+    cupy = _cupy()
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if isinstance(x, np.ndarray):
+            raise TypeError(
+                f"{name} is a NumPy array; kernel {rung.name} runs on the GPU and needs a CuPy array "
+                "(cupy.asarray(x)), or use kernels.reference_attention for NumPy"
+            )
+        if not isinstance(x, cupy.ndarray):
+            raise TypeError(f"{name} must be a CuPy array, got {type(x).__name__}")
+        if x.dtype != np.float32:
+            raise TypeError(f"{name} has dtype {x.dtype}; kernel {rung.name} supports float32")
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have 4 dimensions (B, NH, T, d), got shape {x.shape}")
+        if x.strides[3] != x.itemsize:
+            raise ValueError(f"{name}'s last dimension must have unit stride; its strides are {x.strides} bytes")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on device {x.device.id}, q on device {q.device.id}")
+    if not (q.shape == k.shape == v.shape):
+        raise ValueError(f"q, k and v must have the same shape (B, NH, T, d); got {q.shape}, {k.shape}, {v.shape}")
+    B, NH, T, d = q.shape
+    if B == 0 or NH == 0 or T == 0 or d == 0:
+        raise ValueError(f"empty input: shape {q.shape} (B, NH, T and d must all be at least 1)")
+    if B > MAX_GRID_YZ or NH > MAX_GRID_YZ:
+        raise ValueError(f"B and NH must each be at most {MAX_GRID_YZ}; got B={B}, NH={NH}")
+    if d not in rung.head_sizes():
+        sizes = ", ".join(map(str, rung.head_sizes()))
+        raise ValueError(f"kernel {rung.name} supports head sizes {sizes}; got d={d}")
+    if not causal:
+        raise ValueError(f"kernel {rung.name} supports causal attention only (causal=True)")
+    if scale is not None and not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number, got {scale}")
+
+
+def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, out=None):
+    """Validate and compile once; return a function that launches the rung (for timing loops)."""
+    cupy = _cupy()
+    rung = ladder.load(kernel)
+    validate(q, k, v, rung, causal, scale)
+    B, NH, T, d = q.shape
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    inst = instance(rung.path, d, config)
+    if not rung.strided:
+        q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))
+    elif k.strides != v.strides:
+        k, v = cupy.ascontiguousarray(k), cupy.ascontiguousarray(v)  # the kernel reads K and V through one set of strides
+    if out is None:
+        out = cupy.empty((B, NH, T, d), dtype=np.float32)
+    elif not (isinstance(out, cupy.ndarray) and out.dtype == np.float32 and out.shape == (B, NH, T, d)
+              and out.flags.c_contiguous):
+        raise ValueError(f"out must be a C-contiguous float32 CuPy array of shape {(B, NH, T, d)}")
+    workspace = cupy.empty(max(1, B * NH * T * inst.workspace_per_row), dtype=np.float32)
+
+    def run():
+        inst.launch(q, k, v, out, workspace, scale)
+        return out
+
+    return run
+
+
+def attention(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, out=None):
+    """Causal attention of (B, NH, T, d) float32 CuPy arrays with the named rung; a new contiguous
+    (B, NH, T, d) array (or `out`, filled). `scale` defaults to 1/sqrt(d)."""
+    return prepare(q, k, v, kernel=kernel, causal=causal, scale=scale, config=config, out=out)()
+
+
+@dataclass
+class Resources:
+    kernel: str
+    config: dict
+    arch: str
+    threads: int
+    registers: int
+    static_smem: int
+    dynamic_smem: int
+    stack_bytes: int
+    spill_stores: int
+    spill_loads: int
+    blocks_per_sm: int | None = None  # needs the device; None when compiled for a named arch only
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+_PTXAS = {
+    "stack_bytes": re.compile(r"(\d+) bytes stack frame"),
+    "spill_stores": re.compile(r"(\d+) bytes spill stores"),
+    "spill_loads": re.compile(r"(\d+) bytes spill loads"),
+    "registers": re.compile(r"Used (\d+) registers"),
+    "static_smem": re.compile(r"(\d+) bytes smem"),
+}
+
+
+def compile_report(kernel, arch: str, configs=None) -> list[Resources]:
+    """Compile every declared configuration (or `configs`) with NVRTC for `arch`, no GPU needed,
+    and read ptxas's report: registers, static shared memory, stack and spill bytes."""
+    rung = ladder.load(kernel)
+    configs = [_as_config(rung, c) for c in configs] if configs else list(rung.configs)
+    exprs = [rung.name_expression(c) for c in configs]
+    options = [f"-arch={arch}", "-Xptxas=-v", *COMMON_OPTIONS, *rung.options]
+    try:
+        _, log, lowered = nvrtc.compile_cubin(rung.source, str(rung.path), options, exprs)
+    except nvrtc.NvrtcError as exc:
+        raise KernelCompileError(f"{rung.path}: failed to compile for {arch}:\n{exc.log}") from None
+    sections = _split_ptxas_log(log)
+    reports = []
+    for c, expr in zip(configs, exprs):
+        text = sections.get(lowered[expr], "")
+        values = {k: int(m.group(1)) if (m := rx.search(text)) else 0 for k, rx in _PTXAS.items()}
+        reports.append(Resources(kernel=rung.name, config=rung.params(c), arch=arch,
+                                 threads=math.prod(rung.block(c)), dynamic_smem=rung.shared_bytes(c), **values))
+    return reports
+
+
+def _split_ptxas_log(log: str) -> dict[str, str]:
+    """ptxas -v output, split per entry function (keyed by mangled name)."""
+    sections, current = {}, None
+    for line in log.splitlines():
+        m = re.search(r"(?:Compiling entry function|Function properties for) '?(\w+)'?", line)
+        if m:
+            current = m.group(1)
+        if current:
+            sections[current] = sections.get(current, "") + line + "\n"
+    return sections
+
+
+def resources(kernel, arch: str | None = None) -> list[Resources]:
+    """The resource report of every declared configuration. With a GPU and no `arch`, compiled for
+    the device and with resident blocks per SM; otherwise for `arch` (default sm_90) through NVRTC."""
+    on_device = arch is None and gpu_available()
+    arch = device_limits().arch if on_device else (arch or "sm_90")
+    reports = compile_report(kernel, arch)
+    if on_device:
+        for r in reports:
+            try:
+                inst = instance(kernel, r.config["d_head"], tuple(r.config.values()))
+                r.blocks_per_sm = inst.blocks_per_sm()
+            except ValueError:
+                r.blocks_per_sm = 0  # does not fit this device
+    return reports

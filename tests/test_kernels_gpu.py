@@ -1,0 +1,159 @@
+"""Every rung against the float64 reference on the GPU.
+
+Tolerance: a rung's largest error against float64 may be at most TOLERANCE_FACTOR times the
+largest error of the plain float32 implementation (kernels.reference_attention in float32) on the
+same inputs, with that error floored at float32 epsilon times the output's largest magnitude so
+that a lucky exact plain result does not demand bit-exactness.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+import kernels
+
+pytestmark = pytest.mark.gpu
+
+TOLERANCE_FACTOR = 8.0
+LENGTHS = [1, 17, 64, 97, 257, 512, 1000, 1024]
+RUNGS = kernels.names()
+
+
+def rung_head_sizes(name):
+    return kernels.load(name).head_sizes()
+
+
+CASES = [(name, d) for name in RUNGS for d in rung_head_sizes(name)]
+
+
+def random_qkv(cp, B, NH, T, d, *, magnitude=1.0, packed=False, seed=None):
+    rng = cp.random.default_rng(seed)
+    if packed:  # views of one (B, T, 3, NH, d) projection, as the model makes them
+        qkv = rng.standard_normal((B, T, 3, NH, d), dtype=cp.float32) * magnitude
+        return tuple(qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+    return tuple(rng.standard_normal((B, NH, T, d), dtype=cp.float32) * magnitude for _ in range(3))
+
+
+def check_against_reference(q, k, v, name, scale=None):
+    import cupy as cp
+
+    B, NH, T, d = q.shape
+    out = cp.full((B, NH, T, d), cp.nan, dtype=cp.float32)  # poison: unwritten elements fail
+    got = kernels.attention(q, k, v, kernel=name, scale=scale, out=out)
+    assert got is out
+    ref64 = kernels.reference_attention(*(x.astype(cp.float64) for x in (q, k, v)), scale=scale)
+    plain32 = kernels.reference_attention(q, k, v, scale=scale)
+    err = float(cp.abs(got - ref64).max())
+    plain = float(cp.abs(plain32 - ref64).max())
+    floor = np.finfo(np.float32).eps * float(cp.abs(ref64).max())
+    bound = TOLERANCE_FACTOR * max(plain, floor)
+    assert not math.isnan(err), f"{name}: NaN in output ({int(cp.isnan(got).sum())} elements unwritten or NaN)"
+    mean = float(cp.abs(got - ref64).mean())
+    assert err <= bound, f"{name} {q.shape}: max error {err:.3e} (mean {mean:.3e}) > {bound:.3e} (plain fp32 {plain:.3e})"
+
+
+@pytest.mark.parametrize("name,d", CASES)
+@pytest.mark.parametrize("T", LENGTHS)
+@pytest.mark.parametrize("B,NH", [(1, 1), (3, 12)] + [(1, 12), (3, 1)])
+def test_rung_matches_reference(name, d, T, B, NH):
+    import cupy as cp
+
+    check_against_reference(*random_qkv(cp, B, NH, T, d), name)
+
+
+@pytest.mark.parametrize("name,d", CASES)
+@pytest.mark.parametrize("T", [97, 512])
+def test_rung_strided_views_of_packed_qkv(name, d, T):
+    import cupy as cp
+
+    q, k, v = random_qkv(cp, 2, 3, T, d, packed=True)
+    assert not q.flags.c_contiguous
+    check_against_reference(q, k, v, name)
+
+
+@pytest.mark.parametrize("name,d", CASES)
+@pytest.mark.parametrize("magnitude", [8.0, 30.0])
+def test_rung_large_scores(name, d, magnitude):
+    """Scores in the hundreds: the online softmax must rescale, not overflow."""
+    import cupy as cp
+
+    check_against_reference(*random_qkv(cp, 1, 2, 300, d, magnitude=magnitude), name)
+
+
+@pytest.mark.parametrize("name", RUNGS)
+def test_rung_custom_scale(name):
+    import cupy as cp
+
+    check_against_reference(*random_qkv(cp, 1, 2, 130, 64), name, scale=0.5)
+
+
+@pytest.mark.parametrize("name", RUNGS)
+def test_rung_every_declared_config(name):
+    import cupy as cp
+
+    rung = kernels.load(name)
+    limits = kernels.device_limits()
+    for config in rung.configs:
+        if rung.shared_bytes(config) > limits.max_shared_per_block:
+            continue
+        q, k, v = random_qkv(cp, 2, 2, 201, config[0])
+        out = cp.full(q.shape, cp.nan, dtype=cp.float32)
+        got = kernels.attention(q, k, v, kernel=name, config=config, out=out)
+        ref = kernels.reference_attention(*(x.astype(cp.float64) for x in (q, k, v)))
+        plain = float(cp.abs(kernels.reference_attention(q, k, v) - ref).max())
+        err = float(cp.abs(got - ref).max())
+        assert err <= TOLERANCE_FACTOR * max(plain, 1e-6), f"{name} config {config}: {err:.3e}"
+
+
+@pytest.mark.parametrize("name", RUNGS)
+def test_resource_report_on_device(name):
+    for r in kernels.resources(name):
+        assert r.registers > 0
+        assert r.blocks_per_sm is not None
+        assert r.spill_stores == 0 and r.spill_loads == 0
+
+
+def test_large_shared_memory_opt_in():
+    """v01 at B_r = B_c = 64, d = 64 needs 64 KiB of dynamic shared memory: more than the default."""
+    import cupy as cp
+
+    inst = kernels.instance("v01", 64, (64, 64, 64))
+    assert inst.smem > 48 * 1024
+    check_against_reference(*random_qkv(cp, 1, 1, 200, 64), "v01")
+
+
+def test_numpy_input_to_gpu_rung_is_rejected():
+    x = np.ones((1, 1, 4, 64), np.float32)
+    with pytest.raises(TypeError, match="NumPy"):
+        kernels.attention(x, x, x, kernel="v01")
+
+
+def test_wrong_dtype_and_shapes_on_gpu():
+    import cupy as cp
+
+    x = cp.ones((1, 1, 4, 64), cp.float64)
+    with pytest.raises(TypeError, match="float64"):
+        kernels.attention(x, x, x, kernel="v01")
+    y = cp.ones((1, 1, 4, 64), cp.float32)
+    with pytest.raises(ValueError, match="same shape"):
+        kernels.attention(y, y, cp.ones((1, 1, 5, 64), cp.float32), kernel="v01")
+    with pytest.raises(ValueError, match="head sizes"):
+        z = cp.ones((1, 1, 4, 80), cp.float32)
+        kernels.attention(z, z, z, kernel="v01")
+    with pytest.raises(ValueError, match="unit stride"):
+        w = cp.ones((1, 1, 4, 128), cp.float32)[..., ::2]
+        kernels.attention(w, w, w, kernel="v01")
+    with pytest.raises(ValueError, match="empty"):
+        e = cp.ones((1, 1, 0, 64), cp.float32)
+        kernels.attention(e, e, e, kernel="v01")
+    with pytest.raises(ValueError, match="causal"):
+        kernels.attention(y, y, y, kernel="v01", causal=False)
+
+
+def test_impossible_config_names_kernel_and_config():
+    import cupy as cp
+
+    x = cp.ones((1, 1, 4, 64), cp.float32)
+    with pytest.raises(ValueError, match=r"v01_naive.*B_r=64, B_c=128|threads"):
+        kernels.attention(x, x, x, kernel="v01", config=(64, 64, 128))
