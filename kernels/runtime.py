@@ -118,10 +118,9 @@ class Instance:
 
     def blocks_per_sm(self) -> int:
         driver = _cupy().cuda.driver
-        return driver.occupancyMaxActiveBlocksPerMultiprocessor(self.function.ptr, math.prod(self.block), self.smem)
+        return driver.occupancyMaxActiveBlocksPerMultiprocessor(self.function.kernel.ptr, math.prod(self.block), self.smem)
 
     def launch(self, q, k, v, out, workspace, scale: float):
-        cupy = _cupy()
         B, NH, T, _ = q.shape
         item = q.itemsize
         q_strides = [np.int64(s // item) for s in q.strides[:3]]
@@ -132,7 +131,6 @@ class Instance:
             (q, k, v, out, workspace, np.int32(T), np.float32(scale), *q_strides, *kv_strides),
             shared_mem=self.smem,
         )
-        del cupy
 
 
 def _log_of(exc) -> str:
