@@ -32,6 +32,10 @@ def library() -> ctypes.CDLL:
         errors = []
         for path in _candidates():
             try:
+                # libnvrtc dlopens its builtins by name; load them from beside it first
+                for builtins in sorted(glob.glob(os.path.join(os.path.dirname(path), "libnvrtc-builtins.so.*"))):
+                    if ".alt." not in builtins:
+                        ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
                 _lib = ctypes.CDLL(path)
                 break
             except OSError as exc:

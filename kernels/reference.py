@@ -33,8 +33,8 @@ def causal_mask(xp, T_q: int, T_k: int):
 def reference_attention(q, k, v, *, causal: bool = True, scale: float | None = None):
     """softmax(scale * Q K^T + mask) V over (B, NH, T, d) arrays; returns the input's array type.
 
-    Rows with no visible key (only possible when T_q > T_k) are zero. NaN and Inf in the inputs
-    propagate to the outputs they touch: nothing is masked silently."""
+    Rows with no visible key (only possible when T_q > T_k) are zero. A NaN or Inf reaches exactly
+    the rows that can see it: in Q or K through the scores, in V as NaN in the columns it holds."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "ndim") or x.ndim != 4:
             raise ValueError(f"{name} must be a 4-d array (B, NH, T, d), got {getattr(x, 'shape', type(x))}")
@@ -57,5 +57,13 @@ def reference_attention(q, k, v, *, causal: bool = True, scale: float | None = N
     m = xp.where(xp.isneginf(m), 0, m)  # a row with no visible key: exp(-inf) = 0 everywhere
     P = xp.exp(S - m)
     l = P.sum(axis=-1, keepdims=True)
-    O = (P @ v) / xp.where(l == 0, 1, l)
+    finite = xp.isfinite(v)
+    if not bool(finite.all()):
+        # P @ v would spread 0 * NaN from a masked key into rows that cannot see it: take the
+        # finite values through the product, then mark exactly the rows that see a bad value.
+        sees = (S > -xp.inf).astype(dtype) if causal else xp.ones_like(S)
+        bad = (sees @ (~finite).astype(dtype)) > 0
+        O = xp.where(bad, xp.nan, (P @ xp.where(finite, v, 0)) / xp.where(l == 0, 1, l))
+    else:
+        O = (P @ v) / xp.where(l == 0, 1, l)
     return O.astype(dtype, copy=False)

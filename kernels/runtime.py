@@ -183,6 +183,7 @@ def _as_config(rung: ladder.Rung, config) -> tuple[int, ...]:
 
 
 def validate(q, k, v, rung: ladder.Rung, causal: bool, scale):
+    """Raise a clear TypeError or ValueError for anything the rung cannot run."""
     cupy = _cupy()
     for name, x in (("q", q), ("k", k), ("v", v)):
         if isinstance(x, np.ndarray):
@@ -192,19 +193,26 @@ def validate(q, k, v, rung: ladder.Rung, causal: bool, scale):
             )
         if not isinstance(x, cupy.ndarray):
             raise TypeError(f"{name} must be a CuPy array, got {type(x).__name__}")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on device {x.device.id}, q on device {q.device.id}")
+    check_layout(q, k, v, rung, causal, scale)
+
+
+def check_layout(q, k, v, rung: ladder.Rung, causal: bool, scale):
+    """The checks that need only shapes, dtypes and strides (so they run on NumPy arrays too)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dtype != np.float32:
             raise TypeError(f"{name} has dtype {x.dtype}; kernel {rung.name} supports float32")
         if x.ndim != 4:
             raise ValueError(f"{name} must have 4 dimensions (B, NH, T, d), got shape {x.shape}")
-        if x.strides[3] != x.itemsize:
-            raise ValueError(f"{name}'s last dimension must have unit stride; its strides are {x.strides} bytes")
-        if x.device != q.device:
-            raise ValueError(f"{name} is on device {x.device.id}, q on device {q.device.id}")
     if not (q.shape == k.shape == v.shape):
         raise ValueError(f"q, k and v must have the same shape (B, NH, T, d); got {q.shape}, {k.shape}, {v.shape}")
     B, NH, T, d = q.shape
     if B == 0 or NH == 0 or T == 0 or d == 0:
         raise ValueError(f"empty input: shape {q.shape} (B, NH, T and d must all be at least 1)")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.strides[3] != x.itemsize:
+            raise ValueError(f"{name}'s last dimension must have unit stride; its strides are {x.strides} bytes")
     if B > MAX_GRID_YZ or NH > MAX_GRID_YZ:
         raise ValueError(f"B and NH must each be at most {MAX_GRID_YZ}; got B={B}, NH={NH}")
     if d not in rung.head_sizes():

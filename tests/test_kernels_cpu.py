@@ -1,0 +1,292 @@
+"""What can be checked without a GPU: discovery, declarations, compilation with NVRTC for sm_80
+and sm_90 (registers and spills), the reference against a direct formula, and input validation."""
+
+import itertools
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kernels
+from kernels import ladder, runtime
+
+ARCHES = ["sm_80", "sm_90"]
+
+
+# -- discovery and names -------------------------------------------------------------------------
+
+
+def test_rungs_are_discovered_in_ladder_order():
+    names = kernels.names()
+    assert names[:2] == ["v01_naive", "v02_pad_k"]
+    numbers = [int(re.match(r"v(\d+)_", n).group(1)) for n in names]
+    assert numbers == sorted(numbers) and len(set(numbers)) == len(numbers)
+    for n in names:
+        assert re.fullmatch(r"v\d{2}_[a-z0-9_]+", n), f"{n}: rung files are vNN_<change>.cu"
+
+
+@pytest.mark.parametrize("name", kernels.names())
+def test_every_spelling_resolves_to_the_same_rung(name):
+    number = int(name[1:3])
+    path = kernels.resolve(name)
+    assert kernels.resolve(f"v{number}") == path
+    assert kernels.resolve(f"v{number:02d}") == path
+    assert kernels.resolve(str(path)) == path
+
+
+def test_unknown_kernel_lists_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown kernel 'v99'.*v01_naive.*v02_pad_k"):
+        kernels.resolve("v99")
+    with pytest.raises(ValueError, match="unknown kernel"):
+        kernels.resolve("v01_wrong_change")
+    with pytest.raises(ValueError, match="does not exist"):
+        kernels.resolve("/no/such/file.cu")
+
+
+# -- declarations --------------------------------------------------------------------------------
+
+MINIMAL = """\
+/*
+ * lab.template   d_head, B_r, B_c
+ * lab.configs    (64, 32, 32), (32, 16, 16)
+ * lab.threads    B_c, 16
+ * lab.smem       4 * (B_r + 2 * B_c) * d_head
+ * lab.workspace  2
+ */
+template <int d_head, int B_r, int B_c>
+__global__ void attention_forward(const float* Q, const float* K, const float* V, float* O,
+                                  float* workspace, int T, float scale,
+                                  long long a, long long b, long long c, long long d, long long e, long long f)
+{
+    if (threadIdx.x < d_head) O[threadIdx.x] = Q[threadIdx.x] * scale;
+}
+"""
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_declarations_are_parsed(tmp_path):
+    rung = kernels.load(write(tmp_path, "mine.cu", MINIMAL))
+    assert rung.name == "mine"
+    assert rung.template == ("d_head", "B_r", "B_c")
+    assert rung.configs == ((64, 32, 32), (32, 16, 16))
+    assert rung.head_sizes() == [32, 64]
+    assert rung.block((64, 32, 32)) == (32, 16, 1)
+    assert rung.shared_bytes((64, 32, 32)) == 4 * 96 * 64
+    assert rung.workspace_per_row((64, 32, 32)) == 2
+    assert rung.name_expression((64, 32, 32)) == "attention_forward<64, 32, 32>"
+    assert not rung.strided and rung.options == ()
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda s: s.replace(" * lab.smem       4 * (B_r + 2 * B_c) * d_head\n", ""), "missing declaration.*lab.smem"),
+        (lambda s: s.replace("(32, 16, 16)", "(32, 16)"), "does not match lab.template"),
+        (lambda s: s.replace("B_c, 16", "B_c, __import__('os')"), "cannot evaluate"),
+        (lambda s: s.replace("lab.workspace", "lab.workspaces"), "unknown declaration lab.workspaces"),
+        (lambda s: s.replace("d_head, B_r, B_c\n", "B_r, d_head, B_c\n"), "first template parameter must be d_head"),
+    ],
+)
+def test_bad_declarations_are_clear_errors(tmp_path, edit, message):
+    with pytest.raises(ValueError, match=message):
+        kernels.load(write(tmp_path, "bad.cu", edit(MINIMAL)))
+
+
+def test_expressions_allow_only_integer_arithmetic():
+    assert ladder.evaluate("4 * (B_r + 1) // 2 + max(B_c, 3) % 5 - min(1, 2)", {"B_r": 3, "B_c": 7}) == 9
+    for bad in ("B_r ** 2", "open('x')", "B_r.real", "undefined + 1", "1 +"):
+        with pytest.raises(ValueError):
+            ladder.evaluate(bad, {"B_r": 3})
+
+
+def test_includes_are_inlined_with_line_directives(tmp_path):
+    write(tmp_path, "helper.cuh", "__device__ float twice(float x) { return 2 * x; }\n")
+    path = write(tmp_path, "user.cu", MINIMAL.replace("template <int", '#include "helper.cuh"\ntemplate <int'))
+    text = ladder.assemble(path)
+    assert "twice" in text and '#include "helper.cuh"' not in text
+    assert f'#line 1 "{tmp_path / "helper.cuh"}"' in text
+    assert re.search(rf'#line \d+ "{re.escape(str(path))}"', text)
+
+
+def test_an_edited_helper_changes_the_compiled_text(tmp_path):
+    """CuPy's disk cache hashes the text it compiles: inlining makes helper edits part of the key."""
+    helper = write(tmp_path, "helper.cuh", "__device__ float twice(float x) { return 2 * x; }\n")
+    path = write(tmp_path, "user.cu", MINIMAL.replace("template <int", '#include "helper.cuh"\ntemplate <int'))
+    before = kernels.load(path).source
+    helper.write_text("__device__ float twice(float x) { return x + x; }\n")
+    assert ladder.assemble(path) != before
+
+
+def test_include_cycle_is_an_error(tmp_path):
+    write(tmp_path, "a.cuh", '#include "b.cuh"\n')
+    write(tmp_path, "b.cuh", '#include "a.cuh"\n')
+    with pytest.raises(ValueError, match="cycle"):
+        ladder.assemble(write(tmp_path, "c.cu", '#include "a.cuh"\n'))
+
+
+# -- compilation without a GPU -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("name", kernels.names())
+def test_every_config_compiles_without_spills(name, arch):
+    rung = kernels.load(name)
+    reports = kernels.compile_report(name, arch)
+    assert [tuple(r.config.values()) for r in reports] == list(rung.configs)
+    for r in reports:
+        assert r.registers > 0, f"{name} {r.config}: no register count in the ptxas report"
+        assert r.spill_stores == 0 and r.spill_loads == 0, f"{name} {r.config} on {arch}: spills {r}"
+        assert r.stack_bytes <= rung.stack, f"{name} {r.config} on {arch}: {r.stack_bytes} B stack > {rung.stack}"
+        assert r.registers * r.threads <= 65536, f"{name} {r.config}: a block needs more registers than an SM has"
+        assert r.threads <= 1024
+
+
+def test_user_kernel_by_path_compiles(tmp_path):
+    path = write(tmp_path, "mine.cu", MINIMAL)
+    reports = kernels.compile_report(str(path), "sm_90")
+    assert len(reports) == 2 and all(r.kernel == "mine" and r.registers > 0 for r in reports)
+
+
+def test_compile_error_names_the_users_file_and_line(tmp_path):
+    broken = MINIMAL.replace("O[threadIdx.x] = Q[threadIdx.x] * scale;", "O[threadIdx.x] = undefined_name;")
+    path = write(tmp_path, "broken.cu", broken)
+    line = broken.splitlines().index(next(l for l in broken.splitlines() if "undefined_name" in l)) + 1
+    with pytest.raises(kernels.KernelCompileError) as info:
+        kernels.compile_report(str(path), "sm_90")
+    assert f"{path}({line})" in str(info.value)
+    assert "undefined_name" in str(info.value)
+
+
+def test_resources_without_gpu_use_the_named_arch():
+    if kernels.gpu_available():
+        pytest.skip("this checks the no-GPU path")
+    reports = kernels.resources("v02", arch="sm_80")
+    assert reports and all(r.arch == "sm_80" and r.blocks_per_sm is None for r in reports)
+
+
+# -- the reference -------------------------------------------------------------------------------
+
+
+def direct_attention(q, k, v, causal, scale):
+    """Softmax attention written as loops in float64: the formula, nothing clever."""
+    B, NH, Tq, d = q.shape
+    Tk = k.shape[2]
+    out = np.zeros((B, NH, Tq, d))
+    for b, h, i in itertools.product(range(B), range(NH), range(Tq)):
+        keys = [j for j in range(Tk) if not causal or j <= i + (Tk - Tq)]
+        if not keys:
+            continue
+        s = np.array([scale * float(np.dot(q[b, h, i], k[b, h, j])) for j in keys])
+        p = np.exp(s - s.max())
+        out[b, h, i] = sum(w * v[b, h, j] for w, j in zip(p / p.sum(), keys))
+    return out
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("Tq,Tk", [(1, 1), (17, 17), (5, 12), (12, 5)])
+def test_reference_matches_the_formula(causal, Tq, Tk):
+    rng = np.random.default_rng()
+    q = rng.standard_normal((2, 3, Tq, 8))
+    k, v = rng.standard_normal((2, 2, 3, Tk, 8))
+    scale = 0.3
+    got = kernels.reference_attention(q, k, v, causal=causal, scale=scale)
+    assert got.dtype == np.float64 and got.shape == q.shape
+    np.testing.assert_allclose(got, direct_attention(q, k, v, causal, scale), rtol=1e-12, atol=1e-12)
+
+
+def test_reference_default_scale_and_dtypes():
+    rng = np.random.default_rng()
+    q, k, v = rng.standard_normal((3, 1, 2, 9, 16))
+    expected = direct_attention(q, k, v, True, 1 / math.sqrt(16))
+    np.testing.assert_allclose(kernels.reference_attention(q, k, v), expected, rtol=1e-12)
+    out32 = kernels.reference_attention(*(x.astype(np.float32) for x in (q, k, v)))
+    assert out32.dtype == np.float32
+    np.testing.assert_allclose(out32, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_reference_causal_rows_ignore_future_keys():
+    rng = np.random.default_rng()
+    q, k, v = rng.standard_normal((3, 1, 1, 6, 4))
+    k2, v2 = k.copy(), v.copy()
+    k2[..., 3:, :] = 1e3 * rng.standard_normal(k2[..., 3:, :].shape)
+    v2[..., 3:, :] = rng.standard_normal(v2[..., 3:, :].shape)
+    a = kernels.reference_attention(q, k, v)
+    b = kernels.reference_attention(q, k2, v2)
+    np.testing.assert_array_equal(a[..., :3, :], b[..., :3, :])
+
+
+def test_reference_propagates_nan():
+    rng = np.random.default_rng()
+    q, k, v = rng.standard_normal((3, 1, 1, 5, 4))
+    v[0, 0, 2, 1] = np.nan
+    out = kernels.reference_attention(q, k, v)
+    assert not np.isnan(out[0, 0, :2]).any()  # rows that cannot see key 2
+    assert np.isnan(out[0, 0, 2:, 1]).all()
+
+
+def test_reference_rejects_bad_input():
+    x = np.ones((1, 1, 4, 8))
+    with pytest.raises(ValueError, match="4-d"):
+        kernels.reference_attention(x[0], x, x)
+    with pytest.raises(ValueError, match="shapes disagree"):
+        kernels.reference_attention(x, x, np.ones((1, 1, 5, 8)))
+
+
+# -- input validation (the checks that need no GPU) ----------------------------------------------
+
+
+def qkv(shape=(2, 3, 5, 64), dtype=np.float32):
+    rng = np.random.default_rng()
+    return tuple(rng.standard_normal(shape).astype(dtype) for _ in range(3))
+
+
+def check(q, k, v, kernel="v01", causal=True, scale=None):
+    runtime.check_layout(q, k, v, kernels.load(kernel), causal, scale)
+
+
+def test_valid_layouts_pass():
+    check(*qkv())
+    packed = np.zeros((2, 5, 3, 3, 64), np.float32)
+    check(*(packed[:, :, i].transpose(0, 2, 1, 3) for i in range(3)))
+
+
+@pytest.mark.parametrize(
+    "make,error,message",
+    [
+        (lambda: qkv(dtype=np.float64), TypeError, "dtype float64.*supports float32"),
+        (lambda: qkv(dtype=np.float16), TypeError, "dtype float16"),
+        (lambda: tuple(x[0] for x in qkv()), ValueError, "4 dimensions"),
+        (lambda: qkv()[:2] + (qkv((2, 3, 6, 64))[0],), ValueError, "same shape"),
+        (lambda: qkv((2, 3, 5, 80)), ValueError, r"head sizes 32, 64, 128; got d=80"),
+        (lambda: qkv((2, 3, 0, 64)), ValueError, "empty input"),
+        (lambda: tuple(x[..., ::2] for x in qkv((2, 3, 5, 128))), ValueError, "unit stride"),
+        (lambda: qkv((1, 65536, 1, 64)), ValueError, "at most 65535"),
+    ],
+)
+def test_bad_layouts_are_clear_errors(make, error, message):
+    with pytest.raises(error, match=message):
+        check(*make())
+
+
+def test_non_causal_and_bad_scale_are_rejected():
+    with pytest.raises(ValueError, match="causal attention only"):
+        check(*qkv(), causal=False)
+    with pytest.raises(ValueError, match="finite"):
+        check(*qkv(), scale=float("nan"))
+
+
+def test_numpy_arrays_are_refused_by_gpu_rungs():
+    with pytest.raises(TypeError, match="NumPy array.*CuPy"):
+        kernels.attention(*qkv(), kernel="v02")
+
+
+def test_unknown_kernel_in_attention():
+    with pytest.raises(ValueError, match="known kernels are v01_naive"):
+        kernels.attention(*qkv(), kernel="v00")
