@@ -1,0 +1,100 @@
+"""Autoregressive generation, in the two modes the lab compares.
+
+- no KV cache (the seed's setup): every step runs the whole sequence so far through the model,
+  so the attention under test runs on every token, at every length up to prompt + new tokens;
+- KV cache: one prefill of the prompt with the attention under test, then one token per step,
+  each a single query over the cached keys (`decode_attend`, the reference until a decode rung
+  exists).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .config import GPT2Config
+from .errors import LabError
+from .model import KVCache, array_module, forward
+
+
+def reference_attend(q, k, v):
+    """kernels.reference_attention in the array type it is given (causal, aligned bottom-right)."""
+    from kernels import reference_attention
+
+    return reference_attention(q, k, v, causal=True)
+
+
+class Sampler:
+    """Greedy when temperature is 0; otherwise softmax(logits / temperature) over the top_k
+    largest logits (all if top_k is None), drawn from a NumPy generator seeded with `seed`."""
+
+    def __init__(self, temperature: float = 0.0, top_k: int | None = None, seed: int | None = 0):
+        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+            raise LabError(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
+        if top_k is not None and top_k < 1:
+            raise LabError(f"top-k must be at least 1, got {top_k}")
+        if top_k is not None and temperature == 0:
+            raise LabError("top-k needs a temperature > 0 (temperature 0 is greedy)")
+        self.temperature, self.top_k = float(temperature), top_k
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, logits) -> int:
+        """The next token from one position's logits (vocab,), a NumPy or CuPy array."""
+        if self.temperature == 0:
+            return int(logits.argmax())
+        z = (logits.get() if hasattr(logits, "get") else np.asarray(logits)).astype(np.float64)
+        z /= self.temperature
+        if self.top_k is not None and self.top_k < z.size:
+            kth = np.partition(z, -self.top_k)[-self.top_k]
+            z[z < kth] = -np.inf
+        p = np.exp(z - z.max())
+        return int(self.rng.choice(z.size, p=p / p.sum()))
+
+
+@dataclass
+class Generation:
+    tokens: list[int]  # the new tokens, the end-of-text one included when generation stopped at it
+    stopped_at_eos: bool = False
+    logits: list = field(default_factory=list)  # each step's last-position logits (vocab,), if recorded
+
+
+def generate(params: dict, config: GPT2Config, prompt: list[int], n_new: int, *, attend,
+             kv_cache: bool = False, decode_attend=reference_attend, sampler: Sampler | None = None,
+             eos_id: int | None = None, on_token=None, record_logits: bool = False) -> Generation:
+    """n_new tokens after `prompt` (one sequence); on_token(token) is called as each is chosen.
+    Stops early after `eos_id` if it is given."""
+    if not prompt:
+        raise LabError("the prompt must have at least one token")
+    if n_new < 1:
+        raise LabError(f"the number of new tokens must be at least 1, got {n_new}")
+    if len(prompt) + n_new > config.n_positions:
+        raise LabError(f"{len(prompt)} prompt tokens + {n_new} new tokens = {len(prompt) + n_new} positions, "
+                       f"but the model has {config.n_positions}")
+    if max(prompt) >= config.vocab_size or min(prompt) < 0:
+        raise LabError(f"token id {max(prompt)} is outside the model's vocabulary of {config.vocab_size}")
+    xp = array_module(params["wte.weight"])
+    sampler = sampler or Sampler()
+    ids = list(prompt)
+    out = Generation(tokens=[])
+    cache = KVCache(config, 1, len(prompt) + n_new - 1, xp) if kv_cache else None
+    for step in range(n_new):
+        if cache is None:  # the whole sequence, every step
+            logits = forward(params, config, xp.asarray([ids]), attend, last_only=True)  # (1, 1, vocab)
+        elif step == 0:  # prefill: the prompt through the attention under test
+            logits = forward(params, config, xp.asarray([ids]), attend, cache=cache, last_only=True)
+        else:  # decode: the newest token's query over every cached key
+            logits = forward(params, config, xp.asarray([ids[-1:]]), decode_attend, cache=cache, last_only=True)
+        row = logits[0, -1]  # (vocab,)
+        if record_logits:
+            out.logits.append(row)
+        token = sampler(row)
+        ids.append(token)
+        out.tokens.append(token)
+        if on_token is not None:
+            on_token(token)
+        if eos_id is not None and token == eos_id:
+            out.stopped_at_eos = True
+            break
+    return out

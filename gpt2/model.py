@@ -1,0 +1,110 @@
+"""GPT-2's forward pass in array code: NumPy or CuPy (`xp`), float32, attention passed in.
+
+    logits = forward(params, config, idx, attend)          idx (B, T) token ids -> (B, T, vocab)
+
+`params` maps checkpoint-native names (`wte.weight`, `h.0.attn.c_attn.weight`, ...) to arrays, as
+gpt2.load makes them; the Conv1D weights are (in, out), so a projection is `x @ weight + bias`.
+`attend(q, k, v) -> o` is causal attention over (B, NH, T, hs) arrays: any kernel rung, or
+kernels.reference_attention. With a KVCache, k and v span the whole past (T_k >= T_q) and the
+causal mask is aligned bottom-right, as reference_attention does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .config import GPT2Config
+
+GELU_C = math.sqrt(2.0 / math.pi)
+
+
+def array_module(x):
+    """numpy or cupy, whichever owns x."""
+    if isinstance(x, np.ndarray):
+        return np
+    import cupy
+
+    return cupy.get_array_module(x)
+
+
+def gelu(x):
+    """GPT-2's tanh approximation of GELU (transformers' gelu_new)."""
+    xp = array_module(x)
+    return 0.5 * x * (1.0 + xp.tanh(GELU_C * (x + 0.044715 * (x * x * x))))
+
+
+def layer_norm(x, w, name: str, eps: float):
+    mean = x.mean(axis=-1, keepdims=True)  # (B, T, 1)
+    xc = x - mean
+    var = (xc * xc).mean(axis=-1, keepdims=True)  # (B, T, 1), biased like torch's LayerNorm
+    return xc * (var + eps) ** -0.5 * w[name + ".weight"] + w[name + ".bias"]
+
+
+def linear(x, w, name: str):
+    return x @ w[name + ".weight"] + w[name + ".bias"]  # Conv1D: weight stored (in, out)
+
+
+class KVCache:
+    """Every layer's keys and values for the tokens seen so far, in preallocated buffers."""
+
+    def __init__(self, config: GPT2Config, batch: int, max_len: int, xp=np):
+        shape = (config.n_layer, batch, config.n_head, max_len, config.head_size)
+        self.k = xp.zeros(shape, dtype=np.float32)
+        self.v = xp.zeros(shape, dtype=np.float32)
+        self.length = 0  # positions filled; forward() advances it after the last layer
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def append(self, layer: int, k, v):
+        """Store this layer's new (B, NH, T, hs) keys and values; return all of them so far."""
+        start, end = self.length, self.length + k.shape[2]
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # each (B, NH, end, hs)
+
+
+def attention(x, w, name: str, config: GPT2Config, attend, cache: KVCache | None, layer: int):
+    B, T, C = x.shape
+    NH, hs = config.n_head, config.head_size
+    qkv = linear(x, w, name + ".c_attn")  # (B, T, 3C): columns are [q | k | v], each NH heads of hs
+    qkv = qkv.reshape(B, T, 3, NH, hs)  # (B, T, 3, NH, hs)
+    q, k, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))  # each (B, NH, T, hs), a view
+    if cache is not None:
+        k, v = cache.append(layer, k, v)  # each (B, NH, past + T, hs)
+    y = attend(q, k, v)  # (B, NH, T, hs)
+    y = y.transpose(0, 2, 1, 3).reshape(B, T, C)  # (B, T, C): the heads side by side again
+    return linear(y, w, name + ".c_proj")
+
+
+def mlp(x, w, name: str):
+    return linear(gelu(linear(x, w, name + ".c_fc")), w, name + ".c_proj")
+
+
+def forward(params: dict, config: GPT2Config, idx, attend, *, cache: KVCache | None = None, last_only: bool = False):
+    """Logits (B, T, vocab) for token ids idx (B, T); (B, 1, vocab) for the last position only if
+    last_only. With a cache, idx continues the cached sequence and its keys and values are added."""
+    w = params
+    xp = array_module(w["wte.weight"])
+    idx = xp.asarray(idx)
+    B, T = idx.shape
+    start = cache.length if cache is not None else 0
+    if start + T > config.n_positions:
+        raise ValueError(f"{start + T} positions, but the model has {config.n_positions}")
+    if cache is not None and start + T > cache.max_len:
+        raise ValueError(f"the KV cache holds {cache.max_len} positions; {start + T} needed")
+    x = w["wte.weight"][idx] + w["wpe.weight"][start:start + T]  # (B, T, C)
+    for i in range(config.n_layer):
+        h = f"h.{i}"
+        x = x + attention(layer_norm(x, w, h + ".ln_1", config.layer_norm_epsilon), w, h + ".attn",
+                          config, attend, cache, i)
+        x = x + mlp(layer_norm(x, w, h + ".ln_2", config.layer_norm_epsilon), w, h + ".mlp")
+    if cache is not None:
+        cache.length += T
+    if last_only:
+        x = x[:, -1:]  # (B, 1, C)
+    x = layer_norm(x, w, "ln_f", config.layer_norm_epsilon)
+    return x @ w["wte.weight"].T  # (B, T, vocab): lm_head is tied to wte
