@@ -10,6 +10,8 @@ A rung declares what the launcher needs in its header comment, one `lab.<key>` l
     lab.strided    true                       reads Q, K, V through strides (default: contiguous)
     lab.options    --use_fast_math            extra NVRTC options
     lab.stack      0                          local-memory bytes allowed per thread (default 0)
+    lab.tolerance  8                          allowed error, in multiples of a plain float32
+                                              implementation's error against float64 (default 8)
 
 Every rung exports the same entry point, `attention_forward<...>`, with one signature, launched on a
 grid of (ceil(T / B_r), n_heads, batch) blocks: one block per tile of B_r query rows of one head.
@@ -28,7 +30,7 @@ ENTRY = "attention_forward"
 _RUNG_FILE = re.compile(r"^v(\d+)_([a-z0-9_]+)\.cu$")
 _DECL = re.compile(r"^\s*(?:\*|//)\s*lab\.(\w+)\s+(.*?)\s*$")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
-_KEYS = {"template", "configs", "threads", "smem", "workspace", "strided", "options", "stack"}
+_KEYS = {"template", "configs", "threads", "smem", "workspace", "strided", "options", "stack", "tolerance"}
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class Rung:
     strided: bool = False
     options: tuple[str, ...] = ()
     stack: int = 0
+    tolerance: str = "8"
     source: str = field(default="", repr=False, compare=False)
 
     @property
@@ -68,6 +71,9 @@ class Rung:
 
     def workspace_per_row(self, config) -> int:
         return evaluate(self.workspace, self.params(config))
+
+    def tolerance_factor(self, config) -> int:
+        return evaluate(self.tolerance, self.params(config))
 
 
 def rung_files() -> list[Path]:
@@ -145,10 +151,11 @@ def parse(path: Path) -> Rung:
         strided=decl.get("strided", "false").lower() == "true",
         options=tuple(decl.get("options", "").split()),
         stack=int(decl.get("stack", "0")),
+        tolerance=decl.get("tolerance", "8"),
         source=assemble(path),
     )
     for c in configs:  # fail at load, not at launch, on a bad expression
-        rung.block(c), rung.shared_bytes(c), rung.workspace_per_row(c)
+        rung.block(c), rung.shared_bytes(c), rung.workspace_per_row(c), rung.tolerance_factor(c)
     return rung
 
 
