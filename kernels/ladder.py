@@ -47,6 +47,7 @@ class Rung:
     stack: int = 0
     tolerance: str = "8"
     source: str = field(default="", repr=False, compare=False)
+    files: tuple = field(default=(), repr=False, compare=False)  # (path, stamp) of the file and its includes
 
     @property
     def number(self) -> str:
@@ -104,19 +105,26 @@ def resolve(kernel: str | Path) -> Path:
     raise ValueError(f"unknown kernel {text!r}: known kernels are {known}, or give a path to a .cu file")
 
 
-_cache: dict[tuple[Path, float], Rung] = {}
+_cache: dict[Path, Rung] = {}
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_mtime_ns, st.st_size
 
 
 def load(kernel: str | Path) -> Rung:
-    """Read a rung's file and declarations; re-read whenever the file changes on disk."""
+    """Read a rung's file and declarations; read again whenever it or a file it includes changes."""
     path = resolve(kernel)
-    key = (path, path.stat().st_mtime_ns)
-    if key not in _cache:
-        _cache[key] = parse(path)
-    return _cache[key]
+    rung = _cache.get(path)
+    if rung is None or any(not p.exists() or _stamp(p) != stamp for p, stamp in rung.files):
+        rung = _cache[path] = parse(path)
+    return rung
 
 
 def parse(path: Path) -> Rung:
+    files: list[Path] = []
+    source = assemble(path, files=files)
     text = path.read_text()
     decl: dict[str, str] = {}
     for lineno, line in enumerate(text.splitlines(), 1):
@@ -152,19 +160,22 @@ def parse(path: Path) -> Rung:
         options=tuple(decl.get("options", "").split()),
         stack=int(decl.get("stack", "0")),
         tolerance=decl.get("tolerance", "8"),
-        source=assemble(path),
+        source=source,
+        files=tuple((p, _stamp(p)) for p in files),
     )
     for c in configs:  # fail at load, not at launch, on a bad expression
         rung.block(c), rung.shared_bytes(c), rung.workspace_per_row(c), rung.tolerance_factor(c)
     return rung
 
 
-def assemble(path: Path, seen: tuple[Path, ...] = ()) -> str:
+def assemble(path: Path, seen: tuple[Path, ...] = (), files: list[Path] | None = None) -> str:
     """The text NVRTC compiles: the file, with local `#include "x"` inlined and `#line` directives
     so that compiler messages name the user's file and line. Inlining also puts every included
     helper into the text CuPy hashes for its disk cache, so an edited helper is never stale."""
     if path in seen:
         raise ValueError(f"{path}: #include cycle through {' -> '.join(map(str, seen))}")
+    if files is not None:
+        files.append(path)
     out = [f'#line 1 "{path}"']
     for lineno, line in enumerate(path.read_text().splitlines(), 1):
         m = _INCLUDE.match(line)
@@ -172,7 +183,7 @@ def assemble(path: Path, seen: tuple[Path, ...] = ()) -> str:
             included = (path.parent / m.group(1)).resolve()
             if not included.is_file():
                 raise ValueError(f"{path}:{lineno}: included file {m.group(1)!r} not found")
-            out.append(assemble(included, seen + (path,)))
+            out.append(assemble(included, seen + (path,), files))
             out.append(f'#line {lineno + 1} "{path}"')
         else:
             out.append(line)

@@ -151,3 +151,35 @@ def test_impossible_config_names_kernel_and_config():
     x = cp.ones((1, 1, 4, 64), cp.float32)
     with pytest.raises(ValueError, match=r"v01_naive.*B_r=64, B_c=128|threads"):
         kernels.attention(x, x, x, kernel="v01", config=(64, 64, 128))
+
+
+def test_user_kernel_compile_error_names_file_and_line(tmp_path):
+    import cupy as cp
+
+    source = kernels.resolve("v02").read_text()
+    lines = source.splitlines()
+    at = next(i for i, line in enumerate(lines) if "const int row_start" in line)
+    lines.insert(at + 1, "    const int broken = undefined_name;")
+    path = tmp_path / "broken.cu"
+    path.write_text("\n".join(lines) + "\n")
+    x = cp.ones((1, 1, 8, 64), cp.float32)
+    with pytest.raises(kernels.KernelCompileError) as info:
+        kernels.attention(x, x, x, kernel=str(path))
+    assert f"{path}({at + 2})" in str(info.value) and "undefined_name" in str(info.value)
+
+
+def test_user_kernel_by_path_runs(tmp_path):
+    """A copy of a rung outside kernels/ runs by path, and an edit to it is picked up at once."""
+    import cupy as cp
+
+    path = tmp_path / "mine.cu"
+    source = kernels.resolve("v02").read_text()
+    path.write_text(source)
+    check_against_reference(*random_qkv(cp, 1, 2, 77, 64), str(path))
+    # the same file, edited to scale every output by 2: the next call must run the new code
+    path.write_text(source.replace("*o = *o * expf(m_old - m_new) * (l_old / l_new) + pv;",
+                                   "*o = *o * expf(m_old - m_new) * (l_old / l_new) + 2.0f * pv;"))
+    q, k, v = random_qkv(cp, 1, 2, 77, 64)
+    got = kernels.attention(q, k, v, kernel=str(path))
+    ref = kernels.reference_attention(q, k, v)
+    assert float(cp.abs(got - 2 * ref).max()) < 1e-4

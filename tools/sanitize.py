@@ -1,0 +1,80 @@
+"""Run every rung under compute-sanitizer (memcheck, racecheck, initcheck, synccheck).
+
+    python tools/sanitize.py                 # all rungs, all four tools
+    python tools/sanitize.py --kernels v01,v12 --tools memcheck
+
+Each tool runs one child process that launches every rung at a small shape and an awkward one
+(T not a multiple of any tile), checking each result against the reference. Prints one summary
+line per tool and exits non-zero if any tool reported an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+TOOLS = ["memcheck", "racecheck", "initcheck", "synccheck"]
+SHAPES = [(1, 2, 64, 64), (2, 3, 97, 64)]  # (B, NH, T, d)
+
+
+def child(kernel_names: list[str]) -> int:
+    import cupy as cp
+
+    import kernels
+
+    failures = 0
+    for name in kernel_names:
+        for B, NH, T, d in SHAPES:
+            q, k, v = (cp.random.standard_normal((B, NH, T, d), dtype=cp.float32) for _ in range(3))
+            out = kernels.attention(q, k, v, kernel=name)
+            ref = kernels.reference_attention(q, k, v)
+            err = float(cp.abs(out - ref).max())
+            ok = err < 1e-3
+            failures += not ok
+            print(f"  {name:28s} B={B} NH={NH} T={T:4d} d={d}: max |out - ref| = {err:.2e}{'' if ok else '  WRONG'}",
+                  flush=True)
+    cp.cuda.Device().synchronize()
+    return 1 if failures else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kernels", help="comma-separated rungs (default: all)")
+    parser.add_argument("--tools", default=",".join(TOOLS), help="comma-separated sanitizer tools")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    import kernels
+
+    names = [kernels.resolve(n).stem for n in args.kernels.split(",")] if args.kernels else kernels.names()
+    if args.child:
+        return child(names)
+
+    sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    if not Path(sanitizer).exists():
+        print("compute-sanitizer not found (it ships with the CUDA toolkit)", file=sys.stderr)
+        return 2
+    status = 0
+    for tool in args.tools.split(","):
+        cmd = [sanitizer, "--tool", tool, "--error-exitcode", "99", "--print-limit", "20",
+               sys.executable, __file__, "--child", "--kernels", ",".join(names)]
+        if tool == "racecheck":
+            cmd[3:3] = ["--racecheck-report", "all"]
+        print(f"== {tool}: {' '.join(cmd[1:4])} ...", flush=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        print(proc.stdout, end="")
+        summary = re.findall(r"=========\s+(?:ERROR SUMMARY|RACECHECK SUMMARY).*", proc.stdout + proc.stderr)
+        print(f"   {tool}: exit {proc.returncode}; {'; '.join(summary) or proc.stderr.strip()[-400:]}", flush=True)
+        status |= proc.returncode != 0
+    return 1 if status else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
