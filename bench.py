@@ -1,0 +1,1495 @@
+#!/usr/bin/env python3
+"""Benchmarks of the attention ladder, beside its peers, and of GPT-2 generation; the README's tables.
+
+    python3 bench.py kernels                    every rung x the five GPT-2 shapes, beside CuPy and torch SDPA
+    python3 bench.py kernels --kernels v01,v02 --shape 8x1024 --shape 1x8192
+    python3 bench.py sweep                      TFLOP/s against T = 128 .. 16384, with a PNG plot
+    python3 bench.py e2e                        seconds to generate 512 tokens, per rung, without and with a KV cache
+    python3 bench.py resources [--arch sm_90]   registers, shared memory, spills, resident blocks per SM
+    python3 bench.py readme                     rewrite README.md's tables from the newest results/*.json
+
+How it measures (every number it prints is also written to results/<subcommand>-<device>-<UTC time>.json,
+with the device, driver, CUDA, CuPy and torch versions, the date and the command):
+
+- Time: CUDA events (cupy.cuda.Event) recorded on the stream the work runs on; warm-up first;
+  the median of many runs, with the p20-p80 spread and min/max; L2 flushed before every run by
+  writing a buffer twice the device's L2 size; compilation happens before any timing.
+  torch runs on its current stream, which is CuPy's (the legacy default stream): one clock for all.
+- Correct before timed: each rung's output, poisoned with NaN beforehand, is compared with a float64
+  reference on the same inputs; its largest error may be at most 8 x that of the plain float32
+  implementation (kernels.reference_attention in float32), floored at the dtype's epsilon x max|ref|.
+  A rung over that bound is reported wrong, with its error, and not timed.
+- FLOPs: causal forward counts 4 * B * NH * T^2 * d / 2 (attention_flops); TFLOP/s are also given as
+  a percentage of the fp32 FFMA ceiling this run measures (cuBLAS SGEMM 8192^3, TF32 off).
+"""
+
+from __future__ import annotations
+
+import os
+
+_CUPY_TF32_GIVEN = os.environ.get("CUPY_TF32")
+os.environ["CUPY_TF32"] = "0"  # CuPy reads this at its first float32 matmul: plain fp32 FFMA, no TF32
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import platform  # noqa: E402
+import re  # noqa: E402
+import shlex  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from datetime import datetime, timezone  # noqa: E402
+from importlib import metadata  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+import kernels  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent
+RESULTS = ROOT / "results"
+README = ROOT / "README.md"
+SCHEMA = 1
+SECTIONS = ("kernels", "sweep", "e2e", "resources")  # result kinds, and the README's marked sections
+
+GPT2_SHAPES = ((1, 512), (8, 1024), (16, 2048), (6, 4096), (1, 8192))  # B x T; NH = 12, d = 64
+DTYPES = ("float32", "bfloat16", "float16")
+TOLERANCE_FACTOR = 8.0
+EPS = {"float32": float(np.finfo(np.float32).eps), "float16": float(np.finfo(np.float16).eps), "bfloat16": 2.0**-7}
+
+FLOP_CONVENTION = ("causal forward = 4 * B * NH * T^2 * d / 2 FLOPs: the two T x T x d matrix products, half "
+                   "of them under the mask; exp and the softmax arithmetic are not counted")
+
+
+def attention_flops(B: int, NH: int, T: int, d: int, causal: bool = True) -> int:
+    """The FLOP count every TFLOP/s in this lab is computed from (FLOP_CONVENTION)."""
+    full = 4 * B * NH * T * T * d  # S = Q K^T and O = P V: 2 * T * T * d each
+    return full // 2 if causal else full
+
+
+class Unavailable(Exception):
+    """A peer or a measurement that cannot run here (a missing package, a backend, memory)."""
+
+
+def fail(message: str) -> int:
+    """One line on stderr; exit status 2 (the user's to fix: a missing GPU, a bad file)."""
+    print(f"bench.py: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
+def progress(text: str) -> None:
+    print(text, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Setup: what ran where. Every result file carries this; every README table is headed by it.
+# ---------------------------------------------------------------------------------------------
+
+
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+def gpu_problem() -> str | None:
+    """None if CuPy sees a CUDA device; else why not, in a few words."""
+    try:
+        cupy = _cupy()
+    except ImportError as exc:
+        return f"CuPy is not importable ({exc})"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # CUDARuntimeError: no driver, insufficient driver, ...
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return None if count > 0 else "no CUDA device visible"
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _cuda_version(v: int) -> str:
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+def _driver_release() -> str | None:
+    """The kernel driver's release (580.65.06), which the CUDA version alone does not name."""
+    try:
+        m = re.search(r"Kernel Module\s+(?:for \S+\s+)?([\d.]+)", Path("/proc/driver/nvidia/version").read_text())
+        return m.group(1) if m else None
+    except OSError:
+        return None
+
+
+def _git_commit() -> str | None:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def device_info() -> dict | None:
+    if gpu_problem():
+        return None
+    cupy = _cupy()
+    dev = cupy.cuda.Device()
+    props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    return {
+        "name": name,
+        "arch": f"sm_{dev.compute_capability}",
+        "sm_count": int(dev.attributes["MultiProcessorCount"]),
+        "l2_bytes": int(dev.attributes["L2CacheSize"]),
+        "memory_bytes": int(props["totalGlobalMem"]),
+        "driver": _driver_release(),
+        "driver_cuda": _cuda_version(cupy.cuda.runtime.driverGetVersion()),
+        "cuda_runtime": _cuda_version(cupy.cuda.runtime.runtimeGetVersion()),
+    }
+
+
+def setup_info(argv: list[str]) -> dict:
+    """Device, driver, CUDA, library versions, date and command: the header of every result."""
+    cupy_version = _version("cupy-cuda13x") or _version("cupy-cuda12x") or _version("cupy")
+    return {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": shlex.join(["python3", "bench.py", *argv]),
+        "git": _git_commit(),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "cupy": cupy_version,
+        "torch": _version("torch"),
+        "transformers": _version("transformers"),
+        "cupy_tf32": f"0 (set by bench.py; was {_CUPY_TF32_GIVEN!r})",
+        "device": device_info(),
+    }
+
+
+def device_slug(setup: dict, fallback: str = "nogpu") -> str:
+    name = setup["device"]["name"] if setup.get("device") else fallback
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+# ---------------------------------------------------------------------------------------------
+# Results: results/<subcommand>-<device>-<UTC timestamp>.json
+# ---------------------------------------------------------------------------------------------
+
+_RESULT_NAME = re.compile(r"^(?P<kind>[a-z0-9]+)-(?P<device>[a-z0-9-]+)-(?P<stamp>\d{8}T\d{6}Z)(?:-(?P<n>\d+))?\.json$")
+
+
+def _jsonable(x):
+    """NumPy scalars to Python, NaN and infinity to None: result files are strict JSON."""
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.generic):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, Path):
+        return str(x)
+    return x
+
+
+def result_path(kind: str, setup: dict, folder: Path, fallback_slug: str = "nogpu") -> Path:
+    """A new file name: the kind, the device, the setup's UTC date; -1, -2 ... on a clash."""
+    stamp = setup["date"].replace("-", "").replace(":", "")  # 2026-11-21T21:30:00Z -> 20261121T213000Z
+    base = f"{kind}-{device_slug(setup, fallback_slug)}-{stamp}"
+    path, n = folder / f"{base}.json", 0
+    while path.exists():
+        n += 1
+        path = folder / f"{base}-{n}.json"
+    return path
+
+
+def write_result(result: dict, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(_jsonable(result), indent=1, allow_nan=False)
+    with open(path, "x") as f:  # never overwrite a result
+        f.write(text + "\n")
+    return path
+
+
+def newest_results(folder: Path) -> dict[str, list[Path]]:
+    """Result files of each kind, newest first (by the UTC stamp in the name)."""
+    found: dict[str, list[tuple]] = {k: [] for k in SECTIONS}
+    for p in folder.glob("*.json") if folder.is_dir() else []:
+        m = _RESULT_NAME.match(p.name)
+        if m and m["kind"] in found:
+            found[m["kind"]].append((m["stamp"], int(m["n"] or 0), p))
+    return {k: [p for *_, p in sorted(v, reverse=True)] for k, v in found.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing: CUDA events, warm-up, L2 flush, median and spread
+# ---------------------------------------------------------------------------------------------
+
+
+class L2Flush:
+    """Writes a buffer twice the size of L2 (read from the device) so no run finds the last one's data."""
+
+    def __init__(self):
+        cupy = _cupy()
+        self.nbytes = 2 * int(cupy.cuda.Device().attributes["L2CacheSize"])
+        self.buffer = cupy.empty(self.nbytes, dtype=cupy.uint8)
+
+    def __call__(self):
+        self.buffer.fill(0)  # a memset on CuPy's current stream
+
+
+def no_flush():
+    pass
+
+
+@dataclass
+class Method:
+    budget_ms: float = 300.0  # timed runs: as many as fit in this, within [min_runs, max_runs]
+    min_runs: int = 10
+    max_runs: int = 200
+    warmup: int = 3
+
+    def describe(self, flush_bytes: int) -> dict:
+        return {
+            "timer": "cupy.cuda.Event pairs on the stream the work runs on (torch peers: torch's current "
+                     "stream, which is CuPy's legacy default stream), read after the last run",
+            "warmup_runs": self.warmup,
+            "runs": f"budget {self.budget_ms:g} ms, at least {self.min_runs}, at most {self.max_runs}",
+            "statistic": "median; spread as p20-p80 and min-max",
+            "l2_flush_bytes": flush_bytes,
+            "l2_flush": "a buffer of twice the L2 size is written before every timed run, outside the events",
+            "compilation": "before warm-up (kernels.prepare), never timed",
+            "tolerance": f"max |out - ref64| <= {TOLERANCE_FACTOR:g} x max(max |plain32 - ref64|, eps(dtype) x max |ref64|)",
+        }
+
+
+def time_gpu(fn, *, stream, flush, method: Method) -> dict:
+    """Median and spread, in ms, of `fn()` over many runs, timed with CUDA events on `stream`."""
+    cupy = _cupy()
+    Event = cupy.cuda.Event
+    cupy.cuda.Device().synchronize()  # whatever another framework queued is done before the clock starts
+    with stream:
+        for _ in range(method.warmup):
+            fn()
+        start, end = Event(), Event()
+        flush()
+        start.record(stream)
+        fn()
+        end.record(stream)
+        end.synchronize()
+        estimate = cupy.cuda.get_elapsed_time(start, end)
+        runs = int(min(method.max_runs, max(method.min_runs, method.budget_ms / max(estimate, 1e-3))))
+        events = [(Event(), Event()) for _ in range(runs)]
+        for s, e in events:
+            flush()
+            s.record(stream)
+            fn()
+            e.record(stream)
+        events[-1][1].synchronize()
+    times = np.array([cupy.cuda.get_elapsed_time(s, e) for s, e in events])
+    return {
+        "median_ms": float(np.median(times)),
+        "p20_ms": float(np.percentile(times, 20)),
+        "p80_ms": float(np.percentile(times, 80)),
+        "min_ms": float(times.min()),
+        "max_ms": float(times.max()),
+        "runs": runs,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Ceilings: what the device can do, measured here
+# ---------------------------------------------------------------------------------------------
+
+
+def fp32_matmul_mode() -> str:
+    """CuPy's compute type for float32 matmul: must not be TF32 for an FFMA ceiling."""
+    from cupy._core import _routines_linalg as linalg
+
+    mode = linalg.get_compute_type(np.dtype(np.float32))
+    if mode == linalg.COMPUTE_TYPE_TF32:  # CUPY_TF32 was read before bench.py could set it
+        linalg.set_compute_type(np.dtype(np.float32), linalg.COMPUTE_TYPE_DEFAULT)
+        mode = linalg.get_compute_type(np.dtype(np.float32))
+    return linalg.compute_type_to_str(mode)
+
+
+def measure_ceilings(method: Method, n: int = 8192, copy_bytes: int = 1 << 30) -> dict:
+    """fp32 FFMA ceiling (cupy.matmul of n^3 float32, TF32 off) and device-to-device copy bandwidth."""
+    cupy = _cupy()
+    rng = cupy.random.default_rng(1234)
+    mode = fp32_matmul_mode()
+    stream = cupy.cuda.get_current_stream()
+    quick = Method(budget_ms=min(method.budget_ms, 300.0), min_runs=5, max_runs=50, warmup=2)
+
+    def time_gemm():
+        a, b = (rng.standard_normal((n, n), dtype=cupy.float32) for _ in range(2))
+        c = cupy.empty((n, n), dtype=cupy.float32)
+        return time_gpu(lambda: cupy.matmul(a, b, out=c), stream=stream, flush=no_flush, method=quick)
+
+    def time_copy():
+        src = rng.random(copy_bytes // 4, dtype=cupy.float32)
+        dst = cupy.empty_like(src)
+        return time_gpu(lambda: dst.data.copy_from_device_async(src.data, src.nbytes, stream), stream=stream,
+                        flush=no_flush, method=quick)
+
+    gemm, copy = time_gemm(), time_copy()
+    release_memory()
+    return {
+        "ffma_tflops": 2 * n**3 / (gemm["median_ms"] * 1e-3) / 1e12,
+        "ffma_what": f"cupy.matmul float32 {n}^3 (cuBLAS, compute type {mode}, CUPY_TF32=0)",
+        "ffma_timing": gemm,
+        "copy_tbps": 2 * copy_bytes / (copy["median_ms"] * 1e-3) / 1e12,
+        "copy_what": f"device-to-device copy of {copy_bytes >> 20} MiB; bytes read + written",
+        "copy_timing": copy,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs, peers and the correctness gate
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shape:
+    B: int
+    T: int
+    NH: int = 12
+    d: int = 64
+
+    @property
+    def label(self) -> str:
+        return f"{self.B}x{self.T}"
+
+    def as_dict(self) -> dict:
+        return {"B": self.B, "T": self.T, "NH": self.NH, "d": self.d}
+
+
+def _round_to(x32, dtype: str):
+    """float32 values rounded to `dtype` and held in float32 (exact: both halves are subsets of float32)."""
+    cupy = _cupy()
+    if dtype == "float32":
+        return x32
+    if dtype == "float16":
+        return x32.astype(cupy.float16).astype(cupy.float32)
+    bits = x32.view(cupy.uint32)  # bfloat16: round to nearest even on the top 16 bits
+    bits = (bits + cupy.uint32(0x7FFF) + ((bits >> 16) & cupy.uint32(1))) & cupy.uint32(0xFFFF0000)
+    return bits.view(cupy.float32)
+
+
+class Inputs:
+    """One shape's random Q, K, V: the float32 values every implementation sees (rounded to the
+    benchmark dtype), the arrays a rung gets, and torch views of the same memory (DLPack)."""
+
+    def __init__(self, shape: Shape, dtype: str, seed: int):
+        cupy = _cupy()
+        self.shape, self.dtype = shape, dtype
+        rng = cupy.random.default_rng(seed)
+        dims = (shape.B, shape.NH, shape.T, shape.d)
+        self.q32, self.k32, self.v32 = (_round_to(rng.standard_normal(dims, dtype=cupy.float32), dtype)
+                                        for _ in range(3))
+        self.rung_inputs_problem = None
+        if dtype == "float32":
+            self.qkv = (self.q32, self.k32, self.v32)
+        else:
+            try:
+                target = np.float16 if dtype == "float16" else _ml_dtypes_bfloat16()
+                self.qkv = tuple(x.astype(target) for x in (self.q32, self.k32, self.v32))
+            except Exception as exc:
+                self.qkv, self.rung_inputs_problem = None, f"CuPy cannot hold {dtype} here ({exc})"
+        self._torch = None
+
+    def torch_qkv(self):
+        if self._torch is None:
+            torch = _torch()
+            tensors = [torch.from_dlpack(x) for x in (self.q32, self.k32, self.v32)]  # zero-copy
+            if self.dtype != "float32":
+                tensors = [t.to(getattr(torch, self.dtype)) for t in tensors]  # exact: values already rounded
+            self._torch = tuple(tensors)
+        return self._torch
+
+
+def _ml_dtypes_bfloat16():
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16
+
+
+_torch_module = None
+
+
+def _torch():
+    """torch, imported once; Unavailable if it cannot be."""
+    global _torch_module
+    if _torch_module is None:
+        try:
+            import torch
+        except Exception as exc:
+            raise Unavailable(f"torch is not importable ({type(exc).__name__}: {exc})") from None
+        if not torch.cuda.is_available():
+            raise Unavailable("torch sees no CUDA device")
+        torch.backends.cuda.matmul.allow_tf32 = False  # the math backend's matmuls in plain fp32
+        _torch_module = torch
+    return _torch_module
+
+
+def _torch_loaded():
+    return _torch_module
+
+
+def free_memory() -> int:
+    """Bytes the next allocation could get: the device's free memory plus CuPy's cached blocks,
+    after torch hands its cached blocks back."""
+    cupy = _cupy()
+    if _torch_loaded() is not None:
+        _torch_module.cuda.empty_cache()
+    pool = cupy.get_default_memory_pool()
+    return cupy.cuda.runtime.memGetInfo()[0] + pool.free_bytes()
+
+
+def release_memory():
+    _cupy().get_default_memory_pool().free_all_blocks()
+    if _torch_loaded() is not None:
+        _torch_module.cuda.empty_cache()
+
+
+@dataclass(frozen=True)
+class Peer:
+    name: str
+    label: str
+    backend: str | None  # torch.nn.attention.SDPBackend member; None for the CuPy reference
+    materialises: bool  # builds the T x T score matrix: memory grows with T^2
+
+    def memory_needed(self, shape: Shape) -> int:
+        """A generous estimate for the materialising peers: three (B, NH, T, T) float32 temporaries."""
+        return 3 * 4 * shape.B * shape.NH * shape.T**2 + (1 << 28) if self.materialises else 0
+
+
+PEERS = {p.name: p for p in (
+    Peer("reference", "CuPy reference", None, True),
+    Peer("sdpa_math", "SDPA math", "MATH", True),
+    Peer("sdpa_efficient", "SDPA efficient", "EFFICIENT_ATTENTION", False),
+    Peer("sdpa_flash", "SDPA flash", "FLASH_ATTENTION", False),
+    Peer("sdpa_cudnn", "SDPA cuDNN", "CUDNN_ATTENTION", False),
+)}
+DEFAULT_PEERS = {"float32": ("reference", "sdpa_math", "sdpa_efficient"),
+                 "bfloat16": ("sdpa_efficient", "sdpa_flash", "sdpa_cudnn"),
+                 "float16": ("sdpa_efficient", "sdpa_flash", "sdpa_cudnn")}
+COMPARE_TO = {"float32": ("sdpa_efficient", "reference"),  # the README's "vs" columns, besides the previous rung
+              "bfloat16": ("sdpa_flash", "sdpa_cudnn"),
+              "float16": ("sdpa_flash", "sdpa_cudnn")}
+
+
+@contextlib.contextmanager
+def peer_session(peer: Peer, inputs: Inputs):
+    """Yield (launch, stream) for a peer on these inputs; raise Unavailable if it cannot run."""
+    cupy = _cupy()
+    shape = inputs.shape
+    if peer.materialises:
+        need, have = peer.memory_needed(shape), free_memory()
+        if need > have:
+            raise Unavailable(f"does not fit: needs about {need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB free")
+    if peer.backend is None:
+        q, k, v = inputs.q32, inputs.k32, inputs.v32
+        yield (lambda: kernels.reference_attention(q, k, v)), cupy.cuda.get_current_stream()
+        return
+    torch = _torch()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    q, k, v = inputs.torch_qkv()
+    ptr = torch.cuda.current_stream().cuda_stream
+    stream = cupy.cuda.get_current_stream()
+    if ptr != stream.ptr:  # time torch where it runs
+        stream = cupy.cuda.ExternalStream(ptr)
+    with sdpa_kernel([getattr(SDPBackend, peer.backend)]):
+        yield (lambda: sdpa(q, k, v, is_causal=True)), stream
+
+
+def as_cupy_float(out):
+    """A peer's or rung's output as a CuPy array (torch tensors through DLPack)."""
+    cupy = _cupy()
+    if isinstance(out, cupy.ndarray):
+        return out
+    return cupy.from_dlpack(out.float().contiguous())
+
+
+def check_outputs(inputs: Inputs, outputs: dict[str, object]) -> dict:
+    """Every output's error against a float64 reference on the same inputs, with the plain float32
+    implementation's own error beside it. Computed over chunks of (batch, head) slices so that the
+    float64 score matrices fit in memory at any shape; every slice is checked."""
+    cupy = _cupy()
+    B, NH, T, d = inputs.shape.B, inputs.shape.NH, inputs.shape.T, inputs.shape.d
+    heads = B * NH
+    flat = lambda x: x.reshape(1, heads, T, d)  # noqa: E731  (B, NH, T, d) -> (1, B*NH, T, d)
+    q, k, v = (flat(x) for x in (inputs.q32, inputs.k32, inputs.v32))
+    outs = {name: flat(as_cupy_float(o)) for name, o in outputs.items()}
+    budget = min(0.4 * free_memory(), 8 * 2**30)
+    chunk = int(max(1, min(heads, budget // (32 * T * T))))  # ~3 float64 T x T temporaries per head
+    plain = ref_max = 0.0
+    stats = {name: {"max": 0.0, "sum": 0.0, "nonfinite": 0} for name in outs}
+    for s in range(0, heads, chunk):
+        part = slice(s, min(heads, s + chunk))
+        ref = kernels.reference_attention(*(x[:, part].astype(cupy.float64) for x in (q, k, v)))
+        plain32 = kernels.reference_attention(q[:, part], k[:, part], v[:, part])
+        plain = max(plain, float(cupy.abs(plain32 - ref).max()))
+        del plain32
+        ref_max = max(ref_max, float(cupy.abs(ref).max()))
+        for name, out in outs.items():
+            o = out[:, part].astype(cupy.float64)
+            bad = int((~cupy.isfinite(o)).sum())
+            diff = cupy.abs(o - ref)
+            st = stats[name]
+            st["nonfinite"] += bad
+            st["max"] = math.inf if bad else max(st["max"], float(diff.max()))
+            st["sum"] += float(diff.sum()) if not bad else 0.0
+        del ref
+    release_memory()
+    floor = EPS[inputs.dtype] * ref_max
+    bound = TOLERANCE_FACTOR * max(plain, floor)
+    n = heads * T * d
+    return {
+        "plain32_err": plain,
+        "ref_max": ref_max,
+        "bound": bound,
+        "outputs": {name: {"max_err": st["max"], "mean_err": (st["sum"] / n) if not st["nonfinite"] else math.inf,
+                           "nonfinite": st["nonfinite"], "ok": st["max"] <= bound} for name, st in stats.items()},
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# One shape: check every rung and peer on the same inputs, then time those that are right
+# ---------------------------------------------------------------------------------------------
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+
+
+def bench_shape(shape: Shape, dtype: str, rungs: list[Path], peers: list[str], *, flush, method: Method,
+                ffma_tflops: float, seed: int, counter: list[int], total: int) -> list[dict]:
+    """Rows for one shape: every rung (ladder order), then every peer."""
+    cupy = _cupy()
+    inputs = Inputs(shape, dtype, seed)
+    flops = attention_flops(shape.B, shape.NH, shape.T, shape.d)
+    rows, launches, outputs = [], {}, {}
+
+    def row(name, label, kind):
+        r = {"shape": shape.as_dict(), "dtype": dtype, "name": name, "label": label, "kind": kind,
+             "status": None, "flops": flops}
+        rows.append(r)
+        return r
+
+    def report(r):
+        counter[0] += 1
+        where = f"[{counter[0]:>3}/{total}] {shape.label:>8} {r['label']:<24}"
+        if r["status"] == "ok":
+            t = r["timing"]
+            progress(f"{where} {t['median_ms']:10.4f} ms [{t['p20_ms']:.4f}-{t['p80_ms']:.4f}] "
+                     f"{r['tflops']:8.2f} TFLOP/s  err {r['max_err']:.1e} <= {r['bound']:.1e}")
+        else:
+            progress(f"{where} {r['status']}: {r.get('reason', '')}")
+
+    # 1. Run each rung once on NaN-poisoned output, keeping its output for the check.
+    for path in rungs:
+        r = row(path.stem, path.stem, "rung")
+        try:
+            if inputs.qkv is None:
+                raise TypeError(inputs.rung_inputs_problem)
+            q, k, v = inputs.qkv
+            launch = kernels.prepare(q, k, v, kernel=path)  # validates and compiles: never timed
+            r["config"] = kernels.instance(path, shape.d).describe()
+            out = launch()
+            out.fill(np.nan)  # poison: an element the rung does not write fails the check
+            out = launch()
+            cupy.cuda.Device().synchronize()
+            launches[r["name"]], outputs[r["name"]] = (launch, cupy.cuda.get_current_stream()), out
+        except (TypeError, ValueError) as exc:  # this rung does not take these inputs
+            r["status"], r["reason"] = "unsupported", _first_line(exc)
+        except Exception as exc:
+            r["status"], r["reason"] = "error", _first_line(exc)
+
+    # 2. Each peer once on the same inputs.
+    for name in peers:
+        peer = PEERS[name]
+        r = row(name, peer.label, "peer")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                with peer_session(peer, inputs) as (launch, stream):
+                    out = launch()
+                    stream.synchronize()
+                outputs[name] = out
+                launches[name] = (peer, None)
+            except Unavailable as exc:
+                r["status"], r["reason"] = "unavailable", str(exc)
+            except Exception as exc:  # a backend that refuses this dtype or shape, out of memory, ...
+                why = "; ".join(dict.fromkeys(str(w.message).splitlines()[0] for w in caught))
+                r["status"], r["reason"] = "unavailable", _first_line(exc) + (f" ({why})" if why else "")
+                release_memory()
+
+    # 3. The gate: every output against float64, in one pass over the reference.
+    check = check_outputs(inputs, outputs) if outputs else None
+    for r in rows:
+        if r["name"] in outputs:
+            e = check["outputs"][r["name"]]
+            r |= {"max_err": e["max_err"], "mean_err": e["mean_err"], "nonfinite": e["nonfinite"],
+                  "bound": check["bound"], "plain32_err": check["plain32_err"]}
+            if not e["ok"] and r["kind"] == "rung":
+                r["status"] = "wrong"
+                r["reason"] = (f"max error {e['max_err']:.2e} > bound {check['bound']:.2e}"
+                               + (f"; {e['nonfinite']} elements NaN/inf (unwritten?)" if e["nonfinite"] else ""))
+    outputs.clear()
+    release_memory()
+
+    # 4. Time what is right (peers are timed whatever their error, which is recorded beside them).
+    for r in rows:
+        if r["status"] is not None:
+            report(r)
+            continue
+        try:
+            if r["kind"] == "rung":
+                launch, stream = launches[r["name"]]
+                r["timing"] = time_gpu(launch, stream=stream, flush=flush, method=method)
+            else:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    with peer_session(launches[r["name"]][0], inputs) as (launch, stream):
+                        cupy.cuda.Device().synchronize()  # CuPy's writes of the inputs are done before torch runs
+                        r["timing"] = time_gpu(launch, stream=stream, flush=flush, method=method)
+            r["status"] = "ok"
+            r["tflops"] = flops / (r["timing"]["median_ms"] * 1e-3) / 1e12
+            r["pct_ffma"] = 100.0 * r["tflops"] / ffma_tflops if ffma_tflops else None
+        except Exception as exc:
+            r["status"], r["reason"] = "unavailable" if r["kind"] == "peer" else "error", _first_line(exc)
+        release_memory()
+        report(r)
+    add_speedups(rows, COMPARE_TO[dtype])
+    return rows
+
+
+def add_speedups(rows: list[dict], compare_to) -> None:
+    """Speed-ups (the other's median over this one's): against the previous timed rung, and each peer."""
+    timed = {r["name"]: r["timing"]["median_ms"] for r in rows if r["status"] == "ok"}
+    previous = None
+    for r in rows:
+        r["speedup"] = {}
+        if r["status"] != "ok":
+            continue
+        ms = r["timing"]["median_ms"]
+        if r["kind"] == "rung":
+            if previous is not None:
+                r["speedup"]["previous"] = timed[previous] / ms
+            previous = r["name"]
+        for other in compare_to:
+            if other in timed and other != r["name"]:
+                r["speedup"][other] = timed[other] / ms
+
+
+def run_shapes(kind: str, args, shapes: list[Shape]) -> dict:
+    """The shared body of `kernels` and `sweep`: setup, ceilings, every shape, one result."""
+    setup = setup_info(args.argv)
+    method = Method(budget_ms=args.budget_ms)
+    peers = list(DEFAULT_PEERS[args.dtype] if args.peers is None else args.peers)
+    dev = setup["device"]
+    progress(f"{dev['name']} ({dev['arch']}, {dev['sm_count']} SMs), driver {dev['driver']}, CUDA {dev['cuda_runtime']}, "
+             f"CuPy {setup['cupy']}, torch {setup['torch']}")
+    progress("measuring the ceilings (fp32 SGEMM 8192^3 without TF32; device copy) ...")
+    ceilings = measure_ceilings(method)
+    progress(f"fp32 FFMA ceiling {ceilings['ffma_tflops']:.1f} TFLOP/s; copy {ceilings['copy_tbps']:.2f} TB/s")
+    flush = L2Flush()
+    compile_before = kernels.runtime.compile_seconds
+    rows, counter = [], [0]
+    total = len(shapes) * (len(args.kernels) + len(peers))
+    started = time.perf_counter()
+    for i, shape in enumerate(shapes):
+        rows += bench_shape(shape, args.dtype, args.kernels, peers, flush=flush, method=method,
+                            ffma_tflops=ceilings["ffma_tflops"], seed=args.seed + i, counter=counter, total=total)
+    return {
+        "schema": SCHEMA,
+        "kind": kind,
+        "setup": setup,
+        "flop_convention": FLOP_CONVENTION,
+        "method": method.describe(flush.nbytes),
+        "ceilings": ceilings,
+        "dtype": args.dtype,
+        "shapes": [s.as_dict() for s in shapes],
+        "kernels": [p.stem for p in args.kernels],
+        "peers": peers,
+        "compare_to": list(COMPARE_TO[args.dtype]),
+        "seed": args.seed,
+        "compile_seconds": kernels.runtime.compile_seconds - compile_before,
+        "wall_seconds": time.perf_counter() - started,
+        "rows": rows,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT-2 end to end: the seam to gpt2/ (imported lazily), our generation, HF transformers as a peer
+# ---------------------------------------------------------------------------------------------
+
+PROMPT = "Hello, I'm a language model,"
+
+
+class CannotRun(Exception):
+    """A subcommand that cannot run here (no GPU, no gpt2 package, no NVRTC): one line, exit 2."""
+
+
+def require_gpu(command: str) -> None:
+    problem = gpu_problem()
+    if problem:
+        raise CannotRun(f"needs a CUDA GPU, and none is usable here ({problem}); run it on the GPU machine")
+
+
+def gpt2_seam():
+    """The GPT-2 of gpt2/: random_weights, load_tokenizer, generate(..., attend, kv_cache, on_token), save."""
+    try:
+        import gpt2
+        from gpt2 import generate, load_tokenizer, random_weights, save  # noqa: F401  (the names e2e uses)
+    except ImportError as exc:
+        raise CannotRun(f"needs the GPT-2 package gpt2/ with random_weights, load_tokenizer, generate and save "
+                        f"({type(exc).__name__}: {exc})") from None
+    if "TIKTOKEN_CACHE_DIR" not in os.environ and (ROOT / ".cache" / "tiktoken").is_dir():
+        os.environ["TIKTOKEN_CACHE_DIR"] = str(ROOT / ".cache" / "tiktoken")  # the BPE files, carried (no network)
+    return gpt2
+
+
+def attend_with(name: str, path: Path | None):
+    """The attention function gpt2.forward calls: the CuPy reference, or a rung."""
+    if path is None:
+        return kernels.reference_attention
+    return lambda q, k, v: kernels.attention(q, k, v, kernel=path)
+
+
+def time_generation(gpt2, ckpt, prompt: list[int], n_new: int, attend, kv_cache: bool, warmup: int) -> dict:
+    """Wall-clock seconds for n_new greedy tokens, a timestamp per token (on_token runs after the
+    token is on the host, so each stamp follows that step's GPU work), and the CuPy pool's size."""
+    cupy = _cupy()
+    pool = cupy.get_default_memory_pool()
+    gpt2.generate(ckpt.params, ckpt.config, prompt, warmup, attend=attend, kv_cache=kv_cache)  # compile, warm up
+    cupy.cuda.Device().synchronize()
+    pool.free_all_blocks()
+    stamps = []
+    start = time.perf_counter()
+    out = gpt2.generate(ckpt.params, ckpt.config, prompt, n_new, attend=attend, kv_cache=kv_cache,
+                        on_token=lambda token: stamps.append(time.perf_counter()))
+    cupy.cuda.Device().synchronize()
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "elapsed": [t - start for t in stamps], "tokens": list(out.tokens),
+            "peak_bytes": pool.total_bytes(),
+            "peak_what": "CuPy memory pool after the run (its high-water mark: blocks are cached, not freed), weights included"}
+
+
+def time_hf_generation(folder: Path, prompt: list[int], n_new: int, kv_cache: bool, warmup: int,
+                       attn_implementation: str) -> dict:
+    """HF transformers' GPT2LMHeadModel on the same weights (saved by gpt2.save), fp32, greedy."""
+    torch = _torch()
+    try:
+        import transformers
+        from transformers.generation.streamers import BaseStreamer
+    except Exception as exc:
+        raise Unavailable(f"transformers is not importable ({type(exc).__name__}: {exc})") from None
+
+    class TokenClock(BaseStreamer):
+        """generate() puts the prompt first, then each new token as it is chosen (already on the host)."""
+
+        def __init__(self):
+            self.stamps, self.prompt_seen = [], False
+
+        def put(self, value):
+            if self.prompt_seen:
+                self.stamps.append(time.perf_counter())
+            self.prompt_seen = True
+
+        def end(self):
+            pass
+
+    model = transformers.GPT2LMHeadModel.from_pretrained(str(folder), attn_implementation=attn_implementation)
+    model = model.to("cuda", dtype=torch.float32).eval()
+    ids = torch.tensor([prompt], device="cuda")
+    options = dict(attention_mask=torch.ones_like(ids), do_sample=False, use_cache=kv_cache,
+                   pad_token_id=model.config.eos_token_id)
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=warmup, min_new_tokens=warmup, **options)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        clock = TokenClock()
+        start = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=n_new, min_new_tokens=n_new, streamer=clock, **options)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_reserved()
+    tokens = out[0, len(prompt):].tolist()
+    del model, out
+    release_memory()
+    return {"seconds": seconds, "elapsed": [t - start for t in clock.stamps], "tokens": tokens, "peak_bytes": peak,
+            "peak_what": "torch.cuda.max_memory_reserved() during the run, weights included",
+            "attn_implementation": attn_implementation, "transformers": transformers.__version__}
+
+
+def cmd_e2e(args) -> int:
+    require_gpu("e2e")
+    gpt2 = gpt2_seam()
+    cupy = _cupy()
+    setup = setup_info(args.argv)
+    modes = [False, True] if args.mode == "both" else [args.mode == "kv-cache"]
+    ckpt = gpt2.random_weights("gpt2", seed=args.seed, xp=cupy)
+    try:
+        prompt = gpt2.load_tokenizer(None).encode(args.prompt)
+    except Exception as exc:  # gpt2.LabError: no tiktoken files and no network
+        raise CannotRun(str(exc)) from None
+    impls = [("reference", "CuPy reference", None)] + [(p.stem, p.stem, p) for p in args.kernels]
+    total = len(modes) * (len(impls) + (0 if args.no_hf else 1))
+    progress(f"{setup['device']['name']}: GPT-2 small, {ckpt.name}, {len(prompt)} prompt tokens, "
+             f"{args.tokens} new tokens, greedy, float32")
+    rows, count = [], 0
+    hf_folder = None
+    for kv in modes:
+        mode = "kv-cache" if kv else "no-cache"
+        for name, label, path in impls:
+            count += 1
+            row = {"name": name, "label": label, "kind": "rung" if path else "peer", "mode": mode, "kv_cache": kv}
+            try:
+                row |= time_generation(gpt2, ckpt, prompt, args.tokens, attend_with(name, path), kv, args.warmup)
+                row["status"] = "ok"
+            except Exception as exc:
+                row |= {"status": "error", "reason": _first_line(exc)}
+            release_memory()
+            rows.append(row)
+            report_generation(count, total, row)
+        if not args.no_hf:
+            count += 1
+            row = {"name": "hf", "label": f"HF transformers ({args.hf_attn})", "kind": "peer", "mode": mode,
+                   "kv_cache": kv}
+            try:
+                if hf_folder is None:
+                    hf_folder = gpt2.save(ckpt, args.results / "scratch" / "e2e-weights")
+                row |= time_hf_generation(hf_folder, prompt, args.tokens, kv, args.warmup, args.hf_attn)
+                row["status"] = "ok"
+            except Exception as exc:  # Unavailable, or transformers refusing something
+                row |= {"status": "unavailable", "reason": _first_line(exc)}
+            rows.append(row)
+            report_generation(count, total, row)
+    add_generation_comparisons(rows)
+    result = {
+        "schema": SCHEMA, "kind": "e2e", "setup": setup,
+        "model": ckpt.name, "prompt": args.prompt, "prompt_tokens": len(prompt), "new_tokens": args.tokens,
+        "sampling": "greedy", "dtype": "float32", "modes": ["kv-cache" if kv else "no-cache" for kv in modes],
+        "method": {
+            "clock": "time.perf_counter around gpt2.generate (device synchronized before and after), after a "
+                     f"{args.warmup}-token warm-up generation that compiles every rung and CuPy kernel",
+            "no-cache": "every step runs the whole sequence so far through the model: the attention under test "
+                        "runs on every token, at every length",
+            "kv-cache": "the prompt is prefilled through the attention under test; each later step is one query "
+                        "over the cache through gpt2's decode attention (the CuPy reference until a decode rung exists)",
+            "hf": "transformers GPT2LMHeadModel.from_pretrained on the same weights (gpt2.save), fp32, "
+                  "generate(do_sample=False, min_new_tokens=max_new_tokens), use_cache per mode",
+        },
+        "rows": rows,
+    }
+    path = result_path("e2e", setup, args.results)
+    result["plot"] = plot_or_none(plot_e2e, result, path.with_suffix(".png"))
+    write_result(result, path)
+    print("\n" + render_e2e([(path, result, set(result["modes"]))], ROOT))
+    progress(f"wrote {path}" + (f" and {result['plot']}" if result["plot"] else ""))
+    return 0
+
+
+def report_generation(count: int, total: int, row: dict) -> None:
+    where = f"[{count:>3}/{total}] {row['mode']:>8} {row['label']:<26}"
+    if row["status"] == "ok":
+        n = len(row["tokens"])
+        progress(f"{where} {row['seconds']:8.2f} s  {n / row['seconds']:7.1f} tokens/s  "
+                 f"peak {row['peak_bytes'] / 2**20:8.0f} MiB")
+    else:
+        progress(f"{where} {row['status']}: {row['reason']}")
+
+
+def add_generation_comparisons(rows: list[dict]) -> None:
+    """Per mode: speed-up against the CuPy reference, and how many leading tokens match its."""
+    for mode in {r["mode"] for r in rows}:
+        ref = next((r for r in rows if r["mode"] == mode and r["name"] == "reference" and r["status"] == "ok"), None)
+        for r in rows:
+            if r["mode"] != mode or r["status"] != "ok":
+                continue
+            r["tokens_per_s"] = len(r["tokens"]) / r["seconds"]
+            r["ms_per_token"] = 1e3 * r["seconds"] / len(r["tokens"])
+            if ref is not None:
+                r["speedup_vs_reference"] = ref["seconds"] / r["seconds"]
+                same = 0
+                for a, b in zip(r["tokens"], ref["tokens"], strict=False):
+                    if a != b:
+                        break
+                    same += 1
+                r["same_tokens_as_reference"] = same
+
+
+# ---------------------------------------------------------------------------------------------
+# Plots (matplotlib is optional: the `plot` extra)
+# ---------------------------------------------------------------------------------------------
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_or_none(plot, result: dict, path: Path) -> str | None:
+    """Draw the plot beside the result file; its name, or None (saying why) without matplotlib."""
+    plt = _pyplot()
+    if plt is None:
+        progress("matplotlib is not installed (pip install -e '.[plot]'): no plot written; the JSON has the data")
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig = plot(plt, result)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path.name
+
+
+def _device_title(result: dict) -> str:
+    dev = result["setup"].get("device") or {}
+    return f"{dev.get('name', 'no GPU')}, {result['setup']['date'][:10]}"
+
+
+def plot_sweep(plt, result: dict):
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name in result["kernels"] + result["peers"]:
+        points = [(r["shape"]["T"], r["tflops"]) for r in result["rows"] if r["name"] == name and r["status"] == "ok"]
+        if points:
+            label = next(r["label"] for r in result["rows"] if r["name"] == name)
+            ax.plot(*zip(*points, strict=True), marker="o", label=label, linestyle="-" if name in result["kernels"] else "--")
+    ffma = result["ceilings"]["ffma_tflops"]
+    ax.axhline(ffma, color="gray", linestyle=":", label=f"fp32 FFMA ceiling ({ffma:.0f})")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(f"sequence length T (B = {result['tokens']} // T, NH = {result['shapes'][0]['NH']}, "
+                  f"d = {result['shapes'][0]['d']})")
+    ax.set_ylabel("TFLOP/s (causal: 4 B NH T^2 d / 2)")
+    ax.set_title(f"causal attention forward, {result['dtype']}: {_device_title(result)}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+    return fig
+
+
+def plot_e2e(plt, result: dict):
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in result["rows"]:
+        if r["status"] == "ok":
+            ax.plot(range(1, len(r["elapsed"]) + 1), r["elapsed"], label=f"{r['label']}, {r['mode']}",
+                    linestyle="-" if r["mode"] == "no-cache" else "--")
+    ax.set_xlabel("tokens generated")
+    ax.set_ylabel("elapsed seconds")
+    ax.set_title(f"GPT-2 small, greedy, float32, prompt {result['prompt']!r}: {_device_title(result)}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables (terminal and README alike)
+# ---------------------------------------------------------------------------------------------
+
+
+def _ms(x: float) -> str:
+    return f"{x:.0f}" if x >= 1000 else f"{x:.4g}"
+
+
+def _tflops(x: float) -> str:
+    return f"{x:.1f}" if x >= 10 else f"{x:.2f}"
+
+
+def _x(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def _cell(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def table(header: list[str], rows: list[list], align: str) -> list[str]:
+    """A Markdown table; `align` is one letter per column, l or r."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(":---" if a == "l" else "---:" for a in align) + "|"]
+    return lines + ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+
+
+def setup_header(result: dict) -> list[str]:
+    """Device, driver, CUDA, versions, date, commit and command: above every table."""
+    s = result["setup"]
+    dev = s.get("device")
+    if dev:
+        where = (f"**{dev['name']}** ({dev['arch']}, {dev['sm_count']} SMs, {dev['memory_bytes'] / 2**30:.0f} GiB), "
+                 f"driver {dev['driver'] or '?'} (CUDA {dev['driver_cuda']}), CUDA runtime {dev['cuda_runtime']}")
+    else:
+        where = f"compiled for {result.get('arch', '?')} with NVRTC {result.get('nvrtc', '?')}, no device"
+    libs = f"CuPy {s['cupy'] or '-'}, torch {s['torch'] or 'not installed'}"
+    if result["kind"] == "e2e":
+        libs += f", transformers {s['transformers'] or 'not installed'}"
+    date = s["date"].replace("T", " ").replace("Z", " UTC")
+    return [f"{where}; {libs}; {date}, commit {s['git'] or '?'}.", "", f"Command: `{s['command']}`"]
+
+
+def _label(r: dict) -> str:
+    return f"`{r['name']}`" if r["kind"] == "rung" else r["label"]
+
+
+def render_rows_table(result: dict, rows: list[dict]) -> list[str]:
+    compare = result["compare_to"]
+    header = ["kernel", "ms", "p20-p80", "TFLOP/s", "% FFMA", "vs previous",
+              *[f"vs {PEERS[c].label}" for c in compare], "max error", "note"]
+    body = []
+    for r in rows:
+        if r["status"] == "ok":
+            t = r["timing"]
+            body.append([_label(r), _ms(t["median_ms"]), f"{_ms(t['p20_ms'])}-{_ms(t['p80_ms'])}", _tflops(r["tflops"]),
+                         f"{r['pct_ffma']:.1f}%" if r.get("pct_ffma") is not None else "-",
+                         _x(r["speedup"].get("previous")), *[_x(r["speedup"].get(c)) for c in compare],
+                         f"{r['max_err']:.1e}" if r.get("max_err") is not None else "-", r.get("config", "")])
+        else:
+            err = f"{r['max_err']:.1e}" if r.get("max_err") is not None else "-"
+            body.append([_label(r), f"**{r['status']}**", "-", "-", "-", "-", *["-" for _ in compare], err,
+                         r.get("reason", "")])
+    return table(header, body, "lrrrrrr" + "r" * len(compare) + "l")
+
+
+def render_kernels(result: dict) -> str:
+    c = result["ceilings"]
+    lines = setup_header(result) + [
+        "",
+        f"FLOP convention: {result['flop_convention']}. Ceilings measured in the same run: fp32 FFMA "
+        f"{c['ffma_tflops']:.1f} TFLOP/s ({c['ffma_what']}); device copy {c['copy_tbps']:.2f} TB/s ({c['copy_what']}).",
+        f"Times: median of {result['method']['runs']} runs after {result['method']['warmup_runs']} warm-up runs, "
+        "CUDA events, L2 flushed before each run; spread p20-p80. Speed-ups are the other's median over this "
+        "one's (above 1x: this one is faster). Every rung was checked against a float64 reference first: "
+        f"{result['method']['tolerance']}.",
+    ]
+    for shape in result["shapes"]:
+        rows = [r for r in result["rows"] if r["shape"] == shape]
+        flops = attention_flops(shape["B"], shape["NH"], shape["T"], shape["d"])
+        lines += ["", f"**B={shape['B']}, T={shape['T']}** (NH={shape['NH']}, d={shape['d']}, {result['dtype']}, "
+                      f"{flops / 1e9:.1f} GFLOP)", ""]
+        lines += render_rows_table(result, rows)
+    return "\n".join(lines)
+
+
+def render_sweep(result: dict, image: str | None = None) -> str:
+    c = result["ceilings"]
+    lines = setup_header(result) + [
+        "",
+        f"TFLOP/s ({result['flop_convention']}) against T, with B = {result['tokens']} // T (at least 1), "
+        f"NH={result['shapes'][0]['NH']}, d={result['shapes'][0]['d']}, {result['dtype']}; fp32 FFMA ceiling "
+        f"{c['ffma_tflops']:.1f} TFLOP/s measured in the same run. Median of many runs, CUDA events, L2 flushed.",
+    ]
+    if image:
+        lines += ["", f"![TFLOP/s against sequence length]({image})"]
+    names = result["kernels"] + result["peers"]
+    labels = {r["name"]: _label(r) for r in result["rows"]}
+    body = []
+    for shape in result["shapes"]:
+        by_name = {r["name"]: r for r in result["rows"] if r["shape"] == shape}
+        cells = []
+        for n in names:
+            r = by_name.get(n)
+            cells.append("-" if r is None else _tflops(r["tflops"]) if r["status"] == "ok" else r["status"])
+        body.append([str(shape["T"]), str(shape["B"]), *cells])
+    return "\n".join(lines + [""] + table(["T", "B", *[labels.get(n, n) for n in names]], body,
+                                          "rr" + "r" * len(names)))
+
+
+def render_e2e(entries: list[tuple[Path, dict, set]], base: Path) -> str:
+    """One block per result file, each with the modes it contributes."""
+    out = []
+    for path, result, modes in entries:
+        lines = setup_header(result) + [
+            "",
+            f"{result['new_tokens']} new tokens after the {result['prompt_tokens']}-token prompt {result['prompt']!r}; "
+            f"GPT-2 small with {result['model']}, float32, greedy. No cache: {result['method']['no-cache']}. "
+            f"KV cache: {result['method']['kv-cache']}. HF peer: {result['method']['hf']}. Peak memory: what each "
+            "framework's allocator held at most, weights included.",
+        ]
+        if result.get("plot"):
+            image = os.path.relpath(path.parent / result["plot"], base)
+            lines += ["", f"![elapsed time against tokens generated]({image})"]
+        body = []
+        for r in result["rows"]:
+            if r["mode"] not in modes:
+                continue
+            if r["status"] == "ok":
+                body.append([_label(r), r["mode"], f"{r['seconds']:.2f}", f"{r['tokens_per_s']:.1f}",
+                             f"{r['ms_per_token']:.2f}", _bytes(r["peak_bytes"]), _x(r.get("speedup_vs_reference")),
+                             str(r.get("same_tokens_as_reference", "-"))])
+            else:
+                body.append([_label(r), r["mode"], f"**{r['status']}**", "-", "-", "-", "-", r.get("reason", "")])
+        lines += [""] + table(["attention", "mode", "seconds", "tokens/s", "ms/token", "peak memory",
+                               "vs reference", "leading tokens equal to the reference's"], body, "llrrrrrr")
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
+def render_resources(result: dict) -> str:
+    lines = setup_header(result) + ["", "Registers, stack and spills from ptxas (NVRTC -Xptxas=-v) for "
+                                        f"{result['arch']}; blocks per SM from the CUDA occupancy calculator "
+                                        "where a device was present.", ""]
+    body = []
+    for r in result["rows"]:
+        config = ", ".join(f"{k}={v}" for k, v in r.get("config", {}).items())
+        if "error" in r:
+            body.append([f"`{r['kernel']}`", config, "**error**", "-", "-", "-", "-", "-", r["error"]])
+            continue
+        blocks = "-" if r.get("blocks_per_sm") is None else str(r["blocks_per_sm"])
+        body.append([f"`{r['kernel']}`", config, str(r["threads"]), str(r["registers"]),
+                     f"{r['static_smem']} + {r['dynamic_smem']}", str(r["stack_bytes"]),
+                     f"{r['spill_stores']} / {r['spill_loads']}", blocks, ""])
+    lines += table(["kernel", "config", "threads", "registers", "smem bytes (static + dynamic)", "stack bytes",
+                    "spill bytes (stores / loads)", "blocks / SM", "note"], body, "llrrrrrrl")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Subcommands
+# ---------------------------------------------------------------------------------------------
+
+
+def cmd_kernels(args) -> int:
+    require_gpu("kernels")
+    shapes = [Shape(B, T, args.nh, args.d) for B, T in (args.shape or GPT2_SHAPES)]
+    result = run_shapes("kernels", args, shapes)
+    path = write_result(result, result_path("kernels", result["setup"], args.results))
+    print("\n" + render_kernels(result))
+    progress(f"wrote {path}")
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    require_gpu("sweep")
+    lengths = [2**i for i in range(int(math.log2(args.t_min)), int(math.log2(args.t_max)) + 1)]
+    shapes = [Shape(max(1, args.tokens // T), T, args.nh, args.d) for T in lengths]
+    result = run_shapes("sweep", args, shapes)
+    result["tokens"] = args.tokens
+    path = result_path("sweep", result["setup"], args.results)
+    result["plot"] = plot_or_none(plot_sweep, result, path.with_suffix(".png"))
+    write_result(result, path)
+    print("\n" + render_sweep(result, result["plot"]))
+    progress(f"wrote {path}" + (f" and {result['plot']}" if result["plot"] else ""))
+    return 0
+
+
+def cmd_resources(args) -> int:
+    on_device = args.arch is None and gpu_problem() is None
+    arch = None if on_device else (args.arch or "sm_90")
+    try:
+        nvrtc_version = "{}.{}".format(*kernels.nvrtc.version())
+    except RuntimeError as exc:  # libnvrtc not found
+        raise CannotRun(str(exc).splitlines()[0]) from None
+    setup = setup_info(args.argv)
+    if not on_device:
+        setup["device"] = None  # compiled for a named architecture: no device was involved
+    rows = []
+    for path in args.kernels:
+        try:
+            reports = kernels.resources(path, arch=arch)
+        except kernels.KernelCompileError as exc:
+            rows.append({"kernel": path.stem, "error": str(exc).splitlines()[0]})
+            progress(f"{path.stem}: does not compile: {str(exc).splitlines()[0]}")
+            continue
+        for r in reports:
+            rows.append(r.as_dict())
+            progress(f"{r.kernel:<24} {str(r.config):<40} {r.registers:>4} registers, smem {r.static_smem} + "
+                     f"{r.dynamic_smem}, stack {r.stack_bytes}, spills {r.spill_stores}/{r.spill_loads}, "
+                     f"blocks/SM {r.blocks_per_sm if r.blocks_per_sm is not None else '-'}")
+    result = {"schema": SCHEMA, "kind": "resources", "setup": setup, "nvrtc": nvrtc_version,
+              "arch": setup["device"]["arch"] if on_device else arch, "on_device": on_device,
+              "kernels": [p.stem for p in args.kernels], "rows": rows}
+    slug_fallback = f"{arch}-nvrtc" if arch else "nogpu"
+    path = write_result(result, result_path("resources", setup, args.results, slug_fallback))
+    print("\n" + render_resources(result))
+    progress(f"wrote {path}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# README: the tables between <!-- bench:<section>:start --> and <!-- bench:<section>:end -->
+# ---------------------------------------------------------------------------------------------
+
+_MARKER = re.compile(r"<!--\s*bench:([A-Za-z0-9_-]+):(start|end)\s*-->")
+
+
+def find_sections(text: str) -> dict[str, tuple[int, int]]:
+    """{section: (end of its start marker, start of its end marker)}; ValueError on a malformed pair."""
+    starts, ends = {}, {}
+    for m in _MARKER.finditer(text):
+        name, edge = m.groups()
+        if name not in SECTIONS:
+            raise ValueError(f"unknown section {name!r} in {m.group(0)} (known: {', '.join(SECTIONS)})")
+        marks = starts if edge == "start" else ends
+        if name in marks:
+            raise ValueError(f"{m.group(0)} appears twice")
+        marks[name] = m
+    spans = {}
+    for name in sorted(set(starts) | set(ends), key=lambda n: (starts.get(n) or ends[n]).start()):
+        if name not in starts or name not in ends:
+            missing = "start" if name not in starts else "end"
+            raise ValueError(f"<!-- bench:{name}:{missing} --> is missing")
+        if ends[name].start() < starts[name].end():
+            raise ValueError(f"<!-- bench:{name}:end --> comes before its start marker")
+        spans[name] = (starts[name].end(), ends[name].start())
+    ordered = sorted(spans.items(), key=lambda kv: kv[1])
+    for (a, (_, a_end)), (b, (b_start, _)) in zip(ordered, ordered[1:], strict=False):
+        if b_start < a_end:
+            raise ValueError(f"section {b} starts inside section {a}")
+    return spans
+
+
+def replace_sections(text: str, spans: dict[str, tuple[int, int]], blocks: dict[str, str]) -> str:
+    for name, (a, b) in sorted(spans.items(), key=lambda kv: kv[1], reverse=True):
+        if name in blocks:
+            text = text[:a] + "\n" + blocks[name].strip("\n") + "\n" + text[b:]
+    return text
+
+
+def _load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def readme_blocks(found: dict[str, list[Path]], base: Path) -> dict[str, str]:
+    """The generated text of each section that has results, from the newest file of its kind
+    (for e2e, the newest file of each mode)."""
+    blocks = {}
+
+    def source(*paths: Path) -> str:
+        names = ", ".join(f"`{os.path.relpath(p, base)}`" for p in paths)
+        return f"<!-- generated by `python3 bench.py readme` from {names}; rerun bench.py rather than editing -->"
+
+    if found["kernels"]:
+        p = found["kernels"][0]
+        blocks["kernels"] = source(p) + "\n" + render_kernels(_load(p))
+    if found["sweep"]:
+        p = found["sweep"][0]
+        result = _load(p)
+        image = os.path.relpath(p.parent / result["plot"], base) if result.get("plot") else None
+        blocks["sweep"] = source(p) + "\n" + render_sweep(result, image)
+    if found["e2e"]:
+        entries, wanted = [], ["no-cache", "kv-cache"]
+        for p in found["e2e"]:
+            result = _load(p)
+            modes = {m for m in result["modes"] if m in wanted}
+            if modes:
+                entries.append((p, result, modes))
+                wanted = [m for m in wanted if m not in modes]
+            if not wanted:
+                break
+        blocks["e2e"] = source(*[p for p, *_ in entries]) + "\n" + render_e2e(entries, base)
+    if found["resources"]:
+        p = found["resources"][0]
+        blocks["resources"] = source(p) + "\n" + render_resources(_load(p))
+    return blocks
+
+
+def cmd_readme(args) -> int:
+    readme, results = args.readme, args.results
+    if not readme.is_file():
+        raise CannotRun(f"{readme} does not exist")
+    text = readme.read_text()
+    try:
+        spans = find_sections(text)
+    except ValueError as exc:
+        raise CannotRun(f"{readme}: {exc}; nothing rewritten") from None
+    if not spans:
+        raise CannotRun(f"{readme} has no bench markers (a line <!-- bench:kernels:start --> and a line "
+                        "<!-- bench:kernels:end -->, likewise for sweep, e2e, resources); nothing rewritten")
+    found = newest_results(results)
+    blocks = readme_blocks(found, readme.parent)
+    for name in SECTIONS:
+        if name in blocks and name not in spans:
+            print(f"bench.py readme: {readme.name} has no bench:{name} markers; the {name} table is not shown",
+                  file=sys.stderr)
+        elif name in spans and name not in blocks:
+            progress(f"no {name} results in {results}: that section is left as it is")
+    new = replace_sections(text, spans, {k: v for k, v in blocks.items() if k in spans})
+    if new != text:
+        readme.write_text(new)
+    written = [k for k in blocks if k in spans]
+    progress(f"{readme}: {'rewrote' if new != text else 'already current:'} {', '.join(written) or 'nothing'}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """'8x1024' -> (8, 1024): batch x sequence length."""
+    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
+    if not m or int(m[1]) < 1 or int(m[2]) < 1:
+        raise argparse.ArgumentTypeError(f"shape must be BxT with positive integers, e.g. 8x1024; got {text!r}")
+    return int(m[1]), int(m[2])
+
+
+def kernel_list(text: str) -> list[Path]:
+    """'v01,v2,v03_x' or 'all' -> rung files (kernels.resolve: v8, v08, v08_name, or a .cu path)."""
+    if text.strip() == "all":
+        return [kernels.resolve(n) for n in kernels.names()]
+    try:
+        return [kernels.resolve(s.strip()) for s in text.split(",") if s.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def peer_list(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if names == ["none"]:
+        return []
+    unknown = [n for n in names if n not in PEERS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown peer(s) {', '.join(unknown)}: choose from {', '.join(PEERS)} "
+                                         "(or none)")
+    return names
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def power_of_two(text: str) -> int:
+    value = positive_int(text)
+    if value & (value - 1):
+        raise argparse.ArgumentTypeError(f"expected a power of two, got {text!r}")
+    return value
+
+
+def arch_name(text: str) -> str:
+    if not re.fullmatch(r"sm_\d{2,3}[a-z]?", text):
+        raise argparse.ArgumentTypeError(f"architecture must look like sm_90 (or sm_80, sm_90a), got {text!r}")
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n\n")[0],
+                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{kernels,sweep,e2e,resources,readme}")
+
+    def results_option(p):
+        p.add_argument("--results", type=Path, default=RESULTS,
+                       help="folder for result files (default: results/ beside bench.py; results/scratch/ is git-ignored)")
+
+    def shape_options(p, budget_ms):
+        p.add_argument("--kernels", type=kernel_list, default=None, metavar="LIST",
+                       help="rungs, comma-separated (v05,v12 or a .cu path); default: every rung")
+        p.add_argument("--peers", type=peer_list, default=None, metavar="LIST",
+                       help=f"peers from {', '.join(PEERS)} or none; default float32: "
+                            f"{','.join(DEFAULT_PEERS['float32'])}; bfloat16/float16: {','.join(DEFAULT_PEERS['bfloat16'])}")
+        p.add_argument("--nh", type=positive_int, default=12, help="heads (default 12)")
+        p.add_argument("--d", type=positive_int, default=64, help="head size (default 64)")
+        p.add_argument("--dtype", choices=DTYPES, default="float32",
+                       help="input dtype; rungs that do not take it are reported unsupported (default float32)")
+        p.add_argument("--budget-ms", type=float, default=budget_ms,
+                       help=f"GPU time to spend on the timed runs of each entry (default {budget_ms:g}; 10-200 runs)")
+        p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+        results_option(p)
+
+    k = sub.add_parser("kernels", help="every rung x shapes beside the peers: ms, TFLOP/s, %% of FFMA, speed-ups",
+                       description="Every rung x shapes (default the five GPT-2 shapes, NH=12, d=64), each checked "
+                                   "against a float64 reference, then timed beside the CuPy reference and torch SDPA.")
+    k.add_argument("--shape", type=parse_shape, action="append", metavar="BxT",
+                   help="batch x sequence length, repeatable (default: 1x512 8x1024 16x2048 6x4096 1x8192)")
+    shape_options(k, 300.0)
+
+    s = sub.add_parser("sweep", help="TFLOP/s against sequence length, with a PNG plot",
+                       description="TFLOP/s against T (powers of two from --t-min to --t-max) with B = --tokens // T, "
+                                   "for chosen rungs and peers; a PNG plot (matplotlib) beside the JSON.")
+    s.add_argument("--t-min", type=power_of_two, default=128, help="shortest T, a power of two (default 128)")
+    s.add_argument("--t-max", type=power_of_two, default=16384, help="longest T, a power of two (default 16384)")
+    s.add_argument("--tokens", type=positive_int, default=16384, help="B x T per point: B = tokens // T (default 16384)")
+    shape_options(s, 150.0)
+
+    e = sub.add_parser("e2e", help="seconds for GPT-2 small to generate 512 tokens, per rung, beside HF transformers",
+                       description="Seconds to generate --tokens tokens greedily from the prompt with GPT-2 small "
+                                   "(random weights, float32), with the CuPy reference and each rung as the attention, "
+                                   "without and with a KV cache; HF transformers generate() on the same weights.")
+    e.add_argument("--kernels", type=kernel_list, default=None, metavar="LIST",
+                   help="rungs, comma-separated; default: every rung (the CuPy reference always runs)")
+    e.add_argument("--tokens", type=positive_int, default=512, help="new tokens (default 512)")
+    e.add_argument("--prompt", default=PROMPT, help=f"default {PROMPT!r}")
+    mode = e.add_mutually_exclusive_group()
+    mode.add_argument("--kv-cache", dest="mode", action="store_const", const="kv-cache",
+                      help="only the KV-cache mode (default: both modes)")
+    mode.add_argument("--no-cache", dest="mode", action="store_const", const="no-cache",
+                      help="only the no-cache mode, the seed's setup (default: both modes)")
+    e.set_defaults(mode="both")
+    e.add_argument("--no-hf", action="store_true", help="leave out the HF transformers peer")
+    e.add_argument("--hf-attn", choices=("sdpa", "eager"), default="sdpa",
+                   help="the HF model's attn_implementation (default sdpa)")
+    e.add_argument("--warmup", type=positive_int, default=8, help="tokens of the warm-up generation (default 8)")
+    e.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    results_option(e)
+
+    r = sub.add_parser("resources", help="registers, shared memory, spills, blocks per SM of every rung and config",
+                       description="Every rung and configuration: registers, shared memory, stack, spills (ptxas "
+                                   "through NVRTC), and resident blocks per SM on a device. Without a GPU, or with "
+                                   "--arch, compiles for that architecture (default sm_90) with no device.")
+    r.add_argument("--kernels", type=kernel_list, default=None, metavar="LIST", help="default: every rung")
+    r.add_argument("--arch", type=arch_name, default=None, help="compile for this architecture (sm_90) with NVRTC")
+    results_option(r)
+
+    m = sub.add_parser("readme", help="rewrite README.md's tables between markers from the newest results",
+                       description="Rewrite what lies between <!-- bench:<section>:start --> and "
+                                   "<!-- bench:<section>:end --> (sections kernels, sweep, e2e, resources) from the "
+                                   "newest result file of each kind; nothing outside the markers changes. "
+                                   "Exits 2 if the README has no markers.")
+    m.add_argument("--readme", type=Path, default=README, help="default: README.md beside bench.py")
+    m.add_argument("--results", type=Path, default=RESULTS, help="default: results/ beside bench.py")
+    return parser
+
+
+COMMANDS = {"kernels": cmd_kernels, "sweep": cmd_sweep, "e2e": cmd_e2e, "resources": cmd_resources,
+            "readme": cmd_readme}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.argv = argv
+    if getattr(args, "kernels", False) is None:
+        args.kernels = [kernels.resolve(n) for n in kernels.names()]
+    if args.command == "sweep" and args.t_min > args.t_max:
+        parser.error(f"--t-min {args.t_min} is larger than --t-max {args.t_max}")
+    try:
+        return COMMANDS[args.command](args)
+    except CannotRun as exc:
+        return fail(f"{args.command}: {exc}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
