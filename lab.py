@@ -1,0 +1,305 @@
+#!/usr/bin/env python3
+"""GPT-2 text generation with any attention rung, timed: the seed's 512-token run.
+
+    python lab.py --kernel v02 --tokens 512 --random-weights   no KV cache: v02 runs for every token
+    python lab.py --kernel v02 --kv-cache                       prefill with v02, decode with the reference
+    python lab.py --kernel v02 --check --json run.json          also rerun with the reference and compare
+    python lab.py --device cpu --model FOLDER --tokens 20       NumPy and the reference attention
+
+Prints the text as it is generated, then a summary: model, attention, mode, token counts, seconds
+and tokens/s (warm-up and compilation excluded), compile time, peak GPU memory, device.
+User errors print one line to stderr and exit 2; --check exits 1 when the tokens differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+import gpt2
+import kernels
+from gpt2 import LabError, Sampler, StreamDecoder, generate, reference_attend
+
+ROOT = Path(__file__).resolve().parent
+REFERENCE = "reference"
+DEFAULT_PROMPT = "Hello, I'm a language model,"
+WARMUP_TOKENS = 2  # one full step and, with the KV cache, one decode step: every kernel compiled
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage block
+        print(f"lab.py: error: {message} (see lab.py --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+               epilog="\n".join(__doc__.split("\n\n")[1:2]))
+    p.add_argument("--kernel", help="attention rung (v02, v02_pad_k, a .cu path) or 'reference'; "
+                                    "default: the newest rung on the GPU, the reference on the CPU")
+    p.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto",
+                   help="gpu: CuPy; cpu: NumPy with the reference attention; auto: gpu if there is one")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"default {DEFAULT_PROMPT!r}")
+    p.add_argument("--tokens", type=int, default=512, help="new tokens to generate (default 512)")
+    p.add_argument("--kv-cache", action="store_true",
+                   help="prefill with the rung, then decode one token per step over a KV cache "
+                        "(decode attention: reference); default: recompute the whole sequence every step")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    p.add_argument("--top-k", type=int, help="sample among the k likeliest tokens (needs --temperature > 0)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed, and the random weights' seed (default 0)")
+    p.add_argument("--stop-at-eos", action="store_true", help="stop after <|endoftext|>")
+    p.add_argument("--model", help=f"hub id or local folder (default {gpt2.DEFAULT_MODEL}); "
+                                   "HF_HUB_OFFLINE=1 uses the cache only")
+    p.add_argument("--random-weights", action="store_true", help="GPT-2-shaped weights from --seed, no download")
+    p.add_argument("--size", choices=list(gpt2.SIZES), help="family member for --random-weights (default gpt2)")
+    p.add_argument("--check", action="store_true",
+                   help="rerun with the reference attention: identical tokens? largest logit difference?")
+    p.add_argument("--json", metavar="PATH", help="write the summary, prompt and token ids as JSON")
+    return p.parse_args(argv)
+
+
+def check_args(args) -> None:
+    if args.tokens < 1:
+        raise LabError(f"--tokens must be at least 1, got {args.tokens}")
+    if not args.prompt:
+        raise LabError("--prompt is empty: give at least one character")
+    if args.model is not None and args.random_weights:
+        raise LabError("--model and --random-weights exclude each other")
+    if args.size is not None and not args.random_weights:
+        raise LabError("--size chooses the size of --random-weights; with --model the checkpoint sets it")
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        raise LabError(f"--json {args.json}: folder {Path(args.json).parent} does not exist")
+    Sampler(args.temperature, args.top_k, args.seed)  # raises LabError on a bad temperature or top-k
+
+
+def pick_device(choice: str) -> str:
+    if choice == "cpu":
+        return "cpu"
+    has_gpu = kernels.gpu_available()
+    if choice == "gpu" and not has_gpu:
+        raise LabError("--device gpu: no CUDA device (or CuPy) here; use --device cpu")
+    return "gpu" if has_gpu else "cpu"
+
+
+def pick_kernel(name: str | None, device: str) -> str:
+    """The rung's full name (v02_pad_k), a .cu path, or "reference"."""
+    if name is None:
+        return kernels.names()[-1] if device == "gpu" and kernels.names() else REFERENCE
+    if name.lower() in (REFERENCE, "ref"):
+        return REFERENCE
+    try:
+        path = kernels.resolve(name)
+    except ValueError as exc:
+        raise LabError(f"{exc}, or 'reference'") from None
+    if device == "cpu":
+        raise LabError(f"--kernel {name} runs on the GPU; --device cpu runs the reference attention only")
+    return path.stem if path.parent == Path(kernels.__file__).parent else str(path)
+
+
+def make_attend(kernel: str):
+    if kernel == REFERENCE:
+        return reference_attend
+
+    def attend(q, k, v):  # (B, NH, T, hs) views of the packed qkv projection, straight to the rung
+        return kernels.attention(q, k, v, kernel=kernel, causal=True)
+
+    return attend
+
+
+def load_checkpoint(args, xp):
+    if args.random_weights:
+        return gpt2.random_weights(args.size or "gpt2", seed=args.seed, xp=xp)
+    return gpt2.load(args.model or gpt2.DEFAULT_MODEL, xp=xp)
+
+
+def device_name(device: str) -> str:
+    if device == "gpu":
+        import cupy
+
+        return f"{kernels.device_limits().name} (CuPy {cupy.__version__})"
+    cpu = platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu} (NumPy {np.__version__})"
+
+
+def run(args) -> int:
+    check_args(args)
+    device = pick_device(args.device)
+    kernel = pick_kernel(args.kernel, device)
+    if device == "gpu":
+        import cupy as xp
+    else:
+        xp = np
+    ckpt = load_checkpoint(args, xp)
+    config = ckpt.config
+    if kernel != REFERENCE and config.head_size not in kernels.load(kernel).head_sizes():
+        sizes = ", ".join(map(str, kernels.load(kernel).head_sizes()))
+        raise LabError(f"kernel {kernel} supports head sizes {sizes}; this model's is {config.head_size}")
+    encoding = gpt2.load_tokenizer(ckpt.folder)
+    prompt = encoding.encode(args.prompt, allowed_special="all")
+    if len(prompt) + args.tokens > config.n_positions:
+        raise LabError(f"{len(prompt)} prompt tokens + --tokens {args.tokens} = {len(prompt) + args.tokens} "
+                       f"positions, but the model has {config.n_positions}")
+    attend = make_attend(kernel)
+    eos = config.eos_token_id if args.stop_at_eos else None
+
+    def sync():
+        if device == "gpu":
+            xp.cuda.Device().synchronize()
+
+    def run_once(attention, n_new, **kw):
+        return generate(ckpt.params, config, prompt, n_new, attend=attention, kv_cache=args.kv_cache,
+                        sampler=Sampler(args.temperature, args.top_k, args.seed), eos_id=eos, **kw)
+
+    # Warm-up outside the timing: compiles the rung (NVRTC) and CuPy's own elementwise kernels.
+    compile_start = kernels.runtime.compile_seconds
+    start = time.perf_counter()
+    run_once(attend, min(WARMUP_TOKENS, args.tokens))
+    sync()
+    warmup_seconds = time.perf_counter() - start
+    pool = xp.get_default_memory_pool() if device == "gpu" else None
+    if pool is not None:
+        pool.free_all_blocks()  # from here the pool only grows: what it holds at the end is its peak
+
+    stream = StreamDecoder(encoding)
+
+    def show(token):
+        if token != eos:
+            sys.stdout.write(stream(token))
+            sys.stdout.flush()
+
+    sys.stdout.write(args.prompt)
+    sys.stdout.flush()
+    sync()
+    compile_before = kernels.runtime.compile_seconds
+    start = time.perf_counter()
+    result = run_once(attend, args.tokens, on_token=show)
+    sync()
+    seconds = time.perf_counter() - start - (kernels.runtime.compile_seconds - compile_before)
+    sys.stdout.write(stream.flush() + "\n")
+    peak = pool.total_bytes() if pool is not None else None
+
+    check = compare_with_reference(run_once, attend, result, args.tokens, xp) if args.check else None
+    n_new = len(result.tokens)
+    summary = {
+        "model": ckpt.name,
+        "n_params": ckpt.n_params,
+        "config": asdict(config),
+        "kernel": kernel,
+        "mode": "kv-cache" if args.kv_cache else "no-kv-cache",
+        "decode_attention": REFERENCE if args.kv_cache else None,
+        "device": device,
+        "device_name": device_name(device),
+        "prompt": args.prompt,
+        "prompt_tokens": prompt,
+        "generated_tokens": result.tokens,
+        "generated_text": encoding.decode(result.tokens),
+        "n_prompt_tokens": len(prompt),
+        "n_new_tokens": n_new,
+        "seconds": seconds,
+        "tokens_per_second": n_new / seconds if seconds > 0 else math.inf,
+        "compile_seconds": kernels.runtime.compile_seconds - compile_start,
+        "warmup_seconds": warmup_seconds,
+        "peak_gpu_memory_bytes": peak,
+        "peak_gpu_memory_measure": "CuPy memory pool high-water mark (total_bytes), weights included"
+        if peak is not None else None,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "stop_at_eos": args.stop_at_eos,
+        "stopped_at_eos": result.stopped_at_eos,
+        "check": check,
+    }
+    print_summary(summary)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+    return 1 if check is not None and not check["identical"] else 0
+
+
+def compare_with_reference(run_once, attend, timed, n_new: int, xp) -> dict:
+    """Rerun with the rung and with the reference attention, both recording each step's logits
+    (kept out of the timed run). Logits are compared over the steps whose inputs were identical:
+    up to and including the first differing token."""
+    rung = run_once(attend, n_new, record_logits=True)
+    ref = run_once(reference_attend, n_new, record_logits=True)
+    n = min(len(rung.tokens), len(ref.tokens))
+    first = next((i for i in range(n) if rung.tokens[i] != ref.tokens[i]), None)
+    steps = n if first is None else first + 1
+    diff = max(float(xp.abs(a - b).max()) for a, b in zip(rung.logits[:steps], ref.logits[:steps]))
+    return {
+        "identical": first is None and len(rung.tokens) == len(ref.tokens),
+        "first_difference": first if first is not None else (n if len(rung.tokens) != len(ref.tokens) else None),
+        "max_logit_diff": diff,
+        "steps_compared": steps,
+        "reference_tokens": ref.tokens,
+        "rerun_matches_timed_run": rung.tokens == timed.tokens,
+    }
+
+
+def print_summary(s: dict) -> None:
+    if s["mode"] == "kv-cache":
+        mode = f"KV cache: prefill with {s['kernel']}, decode attention: {s['decode_attention']}"
+    else:
+        mode = f"no KV cache: every step recomputes the whole sequence with {s['kernel']}"
+    peak = (f"{s['peak_gpu_memory_bytes'] / 2**20:.1f} MiB (CuPy memory pool high-water mark, weights included)"
+            if s["peak_gpu_memory_bytes"] is not None else "n/a (cpu)")
+    rows = [
+        ("model", f"{s['model']}, {s['n_params'] / 1e6:.1f}M parameters"),
+        ("attention", s["kernel"]),
+        ("mode", mode),
+        ("prompt tokens", s["n_prompt_tokens"]),
+        ("new tokens", s["n_new_tokens"] if not s["stopped_at_eos"] else f"{s['n_new_tokens']} (stopped at end-of-text)"),
+        ("seconds", f"{s['seconds']:.3f} (warm-up and compilation excluded)"),
+        ("tokens/s", f"{s['tokens_per_second']:.1f}"),
+        ("compile time", f"{s['compile_seconds']:.3f} s (rung compilation; not in the timing)"),
+        ("warm-up", f"{s['warmup_seconds']:.3f} s ({WARMUP_TOKENS} tokens before the timed run; not in the timing)"),
+        ("peak GPU memory", peak),
+        ("device", s["device_name"]),
+    ]
+    if s["check"] is not None:
+        c = s["check"]
+        if c["identical"]:
+            verdict = f"tokens identical to the reference attention's ({s['n_new_tokens']} of {s['n_new_tokens']})"
+        else:
+            verdict = f"tokens DIFFER from the reference attention's from new token {c['first_difference']}"
+        rows.append(("check", f"{verdict}; largest logit difference {c['max_logit_diff']:.3g} "
+                              f"over {c['steps_compared']} steps"))
+        if not c["rerun_matches_timed_run"]:
+            rows.append(("", "note: rerunning the rung gave other tokens than the timed run (nondeterministic)"))
+    print("-" * 60)
+    for key, value in rows:
+        print(f"{key:<17}{value}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if "TIKTOKEN_CACHE_DIR" not in os.environ and (ROOT / ".cache" / "tiktoken").is_dir():
+        os.environ["TIKTOKEN_CACHE_DIR"] = str(ROOT / ".cache" / "tiktoken")  # the copy carried to the GPU machine
+    try:
+        return run(args)
+    except (LabError, kernels.KernelCompileError) as exc:
+        sys.stdout.flush()
+        print(f"lab.py: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
