@@ -39,6 +39,7 @@ import re  # noqa: E402
 import shlex  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
@@ -153,7 +154,7 @@ def device_info() -> dict | None:
         "name": name,
         "arch": f"sm_{dev.compute_capability}",
         "sm_count": int(dev.attributes["MultiProcessorCount"]),
-        "l2_bytes": int(dev.attributes["L2CacheSize"]),
+        "l2_bytes": int(props["l2CacheSize"]),
         "memory_bytes": int(props["totalGlobalMem"]),
         "driver": _driver_release(),
         "driver_cuda": _cuda_version(cupy.cuda.runtime.driverGetVersion()),
@@ -245,7 +246,8 @@ class L2Flush:
 
     def __init__(self):
         cupy = _cupy()
-        self.nbytes = 2 * int(cupy.cuda.Device().attributes["L2CacheSize"])
+        dev = cupy.cuda.Device()
+        self.nbytes = 2 * int(cupy.cuda.runtime.getDeviceProperties(dev.id)["l2CacheSize"])
         self.buffer = cupy.empty(self.nbytes, dtype=cupy.uint8)
 
     def __call__(self):
@@ -268,7 +270,9 @@ class Method:
             "timer": "cupy.cuda.Event pairs on the stream the work runs on (torch peers: torch's current "
                      "stream, which is CuPy's legacy default stream), read after the last run",
             "warmup_runs": self.warmup,
-            "runs": f"budget {self.budget_ms:g} ms, at least {self.min_runs}, at most {self.max_runs}",
+            "budget_ms": self.budget_ms,
+            "min_runs": self.min_runs,
+            "max_runs": self.max_runs,
             "statistic": "median; spread as p20-p80 and min-max",
             "l2_flush_bytes": flush_bytes,
             "l2_flush": "a buffer of twice the L2 size is written before every timed run, outside the events",
@@ -678,13 +682,14 @@ def bench_shape(shape: Shape, dtype: str, rungs: list[Path], peers: list[str], *
             r["status"], r["reason"] = "unavailable" if r["kind"] == "peer" else "error", _first_line(exc)
         release_memory()
         report(r)
-    add_speedups(rows, COMPARE_TO[dtype])
+    add_speedups(rows)
     return rows
 
 
-def add_speedups(rows: list[dict], compare_to) -> None:
+def add_speedups(rows: list[dict]) -> None:
     """Speed-ups (the other's median over this one's): against the previous timed rung, and each peer."""
     timed = {r["name"]: r["timing"]["median_ms"] for r in rows if r["status"] == "ok"}
+    peers = [r["name"] for r in rows if r["kind"] == "peer" and r["name"] in timed]
     previous = None
     for r in rows:
         r["speedup"] = {}
@@ -695,8 +700,8 @@ def add_speedups(rows: list[dict], compare_to) -> None:
             if previous is not None:
                 r["speedup"]["previous"] = timed[previous] / ms
             previous = r["name"]
-        for other in compare_to:
-            if other in timed and other != r["name"]:
+        for other in peers:
+            if other != r["name"]:
                 r["speedup"][other] = timed[other] / ms
 
 
@@ -808,12 +813,12 @@ def time_hf_generation(folder: Path, prompt: list[int], n_new: int, kv_cache: bo
         """generate() puts the prompt first, then each new token as it is chosen (already on the host)."""
 
         def __init__(self):
-            self.stamps, self.prompt_seen = [], False
+            self.stamps, self.first = [], True
 
         def put(self, value):
-            if self.prompt_seen:
+            if not (self.first and value.numel() == len(prompt) > 1):  # the prompt, not a token
                 self.stamps.append(time.perf_counter())
-            self.prompt_seen = True
+            self.first = False
 
         def end(self):
             pass
@@ -857,7 +862,7 @@ def cmd_e2e(args) -> int:
     progress(f"{setup['device']['name']}: GPT-2 small, {ckpt.name}, {len(prompt)} prompt tokens, "
              f"{args.tokens} new tokens, greedy, float32")
     rows, count = [], 0
-    hf_folder = None
+    hf_folder, scratch = None, tempfile.TemporaryDirectory(prefix="bench-e2e-")  # the weights, as HF reads them
     for kv in modes:
         mode = "kv-cache" if kv else "no-cache"
         for name, label, path in impls:
@@ -877,13 +882,14 @@ def cmd_e2e(args) -> int:
                    "kv_cache": kv}
             try:
                 if hf_folder is None:
-                    hf_folder = gpt2.save(ckpt, args.results / "scratch" / "e2e-weights")
+                    hf_folder = gpt2.save(ckpt, Path(scratch.name) / "gpt2")
                 row |= time_hf_generation(hf_folder, prompt, args.tokens, kv, args.warmup, args.hf_attn)
                 row["status"] = "ok"
             except Exception as exc:  # Unavailable, or transformers refusing something
                 row |= {"status": "unavailable", "reason": _first_line(exc)}
             rows.append(row)
             report_generation(count, total, row)
+    scratch.cleanup()
     add_generation_comparisons(rows)
     result = {
         "schema": SCHEMA, "kind": "e2e", "setup": setup,
@@ -1011,7 +1017,9 @@ def plot_e2e(plt, result: dict):
 
 
 def _ms(x: float) -> str:
-    return f"{x:.0f}" if x >= 1000 else f"{x:.4g}"
+    """Four significant digits, zeros kept (0.01723, 1.200, 12.34, 123.4)."""
+    digits = max(0, 3 - math.floor(math.log10(x))) if x > 0 else 4
+    return f"{x:.{digits}f}"
 
 
 def _tflops(x: float) -> str:
@@ -1076,15 +1084,16 @@ def render_rows_table(result: dict, rows: list[dict]) -> list[str]:
 
 
 def render_kernels(result: dict) -> str:
-    c = result["ceilings"]
+    c, m = result["ceilings"], result["method"]
     lines = setup_header(result) + [
         "",
         f"FLOP convention: {result['flop_convention']}. Ceilings measured in the same run: fp32 FFMA "
         f"{c['ffma_tflops']:.1f} TFLOP/s ({c['ffma_what']}); device copy {c['copy_tbps']:.2f} TB/s ({c['copy_what']}).",
-        f"Times: median of {result['method']['runs']} runs after {result['method']['warmup_runs']} warm-up runs, "
-        "CUDA events, L2 flushed before each run; spread p20-p80. Speed-ups are the other's median over this "
+        "",
+        f"Times: median of {m['min_runs']}-{m['max_runs']} runs (as many as fit in {m['budget_ms']:g} ms) after "
+        f"{m['warmup_runs']} warm-up runs, CUDA events, L2 flushed before each run; spread p20-p80. Speed-ups are the other's median over this "
         "one's (above 1x: this one is faster). Every rung was checked against a float64 reference first: "
-        f"{result['method']['tolerance']}.",
+        f"{m['tolerance']}.",
     ]
     for shape in result["shapes"]:
         rows = [r for r in result["rows"] if r["shape"] == shape]
