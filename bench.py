@@ -588,6 +588,8 @@ def bench_shape(shape: Shape, dtype: str, rungs: list[Path], peers: list[str], *
                 ffma_tflops: float, seed: int, counter: list[int], total: int) -> list[dict]:
     """Rows for one shape: every rung (ladder order), then every peer."""
     cupy = _cupy()
+    progress(f"{shape.label}: NH={shape.NH}, d={shape.d}, {dtype}: running {len(rungs)} rungs (compiled on first "
+             f"use) and {len(peers)} peers once, then checking them against float64 ...")
     inputs = Inputs(shape, dtype, seed)
     flops = attention_flops(shape.B, shape.NH, shape.T, shape.d)
     rows, launches, outputs = [], {}, {}
@@ -773,11 +775,11 @@ def gpt2_seam():
     return gpt2
 
 
-def attend_with(name: str, path: Path | None):
-    """The attention function gpt2.forward calls: the CuPy reference, or a rung."""
+def attend_with(gpt2, path: Path | None):
+    """The attention function gpt2.forward calls: the CuPy reference, or a rung (as lab.py runs them)."""
     if path is None:
-        return kernels.reference_attention
-    return lambda q, k, v: kernels.attention(q, k, v, kernel=path)
+        return gpt2.reference_attend
+    return lambda q, k, v: kernels.attention(q, k, v, kernel=path, causal=True)
 
 
 def time_generation(gpt2, ckpt, prompt: list[int], n_new: int, attend, kv_cache: bool, warmup: int) -> dict:
@@ -789,12 +791,14 @@ def time_generation(gpt2, ckpt, prompt: list[int], n_new: int, attend, kv_cache:
     cupy.cuda.Device().synchronize()
     pool.free_all_blocks()
     stamps = []
+    compile_before = kernels.runtime.compile_seconds
     start = time.perf_counter()
     out = gpt2.generate(ckpt.params, ckpt.config, prompt, n_new, attend=attend, kv_cache=kv_cache,
                         on_token=lambda token: stamps.append(time.perf_counter()))
     cupy.cuda.Device().synchronize()
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "elapsed": [t - start for t in stamps], "tokens": list(out.tokens),
+            "compile_seconds_in_run": kernels.runtime.compile_seconds - compile_before,  # 0: warm-up compiled all
             "peak_bytes": pool.total_bytes(),
             "peak_what": "CuPy memory pool after the run (its high-water mark: blocks are cached, not freed), weights included"}
 
@@ -854,7 +858,7 @@ def cmd_e2e(args) -> int:
     modes = [False, True] if args.mode == "both" else [args.mode == "kv-cache"]
     ckpt = gpt2.random_weights("gpt2", seed=args.seed, xp=cupy)
     try:
-        prompt = gpt2.load_tokenizer(None).encode(args.prompt)
+        prompt = gpt2.load_tokenizer(None).encode(args.prompt, allowed_special="all")
     except Exception as exc:  # gpt2.LabError: no tiktoken files and no network
         raise CannotRun(str(exc)) from None
     impls = [("reference", "CuPy reference", None)] + [(p.stem, p.stem, p) for p in args.kernels]
@@ -869,7 +873,7 @@ def cmd_e2e(args) -> int:
             count += 1
             row = {"name": name, "label": label, "kind": "rung" if path else "peer", "mode": mode, "kv_cache": kv}
             try:
-                row |= time_generation(gpt2, ckpt, prompt, args.tokens, attend_with(name, path), kv, args.warmup)
+                row |= time_generation(gpt2, ckpt, prompt, args.tokens, attend_with(gpt2, path), kv, args.warmup)
                 row["status"] = "ok"
             except Exception as exc:
                 row |= {"status": "error", "reason": _first_line(exc)}

@@ -9,8 +9,11 @@ import math
 import re
 import shutil
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 import bench
@@ -498,3 +501,191 @@ def test_gpt2_seam_offers_what_e2e_calls():
     gpt2 = bench.gpt2_seam()
     for name in ("random_weights", "load_tokenizer", "generate", "save"):
         assert callable(getattr(gpt2, name))
+
+
+# --- the GPU paths' control flow, with NumPy standing in for CuPy -----------------------------
+#
+# No GPU here, so these run kernels/sweep/e2e end to end with a stand-in for CuPy made of NumPy
+# and a host clock for its events, and stand-in rungs: one right, one slightly wrong, one that
+# leaves rows unwritten, one that refuses the inputs. What they check is bench.py's own logic:
+# poisoning, the gate, what gets timed, the rows, the result file and the tables.
+
+
+class FakeStream:
+    ptr = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def synchronize(self):
+        pass
+
+
+class FakeEvent:
+    def record(self, stream=None):
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+
+class FakePool:
+    def free_all_blocks(self):
+        pass
+
+    def free_bytes(self):
+        return 0
+
+    def total_bytes(self):
+        return 123 * 2**20
+
+
+def fake_cupy():
+    stream = FakeStream()
+    cuda = SimpleNamespace(Event=FakeEvent, get_elapsed_time=lambda s, e: (e.t - s.t) * 1e3,
+                           get_current_stream=lambda: stream, Device=lambda: SimpleNamespace(synchronize=lambda: None),
+                           runtime=SimpleNamespace(memGetInfo=lambda: (64 * 2**30, 80 * 2**30)))
+    pool = FakePool()
+    return SimpleNamespace(ndarray=np.ndarray, float16=np.float16, float32=np.float32, float64=np.float64,
+                           uint8=np.uint8, uint32=np.uint32, abs=np.abs, isfinite=np.isfinite, empty=np.empty,
+                           zeros=np.zeros, ones=np.ones, random=SimpleNamespace(default_rng=np.random.default_rng),
+                           get_default_memory_pool=lambda: pool, cuda=cuda)
+
+
+def fake_prepare(q, k, v, *, kernel, causal=True):
+    """Stand-in rungs, chosen by file name: good, noisy (error 1e-3), lazy (second half unwritten), picky."""
+    name = Path(kernel).stem
+    if name.endswith("picky"):
+        raise TypeError(f"kernel {name} supports float16 only")
+    out = np.empty(q.shape, dtype=np.float32)
+
+    def run():
+        ref = kernels.reference_attention(q, k, v)
+        if name.endswith("noisy"):
+            ref = ref + np.float32(1e-3)
+        if name.endswith("lazy"):
+            out[:, :, : q.shape[2] // 2] = ref[:, :, : q.shape[2] // 2]
+        else:
+            out[...] = ref
+        return out
+
+    return run
+
+
+class StandInFlush:
+    nbytes = 2**21
+
+    def __call__(self):
+        pass
+
+
+FAKE_DEVICE = {"name": "Stand-in GPU", "arch": "sm_90", "sm_count": 132, "l2_bytes": 2**20,
+               "memory_bytes": 80 * 2**30, "driver": "0", "driver_cuda": "13.0", "cuda_runtime": "13.0"}
+
+
+@pytest.fixture
+def stand_in(monkeypatch, tmp_path):
+    """bench.py with NumPy for CuPy, no torch, and four stand-in rung files."""
+    monkeypatch.setattr(bench, "_cupy", fake_cupy)
+    monkeypatch.setattr(bench, "gpu_problem", lambda: None)
+    monkeypatch.setattr(bench, "device_info", lambda: dict(FAKE_DEVICE))
+    monkeypatch.setattr(bench, "measure_ceilings", lambda method: {
+        "ffma_tflops": 50.0, "ffma_what": "stand-in", "copy_tbps": 3.0, "copy_what": "stand-in"})
+    monkeypatch.setattr(bench, "L2Flush", StandInFlush)
+    monkeypatch.setattr(bench, "_torch", lambda: (_ for _ in ()).throw(bench.Unavailable("torch is not importable")))
+    monkeypatch.setattr(kernels, "prepare", fake_prepare)
+    monkeypatch.setattr(kernels, "instance", lambda kernel, d, config=None: SimpleNamespace(describe=lambda: "stand-in"))
+    rung_dir = tmp_path / "rungs"
+    rung_dir.mkdir()
+    paths = []
+    for name in ("v01_good", "v02_noisy", "v03_lazy", "v04_picky"):
+        (rung_dir / f"{name}.cu").write_text("// stand-in\n")
+        paths.append(str(rung_dir / f"{name}.cu"))
+    return paths
+
+
+def test_bench_shape_checks_before_timing(stand_in, capsys):
+    shape = bench.Shape(2, 37, NH=3, d=16)
+    method = bench.Method(budget_ms=1.0, min_runs=3, max_runs=3, warmup=1)
+    rows = bench.bench_shape(shape, "float32", [Path(p) for p in stand_in], ["reference", "sdpa_efficient"],
+                             flush=bench.no_flush, method=method, ffma_tflops=50.0, seed=0, counter=[0], total=6)
+    by = {r["name"]: r for r in rows}
+    assert [r["name"] for r in rows] == ["v01_good", "v02_noisy", "v03_lazy", "v04_picky", "reference",
+                                         "sdpa_efficient"]
+    good = by["v01_good"]
+    assert good["status"] == "ok" and good["timing"]["runs"] == 3 and good["config"] == "stand-in"
+    assert good["max_err"] <= good["bound"] == pytest.approx(8 * max(good["plain32_err"], good["bound"] / 8))
+    assert good["tflops"] == pytest.approx(good["flops"] / (good["timing"]["median_ms"] * 1e-3) / 1e12)
+    assert good["flops"] == bench.attention_flops(2, 3, 37, 16)
+    noisy = by["v02_noisy"]
+    assert noisy["status"] == "wrong" and "timing" not in noisy
+    assert noisy["max_err"] == pytest.approx(1e-3, rel=0.01) and "> bound" in noisy["reason"]
+    lazy = by["v03_lazy"]
+    assert lazy["status"] == "wrong" and lazy["nonfinite"] == 2 * 3 * (37 - 18) * 16  # the poison stayed
+    assert "unwritten" in lazy["reason"] and "timing" not in lazy
+    assert by["v04_picky"]["status"] == "unsupported" and "float16 only" in by["v04_picky"]["reason"]
+    assert by["reference"]["status"] == "ok" and by["reference"]["kind"] == "peer"
+    assert by["sdpa_efficient"]["status"] == "unavailable" and "torch" in by["sdpa_efficient"]["reason"]
+    assert good["speedup"]["reference"] == pytest.approx(
+        by["reference"]["timing"]["median_ms"] / good["timing"]["median_ms"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert len(lines) == 6 and lines[0].startswith("[  1/6]") and "wrong" in lines[1]
+
+
+def test_kernels_subcommand_end_to_end_with_stand_ins(stand_in, tmp_path, capsys):
+    code, out, err = run(["kernels", "--kernels", ",".join(stand_in[:2]), "--shape", "1x40", "--shape", "2x17",
+                          "--nh", "2", "--d", "8", "--budget-ms", "1", "--results", str(tmp_path / "out")], capsys)
+    assert code == 0, err
+    (path,) = (tmp_path / "out").glob("kernels-stand-in-gpu-*.json")
+    data = json.loads(path.read_text())
+    assert data["kind"] == "kernels" and data["setup"]["device"]["name"] == "Stand-in GPU"
+    assert data["setup"]["command"].startswith("python3 bench.py kernels --kernels")
+    assert data["shapes"] == [{"B": 1, "T": 40, "NH": 2, "d": 8}, {"B": 2, "T": 17, "NH": 2, "d": 8}]
+    assert [(r["name"], r["status"]) for r in data["rows"]][:5] == [
+        ("v01_good", "ok"), ("v02_noisy", "wrong"), ("reference", "ok"), ("sdpa_math", "unavailable"),
+        ("sdpa_efficient", "unavailable")]
+    assert "**B=2, T=17** (NH=2, d=8, float32" in out and f"wrote {path}" in out
+
+
+def test_sweep_subcommand_end_to_end_with_stand_ins(stand_in, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "_pyplot", FakePyplot)  # a stand-in matplotlib: no file, but the call is made
+    saved = []
+    monkeypatch.setattr(bench, "plot_or_none", lambda plot, result, path: saved.append(path) or path.name)
+    code, out, err = run(["sweep", "--kernels", stand_in[0], "--peers", "reference", "--t-min", "16", "--t-max",
+                          "64", "--tokens", "128", "--nh", "2", "--d", "8", "--budget-ms", "1", "--results",
+                          str(tmp_path)], capsys)
+    assert code == 0, err
+    (path,) = tmp_path.glob("sweep-*.json")
+    data = json.loads(path.read_text())
+    assert [(s["B"], s["T"]) for s in data["shapes"]] == [(8, 16), (4, 32), (2, 64)]
+    assert data["tokens"] == 128 and data["plot"] == path.with_suffix(".png").name == saved[0].name
+    assert all(r["status"] == "ok" for r in data["rows"])
+    assert "| T | B | `v01_good` | CuPy reference |" in out
+
+
+def test_e2e_subcommand_end_to_end_with_stand_ins(stand_in, tmp_path, monkeypatch, capsys):
+    import gpt2
+
+    tiny = gpt2.GPT2Config(n_layer=2, n_head=2, n_embd=16, n_positions=64)
+    real_random = gpt2.random_weights
+    monkeypatch.setattr(gpt2, "random_weights", lambda size, seed, xp: real_random(tiny, seed=seed, xp=np))
+    monkeypatch.setattr(kernels, "attention", lambda q, k, v, kernel, causal: kernels.reference_attention(q, k, v))
+    monkeypatch.setattr(bench, "plot_or_none", lambda plot, result, path: None)
+    code, out, err = run(["e2e", "--kernels", stand_in[0], "--tokens", "5", "--warmup", "2", "--no-hf",
+                          "--results", str(tmp_path)], capsys)
+    assert code == 0, err
+    (path,) = tmp_path.glob("e2e-stand-in-gpu-*.json")
+    data = json.loads(path.read_text())
+    assert data["modes"] == ["no-cache", "kv-cache"] and data["prompt"] == bench.PROMPT
+    assert data["prompt_tokens"] == 8  # "Hello, I'm a language model," in GPT-2's BPE
+    rows = {(r["name"], r["mode"]): r for r in data["rows"]}
+    assert set(rows) == {("reference", "no-cache"), ("v01_good", "no-cache"), ("reference", "kv-cache"),
+                         ("v01_good", "kv-cache")}
+    for r in rows.values():
+        assert r["status"] == "ok" and len(r["tokens"]) == 5 and len(r["elapsed"]) == 5
+        assert r["elapsed"] == sorted(r["elapsed"]) and r["elapsed"][-1] <= r["seconds"]
+        assert r["same_tokens_as_reference"] == 5  # the stand-in rung is the reference
+    assert "| `v01_good` | kv-cache |" in out
