@@ -90,7 +90,7 @@ def pick_device(choice: str) -> str:
     return "gpu" if has_gpu else "cpu"
 
 
-def pick_kernel(name: str | None, device: str) -> str:
+def pick_kernel(name: str | None, device: str, asked: str = "auto") -> str:
     """The rung's full name (v02_pad_k), a .cu path, or "reference"."""
     if name is None:
         return kernels.names()[-1] if device == "gpu" and kernels.names() else REFERENCE
@@ -101,16 +101,18 @@ def pick_kernel(name: str | None, device: str) -> str:
     except ValueError as exc:
         raise LabError(f"{exc}, or 'reference'") from None
     if device == "cpu":
-        raise LabError(f"--kernel {name} runs on the GPU; --device cpu runs the reference attention only")
+        why = "--device cpu runs" if asked == "cpu" else "there is no CUDA device here, and the CPU runs"
+        raise LabError(f"--kernel {name} runs on the GPU; {why} the reference attention only")
     return path.stem if path.parent == Path(kernels.__file__).parent else str(path)
 
 
 def make_attend(kernel: str):
     if kernel == REFERENCE:
         return reference_attend
+    path = str(kernels.resolve(kernel))  # once: resolving a name per call scans kernels/ each time
 
     def attend(q, k, v):  # (B, NH, T, hs) views of the packed qkv projection, straight to the rung
-        return kernels.attention(q, k, v, kernel=kernel, causal=True)
+        return kernels.attention(q, k, v, kernel=path, causal=True)
 
     return attend
 
@@ -140,7 +142,7 @@ def device_name(device: str) -> str:
 def run(args) -> int:
     check_args(args)
     device = pick_device(args.device)
-    kernel = pick_kernel(args.kernel, device)
+    kernel = pick_kernel(args.kernel, device, args.device)
     if device == "gpu":
         import cupy as xp
     else:
@@ -240,7 +242,7 @@ def compare_with_reference(run_once, attend, timed, n_new: int, xp) -> dict:
     n = min(len(rung.tokens), len(ref.tokens))
     first = next((i for i in range(n) if rung.tokens[i] != ref.tokens[i]), None)
     steps = n if first is None else first + 1
-    diff = max(float(xp.abs(a - b).max()) for a, b in zip(rung.logits[:steps], ref.logits[:steps]))
+    diff = max(float(xp.abs(a - b).max()) for a, b in zip(rung.logits[:steps], ref.logits[:steps], strict=True))
     return {
         "identical": first is None and len(rung.tokens) == len(ref.tokens),
         "first_difference": first if first is not None else (n if len(rung.tokens) != len(ref.tokens) else None),

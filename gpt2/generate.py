@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kernels import reference_attention
+
 from .config import GPT2Config
 from .errors import LabError
 from .model import KVCache, array_module, forward
@@ -21,8 +23,6 @@ from .model import KVCache, array_module, forward
 
 def reference_attend(q, k, v):
     """kernels.reference_attention in the array type it is given (causal, aligned bottom-right)."""
-    from kernels import reference_attention
-
     return reference_attention(q, k, v, causal=True)
 
 

@@ -42,7 +42,7 @@ def bytes_to_unicode() -> dict[int, str]:
             printable.append(b)
             chars.append(256 + extra)
             extra += 1
-    return {b: chr(c) for b, c in zip(printable, chars)}
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
 
 
 def from_files(vocab_path: str | Path, merges_path: str | Path):

@@ -14,7 +14,7 @@ from safetensors.numpy import load_file, save_file
 import gpt2
 from gpt2 import CheckpointError, GPT2Config, LabError, Sampler, forward, generate, reference_attend
 from gpt2.config import SIZES, from_json, from_shapes
-from gpt2.load import expected_shapes, load_folder, random_weights, save
+from gpt2.load import expected_shapes, random_weights, save
 from gpt2.model import KVCache, gelu
 from gpt2.tokenizer import StreamDecoder, from_files, load_tokenizer
 
@@ -338,7 +338,7 @@ def test_both_modes_give_identical_greedy_tokens(small):
     a = generate(small.params, small.config, prompt, 40, attend=reference_attend, record_logits=True)
     b = generate(small.params, small.config, prompt, 40, attend=reference_attend, kv_cache=True, record_logits=True)
     assert a.tokens == b.tokens and len(a.tokens) == 40
-    assert max(max_err(x, y) for x, y in zip(a.logits, b.logits)) < 1e-4
+    assert max(max_err(x, y) for x, y in zip(a.logits, b.logits, strict=True)) < 1e-4
 
 
 def test_sampling_is_seeded(small):
@@ -357,7 +357,7 @@ def test_sampling_is_seeded(small):
 def test_top_k_samples_only_among_the_k_likeliest(small):
     out = generate(small.params, small.config, [15496, 11], 30, attend=reference_attend, kv_cache=True,
                    sampler=Sampler(temperature=5.0, top_k=3, seed=0), record_logits=True)
-    for token, logits in zip(out.tokens, out.logits):
+    for token, logits in zip(out.tokens, out.logits, strict=True):
         assert token in np.argsort(logits)[-3:]
     assert len(set(out.tokens)) > 1  # a high temperature really samples
 

@@ -178,6 +178,7 @@ ERRORS = {
 }
 if not HAS_GPU:
     ERRORS["gpu without one"] = (["--device", "gpu"], "no CUDA device")
+    ERRORS["rung without a gpu"] = (["--kernel", "v01", "--device", "auto"], "there is no CUDA device here")
 
 
 @pytest.mark.parametrize("case", list(ERRORS))
