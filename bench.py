@@ -73,7 +73,7 @@ def attention_flops(B: int, NH: int, T: int, d: int, causal: bool = True) -> int
 
 
 class Unavailable(Exception):
-    """A peer or a measurement that cannot run here (a missing package, a backend, memory)."""
+    """A peer that cannot run here (a missing package, a backend refusing the dtype, memory): a row says so."""
 
 
 def fail(message: str) -> int:
@@ -108,6 +108,16 @@ def gpu_problem() -> str | None:
     except Exception as exc:  # CUDARuntimeError: no driver, insufficient driver, ...
         return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return None if count > 0 else "no CUDA device visible"
+
+
+class CannotRun(Exception):
+    """A subcommand that cannot run here (no GPU, no gpt2 package, no NVRTC): one line, exit 2."""
+
+
+def require_gpu() -> None:
+    problem = gpu_problem()
+    if problem:
+        raise CannotRun(f"needs a CUDA GPU, and none is usable here ({problem}); run it on the GPU machine")
 
 
 def _version(package: str) -> str | None:
@@ -752,16 +762,6 @@ def run_shapes(kind: str, args, shapes: list[Shape]) -> dict:
 PROMPT = "Hello, I'm a language model,"
 
 
-class CannotRun(Exception):
-    """A subcommand that cannot run here (no GPU, no gpt2 package, no NVRTC): one line, exit 2."""
-
-
-def require_gpu(command: str) -> None:
-    problem = gpu_problem()
-    if problem:
-        raise CannotRun(f"needs a CUDA GPU, and none is usable here ({problem}); run it on the GPU machine")
-
-
 def gpt2_seam():
     """The GPT-2 of gpt2/: random_weights, load_tokenizer, generate(..., attend, kv_cache, on_token), save."""
     try:
@@ -809,9 +809,12 @@ def time_hf_generation(folder: Path, prompt: list[int], n_new: int, kv_cache: bo
     torch = _torch()
     try:
         import transformers
-        from transformers.generation.streamers import BaseStreamer
     except Exception as exc:
         raise Unavailable(f"transformers is not importable ({type(exc).__name__}: {exc})") from None
+    try:
+        from transformers.generation.streamers import BaseStreamer
+    except ImportError:  # generate() only calls put() and end()
+        BaseStreamer = object
 
     class TokenClock(BaseStreamer):
         """generate() puts the prompt first, then each new token as it is chosen (already on the host)."""
@@ -851,7 +854,7 @@ def time_hf_generation(folder: Path, prompt: list[int], n_new: int, kv_cache: bo
 
 
 def cmd_e2e(args) -> int:
-    require_gpu("e2e")
+    require_gpu()
     gpt2 = gpt2_seam()
     cupy = _cupy()
     setup = setup_info(args.argv)
@@ -866,34 +869,33 @@ def cmd_e2e(args) -> int:
     progress(f"{setup['device']['name']}: GPT-2 small, {ckpt.name}, {len(prompt)} prompt tokens, "
              f"{args.tokens} new tokens, greedy, float32")
     rows, count = [], 0
-    hf_folder, scratch = None, tempfile.TemporaryDirectory(prefix="bench-e2e-")  # the weights, as HF reads them
-    for kv in modes:
-        mode = "kv-cache" if kv else "no-cache"
-        for name, label, path in impls:
-            count += 1
-            row = {"name": name, "label": label, "kind": "rung" if path else "peer", "mode": mode, "kv_cache": kv}
-            try:
-                row |= time_generation(gpt2, ckpt, prompt, args.tokens, attend_with(gpt2, path), kv, args.warmup)
-                row["status"] = "ok"
-            except Exception as exc:
-                row |= {"status": "error", "reason": _first_line(exc)}
-            release_memory()
-            rows.append(row)
-            report_generation(count, total, row)
-        if not args.no_hf:
-            count += 1
-            row = {"name": "hf", "label": f"HF transformers ({args.hf_attn})", "kind": "peer", "mode": mode,
-                   "kv_cache": kv}
-            try:
-                if hf_folder is None:
-                    hf_folder = gpt2.save(ckpt, Path(scratch.name) / "gpt2")
-                row |= time_hf_generation(hf_folder, prompt, args.tokens, kv, args.warmup, args.hf_attn)
-                row["status"] = "ok"
-            except Exception as exc:  # Unavailable, or transformers refusing something
-                row |= {"status": "unavailable", "reason": _first_line(exc)}
-            rows.append(row)
-            report_generation(count, total, row)
-    scratch.cleanup()
+    with tempfile.TemporaryDirectory(prefix="bench-e2e-") as scratch:  # the weights as HF reads them
+        hf_folder = None
+        for kv in modes:
+            mode = "kv-cache" if kv else "no-cache"
+            for name, label, path in impls:
+                count += 1
+                row = {"name": name, "label": label, "kind": "rung" if path else "peer", "mode": mode, "kv_cache": kv}
+                try:
+                    row |= time_generation(gpt2, ckpt, prompt, args.tokens, attend_with(gpt2, path), kv, args.warmup)
+                    row["status"] = "ok"
+                except Exception as exc:
+                    row |= {"status": "error", "reason": _first_line(exc)}
+                release_memory()
+                rows.append(row)
+                report_generation(count, total, row)
+            if not args.no_hf:
+                count += 1
+                row = {"name": "hf", "label": f"HF transformers ({args.hf_attn})", "kind": "peer", "mode": mode,
+                       "kv_cache": kv}
+                try:
+                    hf_folder = hf_folder or gpt2.save(ckpt, Path(scratch) / "gpt2")
+                    row |= time_hf_generation(hf_folder, prompt, args.tokens, kv, args.warmup, args.hf_attn)
+                    row["status"] = "ok"
+                except Exception as exc:  # Unavailable, or transformers refusing something
+                    row |= {"status": "unavailable", "reason": _first_line(exc)}
+                rows.append(row)
+                report_generation(count, total, row)
     add_generation_comparisons(rows)
     result = {
         "schema": SCHEMA, "kind": "e2e", "setup": setup,
@@ -1187,7 +1189,7 @@ def render_resources(result: dict) -> str:
 
 
 def cmd_kernels(args) -> int:
-    require_gpu("kernels")
+    require_gpu()
     shapes = [Shape(B, T, args.nh, args.d) for B, T in (args.shape or GPT2_SHAPES)]
     result = run_shapes("kernels", args, shapes)
     path = write_result(result, result_path("kernels", result["setup"], args.results))
@@ -1197,7 +1199,7 @@ def cmd_kernels(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    require_gpu("sweep")
+    require_gpu()
     lengths = [2**i for i in range(int(math.log2(args.t_min)), int(math.log2(args.t_max)) + 1)]
     shapes = [Shape(max(1, args.tokens // T), T, args.nh, args.d) for T in lengths]
     result = run_shapes("sweep", args, shapes)
