@@ -107,4 +107,7 @@ def forward(params: dict, config: GPT2Config, idx, attend, *, cache: KVCache | N
     if last_only:
         x = x[:, -1:]  # (B, 1, C)
     x = layer_norm(x, w, "ln_f", config.layer_norm_epsilon)
-    return x @ w["wte.weight"].T  # (B, T, vocab): lm_head is tied to wte
+    # lm_head is tied to wte. A 2-D product, because CuPy's matmul copies a transposed operand into
+    # a contiguous one when either side has more than 2 dimensions (all of wte, every step).
+    logits = x.reshape(-1, config.n_embd) @ w["wte.weight"].T  # (B * T, vocab)
+    return logits.reshape(B, -1, config.vocab_size)  # (B, T, vocab), or (B, 1, vocab) if last_only
