@@ -853,74 +853,6 @@ def time_hf_generation(folder: Path, prompt: list[int], n_new: int, kv_cache: bo
             "attn_implementation": attn_implementation, "transformers": transformers.__version__}
 
 
-def cmd_e2e(args) -> int:
-    require_gpu()
-    gpt2 = gpt2_seam()
-    cupy = _cupy()
-    setup = setup_info(args.argv)
-    modes = [False, True] if args.mode == "both" else [args.mode == "kv-cache"]
-    ckpt = gpt2.random_weights("gpt2", seed=args.seed, xp=cupy)
-    try:
-        prompt = gpt2.load_tokenizer(None).encode(args.prompt, allowed_special="all")
-    except Exception as exc:  # gpt2.LabError: no tiktoken files and no network
-        raise CannotRun(str(exc)) from None
-    impls = [("reference", "CuPy reference", None)] + [(p.stem, p.stem, p) for p in args.kernels]
-    total = len(modes) * (len(impls) + (0 if args.no_hf else 1))
-    progress(f"{setup['device']['name']}: GPT-2 small, {ckpt.name}, {len(prompt)} prompt tokens, "
-             f"{args.tokens} new tokens, greedy, float32")
-    rows, count = [], 0
-    with tempfile.TemporaryDirectory(prefix="bench-e2e-") as scratch:  # the weights as HF reads them
-        hf_folder = None
-        for kv in modes:
-            mode = "kv-cache" if kv else "no-cache"
-            for name, label, path in impls:
-                count += 1
-                row = {"name": name, "label": label, "kind": "rung" if path else "peer", "mode": mode, "kv_cache": kv}
-                try:
-                    row |= time_generation(gpt2, ckpt, prompt, args.tokens, attend_with(gpt2, path), kv, args.warmup)
-                    row["status"] = "ok"
-                except Exception as exc:
-                    row |= {"status": "error", "reason": _first_line(exc)}
-                release_memory()
-                rows.append(row)
-                report_generation(count, total, row)
-            if not args.no_hf:
-                count += 1
-                row = {"name": "hf", "label": f"HF transformers ({args.hf_attn})", "kind": "peer", "mode": mode,
-                       "kv_cache": kv}
-                try:
-                    hf_folder = hf_folder or gpt2.save(ckpt, Path(scratch) / "gpt2")
-                    row |= time_hf_generation(hf_folder, prompt, args.tokens, kv, args.warmup, args.hf_attn)
-                    row["status"] = "ok"
-                except Exception as exc:  # Unavailable, or transformers refusing something
-                    row |= {"status": "unavailable", "reason": _first_line(exc)}
-                rows.append(row)
-                report_generation(count, total, row)
-    add_generation_comparisons(rows)
-    result = {
-        "schema": SCHEMA, "kind": "e2e", "setup": setup,
-        "model": ckpt.name, "prompt": args.prompt, "prompt_tokens": len(prompt), "new_tokens": args.tokens,
-        "sampling": "greedy", "dtype": "float32", "modes": ["kv-cache" if kv else "no-cache" for kv in modes],
-        "method": {
-            "clock": "time.perf_counter around gpt2.generate (device synchronized before and after), after a "
-                     f"{args.warmup}-token warm-up generation that compiles every rung and CuPy kernel",
-            "no-cache": "every step runs the whole sequence so far through the model: the attention under test "
-                        "runs on every token, at every length",
-            "kv-cache": "the prompt is prefilled through the attention under test; each later step is one query "
-                        "over the cache through gpt2's decode attention (the CuPy reference until a decode rung exists)",
-            "hf": "transformers GPT2LMHeadModel.from_pretrained on the same weights (gpt2.save), fp32, "
-                  "generate(do_sample=False, min_new_tokens=max_new_tokens), use_cache per mode",
-        },
-        "rows": rows,
-    }
-    path = result_path("e2e", setup, args.results)
-    result["plot"] = plot_or_none(plot_e2e, result, path.with_suffix(".png"))
-    write_result(result, path)
-    print("\n" + render_e2e([(path, result, set(result["modes"]))], ROOT))
-    progress(f"wrote {path}" + (f" and {result['plot']}" if result["plot"] else ""))
-    return 0
-
-
 def report_generation(count: int, total: int, row: dict) -> None:
     where = f"[{count:>3}/{total}] {row['mode']:>8} {row['label']:<26}"
     if row["status"] == "ok":
@@ -1208,6 +1140,74 @@ def cmd_sweep(args) -> int:
     result["plot"] = plot_or_none(plot_sweep, result, path.with_suffix(".png"))
     write_result(result, path)
     print("\n" + render_sweep(result, result["plot"]))
+    progress(f"wrote {path}" + (f" and {result['plot']}" if result["plot"] else ""))
+    return 0
+
+
+def cmd_e2e(args) -> int:
+    require_gpu()
+    gpt2 = gpt2_seam()
+    cupy = _cupy()
+    setup = setup_info(args.argv)
+    modes = [False, True] if args.mode == "both" else [args.mode == "kv-cache"]
+    ckpt = gpt2.random_weights("gpt2", seed=args.seed, xp=cupy)
+    try:
+        prompt = gpt2.load_tokenizer(None).encode(args.prompt, allowed_special="all")
+    except Exception as exc:  # gpt2.LabError: no tiktoken files and no network
+        raise CannotRun(str(exc)) from None
+    impls = [("reference", "CuPy reference", None)] + [(p.stem, p.stem, p) for p in args.kernels]
+    total = len(modes) * (len(impls) + (0 if args.no_hf else 1))
+    progress(f"{setup['device']['name']}: GPT-2 small, {ckpt.name}, {len(prompt)} prompt tokens, "
+             f"{args.tokens} new tokens, greedy, float32")
+    rows, count = [], 0
+    with tempfile.TemporaryDirectory(prefix="bench-e2e-") as scratch:  # the weights as HF reads them
+        hf_folder = None
+        for kv in modes:
+            mode = "kv-cache" if kv else "no-cache"
+            for name, label, path in impls:
+                count += 1
+                row = {"name": name, "label": label, "kind": "rung" if path else "peer", "mode": mode, "kv_cache": kv}
+                try:
+                    row |= time_generation(gpt2, ckpt, prompt, args.tokens, attend_with(gpt2, path), kv, args.warmup)
+                    row["status"] = "ok"
+                except Exception as exc:
+                    row |= {"status": "error", "reason": _first_line(exc)}
+                release_memory()
+                rows.append(row)
+                report_generation(count, total, row)
+            if not args.no_hf:
+                count += 1
+                row = {"name": "hf", "label": f"HF transformers ({args.hf_attn})", "kind": "peer", "mode": mode,
+                       "kv_cache": kv}
+                try:
+                    hf_folder = hf_folder or gpt2.save(ckpt, Path(scratch) / "gpt2")
+                    row |= time_hf_generation(hf_folder, prompt, args.tokens, kv, args.warmup, args.hf_attn)
+                    row["status"] = "ok"
+                except Exception as exc:  # Unavailable, or transformers refusing something
+                    row |= {"status": "unavailable", "reason": _first_line(exc)}
+                rows.append(row)
+                report_generation(count, total, row)
+    add_generation_comparisons(rows)
+    result = {
+        "schema": SCHEMA, "kind": "e2e", "setup": setup,
+        "model": ckpt.name, "prompt": args.prompt, "prompt_tokens": len(prompt), "new_tokens": args.tokens,
+        "sampling": "greedy", "dtype": "float32", "modes": ["kv-cache" if kv else "no-cache" for kv in modes],
+        "method": {
+            "clock": "time.perf_counter around gpt2.generate (device synchronized before and after), after a "
+                     f"{args.warmup}-token warm-up generation that compiles every rung and CuPy kernel",
+            "no-cache": "every step runs the whole sequence so far through the model: the attention under test "
+                        "runs on every token, at every length",
+            "kv-cache": "the prompt is prefilled through the attention under test; each later step is one query "
+                        "over the cache through gpt2's decode attention (the CuPy reference until a decode rung exists)",
+            "hf": "transformers GPT2LMHeadModel.from_pretrained on the same weights (gpt2.save), fp32, "
+                  "generate(do_sample=False, min_new_tokens=max_new_tokens), use_cache per mode",
+        },
+        "rows": rows,
+    }
+    path = result_path("e2e", setup, args.results)
+    result["plot"] = plot_or_none(plot_e2e, result, path.with_suffix(".png"))
+    write_result(result, path)
+    print("\n" + render_e2e([(path, result, set(result["modes"]))], ROOT))
     progress(f"wrote {path}" + (f" and {result['plot']}" if result["plot"] else ""))
     return 0
 
