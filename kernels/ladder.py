@@ -87,9 +87,23 @@ def names() -> list[str]:
     return [p.stem for p in rung_files()]
 
 
+_resolved: dict[tuple[str, int], Path] = {}
+
+
 def resolve(kernel: str | Path) -> Path:
     """`v8`, `v08`, `v08_o_in_smem` or a path to a .cu file -> the rung's file."""
     text = str(kernel)
+    key = (text, KERNEL_DIR.stat().st_mtime_ns)  # a rung added or removed changes the folder's mtime
+    if key not in _resolved:
+        _resolved[key] = _resolve(text)
+    path = _resolved[key]
+    if not path.is_file():
+        del _resolved[key]
+        return _resolve(text)
+    return path
+
+
+def _resolve(text: str) -> Path:
     if text.endswith(".cu"):
         path = Path(text).expanduser().resolve()
         if not path.is_file():

@@ -52,7 +52,7 @@ class DeviceLimits:
     max_shared_per_block: int  # opt-in limit for dynamic shared memory
 
     @staticmethod
-    def current() -> "DeviceLimits":
+    def current() -> DeviceLimits:
         cupy = _cupy()
         dev = cupy.cuda.Device()
         attrs = dev.attributes
