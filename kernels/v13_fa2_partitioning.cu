@@ -1,0 +1,348 @@
+/*
+ * v13 - FA2 work partitioning: each warp owns whole rows of Q_i, and O_i lives in its registers.
+ *
+ * The change: the partitioning of FlashAttention-2 (Dao, 2023, section 3.3) on FFMA. A block of 4
+ * warps takes one tile Q_i of B_r query rows (128 by default), and each warp owns B_r / 4 of those
+ * rows for the whole kernel: their scores S_ij, probabilities P_ij, statistics m_i, l_i and output
+ * O_i. K_j and V_j stream through shared memory behind asynchronous copies, and each thread
+ * computes a TM x TN register tile of S_ij = Q_i K_j^T and a TM x (d / 8) register tile of
+ * O_i += P_ij V_j (8 x 8 and 8 x 8 at B_r = 128, B_c = 64, d = 64).
+ *
+ * Why it helps:
+ *   - No warp ever needs another warp's rows: the row max and row sum are shuffles among the 8 lanes
+ *     that share a row, P_ij goes through a slice of shared memory that only its warp reads, and
+ *     O_i never leaves registers until the single store at the end. The only block-wide barriers
+ *     are the two per tile that hand K_j and V_j over.
+ *   - Register tiles: per 4 steps along the reduction, a thread of the 8 x 8 tile loads 8 float4 of
+ *     the left operand and 8 float4 of the right one and issues 256 FFMAs, so loads are 1 in 17
+ *     instructions of the inner loops. Every load is conflict-free (below).
+ *   - Copies overlap math: cp.async fetches V_j while S_ij is computed and K_{j+1} while P_ij V_j is,
+ *     into the same two buffers (K_j is dead once S_ij is in registers, V_j once O_i is updated).
+ *   - Less work and cheaper work: tiles above the diagonal are never touched, a warp skips a tile
+ *     none of its rows can see, the mask is applied only to tiles that cross the diagonal, the
+ *     softmax scale and log2(e) are folded into Q_i once so that exp(x) becomes one exp2 (ex2.approx)
+ *     per score, and O_i is divided by l_i once, at the end.
+ *   - Heavy tiles first: the launcher's grid is (T_r, NH, B) with blockIdx.x fastest, and the
+ *     hardware in practice hands out blocks in about that order. The kernel reads the flat block index as
+ *     (tile rank, head): the first NH * B blocks take the last (longest, causally) tile of every
+ *     head, the next ones the tile before it, ..., so the short tiles fill the tail of the grid.
+ *     Which block computes which tile changes, not what is computed.
+ *
+ * Geometry: grid (T_r = ceil(T / B_r), n_heads, batch), block 128 threads = 4 warps. Lane l of warp
+ * w has row group rg = l / 8 and column group cg = l % 8; it owns
+ *   rows      w * B_r / 4 + rg + 4 i,  i < TM = B_r / 16  (consecutive lanes: consecutive rows)
+ *   S columns cg + 8 j,                j < TN = B_c / 8
+ *   O columns 32 q + 4 cg + e,         q < d / 32, e < 4  (8 lanes: 32 consecutive floats)
+ * Shared memory, in floats (every row 16-byte aligned):
+ *   Q_i (B_r x (d + 4)) + K_j (B_c x (d + 4)) + V_j (B_c x d) + P_ij (B_r x (B_c + 8))
+ *   B_r = 128, B_c = 64, d = 64: 4 * (128 * 68 + 64 * 68 + 64 * 64 + 128 * 72) = 105,472 bytes,
+ *   two blocks in the 228 KB of an H100 SM; B_r = 64: 69,632 bytes, three blocks;
+ *   d = 32, B_r = 128, B_c = 64: 72,704 bytes; d = 128, B_r = 64, B_c = 32: 77,312 bytes;
+ *   d = 128, B_r = 128, B_c = 32: 121,344 bytes, one block.
+ * Banks: a warp reads K_j[cg + 8 j][4 k .. 4 k + 3] for 8 consecutive rows; with a pitch of d + 4
+ *   floats, row r starts 4 r banks further, so the 8 float4 cover the 32 banks once. Q_i and P_ij
+ *   reads are 4 consecutive rows (broadcast to 8 lanes each), 4 or 8 banks apart. V_j reads are 8
+ *   consecutive float4 of one row. The P_ij stores (one float per lane) land at bank
+ *   8 rg + cg (mod 32) with the pitch of B_c + 8: all distinct.
+ *
+ * Limits: causal only. d_head a multiple of 32; B_r a multiple of 16, B_c a multiple of 32.
+ * Rows of Q, K and V that are 16-byte aligned (base pointer and row stride) take 16-byte copies,
+ * others 4-byte ones; rows past T are zero-filled so that no garbage reaches P_ij V_j.
+ *
+ * lab.template   d_head, B_r, B_c
+ * lab.configs    (64, 128, 64), (64, 64, 64), (32, 128, 64), (128, 64, 32), (128, 128, 32)
+ * lab.threads    128
+ * lab.smem       4 * (B_r * (d_head + 4) + B_c * (d_head + 4) + B_c * d_head + B_r * (B_c + 8))
+ * lab.strided    true
+ */
+
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)  // NVRTC compiles without <math.h>
+#endif
+
+constexpr float LOG2_E = 1.4426950408889634f;
+constexpr int THREADS = 128;
+
+// 2^x on the special-function unit; ex2.approx.ftz(-inf) = +0, which the masked scores rely on.
+__device__ __forceinline__ float exp2_approx(float x)
+{
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// cp.async: copy 16 bytes from global to shared memory without passing through registers, or
+// zero-fill the 16 bytes when valid is false (src_size = 0 reads nothing).
+__device__ __forceinline__ void copy_async_16(float* dst, const float* src, bool valid)
+{
+    const unsigned dst_shared = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst_shared), "l"(src), "r"(valid ? 16 : 0));
+}
+
+// The same for rows that are not 16-byte aligned: four 4-byte copies.
+__device__ __forceinline__ void copy_async_4x4(float* dst, const float* src, bool valid)
+{
+    const unsigned dst_shared = (unsigned)__cvta_generic_to_shared(dst);
+    #pragma unroll
+    for (int e = 0; e < 4; ++e)
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst_shared + 4 * e), "l"(src + e),
+                     "r"(valid ? 4 : 0));
+}
+
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void copy_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+// Start copying keys (or values) col_start .. col_start + rows - 1 of one head into a tile with the
+// given pitch; keys at or past T become zeros. Each pass of the block copies THREADS / (d / 4) rows.
+template <int d_head, int rows, int pitch>
+__device__ __forceinline__ void load_tile_async(float* tile, const float* head, long long row_stride,
+                                                int col_start, int T, bool vec)
+{
+    constexpr int d4 = d_head / 4;
+    constexpr int rows_per_pass = THREADS / d4;
+    static_assert(THREADS % d4 == 0 && rows % rows_per_pass == 0, "whole rows per pass, whole passes per tile");
+    const int r0 = threadIdx.x / d4, c = 4 * (threadIdx.x % d4);
+    if (vec) {
+        #pragma unroll
+        for (int n = 0; n < rows / rows_per_pass; ++n) {
+            const int r = r0 + n * rows_per_pass;
+            const bool valid = col_start + r < T;
+            copy_async_16(&tile[r * pitch + c], head + (valid ? (long long)(col_start + r) * row_stride : 0) + c, valid);
+        }
+    } else {
+        #pragma unroll
+        for (int n = 0; n < rows / rows_per_pass; ++n) {
+            const int r = r0 + n * rows_per_pass;
+            const bool valid = col_start + r < T;
+            copy_async_4x4(&tile[r * pitch + c], head + (valid ? (long long)(col_start + r) * row_stride : 0) + c, valid);
+        }
+    }
+    copy_async_commit();
+}
+
+template <int d_head, int B_r, int B_c>
+__global__ void __launch_bounds__(THREADS)
+attention_forward(const float* __restrict__ Q, const float* __restrict__ K, const float* __restrict__ V,
+                  float* __restrict__ O, float* __restrict__ workspace, int T, float scale,
+                  long long q_batch_stride, long long q_head_stride, long long q_row_stride,
+                  long long kv_batch_stride, long long kv_head_stride, long long kv_row_stride)
+{
+    static_assert(d_head % 32 == 0, "8 lanes of a row group store 32 consecutive floats of O_i");
+    static_assert(B_r % 16 == 0, "4 warps x 4 row groups x TM rows");
+    static_assert(B_c % 32 == 0, "TN = B_c / 8 columns per thread; the P_ij pitch is 8 (mod 32)");
+    constexpr int TM = B_r / 16;           // rows of the register tile
+    constexpr int TN = B_c / 8;            // columns of S_ij per thread
+    constexpr int TD = d_head / 32;        // float4 groups of O_i columns per thread
+    constexpr int rows_per_warp = B_r / 4;
+    constexpr int Q_pitch = d_head + 4;    // +4 floats: consecutive rows start 4 banks apart
+    constexpr int K_pitch = d_head + 4;
+    constexpr int V_pitch = d_head;        // read one row at a time: no pad needed
+    constexpr int P_pitch = B_c + 8;       // +8 floats: the 4 row groups' stores land 8 banks apart
+    constexpr unsigned FULL_WARP = 0xffffffffu;
+
+    extern __shared__ __align__(16) float smem[];
+    float* Q_i = smem;                     // B_r x Q_pitch, pre-scaled by scale * log2(e)
+    float* K_j = Q_i + B_r * Q_pitch;      // B_c x K_pitch
+    float* V_j = K_j + B_c * K_pitch;      // B_c x V_pitch
+    float* P_ij = V_j + B_c * V_pitch;     // B_r x P_pitch; warp w reads and writes only its rows
+
+    // Heavy tiles first: the flat block index, read as (tile rank, head), counts tiles down.
+    const long long n_heads = (long long)gridDim.y * gridDim.z;
+    const long long flat = blockIdx.x + (long long)gridDim.x * (blockIdx.y + (long long)gridDim.y * blockIdx.z);
+    const int q_tile = gridDim.x - 1 - (int)(flat / n_heads);
+    const long long bh = flat % n_heads;   // = batch * NH + head
+    const long long batch = bh / gridDim.y;
+    const long long head = bh % gridDim.y;
+
+    const float* Q_head = Q + batch * q_batch_stride + head * q_head_stride;
+    const float* K_head = K + batch * kv_batch_stride + head * kv_head_stride;
+    const float* V_head = V + batch * kv_batch_stride + head * kv_head_stride;
+    float* O_head = O + bh * T * d_head;   // O is contiguous (B, NH, T, d)
+    const bool q_vec = ((reinterpret_cast<unsigned long long>(Q_head) & 15) | (q_row_stride & 3)) == 0;
+    const bool kv_vec = (((reinterpret_cast<unsigned long long>(K_head) | reinterpret_cast<unsigned long long>(V_head)) & 15)
+                         | (kv_row_stride & 3)) == 0;
+    const bool o_vec = (reinterpret_cast<unsigned long long>(O_head) & 15) == 0;
+
+    const int row_start = q_tile * B_r;
+    const int rows = min(B_r, T - row_start);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int rg = lane / 8, cg = lane % 8;
+    const int warp_row = warp * rows_per_warp;                 // first row of this warp in Q_i
+    const int warp_last = row_start + warp_row + rows_per_warp - 1;  // its last query row (index in T)
+
+    // K_0 starts arriving while Q_i is loaded and scaled: S = (scale log2 e) Q K^T is in log2 units.
+    load_tile_async<d_head, B_c, K_pitch>(K_j, K_head, kv_row_stride, 0, T, kv_vec);
+    const float scale_log2 = scale * LOG2_E;
+    for (int idx = threadIdx.x; idx < B_r * (d_head / 4); idx += THREADS) {
+        const int r = idx / (d_head / 4), c = 4 * (idx % (d_head / 4));
+        float4 q = make_float4(0.0f, 0.0f, 0.0f, 0.0f);  // rows past T: zeros, finite scores
+        if (r < rows) {
+            const float* src = Q_head + (long long)(row_start + r) * q_row_stride + c;
+            q = q_vec ? *(const float4*)src : make_float4(src[0], src[1], src[2], src[3]);
+        }
+        *(float4*)&Q_i[r * Q_pitch + c] = make_float4(q.x * scale_log2, q.y * scale_log2, q.z * scale_log2, q.w * scale_log2);
+    }
+
+    float O_acc[TM][TD][4];                // O_i rows rg + 4 i, columns 32 q + 4 cg + e
+    float m_i[TM], l_i[TM];                // l_i: this lane's share of the row sum, reduced at the end
+    #pragma unroll
+    for (int i = 0; i < TM; ++i) {
+        m_i[i] = -INFINITY;
+        l_i[i] = 0.0f;
+        #pragma unroll
+        for (int q = 0; q < TD; ++q)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e)
+                O_acc[i][q][e] = 0.0f;
+    }
+
+    // Causal: no row of Q_i sees a key past its last row, so stop at that key's tile.
+    const int T_c = (row_start + rows - 1) / B_c + 1;
+    for (int j = 0; j < T_c; ++j) {
+        const int col_start = j * B_c;
+        // K_j has landed for every thread, and every warp is done with V_{j-1} and its P_ij slice.
+        copy_async_wait_all();
+        __syncthreads();
+        load_tile_async<d_head, B_c, V_pitch>(V_j, V_head, kv_row_stride, col_start, T, kv_vec);
+
+        // A warp whose rows all precede this tile, or all lie past T, has nothing to do in it.
+        const bool warp_active = col_start <= warp_last && row_start + warp_row < T;
+        if (warp_active) {
+            // S_ij = Q_i K_j^T: per 4 steps of d, 8 + 8 float4 loads feed 4 * TM * TN FFMAs
+            float S[TM][TN];
+            #pragma unroll
+            for (int i = 0; i < TM; ++i)
+                #pragma unroll
+                for (int n = 0; n < TN; ++n)
+                    S[i][n] = 0.0f;
+            #pragma unroll 2
+            for (int k = 0; k < d_head; k += 4) {
+                float4 k_frag[TN];
+                #pragma unroll
+                for (int n = 0; n < TN; ++n)
+                    k_frag[n] = *(const float4*)&K_j[(cg + 8 * n) * K_pitch + k];
+                #pragma unroll
+                for (int i = 0; i < TM; ++i) {
+                    const float4 q = *(const float4*)&Q_i[(warp_row + rg + 4 * i) * Q_pitch + k];
+                    #pragma unroll
+                    for (int n = 0; n < TN; ++n) {
+                        S[i][n] = fmaf(q.x, k_frag[n].x, S[i][n]);
+                        S[i][n] = fmaf(q.y, k_frag[n].y, S[i][n]);
+                        S[i][n] = fmaf(q.z, k_frag[n].z, S[i][n]);
+                        S[i][n] = fmaf(q.w, k_frag[n].w, S[i][n]);
+                    }
+                }
+            }
+
+            // Only a tile that reaches past this warp's first row holds masked scores. Select, do
+            // not add: whatever sits in a masked score becomes -inf and then exactly 0.
+            if (col_start + B_c - 1 > row_start + warp_row) {
+                #pragma unroll
+                for (int i = 0; i < TM; ++i) {
+                    const int row = row_start + warp_row + rg + 4 * i;
+                    #pragma unroll
+                    for (int n = 0; n < TN; ++n)
+                        if (col_start + cg + 8 * n > row)
+                            S[i][n] = -INFINITY;
+                }
+            }
+
+            #pragma unroll
+            for (int i = 0; i < TM; ++i) {
+                // m_new = max(m_i, rowmax(S_ij)), over this lane's columns and then the row group's 8 lanes.
+                // Tile 0 always holds key 0, visible to every row, so m_new is finite from then on.
+                float m_new = m_i[i];
+                #pragma unroll
+                for (int n = 0; n < TN; ++n)
+                    m_new = fmaxf(m_new, S[i][n]);
+                m_new = fmaxf(m_new, __shfl_xor_sync(FULL_WARP, m_new, 1));
+                m_new = fmaxf(m_new, __shfl_xor_sync(FULL_WARP, m_new, 2));
+                m_new = fmaxf(m_new, __shfl_xor_sync(FULL_WARP, m_new, 4));
+                // P_ij = 2^(S_ij - m_new); l_i = 2^(m_i - m_new) l_i + rowsum(P_ij); O_i *= 2^(m_i - m_new)
+                const float alpha = exp2_approx(m_i[i] - m_new);  // 0 on the first tile: m_i = -inf
+                m_i[i] = m_new;
+                float row_sum = 0.0f;
+                float* P_row = &P_ij[(warp_row + rg + 4 * i) * P_pitch];
+                #pragma unroll
+                for (int n = 0; n < TN; ++n) {
+                    const float p = exp2_approx(S[i][n] - m_new);
+                    row_sum += p;
+                    P_row[cg + 8 * n] = p;
+                }
+                l_i[i] = l_i[i] * alpha + row_sum;
+                #pragma unroll
+                for (int q = 0; q < TD; ++q)
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        O_acc[i][q][e] *= alpha;
+            }
+        }
+
+        // V_j has landed for every thread, every warp is done with K_j, and P_ij is written.
+        copy_async_wait_all();
+        __syncthreads();
+        if (j + 1 < T_c)
+            load_tile_async<d_head, B_c, K_pitch>(K_j, K_head, kv_row_stride, col_start + B_c, T, kv_vec);
+
+        if (warp_active) {
+            // O_i += P_ij V_j: per 4 keys, TM float4 of P_ij and 4 * TD float4 of V_j feed 16 * TM * TD FFMAs
+            #pragma unroll 2
+            for (int k = 0; k < B_c; k += 4) {
+                float4 v_frag[4][TD];
+                #pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    #pragma unroll
+                    for (int q = 0; q < TD; ++q)
+                        v_frag[e][q] = *(const float4*)&V_j[(k + e) * V_pitch + 32 * q + 4 * cg];
+                #pragma unroll
+                for (int i = 0; i < TM; ++i) {
+                    const float4 p = *(const float4*)&P_ij[(warp_row + rg + 4 * i) * P_pitch + k];
+                    #pragma unroll
+                    for (int q = 0; q < TD; ++q) {
+                        float* o = O_acc[i][q];
+                        o[0] = fmaf(p.x, v_frag[0][q].x, o[0]);
+                        o[1] = fmaf(p.x, v_frag[0][q].y, o[1]);
+                        o[2] = fmaf(p.x, v_frag[0][q].z, o[2]);
+                        o[3] = fmaf(p.x, v_frag[0][q].w, o[3]);
+                        o[0] = fmaf(p.y, v_frag[1][q].x, o[0]);
+                        o[1] = fmaf(p.y, v_frag[1][q].y, o[1]);
+                        o[2] = fmaf(p.y, v_frag[1][q].z, o[2]);
+                        o[3] = fmaf(p.y, v_frag[1][q].w, o[3]);
+                        o[0] = fmaf(p.z, v_frag[2][q].x, o[0]);
+                        o[1] = fmaf(p.z, v_frag[2][q].y, o[1]);
+                        o[2] = fmaf(p.z, v_frag[2][q].z, o[2]);
+                        o[3] = fmaf(p.z, v_frag[2][q].w, o[3]);
+                        o[0] = fmaf(p.w, v_frag[3][q].x, o[0]);
+                        o[1] = fmaf(p.w, v_frag[3][q].y, o[1]);
+                        o[2] = fmaf(p.w, v_frag[3][q].z, o[2]);
+                        o[3] = fmaf(p.w, v_frag[3][q].w, o[3]);
+                    }
+                }
+            }
+        }
+    }
+
+    // O_i = O_i / l_i, once; l_i is the sum of the 8 lanes' shares.
+    #pragma unroll
+    for (int i = 0; i < TM; ++i) {
+        float l = l_i[i];
+        l += __shfl_xor_sync(FULL_WARP, l, 1);
+        l += __shfl_xor_sync(FULL_WARP, l, 2);
+        l += __shfl_xor_sync(FULL_WARP, l, 4);
+        const float inv_l = 1.0f / l;
+        const int row = row_start + warp_row + rg + 4 * i;
+        if (row < T) {
+            #pragma unroll
+            for (int q = 0; q < TD; ++q) {
+                float* dst = O_head + (long long)row * d_head + 32 * q + 4 * cg;
+                const float4 o = make_float4(O_acc[i][q][0] * inv_l, O_acc[i][q][1] * inv_l,
+                                             O_acc[i][q][2] * inv_l, O_acc[i][q][3] * inv_l);
+                if (o_vec) {
+                    *(float4*)dst = o;
+                } else {
+                    dst[0] = o.x, dst[1] = o.y, dst[2] = o.z, dst[3] = o.w;
+                }
+            }
+        }
+    }
+}
