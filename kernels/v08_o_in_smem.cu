@@ -100,7 +100,10 @@ __global__ void attention_forward(const float* __restrict__ Q, const float* __re
             for (int c = 0; c < d_head; c += 4) {
                 const float4 q = *(const float4*)&Q_i[r * d_head + c];
                 const float4 k = *(const float4*)&K_j[threadIdx.x * K_pitch + c];
-                dot += q.x * k.x + q.y * k.y + q.z * k.z + q.w * k.w;
+                dot += q.x * k.x;  // chained: each product is one fused multiply-add
+                dot += q.y * k.y;
+                dot += q.z * k.z;
+                dot += q.w * k.w;
             }
             s = scale * dot;
             S_ij[r * B_c + threadIdx.x] = s;
