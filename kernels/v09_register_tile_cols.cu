@@ -109,7 +109,10 @@ __global__ void attention_forward(const float* __restrict__ Q, const float* __re
                 const float4 q = *(const float4*)&Q_i[r * d_head + c];  // loaded once, used twice
                 for (int t = 0; t < cols_per_thread; ++t) {
                     const float4 k = *(const float4*)&K_j[(threadIdx.x + t * row_threads) * K_pitch + c];
-                    dot[t] += q.x * k.x + q.y * k.y + q.z * k.z + q.w * k.w;
+                    dot[t] += q.x * k.x;  // one fused multiply-add each
+                    dot[t] += q.y * k.y;
+                    dot[t] += q.z * k.z;
+                    dot[t] += q.w * k.w;
                 }
             }
         }
