@@ -115,9 +115,14 @@ __global__ void attention_forward(const float* __restrict__ Q, const float* __re
                     q[t] = *(const float4*)&Q_i[r[t] * d_head + c];
                 for (int u = 0; u < cols_per_thread; ++u)
                     k[u] = *(const float4*)&K_j[(threadIdx.x + u * row_threads) * K_pitch + c];
-                for (int t = 0; t < rows_per_thread; ++t)
-                    for (int u = 0; u < cols_per_thread; ++u)
-                        dot[t][u] += q[t].x * k[u].x + q[t].y * k[u].y + q[t].z * k[u].z + q[t].w * k[u].w;
+                for (int t = 0; t < rows_per_thread; ++t) {
+                    for (int u = 0; u < cols_per_thread; ++u) {  // one fused multiply-add each
+                        dot[t][u] += q[t].x * k[u].x;
+                        dot[t][u] += q[t].y * k[u].y;
+                        dot[t][u] += q[t].z * k[u].z;
+                        dot[t][u] += q[t].w * k[u].w;
+                    }
+                }
             }
         }
         for (int t = 0; t < rows_per_thread; ++t) {
