@@ -6,7 +6,8 @@
  *
  * Why it helps: in v02 the 16 rows of threads walked a 64-row tile in four steps of two barriers
  * each, and the lone statistics thread of each row scanned 64 scores while its 31 warp-mates idled.
- * Now each tile is a single step (all 1024 threads, one barrier pair) and the serial scan is 32 long.
+ * Now each tile is a single step of all 1024 threads, four barriers instead of ten, and the serial
+ * scan is 32 long.
  * Smaller tiles also waste less work on the diagonal, where half of each tile is masked, and give
  * T / 32 blocks per head to spread over the SMs instead of T / 64.
  *
