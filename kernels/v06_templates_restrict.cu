@@ -7,8 +7,9 @@
  * this step, making d_head, B_r and B_c template parameters so that loops have fixed trip counts
  * the compiler can unroll, is already in place: every rung has been a template since v01.)
  *
- * Why it helps: the inner loop of P_ij V_j was exp, divide, multiply, add per term; it is now exp
- * and one fused multiply-add, with one division per output element and tile. __restrict__
+ * Why it helps: the inner loop of P_ij V_j divided every term by l_new (under fast math, a multiply
+ * by its reciprocal) before the multiply-add; it is now exp and one fused multiply-add, with one
+ * division per output element and tile. __restrict__
  * promises the compiler that O never aliases Q, K or V, so the loads of Q, K and V may use the
  * read-only data path (LDG.E.CONSTANT) and need not be reissued after each store to O.
  *
