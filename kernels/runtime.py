@@ -285,35 +285,23 @@ _PTXAS = {
 
 def compile_report(kernel, arch: str, configs=None) -> list[Resources]:
     """Compile every declared configuration (or `configs`) with NVRTC for `arch`, no GPU needed,
-    and read ptxas's report: registers, static shared memory, stack and spill bytes."""
+    and read ptxas's report: registers, static shared memory, stack and spill bytes. Each
+    configuration is its own program: ptxas may interleave the reports of several entry points."""
     rung = ladder.load(kernel)
     configs = [_as_config(rung, c) for c in configs] if configs else list(rung.configs)
-    exprs = [rung.name_expression(c) for c in configs]
     options = [f"-arch={arch}", "-Xptxas=-v", *COMMON_OPTIONS, *rung.options]
-    try:
-        _, log, lowered = nvrtc.compile_cubin(rung.source, str(rung.path), options, exprs)
-    except nvrtc.NvrtcError as exc:
-        raise KernelCompileError(f"{rung.path}: failed to compile for {arch}:\n{exc.log}") from None
-    sections = _split_ptxas_log(log)
     reports = []
-    for c, expr in zip(configs, exprs):
-        text = sections.get(lowered[expr], "")
-        values = {k: int(m.group(1)) if (m := rx.search(text)) else 0 for k, rx in _PTXAS.items()}
+    for c in configs:
+        try:
+            _, log, _ = nvrtc.compile_cubin(rung.source, str(rung.path), options, [rung.name_expression(c)])
+        except nvrtc.NvrtcError as exc:
+            raise KernelCompileError(f"{rung.path}: failed to compile for {arch}:\n{exc.log}") from None
+        if not _PTXAS["registers"].search(log):
+            raise RuntimeError(f"{rung.path}: no register count in ptxas's report for {arch}:\n{log}")
+        values = {k: int(m.group(1)) if (m := rx.search(log)) else 0 for k, rx in _PTXAS.items()}
         reports.append(Resources(kernel=rung.name, config=rung.params(c), arch=arch,
                                  threads=math.prod(rung.block(c)), dynamic_smem=rung.shared_bytes(c), **values))
     return reports
-
-
-def _split_ptxas_log(log: str) -> dict[str, str]:
-    """ptxas -v output, split per entry function (keyed by mangled name)."""
-    sections, current = {}, None
-    for line in log.splitlines():
-        m = re.search(r"(?:Compiling entry function|Function properties for) '?(\w+)'?", line)
-        if m:
-            current = m.group(1)
-        if current:
-            sections[current] = sections.get(current, "") + line + "\n"
-    return sections
 
 
 def resources(kernel, arch: str | None = None) -> list[Resources]:
