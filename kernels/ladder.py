@@ -10,8 +10,9 @@ A rung declares what the launcher needs in its header comment, one `lab.<key>` l
     lab.strided    true                       reads Q, K, V through strides (default: contiguous)
     lab.options    --use_fast_math            extra NVRTC options
     lab.stack      0                          local-memory bytes allowed per thread (default 0)
-    lab.tolerance  8                          allowed error, in multiples of a plain float32
-                                              implementation's error against float64 (default 8)
+    lab.tolerance  8                          allowed error, in multiples of a plain implementation's
+                                              error against float64, in the same dtype (default 8)
+    lab.dtypes     bfloat16, float16          input and output dtypes (default float32)
 
 Every rung exports the same entry point, `attention_forward<...>`, with one signature, launched on a
 grid of (ceil(T / B_r), n_heads, batch) blocks: one block per tile of B_r query rows of one head.
@@ -27,10 +28,11 @@ from pathlib import Path
 
 KERNEL_DIR = Path(__file__).resolve().parent
 ENTRY = "attention_forward"
+DTYPES = ("float32", "float16", "bfloat16")
 _RUNG_FILE = re.compile(r"^v(\d+)_([a-z0-9_]+)\.cu$")
 _DECL = re.compile(r"^\s*(?:\*|//)\s*lab\.(\w+)\s+(.*?)\s*$")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
-_KEYS = {"template", "configs", "threads", "smem", "workspace", "strided", "options", "stack", "tolerance"}
+_KEYS = {"template", "configs", "threads", "smem", "workspace", "strided", "options", "stack", "tolerance", "dtypes"}
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class Rung:
     options: tuple[str, ...] = ()
     stack: int = 0
     tolerance: str = "8"
+    dtypes: tuple[str, ...] = ("float32",)
     source: str = field(default="", repr=False, compare=False)
     files: tuple = field(default=(), repr=False, compare=False)  # (path, stamp) of the file and its includes
 
@@ -174,9 +177,13 @@ def parse(path: Path) -> Rung:
         options=tuple(decl.get("options", "").split()),
         stack=int(decl.get("stack", "0")),
         tolerance=decl.get("tolerance", "8"),
+        dtypes=tuple(t.strip() for t in decl.get("dtypes", "float32").split(",")),
         source=source,
         files=tuple((p, _stamp(p)) for p in files),
     )
+    unknown = set(rung.dtypes) - set(DTYPES)
+    if unknown:
+        raise ValueError(f"{path}: lab.dtypes {', '.join(sorted(unknown))} not among {', '.join(DTYPES)}")
     for c in configs:  # fail at load, not at launch, on a bad expression
         rung.block(c), rung.shared_bytes(c), rung.workspace_per_row(c), rung.tolerance_factor(c)
     return rung

@@ -33,6 +33,10 @@ def causal_mask(xp, T_q: int, T_k: int):
 def reference_attention(q, k, v, *, causal: bool = True, scale: float | None = None):
     """softmax(scale * Q K^T + mask) V over (B, NH, T, d) arrays; returns the input's array type.
 
+    float64 in, float64 arithmetic; float32 in, float32 arithmetic. float16 or bfloat16 in: the
+    plain recipe of a low-precision kernel, products accumulated in float32 and the probabilities
+    P rounded to the input dtype before P V, the output returned in the input dtype.
+
     Rows with no visible key (only possible when T_q > T_k) are zero. A NaN or Inf reaches exactly
     the rows that can see it: in Q or K through the scores, in V as NaN in the columns it holds."""
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -43,10 +47,21 @@ def reference_attention(q, k, v, *, causal: bool = True, scale: float | None = N
         raise TypeError("q, k and v must all be NumPy arrays or all CuPy arrays")
     if q.shape[:2] != k.shape[:2] or k.shape != v.shape or q.shape[3] != k.shape[3]:
         raise ValueError(f"shapes disagree: q {q.shape}, k {k.shape}, v {v.shape}")
+    low = {q.dtype.name, k.dtype.name, v.dtype.name} & {"float16", "bfloat16"}
+    if low:  # the plain low-precision recipe: products accumulate in float32, P is rounded to the dtype
+        if len({q.dtype, k.dtype, v.dtype}) != 1:
+            raise TypeError(f"q, k and v must share one low-precision dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+        f32 = (x.astype(np.float32) for x in (q, k, v))
+        return _attention(xp, *f32, causal, scale, round_p=q.dtype).astype(q.dtype)
     dtype = np.result_type(q.dtype, k.dtype, v.dtype)
     if dtype not in (np.float32, np.float64):
         dtype = np.dtype(np.float32)
     q, k, v = (x.astype(dtype, copy=False) for x in (q, k, v))
+    return _attention(xp, q, k, v, causal, scale)
+
+
+def _attention(xp, q, k, v, causal, scale, round_p=None):
+    dtype = q.dtype
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     S = (q @ k.swapaxes(-1, -2)) * dtype.type(scale)  # (B, NH, T_q, T_k)
@@ -57,6 +72,8 @@ def reference_attention(q, k, v, *, causal: bool = True, scale: float | None = N
     m = xp.where(xp.isneginf(m), 0, m)  # a row with no visible key: exp(-inf) = 0 everywhere
     P = xp.exp(S - m)
     l = P.sum(axis=-1, keepdims=True)
+    if round_p is not None:
+        P = P.astype(round_p).astype(dtype)
     finite = xp.isfinite(v)
     if not bool(finite.all()):
         # P @ v would spread 0 * NaN from a masked key into rows that cannot see it: take the

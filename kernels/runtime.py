@@ -201,8 +201,10 @@ def validate(q, k, v, rung: ladder.Rung, causal: bool, scale):
 def check_layout(q, k, v, rung: ladder.Rung, causal: bool, scale):
     """The checks that need only shapes, dtypes and strides (so they run on NumPy arrays too)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.dtype != np.float32:
-            raise TypeError(f"{name} has dtype {x.dtype}; kernel {rung.name} supports float32")
+        if x.dtype.name not in rung.dtypes:
+            raise TypeError(f"{name} has dtype {x.dtype}; kernel {rung.name} supports {', '.join(rung.dtypes)}")
+        if x.dtype != q.dtype:
+            raise TypeError(f"q, k and v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
         if x.ndim != 4:
             raise ValueError(f"{name} must have 4 dimensions (B, NH, T, d), got shape {x.shape}")
     if not (q.shape == k.shape == v.shape):
@@ -237,10 +239,10 @@ def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, ou
     elif k.strides != v.strides:
         k, v = cupy.ascontiguousarray(k), cupy.ascontiguousarray(v)  # the kernel reads K and V through one set of strides
     if out is None:
-        out = cupy.empty((B, NH, T, d), dtype=np.float32)
-    elif not (isinstance(out, cupy.ndarray) and out.dtype == np.float32 and out.shape == (B, NH, T, d)
+        out = cupy.empty((B, NH, T, d), dtype=q.dtype)
+    elif not (isinstance(out, cupy.ndarray) and out.dtype == q.dtype and out.shape == (B, NH, T, d)
               and out.flags.c_contiguous):
-        raise ValueError(f"out must be a C-contiguous float32 CuPy array of shape {(B, NH, T, d)}")
+        raise ValueError(f"out must be a C-contiguous {q.dtype} CuPy array of shape {(B, NH, T, d)}")
     workspace = cupy.empty(max(1, B * NH * T * inst.workspace_per_row), dtype=np.float32)
 
     def run():
@@ -251,8 +253,9 @@ def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, ou
 
 
 def attention(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, out=None):
-    """Causal attention of (B, NH, T, d) float32 CuPy arrays with the named rung; a new contiguous
-    (B, NH, T, d) array (or `out`, filled). `scale` defaults to 1/sqrt(d)."""
+    """Causal attention of (B, NH, T, d) CuPy arrays (float32, or a dtype the rung declares) with the
+    named rung; a new contiguous (B, NH, T, d) array of the input dtype (or `out`, filled).
+    `scale` defaults to 1/sqrt(d)."""
     return prepare(q, k, v, kernel=kernel, causal=causal, scale=scale, config=config, out=out)()
 
 

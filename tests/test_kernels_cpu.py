@@ -212,6 +212,22 @@ def test_reference_default_scale_and_dtypes():
     np.testing.assert_allclose(out32, expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_reference_low_precision_recipe(dtype):
+    """float16/bfloat16 in: float32 products, P rounded to the dtype, output in the dtype."""
+    import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy)
+
+    rng = np.random.default_rng()
+    q, k, v = (rng.standard_normal((2, 2, 33, 16)).astype(dtype) for _ in range(3))
+    out = kernels.reference_attention(q, k, v)
+    assert out.dtype == np.dtype(dtype)
+    exact = direct_attention(*(x.astype(np.float64) for x in (q, k, v)), True, 0.25)
+    eps = {"float16": 2.0**-10, "bfloat16": 2.0**-7}[dtype]
+    err = np.abs(out.astype(np.float64) - exact).max()
+    assert err < 4 * eps * np.abs(exact).max()
+    assert err > 0  # it really rounded
+
+
 def test_reference_causal_rows_ignore_future_keys():
     rng = np.random.default_rng()
     q, k, v = rng.standard_normal((3, 1, 1, 6, 4))

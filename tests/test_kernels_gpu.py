@@ -19,73 +19,72 @@ LENGTHS = [1, 17, 64, 97, 257, 512, 1000, 1024]
 RUNGS = kernels.names()
 
 
-def rung_head_sizes(name):
-    return kernels.load(name).head_sizes()
+# every rung x every head size and dtype it declares
+CASES = [(name, d, dtype) for name in RUNGS for d in kernels.load(name).head_sizes() for dtype in kernels.load(name).dtypes]
+EPS = {"float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
 
 
-CASES = [(name, d) for name in RUNGS for d in rung_head_sizes(name)]
-
-
-def random_qkv(cp, B, NH, T, d, *, magnitude=1.0, packed=False, seed=None):
+def random_qkv(cp, B, NH, T, d, *, magnitude=1.0, packed=False, seed=None, dtype="float32"):
     rng = cp.random.default_rng(seed)
     if packed:  # views of one (B, T, 3, NH, d) projection, as the model makes them
-        qkv = rng.standard_normal((B, T, 3, NH, d), dtype=cp.float32) * magnitude
+        qkv = (rng.standard_normal((B, T, 3, NH, d), dtype=cp.float32) * magnitude).astype(dtype)
         return tuple(qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
-    return tuple(rng.standard_normal((B, NH, T, d), dtype=cp.float32) * magnitude for _ in range(3))
+    return tuple((rng.standard_normal((B, NH, T, d), dtype=cp.float32) * magnitude).astype(dtype) for _ in range(3))
 
 
 def check_against_reference(q, k, v, name, scale=None, config=None):
     import cupy as cp
 
     B, NH, T, d = q.shape
-    out = cp.full((B, NH, T, d), cp.nan, dtype=cp.float32)  # poison: unwritten elements fail
+    out = cp.full((B, NH, T, d), cp.nan, dtype=q.dtype)  # poison: unwritten elements fail
     got = kernels.attention(q, k, v, kernel=name, scale=scale, out=out, config=config)
     inst = kernels.instance(name, d, config)
     assert got is out
     ref64 = kernels.reference_attention(*(x.astype(cp.float64) for x in (q, k, v)), scale=scale)
-    plain32 = kernels.reference_attention(q, k, v, scale=scale)
-    err = float(cp.abs(got - ref64).max())
-    plain = float(cp.abs(plain32 - ref64).max())
-    floor = np.finfo(np.float32).eps * float(cp.abs(ref64).max())
+    plain_same_dtype = kernels.reference_attention(q, k, v, scale=scale)
+    err = float(cp.abs(got.astype(cp.float64) - ref64).max())
+    plain = float(cp.abs(plain_same_dtype.astype(cp.float64) - ref64).max())
+    floor = EPS[q.dtype.name] * float(cp.abs(ref64).max())
     bound = inst.rung.tolerance_factor(inst.config) * max(plain, floor)
     assert not math.isnan(err), f"{name}: NaN in output ({int(cp.isnan(got).sum())} elements unwritten or NaN)"
-    mean = float(cp.abs(got - ref64).mean())
+    mean = float(cp.abs(got.astype(cp.float64) - ref64).mean())
     assert err <= bound, f"{name} {q.shape}: max error {err:.3e} (mean {mean:.3e}) > {bound:.3e} (plain fp32 {plain:.3e})"
 
 
-@pytest.mark.parametrize("name,d", CASES)
+@pytest.mark.parametrize("name,d,dtype", CASES)
 @pytest.mark.parametrize("T", LENGTHS)
-@pytest.mark.parametrize("B,NH", [(1, 1), (3, 12)] + [(1, 12), (3, 1)])
-def test_rung_matches_reference(name, d, T, B, NH):
+@pytest.mark.parametrize("B,NH", [(1, 1), (1, 12), (3, 1), (3, 12)])
+def test_rung_matches_reference(name, d, dtype, T, B, NH):
     import cupy as cp
 
-    check_against_reference(*random_qkv(cp, B, NH, T, d), name)
+    check_against_reference(*random_qkv(cp, B, NH, T, d, dtype=dtype), name)
 
 
-@pytest.mark.parametrize("name,d", CASES)
+@pytest.mark.parametrize("name,d,dtype", CASES)
 @pytest.mark.parametrize("T", [97, 512])
-def test_rung_strided_views_of_packed_qkv(name, d, T):
+def test_rung_strided_views_of_packed_qkv(name, d, dtype, T):
     import cupy as cp
 
-    q, k, v = random_qkv(cp, 2, 3, T, d, packed=True)
+    q, k, v = random_qkv(cp, 2, 3, T, d, packed=True, dtype=dtype)
     assert not q.flags.c_contiguous
     check_against_reference(q, k, v, name)
 
 
-@pytest.mark.parametrize("name,d", CASES)
+@pytest.mark.parametrize("name,d,dtype", CASES)
 @pytest.mark.parametrize("magnitude", [8.0, 30.0])
-def test_rung_large_scores(name, d, magnitude):
+def test_rung_large_scores(name, d, dtype, magnitude):
     """Scores in the hundreds: the online softmax must rescale, not overflow."""
     import cupy as cp
 
-    check_against_reference(*random_qkv(cp, 1, 2, 300, d, magnitude=magnitude), name)
+    check_against_reference(*random_qkv(cp, 1, 2, 300, d, magnitude=magnitude, dtype=dtype), name)
 
 
 @pytest.mark.parametrize("name", RUNGS)
 def test_rung_custom_scale(name):
     import cupy as cp
 
-    check_against_reference(*random_qkv(cp, 1, 2, 130, 64), name, scale=0.5)
+    dtype = kernels.load(name).dtypes[0]
+    check_against_reference(*random_qkv(cp, 1, 2, 130, 64, dtype=dtype), name, scale=0.5)
 
 
 @pytest.mark.parametrize("name", RUNGS)
@@ -97,7 +96,8 @@ def test_rung_every_declared_config(name):
     for config in rung.configs:
         if rung.shared_bytes(config) > limits.max_shared_per_block:
             continue
-        check_against_reference(*random_qkv(cp, 2, 2, 201, config[0]), name, config=config)
+        for dtype in rung.dtypes:
+            check_against_reference(*random_qkv(cp, 2, 2, 201, config[0], dtype=dtype), name, config=config)
 
 
 @pytest.mark.parametrize("name", RUNGS)
