@@ -13,9 +13,11 @@ A rung declares what the launcher needs in its header comment, one `lab.<key>` l
     lab.tolerance  8                          allowed error, in multiples of a plain implementation's
                                               error against float64, in the same dtype (default 8)
     lab.dtypes     bfloat16, float16          input and output dtypes (default float32)
+    lab.supports   noncausal, cross, gqa      beyond causal self-attention: causal=False, query and
+                                              key lengths that differ, fewer K/V heads than Q heads
 
 Every rung exports the same entry point, `attention_forward<...>`, with one signature, launched on a
-grid of (ceil(T / B_r), n_heads, batch) blocks: one block per tile of B_r query rows of one head.
+grid of (ceil(T_q / B_r), n_heads, batch) blocks: one block per tile of B_r query rows of one head.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ DTYPES = ("float32", "float16", "bfloat16")
 _RUNG_FILE = re.compile(r"^v(\d+)_([a-z0-9_]+)\.cu$")
 _DECL = re.compile(r"^\s*(?:\*|//)\s*lab\.(\w+)\s+(.*?)\s*$")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
-_KEYS = {"template", "configs", "threads", "smem", "workspace", "strided", "options", "stack", "tolerance", "dtypes"}
+_KEYS = {"template", "configs", "threads", "smem", "workspace", "strided", "options", "stack", "tolerance", "dtypes", "supports"}
+FEATURES = ("noncausal", "cross", "gqa")
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class Rung:
     stack: int = 0
     tolerance: str = "8"
     dtypes: tuple[str, ...] = ("float32",)
+    supports: tuple[str, ...] = ()
     source: str = field(default="", repr=False, compare=False)
     files: tuple = field(default=(), repr=False, compare=False)  # (path, stamp) of the file and its includes
 
@@ -178,12 +182,16 @@ def parse(path: Path) -> Rung:
         stack=int(decl.get("stack", "0")),
         tolerance=decl.get("tolerance", "8"),
         dtypes=tuple(t.strip() for t in decl.get("dtypes", "float32").split(",")),
+        supports=tuple(t.strip() for t in decl.get("supports", "").split(",") if t.strip()),
         source=source,
         files=tuple((p, _stamp(p)) for p in files),
     )
     unknown = set(rung.dtypes) - set(DTYPES)
     if unknown:
         raise ValueError(f"{path}: lab.dtypes {', '.join(sorted(unknown))} not among {', '.join(DTYPES)}")
+    unknown = set(rung.supports) - set(FEATURES)
+    if unknown:
+        raise ValueError(f"{path}: lab.supports {', '.join(sorted(unknown))} not among {', '.join(FEATURES)}")
     for c in configs:  # fail at load, not at launch, on a bad expression
         rung.block(c), rung.shared_bytes(c), rung.workspace_per_row(c), rung.tolerance_factor(c)
     return rung

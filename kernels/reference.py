@@ -31,7 +31,8 @@ def causal_mask(xp, T_q: int, T_k: int):
 
 
 def reference_attention(q, k, v, *, causal: bool = True, scale: float | None = None):
-    """softmax(scale * Q K^T + mask) V over (B, NH, T, d) arrays; returns the input's array type.
+    """softmax(scale * Q K^T + mask) V for q (B, NH, T_q, d) and k, v (B, NH_kv, T_k, d), NH a
+    multiple of NH_kv (grouped-query attention); returns the input's array type.
 
     float64 in, float64 arithmetic; float32 in, float32 arithmetic. float16 or bfloat16 in: the
     plain recipe of a low-precision kernel, products accumulated in float32 and the probabilities
@@ -45,8 +46,12 @@ def reference_attention(q, k, v, *, causal: bool = True, scale: float | None = N
     xp = array_module(q)
     if array_module(k) is not xp or array_module(v) is not xp:
         raise TypeError("q, k and v must all be NumPy arrays or all CuPy arrays")
-    if q.shape[:2] != k.shape[:2] or k.shape != v.shape or q.shape[3] != k.shape[3]:
-        raise ValueError(f"shapes disagree: q {q.shape}, k {k.shape}, v {v.shape}")
+    if q.shape[0] != k.shape[0] or k.shape != v.shape or q.shape[3] != k.shape[3] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"shapes disagree: q {q.shape} is (B, NH, T_q, d), k {k.shape} and v {v.shape} "
+                         "must be (B, NH_kv, T_k, d) with NH a multiple of NH_kv")
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: each K/V head serves NH / NH_kv query heads
+        group = q.shape[1] // k.shape[1]
+        k, v = xp.repeat(k, group, axis=1), xp.repeat(v, group, axis=1)
     low = {q.dtype.name, k.dtype.name, v.dtype.name} & {"float16", "bfloat16"}
     if low:  # the plain low-precision recipe: products accumulate in float32, P is rounded to the dtype
         if len({q.dtype, k.dtype, v.dtype}) != 1:

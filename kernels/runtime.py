@@ -120,15 +120,17 @@ class Instance:
         driver = _cupy().cuda.driver
         return driver.occupancyMaxActiveBlocksPerMultiprocessor(self.function.kernel.ptr, math.prod(self.block), self.smem)
 
-    def launch(self, q, k, v, out, workspace, scale: float):
-        B, NH, T, _ = q.shape
+    def launch(self, q, k, v, out, workspace, scale: float, causal: bool):
+        B, NH, T_q, _ = q.shape
+        NH_kv, T_k = k.shape[1], k.shape[2]
         item = q.itemsize
         q_strides = [np.int64(s // item) for s in q.strides[:3]]
         kv_strides = [np.int64(s // item) for s in k.strides[:3]]
-        grid = ((T + self.B_r - 1) // self.B_r, NH, B)
+        grid = ((T_q + self.B_r - 1) // self.B_r, NH, B)
+        sizes = (np.int32(T_q), np.int32(T_k), np.int32(NH // NH_kv), np.int32(causal))
         self.function(
             grid, self.block,
-            (q, k, v, out, workspace, np.int32(T), np.float32(scale), *q_strides, *kv_strides),
+            (q, k, v, out, workspace, *sizes, np.float32(scale), *q_strides, *kv_strides),
             shared_mem=self.smem,
         )
 
@@ -207,11 +209,14 @@ def check_layout(q, k, v, rung: ladder.Rung, causal: bool, scale):
             raise TypeError(f"q, k and v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
         if x.ndim != 4:
             raise ValueError(f"{name} must have 4 dimensions (B, NH, T, d), got shape {x.shape}")
-    if not (q.shape == k.shape == v.shape):
-        raise ValueError(f"q, k and v must have the same shape (B, NH, T, d); got {q.shape}, {k.shape}, {v.shape}")
-    B, NH, T, d = q.shape
-    if B == 0 or NH == 0 or T == 0 or d == 0:
-        raise ValueError(f"empty input: shape {q.shape} (B, NH, T and d must all be at least 1)")
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"shapes disagree: q {q.shape} is (B, NH, T_q, d), k {k.shape} and v {v.shape} must both be (B, NH_kv, T_k, d)"
+        )
+    B, NH, T_q, d = q.shape
+    NH_kv, T_k = k.shape[1], k.shape[2]
+    if 0 in (B, NH, T_q, d, NH_kv, T_k):
+        raise ValueError(f"empty input: q {q.shape}, k {k.shape} (every dimension must be at least 1)")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.strides[3] != x.itemsize:
             raise ValueError(f"{name}'s last dimension must have unit stride; its strides are {x.strides} bytes")
@@ -220,8 +225,16 @@ def check_layout(q, k, v, rung: ladder.Rung, causal: bool, scale):
     if d not in rung.head_sizes():
         sizes = ", ".join(map(str, rung.head_sizes()))
         raise ValueError(f"kernel {rung.name} supports head sizes {sizes}; got d={d}")
-    if not causal:
-        raise ValueError(f"kernel {rung.name} supports causal attention only (causal=True)")
+    if NH % NH_kv:
+        raise ValueError(f"q has {NH} heads, k and v {NH_kv}: the query heads must be a multiple of the key/value heads")
+    needs = {"noncausal": not causal, "cross": T_q != T_k, "gqa": NH_kv != NH}
+    what = {"noncausal": "causal=False", "cross": f"query length {T_q} != key length {T_k}",
+            "gqa": f"{NH_kv} key/value heads for {NH} query heads"}
+    for feature, needed in needs.items():
+        if needed and feature not in rung.supports:
+            able = [n for n in ladder.names() if feature in ladder.load(n).supports]
+            raise ValueError(f"kernel {rung.name} does not support {what[feature]}"
+                             + (f"; {', '.join(able)} do" if able else "; no rung does yet"))
     if scale is not None and not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number, got {scale}")
 
@@ -233,6 +246,7 @@ def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, ou
     validate(q, k, v, rung, causal, scale)
     B, NH, T, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    causal = bool(causal)
     inst = instance(rung.path, d, config)
     if not rung.strided:
         q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))
@@ -246,16 +260,17 @@ def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, ou
     workspace = cupy.empty(max(1, B * NH * T * inst.workspace_per_row), dtype=np.float32)
 
     def run():
-        inst.launch(q, k, v, out, workspace, scale)
+        inst.launch(q, k, v, out, workspace, scale, causal)
         return out
 
     return run
 
 
 def attention(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, out=None):
-    """Causal attention of (B, NH, T, d) CuPy arrays (float32, or a dtype the rung declares) with the
-    named rung; a new contiguous (B, NH, T, d) array of the input dtype (or `out`, filled).
-    `scale` defaults to 1/sqrt(d)."""
+    """Attention of q (B, NH, T_q, d) over k, v (B, NH_kv, T_k, d), CuPy arrays (float32, or a dtype
+    the rung declares), with the named rung; a new contiguous (B, NH, T_q, d) array of the input
+    dtype (or `out`, filled). Causal by default, the mask aligned bottom-right when T_q != T_k;
+    `scale` defaults to 1/sqrt(d). Non-causal, T_q != T_k and NH_kv < NH need a rung declaring them."""
     return prepare(q, k, v, kernel=kernel, causal=causal, scale=scale, config=config, out=out)()
 
 

@@ -32,7 +32,7 @@
 
 template <int d_head, int B_r, int B_c>
 __global__ void attention_forward(const float* Q, const float* K, const float* V, float* O,
-                                  float* workspace, int T, float scale,
+                                  float* workspace, int T, int /* T_k */, int /* kv_group */, int /* causal */, float scale,
                                   long long q_batch_stride, long long q_head_stride, long long q_row_stride,
                                   long long kv_batch_stride, long long kv_head_stride, long long kv_row_stride)
 {

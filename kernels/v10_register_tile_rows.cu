@@ -37,7 +37,7 @@
 template <int d_head, int B_r, int B_c>
 __global__ void attention_forward(const float* __restrict__ Q, const float* __restrict__ K,
                                   const float* __restrict__ V, float* __restrict__ O,
-                                  float* __restrict__ workspace, int T, float scale,
+                                  float* __restrict__ workspace, int T, int /* T_k */, int /* kv_group */, int /* causal */, float scale,
                                   long long q_batch_stride, long long q_head_stride, long long q_row_stride,
                                   long long kv_batch_stride, long long kv_head_stride, long long kv_row_stride)
 {

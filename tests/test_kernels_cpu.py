@@ -280,7 +280,10 @@ def test_valid_layouts_pass():
         (lambda: qkv(dtype=np.float64), TypeError, "dtype float64.*supports float32"),
         (lambda: qkv(dtype=np.float16), TypeError, "dtype float16"),
         (lambda: tuple(x[0] for x in qkv()), ValueError, "4 dimensions"),
-        (lambda: qkv()[:2] + (qkv((2, 3, 6, 64))[0],), ValueError, "same shape"),
+        (lambda: qkv()[:2] + (qkv((2, 3, 6, 64))[0],), ValueError, "shapes disagree"),
+        (lambda: (qkv()[0],) + qkv((2, 2, 5, 64))[:2], ValueError, "multiple of the key/value heads"),
+        (lambda: (qkv()[0],) + qkv((2, 1, 5, 64))[:2], ValueError, "does not support 1 key/value heads for 3 query heads; no rung"),
+        (lambda: (qkv()[0],) + qkv((2, 3, 7, 64))[:2], ValueError, "does not support query length 5 != key length 7"),
         (lambda: qkv((2, 3, 5, 80)), ValueError, r"head sizes 32, 64, 128; got d=80"),
         (lambda: qkv((2, 3, 0, 64)), ValueError, "empty input"),
         (lambda: tuple(x[..., ::2] for x in qkv((2, 3, 5, 128))), ValueError, "unit stride"),
@@ -293,7 +296,7 @@ def test_bad_layouts_are_clear_errors(make, error, message):
 
 
 def test_non_causal_and_bad_scale_are_rejected():
-    with pytest.raises(ValueError, match="causal attention only"):
+    with pytest.raises(ValueError, match="does not support causal=False"):
         check(*qkv(), causal=False)
     with pytest.raises(ValueError, match="finite"):
         check(*qkv(), scale=float("nan"))
@@ -307,3 +310,15 @@ def test_numpy_arrays_are_refused_by_gpu_rungs():
 def test_unknown_kernel_in_attention():
     with pytest.raises(ValueError, match="known kernels are v01_naive"):
         kernels.attention(*qkv(), kernel="v00")
+
+
+def test_reference_grouped_query_heads_share_key_value_heads():
+    rng = np.random.default_rng()
+    q = rng.standard_normal((2, 6, 7, 8))
+    k, v = rng.standard_normal((2, 2, 2, 7, 8))
+    got = kernels.reference_attention(q, k, v)
+    # query heads 0-2 read K/V head 0, heads 3-5 read K/V head 1
+    expected = kernels.reference_attention(q, np.repeat(k, 3, axis=1), np.repeat(v, 3, axis=1))
+    np.testing.assert_array_equal(got, expected)
+    with pytest.raises(ValueError, match="multiple"):
+        kernels.reference_attention(q, k[:, :1].repeat(4, axis=1), v[:, :1].repeat(4, axis=1))
