@@ -15,6 +15,8 @@ A rung declares what the launcher needs in its header comment, one `lab.<key>` l
     lab.dtypes     bfloat16, float16          input and output dtypes (default float32)
     lab.supports   noncausal, cross, gqa      beyond causal self-attention: causal=False, query and
                                               key lengths that differ, fewer K/V heads than Q heads
+    lab.split_kv   true                       split the keys across `splits` blocks per query tile
+                                              (flash-decoding); see runtime.Instance.splits
 
 Every rung exports the same entry point, `attention_forward<...>`, with one signature, launched on a
 grid of (ceil(T_q / B_r), n_heads, batch) blocks: one block per tile of B_r query rows of one head.
@@ -34,7 +36,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 _RUNG_FILE = re.compile(r"^v(\d+)_([a-z0-9_]+)\.cu$")
 _DECL = re.compile(r"^\s*(?:\*|//)\s*lab\.(\w+)\s+(.*?)\s*$")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
-_KEYS = {"template", "configs", "threads", "smem", "workspace", "strided", "options", "stack", "tolerance", "dtypes", "supports"}
+_KEYS = {"template", "configs", "threads", "smem", "workspace", "strided", "options", "stack", "tolerance", "dtypes", "supports", "split_kv"}
 FEATURES = ("noncausal", "cross", "gqa")
 
 
@@ -53,6 +55,7 @@ class Rung:
     tolerance: str = "8"
     dtypes: tuple[str, ...] = ("float32",)
     supports: tuple[str, ...] = ()
+    split_kv: bool = False
     source: str = field(default="", repr=False, compare=False)
     files: tuple = field(default=(), repr=False, compare=False)  # (path, stamp) of the file and its includes
 
@@ -183,6 +186,7 @@ def parse(path: Path) -> Rung:
         tolerance=decl.get("tolerance", "8"),
         dtypes=tuple(t.strip() for t in decl.get("dtypes", "float32").split(",")),
         supports=tuple(t.strip() for t in decl.get("supports", "").split(",") if t.strip()),
+        split_kv=decl.get("split_kv", "false").lower() == "true",
         source=source,
         files=tuple((p, _stamp(p)) for p in files),
     )

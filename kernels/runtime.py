@@ -120,13 +120,33 @@ class Instance:
         driver = _cupy().cuda.driver
         return driver.occupancyMaxActiveBlocksPerMultiprocessor(self.function.kernel.ptr, math.prod(self.block), self.smem)
 
+    def splits(self, B: int, NH: int, T_q: int, T_k: int) -> int:
+        """Key blocks per query tile for a split-KV rung: enough blocks to fill every SM twice,
+        no split shorter than one K/V tile. The kernel reads it back as gridDim.x / T_r; split s
+        writes its unnormalised O and its (m, l) per query row into the workspace, and the last
+        split of a tile to finish (a counter after the partials, left at zero) combines them."""
+        if not self.rung.split_kv:
+            return 1
+        tiles = B * NH * ((T_q + self.B_r - 1) // self.B_r)
+        B_c = self.rung.params(self.config).get("B_c", 64)
+        wanted = -(-2 * device_limits().sm_count // tiles)
+        return max(1, min(wanted, -(-T_k // B_c), 128))
+
+    def workspace_floats(self, B: int, NH: int, T_q: int, T_k: int) -> int:
+        if not self.rung.split_kv:
+            return B * NH * T_q * self.workspace_per_row
+        splits = self.splits(B, NH, T_q, T_k)
+        d_head = self.config[0]
+        tiles = B * NH * ((T_q + self.B_r - 1) // self.B_r)
+        return B * NH * T_q * splits * (d_head + 2) + tiles  # partials, then one counter per tile
+
     def launch(self, q, k, v, out, workspace, scale: float, causal: bool):
         B, NH, T_q, _ = q.shape
         NH_kv, T_k = k.shape[1], k.shape[2]
         item = q.itemsize
         q_strides = [np.int64(s // item) for s in q.strides[:3]]
         kv_strides = [np.int64(s // item) for s in k.strides[:3]]
-        grid = ((T_q + self.B_r - 1) // self.B_r, NH, B)
+        grid = ((T_q + self.B_r - 1) // self.B_r * self.splits(B, NH, T_q, T_k), NH, B)
         sizes = (np.int32(T_q), np.int32(T_k), np.int32(NH // NH_kv), np.int32(causal))
         self.function(
             grid, self.block,
@@ -257,7 +277,10 @@ def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, ou
     elif not (isinstance(out, cupy.ndarray) and out.dtype == q.dtype and out.shape == (B, NH, T, d)
               and out.flags.c_contiguous):
         raise ValueError(f"out must be a C-contiguous {q.dtype} CuPy array of shape {(B, NH, T, d)}")
-    workspace = cupy.empty(max(1, B * NH * T * inst.workspace_per_row), dtype=np.float32)
+    T_k = k.shape[2]
+    # split-KV counters must start at zero (the kernel leaves them there); other scratch is written first
+    alloc = cupy.zeros if rung.split_kv else cupy.empty
+    workspace = alloc(max(1, inst.workspace_floats(B, NH, T, T_k)), dtype=np.float32)
 
     def run():
         inst.launch(q, k, v, out, workspace, scale, causal)
