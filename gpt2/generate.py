@@ -5,6 +5,10 @@
 - KV cache: one prefill of the prompt with the attention under test, then one token per step,
   each a single query over the cached keys (`decode_attend`, the reference until a decode rung
   exists).
+
+On the GPU, greedy generation takes the fast path by default (gpt2/fast.py: fused kernels, a static
+KV cache and the decode step replayed as a CUDA graph; its own decode attention). `fast=False` runs
+the readable eager code below, model.forward step by step.
 """
 
 from __future__ import annotations
@@ -62,9 +66,10 @@ class Generation:
 
 def generate(params: dict, config: GPT2Config, prompt: list[int], n_new: int, *, attend,
              kv_cache: bool = False, decode_attend=reference_attend, sampler: Sampler | None = None,
-             eos_id: int | None = None, on_token=None, record_logits: bool = False) -> Generation:
+             eos_id: int | None = None, on_token=None, record_logits: bool = False, fast: bool = True) -> Generation:
     """n_new tokens after `prompt` (one sequence); on_token(token) is called as each is chosen.
-    Stops early after `eos_id` if it is given."""
+    Stops early after `eos_id` if it is given. fast: greedy runs on the GPU go through gpt2/fast.py
+    (gpt2.fast.unsupported_reason says when they cannot); False forces the eager path."""
     if not prompt:
         raise LabError("the prompt must have at least one token")
     if n_new < 1:
@@ -75,6 +80,13 @@ def generate(params: dict, config: GPT2Config, prompt: list[int], n_new: int, *,
     if max(prompt) >= config.vocab_size or min(prompt) < 0:
         raise LabError(f"token id {max(prompt)} is outside the model's vocabulary of {config.vocab_size}")
     xp = array_module(params["wte.weight"])
+    if fast and xp is not np:
+        from . import fast as fast_path
+
+        if fast_path.unsupported_reason(params, config, kv_cache=kv_cache, sampler=sampler,
+                                        record_logits=record_logits) is None:
+            return fast_path.generate(params, config, prompt, n_new, attend=attend, kv_cache=kv_cache,
+                                      eos_id=eos_id, on_token=on_token)
     sampler = sampler or Sampler()
     ids = list(prompt)
     out = Generation(tokens=[])

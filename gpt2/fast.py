@@ -1,0 +1,605 @@
+"""Fast greedy generation on the GPU: fused kernels, a static KV cache, one CUDA graph per decode step.
+
+    out = fast.generate(params, config, prompt, n_new, attend=attend, kv_cache=True)   what generate() calls
+    engine = fast.engine_for(params, config, dtype="bfloat16")                           the cached engine
+    engine.profile_step(position)                                                        per-kernel milliseconds
+
+gpt2/model.py stays the readable definition of GPT-2; this module runs the same network with fewer,
+larger kernels (kernels/fused/*.cu, each tested against the CuPy code it replaces):
+
+- Decode (KV cache, one token per step): a step is a fixed sequence of launches on fixed buffers,
+  reading its only inputs, the token and its position, from device memory (`state`), so it is
+  captured once as a CUDA graph (STEPS_PER_GRAPH steps per graph) and replayed with no host
+  arguments. Per layer five kernels:
+      ln_1 + c_attn (+ bias)              gemv, LayerNorm fused in front
+      attention over the cache            decode_attention (split over the keys; stores k, v at pos)
+      attn.c_proj + bias + residual       gemv, the residual added in place
+      ln_2 + c_fc + bias + GELU           gemv
+      mlp.c_proj + bias + residual        gemv
+  plus embed at the start and ln_f + lm_head + argmax at the end, which also writes the token into
+  `history` and advances `state`: 5 * n_layer + 2 kernels per token (62 for GPT-2 small).
+  The linear layers read transposed copies of the Conv1D weights, (out, in), made once here, so that
+  a warp reads one output's weights contiguously: on the fast path the linear weights are held
+  twice (the (in, out) originals stay for the prefill's matrix products). In bfloat16 the matrices
+  (wte, wpe and the linear weights) are rounded once to bfloat16 and the KV cache is bfloat16;
+  LayerNorm parameters, biases, activations and every accumulation stay float32.
+- Prefill, and every step of the no-cache mode: the whole sequence eagerly, cuBLAS SGEMM (through
+  CuPy's handle, no TF32) for the products, the attention under test, and fused kernels around them
+  (residual add + LayerNorm, bias, bias + GELU, head merge, KV store), then the same
+  ln_f + lm_head + argmax kernel on the last position only. In bfloat16 the prefill computes in float32
+  on the bfloat16-rounded weights, so both phases see the same weights.
+- Greedy only: tokens stay on the device (`history`), copied back in windows of STEPS_PER_GRAPH
+  through pinned memory while the GPU runs the next window, so on_token still streams.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from kernels import fused
+
+from .config import GPT2Config
+from .errors import LabError
+from .generate import Generation
+
+STEPS_PER_GRAPH = 8  # decode steps per captured graph, and tokens per copy back to the host
+PREFETCH_CAP = 16 << 20  # bytes of the next kernel's weights a kernel asks L2 to fetch (L2: 50 MB on H100/H200)
+DTYPES = ("float32", "bfloat16")
+EPI_BIAS, EPI_GELU, EPI_RESIDUAL = 0, 1, 2  # gemv.cu's epilogues
+NULL = np.uint64(0)  # a null pointer argument
+CACHE_SIZE = 2  # engines kept (each holds its own weight copies and a KV cache of n_positions)
+
+
+# -- what the fast path runs ---------------------------------------------------------------------
+
+
+def param_dtype(params: dict) -> str:
+    return params["wte.weight"].dtype.name
+
+
+def unsupported_reason(params: dict, config: GPT2Config, *, kv_cache: bool, sampler=None,
+                       record_logits: bool = False, dtype: str | None = None) -> str | None:
+    """None when fast.generate runs this generation; otherwise why generate() takes the eager path."""
+    if isinstance(params["wte.weight"], np.ndarray):
+        return "NumPy arrays: the fast path runs on the GPU"
+    if sampler is not None and sampler.temperature != 0:
+        return "sampling: the fast path is greedy (argmax on the device)"
+    if record_logits:
+        return "recording logits: the fast path never writes them"
+    dtype = dtype or param_dtype(params)
+    if dtype not in DTYPES:
+        return f"dtype {dtype}: the fast path runs {' and '.join(DTYPES)}"
+    if not kv_cache and dtype != "float32":
+        return "no-cache mode in bfloat16: the fast no-cache path computes in float32"
+    C, HS = config.n_embd, config.head_size
+    if C % 8 or config.mlp_width % 8:
+        return f"widths {C} and {config.mlp_width} must be multiples of 8 (whole 16-byte rows)"
+    if HS % 8 or 32 % (HS // 8) or HS > 256:
+        return f"head size {HS}: decode_attention needs a multiple of 8 with head_size / 8 dividing 32"
+    return None
+
+
+def generate(params: dict, config: GPT2Config, prompt: list[int], n_new: int, *, attend, kv_cache: bool,
+             eos_id: int | None = None, on_token=None, graph: bool = True, dtype: str | None = None) -> Generation:
+    """Greedy generation as gpt2.generate does it, on the cached engine for these weights."""
+    return engine_for(params, config, dtype).generate(prompt, n_new, attend=attend, kv_cache=kv_cache, eos_id=eos_id,
+                                                     on_token=on_token, graph=graph)
+
+
+_engines: OrderedDict = OrderedDict()
+
+
+def engine_for(params: dict, config: GPT2Config, dtype: str | None = None, **options) -> Engine:
+    """The engine for these weights (by the arrays' addresses), built once and kept (CACHE_SIZE most
+    recent). The engine copies the weights: after editing params in place, call clear_cache()."""
+    dtype = dtype or param_dtype(params)
+    key = (config, dtype, tuple(sorted(options.items())),
+           tuple((name, a.data.ptr, a.dtype.str, a.shape) for name, a in sorted(params.items())))
+    engine = _engines.get(key)
+    if engine is None:
+        engine = Engine(params, config, dtype=dtype, **options)
+        _engines[key] = engine
+        while len(_engines) > CACHE_SIZE:
+            _engines.popitem(last=False)
+    _engines.move_to_end(key)
+    return engine
+
+
+def clear_cache() -> None:
+    _engines.clear()
+
+
+# -- weights ---------------------------------------------------------------------------------------
+
+
+def to_float32(cp, a):
+    """float32 from float32 or bfloat16 (widened through its bits: no CuPy bfloat16 arithmetic needed)."""
+    if a.dtype.name == "bfloat16":
+        return (a.view(cp.uint16).astype(cp.uint32) << 16).view(cp.float32)
+    return cp.ascontiguousarray(a, dtype=cp.float32)
+
+
+def bf16_bits(cp, a32):
+    """float32 -> bfloat16 bits in uint16, rounded to nearest even (as kernels/fused/common.cuh does)."""
+    bits = cp.ascontiguousarray(a32, dtype=cp.float32).view(cp.uint32)
+    return ((bits + cp.uint32(0x7FFF) + ((bits >> 16) & cp.uint32(1))) >> 16).astype(cp.uint16)
+
+
+def round_to_bf16(cp, a32):
+    """float32 values rounded to bfloat16, held in float32."""
+    return (bf16_bits(cp, a32).astype(cp.uint32) << 16).view(cp.float32)
+
+
+MATRICES = ("wte.weight", "wpe.weight", "attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
+            "mlp.c_proj.weight")
+
+
+def is_matrix(name: str) -> bool:
+    return name.endswith(MATRICES)
+
+
+def weight_bytes_per_token(config: GPT2Config, dtype: str) -> int:
+    """Bytes of weights one decode step reads: every matrix once (wte whole, for the logits; one wpe
+    row), and the float32 biases and LayerNorm parameters. The KV cache is not counted."""
+    C, F, V = config.n_embd, config.mlp_width, config.vocab_size
+    item = 2 if dtype == "bfloat16" else 4
+    matrices = config.n_layer * (C * 3 * C + C * C + C * F + F * C) + V * C + C
+    vectors = config.n_layer * (3 * C + C + F + C + 4 * C) + 2 * C
+    return item * matrices + 4 * vectors
+
+
+def kv_bytes_per_token(config: GPT2Config, dtype: str, position: int) -> int:
+    """Bytes of keys and values one decode step at `position` reads (positions 0..position)."""
+    item = 2 if dtype == "bfloat16" else 4
+    return 2 * config.n_layer * config.n_embd * (position + 1) * item
+
+
+def gemv_shape(N: int, K: int, itemsize: int, *, most_rows: int = 4, loads: int = 8) -> tuple[int, int]:
+    """(warps per block, rows per warp) for gemv.cu: about `loads` 16-byte loads in flight per lane,
+    8 warps per block for wide outputs, 4 for narrow ones (more blocks to spread over the SMs)."""
+    iters = -(-K // (16 // itemsize) // 32)
+    rows = max(1, min(most_rows, loads // iters))
+    warps = 8 if N > 1024 else 4
+    return warps, rows
+
+
+# -- launches --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Launch:
+    """One kernel launch with fixed arguments: the unit of the decode step."""
+
+    name: str
+    fn: object
+    grid: tuple
+    block: tuple
+    args: tuple
+    shared_mem: int = 0
+
+    def __call__(self):
+        self.fn(self.grid, self.block, self.args, shared_mem=self.shared_mem)
+
+
+def _ptr(a) -> np.uint64:
+    return np.uint64(a.data.ptr)
+
+
+class _Sgemm:
+    """out (M, N) = a (M, K) @ b (K, N), row-major float32, through cuBLAS SGEMM on CuPy's handle:
+    a few microseconds of Python instead of cupy.matmul's tens. Plain float32 (the handle's default
+    math mode: no TF32). Falls back to cupy.matmul where the low-level binding is missing."""
+
+    def __init__(self, cp):
+        self.cp = cp
+        try:
+            from cupy_backends.cuda.libs import cublas
+
+            self.cublas, self.handle = cublas, cp.cuda.device.get_cublas_handle()
+        except Exception:  # pragma: no cover - depends on the CuPy build
+            self.cublas = None
+        self.one, self.zero = np.ones(1, np.float32), np.zeros(1, np.float32)
+
+    def begin(self):
+        if self.cublas is not None:
+            self.cublas.setPointerMode(self.handle, self.cublas.CUBLAS_POINTER_MODE_HOST)
+
+    def __call__(self, a, b, out):
+        if self.cublas is None:
+            self.cp.matmul(a, b, out=out)
+            return
+        M, K = a.shape
+        N = b.shape[1]
+        # column-major view of row-major: out^T (N, M) = b^T (N, K) @ a^T (K, M)
+        self.cublas.sgemm(self.handle, self.cublas.CUBLAS_OP_N, self.cublas.CUBLAS_OP_N, N, M, K,
+                          self.one.ctypes.data, b.data.ptr, N, a.data.ptr, K, self.zero.ctypes.data, out.data.ptr, N)
+
+
+class Engine:
+    """Everything the fast path needs for one set of weights, allocated once: weight copies, the
+    static KV cache (n_positions long), activations, the decode step's launches and its graphs."""
+
+    def __init__(self, params: dict, config: GPT2Config, *, dtype: str | None = None, max_len: int | None = None,
+                 prefetch: bool = True, steps_per_graph: int = STEPS_PER_GRAPH, keep_logits: bool = False):
+        import cupy as cp
+
+        import kernels
+
+        self.cp, self.config = cp, config
+        self.dtype = dtype or param_dtype(params)
+        why = unsupported_reason(params, config, kv_cache=True, dtype=self.dtype)
+        if why is not None:
+            raise LabError(f"the fast path cannot run this model: {why}")
+        self.max_len = max_len or config.n_positions
+        self.steps_per_graph = steps_per_graph
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        C, NH, HS, V = config.n_embd, config.n_head, config.head_size, config.vocab_size
+        bf16 = self.dtype == "bfloat16"
+        self.weight_type = "unsigned short" if bf16 else "float"
+        self.kv_type = self.weight_type
+        eps = np.float32(config.layer_norm_epsilon)
+        self.eps = eps
+        self.sm_count = kernels.device_limits().sm_count
+        self.stream.wait_event(cp.cuda.get_current_stream().record())  # the weights are written first
+
+        with self.stream:
+            # float32 weights for the eager products (prefill, no-cache), bfloat16-rounded in bfloat16 mode
+            self.params32 = {}
+            for name, a in params.items():
+                a32 = to_float32(cp, a)
+                self.params32[name] = round_to_bf16(cp, a32) if bf16 and is_matrix(name) else cp.ascontiguousarray(a32)
+            p = self.params32
+            decode = (lambda a: bf16_bits(cp, a)) if bf16 else cp.ascontiguousarray
+            # the decode step's copies: (out, in) linear weights, wte and wpe in the decode dtype
+            self.wte = decode(p["wte.weight"])  # (V, C): already one row per output
+            self.wpe = decode(p["wpe.weight"])  # (n_positions, C)
+            self.layers = []
+            for i in range(config.n_layer):
+                h = f"h.{i}."
+                self.layers.append({
+                    name: decode(cp.ascontiguousarray(p[h + name + ".weight"].T))
+                    for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+                })
+
+            # state = {token, pos}: the decode step's input; history: every token id, by position
+            self.state = cp.zeros(2, dtype=cp.int32)
+            self.history = cp.zeros(self.max_len, dtype=cp.int32)
+            self.pinned = cp.cuda.alloc_pinned_memory(4 * self.max_len)
+            self.host_history = np.frombuffer(self.pinned, dtype=np.int32, count=self.max_len)
+            kv_dtype = cp.uint16 if bf16 else cp.float32
+            cache_shape = (config.n_layer, NH, self.max_len, HS)
+            self.k_cache = cp.zeros(cache_shape, dtype=kv_dtype)
+            self.v_cache = cp.zeros(cache_shape, dtype=kv_dtype)
+            # decode activations
+            self.x = cp.zeros(C, dtype=cp.float32)  # the residual stream
+            self.qkv = cp.zeros(3 * C, dtype=cp.float32)
+            self.y = cp.zeros(C, dtype=cp.float32)  # attention output, heads side by side
+            self.g = cp.zeros(config.mlp_width, dtype=cp.float32)  # gelu(c_fc)
+            # split-KV attention: S splits per head, one wave of S * NH blocks
+            self.splits = max(1, min(self.sm_count // NH, -(-self.max_len // 16)))
+            self.attn_partial = cp.zeros((NH, self.splits, HS + 2), dtype=cp.float32)
+            self.attn_counters = cp.zeros(NH, dtype=cp.uint32)
+            # lm_head: one (max, argmax) per block and the last-block ticket
+            self.lm_warps, self.lm_rows = gemv_shape(V, C, 2 if bf16 else 4, loads=16)
+            self.lm_blocks = -(-V // (self.lm_warps * self.lm_rows))
+            self.lm32_warps, self.lm32_rows = gemv_shape(V, C, 4, loads=16)  # the eager path's float32 lm_head
+            self.lm32_blocks = -(-V // (self.lm32_warps * self.lm32_rows))
+            self.block_max = cp.zeros(max(self.lm_blocks, self.lm32_blocks), dtype=cp.float32)
+            self.block_arg = cp.zeros(max(self.lm_blocks, self.lm32_blocks), dtype=cp.int32)
+            self.lm_counter = cp.zeros(1, dtype=cp.uint32)
+            self.logits = cp.full(V, cp.nan, dtype=cp.float32) if keep_logits else None
+            # eager (whole-sequence) activations, max_len rows
+            T = self.max_len
+            self.xs = cp.zeros((T, C), dtype=cp.float32)
+            self.hs = cp.zeros((T, C), dtype=cp.float32)
+            self.qkvs = cp.zeros((T, 3 * C), dtype=cp.float32)
+            self.merged = cp.zeros((T, C), dtype=cp.float32)
+            self.ys = cp.zeros((T, C), dtype=cp.float32)
+            self.fs = cp.zeros((T, config.mlp_width), dtype=cp.float32)
+            self.sgemm = _Sgemm(cp)
+
+            self._compile()
+            self.step_launches = self._decode_launches(prefetch)
+        self.stream.synchronize()
+        self.graphs: dict[int, object] = {}
+
+    # -- kernels -----------------------------------------------------------------------------------
+
+    def _compile(self):
+        c, wt, kt = self.config, self.weight_type, self.kv_type
+        C, F, HS = c.n_embd, c.mlp_width, c.head_size
+        item = 2 if self.dtype == "bfloat16" else 4
+        self.fn = {}
+
+        def gemv(N, K, ln, epi):
+            warps, rows = gemv_shape(N, K, item)
+            expr = f"gemv<{wt}, {K}, {warps}, {rows}, {'true' if ln else 'false'}, {epi}>"
+            return fused.function("gemv", expr), -(-N // (warps * rows)), warps * 32
+
+        self.fn["c_attn"] = gemv(3 * C, C, True, EPI_BIAS)
+        self.fn["c_proj"] = gemv(C, C, False, EPI_RESIDUAL)
+        self.fn["c_fc"] = gemv(F, C, True, EPI_GELU)
+        self.fn["mlp_proj"] = gemv(C, F, False, EPI_RESIDUAL)
+        self.attn_warps = max(4, HS // 32)
+        self.fn["attention"] = fused.function("decode_attention", f"decode_attention<{kt}, {HS}, {self.attn_warps}>")
+        self.fn["embed"] = fused.function("embed", f"embed<{wt}>")
+        self.fn["embed32"] = fused.function("embed", "embed<float>")
+        self.fn["lm_head"] = fused.function("lm_head_argmax", f"lm_head_argmax<{wt}, {C}, {self.lm_warps}, {self.lm_rows}>")
+        self.fn["lm_head32"] = fused.function(
+            "lm_head_argmax", f"lm_head_argmax<float, {C}, {self.lm32_warps}, {self.lm32_rows}>")
+        self.fn["add_layernorm"] = fused.function("layernorm", "add_layernorm<256>")
+        self.fn["bias"] = fused.function("bias_act", "bias_act<false>")
+        self.fn["bias_gelu"] = fused.function("bias_act", "bias_act<true>")
+        self.fn["kv_store"] = fused.function("kv_store", f"kv_store<{kt}>")
+        self.fn["merge_heads"] = fused.function("merge_heads", "merge_heads")
+        self.fn["spin"] = fused.function("spin", "spin")
+
+    # -- the decode step -----------------------------------------------------------------------------
+
+    def _decode_launches(self, prefetch: bool) -> list[Launch]:
+        """The decode step as a list of launches on fixed buffers. Each kernel that reads a matrix
+        also asks L2 to prefetch the next one (the last wraps to the first layer's c_attn)."""
+        c, p = self.config, self.params32
+        C, NH, HS = c.n_embd, c.n_head, c.head_size
+        eps = self.eps
+        plan = [("embed", None)]  # (name, matrix read)
+        for i, layer in enumerate(self.layers):
+            plan += [(f"h.{i}.ln_1+attn.c_attn", layer["attn.c_attn"]), (f"h.{i}.attn", None),
+                     (f"h.{i}.attn.c_proj+residual", layer["attn.c_proj"]),
+                     (f"h.{i}.ln_2+mlp.c_fc+gelu", layer["mlp.c_fc"]),
+                     (f"h.{i}.mlp.c_proj+residual", layer["mlp.c_proj"])]
+        plan.append(("ln_f+lm_head+argmax", self.wte))
+        with_matrix = [k for k, (_, m) in enumerate(plan) if m is not None]
+        target = {}
+        for a, b in zip(with_matrix, with_matrix[1:] + with_matrix[:1]):
+            m = plan[b][1]
+            target[a] = (_ptr(m), np.uint64(min(m.nbytes, PREFETCH_CAP) // 256 * 256)) if prefetch else (NULL, np.uint64(0))
+
+        def pf(k):
+            return target.get(k, (NULL, np.uint64(0)))
+
+        def gemv(k, key, layer, linear, x, ln, out, N):
+            fn, grid, threads = self.fn[key]
+            h = f"h.{layer}."
+            ln_w, ln_b = (p[h + ln + ".weight"], p[h + ln + ".bias"]) if ln else (NULL, NULL)
+            return Launch(plan[k][0], fn, (grid,), (threads,),
+                          (self.layers[layer][linear], p[h + linear + ".bias"], x, ln_w, ln_b, eps, out, np.int32(N),
+                           *pf(k)))
+
+        launches = [Launch(plan[0][0], self.fn["embed"], (1,), (256,),
+                           (self.wte, self.wpe, self.state, self.state[1:], np.int32(C), self.x, *pf(0)))]
+        for i in range(c.n_layer):
+            k = 1 + 5 * i
+            launches += [
+                gemv(k, "c_attn", i, "attn.c_attn", self.x, "ln_1", self.qkv, 3 * C),
+                Launch(plan[k + 1][0], self.fn["attention"], (self.splits, NH), (self.attn_warps * 32,),
+                       (self.qkv, self.k_cache[i], self.v_cache[i], self.state, np.int32(NH), np.int32(self.max_len),
+                        np.float32(1.0 / math.sqrt(HS)), self.attn_partial, self.attn_counters, self.y, *pf(k + 1)),
+                       shared_mem=4 * -(-self.max_len // self.splits)),
+                gemv(k + 2, "c_proj", i, "attn.c_proj", self.y, None, self.x, C),
+                gemv(k + 3, "c_fc", i, "mlp.c_fc", self.x, "ln_2", self.g, c.mlp_width),
+                gemv(k + 4, "mlp_proj", i, "mlp.c_proj", self.g, None, self.x, C),
+            ]
+        k = len(plan) - 1
+        launches.append(Launch(plan[k][0], self.fn["lm_head"], (self.lm_blocks,), (self.lm_warps * 32,),
+                               (self.wte, self.x, NULL, NULL, p["ln_f.weight"], p["ln_f.bias"], eps,
+                                np.int32(c.vocab_size), self.logits if self.logits is not None else NULL,
+                                self.block_max, self.block_arg, self.lm_counter, self.state, self.history, *pf(k))))
+        assert [launch.name for launch in launches] == [name for name, _ in plan]
+        return launches
+
+    def _step(self, launches=None):
+        for launch in launches or self.step_launches:
+            launch()
+
+    def graph(self, steps: int, launches=None):
+        """A CUDA graph of `steps` decode steps (captured on first use, then kept)."""
+        key = steps if launches is None else None
+        if key in self.graphs:
+            return self.graphs[key]
+        with self.stream:
+            self.stream.begin_capture()
+            try:
+                for _ in range(steps):
+                    self._step(launches)
+            finally:
+                graph = self.stream.end_capture()
+        graph.upload(self.stream)
+        if key is not None:
+            self.graphs[key] = graph
+        return graph
+
+    def decode(self, n: int, *, graph: bool = True) -> None:
+        """Queue n decode steps on the engine's stream: graphs of steps_per_graph steps, then single
+        steps (or eager launches with graph=False, the same kernels one by one)."""
+        with self.stream:
+            if not graph:
+                for _ in range(n):
+                    self._step()
+                return
+            big, small = (self.graph(self.steps_per_graph), self.graph(1))
+            for _ in range(n // self.steps_per_graph):
+                big.launch(self.stream)
+            for _ in range(n % self.steps_per_graph):
+                small.launch(self.stream)
+
+    # -- whole sequences: prefill and the no-cache mode --------------------------------------------
+
+    def sequence(self, T: int, attend, *, store_kv: bool) -> None:
+        """The forward pass over history[0:T] (eager launches and cuBLAS), then ln_f + lm_head +
+        argmax on position T - 1, which writes the next token into history[T] and state. With
+        store_kv, every layer's keys and values go into the cache (the prefill)."""
+        cp, c, p, fn = self.cp, self.config, self.params32, self.fn
+        C, NH, HS, F = c.n_embd, c.n_head, c.head_size, c.mlp_width
+        eps = self.eps
+        x, h, qkv, merged, y, f = (a[:T] for a in (self.xs, self.hs, self.qkvs, self.merged, self.ys, self.fs))
+        views = qkv.reshape(1, T, 3, NH, HS)  # (B, T, 3, NH, hs): columns [q | k | v]
+        q, k, v = (views[:, :, i].transpose(0, 2, 1, 3) for i in range(3))  # each (B, NH, T, hs), a view
+        grid = (min(-(-T * C // 256), 4 * self.sm_count),)
+        self.sgemm.begin()
+        fn["embed32"]((T,), (256,), (p["wte.weight"], p["wpe.weight"], self.history, NULL, np.int32(C), x, NULL,
+                                     np.uint64(0)))
+        for i in range(c.n_layer):
+            pre = f"h.{i}."
+            if i == 0:  # h = ln_1(x)
+                residual = (NULL, NULL)
+            else:  # x += mlp.c_proj output + bias (previous layer); h = ln_1(x)
+                residual = (y, p[f"h.{i - 1}.mlp.c_proj.bias"])
+            fn["add_layernorm"]((T,), (256,), (x, *residual, p[pre + "ln_1.weight"], p[pre + "ln_1.bias"], eps, h,
+                                               np.int32(C)), shared_mem=4 * C)
+            self.sgemm(h, p[pre + "attn.c_attn.weight"], qkv)
+            fn["bias"](grid, (256,), (qkv, p[pre + "attn.c_attn.bias"], np.int32(T), np.int32(3 * C)))
+            if store_kv:
+                fn["kv_store"](grid, (256,), (qkv, self.k_cache[i], self.v_cache[i], np.int32(T), np.int32(NH),
+                                              np.int32(HS), np.int32(self.max_len)))
+            o = attend(q, k, v)  # (B, NH, T, hs)
+            if o.dtype != cp.float32 or o.strides[3] != 4:
+                o = cp.ascontiguousarray(o, dtype=cp.float32)
+            fn["merge_heads"](grid, (256,), (o, np.int64(o.strides[1] // 4), np.int64(o.strides[2] // 4), merged,
+                                             np.int32(T), np.int32(NH), np.int32(HS)))
+            self.sgemm(merged, p[pre + "attn.c_proj.weight"], y)
+            # x += attn.c_proj output + bias; h = ln_2(x)
+            fn["add_layernorm"]((T,), (256,), (x, y, p[pre + "attn.c_proj.bias"], p[pre + "ln_2.weight"],
+                                               p[pre + "ln_2.bias"], eps, h, np.int32(C)), shared_mem=4 * C)
+            self.sgemm(h, p[pre + "mlp.c_fc.weight"], f)
+            fn["bias_gelu"]((min(-(-T * F // 1024), 4 * self.sm_count),), (256,),
+                            (f, p[pre + "mlp.c_fc.bias"], np.int32(T), np.int32(F)))
+            self.sgemm(f, p[pre + "mlp.c_proj.weight"], y)
+        # the last position only: ln_f(x + mlp.c_proj output + bias), the logits, their argmax
+        last = f"h.{c.n_layer - 1}.mlp.c_proj.bias"
+        fn["lm_head32"]((self.lm32_blocks,), (self.lm32_warps * 32,),
+                        (p["wte.weight"], x[T - 1], y[T - 1], p[last], p["ln_f.weight"], p["ln_f.bias"], eps,
+                         np.int32(c.vocab_size), self.logits if self.logits is not None else NULL, self.block_max,
+                         self.block_arg, self.lm_counter, self.state, self.history, NULL, np.uint64(0)))
+
+    # -- generation --------------------------------------------------------------------------------
+
+    def start(self, prompt: list[int], attend, *, kv_cache: bool = True) -> None:
+        """Queue the prompt: history[0:T] = prompt, state = {last token, T - 1}, then the whole prompt
+        through sequence(), which leaves the first new token in history[T] and state = {it, T}."""
+        T = len(prompt)
+        if not 1 <= T < self.max_len:
+            raise LabError(f"the prompt has {T} tokens; the fast engine holds {self.max_len} positions")
+        with self.stream:
+            self.history[:T].set(np.asarray(prompt, dtype=np.int32), stream=self.stream)
+            self.state.set(np.asarray([prompt[-1], T - 1], dtype=np.int32), stream=self.stream)
+            self.sequence(T, attend, store_kv=kv_cache)
+
+    def _copy_back(self, first: int, count: int):
+        """Queue history[first:first + count] -> pinned host memory; the event that says it is there."""
+        cp = self.cp
+        cp.cuda.runtime.memcpyAsync(self.pinned.ptr + 4 * first, self.history.data.ptr + 4 * first, 4 * count,
+                                    cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
+        event = cp.cuda.Event(block=False, disable_timing=True)
+        event.record(self.stream)
+        return event, first, count
+
+    def generate(self, prompt: list[int], n_new: int, *, attend, kv_cache: bool, eos_id: int | None = None,
+                 on_token=None, graph: bool = True) -> Generation:
+        """n_new greedy tokens after prompt. The GPU runs a window of steps_per_graph tokens ahead of
+        the host, which hands the previous window's tokens to on_token as they arrive."""
+        cp = self.cp
+        T0 = len(prompt)
+        if T0 + n_new > self.max_len:
+            raise LabError(f"{T0} prompt tokens + {n_new} new tokens exceed the engine's {self.max_len} positions")
+        self.stream.wait_event(cp.cuda.get_current_stream().record())  # after whatever the caller queued
+        out = Generation(tokens=[])
+        with self.stream:
+            self.start(prompt, attend, kv_cache=kv_cache)
+            pending = deque([self._copy_back(T0, 1)])
+            produced = 1
+            while pending:
+                if produced < n_new:  # queue the next window before waiting for the previous one
+                    count = min(self.steps_per_graph, n_new - produced)
+                    if kv_cache:
+                        self.decode(count, graph=graph)
+                    else:
+                        for j in range(count):
+                            self.sequence(T0 + produced + j, attend, store_kv=False)
+                    pending.append(self._copy_back(T0 + produced, count))
+                    produced += count
+                event, first, count = pending.popleft()
+                event.synchronize()
+                for token in self.host_history[first:first + count].tolist():
+                    out.tokens.append(token)
+                    if on_token is not None:
+                        on_token(token)
+                    if eos_id is not None and token == eos_id:
+                        out.stopped_at_eos = True
+                        break
+                if out.stopped_at_eos:
+                    break
+        self.stream.synchronize()  # queued windows past an end-of-text finish before the next use
+        return out
+
+    # -- measuring -----------------------------------------------------------------------------------
+
+    def profile_step(self, position: int, repeats: int = 20) -> list[tuple[str, float]]:
+        """Milliseconds of each kernel of one decode step at `position` (median of `repeats`), timed
+        with events around each launch, the kernels queued behind a spin kernel so that they run
+        back to back. Changes state, history and the cache at `position`: run generate() again after."""
+        cp = self.cp
+        if not 0 <= position < self.max_len - 1:
+            raise LabError(f"position {position} outside the engine's 0..{self.max_len - 2}")
+        n = len(self.step_launches)
+        times = np.zeros((repeats, n))
+        start = np.asarray([0, position], dtype=np.int32)
+        with self.stream:
+            events = [cp.cuda.Event() for _ in range(n + 1)]
+            for r in range(repeats):
+                self.state.set(start, stream=self.stream)
+                self.fn["spin"]((1,), (1,), (np.int64(5_000_000),))  # 5 ms: the host queues the whole step
+                events[0].record(self.stream)
+                for i, launch in enumerate(self.step_launches):
+                    launch()
+                    events[i + 1].record(self.stream)
+                self.stream.synchronize()
+                times[r] = [cp.cuda.get_elapsed_time(events[i], events[i + 1]) for i in range(n)]
+        return list(zip([launch.name for launch in self.step_launches], np.median(times, axis=0).tolist(), strict=True))
+
+    def replay_ms(self, position: int, steps: int = 64, *, prefetch: bool = True, repeats: int = 5) -> float:
+        """Milliseconds per decode step of graph replays from `position` (median of `repeats` runs of
+        `steps` steps, each in graphs of steps_per_graph), with or without the L2 prefetch hints."""
+        cp = self.cp
+        if position + steps >= self.max_len:
+            raise LabError(f"{steps} steps from position {position} pass the engine's {self.max_len} positions")
+        launches = self.step_launches if prefetch else self._decode_launches(prefetch=False)
+        big = self.graph(self.steps_per_graph, None if prefetch else launches)
+        start = np.asarray([0, position], dtype=np.int32)
+        times = []
+        with self.stream:
+            before, after = cp.cuda.Event(), cp.cuda.Event()
+            for _ in range(repeats + 1):  # the first run uploads and warms up
+                self.state.set(start, stream=self.stream)
+                before.record(self.stream)
+                for _ in range(steps // self.steps_per_graph):
+                    big.launch(self.stream)
+                after.record(self.stream)
+                after.synchronize()
+                times.append(cp.cuda.get_elapsed_time(before, after) / (steps // self.steps_per_graph * self.steps_per_graph))
+        return float(np.median(times[1:]))
+
+
+def copy_ceiling(nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written), median of `repeats`
+    copies of `nbytes`, measured now on the current device."""
+    import cupy as cp
+
+    src = cp.ones(nbytes // 4, dtype=cp.float32)
+    dst = cp.empty_like(src)
+    stream = cp.cuda.get_current_stream()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    for _ in range(repeats + 1):
+        start.record()
+        cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, src.nbytes, cp.cuda.runtime.memcpyDeviceToDevice,
+                                    stream.ptr)
+        end.record()
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
+    del src, dst
+    return 2 * nbytes / float(np.median(times[1:]))

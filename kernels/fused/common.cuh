@@ -1,0 +1,153 @@
+/*
+ * Helpers shared by the fused kernels of the GPT-2 decode step (kernels/fused/*.cu).
+ *
+ * Weights arrive as 16-byte vectors: float (4 per vector) or bfloat16 held as its raw bits in an
+ * unsigned short (8 per vector). No cuda_bf16.h: a bfloat16 is the top half of a float, so widening
+ * is a shift, and rounding (to nearest even) is integer arithmetic on the float's bits.
+ * Every reduction accumulates in float32.
+ */
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)  // NVRTC compiles without <math.h>
+#endif
+
+typedef unsigned short bf16_bits;
+
+// -- bfloat16 <-> float ----------------------------------------------------------------------------
+
+__device__ __forceinline__ float bf16_to_float(bf16_bits b) { return __uint_as_float(((unsigned int)b) << 16); }
+
+__device__ __forceinline__ bf16_bits float_to_bf16(float f)
+{
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_bits)((u >> 16) | 0x40);  // NaN stays a (quiet) NaN
+    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
+    return (bf16_bits)(u >> 16);
+}
+
+// A storage type's value as float, and a float stored as that type (the KV cache's element).
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(bf16_bits x) { return bf16_to_float(x); }
+__device__ __forceinline__ void store_as(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store_as(bf16_bits* p, float v) { *p = float_to_bf16(v); }
+// v as it reads back after a store to T: rounding the current key to the cache's dtype keeps a
+// step's arithmetic identical to reading it from the cache on a later step.
+template <typename T> __device__ __forceinline__ float round_as(float v);
+template <> __device__ __forceinline__ float round_as<float>(float v) { return v; }
+template <> __device__ __forceinline__ float round_as<bf16_bits>(float v) { return bf16_to_float(float_to_bf16(v)); }
+
+// -- 16-byte vectors ---------------------------------------------------------------------------------
+
+template <typename T> struct Vec16 {
+    static constexpr int N = 16 / sizeof(T);  // elements per 16-byte load
+};
+
+// Widen the 16 bytes in v to Vec16<T>::N floats.
+__device__ __forceinline__ void unpack(const uint4& v, float (&out)[4])
+{
+    out[0] = __uint_as_float(v.x); out[1] = __uint_as_float(v.y);
+    out[2] = __uint_as_float(v.z); out[3] = __uint_as_float(v.w);
+}
+__device__ __forceinline__ void unpack(const uint4& v, float (&out)[8])
+{
+    out[0] = __uint_as_float(v.x << 16); out[1] = __uint_as_float(v.x & 0xffff0000u);
+    out[2] = __uint_as_float(v.y << 16); out[3] = __uint_as_float(v.y & 0xffff0000u);
+    out[4] = __uint_as_float(v.z << 16); out[5] = __uint_as_float(v.z & 0xffff0000u);
+    out[6] = __uint_as_float(v.w << 16); out[7] = __uint_as_float(v.w & 0xffff0000u);
+}
+
+// A read-only 16-byte load through the non-coherent path (the weights never change in a step).
+__device__ __forceinline__ uint4 load16(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+// -- reductions -------------------------------------------------------------------------------------
+
+__device__ __forceinline__ float warp_sum(float v)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// The sum over the block, in every thread. `scratch` holds one float per warp; the barrier at the
+// end lets the caller reuse it at once.
+template <int THREADS>
+__device__ __forceinline__ float block_sum(float v, float* scratch)
+{
+    constexpr int WARPS = THREADS / 32;
+    v = warp_sum(v);
+    if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+    __syncthreads();
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) total += scratch[w];  // the same order in every thread
+    __syncthreads();
+    return total;
+}
+
+// -- the block's input vector -----------------------------------------------------------------------
+
+// x_s = LN(x + y + y_bias) * ln_w + ln_b (y and y_bias may be null; LN = false skips the norm),
+// K floats in shared memory, as GPT-2's LayerNorm: biased variance, eps inside the square root.
+// The statistics are two-pass over shared memory (mean, then the centred sum of squares).
+template <int K, int THREADS, bool LN>
+__device__ __forceinline__ void stage_input(const float* __restrict__ x, const float* __restrict__ y,
+                                            const float* __restrict__ y_bias, const float* __restrict__ ln_w,
+                                            const float* __restrict__ ln_b, float eps, float* x_s,
+                                            float* scratch)
+{
+    static_assert(K % 4 == 0, "rows are read as float4");
+    for (int i = threadIdx.x; i < K / 4; i += THREADS) {
+        float4 v = reinterpret_cast<const float4*>(x)[i];
+        if (y != nullptr) {
+            const float4 a = reinterpret_cast<const float4*>(y)[i];
+            const float4 b = reinterpret_cast<const float4*>(y_bias)[i];
+            v.x += a.x + b.x; v.y += a.y + b.y; v.z += a.z + b.z; v.w += a.w + b.w;
+        }
+        reinterpret_cast<float4*>(x_s)[i] = v;
+    }
+    __syncthreads();
+    if (!LN) return;
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < K; i += THREADS) s += x_s[i];
+    const float mean = block_sum<THREADS>(s, scratch) / K;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < K; i += THREADS) {
+        const float d = x_s[i] - mean;
+        ss += d * d;
+    }
+    const float rstd = 1.0f / sqrtf(block_sum<THREADS>(ss, scratch) / K + eps);
+    for (int i = threadIdx.x; i < K; i += THREADS) x_s[i] = (x_s[i] - mean) * rstd * ln_w[i] + ln_b[i];
+    __syncthreads();
+}
+
+// -- epilogues --------------------------------------------------------------------------------------
+
+// GPT-2's GELU, the tanh approximation (transformers' gelu_new), 0.044715 as in the paper.
+__device__ __forceinline__ float gelu_tanh(float x)
+{
+    const float c = 0.7978845608028654f;  // sqrt(2 / pi)
+    return 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * (x * x * x))));
+}
+
+// -- keeping memory busy across a kernel boundary ---------------------------------------------------
+
+// Ask L2 to fetch this block's share of [p, p + bytes): the next kernel's weights, so that DRAM keeps
+// streaming through the launch gap. A hint only: nothing waits for it. bytes is a multiple of 16.
+__device__ __forceinline__ void prefetch_l2(const char* p, unsigned long long bytes)
+{
+    if (p == nullptr || bytes == 0) return;
+    const unsigned long long blocks = (unsigned long long)gridDim.x * gridDim.y * gridDim.z;
+    const unsigned long long block = blockIdx.x + (unsigned long long)gridDim.x * (blockIdx.y + (unsigned long long)gridDim.y * blockIdx.z);
+    const unsigned long long share = ((bytes + blocks - 1) / blocks + 255) / 256 * 256;
+    const unsigned long long start = block * share;
+    const unsigned long long end = start + share < bytes ? start + share : bytes;
+    constexpr unsigned long long PIECE = 4096;
+    const unsigned long long threads = (unsigned long long)blockDim.x * blockDim.y * blockDim.z;
+    for (unsigned long long off = start + threadIdx.x * PIECE; off < end; off += threads * PIECE) {
+        const unsigned int size = (unsigned int)(end - off < PIECE ? end - off : PIECE);
+#if __CUDA_ARCH__ >= 900
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + off), "r"(size) : "memory");
+#else
+        for (unsigned int b = 0; b < size; b += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + off + b));
+#endif
+    }
+}
