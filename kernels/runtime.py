@@ -163,17 +163,22 @@ def _log_of(exc) -> str:
 _instances: dict[tuple, Instance] = {}
 
 
-def instance(kernel, d_head: int, config=None) -> Instance:
+def instance(kernel, d_head: int, config=None, dtype: str | None = None) -> Instance:
     """The compiled rung for head size d_head: `config` if given, else the first declared
-    configuration for d_head that fits this device (rungs declare them in order of preference)."""
+    configuration for d_head that fits this device (rungs declare them in order of preference).
+    For a rung with lab.dtype_param, `dtype` (the inputs' dtype name) selects that dtype's configs."""
     rung = ladder.load(kernel)
     dev = _cupy().cuda.runtime.getDevice()
     if config is not None:
         candidates = [_as_config(rung, config)]
         if candidates[0][0] != d_head:
             raise ValueError(f"config {config} has d_head={candidates[0][0]} but the inputs have d={d_head}")
+        made_for = rung.dtype_of(candidates[0])
+        if dtype is not None and made_for not in (None, dtype):
+            raise ValueError(f"config {config} is kernel {rung.name}'s {made_for} instantiation "
+                             f"({rung.dtype_param}={rung.params(candidates[0])[rung.dtype_param]}), but the inputs are {dtype}")
     else:
-        candidates = [c for c in rung.configs if c[0] == d_head]
+        candidates = rung.configs_for(d_head, dtype)
         if not candidates:
             sizes = ", ".join(map(str, rung.head_sizes()))
             raise ValueError(f"kernel {rung.name} supports head sizes {sizes}; got d={d_head}")
@@ -199,8 +204,12 @@ def _as_config(rung: ladder.Rung, config) -> tuple[int, ...]:
     if isinstance(config, str):
         config = [int(v) for v in re.split(r"[,x ]+", config.strip()) if v]
     config = tuple(int(v) for v in config)
-    if len(config) != len(rung.template) or min(config) <= 0:
+    sizes = [v for name, v in zip(rung.template, config) if name != rung.dtype_param]
+    if len(config) != len(rung.template) or min(sizes) <= 0:
         raise ValueError(f"config {config} must be {len(rung.template)} positive integers: {', '.join(rung.template)}")
+    if rung.dtype_param is not None and not 0 <= rung.params(config)[rung.dtype_param] < len(rung.dtypes):
+        raise ValueError(f"config {config}: {rung.dtype_param} must index lab.dtypes "
+                         f"({', '.join(f'{i} = {t}' for i, t in enumerate(rung.dtypes))})")
     return config
 
 
@@ -259,6 +268,10 @@ def check_layout(q, k, v, rung: ladder.Rung, causal: bool, scale):
         raise ValueError(f"scale must be a finite number, got {scale}")
 
 
+def _aligned(x, boundary: int = 16) -> bool:
+    return x.data.ptr % boundary == 0 and all(st % boundary == 0 for st in x.strides[:3])
+
+
 def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, out=None):
     """Validate and compile once; return a function that launches the rung (for timing loops)."""
     cupy = _cupy()
@@ -267,11 +280,14 @@ def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, ou
     B, NH, T, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     causal = bool(causal)
-    inst = instance(rung.path, d, config)
+    inst = instance(rung.path, d, config, dtype=q.dtype.name)
     if not rung.strided:
         q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))
-    elif k.strides != v.strides:
-        k, v = cupy.ascontiguousarray(k), cupy.ascontiguousarray(v)  # the kernel reads K and V through one set of strides
+    else:
+        # strided rungs load 16-byte vectors: rows must start on 16-byte boundaries
+        q, k, v = (x if _aligned(x) else cupy.ascontiguousarray(x) for x in (q, k, v))
+        if k.strides != v.strides:  # the kernel reads K and V through one set of strides
+            k, v = cupy.ascontiguousarray(k), cupy.ascontiguousarray(v)
     if out is None:
         out = cupy.empty((B, NH, T, d), dtype=q.dtype)
     elif not (isinstance(out, cupy.ndarray) and out.dtype == q.dtype and out.shape == (B, NH, T, d)

@@ -71,6 +71,17 @@ def test_rung_strided_views_of_packed_qkv(name, d, dtype, T):
 
 
 @pytest.mark.parametrize("name,d,dtype", CASES)
+def test_rung_misaligned_views(name, d, dtype):
+    """Row strides and a start that are not multiples of 16 bytes: strided rungs get copies."""
+    import cupy as cp
+
+    B, NH, T = 2, 3, 45
+    base = (cp.random.standard_normal((B, NH, T, d + 3), dtype=cp.float32)).astype(dtype)
+    q, k, v = (base[..., i : i + d] for i in range(3))  # offsets of 0, 1 and 2 elements
+    check_against_reference(q, k, v, name)
+
+
+@pytest.mark.parametrize("name,d,dtype", CASES)
 @pytest.mark.parametrize("magnitude", [8.0, 30.0])
 def test_rung_large_scores(name, d, dtype, magnitude):
     """Scores in the hundreds: the online softmax must rescale, not overflow."""
