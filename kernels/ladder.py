@@ -13,6 +13,9 @@ A rung declares what the launcher needs in its header comment, one `lab.<key>` l
     lab.tolerance  8                          allowed error, in multiples of a plain implementation's
                                               error against float64, in the same dtype (default 8)
     lab.dtypes     bfloat16, float16          input and output dtypes (default float32)
+    lab.dtype_param dtype_id                  the template parameter that selects the dtype: its value in
+                                              a config is the dtype's position in lab.dtypes, and the
+                                              launcher takes only the configs of the inputs' dtype
     lab.supports   noncausal, cross, gqa      beyond causal self-attention: causal=False, query and
                                               key lengths that differ, fewer K/V heads than Q heads
     lab.split_kv   true                       split the keys across `splits` blocks per query tile
@@ -36,7 +39,8 @@ DTYPES = ("float32", "float16", "bfloat16")
 _RUNG_FILE = re.compile(r"^v(\d+)_([a-z0-9_]+)\.cu$")
 _DECL = re.compile(r"^\s*(?:\*|//)\s*lab\.(\w+)\s+(.*?)\s*$")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
-_KEYS = {"template", "configs", "threads", "smem", "workspace", "strided", "options", "stack", "tolerance", "dtypes", "supports", "split_kv"}
+_KEYS = {"template", "configs", "threads", "smem", "workspace", "strided", "options", "stack", "tolerance", "dtypes",
+         "dtype_param", "supports", "split_kv"}
 FEATURES = ("noncausal", "cross", "gqa")
 
 
@@ -54,6 +58,7 @@ class Rung:
     stack: int = 0
     tolerance: str = "8"
     dtypes: tuple[str, ...] = ("float32",)
+    dtype_param: str | None = None  # the template parameter whose value indexes lab.dtypes
     supports: tuple[str, ...] = ()
     split_kv: bool = False
     source: str = field(default="", repr=False, compare=False)
@@ -65,6 +70,16 @@ class Rung:
 
     def head_sizes(self) -> list[int]:
         return sorted({c[0] for c in self.configs})
+
+    def dtype_of(self, config: tuple[int, ...]) -> str | None:
+        """The dtype a config is instantiated for, or None if every config takes every declared dtype."""
+        if self.dtype_param is None:
+            return None
+        return self.dtypes[self.params(config)[self.dtype_param]]
+
+    def configs_for(self, d_head: int, dtype: str | None = None) -> list[tuple[int, ...]]:
+        """The declared configs for head size d_head (and dtype, if given), in order of preference."""
+        return [c for c in self.configs if c[0] == d_head and (dtype is None or self.dtype_of(c) in (None, dtype))]
 
     def params(self, config: tuple[int, ...]) -> dict[str, int]:
         return dict(zip(self.template, config))
@@ -185,6 +200,7 @@ def parse(path: Path) -> Rung:
         stack=int(decl.get("stack", "0")),
         tolerance=decl.get("tolerance", "8"),
         dtypes=tuple(t.strip() for t in decl.get("dtypes", "float32").split(",")),
+        dtype_param=decl.get("dtype_param"),
         supports=tuple(t.strip() for t in decl.get("supports", "").split(",") if t.strip()),
         split_kv=decl.get("split_kv", "false").lower() == "true",
         source=source,
@@ -193,12 +209,31 @@ def parse(path: Path) -> Rung:
     unknown = set(rung.dtypes) - set(DTYPES)
     if unknown:
         raise ValueError(f"{path}: lab.dtypes {', '.join(sorted(unknown))} not among {', '.join(DTYPES)}")
+    if rung.dtype_param is not None:
+        check_dtype_param(rung)
     unknown = set(rung.supports) - set(FEATURES)
     if unknown:
         raise ValueError(f"{path}: lab.supports {', '.join(sorted(unknown))} not among {', '.join(FEATURES)}")
     for c in configs:  # fail at load, not at launch, on a bad expression
         rung.block(c), rung.shared_bytes(c), rung.workspace_per_row(c), rung.tolerance_factor(c)
     return rung
+
+
+def check_dtype_param(rung: Rung) -> None:
+    """lab.dtype_param names a template parameter (not d_head) whose every value indexes lab.dtypes,
+    and every head size has a config for every dtype."""
+    where = f"{rung.path}: lab.dtype_param {rung.dtype_param}"
+    if rung.dtype_param not in rung.template[1:]:
+        raise ValueError(f"{where} is not one of the template parameters after d_head ({', '.join(rung.template[1:])})")
+    for c in rung.configs:
+        value = rung.params(c)[rung.dtype_param]
+        if not 0 <= value < len(rung.dtypes):
+            raise ValueError(f"{where}: config {c} has {rung.dtype_param}={value}, but lab.dtypes has "
+                             f"{len(rung.dtypes)} entries ({', '.join(f'{i} = {t}' for i, t in enumerate(rung.dtypes))})")
+    for d in rung.head_sizes():
+        missing = [t for t in rung.dtypes if not rung.configs_for(d, t)]
+        if missing:
+            raise ValueError(f"{where}: no config for d_head={d} in {', '.join(missing)}")
 
 
 def assemble(path: Path, seen: tuple[Path, ...] = (), files: list[Path] | None = None) -> str:

@@ -99,6 +99,61 @@ def test_bad_declarations_are_clear_errors(tmp_path, edit, message):
         kernels.load(write(tmp_path, "bad.cu", edit(MINIMAL)))
 
 
+TWO_DTYPES = MINIMAL.replace("lab.template   d_head, B_r, B_c\n", "lab.template   d_head, B_r, B_c, dtype_id\n").replace(
+    "lab.configs    (64, 32, 32), (32, 16, 16)\n",
+    "lab.configs    (64, 32, 32, 0), (64, 32, 32, 1), (64, 16, 16, 1), (32, 16, 16, 0), (32, 16, 16, 1)\n"
+    " * lab.dtypes     bfloat16, float16\n * lab.dtype_param dtype_id\n").replace(
+    "template <int d_head, int B_r, int B_c>", "template <int d_head, int B_r, int B_c, int dtype_id>")
+
+
+def test_dtype_param_selects_configs_by_dtype(tmp_path):
+    """lab.dtype_param: the parameter's value is the dtype's position in lab.dtypes; the launcher
+    looks only at the configs of the inputs' dtype, in declared order."""
+    rung = kernels.load(write(tmp_path, "two.cu", TWO_DTYPES))
+    assert rung.dtype_param == "dtype_id" and rung.dtypes == ("bfloat16", "float16")
+    assert [rung.dtype_of(c) for c in rung.configs] == ["bfloat16", "float16", "float16", "bfloat16", "float16"]
+    assert rung.configs_for(64, "float16") == [(64, 32, 32, 1), (64, 16, 16, 1)]
+    assert rung.configs_for(64, "bfloat16") == [(64, 32, 32, 0)]
+    assert rung.configs_for(64) == [(64, 32, 32, 0), (64, 32, 32, 1), (64, 16, 16, 1)]
+    assert rung.configs_for(32, "float32") == []
+    assert runtime._as_config(rung, (64, 32, 32, 0)) == (64, 32, 32, 0)  # 0 is a valid dtype index
+    assert runtime._as_config(rung, {"d_head": 32, "B_r": 16, "B_c": 16, "dtype_id": 1}) == (32, 16, 16, 1)
+    with pytest.raises(ValueError, match="dtype_id must index lab.dtypes"):
+        runtime._as_config(rung, (64, 32, 32, 2))
+    with pytest.raises(ValueError, match="positive integers"):
+        runtime._as_config(rung, (64, 0, 32, 1))
+    plain = kernels.load(write(tmp_path, "plain.cu", MINIMAL))
+    assert plain.dtype_param is None and plain.dtype_of((64, 32, 32)) is None
+    assert plain.configs_for(64, "float32") == [(64, 32, 32)]
+
+
+def test_dtype_param_instantiations_compile_separately(tmp_path):
+    reports = kernels.compile_report(str(write(tmp_path, "two.cu", TWO_DTYPES)), "sm_90")
+    assert [r.config["dtype_id"] for r in reports] == [0, 1, 1, 0, 1]
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda s: s.replace("lab.dtype_param dtype_id", "lab.dtype_param d_head"), "not one of the template parameters after d_head"),
+        (lambda s: s.replace("lab.dtype_param dtype_id", "lab.dtype_param dtype"), "not one of the template parameters"),
+        (lambda s: s.replace("(64, 16, 16, 1)", "(64, 16, 16, 2)"), r"dtype_id=2, but lab.dtypes has 2 entries \(0 = bfloat16, 1 = float16\)"),
+        (lambda s: s.replace("(32, 16, 16, 0), ", ""), "no config for d_head=32 in bfloat16"),
+    ],
+)
+def test_bad_dtype_param_is_a_clear_error(tmp_path, edit, message):
+    with pytest.raises(ValueError, match=message):
+        kernels.load(write(tmp_path, "bad.cu", edit(TWO_DTYPES)))
+
+
+def test_rungs_with_a_dtype_param_cover_every_head_size_and_dtype():
+    for name in kernels.names():
+        rung = kernels.load(name)
+        for d in rung.head_sizes():
+            for dtype in rung.dtypes:
+                assert rung.configs_for(d, dtype), f"{name}: no config for d={d} in {dtype}"
+
+
 def test_expressions_allow_only_integer_arithmetic():
     assert ladder.evaluate("4 * (B_r + 1) // 2 + max(B_c, 3) % 5 - min(1, 2)", {"B_r": 3, "B_c": 7}) == 9
     for bad in ("B_r ** 2", "open('x')", "B_r.real", "undefined + 1", "1 +"):
@@ -282,7 +337,7 @@ def test_valid_layouts_pass():
         (lambda: tuple(x[0] for x in qkv()), ValueError, "4 dimensions"),
         (lambda: qkv()[:2] + (qkv((2, 3, 6, 64))[0],), ValueError, "shapes disagree"),
         (lambda: (qkv()[0],) + qkv((2, 2, 5, 64))[:2], ValueError, "multiple of the key/value heads"),
-        (lambda: (qkv()[0],) + qkv((2, 1, 5, 64))[:2], ValueError, "does not support 1 key/value heads for 3 query heads; no rung"),
+        (lambda: (qkv()[0],) + qkv((2, 1, 5, 64))[:2], ValueError, "does not support 1 key/value heads for 3 query heads; .*v15_bf16_mma"),
         (lambda: (qkv()[0],) + qkv((2, 3, 7, 64))[:2], ValueError, "does not support query length 5 != key length 7"),
         (lambda: qkv((2, 3, 5, 80)), ValueError, r"head sizes 32, 64, 128; got d=80"),
         (lambda: qkv((2, 3, 0, 64)), ValueError, "empty input"),
