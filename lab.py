@@ -2,12 +2,16 @@
 """GPT-2 text generation with any attention rung, timed: the seed's 512-token run.
 
     python lab.py --kernel v02 --tokens 512 --random-weights   no KV cache: v02 runs for every token
-    python lab.py --kernel v02 --kv-cache                       prefill with v02, decode with the reference
+    python lab.py --kernel v02 --kv-cache                       prefill with v02, then the fast decode step
     python lab.py --kernel v02 --check --json run.json          also rerun with the reference and compare
     python lab.py --device cpu --model FOLDER --tokens 20       NumPy and the reference attention
+    python lab.py --random-weights --kv-cache --profile-step     where a decode step's time goes, per kernel
 
 Prints the text as it is generated, then a summary: model, attention, mode, token counts, seconds
-and tokens/s (warm-up and compilation excluded), compile time, peak GPU memory, device.
+and tokens/s (warm-up and compilation excluded), time to first token and decode tokens/s, weight
+bytes per token and the bandwidth they imply against a measured copy ceiling (KV cache on the GPU),
+compile time, peak GPU memory, device. Greedy runs on the GPU use the fast path (gpt2/fast.py: fused
+kernels, a static KV cache, the decode step replayed as a CUDA graph); --no-graph runs the eager code.
 User errors print one line to stderr and exit 2; --check exits 1 when the tokens differ.
 """
 
@@ -26,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 import gpt2
+import gpt2.fast
 import kernels
 from gpt2 import LabError, Sampler, StreamDecoder, generate, reference_attend
 
@@ -52,7 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=512, help="new tokens to generate (default 512)")
     p.add_argument("--kv-cache", action="store_true",
                    help="prefill with the rung, then decode one token per step over a KV cache "
-                        "(decode attention: reference); default: recompute the whole sequence every step")
+                        "(decode attention: kernels/fused/decode_attention.cu on the fast path, the reference "
+                        "with --no-graph or on the CPU); default: recompute the whole sequence every step")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     p.add_argument("--top-k", type=int, help="sample among the k likeliest tokens (needs --temperature > 0)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed, and the random weights' seed (default 0)")
@@ -64,6 +70,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--check", action="store_true",
                    help="rerun with the reference attention: identical tokens? largest logit difference?")
     p.add_argument("--json", metavar="PATH", help="write the summary, prompt and token ids as JSON")
+    p.add_argument("--no-graph", action="store_true",
+                   help="the readable eager path (gpt2/model.py one step at a time: no fused kernels, no CUDA "
+                        "graph); default on the GPU for greedy runs: the fast path of gpt2/fast.py")
+    p.add_argument("--profile-step", action="store_true",
+                   help="after the run, time each kernel of one fast decode step (CUDA events) and the graph "
+                        "replay per token, with and without the L2 prefetch hints (GPU, --kv-cache)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="weights on the GPU: bfloat16 casts them once (the fast KV-cache path; LayerNorm, softmax "
+                        "and accumulation stay float32); default float32")
     return p.parse_args(argv)
 
 
@@ -79,6 +94,11 @@ def check_args(args) -> None:
     if args.json and not Path(args.json).resolve().parent.is_dir():
         raise LabError(f"--json {args.json}: folder {Path(args.json).parent} does not exist")
     Sampler(args.temperature, args.top_k, args.seed)  # raises LabError on a bad temperature or top-k
+    if args.profile_step and (args.no_graph or not args.kv_cache):
+        raise LabError("--profile-step times the fast decode step: it needs --kv-cache and no --no-graph")
+    if args.dtype == "bfloat16" and (args.no_graph or not args.kv_cache or args.check or args.temperature != 0):
+        raise LabError("--dtype bfloat16 runs on the fast path only (--kv-cache, greedy, no --no-graph or --check): "
+                       "the eager model computes in float32")
 
 
 def pick_device(choice: str) -> str:
@@ -147,8 +167,12 @@ def run(args) -> int:
         import cupy as xp
     else:
         xp = np
+    if device == "cpu" and (args.profile_step or args.dtype != "float32"):
+        raise LabError("--profile-step and --dtype bfloat16 need the GPU (the fast path)")
     ckpt = load_checkpoint(args, xp)
     config = ckpt.config
+    if args.dtype == "bfloat16":
+        ckpt.params = gpt2.fast.as_bfloat16(ckpt.params)
     if kernel != REFERENCE and config.head_size not in kernels.load(kernel).head_sizes():
         sizes = ", ".join(map(str, kernels.load(kernel).head_sizes()))
         raise LabError(f"kernel {kernel} supports head sizes {sizes}; this model's is {config.head_size}")
@@ -159,6 +183,8 @@ def run(args) -> int:
                        f"positions, but the model has {config.n_positions}")
     attend = make_attend(kernel)
     eos = config.eos_token_id if args.stop_at_eos else None
+    fast_why = "--no-graph" if args.no_graph else "NumPy on the CPU" if device == "cpu" else gpt2.fast.unsupported_reason(
+        ckpt.params, config, kv_cache=args.kv_cache, sampler=Sampler(args.temperature, args.top_k, args.seed))
 
     def sync():
         if device == "gpu":
@@ -166,7 +192,8 @@ def run(args) -> int:
 
     def run_once(attention, n_new, **kw):
         return generate(ckpt.params, config, prompt, n_new, attend=attention, kv_cache=args.kv_cache,
-                        sampler=Sampler(args.temperature, args.top_k, args.seed), eos_id=eos, **kw)
+                        sampler=Sampler(args.temperature, args.top_k, args.seed), eos_id=eos,
+                        fast=not args.no_graph, **kw)
 
     # Warm-up outside the timing: compiles the rung (NVRTC) and CuPy's own elementwise kernels.
     compile_start = kernels.runtime.compile_seconds
@@ -179,8 +206,10 @@ def run(args) -> int:
         pool.free_all_blocks()  # from here the pool only grows: what it holds at the end is its peak
 
     stream = StreamDecoder(encoding)
+    stamps = []  # host time of each token's arrival: the first one is the time to first token
 
     def show(token):
+        stamps.append(time.perf_counter())
         if token != eos:
             sys.stdout.write(stream(token))
             sys.stdout.flush()
@@ -198,13 +227,20 @@ def run(args) -> int:
 
     check = compare_with_reference(run_once, attend, result, args.tokens, xp) if args.check else None
     n_new = len(result.tokens)
+    phases = phase_times(stamps, start, n_new)
+    if args.kv_cache and device == "gpu":
+        phases |= bandwidth(config, args.dtype, phases["decode_tokens_per_second"])
+    profile = profile_step(ckpt, config, len(prompt) + n_new - 1) if args.profile_step else None
     summary = {
         "model": ckpt.name,
         "n_params": ckpt.n_params,
         "config": asdict(config),
         "kernel": kernel,
         "mode": "kv-cache" if args.kv_cache else "no-kv-cache",
-        "decode_attention": REFERENCE if args.kv_cache else None,
+        "decode_attention": (REFERENCE if fast_why else "fused decode_attention") if args.kv_cache else None,
+        "engine": "fast" if fast_why is None else "eager",
+        "engine_note": fast_why,
+        "dtype": args.dtype,
         "device": device,
         "device_name": device_name(device),
         "prompt": args.prompt,
@@ -215,6 +251,8 @@ def run(args) -> int:
         "n_new_tokens": n_new,
         "seconds": seconds,
         "tokens_per_second": n_new / seconds if seconds > 0 else math.inf,
+        **phases,
+        "profile_step": profile,
         "compile_seconds": kernels.runtime.compile_seconds - compile_start,
         "warmup_seconds": warmup_seconds,
         "peak_gpu_memory_bytes": peak,
@@ -231,6 +269,45 @@ def run(args) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
     return 1 if check is not None and not check["identical"] else 0
+
+
+def phase_times(stamps: list[float], start: float, n_new: int) -> dict:
+    """Time to first token (the prefill: host clock when the first token arrived) and the rate of the
+    tokens after it (from the first token's arrival to the last's)."""
+    first = stamps[0] - start if stamps else None
+    span = stamps[-1] - stamps[0] if len(stamps) > 1 else 0.0
+    return {"time_to_first_token_seconds": first,
+            "decode_tokens_per_second": (len(stamps) - 1) / span if span > 0 else None}
+
+
+def bandwidth(config, dtype: str, decode_tokens_per_second) -> dict:
+    """Weight bytes one decode step reads, the rate they imply, and a copy ceiling measured now."""
+    per_token = gpt2.fast.weight_bytes_per_token(config, dtype)
+    ceiling = gpt2.fast.copy_ceiling()
+    achieved = per_token * decode_tokens_per_second if decode_tokens_per_second else None
+    return {"weight_bytes_per_token": per_token, "achieved_weight_bytes_per_second": achieved,
+            "copy_ceiling_bytes_per_second": ceiling,
+            "copy_ceiling_measure": "device-to-device copy of 1 GiB (bytes read + written), median of 10, this run",
+            "fraction_of_copy_ceiling": achieved / ceiling if achieved else None}
+
+
+def profile_step(ckpt, config, position: int) -> dict:
+    """Per-kernel milliseconds of one fast decode step at `position` (eager launches timed with
+    events), and the graph replay per token with and without the L2 prefetch hints."""
+    engine = gpt2.fast.engine_for(ckpt.params, config)
+    position = max(0, min(position, engine.max_len - 2))
+    kernels_ms = engine.profile_step(position)
+    steps = max(1, min(64, engine.max_len - 1 - position) // engine.steps_per_graph) * engine.steps_per_graph
+    replay_from = max(0, min(position, engine.max_len - 1 - steps))
+    return {
+        "position": position,
+        "kernels": [{"name": name, "ms": ms} for name, ms in kernels_ms],
+        "by_kind": [{"kind": kind, "launches": n, "ms": ms} for kind, n, ms in gpt2.fast.by_kind(kernels_ms)],
+        "kernel_ms_sum": sum(ms for _, ms in kernels_ms),
+        "graph_ms_per_token": engine.replay_ms(replay_from, steps),
+        "graph_ms_per_token_without_prefetch": engine.replay_ms(replay_from, steps, prefetch=False),
+        "graph_replay": f"{steps} steps from position {replay_from}, graphs of {engine.steps_per_graph} steps",
+    }
 
 
 def compare_with_reference(run_once, attend, timed, n_new: int, xp) -> dict:
@@ -268,7 +345,24 @@ def print_summary(s: dict) -> None:
         ("new tokens", s["n_new_tokens"] if not s["stopped_at_eos"] else f"{s['n_new_tokens']} (stopped at end-of-text)"),
         ("seconds", f"{s['seconds']:.3f} (warm-up and compilation excluded)"),
         ("tokens/s", f"{s['tokens_per_second']:.1f}"),
-        ("compile time", f"{s['compile_seconds']:.3f} s (rung compilation; not in the timing)"),
+        ("engine", engine_line(s)),
+    ]
+    if s["time_to_first_token_seconds"] is not None:
+        rows.append(("first token", f"{1e3 * s['time_to_first_token_seconds']:.1f} ms after the start "
+                                    f"(prefill of {s['n_prompt_tokens']} prompt tokens; host clock at its arrival)"))
+    if s["decode_tokens_per_second"]:
+        rows.append(("decode", f"{s['decode_tokens_per_second']:.1f} tokens/s after the first token "
+                               f"({1e3 / s['decode_tokens_per_second']:.3f} ms per token)"))
+    if s.get("weight_bytes_per_token"):
+        rows.append(("weights/token", f"{s['weight_bytes_per_token'] / 1e6:.1f} MB ({s['dtype']}): every weight read "
+                                      "once per decode step (KV cache not counted)"))
+    if s.get("achieved_weight_bytes_per_second"):
+        rows.append(("bandwidth", f"{s['achieved_weight_bytes_per_second'] / 1e9:.0f} GB/s of weights = "
+                                  f"{100 * s['fraction_of_copy_ceiling']:.0f}% of a "
+                                  f"{s['copy_ceiling_bytes_per_second'] / 1e9:.0f} GB/s copy ceiling "
+                                  f"({s['copy_ceiling_measure']})"))
+    rows += [
+        ("compile time", f"{s['compile_seconds']:.3f} s (rungs and fused kernels; not in the timing)"),
         ("warm-up", f"{s['warmup_seconds']:.3f} s ({WARMUP_TOKENS} tokens before the timed run; not in the timing)"),
         ("peak GPU memory", peak),
         ("device", s["device_name"]),
@@ -286,6 +380,28 @@ def print_summary(s: dict) -> None:
     print("-" * 60)
     for key, value in rows:
         print(f"{key:<17}{value}")
+    if s["profile_step"] is not None:
+        print_profile(s["profile_step"])
+
+
+def engine_line(s: dict) -> str:
+    if s["engine"] != "fast":
+        return f"eager: gpt2/model.py step by step ({s['engine_note']})"
+    if s["mode"] == "kv-cache":
+        return f"fast ({s['dtype']}): fused kernels, static KV cache, the decode step replayed as a CUDA graph"
+    return f"fast ({s['dtype']}): fused kernels around cuBLAS, the whole sequence every step"
+
+
+def print_profile(p: dict) -> None:
+    total = p["kernel_ms_sum"]
+    print("-" * 60)
+    print(f"one decode step at position {p['position']}, each kernel timed alone (events, launched back to back):")
+    for row in p["by_kind"]:
+        print(f"  {row['kind']:<28}{row['launches']:>4} x {1e3 * row['ms'] / row['launches']:7.1f} us = "
+              f"{1e3 * row['ms']:8.1f} us  {100 * row['ms'] / total:5.1f}%")
+    print(f"  {'sum of kernels':<28}{len(p['kernels']):>4} launches {1e3 * total:13.1f} us")
+    print(f"graph replay: {1e3 * p['graph_ms_per_token']:.1f} us per token with the L2 prefetch hints, "
+          f"{1e3 * p['graph_ms_per_token_without_prefetch']:.1f} us without ({p['graph_replay']})")
 
 
 def main(argv=None) -> int:

@@ -35,6 +35,7 @@ larger kernels (kernels/fused/*.cu, each tested against the CuPy code it replace
 from __future__ import annotations
 
 import math
+import re
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
@@ -134,6 +135,18 @@ def round_to_bf16(cp, a32):
     return (bf16_bits(cp, a32).astype(cp.uint32) << 16).view(cp.float32)
 
 
+def as_bfloat16(params: dict) -> dict:
+    """Every parameter as a bfloat16 CuPy array (rounded to nearest even): the weights of a bfloat16
+    run, from which the engine takes its dtype."""
+    import cupy as cp
+    import ml_dtypes
+
+    try:
+        return {name: bf16_bits(cp, to_float32(cp, a)).view(ml_dtypes.bfloat16) for name, a in params.items()}
+    except (TypeError, ValueError) as exc:
+        raise LabError(f"CuPy cannot hold bfloat16 arrays here ({type(exc).__name__}: {exc})") from None
+
+
 MATRICES = ("wte.weight", "wpe.weight", "attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
             "mlp.c_proj.weight")
 
@@ -161,7 +174,8 @@ def kv_bytes_per_token(config: GPT2Config, dtype: str, position: int) -> int:
 def gemv_shape(N: int, K: int, itemsize: int, *, most_rows: int = 4, loads: int = 8) -> tuple[int, int]:
     """(warps per block, rows per warp) for gemv.cu: about `loads` 16-byte loads in flight per lane,
     8 warps per block for wide outputs, 4 for narrow ones (more blocks to spread over the SMs)."""
-    iters = -(-K // (16 // itemsize) // 32)
+    chunks = K // (16 // itemsize)  # 16-byte vectors per row
+    iters = -(-chunks // 32)  # per lane
     rows = max(1, min(most_rows, loads // iters))
     warps = 8 if N > 1024 else 4
     return warps, rows
@@ -306,6 +320,8 @@ class Engine:
             self.step_launches = self._decode_launches(prefetch)
         self.stream.synchronize()
         self.graphs: dict[int, object] = {}
+        for steps in sorted({1, steps_per_graph}):  # captured now, on an idle stream, replayed from here on
+            self.graph(steps)
 
     # -- kernels -----------------------------------------------------------------------------------
 
@@ -582,6 +598,18 @@ class Engine:
                 after.synchronize()
                 times.append(cp.cuda.get_elapsed_time(before, after) / (steps // self.steps_per_graph * self.steps_per_graph))
         return float(np.median(times[1:]))
+
+
+def by_kind(kernels_ms: list[tuple[str, float]]) -> list[tuple[str, int, float]]:
+    """(kind, launches, total ms) from profile_step's rows: the layers' kernels summed by their name
+    without the `h.N.` prefix, in order of first appearance."""
+    totals: dict[str, list] = {}
+    for name, ms in kernels_ms:
+        kind = re.sub(r"^h\.\d+\.", "", name)
+        entry = totals.setdefault(kind, [0, 0.0])
+        entry[0] += 1
+        entry[1] += ms
+    return [(kind, n, ms) for kind, (n, ms) in totals.items()]
 
 
 def copy_ceiling(nbytes: int = 1 << 30, repeats: int = 10) -> float:
