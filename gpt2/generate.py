@@ -22,7 +22,7 @@ from kernels import reference_attention
 
 from .config import GPT2Config
 from .errors import LabError
-from .model import KVCache, array_module, forward
+from .model import KVCache, array_module, compute_dtype, forward
 
 
 def reference_attend(q, k, v):
@@ -90,7 +90,7 @@ def generate(params: dict, config: GPT2Config, prompt: list[int], n_new: int, *,
     sampler = sampler or Sampler()
     ids = list(prompt)
     out = Generation(tokens=[])
-    cache = KVCache(config, 1, len(prompt) + n_new - 1, xp) if kv_cache else None
+    cache = KVCache(config, 1, len(prompt) + n_new - 1, xp, compute_dtype(params)) if kv_cache else None
     for step in range(n_new):
         if cache is None:  # the whole sequence, every step
             logits = forward(params, config, xp.asarray([ids]), attend, last_only=True)  # (1, 1, vocab)

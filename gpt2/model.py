@@ -1,12 +1,17 @@
-"""GPT-2's forward pass in array code: NumPy or CuPy (`xp`), float32, attention passed in.
+"""GPT-2's forward pass in array code: NumPy or CuPy (`xp`), attention passed in.
 
     logits = forward(params, config, idx, attend)          idx (B, T) token ids -> (B, T, vocab)
+    params = cast_params(params, "bfloat16")               16-bit weights (float16 too), cast once
 
 `params` maps checkpoint-native names (`wte.weight`, `h.0.attn.c_attn.weight`, ...) to arrays, as
 gpt2.load makes them; the Conv1D weights are (in, out), so a projection is `x @ weight + bias`.
 `attend(q, k, v) -> o` is causal attention over (B, NH, T, hs) arrays: any kernel rung, or
 kernels.reference_attention. With a KVCache, k and v span the whole past (T_k >= T_q) and the
 causal mask is aligned bottom-right, as reference_attention does.
+
+Precision: float32 weights give float32 everywhere. With 16-bit weights each product takes its
+operands in the weights' dtype (cuBLAS accumulates in float32), and so do q, k, v, the attention
+and the KV cache; the residual stream, LayerNorm statistics, GELU and the logits stay float32.
 """
 
 from __future__ import annotations
@@ -35,7 +40,24 @@ def gelu(x):
     return 0.5 * x * (1.0 + xp.tanh(GELU_C * (x + 0.044715 * (x * x * x))))
 
 
+def cast_params(params: dict, dtype) -> dict:
+    """Every parameter in `dtype` (float32, float16 or bfloat16), rounded once to nearest even;
+    forward() widens to float32 wherever the model needs it."""
+    import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy, and so with CuPy)
+
+    dtype = np.dtype(dtype)
+    if dtype.name not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"dtype {dtype.name}: the model runs float32, float16 or bfloat16")
+    return {name: a.astype(dtype, copy=False) for name, a in params.items()}
+
+
+def compute_dtype(params: dict):
+    """The dtype of the blocks' products, of q, k, v and of the KV cache: the weights' own."""
+    return params["h.0.attn.c_attn.weight"].dtype
+
+
 def layer_norm(x, w, name: str, eps: float):
+    """LayerNorm of the float32 residual stream; its statistics in float32 whatever the weights' dtype."""
     mean = x.mean(axis=-1, keepdims=True)  # (B, T, 1)
     xc = x - mean
     var = (xc * xc).mean(axis=-1, keepdims=True)  # (B, T, 1), biased like torch's LayerNorm
@@ -43,16 +65,17 @@ def layer_norm(x, w, name: str, eps: float):
 
 
 def linear(x, w, name: str):
-    return x @ w[name + ".weight"] + w[name + ".bias"]  # Conv1D: weight stored (in, out)
+    weight = w[name + ".weight"]  # Conv1D: stored (in, out)
+    return x.astype(weight.dtype, copy=False) @ weight + w[name + ".bias"]  # the product in the weights' dtype
 
 
 class KVCache:
     """Every layer's keys and values for the tokens seen so far, in preallocated buffers."""
 
-    def __init__(self, config: GPT2Config, batch: int, max_len: int, xp=np):
+    def __init__(self, config: GPT2Config, batch: int, max_len: int, xp=np, dtype=np.float32):
         shape = (config.n_layer, batch, config.n_head, max_len, config.head_size)
-        self.k = xp.zeros(shape, dtype=np.float32)
-        self.v = xp.zeros(shape, dtype=np.float32)
+        self.k = xp.zeros(shape, dtype=dtype)  # dtype: compute_dtype(params), that of k and v
+        self.v = xp.zeros(shape, dtype=dtype)
         self.length = 0  # positions filled; forward() advances it after the last layer
 
     @property
@@ -71,6 +94,7 @@ def attention(x, w, name: str, config: GPT2Config, attend, cache: KVCache | None
     B, T, C = x.shape
     NH, hs = config.n_head, config.head_size
     qkv = linear(x, w, name + ".c_attn")  # (B, T, 3C): columns are [q | k | v], each NH heads of hs
+    qkv = qkv.astype(w[name + ".c_attn.weight"].dtype, copy=False)  # the attention in the weights' dtype
     qkv = qkv.reshape(B, T, 3, NH, hs)  # (B, T, 3, NH, hs)
     q, k, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))  # each (B, NH, T, hs), a view
     if cache is not None:
@@ -81,7 +105,8 @@ def attention(x, w, name: str, config: GPT2Config, attend, cache: KVCache | None
 
 
 def mlp(x, w, name: str):
-    return linear(gelu(linear(x, w, name + ".c_fc")), w, name + ".c_proj")
+    h = linear(x, w, name + ".c_fc").astype(np.float32, copy=False)  # (B, T, 4C): GELU in float32
+    return linear(gelu(h), w, name + ".c_proj")
 
 
 def forward(params: dict, config: GPT2Config, idx, attend, *, cache: KVCache | None = None, last_only: bool = False):
@@ -96,7 +121,7 @@ def forward(params: dict, config: GPT2Config, idx, attend, *, cache: KVCache | N
         raise ValueError(f"{start + T} positions, but the model has {config.n_positions}")
     if cache is not None and start + T > cache.max_len:
         raise ValueError(f"the KV cache holds {cache.max_len} positions; {start + T} needed")
-    x = w["wte.weight"][idx] + w["wpe.weight"][start:start + T]  # (B, T, C)
+    x = w["wte.weight"][idx].astype(np.float32, copy=False) + w["wpe.weight"][start:start + T]  # (B, T, C), float32
     for i in range(config.n_layer):
         h = f"h.{i}"
         x = x + attention(layer_norm(x, w, h + ".ln_1", config.layer_norm_epsilon), w, h + ".attn",
@@ -108,6 +133,7 @@ def forward(params: dict, config: GPT2Config, idx, attend, *, cache: KVCache | N
         x = x[:, -1:]  # (B, 1, C)
     x = layer_norm(x, w, "ln_f", config.layer_norm_epsilon)
     # lm_head is tied to wte. A 2-D product, because CuPy's matmul copies a transposed operand into
-    # a contiguous one when either side has more than 2 dimensions (all of wte, every step).
-    logits = x.reshape(-1, config.n_embd) @ w["wte.weight"].T  # (B * T, vocab)
+    # a contiguous one when either side has more than 2 dimensions (all of wte, every step). In
+    # float32: a 16-bit wte is widened for it, so that no logit is rounded to 16 bits.
+    logits = x.reshape(-1, config.n_embd) @ w["wte.weight"].astype(np.float32, copy=False).T  # (B * T, vocab)
     return logits.reshape(B, -1, config.vocab_size)  # (B, T, vocab), or (B, 1, vocab) if last_only
