@@ -6,6 +6,7 @@
     python lab.py --kernel v02 --check --json run.json          also rerun with the reference and compare
     python lab.py --device cpu --model FOLDER --tokens 20       NumPy and the reference attention
     python lab.py --random-weights --kv-cache --profile-step     where a decode step's time goes, per kernel
+    python lab.py --dtype bfloat16 --kernel v15                  16-bit weights and attention (float16 too)
 
 Prints the text as it is generated, then a summary: model, attention, mode, token counts, seconds
 and tokens/s (warm-up and compilation excluded), time to first token and decode tokens/s, weight
@@ -33,10 +34,12 @@ import gpt2
 import gpt2.fast
 import kernels
 from gpt2 import LabError, Sampler, StreamDecoder, generate, reference_attend
+from gpt2.model import cast_params
 
 ROOT = Path(__file__).resolve().parent
 REFERENCE = "reference"
 DEFAULT_PROMPT = "Hello, I'm a language model,"
+DTYPES = ("float32", "float16", "bfloat16")
 WARMUP_TOKENS = 2  # one full step and, with the KV cache, one decode step: every kernel compiled
 
 
@@ -50,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                epilog="\n".join(__doc__.split("\n\n")[1:2]))
     p.add_argument("--kernel", help="attention rung (v02, v02_pad_k, a .cu path) or 'reference'; "
-                                    "default: the newest rung on the GPU, the reference on the CPU")
+                                    "default: the newest rung that takes --dtype on the GPU, the reference on the CPU")
     p.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto",
                    help="gpu: CuPy; cpu: NumPy with the reference attention; auto: gpu if there is one")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"default {DEFAULT_PROMPT!r}")
@@ -76,9 +79,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile-step", action="store_true",
                    help="after the run, time each kernel of one fast decode step (CUDA events) and the graph "
                         "replay per token, with and without the L2 prefetch hints (GPU, --kv-cache)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="weights on the GPU: bfloat16 casts them once (the fast KV-cache path; LayerNorm, softmax "
-                        "and accumulation stay float32); default float32")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                   help="weights cast once at load, and the attention's inputs: the rung must declare the dtype "
+                        "(lab.dtypes). 16-bit: products, q, k, v and the KV cache in the dtype; LayerNorm, softmax, "
+                        "GELU, accumulation and logits float32. bfloat16 greedy KV-cache runs take the fast path, "
+                        "the rest the eager model; default float32")
     return p.parse_args(argv)
 
 
@@ -96,9 +101,6 @@ def check_args(args) -> None:
     Sampler(args.temperature, args.top_k, args.seed)  # raises LabError on a bad temperature or top-k
     if args.profile_step and (args.no_graph or not args.kv_cache):
         raise LabError("--profile-step times the fast decode step: it needs --kv-cache and no --no-graph")
-    if args.dtype == "bfloat16" and (args.no_graph or not args.kv_cache or args.check or args.temperature != 0):
-        raise LabError("--dtype bfloat16 runs on the fast path only (--kv-cache, greedy, no --no-graph or --check): "
-                       "the eager model computes in float32")
 
 
 def pick_device(choice: str) -> str:
@@ -110,29 +112,41 @@ def pick_device(choice: str) -> str:
     return "gpu" if has_gpu else "cpu"
 
 
-def pick_kernel(name: str | None, device: str, asked: str = "auto") -> str:
-    """The rung's full name (v02_pad_k), a .cu path, or "reference"."""
+def pick_kernel(name: str | None, device: str, asked: str = "auto", dtype: str = "float32") -> str:
+    """The rung's full name (v02_pad_k), a .cu path, or "reference" (which takes every dtype)."""
+    able = [n for n in kernels.names() if dtype in kernels.load(n).dtypes]  # the rungs that take dtype
     if name is None:
-        return kernels.names()[-1] if device == "gpu" and kernels.names() else REFERENCE
+        return able[-1] if device == "gpu" and able else REFERENCE
     if name.lower() in (REFERENCE, "ref"):
         return REFERENCE
     try:
         path = kernels.resolve(name)
     except ValueError as exc:
         raise LabError(f"{exc}, or 'reference'") from None
+    if dtype not in kernels.load(path).dtypes:
+        raise LabError(f"kernel {path.stem} takes {', '.join(kernels.load(path).dtypes)}, not --dtype {dtype}; "
+                       f"{', '.join(able) + ' or ' if able else ''}the reference do")
     if device == "cpu":
         why = "--device cpu runs" if asked == "cpu" else "there is no CUDA device here, and the CPU runs"
         raise LabError(f"--kernel {name} runs on the GPU; {why} the reference attention only")
     return path.stem if path.parent == Path(kernels.__file__).parent else str(path)
 
 
-def make_attend(kernel: str):
+def make_attend(kernel: str, dtype: str = "float32"):
+    """The attention in `dtype`: inputs of another dtype (the fast path's float32 prefill in a
+    bfloat16 run) are cast to it, and the output back to theirs."""
     if kernel == REFERENCE:
-        return reference_attend
-    path = str(kernels.resolve(kernel))  # once: resolving a name per call scans kernels/ each time
+        in_dtype = reference_attend
+    else:
+        path = str(kernels.resolve(kernel))  # once: resolving a name per call scans kernels/ each time
 
-    def attend(q, k, v):  # (B, NH, T, hs) views of the packed qkv projection, straight to the rung
-        return kernels.attention(q, k, v, kernel=path, causal=True)
+        def in_dtype(q, k, v):  # (B, NH, T, hs) views of the packed qkv projection, straight to the rung
+            return kernels.attention(q, k, v, kernel=path, causal=True)
+
+    def attend(q, k, v):
+        if q.dtype.name == dtype:
+            return in_dtype(q, k, v)
+        return in_dtype(q.astype(dtype), k.astype(dtype), v.astype(dtype)).astype(q.dtype)
 
     return attend
 
@@ -162,17 +176,16 @@ def device_name(device: str) -> str:
 def run(args) -> int:
     check_args(args)
     device = pick_device(args.device)
-    kernel = pick_kernel(args.kernel, device, args.device)
+    kernel = pick_kernel(args.kernel, device, args.device, args.dtype)
     if device == "gpu":
         import cupy as xp
     else:
         xp = np
-    if device == "cpu" and (args.profile_step or args.dtype != "float32"):
-        raise LabError("--profile-step and --dtype bfloat16 need the GPU (the fast path)")
+    if device == "cpu" and args.profile_step:
+        raise LabError("--profile-step needs the GPU (the fast path)")
     ckpt = load_checkpoint(args, xp)
     config = ckpt.config
-    if args.dtype == "bfloat16":
-        ckpt.params = gpt2.fast.as_bfloat16(ckpt.params)
+    ckpt.params = cast_params(ckpt.params, args.dtype)  # once; float32: the arrays as loaded
     if kernel != REFERENCE and config.head_size not in kernels.load(kernel).head_sizes():
         sizes = ", ".join(map(str, kernels.load(kernel).head_sizes()))
         raise LabError(f"kernel {kernel} supports head sizes {sizes}; this model's is {config.head_size}")
@@ -181,7 +194,7 @@ def run(args) -> int:
     if len(prompt) + args.tokens > config.n_positions:
         raise LabError(f"{len(prompt)} prompt tokens + --tokens {args.tokens} = {len(prompt) + args.tokens} "
                        f"positions, but the model has {config.n_positions}")
-    attend = make_attend(kernel)
+    attend = make_attend(kernel, args.dtype)
     eos = config.eos_token_id if args.stop_at_eos else None
     fast_why = "--no-graph" if args.no_graph else "NumPy on the CPU" if device == "cpu" else gpt2.fast.unsupported_reason(
         ckpt.params, config, kv_cache=args.kv_cache, sampler=Sampler(args.temperature, args.top_k, args.seed))
@@ -228,7 +241,7 @@ def run(args) -> int:
     check = compare_with_reference(run_once, attend, result, args.tokens, xp) if args.check else None
     n_new = len(result.tokens)
     phases = phase_times(stamps, start, n_new)
-    if args.kv_cache and device == "gpu":
+    if args.kv_cache and device == "gpu" and args.dtype in gpt2.fast.DTYPES:  # the dtypes it counts bytes for
         phases |= bandwidth(config, args.dtype, phases["decode_tokens_per_second"])
     profile = profile_step(ckpt, config, len(prompt) + n_new - 1) if args.profile_step else None
     summary = {
