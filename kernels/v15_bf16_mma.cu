@@ -43,10 +43,10 @@
  *
  * Limits: d a multiple of 16 with d / 8 a power of two (32, 64, 128); B_r 64 or 128 (d = 128: 64,
  * or O_i and Q_i alone would take 192 registers); B_c a multiple of 16. A scale below zero is
- * taken as |scale| with Q negated (exact in 16 bits). Rows of Q, K and V whose base and row stride
- * are 16-byte aligned (the model's packed views are) take cp.async; others are loaded element by
- * element, synchronously. dtype_id 0 reads and writes bfloat16, 1 float16 (the launcher picks the
- * instantiation matching the inputs: lab.dtype_param).
+ * taken as |scale| with Q negated (exact in 16 bits). Every row of Q, K and V must start on a
+ * 16-byte boundary, for cp.async: the launcher copies views whose rows do not (the model's packed
+ * views do). dtype_id 0 reads and writes bfloat16, 1 float16; the launcher picks the instantiation
+ * of the inputs' dtype (lab.dtype_param).
  *
  * lab.template    d_head, B_r, B_c, dtype_id
  * lab.configs     (64, 128, 64, 0), (64, 128, 64, 1), (64, 64, 64, 0), (64, 64, 64, 1), (32, 128, 64, 0), (32, 128, 64, 1), (128, 64, 64, 0), (128, 64, 64, 1)
@@ -144,38 +144,26 @@ __device__ __forceinline__ unsigned swizzled(int r, int c)
     return r * d_head * 2 + 16 * (c ^ ((r / rows_per_line) % phases));
 }
 
-// Rows row_start .. row_start + rows - 1 of one head into a swizzled tile; rows at or past T become
-// zeros, so that no garbage reaches S_ij or P_ij V_j. vec: every row is 16-byte aligned, and
-// cp.async copies 16 bytes per thread; otherwise the values are loaded one by one and stored.
+// Start copying rows row_start .. row_start + rows - 1 of one head into a swizzled tile, 16 bytes per
+// thread per copy; rows at or past T become zeros, so that no garbage reaches S_ij or P_ij V_j.
 template <int d_head, int rows>
-__device__ __forceinline__ void load_tile(unsigned tile, const element* head, long long row_stride, int row_start,
-                                          int T, bool vec)
+__device__ __forceinline__ void load_tile(unsigned tile, const element* head, long long row_stride, int row_start, int T)
 {
     constexpr int chunks = d_head / 8;
     constexpr int rows_per_pass = THREADS / chunks;
     static_assert(THREADS % chunks == 0 && rows % rows_per_pass == 0, "whole rows per pass, whole passes per tile");
     const int r0 = threadIdx.x / chunks, c = threadIdx.x % chunks;
-    if (vec) {
+    const element* src = head + (long long)(row_start + r0) * row_stride + 8 * c;
+    if (row_start + rows <= T) {  // every tile but the last: no row to check, one add per copy
+        #pragma unroll
+        for (int n = 0; n < rows / rows_per_pass; ++n)
+            copy_async_16(tile + swizzled<d_head>(r0 + n * rows_per_pass, c), src + n * rows_per_pass * row_stride, true);
+    } else {  // a row past T reads nothing (and points at row 0, which exists)
         #pragma unroll
         for (int n = 0; n < rows / rows_per_pass; ++n) {
-            const int r = r0 + n * rows_per_pass;
-            const bool valid = row_start + r < T;
-            const element* src = head + (valid ? (long long)(row_start + r) * row_stride : 0) + 8 * c;
-            copy_async_16(tile + swizzled<d_head>(r, c), src, valid);
-        }
-    } else {
-        #pragma unroll
-        for (int n = 0; n < rows / rows_per_pass; ++n) {
-            const int r = r0 + n * rows_per_pass;
-            unsigned w[4] = {0u, 0u, 0u, 0u};
-            if (row_start + r < T) {
-                const element* src = head + (long long)(row_start + r) * row_stride + 8 * c;
-                #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    w[e] = src[2 * e] | ((unsigned)src[2 * e + 1] << 16);
-            }
-            asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(tile + swizzled<d_head>(r, c)),
-                         "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]));
+            const bool valid = row_start + r0 + n * rows_per_pass < T;
+            copy_async_16(tile + swizzled<d_head>(r0 + n * rows_per_pass, c),
+                          valid ? src + n * rows_per_pass * row_stride : head, valid);
         }
     }
 }
@@ -217,9 +205,6 @@ attention_forward(const element* __restrict__ Q, const element* __restrict__ K, 
     const element* K_head = K + batch * kv_batch_stride + kv_head * kv_head_stride;
     const element* V_head = V + batch * kv_batch_stride + kv_head * kv_head_stride;
     element* O_head = O + bh * T_q * d_head;  // O is contiguous (B, NH, T_q, d)
-    const bool q_vec = ((reinterpret_cast<unsigned long long>(Q_head) & 15) | (q_row_stride & 7)) == 0;
-    const bool kv_vec = (((reinterpret_cast<unsigned long long>(K_head) | reinterpret_cast<unsigned long long>(V_head)) & 15)
-                         | (kv_row_stride & 7)) == 0;
     const bool o_vec = (reinterpret_cast<unsigned long long>(O_head) & 15) == 0;
 
     const int row_start = q_tile * B_r;
@@ -233,10 +218,10 @@ attention_forward(const element* __restrict__ Q, const element* __restrict__ K, 
     }
 
     // Q_i, K_0 and V_0 arrive together; nothing overlaps the first tile's copies.
-    load_tile<d_head, B_r>(Q_smem, Q_head, q_row_stride, row_start, T_q, q_vec);
+    load_tile<d_head, B_r>(Q_smem, Q_head, q_row_stride, row_start, T_q);
     if (T_c > 0) {
-        load_tile<d_head, B_c>(KV_smem, K_head, kv_row_stride, 0, T_k, kv_vec);
-        load_tile<d_head, B_c>(KV_smem + TILE_BYTES, V_head, kv_row_stride, 0, T_k, kv_vec);
+        load_tile<d_head, B_c>(KV_smem, K_head, kv_row_stride, 0, T_k);
+        load_tile<d_head, B_c>(KV_smem + TILE_BYTES, V_head, kv_row_stride, 0, T_k);
     }
     copy_async_commit();
     copy_async_wait_all();
@@ -286,8 +271,8 @@ attention_forward(const element* __restrict__ Q, const element* __restrict__ K, 
         // The other stage was last read in tile j - 1, which every warp finished before the barrier.
         if (j + 1 < T_c) {
             const unsigned K_next = KV_smem + ((j + 1) % 2) * 2 * TILE_BYTES;
-            load_tile<d_head, B_c>(K_next, K_head, kv_row_stride, col_start + B_c, T_k, kv_vec);
-            load_tile<d_head, B_c>(K_next + TILE_BYTES, V_head, kv_row_stride, col_start + B_c, T_k, kv_vec);
+            load_tile<d_head, B_c>(K_next, K_head, kv_row_stride, col_start + B_c, T_k);
+            load_tile<d_head, B_c>(K_next + TILE_BYTES, V_head, kv_row_stride, col_start + B_c, T_k);
             copy_async_commit();
         }
 
