@@ -171,7 +171,7 @@ def kv_bytes_per_token(config: GPT2Config, dtype: str, position: int) -> int:
     return 2 * config.n_layer * config.n_embd * (position + 1) * item
 
 
-def gemv_shape(N: int, K: int, itemsize: int, *, most_rows: int = 4, loads: int = 8) -> tuple[int, int]:
+def gemv_shape(N: int, K: int, itemsize: int, *, most_rows: int = 2, loads: int = 8) -> tuple[int, int]:
     """(warps per block, rows per warp) for gemv.cu: about `loads` 16-byte loads in flight per lane,
     8 warps per block for wide outputs, 4 for narrow ones (more blocks to spread over the SMs)."""
     chunks = K // (16 // itemsize)  # 16-byte vectors per row
@@ -179,6 +179,48 @@ def gemv_shape(N: int, K: int, itemsize: int, *, most_rows: int = 4, loads: int 
     rows = max(1, min(most_rows, loads // iters))
     warps = 8 if N > 1024 else 4
     return warps, rows
+
+
+def lm_head_shape(config: GPT2Config, dtype: str) -> tuple[int, int]:
+    """(warps, rows per warp) of lm_head_argmax.cu: about 16 loads in flight per lane."""
+    return gemv_shape(config.vocab_size, config.n_embd, 2 if dtype == "bfloat16" else 4, most_rows=4, loads=16)
+
+
+def kernel_expressions(config: GPT2Config, dtype: str) -> dict[str, tuple[str, str]]:
+    """Every kernel the engine compiles for this model and dtype: key -> (kernels/fused file, name
+    expression). No device needed: the CPU tests compile exactly these."""
+    C, F, HS = config.n_embd, config.mlp_width, config.head_size
+    item = 2 if dtype == "bfloat16" else 4
+    wt = "unsigned short" if dtype == "bfloat16" else "float"
+
+    def gemv(N, K, ln, epi):
+        warps, rows = gemv_shape(N, K, item)
+        return "gemv", f"gemv<{wt}, {K}, {warps}, {rows}, {'true' if ln else 'false'}, {epi}>"
+
+    lm_warps, lm_rows = lm_head_shape(config, dtype)
+    lm32_warps, lm32_rows = lm_head_shape(config, "float32")
+    return {
+        "c_attn": gemv(3 * C, C, True, EPI_BIAS),
+        "c_proj": gemv(C, C, False, EPI_RESIDUAL),
+        "c_fc": gemv(F, C, True, EPI_GELU),
+        "mlp_proj": gemv(C, F, False, EPI_RESIDUAL),
+        "attention": ("decode_attention", f"decode_attention<{wt}, {HS}, {attention_warps(config)}>"),
+        "embed": ("embed", f"embed<{wt}>"),
+        "lm_head": ("lm_head_argmax", f"lm_head_argmax<{wt}, {C}, {lm_warps}, {lm_rows}>"),
+        # the eager path (prefill, no-cache) computes in float32
+        "embed32": ("embed", "embed<float>"),
+        "lm_head32": ("lm_head_argmax", f"lm_head_argmax<float, {C}, {lm32_warps}, {lm32_rows}>"),
+        "add_layernorm": ("layernorm", "add_layernorm<256>"),
+        "bias": ("bias_act", "bias_act<false>"),
+        "bias_gelu": ("bias_act", "bias_act<true>"),
+        "kv_store": ("kv_store", f"kv_store<{wt}>"),
+        "merge_heads": ("merge_heads", "merge_heads"),
+        "spin": ("spin", "spin"),
+    }
+
+
+def attention_warps(config: GPT2Config) -> int:
+    return max(4, config.head_size // 32)  # a block holds at least one thread per element of a head
 
 
 # -- launches --------------------------------------------------------------------------------------
@@ -298,9 +340,9 @@ class Engine:
             self.attn_partial = cp.zeros((NH, self.splits, HS + 2), dtype=cp.float32)
             self.attn_counters = cp.zeros(NH, dtype=cp.uint32)
             # lm_head: one (max, argmax) per block and the last-block ticket
-            self.lm_warps, self.lm_rows = gemv_shape(V, C, 2 if bf16 else 4, loads=16)
+            self.lm_warps, self.lm_rows = lm_head_shape(config, self.dtype)
             self.lm_blocks = -(-V // (self.lm_warps * self.lm_rows))
-            self.lm32_warps, self.lm32_rows = gemv_shape(V, C, 4, loads=16)  # the eager path's float32 lm_head
+            self.lm32_warps, self.lm32_rows = lm_head_shape(config, "float32")  # the eager path's lm_head
             self.lm32_blocks = -(-V // (self.lm32_warps * self.lm32_rows))
             self.block_max = cp.zeros(max(self.lm_blocks, self.lm32_blocks), dtype=cp.float32)
             self.block_arg = cp.zeros(max(self.lm_blocks, self.lm32_blocks), dtype=cp.int32)
@@ -326,33 +368,14 @@ class Engine:
     # -- kernels -----------------------------------------------------------------------------------
 
     def _compile(self):
-        c, wt, kt = self.config, self.weight_type, self.kv_type
-        C, F, HS = c.n_embd, c.mlp_width, c.head_size
+        c = self.config
         item = 2 if self.dtype == "bfloat16" else 4
-        self.fn = {}
-
-        def gemv(N, K, ln, epi):
+        self.fn = {key: fused.function(file, expr) for key, (file, expr) in kernel_expressions(c, self.dtype).items()}
+        for key, (N, K) in {"c_attn": (3 * c.n_embd, c.n_embd), "c_proj": (c.n_embd, c.n_embd),
+                            "c_fc": (c.mlp_width, c.n_embd), "mlp_proj": (c.n_embd, c.mlp_width)}.items():
             warps, rows = gemv_shape(N, K, item)
-            expr = f"gemv<{wt}, {K}, {warps}, {rows}, {'true' if ln else 'false'}, {epi}>"
-            return fused.function("gemv", expr), -(-N // (warps * rows)), warps * 32
-
-        self.fn["c_attn"] = gemv(3 * C, C, True, EPI_BIAS)
-        self.fn["c_proj"] = gemv(C, C, False, EPI_RESIDUAL)
-        self.fn["c_fc"] = gemv(F, C, True, EPI_GELU)
-        self.fn["mlp_proj"] = gemv(C, F, False, EPI_RESIDUAL)
-        self.attn_warps = max(4, HS // 32)
-        self.fn["attention"] = fused.function("decode_attention", f"decode_attention<{kt}, {HS}, {self.attn_warps}>")
-        self.fn["embed"] = fused.function("embed", f"embed<{wt}>")
-        self.fn["embed32"] = fused.function("embed", "embed<float>")
-        self.fn["lm_head"] = fused.function("lm_head_argmax", f"lm_head_argmax<{wt}, {C}, {self.lm_warps}, {self.lm_rows}>")
-        self.fn["lm_head32"] = fused.function(
-            "lm_head_argmax", f"lm_head_argmax<float, {C}, {self.lm32_warps}, {self.lm32_rows}>")
-        self.fn["add_layernorm"] = fused.function("layernorm", "add_layernorm<256>")
-        self.fn["bias"] = fused.function("bias_act", "bias_act<false>")
-        self.fn["bias_gelu"] = fused.function("bias_act", "bias_act<true>")
-        self.fn["kv_store"] = fused.function("kv_store", f"kv_store<{kt}>")
-        self.fn["merge_heads"] = fused.function("merge_heads", "merge_heads")
-        self.fn["spin"] = fused.function("spin", "spin")
+            self.fn[key] = (self.fn[key], -(-N // (warps * rows)), warps * 32)  # kernel, blocks, threads
+        self.attn_warps = attention_warps(c)
 
     # -- the decode step -----------------------------------------------------------------------------
 

@@ -27,7 +27,12 @@ OPTIONS: tuple[str, ...] = ()  # CuPy adds the device's architecture; nothing el
 
 
 def path_of(name: str) -> Path:
-    """`gemv` or `gemv.cu` -> kernels/fused/gemv.cu."""
+    """`gemv` or `gemv.cu` -> kernels/fused/gemv.cu; a path to any other .cu file is taken as it is."""
+    if "/" in name:
+        path = Path(name).expanduser().resolve()
+        if not path.is_file():
+            raise ValueError(f"kernel file {name!r} does not exist")
+        return path
     path = FUSED_DIR / (name if name.endswith(".cu") else name + ".cu")
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in FUSED_DIR.glob("*.cu"))) or "none"
@@ -113,6 +118,30 @@ _PTXAS = {
     "registers": re.compile(r"Used (\d+) registers"),
     "static_smem": re.compile(r"(\d+) bytes smem"),
 }
+
+
+def ptx(name: str, expression: str, arch: str = "sm_90", options: tuple[str, ...] = OPTIONS) -> str:
+    """The PTX of one instantiation (NVRTC, no GPU): to check load widths and instructions."""
+    import ctypes
+
+    lib = nvrtc.library()
+    prog = ctypes.c_void_p()
+    text = source(name)
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), text.encode(), str(path_of(name)).encode(), 0, None, None):
+        raise RuntimeError("nvrtcCreateProgram failed")
+    try:
+        lib.nvrtcAddNameExpression(prog, expression.encode())
+        opts = [f"-arch=compute_{arch.removeprefix('sm_')}", *runtime.COMMON_OPTIONS, *options]
+        status = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts]))
+        if status != 0:
+            raise KernelCompileError(f"{path_of(name)}: {expression} failed to compile for {arch}")
+        size = ctypes.c_size_t()
+        lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+        buf = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetPTX(prog, buf)
+        return buf.value.decode()
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
 def compile_report(name: str, expression: str, arch: str = "sm_90", options: tuple[str, ...] = OPTIONS) -> Report:

@@ -1,0 +1,197 @@
+"""The fused kernels and the fast engine's planning, without a GPU: every instantiation the engine
+uses compiles with NVRTC for sm_90 with no spills and no stack, the weight loads are 16-byte vectors,
+the loader's errors name the file, and the host-side arithmetic (bfloat16 rounding, bytes per token,
+launch shapes, the choice between the fast and the eager path) is right."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gpt2
+import gpt2.fast as fast
+from gpt2 import GPT2Config, Sampler
+from gpt2.load import expected_shapes
+from kernels import KernelCompileError, fused
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=50257, n_positions=64)  # tests/test_lab.py's
+MODELS = {**{name: gpt2.SIZES[name] for name in ("gpt2", "gpt2-medium", "gpt2-xl")}, "tiny": TINY,
+          "peer": GPT2Config(n_layer=4, n_head=4, n_embd=256, n_positions=256)}  # tests/test_gpt2_gpu.py's
+CASES = sorted({(file, expr) for config in MODELS.values() for dtype in fast.DTYPES
+                for file, expr in fast.kernel_expressions(config, dtype).values()})
+
+
+@pytest.mark.parametrize("file,expr", CASES, ids=[e for _, e in CASES])
+def test_every_engine_kernel_compiles_for_sm90_without_spills(file, expr):
+    r = fused.compile_report(file, expr, "sm_90")
+    assert r.registers > 0
+    assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0, r
+    assert r.registers <= 255
+
+
+def test_the_engine_launches_every_fused_file():
+    used = {file for file, _ in CASES}
+    assert used == set(fused.names()), f"fused kernels nothing launches: {set(fused.names()) - used}"
+
+
+@pytest.mark.parametrize("dtype,vector", [("float32", "ld.global.nc.v4.u32"), ("bfloat16", "ld.global.nc.v4.u32")])
+def test_linear_layers_read_16_byte_vectors_and_prefetch(dtype, vector):
+    """Every weight load of gemv and lm_head_argmax is one 16-byte vector, all issued before the first
+    barrier (the LayerNorm of the input), and each kernel hands the next one's weights to L2."""
+    for key in ("c_attn", "mlp_proj", "lm_head"):
+        file, expr = fast.kernel_expressions(gpt2.SIZES["gpt2"], dtype)[key]
+        text = fused.ptx(file, expr)
+        body = text[text.index(".entry"):]
+        loads = [m.start() for m in re.finditer(re.escape(vector), body)]
+        first_barrier = body.index("bar.sync")
+        K = 3072 if key == "mlp_proj" else 768
+        per_lane = -(-K // (16 // (2 if dtype == "bfloat16" else 4)) // 32)
+        assert len(loads) >= per_lane, f"{expr}: {len(loads)} 16-byte loads, expected {per_lane} per row"
+        assert all(at < first_barrier for at in loads), f"{expr}: a weight load after the first barrier"
+        assert "cp.async.bulk.prefetch.L2.global" in body, expr
+
+
+def test_loader_names_the_file_and_line_of_a_compile_error(tmp_path):
+    broken = tmp_path / "broken.cu"
+    broken.write_text('#include "helper.cuh"\n__global__ void k(float* x)\n{\n    x[0] = undefined_name;\n}\n')
+    (tmp_path / "helper.cuh").write_text("__device__ float twice(float v) { return 2 * v; }\n")
+    with pytest.raises(KernelCompileError) as info:
+        fused.compile_report(str(broken), "k")
+    assert f"{broken}(4)" in str(info.value) and "undefined_name" in str(info.value)
+
+
+def test_loader_rejects_unknown_kernels():
+    with pytest.raises(ValueError, match=r"unknown fused kernel 'nope': known are .*gemv"):
+        fused.path_of("nope")
+    with pytest.raises(ValueError, match="does not exist"):
+        fused.path_of("/no/such/kernel.cu")
+
+
+def test_assembled_source_follows_edits_of_an_included_file(tmp_path):
+    (tmp_path / "helper.cuh").write_text("__device__ float twice(float v) { return 2 * v; }\n")
+    path = tmp_path / "user.cu"
+    path.write_text('#include "helper.cuh"\n__global__ void k(float* x) { x[0] = twice(x[0]); }\n')
+    before = fused.source(str(path))
+    (tmp_path / "helper.cuh").write_text("__device__ float twice(float v) { return v + v + 0; }\n")
+    assert fused.source(str(path)) != before and "v + v + 0" in fused.source(str(path))
+
+
+# -- host-side arithmetic --------------------------------------------------------------------------
+
+
+def test_bfloat16_rounding_matches_ml_dtypes():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng()
+    x = np.concatenate([rng.standard_normal(100_000).astype(np.float32) * 10.0 ** rng.integers(-30, 30, 100_000),
+                        np.array([0.0, -0.0, 1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, -(1.0 + 2**-8), 3.4e38, 1e-40],
+                                 dtype=np.float32)]).astype(np.float32)  # ties to even, both ways
+    bits = fast.bf16_bits(np, x)
+    assert bits.dtype == np.uint16
+    np.testing.assert_array_equal(bits, x.astype(ml_dtypes.bfloat16).view(np.uint16))
+    np.testing.assert_array_equal(fast.round_to_bf16(np, x), x.astype(ml_dtypes.bfloat16).astype(np.float32))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gpt2-medium", "gpt2-xl"])
+@pytest.mark.parametrize("dtype", fast.DTYPES)
+def test_weight_bytes_per_token_count_every_parameter_but_wpe(name, dtype):
+    """A decode step reads every parameter once except wpe, of which it reads one row."""
+    config = gpt2.SIZES[name]
+    shapes = expected_shapes(config)
+    item = 2 if dtype == "bfloat16" else 4
+    matrices = sum(int(np.prod(s)) for k, s in shapes.items() if fast.is_matrix(k) and k != "wpe.weight")
+    vectors = sum(int(np.prod(s)) for k, s in shapes.items() if not fast.is_matrix(k))
+    expected = item * (matrices + config.n_embd) + 4 * vectors
+    assert fast.weight_bytes_per_token(config, dtype) == expected
+    if name == "gpt2" and dtype == "float32":
+        assert expected == 494_616_576  # 0.49 GB: the fp32 bandwidth floor is about 0.12 ms per token
+
+
+def test_kv_bytes_per_token():
+    assert fast.kv_bytes_per_token(gpt2.SIZES["gpt2"], "float32", 511) == 2 * 12 * 768 * 512 * 4
+    assert fast.kv_bytes_per_token(gpt2.SIZES["gpt2"], "bfloat16", 0) == 2 * 12 * 768 * 2
+
+
+@pytest.mark.parametrize("N,K,item,expected", [
+    (2304, 768, 4, (8, 1)), (768, 768, 4, (4, 1)), (768, 3072, 4, (4, 1)), (3072, 768, 4, (8, 1)),
+    (2304, 768, 2, (8, 2)), (768, 3072, 2, (4, 1)), (96, 32, 4, (4, 2)),
+])
+def test_gemv_shape_keeps_loads_in_flight(N, K, item, expected):
+    assert fast.gemv_shape(N, K, item) == expected
+
+
+def test_decode_step_is_five_kernels_per_layer_plus_two():
+    exprs = fast.kernel_expressions(gpt2.SIZES["gpt2"], "float32")
+    assert exprs["c_attn"] == ("gemv", "gemv<float, 768, 8, 1, true, 0>")
+    assert exprs["mlp_proj"] == ("gemv", "gemv<float, 3072, 4, 1, false, 2>")
+    assert exprs["lm_head"] == ("lm_head_argmax", "lm_head_argmax<float, 768, 8, 2>")
+    assert fast.kernel_expressions(gpt2.SIZES["gpt2"], "bfloat16")["attention"] == (
+        "decode_attention", "decode_attention<unsigned short, 64, 4>")
+
+
+def test_by_kind_sums_the_layers():
+    rows = [("embed", 1.0), ("h.0.attn", 2.0), ("h.1.attn", 3.0), ("h.10.attn", 4.0), ("ln_f+lm_head+argmax", 5.0)]
+    assert fast.by_kind(rows) == [("embed", 1, 1.0), ("attn", 3, 9.0), ("ln_f+lm_head+argmax", 1, 5.0)]
+
+
+class FakeArray:  # what unsupported_reason looks at: not a NumPy array, a dtype
+    def __init__(self, dtype):
+        self.dtype = np.dtype(dtype) if dtype != "bfloat16" else type("D", (), {"name": "bfloat16"})()
+
+
+@pytest.mark.parametrize("case,kwargs,config,dtype,reason", [
+    ("greedy kv-cache fp32", {"kv_cache": True}, "gpt2", "float32", None),
+    ("greedy no-cache fp32", {"kv_cache": False}, "gpt2", "float32", None),
+    ("greedy kv-cache bf16", {"kv_cache": True}, "gpt2", "bfloat16", None),
+    ("no-cache bf16", {"kv_cache": False}, "gpt2", "bfloat16", "no-cache mode in bfloat16"),
+    ("sampling", {"kv_cache": True, "sampler": Sampler(1.0)}, "gpt2", "float32", "sampling"),
+    ("greedy sampler", {"kv_cache": True, "sampler": Sampler(0.0)}, "gpt2", "float32", None),
+    ("logits", {"kv_cache": True, "record_logits": True}, "gpt2", "float32", "recording logits"),
+    ("float16", {"kv_cache": True}, "gpt2", "float16", "dtype float16"),
+    ("head size 20", {"kv_cache": True}, GPT2Config(n_layer=1, n_head=2, n_embd=40), "float32", "head size 20"),
+])
+def test_when_the_fast_path_runs(case, kwargs, config, dtype, reason):
+    config = gpt2.SIZES[config] if isinstance(config, str) else config
+    got = fast.unsupported_reason({"wte.weight": FakeArray(dtype)}, config, **kwargs)
+    assert (got is None) if reason is None else (reason in got), got
+
+
+def test_numpy_weights_take_the_eager_path():
+    params = {"wte.weight": np.zeros((3, 8), np.float32)}
+    assert "NumPy" in fast.unsupported_reason(params, TINY, kv_cache=True)
+
+
+# -- lab.py's new options -------------------------------------------------------------------------
+
+
+def lab(*args):
+    return subprocess.run([sys.executable, str(ROOT / "lab.py"), *map(str, args)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--profile-step"], "--profile-step times the fast decode step: it needs --kv-cache"),
+    (["--profile-step", "--kv-cache", "--no-graph"], "it needs --kv-cache and no --no-graph"),
+    (["--profile-step", "--kv-cache", "--device", "cpu"], "--profile-step needs the GPU"),
+])
+def test_lab_rejects_what_the_fast_path_cannot_do(args, message):
+    r = lab("--random-weights", "--tokens", 2, *args, *([] if "--device" in args else ["--device", "cpu"]))
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lab.py: error: ") and message in lines[0], r.stderr
+
+
+def test_lab_on_the_cpu_reports_the_eager_engine_and_phases(tmp_path):
+    import json
+
+    out = tmp_path / "run.json"
+    r = lab("--random-weights", "--size", "gpt2", "--tokens", 3, "--kv-cache", "--device", "cpu", "--json", out)
+    assert r.returncode == 0, r.stderr
+    s = json.loads(out.read_text())
+    assert s["engine"] == "eager" and s["decode_attention"] == "reference" and s["dtype"] == "float32"
+    assert 0 < s["time_to_first_token_seconds"] < s["seconds"] and s["decode_tokens_per_second"] > 0
+    assert s["profile_step"] is None and "weight_bytes_per_token" not in s  # bandwidth: GPU runs only
+    assert "first token" in r.stdout and "decode" in r.stdout
