@@ -1,0 +1,482 @@
+"""The fused kernels against the CuPy code they replace, and the fast engine against the eager model.
+
+Kernels: fresh random inputs every run, awkward sizes (97 rows, 4097 outputs, widths of 32 and 1600),
+outputs poisoned with NaN (cache positions past the one a step may read too), float32 and bfloat16
+weights. A kernel's largest error against float64 may be at most FACTOR times that of the plain
+float32 CuPy code on the same (rounded) inputs, floored at float32 epsilon times the largest
+reference value; copies and additions done in the same order must be bit-exact.
+
+Engine (GPT-2 small, random weights): graph replay and eager launches of the same kernels give the
+same tokens bit for bit; float32 greedy tokens equal the eager model's (gpt2/model.py) for 64 tokens,
+in both modes. bfloat16 (matrices and KV cache in bfloat16) is judged by teacher forcing over the
+eager float32 run's sequence, as tests/test_gpt2_dtype.py judges the eager bfloat16 model: the
+argmax agrees at every position whose float32 top-two margin is at least MARGIN and at 90% of all.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+import gpt2
+import gpt2.fast as fast
+import kernels
+from gpt2 import generate, reference_attend
+from gpt2.load import random_weights
+from gpt2.model import cast_params
+from kernels import fused
+
+pytestmark = pytest.mark.gpu
+
+EPS32 = 2.0**-23
+FACTOR = 8
+MARGIN = 0.02  # bfloat16 moves GPT-2 small's logits by about 0.01 (tests/test_gpt2_dtype.py)
+PROMPT = [15496, 11, 314, 1101, 257, 3303, 2746, 11]  # "Hello, I'm a language model,"
+NULL = np.uint64(0)
+
+
+@pytest.fixture(scope="module")
+def cp():
+    import cupy
+
+    return cupy
+
+
+def check_close(cp, got, ref64, plain32, what, factor=FACTOR):
+    """got within factor x max(plain float32 error, eps32 x max|ref|) of the float64 reference."""
+    got64 = got.astype(cp.float64)
+    nan = int(cp.isnan(got64).sum())
+    assert nan == 0, f"{what}: {nan} of {got.size} outputs NaN (unwritten, or a poisoned input read)"
+    err = cp.abs(got64 - ref64)
+    plain = float(cp.abs(plain32.astype(cp.float64) - ref64).max())
+    bound = factor * max(plain, EPS32 * float(cp.abs(ref64).max()))
+    worst = float(err.max())
+    assert worst <= bound, (f"{what}: max error {worst:.3e} at flat index {int(err.argmax())} (mean "
+                            f"{float(err.mean()):.3e}) > bound {bound:.3e} (plain float32: {plain:.3e})")
+    return bound
+
+
+def weights(cp, rng, shape, dtype, scale=0.05):
+    """(array the kernel reads, its values in float32): float32, or bfloat16 bits and their values."""
+    w32 = rng.standard_normal(shape, dtype=cp.float32) * np.float32(scale)
+    if dtype == "bfloat16":
+        return fast.bf16_bits(cp, w32), fast.round_to_bf16(cp, w32)
+    return w32, w32
+
+
+def ln64(cp, x, w, b, eps):
+    x = x.astype(cp.float64)
+    mean = x.mean(axis=-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
+    return (x - mean) / cp.sqrt(var + eps) * w.astype(cp.float64) + b.astype(cp.float64)
+
+
+def ln32(x, w, b, eps):
+    return gpt2.model.layer_norm(x, {"n.weight": w, "n.bias": b}, "n", eps)
+
+
+def gelu64(cp, x):
+    return 0.5 * x * (1.0 + cp.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+
+
+# -- gemv ------------------------------------------------------------------------------------------
+
+GEMV_SHAPES = [(768, 2304), (768, 768), (768, 3072), (3072, 768), (256, 1000), (1600, 97), (32, 5), (1024, 4097)]
+GEMV_VARIANTS = [(True, fast.EPI_BIAS), (False, fast.EPI_RESIDUAL), (True, fast.EPI_GELU), (False, fast.EPI_BIAS)]
+
+
+@pytest.mark.parametrize("dtype", fast.DTYPES)
+@pytest.mark.parametrize("ln,epi", GEMV_VARIANTS, ids=["ln+bias", "bias+residual", "ln+bias+gelu", "bias"])
+@pytest.mark.parametrize("K,N", GEMV_SHAPES, ids=[f"K{k}-N{n}" for k, n in GEMV_SHAPES])
+def test_gemv_matches_layernorm_linear_and_epilogue(cp, K, N, ln, epi, dtype):
+    rng = cp.random.default_rng()
+    W, W32 = weights(cp, rng, (N, K), dtype)  # (out, in): the engine's transposed copy
+    x = rng.standard_normal(K, dtype=cp.float32) * np.float32(2.0) + np.float32(0.5)
+    bias = rng.standard_normal(N, dtype=cp.float32) * np.float32(0.1)
+    ln_w = np.float32(1.0) + rng.standard_normal(K, dtype=cp.float32) * np.float32(0.1)
+    ln_b = rng.standard_normal(K, dtype=cp.float32) * np.float32(0.1)
+    eps = np.float32(1e-5)
+    residual = epi == fast.EPI_RESIDUAL
+    out0 = rng.standard_normal(N, dtype=cp.float32) if residual else cp.full(N, cp.nan, dtype=cp.float32)
+    out = out0.copy()
+
+    item = 2 if dtype == "bfloat16" else 4
+    warps, rows = fast.gemv_shape(N, K, item)
+    wt = "unsigned short" if dtype == "bfloat16" else "float"
+    fn = fused.function("gemv", f"gemv<{wt}, {K}, {warps}, {rows}, {'true' if ln else 'false'}, {epi}>")
+    fn((-(-N // (warps * rows)),), (warps * 32,),
+       (W, bias, x, ln_w if ln else NULL, ln_b if ln else NULL, eps, out, np.int32(N), NULL, np.uint64(0)))
+
+    xin64 = ln64(cp, x, ln_w, ln_b, float(eps)) if ln else x.astype(cp.float64)
+    ref = W32.astype(cp.float64) @ xin64 + bias
+    xin32 = ln32(x, ln_w, ln_b, float(eps)) if ln else x
+    plain = W32 @ xin32 + bias
+    if epi == fast.EPI_GELU:
+        ref, plain = gelu64(cp, ref), gpt2.model.gelu(plain)
+    if residual:
+        ref, plain = out0 + ref, out0 + plain
+    check_close(cp, out, ref, plain, f"gemv {dtype} K={K} N={N} ln={ln} epi={epi} warps={warps} rows={rows}")
+
+
+def test_gemv_prefetch_hint_changes_nothing(cp):
+    """The L2 prefetch of another buffer is a hint: the result is bit-identical with and without it."""
+    rng = cp.random.default_rng()
+    K, N = 768, 2304
+    W = rng.standard_normal((N, K), dtype=cp.float32)
+    other = rng.standard_normal(3 << 20, dtype=cp.float32)
+    x, bias = rng.standard_normal(K, dtype=cp.float32), rng.standard_normal(N, dtype=cp.float32)
+    warps, rows = fast.gemv_shape(N, K, 4)
+    fn = fused.function("gemv", f"gemv<float, {K}, {warps}, {rows}, false, 0>")
+    outs = []
+    for pf, nbytes in ((NULL, 0), (np.uint64(other.data.ptr), other.nbytes)):
+        out = cp.full(N, cp.nan, dtype=cp.float32)
+        fn((-(-N // (warps * rows)),), (warps * 32,), (W, bias, x, NULL, NULL, np.float32(1e-5), out, np.int32(N),
+                                                       pf, np.uint64(nbytes)))
+        outs.append(out)
+    assert bool((outs[0] == outs[1]).all())
+
+
+# -- lm_head + argmax ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", fast.DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["decode", "eager-last-row"])
+@pytest.mark.parametrize("V,C", [(50257, 768), (1000, 32), (97, 256)])
+def test_lm_head_argmax_picks_the_largest_logit_and_advances_the_state(cp, V, C, with_residual, dtype):
+    rng = cp.random.default_rng()
+    wte, wte32 = weights(cp, rng, (V, C), dtype, scale=0.1)
+    x = rng.standard_normal(C, dtype=cp.float32)
+    y = rng.standard_normal(C, dtype=cp.float32) if with_residual else None
+    y_bias = rng.standard_normal(C, dtype=cp.float32) * np.float32(0.1) if with_residual else None
+    ln_w = np.float32(1.0) + rng.standard_normal(C, dtype=cp.float32) * np.float32(0.1)
+    ln_b = rng.standard_normal(C, dtype=cp.float32) * np.float32(0.1)
+    eps = np.float32(1e-5)
+    warps, rows = fast.gemv_shape(V, C, 2 if dtype == "bfloat16" else 4, most_rows=4, loads=16)
+    blocks = -(-V // (warps * rows))
+    wt = "unsigned short" if dtype == "bfloat16" else "float"
+    fn = fused.function("lm_head_argmax", f"lm_head_argmax<{wt}, {C}, {warps}, {rows}>")
+    pos = 37
+    state = cp.asarray([5, pos], dtype=cp.int32)
+    history = cp.full(pos + 3, -1, dtype=cp.int32)
+    counter = cp.zeros(1, dtype=cp.uint32)
+    block_max, block_arg = cp.full(blocks, cp.nan, dtype=cp.float32), cp.full(blocks, -1, dtype=cp.int32)
+
+    xin = x + (y + y_bias) if with_residual else x
+    ref = wte32.astype(cp.float64) @ ln64(cp, xin, ln_w, ln_b, float(eps))
+    plain = wte32 @ ln32(xin, ln_w, ln_b, float(eps))
+    for step in range(2):  # the second run checks that the last block put the ticket counter back
+        logits = cp.full(V, cp.nan, dtype=cp.float32)
+        fn((blocks,), (warps * 32,),
+           (wte, x, y if with_residual else NULL, y_bias if with_residual else NULL, ln_w, ln_b, eps, np.int32(V),
+            logits, block_max, block_arg, counter, state, history, NULL, np.uint64(0)))
+        bound = check_close(cp, logits, ref, plain, f"lm_head logits {dtype} V={V} C={C} run {step}")
+        token = int(state[0])
+        top = cp.sort(ref)[-2:]
+        assert float(ref[token]) >= float(top[1]) - 2 * bound, f"token {token} is not the largest logit"
+        if float(top[1] - top[0]) > 2 * bound:  # a clear maximum: exactly the argmax
+            assert token == int(ref.argmax())
+        assert int(state[1]) == pos + 1 + step and int(history[pos + 1 + step]) == token
+        assert int(counter[0]) == 0, "the last block must put the ticket counter back to 0"
+    assert cp.asnumpy(history[:pos + 1]).tolist() == [-1] * (pos + 1), "history written outside pos + 1"
+
+
+def test_lm_head_argmax_ties_go_to_the_first_index(cp):
+    V, C = 5000, 64
+    wte = cp.zeros((V, C), dtype=cp.float32)
+    wte[[4321, 17, 2999], :] = 1.0  # three equal largest logits, in different blocks
+    state = cp.asarray([0, 3], dtype=cp.int32)
+    warps, rows = fast.gemv_shape(V, C, 4, most_rows=4, loads=16)
+    blocks = -(-V // (warps * rows))
+    fn = fused.function("lm_head_argmax", f"lm_head_argmax<float, {C}, {warps}, {rows}>")
+    fn((blocks,), (warps * 32,),
+       (wte, cp.arange(C, dtype=cp.float32), NULL, NULL, cp.ones(C, dtype=cp.float32), cp.ones(C, dtype=cp.float32),
+        np.float32(1e-5), np.int32(V), NULL, cp.zeros(blocks, dtype=cp.float32), cp.zeros(blocks, dtype=cp.int32),
+        cp.zeros(1, dtype=cp.uint32), state, cp.zeros(8, dtype=cp.int32), NULL, np.uint64(0)))
+    assert int(state[0]) == 17
+
+
+# -- decode attention ------------------------------------------------------------------------------
+
+
+def nan_bits(cp, shape, dtype):
+    if dtype == "bfloat16":
+        return cp.full(shape, 0x7FC0, dtype=cp.uint16)
+    return cp.full(shape, cp.nan, dtype=cp.float32)
+
+
+@pytest.mark.parametrize("kv", fast.DTYPES)
+@pytest.mark.parametrize("pos", [0, 1, 15, 16, 97, 519, 1023])
+@pytest.mark.parametrize("NH,HS", [(12, 64), (3, 32), (2, 16), (4, 128)])
+@pytest.mark.parametrize("splits", ["engine", 1, 5])
+def test_decode_attention_matches_softmax_attention_over_the_cache(cp, NH, HS, pos, kv, splits):
+    rng = cp.random.default_rng()
+    max_len, C = 1024, NH * HS
+    S = max(1, min(kernels.device_limits().sm_count // NH, -(-max_len // 16))) if splits == "engine" else splits
+    k_cache, v_cache = nan_bits(cp, (NH, max_len, HS), kv), nan_bits(cp, (NH, max_len, HS), kv)  # past pos: NaN
+    past_k, past_k32 = weights(cp, rng, (NH, pos, HS), kv, scale=1.0)
+    past_v, past_v32 = weights(cp, rng, (NH, pos, HS), kv, scale=1.0)
+    k_cache[:, :pos], v_cache[:, :pos] = past_k, past_v
+    qkv = rng.standard_normal(3 * C, dtype=cp.float32)
+    state = cp.asarray([0, pos], dtype=cp.int32)
+    partial = cp.full((NH, S, HS + 2), cp.nan, dtype=cp.float32)
+    counters = cp.zeros(NH, dtype=cp.uint32)
+    warps = max(4, HS // 32)
+    kt = "unsigned short" if kv == "bfloat16" else "float"
+    fn = fused.function("decode_attention", f"decode_attention<{kt}, {HS}, {warps}>")
+
+    def run():
+        y = cp.full(C, cp.nan, dtype=cp.float32)
+        fn((S, NH), (warps * 32,), (qkv, k_cache, v_cache, state, np.int32(NH), np.int32(max_len),
+                                    np.float32(1.0 / math.sqrt(HS)), partial, counters, y, NULL, np.uint64(0)),
+           shared_mem=4 * -(-max_len // S))
+        return y
+
+    y = run()
+    q = qkv[:C].reshape(NH, 1, HS)
+    new_k, new_v = qkv[C:2 * C].reshape(NH, 1, HS), qkv[2 * C:].reshape(NH, 1, HS)
+    if kv == "bfloat16":  # the new key and value as the cache will hold them
+        new_k, new_v = fast.round_to_bf16(cp, new_k), fast.round_to_bf16(cp, new_v)
+    K = cp.concatenate([past_k32, new_k], axis=1)  # (NH, pos + 1, HS)
+    V = cp.concatenate([past_v32, new_v], axis=1)
+
+    def attention(q, K, V):
+        s = (q @ K.transpose(0, 2, 1)) / math.sqrt(HS)
+        p = cp.exp(s - s.max(axis=-1, keepdims=True))
+        return ((p / p.sum(axis=-1, keepdims=True)) @ V).reshape(C)
+
+    ref = attention(*(a.astype(cp.float64) for a in (q, K, V)))
+    check_close(cp, y, ref, attention(q, K, V), f"decode attention kv={kv} NH={NH} HS={HS} pos={pos} S={S}")
+    stored_k, stored_v = k_cache[:, pos], v_cache[:, pos]
+    if kv == "bfloat16":
+        assert bool((stored_k == fast.bf16_bits(cp, qkv[C:2 * C].reshape(NH, HS))).all())
+        assert bool((stored_v == fast.bf16_bits(cp, qkv[2 * C:].reshape(NH, HS))).all())
+    else:
+        assert bool((stored_k == qkv[C:2 * C].reshape(NH, HS)).all()) and bool((stored_v == qkv[2 * C:].reshape(NH, HS)).all())
+    assert int(counters.sum()) == 0, "the last block of each head must put its counter back to 0"
+    assert bool((run() == y).all()), "a second run (counters reused, pos now cached) must give the same bits"
+
+
+# -- the eager path's kernels ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", fast.DTYPES)
+@pytest.mark.parametrize("T,C,from_state", [(1, 768, True), (5, 768, False), (64, 32, False), (3, 1600, True)])
+def test_embed_adds_token_and_position_rows(cp, T, C, from_state, dtype):
+    rng = cp.random.default_rng()
+    V, P = 1000, 1024
+    wte, wte32 = weights(cp, rng, (V, C), dtype)
+    wpe, wpe32 = weights(cp, rng, (P, C), dtype)
+    ids = cp.asarray(rng.integers(0, V, T), dtype=cp.int32)
+    p0 = 17 if from_state else 0
+    pos0 = cp.asarray([p0], dtype=cp.int32) if from_state else NULL
+    x = cp.full((T, C), cp.nan, dtype=cp.float32)
+    wt = "unsigned short" if dtype == "bfloat16" else "float"
+    fused.function("embed", f"embed<{wt}>")((T,), (256,), (wte, wpe, ids, pos0, np.int32(C), x, NULL, np.uint64(0)))
+    expected = wte32[ids] + wpe32[p0:p0 + T]  # gpt2/model.py's sum, in float32
+    assert bool((x == expected).all()), f"embed {dtype}: {int((x != expected).sum())} elements differ"
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["layernorm", "residual+layernorm"])
+@pytest.mark.parametrize("rows,C", [(1, 768), (7, 768), (97, 32), (5, 1600), (3, 100)])
+def test_add_layernorm_matches_residual_add_and_layer_norm(cp, rows, C, residual):
+    rng = cp.random.default_rng()
+    x0 = rng.standard_normal((rows, C), dtype=cp.float32) * np.float32(3.0) + np.float32(1.0)
+    y = rng.standard_normal((rows, C), dtype=cp.float32)
+    b = rng.standard_normal(C, dtype=cp.float32)
+    w = np.float32(1.0) + rng.standard_normal(C, dtype=cp.float32) * np.float32(0.1)
+    lb = rng.standard_normal(C, dtype=cp.float32) * np.float32(0.1)
+    x = x0.copy()
+    out = cp.full((rows, C), cp.nan, dtype=cp.float32)
+    fused.function("layernorm", "add_layernorm<256>")(
+        (rows,), (256,), (x, y if residual else NULL, b if residual else NULL, w, lb, np.float32(1e-5), out,
+                          np.int32(C)), shared_mem=4 * C)
+    expected_x = x0 + (y + b) if residual else x0  # the eager model's x + linear(...)
+    assert bool((x == expected_x).all()), "the residual stream must be x + (y + b), bit for bit"
+    check_close(cp, out, ln64(cp, expected_x, w, lb, 1e-5), ln32(expected_x, w, lb, 1e-5), f"layernorm {rows}x{C}")
+
+
+@pytest.mark.parametrize("gelu", [False, True], ids=["bias", "bias+gelu"])
+@pytest.mark.parametrize("rows,N", [(1, 2304), (7, 3072), (97, 12)])
+def test_bias_act_matches_bias_and_gelu(cp, rows, N, gelu):
+    rng = cp.random.default_rng()
+    y0 = rng.standard_normal((rows, N), dtype=cp.float32) * np.float32(3.0)
+    b = rng.standard_normal(N, dtype=cp.float32)
+    y = y0.copy()
+    fused.function("bias_act", f"bias_act<{'true' if gelu else 'false'}>")(
+        (7,), (256,), (y, b, np.int32(rows), np.int32(N)))  # a small grid: the loop strides
+    if not gelu:
+        assert bool((y == y0 + b).all())
+    else:
+        check_close(cp, y, gelu64(cp, y0.astype(cp.float64) + b), gpt2.model.gelu(y0 + b), f"gelu {rows}x{N}")
+
+
+@pytest.mark.parametrize("kv", fast.DTYPES)
+@pytest.mark.parametrize("T,NH,HS,max_len", [(1, 12, 64, 1024), (9, 12, 64, 1024), (64, 2, 16, 64)])
+def test_kv_store_fills_the_static_cache(cp, T, NH, HS, max_len, kv):
+    rng = cp.random.default_rng()
+    C = NH * HS
+    qkv = rng.standard_normal((T, 3 * C), dtype=cp.float32)
+    k_cache, v_cache = nan_bits(cp, (NH, max_len, HS), kv), nan_bits(cp, (NH, max_len, HS), kv)
+    kt = "unsigned short" if kv == "bfloat16" else "float"
+    fused.function("kv_store", f"kv_store<{kt}>")(
+        (5,), (256,), (qkv, k_cache, v_cache, np.int32(T), np.int32(NH), np.int32(HS), np.int32(max_len)))
+    views = qkv.reshape(T, 3, NH, HS)
+    for cache, part in ((k_cache, 1), (v_cache, 2)):
+        expected = views[:, part].transpose(1, 0, 2)  # (NH, T, HS), as KVCache.append stores it
+        if kv == "bfloat16":
+            expected = fast.bf16_bits(cp, expected)
+        assert bool((cache[:, :T] == expected).all())
+        if T < max_len:
+            tail = cache[:, T:]
+            assert bool((tail == 0x7FC0).all()) if kv == "bfloat16" else bool(cp.isnan(tail).all()), "written past T"
+
+
+def test_merge_heads_reads_any_strides(cp):
+    rng = cp.random.default_rng()
+    T, NH, HS = 97, 12, 64
+    y = rng.standard_normal((1, T, NH, HS), dtype=cp.float32).transpose(0, 2, 1, 3)  # (1, NH, T, HS), strided
+    out = cp.full((T, NH * HS), cp.nan, dtype=cp.float32)
+    fused.function("merge_heads", "merge_heads")(
+        (11,), (256,), (y, np.int64(y.strides[1] // 4), np.int64(y.strides[2] // 4), out, np.int32(T), np.int32(NH),
+                        np.int32(HS)))
+    assert bool((out == y.transpose(0, 2, 1, 3).reshape(T, NH * HS)).all())
+
+
+# -- the engine ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small(cp):
+    return random_weights("gpt2", seed=0, xp=cp)
+
+
+def first_difference(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+
+
+def margins(cp, logits):
+    top2 = cp.sort(cp.stack(logits).astype(cp.float64), axis=-1)[:, -2:]
+    return cp.asnumpy(top2[:, 1] - top2[:, 0])
+
+
+@pytest.mark.parametrize("attention", ["reference", "v13"])
+def test_graph_replay_equals_eager_launches_and_the_eager_model(cp, small, attention):
+    attend = reference_attend if attention == "reference" else (
+        lambda q, k, v: kernels.attention(q, k, v, kernel="v13", causal=True))
+    engine = fast.engine_for(small.params, small.config)
+    graphed = engine.generate(PROMPT, 64, attend=attend, kv_cache=True, graph=True)
+    launched = engine.generate(PROMPT, 64, attend=attend, kv_cache=True, graph=False)
+    assert graphed.tokens == launched.tokens, "the same kernels, replayed or launched, must give the same tokens"
+    assert cp.asnumpy(engine.history[len(PROMPT):len(PROMPT) + 64]).tolist() == graphed.tokens
+    assert cp.asnumpy(engine.state).tolist() == [graphed.tokens[-1], len(PROMPT) + 63]
+    eager = generate(small.params, small.config, PROMPT, 64, attend=attend, kv_cache=True, fast=False,
+                     record_logits=True)
+    first = first_difference(graphed.tokens, eager.tokens)
+    assert first is None, (f"fast and eager tokens part at new token {first}; the eager top-two margin there is "
+                           f"{margins(cp, eager.logits)[first]:.2e} (a near tie if below ~1e-4)")
+
+
+@pytest.mark.parametrize("attention", ["reference", "v13"])
+def test_no_cache_fast_path_equals_the_eager_model(cp, small, attention):
+    attend = reference_attend if attention == "reference" else (
+        lambda q, k, v: kernels.attention(q, k, v, kernel="v13", causal=True))
+    fast_run = generate(small.params, small.config, PROMPT, 24, attend=attend, kv_cache=False)
+    eager = generate(small.params, small.config, PROMPT, 24, attend=attend, kv_cache=False, fast=False,
+                     record_logits=True)
+    first = first_difference(fast_run.tokens, eager.tokens)
+    assert first is None, f"no-cache: tokens part at {first}; eager margin there {margins(cp, eager.logits)[first]:.2e}"
+
+
+def teacher_forced(cp, engine, prompt, forced):
+    """The engine's logits for the prompt's next token, then for each next token after forcing the
+    previous one to `forced` (one graph replay per step)."""
+    rows = []
+    engine.start(prompt, reference_attend, kv_cache=True)
+    engine.stream.synchronize()
+    rows.append(engine.logits.copy())
+    for token in forced[:-1]:
+        with engine.stream:
+            engine.state[0:1].set(np.asarray([token], dtype=np.int32), stream=engine.stream)
+            engine.decode(1)
+        engine.stream.synchronize()
+        rows.append(engine.logits.copy())
+    return rows
+
+
+@pytest.mark.parametrize("dtype", fast.DTYPES)
+def test_teacher_forced_logits_follow_the_eager_model(cp, small, dtype):
+    """Per step, the engine's logits against the eager float32 model's over the same sequence: float32
+    within 1e-4 relative (summation order only), bfloat16 within 2e-2 and the argmax criterion."""
+    n = 48
+    eager = generate(small.params, small.config, PROMPT, n, attend=reference_attend, kv_cache=True, fast=False,
+                     record_logits=True)
+    engine = fast.Engine(small.params, small.config, dtype=dtype, keep_logits=True)
+    got = teacher_forced(cp, engine, PROMPT, eager.tokens)
+    rel = [float(cp.linalg.norm(g - e) / cp.linalg.norm(e)) for g, e in zip(got, eager.logits, strict=True)]
+    agree = np.array([int(g.argmax()) == t for g, t in zip(got, eager.tokens, strict=True)])
+    clear = margins(cp, eager.logits) >= (1e-4 if dtype == "float32" else MARGIN)
+    limit = 1e-4 if dtype == "float32" else 2e-2
+    assert max(rel) <= limit, f"{dtype}: relative logit error per step {np.round(rel, 6).tolist()} (limit {limit})"
+    assert agree[clear].all(), f"{dtype}: argmax differs at clear steps {np.flatnonzero(clear & ~agree).tolist()}"
+    assert agree.mean() >= 0.9, f"{dtype}: argmax agrees at {agree.mean():.0%} of steps"
+
+
+def test_bfloat16_weights_from_cast_params_take_the_fast_path(cp, small):
+    """lab.py --dtype bfloat16 casts every parameter (gpt2.model.cast_params); generate() then runs the
+    bfloat16 engine, whose first token comes from a float32 prefill on those weights."""
+    params = cast_params(small.params, "bfloat16")
+    assert fast.unsupported_reason(params, small.config, kv_cache=True) is None
+    out = generate(params, small.config, PROMPT, 24, attend=reference_attend, kv_cache=True)
+    engine = fast.engine_for(params, small.config)
+    assert engine.dtype == "bfloat16" and engine.k_cache.dtype == cp.uint16 and len(out.tokens) == 24
+    widened = {k: a.astype(cp.float32) for k, a in params.items()}
+    eager = generate(widened, small.config, PROMPT, 1, attend=reference_attend, kv_cache=True, fast=False,
+                     record_logits=True)
+    if margins(cp, eager.logits)[0] >= 1e-4:
+        assert out.tokens[0] == eager.tokens[0]
+
+
+def test_windows_end_of_text_and_streaming(cp, small):
+    engine = fast.engine_for(small.params, small.config)
+    full = engine.generate(PROMPT, 64, attend=reference_attend, kv_cache=True).tokens
+    for n in (1, 7, 8, 9, 21):  # window edges (STEPS_PER_GRAPH = 8)
+        assert engine.generate(PROMPT, n, attend=reference_attend, kv_cache=True).tokens == full[:n], n
+    k = next(i for i in range(5, 64) if full[i] not in full[:i])
+    seen = []
+    out = engine.generate(PROMPT, 64, attend=reference_attend, kv_cache=True, eos_id=full[k], on_token=seen.append)
+    assert out.tokens == full[:k + 1] and out.stopped_at_eos and seen == out.tokens
+    nocache = engine.generate(PROMPT, 11, attend=reference_attend, kv_cache=False).tokens
+    j = next(i for i in range(2, 11) if nocache[i] not in nocache[:i])
+    stopped = engine.generate(PROMPT, 11, attend=reference_attend, kv_cache=False, eos_id=nocache[j])
+    assert stopped.tokens == nocache[:j + 1] and stopped.stopped_at_eos
+
+
+def test_engines_are_cached_per_weights_and_dtype(small):
+    a = fast.engine_for(small.params, small.config)
+    assert fast.engine_for(small.params, small.config) is a
+    assert fast.engine_for(dict(small.params), small.config) is a  # the same arrays
+    assert fast.engine_for(small.params, small.config, "bfloat16") is not a
+
+
+def test_profile_step_times_every_kernel(cp, small, capsys):
+    engine = fast.engine_for(small.params, small.config)
+    before = engine.generate(PROMPT, 8, attend=reference_attend, kv_cache=True).tokens
+    rows = engine.profile_step(519)
+    names = [name for name, _ in rows]
+    assert len(rows) == 5 * 12 + 2 and names[0] == "embed" and names[-1] == "ln_f+lm_head+argmax"
+    assert all(ms > 0 for _, ms in rows), rows
+    kinds = fast.by_kind(rows)
+    assert [n for _, n, _ in kinds] == [1, 12, 12, 12, 12, 12, 1]
+    with_prefetch, without = engine.replay_ms(400, 64), engine.replay_ms(400, 64, prefetch=False)
+    assert with_prefetch > 0 and without > 0
+    with capsys.disabled():  # for the notes: where a step's time goes on this device
+        total = sum(ms for _, ms in rows)
+        print(f"\none fp32 decode step at position 519: kernels sum to {1e3 * total:.1f} us; graph replay "
+              f"{1e3 * with_prefetch:.1f} us per token with prefetch, {1e3 * without:.1f} us without")
+        for kind, n, ms in kinds:
+            print(f"  {kind:<28}{n:>3} x {1e3 * ms / n:7.1f} us = {1e3 * ms:8.1f} us")
+    assert engine.generate(PROMPT, 8, attend=reference_attend, kv_cache=True).tokens == before  # state restored
+
+
+def test_copy_ceiling_is_measured():
+    assert 1e11 < fast.copy_ceiling(1 << 28, 3) < 1e14  # between 100 GB/s and 100 TB/s
