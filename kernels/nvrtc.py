@@ -25,12 +25,27 @@ def _candidates() -> list[str]:
     return [f for f in found if "builtins" not in f and ".alt." not in f]
 
 
+def _cupys_nvrtc() -> list[str]:
+    """The libnvrtc CuPy uses, loaded by CuPy first. Two NVRTC copies in one process interfere
+    (the second one's ptxas report comes back empty), so when CuPy is there, share its copy."""
+    try:
+        from cupy_backends.cuda.libs import nvrtc as cupy_nvrtc
+
+        cupy_nvrtc.getVersion()
+        with open("/proc/self/maps") as maps:
+            mapped = {line.split()[-1] for line in maps if "libnvrtc.so" in line}
+    except Exception:
+        return []
+    return sorted(p for p in mapped if "builtins" not in p and ".alt." not in p)
+
+
 def library() -> ctypes.CDLL:
-    """Load libnvrtc: the pip wheel (nvidia-cuda-nvrtc-cu12) first, then a CUDA toolkit."""
+    """Load libnvrtc: CuPy's own if CuPy is installed, else the pip wheel
+    (nvidia-cuda-nvrtc-cu12), else a CUDA toolkit."""
     global _lib
     if _lib is None:
         errors = []
-        for path in _candidates():
+        for path in _cupys_nvrtc() + _candidates():
             try:
                 # libnvrtc dlopens its builtins by name; load them from beside it first
                 for builtins in sorted(glob.glob(os.path.join(os.path.dirname(path), "libnvrtc-builtins.so.*"))):
