@@ -2,9 +2,11 @@
  * v15 - bf16 and fp16 on mma.sync m16n8k16: 16-bit Q, K, V and O, fp32 accumulation, P_ij
  * straight from the accumulators of S_ij into the A operand of P_ij V_j.
  *
- * The change: the inputs and the output are 16-bit (bfloat16 or float16), so S_ij = Q_i K_j^T and
- * O_i += P_ij V_j run on mma.sync.m16n8k16 with fp32 accumulators, fed by ldmatrix from XOR-swizzled
- * shared memory; everything else is v13's FA2 partitioning.
+ * The change: v14's tensor cores on 16-bit data. Q, K, V and O are bfloat16 or float16, and
+ * S_ij = Q_i K_j^T and O_i += P_ij V_j run on mma.sync.m16n8k16 with fp32 accumulators, their
+ * operands loaded by ldmatrix from XOR-swizzled shared memory; the work is partitioned as in v13
+ * (FA2: one Q_i per block, whole rows per warp). It also takes non-causal, cross (T_q != T_k) and
+ * grouped-query attention.
  *
  * Why it helps:
  *   - Half the bytes to move and to keep: a K_j or V_j row of d = 64 is 128 bytes, and the 16-bit
@@ -23,8 +25,9 @@
  *   - Two stages of K_j and V_j: the copies of tile j + 1 (cp.async, 16 bytes per thread) run while
  *     tile j is computed, with one barrier per tile.
  *   - Softmax on fragments, in exp2: the row max and row sum of a row live in the 4 lanes of a quad
- *     (two shuffles), scale * log2(e) is folded into one FFMA per score before ex2.approx, and O_i
- *     is divided by l_i once, at the end.
+ *     (two shuffles), scale * log2(e) is folded into one FFMA per score before ex2.approx, O_i is
+ *     rescaled only in tiles where some row max of the warp moved, and divided by l_i once, at the
+ *     end. As in the reference's recipe, l_i sums P_ij before it is rounded to 16 bits.
  *   - No work on fully masked tiles (per block and per warp); the mask is applied only to tiles that
  *     cross the diagonal or the end of the keys. Heavy tiles first, as in v13.
  *   - O_i is staged through the warp's own rows of Q_i's shared memory, so that it leaves in 16-byte
@@ -276,7 +279,7 @@ attention_forward(const element* __restrict__ Q, const element* __restrict__ K, 
             copy_async_commit();
         }
 
-        // A warp whose rows all lie past T_q, or all precede this tile, has nothing to do in it.
+        // A warp whose rows all lie past T_q, or none of whose rows sees a key of this tile, skips it.
         const bool warp_active = warp_first < T_q && !(causal && col_start > warp_last + offset);
         if (warp_active) {
             // S_ij = Q_i K_j^T. K_j rows are keys, so plain ldmatrix gives B fragments (k = d, n = key):
@@ -303,8 +306,8 @@ attention_forward(const element* __restrict__ Q, const element* __restrict__ K, 
                     }
                 }
 
-            // Only a tile that reaches past the warp's first visible key, or past T_k, holds masked
-            // scores. Select, do not add: whatever sits in a masked score becomes -inf, then exactly 0.
+            // Only a tile whose last key lies past what the warp's first row sees, or past T_k, holds
+            // masked scores. Select, do not add: whatever sits in a masked score becomes -inf, then 0.
             if ((causal && col_start + B_c - 1 > warp_first + offset) || col_start + B_c > T_k) {
                 #pragma unroll
                 for (int mt = 0; mt < M_TILES; ++mt)
