@@ -253,6 +253,7 @@ def run(args) -> int:
         "decode_attention": (REFERENCE if fast_why else "fused decode_attention") if args.kv_cache else None,
         "engine": "fast" if fast_why is None else "eager",
         "engine_note": fast_why,
+        "pdl": gpt2.fast.engine_for(ckpt.params, config).pdl_note if fast_why is None and args.kv_cache else None,
         "dtype": args.dtype,
         "device": device,
         "device_name": device_name(device),
@@ -319,6 +320,8 @@ def profile_step(ckpt, config, position: int) -> dict:
         "kernel_ms_sum": sum(ms for _, ms in kernels_ms),
         "graph_ms_per_token": engine.replay_ms(replay_from, steps),
         "graph_ms_per_token_without_prefetch": engine.replay_ms(replay_from, steps, prefetch=False),
+        "graph_ms_per_token_without_pdl": engine.replay_ms(replay_from, steps, pdl=False) if engine.pdl else None,
+        "pdl": engine.pdl_note,
         "graph_replay": f"{steps} steps from position {replay_from}, graphs of {engine.steps_per_graph} steps",
     }
 
@@ -401,7 +404,8 @@ def engine_line(s: dict) -> str:
     if s["engine"] != "fast":
         return f"eager: gpt2/model.py step by step ({s['engine_note']})"
     if s["mode"] == "kv-cache":
-        return f"fast ({s['dtype']}): fused kernels, static KV cache, the decode step replayed as a CUDA graph"
+        return (f"fast ({s['dtype']}): fused kernels, static KV cache, the decode step replayed as a CUDA graph "
+                f"(programmatic dependent launch {s['pdl']})")
     return f"fast ({s['dtype']}): fused kernels around cuBLAS, the whole sequence every step"
 
 
@@ -413,8 +417,11 @@ def print_profile(p: dict) -> None:
         print(f"  {row['kind']:<28}{row['launches']:>4} x {1e3 * row['ms'] / row['launches']:7.1f} us = "
               f"{1e3 * row['ms']:8.1f} us  {100 * row['ms'] / total:5.1f}%")
     print(f"  {'sum of kernels':<28}{len(p['kernels']):>4} launches {1e3 * total:13.1f} us")
-    print(f"graph replay: {1e3 * p['graph_ms_per_token']:.1f} us per token with the L2 prefetch hints, "
-          f"{1e3 * p['graph_ms_per_token_without_prefetch']:.1f} us without ({p['graph_replay']})")
+    print(f"graph replay ({p['graph_replay']}): {1e3 * p['graph_ms_per_token']:.1f} us per token as generate() "
+          f"runs it (programmatic dependent launch {p['pdl']}, L2 prefetch hints on); "
+          f"{1e3 * p['graph_ms_per_token_without_prefetch']:.1f} us without the prefetch hints"
+          + (f", {1e3 * p['graph_ms_per_token_without_pdl']:.1f} us with plain launches"
+             if p["graph_ms_per_token_without_pdl"] is not None else ""))
 
 
 def main(argv=None) -> int:

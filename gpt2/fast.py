@@ -34,8 +34,10 @@ larger kernels (kernels/fused/*.cu, each tested against the CuPy code it replace
 
 from __future__ import annotations
 
+import ctypes
 import math
 import re
+import warnings
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
@@ -228,7 +230,8 @@ def attention_warps(config: GPT2Config) -> int:
 
 @dataclass
 class Launch:
-    """One kernel launch with fixed arguments: the unit of the decode step."""
+    """One kernel launch with fixed arguments: the unit of the decode step. With pdl, launched through
+    cuLaunchKernelEx with programmatic stream serialization on `stream` (see kernels/fused/common.cuh)."""
 
     name: str
     fn: object
@@ -236,9 +239,83 @@ class Launch:
     block: tuple
     args: tuple
     shared_mem: int = 0
+    pdl: bool = False
+    stream: int = 0  # the CUstream handle of a pdl launch
 
     def __call__(self):
-        self.fn(self.grid, self.block, self.args, shared_mem=self.shared_mem)
+        if not self.pdl:
+            self.fn(self.grid, self.block, self.args, shared_mem=self.shared_mem)
+            return
+        if not hasattr(self, "_packed"):
+            self._packed = _pack_launch(self)
+        config, function, params = self._packed[:3]
+        status = _driver().cuLaunchKernelEx(ctypes.byref(config), function, params, None)
+        if status != 0:
+            raise RuntimeError(f"cuLaunchKernelEx({self.name}) failed: {_driver_error(status)}")
+
+
+# cuLaunchKernelEx through ctypes (cuda.h, CUDA 12+): CuPy launches have no launch attributes.
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _AttributeValue(ctypes.Union):
+    _fields_ = [("pad", ctypes.c_char * 64), ("programmaticStreamSerializationAllowed", ctypes.c_int)]
+
+
+class _Attribute(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _AttributeValue)]
+
+
+class _Config(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_Attribute)), ("numAttrs", ctypes.c_uint)]
+
+
+_libcuda = None
+
+
+def _driver():
+    global _libcuda
+    if _libcuda is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                                         ctypes.c_void_p]
+        lib.cuLaunchKernelEx.restype = ctypes.c_int
+        lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        _libcuda = lib
+    return _libcuda
+
+
+def _driver_error(status: int) -> str:
+    text = ctypes.c_char_p()
+    _driver().cuGetErrorString(status, ctypes.byref(text))
+    return f"CUresult {status}" + (f" ({text.value.decode()})" if text.value else "")
+
+
+def _pack_launch(launch: Launch):
+    """(config, CUfunction, kernelParams, and what they point into) for cuLaunchKernelEx."""
+    values = []
+    for a in launch.args:
+        if isinstance(a, np.uint64):
+            values.append(ctypes.c_uint64(int(a)))
+        elif isinstance(a, np.int64):
+            values.append(ctypes.c_int64(int(a)))
+        elif isinstance(a, np.int32):
+            values.append(ctypes.c_int32(int(a)))
+        elif isinstance(a, np.float32):
+            values.append(ctypes.c_float(float(a)))
+        elif hasattr(a, "data") and hasattr(a.data, "ptr"):  # a CuPy array: its device pointer
+            values.append(ctypes.c_void_p(a.data.ptr))
+        else:
+            raise TypeError(f"{launch.name}: cannot pass {type(a).__name__} to cuLaunchKernelEx")
+    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+    attribute = _Attribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attribute.value.programmaticStreamSerializationAllowed = 1
+    grid, block = (tuple(launch.grid) + (1, 1))[:3], (tuple(launch.block) + (1, 1))[:3]
+    config = _Config(*grid, *block, launch.shared_mem, ctypes.c_void_p(launch.stream), ctypes.pointer(attribute), 1)
+    return config, ctypes.c_void_p(launch.fn.kernel.ptr), params, values, attribute
 
 
 def _ptr(a) -> np.uint64:
@@ -280,7 +357,8 @@ class Engine:
     static KV cache (n_positions long), activations, the decode step's launches and its graphs."""
 
     def __init__(self, params: dict, config: GPT2Config, *, dtype: str | None = None, max_len: int | None = None,
-                 prefetch: bool = True, steps_per_graph: int = STEPS_PER_GRAPH, keep_logits: bool = False):
+                 prefetch: bool = True, pdl: bool | None = None, steps_per_graph: int = STEPS_PER_GRAPH,
+                 keep_logits: bool = False):
         import cupy as cp
 
         import kernels
@@ -359,9 +437,21 @@ class Engine:
             self.sgemm = _Sgemm(cp)
 
             self._compile()
-            self.step_launches = self._decode_launches(prefetch)
         self.stream.synchronize()
-        self.graphs: dict[int, object] = {}
+        self.prefetch = prefetch
+        self._variants: dict[tuple, list[Launch]] = {}
+        self.graphs: dict[tuple, object] = {}
+        self.step_launches = self.launches(prefetch, pdl=False)  # eager launches, and what profile_step times
+        # Programmatic dependent launch for the graphs: on when asked, or (None) when it works here
+        self.pdl, self.pdl_note = False, "off (asked)" if pdl is False else None
+        if pdl is not False:
+            why = self._check_pdl()
+            self.pdl = why is None
+            self.pdl_note = "on" if why is None else f"off ({why})"
+            if why is not None and pdl:
+                raise RuntimeError(f"programmatic dependent launch does not work here: {why}")
+            if why is not None:
+                warnings.warn(f"gpt2.fast: programmatic dependent launch disabled: {why}", stacklevel=2)
         for steps in sorted({1, steps_per_graph}):  # captured now, on an idle stream, replayed from here on
             self.graph(steps)
 
@@ -379,7 +469,15 @@ class Engine:
 
     # -- the decode step -----------------------------------------------------------------------------
 
-    def _decode_launches(self, prefetch: bool) -> list[Launch]:
+    def launches(self, prefetch: bool | None = None, pdl: bool | None = None) -> list[Launch]:
+        """The decode step's launches in one variant (default: the engine's): with or without the L2
+        prefetch hints, through plain launches or programmatic dependent launches."""
+        key = (self.prefetch if prefetch is None else prefetch, self.pdl if pdl is None else pdl)
+        if key not in self._variants:
+            self._variants[key] = self._decode_launches(*key)
+        return self._variants[key]
+
+    def _decode_launches(self, prefetch: bool, pdl: bool) -> list[Launch]:
         """The decode step as a list of launches on fixed buffers. Each kernel that reads a matrix
         also asks L2 to prefetch the next one (the last wraps to the first layer's c_attn)."""
         c, p = self.config, self.params32
@@ -429,42 +527,73 @@ class Engine:
                                 np.int32(c.vocab_size), self.logits if self.logits is not None else NULL,
                                 self.block_max, self.block_arg, self.lm_counter, self.state, self.history, *pf(k))))
         assert [launch.name for launch in launches] == [name for name, _ in plan]
+        for launch in launches:
+            launch.pdl, launch.stream = pdl, self.stream.ptr
         return launches
 
-    def _step(self, launches=None):
-        for launch in launches or self.step_launches:
-            launch()
-
-    def graph(self, steps: int, launches=None):
-        """A CUDA graph of `steps` decode steps (captured on first use, then kept)."""
-        key = steps if launches is None else None
-        if key in self.graphs:
-            return self.graphs[key]
-        with self.stream:
-            self.stream.begin_capture()
-            try:
-                for _ in range(steps):
-                    self._step(launches)
-            finally:
-                graph = self.stream.end_capture()
-        graph.upload(self.stream)
-        if key is not None:
+    def graph(self, steps: int, prefetch: bool | None = None, pdl: bool | None = None):
+        """A CUDA graph of `steps` decode steps in one launch variant (captured once, then kept)."""
+        key = (steps, self.prefetch if prefetch is None else prefetch, self.pdl if pdl is None else pdl)
+        if key not in self.graphs:
+            launches = self.launches(*key[1:])
+            with self.stream:
+                self.stream.begin_capture()
+                try:
+                    for _ in range(steps):
+                        for launch in launches:
+                            launch()
+                finally:
+                    graph = self.stream.end_capture()
+            graph.upload(self.stream)
             self.graphs[key] = graph
-        return graph
+        return self.graphs[key]
 
     def decode(self, n: int, *, graph: bool = True) -> None:
         """Queue n decode steps on the engine's stream: graphs of steps_per_graph steps, then single
-        steps (or eager launches with graph=False, the same kernels one by one)."""
+        steps (or, graph=False, the same kernels launched one by one, plainly)."""
         with self.stream:
             if not graph:
                 for _ in range(n):
-                    self._step()
+                    for launch in self.step_launches:
+                        launch()
                 return
-            big, small = (self.graph(self.steps_per_graph), self.graph(1))
+            big, small = self.graph(self.steps_per_graph), self.graph(1)
             for _ in range(n // self.steps_per_graph):
                 big.launch(self.stream)
             for _ in range(n % self.steps_per_graph):
                 small.launch(self.stream)
+
+    def _check_pdl(self) -> str | None:
+        """One decode step from a fixed state, with random keys and values in the cache, launched
+        plainly and replayed as a graph of programmatic dependent launches: None if both leave the
+        same bits in x and state, else why not (the engine then keeps plain launches)."""
+        cp = self.cp
+        if int(self.cp.cuda.Device().compute_capability) < 90:
+            return "needs compute capability 9.0"
+        pos, token = min(5, self.max_len - 2), min(123, self.config.vocab_size - 1)
+        start = np.asarray([token, pos], dtype=np.int32)
+        try:
+            results = []
+            with self.stream:
+                rng = cp.random.default_rng(0)
+                for cache in (self.k_cache, self.v_cache):
+                    values = rng.standard_normal(cache[:, :, :pos].shape, dtype=cp.float32)
+                    cache[:, :, :pos] = bf16_bits(cp, values) if cache.dtype == cp.uint16 else values
+                for pdl in (False, True):
+                    self.state.set(start, stream=self.stream)
+                    if pdl:
+                        self.graph(1, pdl=True).launch(self.stream)
+                    else:
+                        for launch in self.launches(pdl=False):
+                            launch()
+                    results.append((self.x.copy(), self.state.copy(), self.y.copy()))
+            self.stream.synchronize()
+        except Exception as exc:  # no cuLaunchKernelEx, a capture the driver refuses, ...
+            return f"{type(exc).__name__}: {exc}"
+        (x0, s0, y0), (x1, s1, y1) = results
+        if not (bool((x0 == x1).all()) and bool((s0 == s1).all()) and bool((y0 == y1).all())):
+            return "a step replayed with it differed from plain launches"
+        return None
 
     # -- whole sequences: prefill and the no-cache mode --------------------------------------------
 
@@ -600,26 +729,27 @@ class Engine:
                 times[r] = [cp.cuda.get_elapsed_time(events[i], events[i + 1]) for i in range(n)]
         return list(zip([launch.name for launch in self.step_launches], np.median(times, axis=0).tolist(), strict=True))
 
-    def replay_ms(self, position: int, steps: int = 64, *, prefetch: bool = True, repeats: int = 5) -> float:
+    def replay_ms(self, position: int, steps: int = 64, *, prefetch: bool | None = None, pdl: bool | None = None,
+                  repeats: int = 5) -> float:
         """Milliseconds per decode step of graph replays from `position` (median of `repeats` runs of
-        `steps` steps, each in graphs of steps_per_graph), with or without the L2 prefetch hints."""
+        `steps` steps in graphs of steps_per_graph), in a launch variant (default: the engine's)."""
         cp = self.cp
-        if position + steps >= self.max_len:
-            raise LabError(f"{steps} steps from position {position} pass the engine's {self.max_len} positions")
-        launches = self.step_launches if prefetch else self._decode_launches(prefetch=False)
-        big = self.graph(self.steps_per_graph, None if prefetch else launches)
+        steps = steps // self.steps_per_graph * self.steps_per_graph
+        if steps < 1 or position + steps >= self.max_len:
+            raise LabError(f"{steps} steps from position {position} do not fit the engine's {self.max_len} positions")
+        big = self.graph(self.steps_per_graph, prefetch, pdl)
         start = np.asarray([0, position], dtype=np.int32)
         times = []
         with self.stream:
             before, after = cp.cuda.Event(), cp.cuda.Event()
-            for _ in range(repeats + 1):  # the first run uploads and warms up
+            for _ in range(repeats + 1):  # the first run warms up
                 self.state.set(start, stream=self.stream)
                 before.record(self.stream)
                 for _ in range(steps // self.steps_per_graph):
                     big.launch(self.stream)
                 after.record(self.stream)
                 after.synchronize()
-                times.append(cp.cuda.get_elapsed_time(before, after) / (steps // self.steps_per_graph * self.steps_per_graph))
+                times.append(cp.cuda.get_elapsed_time(before, after) / steps)
         return float(np.median(times[1:]))
 
 

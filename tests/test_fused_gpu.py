@@ -451,6 +451,19 @@ def test_windows_end_of_text_and_streaming(cp, small):
     assert stopped.tokens == nocache[:j + 1] and stopped.stopped_at_eos
 
 
+def test_programmatic_dependent_launch_is_on_and_changes_no_bits(cp, small):
+    """On Hopper the graphs use programmatic dependent launch (the engine checks it at build and
+    falls back to plain launches, saying why); the tokens are those of an engine with plain launches."""
+    engine = fast.engine_for(small.params, small.config)
+    assert engine.pdl, f"programmatic dependent launch is {engine.pdl_note}"
+    plain = fast.Engine(small.params, small.config, pdl=False)
+    assert plain.pdl_note == "off (asked)"
+    for kv_cache in (True, False):
+        a = engine.generate(PROMPT, 40, attend=reference_attend, kv_cache=kv_cache).tokens
+        b = plain.generate(PROMPT, 40, attend=reference_attend, kv_cache=kv_cache).tokens
+        assert a == b, f"kv_cache={kv_cache}: PDL graphs and plain graphs part at {first_difference(a, b)}"
+
+
 def test_engines_are_cached_per_weights_and_dtype(small):
     a = fast.engine_for(small.params, small.config)
     assert fast.engine_for(small.params, small.config) is a
@@ -468,11 +481,13 @@ def test_profile_step_times_every_kernel(cp, small, capsys):
     kinds = fast.by_kind(rows)
     assert [n for _, n, _ in kinds] == [1, 12, 12, 12, 12, 12, 1]
     with_prefetch, without = engine.replay_ms(400, 64), engine.replay_ms(400, 64, prefetch=False)
-    assert with_prefetch > 0 and without > 0
+    plain = engine.replay_ms(400, 64, pdl=False)
+    assert with_prefetch > 0 and without > 0 and plain > 0
     with capsys.disabled():  # for the notes: where a step's time goes on this device
         total = sum(ms for _, ms in rows)
-        print(f"\none fp32 decode step at position 519: kernels sum to {1e3 * total:.1f} us; graph replay "
-              f"{1e3 * with_prefetch:.1f} us per token with prefetch, {1e3 * without:.1f} us without")
+        print(f"\none fp32 decode step at position 519: kernels sum to {1e3 * total:.1f} us; graph replay at 400: "
+              f"{1e3 * with_prefetch:.1f} us per token (PDL {engine.pdl_note}, prefetch), {1e3 * without:.1f} us "
+              f"without prefetch, {1e3 * plain:.1f} us with plain launches")
         for kind, n, ms in kinds:
             print(f"  {kind:<28}{n:>3} x {1e3 * ms / n:7.1f} us = {1e3 * ms:8.1f} us")
     assert engine.generate(PROMPT, 8, attend=reference_attend, kv_cache=True).tokens == before  # state restored

@@ -128,6 +128,28 @@ __device__ __forceinline__ float gelu_tanh(float x)
     return 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * (x * x * x))));
 }
 
+// -- programmatic dependent launch (sm_90) ----------------------------------------------------------
+
+// The decode step's kernels may be launched with programmatic stream serialization (gpt2/fast.py,
+// pdl=True): the next kernel starts while this one finishes, issues its weight loads, and waits in
+// griddep_wait() until this grid has completed and its writes are visible. Rule for every decode
+// kernel: before griddep_wait() read only the weights (and ask for prefetches), write nothing.
+// Under an ordinary launch both calls return at once.
+__device__ __forceinline__ void griddep_wait()
+{
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Let the next kernel in the stream launch once every block of this grid has got here (or exited).
+__device__ __forceinline__ void griddep_launch_dependents()
+{
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // -- keeping memory busy across a kernel boundary ---------------------------------------------------
 
 // Ask L2 to fetch this block's share of [p, p + bytes): the next kernel's weights, so that DRAM keeps

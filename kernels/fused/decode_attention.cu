@@ -88,6 +88,10 @@ decode_attention(const float* __restrict__ qkv, kv_t* k_cache, kv_t* v_cache, co
     __shared__ __align__(16) float o_s[WARPS][HS];
     __shared__ bool is_last;
 
+    prefetch_l2(prefetch, prefetch_bytes);
+    griddep_launch_dependents();
+    griddep_wait();  // state, qkv and the cache are the previous kernels' from here on
+
     const int S = gridDim.x, s = blockIdx.x, h = blockIdx.y;
     const int C = n_head * HS;
     const int pos = state[1];
@@ -100,8 +104,6 @@ decode_attention(const float* __restrict__ qkv, kv_t* k_cache, kv_t* v_cache, co
     const long long head = (long long)h * max_len * HS;
     const float* k_new = qkv + C + h * HS;
     const float* v_new = qkv + 2 * C + h * HS;
-
-    prefetch_l2(prefetch, prefetch_bytes);
 
     float q[8];
     {

@@ -23,7 +23,9 @@
  * ROWS * ITERS * 4 registers of weights. Shared memory: the input, K floats (3 KB at K = 768,
  * 12 KB at K = 3072), plus one float per warp for the LayerNorm sums.
  * After its loads, each block asks L2 to prefetch its share of `prefetch` (the next kernel's
- * weights), so that DRAM keeps streaming through the launch gap.
+ * weights), so that DRAM keeps streaming through the launch gap. Under programmatic dependent
+ * launch the loads and the prefetch overlap the previous kernel; the input is read after
+ * griddep_wait() (common.cuh).
  * Limits: K % vector == 0; the input and bias are float32; accumulation is float32.
  */
 #include "common.cuh"
@@ -60,6 +62,8 @@ gemv(const weight_t* __restrict__ W, const float* __restrict__ bias, const float
         }
     }
     prefetch_l2(prefetch, prefetch_bytes);
+    griddep_launch_dependents();
+    griddep_wait();  // from here on, the previous kernel's outputs (x) are complete
 
     // The input (LayerNorm'd if LN) into shared memory while the weights arrive.
     stage_input<K, THREADS, LN>(x, nullptr, nullptr, ln_w, ln_b, eps, x_s, scratch);

@@ -79,6 +79,8 @@ lm_head_argmax(const weight_t* __restrict__ wte, const float* __restrict__ x, co
         }
     }
     prefetch_l2(prefetch, prefetch_bytes);
+    griddep_launch_dependents();
+    griddep_wait();  // x, the counter and state are the previous kernels' from here on
     stage_input<K, THREADS, true>(x, y, y_bias, ln_w, ln_b, eps, x_s, scratch);
 
     float best = -INFINITY;
