@@ -18,6 +18,12 @@ larger kernels (kernels/fused/*.cu, each tested against the CuPy code it replace
       mlp.c_proj + bias + residual        gemv
   plus embed at the start and ln_f + lm_head + argmax at the end, which also writes the token into
   `history` and advances `state`: 5 * n_layer + 2 kernels per token (62 for GPT-2 small).
+  Between kernels, two ways to keep memory busy: each kernel that reads a matrix asks L2 to prefetch
+  the next kernel's matrix (cp.async.bulk.prefetch.L2, a hint), and on Hopper the graphs are built
+  from programmatic dependent launches (cuLaunchKernelEx), so that a kernel starts, and issues its
+  weight loads, while the previous one finishes; it waits (griddepcontrol.wait) before reading
+  activations. The engine checks at build that one step replayed that way leaves the same bits as
+  plain launches, and otherwise keeps plain launches (pdl_note says why).
   The linear layers read transposed copies of the Conv1D weights, (out, in), made once here, so that
   a warp reads one output's weights contiguously: on the fast path the linear weights are held
   twice (the (in, out) originals stay for the prefill's matrix products). In bfloat16 the matrices
