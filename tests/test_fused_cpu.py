@@ -195,3 +195,41 @@ def test_lab_on_the_cpu_reports_the_eager_engine_and_phases(tmp_path):
     assert 0 < s["time_to_first_token_seconds"] < s["seconds"] and s["decode_tokens_per_second"] > 0
     assert s["profile_step"] is None and "weight_bytes_per_token" not in s  # bandwidth: GPU runs only
     assert "first token" in r.stdout and "decode" in r.stdout
+
+
+def test_launch_structs_match_cuda_h():
+    """CUlaunchAttribute is {id, 4 bytes of padding, a 64-byte union}; CUlaunchConfig has the stream
+    pointer after seven unsigned ints (padded to 8 bytes), then the attribute pointer and count."""
+    import ctypes
+
+    assert ctypes.sizeof(fast._Attribute) == 72 and fast._Attribute.value.offset == 8
+    assert fast._Config.sharedMemBytes.offset == 24 and fast._Config.hStream.offset == 32
+    assert fast._Config.attrs.offset == 40 and fast._Config.numAttrs.offset == 48 and ctypes.sizeof(fast._Config) == 56
+    assert fast.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION == 6
+
+
+class FakeKernel:
+    class kernel:  # noqa: N801  (CuPy's RawKernel.kernel.ptr: the CUfunction)
+        ptr = 0xDEAD
+
+
+def test_pdl_launch_arguments_are_packed_by_type():
+    """What cuLaunchKernelEx receives: one pointer per argument, each to a value of the kernel's type."""
+    import ctypes
+
+    class FakeArray:
+        class data:  # noqa: N801
+            ptr = 0x7000
+
+    launch = fast.Launch("k", FakeKernel, (3, 2), (128,), (FakeArray(), np.int32(-5), np.float32(0.5), np.uint64(7),
+                                                            np.int64(-9)), shared_mem=96, pdl=True, stream=0x1234)
+    config, function, params, values, attribute = fast._pack_launch(launch)
+    assert (config.gridDimX, config.gridDimY, config.gridDimZ, config.blockDimX, config.blockDimY) == (3, 2, 1, 128, 1)
+    assert config.sharedMemBytes == 96 and config.hStream == 0x1234 and config.numAttrs == 1
+    assert config.attrs.contents.id == 6 and config.attrs.contents.value.programmaticStreamSerializationAllowed == 1
+    assert function.value == 0xDEAD
+    got = [ctypes.cast(params[i], ctypes.POINTER(t)).contents.value
+           for i, t in enumerate((ctypes.c_void_p, ctypes.c_int32, ctypes.c_float, ctypes.c_uint64, ctypes.c_int64))]
+    assert got == [0x7000, -5, 0.5, 7, -9]
+    with pytest.raises(TypeError, match="cannot pass int"):
+        fast._pack_launch(fast.Launch("k", FakeKernel, (1,), (1,), (3,), pdl=True))
