@@ -34,6 +34,7 @@ import gpt2
 import gpt2.fast
 import kernels
 from gpt2 import LabError, Sampler, StreamDecoder, generate, reference_attend
+from gpt2.generate import decode_attention_name
 from gpt2.model import cast_params
 
 ROOT = Path(__file__).resolve().parent
@@ -60,8 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=512, help="new tokens to generate (default 512)")
     p.add_argument("--kv-cache", action="store_true",
                    help="prefill with the rung, then decode one token per step over a KV cache "
-                        "(decode attention: kernels/fused/decode_attention.cu on the fast path, the reference "
-                        "with --no-graph or on the CPU); default: recompute the whole sequence every step")
+                        "(decode attention: kernels/fused/decode_attention.cu on the fast path, v16_decode_split_kv "
+                        "with --no-graph, the reference on the CPU); default: recompute the whole sequence every step")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     p.add_argument("--top-k", type=int, help="sample among the k likeliest tokens (needs --temperature > 0)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed, and the random weights' seed (default 0)")
@@ -250,7 +251,8 @@ def run(args) -> int:
         "config": asdict(config),
         "kernel": kernel,
         "mode": "kv-cache" if args.kv_cache else "no-kv-cache",
-        "decode_attention": (REFERENCE if fast_why else "fused decode_attention") if args.kv_cache else None,
+        "decode_attention": (decode_attention_name(xp, config, args.dtype) if fast_why else "fused decode_attention")
+        if args.kv_cache else None,
         "engine": "fast" if fast_why is None else "eager",
         "engine_note": fast_why,
         "pdl": gpt2.fast.engine_for(ckpt.params, config).pdl_note if fast_why is None and args.kv_cache else None,
@@ -331,7 +333,7 @@ def compare_with_reference(run_once, attend, timed, n_new: int, xp) -> dict:
     (kept out of the timed run). Logits are compared over the steps whose inputs were identical:
     up to and including the first differing token."""
     rung = run_once(attend, n_new, record_logits=True)
-    ref = run_once(reference_attend, n_new, record_logits=True)
+    ref = run_once(reference_attend, n_new, record_logits=True, decode_attend=reference_attend)
     n = min(len(rung.tokens), len(ref.tokens))
     first = next((i for i in range(n) if rung.tokens[i] != ref.tokens[i]), None)
     steps = n if first is None else first + 1

@@ -3,8 +3,8 @@
 - no KV cache (the seed's setup): every step runs the whole sequence so far through the model,
   so the attention under test runs on every token, at every length up to prompt + new tokens;
 - KV cache: one prefill of the prompt with the attention under test, then one token per step,
-  each a single query over the cached keys (`decode_attend`, the reference until a decode rung
-  exists).
+  each a single query over the cached keys (`decode_attend`: by default the decode rung,
+  kernels/v16_decode_split_kv.cu, on CuPy arrays, and the reference on NumPy ones).
 
 On the GPU, greedy generation takes the fast path by default (gpt2/fast.py: fused kernels, a static
 KV cache and the decode step replayed as a CUDA graph; its own decode attention). `fast=False` runs
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+import kernels
 from kernels import reference_attention
 
 from .config import GPT2Config
@@ -28,6 +29,24 @@ from .model import KVCache, array_module, compute_dtype, forward
 def reference_attend(q, k, v):
     """kernels.reference_attention in the array type it is given (causal, aligned bottom-right)."""
     return reference_attention(q, k, v, causal=True)
+
+
+DECODE_KERNEL = "v16_decode_split_kv"  # one query over the cached keys, the keys split across blocks
+
+
+def decode_rung_attend(q, k, v):
+    """The decode rung on CuPy arrays: q (B, NH, 1, hs) over the cache views k, v (B, NH, T_k, hs),
+    read through their strides (unit last stride)."""
+    return kernels.attention(q, k, v, kernel=DECODE_KERNEL, causal=True)
+
+
+def decode_attention_name(xp, config: GPT2Config, dtype: str) -> str:
+    """What the eager KV-cache path decodes with: the decode rung for CuPy arrays of a head size and
+    dtype it takes, else "reference"."""
+    if xp is np:
+        return "reference"
+    rung = kernels.load(DECODE_KERNEL)
+    return DECODE_KERNEL if config.head_size in rung.head_sizes() and dtype in rung.dtypes else "reference"
 
 
 class Sampler:
@@ -65,11 +84,12 @@ class Generation:
 
 
 def generate(params: dict, config: GPT2Config, prompt: list[int], n_new: int, *, attend,
-             kv_cache: bool = False, decode_attend=reference_attend, sampler: Sampler | None = None,
+             kv_cache: bool = False, decode_attend=None, sampler: Sampler | None = None,
              eos_id: int | None = None, on_token=None, record_logits: bool = False, fast: bool = True) -> Generation:
     """n_new tokens after `prompt` (one sequence); on_token(token) is called as each is chosen.
     Stops early after `eos_id` if it is given. fast: greedy runs on the GPU go through gpt2/fast.py
-    (gpt2.fast.unsupported_reason says when they cannot); False forces the eager path."""
+    (gpt2.fast.unsupported_reason says when they cannot); False forces the eager path, whose decode
+    steps use `decode_attend`, by default as decode_attention_name says."""
     if not prompt:
         raise LabError("the prompt must have at least one token")
     if n_new < 1:
@@ -88,6 +108,9 @@ def generate(params: dict, config: GPT2Config, prompt: list[int], n_new: int, *,
             return fast_path.generate(params, config, prompt, n_new, attend=attend, kv_cache=kv_cache,
                                       eos_id=eos_id, on_token=on_token)
     sampler = sampler or Sampler()
+    if decode_attend is None:
+        use_rung = decode_attention_name(xp, config, compute_dtype(params).name) == DECODE_KERNEL
+        decode_attend = decode_rung_attend if use_rung else reference_attend
     ids = list(prompt)
     out = Generation(tokens=[])
     cache = KVCache(config, 1, len(prompt) + n_new - 1, xp, compute_dtype(params)) if kv_cache else None
