@@ -2,13 +2,17 @@
 
 CuPy compiles for the device it finds; this module compiles for an architecture you name
 (sm_80, sm_90) and returns ptxas's resource report, so registers and spills can be read in CI.
+`compile_isolated` does it in a child process: in a process where CuPy has loaded its own NVRTC,
+a second copy's ptxas report comes back empty.
 """
 
 from __future__ import annotations
 
 import ctypes
 import glob
+import json
 import os
+import subprocess
 import sys
 
 _lib = None
@@ -25,27 +29,12 @@ def _candidates() -> list[str]:
     return [f for f in found if "builtins" not in f and ".alt." not in f]
 
 
-def _cupys_nvrtc() -> list[str]:
-    """The libnvrtc CuPy uses, loaded by CuPy first. Two NVRTC copies in one process interfere
-    (the second one's ptxas report comes back empty), so when CuPy is there, share its copy."""
-    try:
-        from cupy_backends.cuda.libs import nvrtc as cupy_nvrtc
-
-        cupy_nvrtc.getVersion()
-        with open("/proc/self/maps") as maps:
-            mapped = {line.split()[-1] for line in maps if "libnvrtc.so" in line}
-    except Exception:
-        return []
-    return sorted(p for p in mapped if "builtins" not in p and ".alt." not in p)
-
-
 def library() -> ctypes.CDLL:
-    """Load libnvrtc: CuPy's own if CuPy is installed, else the pip wheel
-    (nvidia-cuda-nvrtc-cu12), else a CUDA toolkit."""
+    """Load libnvrtc: the pip wheel (nvidia-cuda-nvrtc-cu12) first, then a CUDA toolkit."""
     global _lib
     if _lib is None:
         errors = []
-        for path in _cupys_nvrtc() + _candidates():
+        for path in _candidates():
             try:
                 # libnvrtc dlopens its builtins by name; load them from beside it first
                 for builtins in sorted(glob.glob(os.path.join(os.path.dirname(path), "libnvrtc-builtins.so.*"))):
@@ -119,3 +108,34 @@ def _log(lib, prog) -> str:
     buf = ctypes.create_string_buffer(size.value)
     lib.nvrtcGetProgramLog(prog, buf)
     return buf.value.decode(errors="replace").strip()
+
+
+def compile_isolated(source: str, name: str, options: list[str], name_expressions: list[str]) -> list[dict]:
+    """compile_cubin for each name expression as its own program, in a child process that loads
+    no other NVRTC; returns [{"log": ..., "lowered": ...}] in order, or raises NvrtcError."""
+    request = {"source": source, "name": name, "options": options, "expressions": name_expressions}
+    proc = subprocess.run([sys.executable, "-m", "kernels.nvrtc"], input=json.dumps(request),
+                          capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    if proc.returncode != 0:
+        raise NvrtcError(f"NVRTC child process failed (exit {proc.returncode})", proc.stderr.strip())
+    reply = json.loads(proc.stdout)
+    if "error" in reply:
+        raise NvrtcError(reply["error"], reply["log"])
+    return reply["results"]
+
+
+def _serve() -> None:
+    request = json.load(sys.stdin)
+    results = []
+    try:
+        for expr in request["expressions"]:
+            _, log, lowered = compile_cubin(request["source"], request["name"], request["options"], [expr])
+            results.append({"log": log, "lowered": lowered[expr]})
+    except NvrtcError as exc:
+        json.dump({"error": str(exc).splitlines()[0], "log": exc.log}, sys.stdout)
+        return
+    json.dump({"results": results}, sys.stdout)
+
+
+if __name__ == "__main__":
+    _serve()

@@ -347,12 +347,13 @@ def compile_report(kernel, arch: str, configs=None) -> list[Resources]:
     rung = ladder.load(kernel)
     configs = [_as_config(rung, c) for c in configs] if configs else list(rung.configs)
     options = [f"-arch={arch}", "-Xptxas=-v", *COMMON_OPTIONS, *rung.options]
+    try:
+        results = nvrtc.compile_isolated(rung.source, str(rung.path), options, [rung.name_expression(c) for c in configs])
+    except nvrtc.NvrtcError as exc:
+        raise KernelCompileError(f"{rung.path}: failed to compile for {arch}:\n{exc.log}") from None
     reports = []
-    for c in configs:
-        try:
-            _, log, _ = nvrtc.compile_cubin(rung.source, str(rung.path), options, [rung.name_expression(c)])
-        except nvrtc.NvrtcError as exc:
-            raise KernelCompileError(f"{rung.path}: failed to compile for {arch}:\n{exc.log}") from None
+    for c, result in zip(configs, results):
+        log = result["log"]
         if not _PTXAS["registers"].search(log):
             raise RuntimeError(f"{rung.path}: no register count in ptxas's report for {arch}:\n{log}")
         values = {k: int(m.group(1)) if (m := rx.search(log)) else 0 for k, rx in _PTXAS.items()}

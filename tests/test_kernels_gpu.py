@@ -107,7 +107,7 @@ def test_rung_every_declared_config(name):
     for config in rung.configs:
         if rung.shared_bytes(config) > limits.max_shared_per_block:
             continue
-        for dtype in rung.dtypes:
+        for dtype in [rung.dtype_of(config)] if rung.dtype_of(config) else rung.dtypes:
             check_against_reference(*random_qkv(cp, 2, 2, 201, config[0], dtype=dtype), name, config=config)
 
 
