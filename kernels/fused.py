@@ -111,13 +111,7 @@ class Report:
         return asdict(self)
 
 
-_PTXAS = {
-    "stack_bytes": re.compile(r"(\d+) bytes stack frame"),
-    "spill_stores": re.compile(r"(\d+) bytes spill stores"),
-    "spill_loads": re.compile(r"(\d+) bytes spill loads"),
-    "registers": re.compile(r"Used (\d+) registers"),
-    "static_smem": re.compile(r"(\d+) bytes smem"),
-}
+_PTXAS = runtime._PTXAS  # the same ptxas report lines as the rungs
 
 
 def ptx(name: str, expression: str, arch: str = "sm_90", options: tuple[str, ...] = OPTIONS) -> str:
@@ -148,7 +142,8 @@ def compile_report(name: str, expression: str, arch: str = "sm_90", options: tup
     """Compile one instantiation with NVRTC for `arch` (no GPU needed) and read ptxas's report."""
     opts = [f"-arch={arch}", "-Xptxas=-v", *runtime.COMMON_OPTIONS, *options]
     try:
-        _, log, _ = nvrtc.compile_cubin(source(name), str(path_of(name)), opts, [expression])
+        (result,) = nvrtc.compile_isolated(source(name), str(path_of(name)), opts, [expression])
+        log = result["log"]
     except nvrtc.NvrtcError as exc:
         raise KernelCompileError(f"{path_of(name)}: {expression} failed to compile for {arch}:\n{exc.log}") from None
     if not _PTXAS["registers"].search(log):
