@@ -14,7 +14,6 @@ per (text, options, expression); a failure is a KernelCompileError naming the fi
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
