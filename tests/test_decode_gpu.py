@@ -1,0 +1,239 @@
+"""The decode rung against the float64 reference, the general features (lab.supports) on every rung
+that declares them, and GPT-2 decoding through the decode rung, on the GPU.
+
+Tolerance as in test_kernels_gpu.py: a rung's largest error against float64 may be at most its
+declared factor (lab.tolerance, default 8) times the largest error of the plain implementation in
+the same dtype (kernels.reference_attention), floored at the dtype's epsilon times the output's
+largest magnitude. Here for any query length T_q, key length T_k, K/V head count and mask.
+Outputs are poisoned with NaN first, so that an element no block writes fails.
+"""
+
+import importlib
+import json
+import math
+
+import numpy as np
+import pytest
+
+import gpt2
+import kernels
+import lab
+
+pytestmark = pytest.mark.gpu
+
+DECODE = "v16_decode_split_kv"
+EPS = {"float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
+
+
+def rung_cases(name):
+    rung = kernels.load(name)
+    return [(name, d, dtype) for d in rung.head_sizes() for dtype in rung.dtypes]
+
+
+def supporting(feature):
+    """(rung, head size, dtype) for every rung that declares `feature` in lab.supports."""
+    return [case for name in kernels.names() if feature in kernels.load(name).supports for case in rung_cases(name)]
+
+
+def random_qkv(cp, B, NH, NH_kv, T_q, T_k, d, *, dtype="float32", magnitude=1.0, seed=0):
+    import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy, and so with CuPy)
+
+    rng = cp.random.default_rng(seed)
+
+    def draw(*shape):
+        return (rng.standard_normal(shape, dtype=cp.float32) * magnitude).astype(dtype)
+
+    return draw(B, NH, T_q, d), draw(B, NH_kv, T_k, d), draw(B, NH_kv, T_k, d)
+
+
+def check_general(q, k, v, name, *, causal=True, scale=None, config=None):
+    """The rung against float64 for q (B, NH, T_q, d) over k, v (B, NH_kv, T_k, d)."""
+    import cupy as cp
+
+    B, NH, T_q, d = q.shape
+    out = cp.full((B, NH, T_q, d), cp.nan, dtype=q.dtype)  # poison: unwritten elements fail
+    got = kernels.attention(q, k, v, kernel=name, causal=causal, scale=scale, out=out, config=config)
+    assert got is out
+    inst = kernels.instance(name, d, config, dtype=q.dtype.name)
+    ref64 = kernels.reference_attention(*(x.astype(cp.float64) for x in (q, k, v)), causal=causal, scale=scale)
+    plain_same_dtype = kernels.reference_attention(q, k, v, causal=causal, scale=scale)
+    got64 = got.astype(cp.float64)
+    diff = cp.abs(got64 - ref64)
+    err = float(diff.max())
+    plain = float(cp.abs(plain_same_dtype.astype(cp.float64) - ref64).max())
+    floor = EPS[q.dtype.name] * float(cp.abs(ref64).max())
+    bound = inst.rung.tolerance_factor(inst.config) * max(plain, floor)
+    what = f"{name} {q.dtype.name} q {q.shape} k {k.shape} causal={causal}"
+    assert not math.isnan(err), f"{what}: NaN in output ({int(cp.isnan(got64).sum())} elements unwritten or NaN)"
+    assert err <= bound, f"{what}: max error {err:.3e} (mean {float(diff.mean()):.3e}) > {bound:.3e} (plain {plain:.3e})"
+
+
+# -- the decode rung ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,d,dtype", rung_cases(DECODE))
+@pytest.mark.parametrize("NH,NH_kv", [(12, 12), (32, 8), (8, 1)])
+@pytest.mark.parametrize("T_k", [1, 17, 257, 1000, 1024, 4096])
+@pytest.mark.parametrize("T_q", [1, 2, 7, 16])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_decode_matches_reference(name, d, dtype, NH, NH_kv, T_k, T_q, causal):
+    import cupy as cp
+
+    q, k, v = random_qkv(cp, 2, NH, NH_kv, T_q, T_k, d, dtype=dtype, seed=T_q * 10007 + T_k)
+    check_general(q, k, v, name, causal=causal)
+
+
+@pytest.mark.parametrize("name,d,dtype", rung_cases(DECODE))
+@pytest.mark.parametrize("T_q", [1, 2])
+@pytest.mark.parametrize("T_k", [17, 300])
+def test_decode_query_heads_sharing_kv_heads_in_one_block(name, d, dtype, T_q, T_k):
+    """Enough blocks that one block serves a whole group of query heads (the other blocks of the
+    group exit): 1024 query tiles in groups of 4, and (at T_k = 300) 128 in groups of 2 with the
+    keys split in 3."""
+    import cupy as cp
+
+    check_general(*random_qkv(cp, 16, 64, 16, T_q, T_k, d, dtype=dtype), name)
+    check_general(*random_qkv(cp, 1, 128, 64, T_q, T_k, d, dtype=dtype), name, causal=False)
+
+
+@pytest.mark.parametrize("name,d,dtype", rung_cases(DECODE))
+@pytest.mark.parametrize("T_k", [1, 300, 1024])
+def test_decode_over_kv_cache_views(name, d, dtype, T_k):
+    """As the model calls it: q a view of the packed projection, k and v views of a preallocated
+    (layer, batch, head, max_len, d) cache, read through their strides."""
+    import cupy as cp
+    import ml_dtypes  # noqa: F401
+
+    B, NH, max_len = 2, 12, 1100
+    rng = cp.random.default_rng(T_k)
+    qkv = rng.standard_normal((B, 1, 3, NH, d), dtype=cp.float32).astype(dtype)
+    q = qkv[:, :, 0].transpose(0, 2, 1, 3)  # (B, NH, 1, d)
+    cache = rng.standard_normal((2, 3, B, NH, max_len, d), dtype=cp.float32).astype(dtype)  # (k/v, layer, ...)
+    k, v = cache[0, 1, :, :, :T_k], cache[1, 1, :, :, :T_k]
+    assert not q.flags.c_contiguous and not k.flags.c_contiguous
+    check_general(q, k, v, name)
+
+
+@pytest.mark.parametrize("dtype", kernels.load(DECODE).dtypes)
+def test_decode_workspace_reused_across_launches(dtype):
+    """prepare() allocates the counters once: each launch must leave them at zero for the next, and
+    give the same bits (the combine runs in split order whichever block finishes last)."""
+    import cupy as cp
+
+    for B, NH, NH_kv, T_q, T_k in [(1, 12, 12, 1, 1024), (1, 32, 8, 7, 4096), (3, 8, 1, 16, 1000)]:
+        q, k, v = random_qkv(cp, B, NH, NH_kv, T_q, T_k, 64, dtype=dtype)
+        out = cp.full(q.shape, cp.nan, dtype=q.dtype)
+        run = kernels.prepare(q, k, v, kernel=DECODE, out=out)
+        assert kernels.instance(DECODE, 64, dtype=dtype).splits(B, NH, T_q, T_k) > 1
+        first = run().astype(cp.float64)
+        for _ in range(5):
+            out.fill(cp.nan)
+            again = run().astype(cp.float64)
+            assert cp.array_equal(again, first), f"{(B, NH, NH_kv, T_q, T_k)}: a relaunch gave other values"
+        check_general(q, k, v, DECODE)
+
+
+@pytest.mark.parametrize("name,d,dtype", rung_cases(DECODE))
+@pytest.mark.parametrize("magnitude", [8.0, 30.0])
+def test_decode_large_scores(name, d, dtype, magnitude):
+    """Scores in the hundreds: the splits' maxima differ wildly, and the combine must rescale."""
+    import cupy as cp
+
+    check_general(*random_qkv(cp, 1, 4, 4, 1, 3000, d, dtype=dtype, magnitude=magnitude), name)
+    check_general(*random_qkv(cp, 1, 4, 2, 5, 700, d, dtype=dtype, magnitude=magnitude), name, causal=False)
+
+
+def test_decode_custom_scale():
+    import cupy as cp
+
+    for dtype in kernels.load(DECODE).dtypes:
+        check_general(*random_qkv(cp, 1, 6, 2, 3, 999, 64, dtype=dtype), DECODE, scale=0.5)
+
+
+def test_decode_every_declared_config():
+    import cupy as cp
+
+    rung = kernels.load(DECODE)
+    for config in rung.configs:
+        dtype = rung.dtype_of(config)
+        for T_q, T_k in [(1, 1000), (4, 257), (9, 33)]:
+            check_general(*random_qkv(cp, 2, 8, 2, T_q, T_k, config[0], dtype=dtype), DECODE, config=config)
+
+
+# -- the general features, on every rung that declares them ----------------------------------------
+
+
+@pytest.mark.parametrize("name,d,dtype", supporting("noncausal"))
+@pytest.mark.parametrize("T", [1, 97, 1000])
+def test_noncausal(name, d, dtype, T):
+    import cupy as cp
+
+    check_general(*random_qkv(cp, 2, 3, 3, T, T, d, dtype=dtype), name, causal=False)
+
+
+@pytest.mark.parametrize("name,d,dtype", supporting("cross"))
+@pytest.mark.parametrize("T_q,T_k", [(1, 1000), (17, 257), (97, 1024), (300, 97)])
+def test_cross_lengths(name, d, dtype, T_q, T_k):
+    """Causal with the mask aligned bottom-right (with T_q > T_k the first rows see nothing: zeros),
+    and non-causal where the rung declares it too."""
+    import cupy as cp
+
+    q, k, v = random_qkv(cp, 2, 3, 3, T_q, T_k, d, dtype=dtype)
+    check_general(q, k, v, name)
+    if "noncausal" in kernels.load(name).supports:
+        check_general(q, k, v, name, causal=False)
+
+
+@pytest.mark.parametrize("name,d,dtype", supporting("gqa"))
+@pytest.mark.parametrize("NH,NH_kv", [(12, 3), (12, 1)])
+def test_grouped_query_heads(name, d, dtype, NH, NH_kv):
+    import cupy as cp
+
+    check_general(*random_qkv(cp, 2, NH, NH_kv, 257, 257, d, dtype=dtype), name)
+    if "cross" in kernels.load(name).supports:
+        check_general(*random_qkv(cp, 2, NH, NH_kv, 1, 700, d, dtype=dtype), name)
+
+
+# -- GPT-2 decoding through the decode rung --------------------------------------------------------
+
+
+def test_kv_cache_generation_with_the_decode_rung_equals_no_cache():
+    """Random GPT-2 small weights, greedy, eager path: prefill and the no-cache run with the
+    reference, every decode step through the decode rung; the tokens must be the same."""
+    import cupy as cp
+
+    generate_module = importlib.import_module("gpt2.generate")
+    ckpt = gpt2.random_weights("gpt2", seed=3, xp=cp)
+    config = ckpt.config
+    assert generate_module.decode_attention_name(cp, config, "float32") == DECODE
+    assert generate_module.decode_attention_name(np, config, "float32") == "reference"
+    calls = []
+
+    def spy(q, k, v):  # the default decode attention, counted
+        calls.append((q.shape, k.shape))
+        return kernels.attention(q, k, v, kernel=DECODE, causal=True)
+
+    prompt, n_new = [464, 3290, 318, 257, 1332, 13], 24
+    original = generate_module.decode_rung_attend
+    generate_module.decode_rung_attend = spy
+    try:
+        cached = gpt2.generate(ckpt.params, config, prompt, n_new, attend=gpt2.reference_attend, kv_cache=True,
+                               fast=False)
+    finally:
+        generate_module.decode_rung_attend = original
+    full = gpt2.generate(ckpt.params, config, prompt, n_new, attend=gpt2.reference_attend, kv_cache=False, fast=False)
+    assert len(calls) == (n_new - 1) * config.n_layer
+    assert all(qs[2] == 1 and ks[2] >= len(prompt) + 1 for qs, ks in calls)
+    assert cached.tokens == full.tokens
+
+
+def test_lab_kv_cache_no_graph_decodes_with_the_decode_rung(tmp_path, capsys):
+    out = tmp_path / "run.json"
+    rc = lab.main(["--random-weights", "--kernel", "v13", "--kv-cache", "--no-graph", "--tokens", "16", "--check",
+                   "--json", str(out)])
+    printed = capsys.readouterr().out
+    s = json.loads(out.read_text())
+    assert rc == 0, printed
+    assert s["engine"] == "eager" and s["decode_attention"] == DECODE
+    assert f"decode attention: {DECODE}" in printed
+    assert s["check"]["identical"], s["check"]
