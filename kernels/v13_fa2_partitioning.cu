@@ -47,7 +47,8 @@
  *
  * Limits: causal only. d_head a multiple of 32; B_r a multiple of 16, B_c a multiple of 32.
  * Rows of Q, K and V that are 16-byte aligned (base pointer and row stride) take 16-byte copies,
- * others 4-byte ones; rows past T are zero-filled so that no garbage reaches P_ij V_j.
+ * others 4-byte ones; rows past T are zero-filled so that no garbage reaches P_ij V_j. A NaN or inf
+ * in V_j itself also reaches the rows of its tile that mask its key (0 x NaN in the product).
  *
  * lab.template   d_head, B_r, B_c
  * lab.configs    (64, 128, 64), (64, 64, 64), (32, 128, 64), (128, 64, 32), (128, 128, 32)
