@@ -451,17 +451,12 @@ def test_windows_end_of_text_and_streaming(cp, small):
     assert stopped.tokens == nocache[:j + 1] and stopped.stopped_at_eos
 
 
-def test_programmatic_dependent_launch_is_on_and_changes_no_bits(cp, small):
-    """On Hopper the graphs use programmatic dependent launch (the engine checks it at build and
-    falls back to plain launches, saying why); the tokens are those of an engine with plain launches."""
+def test_programmatic_dependent_launch_is_off_by_default(cp, small):
+    """PDL graphs still part from plain launches after a few dozen tokens on an H200 (a race not
+    found yet), so the engine uses plain launches unless asked."""
     engine = fast.engine_for(small.params, small.config)
-    assert engine.pdl, f"programmatic dependent launch is {engine.pdl_note}"
-    plain = fast.Engine(small.params, small.config, pdl=False)
-    assert plain.pdl_note == "off (asked)"
-    for kv_cache in (True, False):
-        a = engine.generate(PROMPT, 40, attend=reference_attend, kv_cache=kv_cache).tokens
-        b = plain.generate(PROMPT, 40, attend=reference_attend, kv_cache=kv_cache).tokens
-        assert a == b, f"kv_cache={kv_cache}: PDL graphs and plain graphs part at {first_difference(a, b)}"
+    assert not engine.pdl and engine.pdl_note == "off (default)"
+    assert fast.Engine(small.params, small.config, pdl=False).pdl_note == "off (asked)"
 
 
 def test_engines_are_cached_per_weights_and_dtype(small):
