@@ -194,3 +194,25 @@ def test_user_kernel_by_path_runs(tmp_path):
     got = kernels.attention(q, k, v, kernel=str(path))
     ref = kernels.reference_attention(q, k, v)
     assert float(cp.abs(got - 2 * ref).max()) < 1e-4
+
+
+@pytest.mark.parametrize("name", RUNGS)
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_nan_reaches_every_row_that_sees_it(name, where):
+    """A NaN is never masked silently: with a NaN in query row 40, or in key/value row 40, every
+    output row that attends to it is NaN. (Rows that cannot see key 40 may turn NaN too in a tiled
+    rung, since 0 x NaN is NaN when a tile's masked products are summed; the README says so.)"""
+    import cupy as cp
+
+    dtype = kernels.load(name).dtypes[0]
+    q, k, v = random_qkv(cp, 1, 2, 100, 64, dtype=dtype)
+    {"q": q, "k": k, "v": v}[where][0, 1, 40, 3] = cp.nan
+    out = kernels.attention(q, k, v, kernel=name).astype(cp.float32)
+    nan_rows = cp.isnan(out[0, 1]).any(axis=-1)
+    must = cp.zeros(100, dtype=bool)
+    must[40:] = True if where != "q" else False
+    must[40] = True
+    assert bool(nan_rows[must].all()), f"{name}: NaN in {where} row 40 did not reach rows {cp.flatnonzero(must & ~nan_rows).tolist()}"
+    assert not bool(cp.isnan(out[0, 0]).any()), f"{name}: the NaN leaked into another head"
+    if where == "q":
+        assert int(nan_rows.sum()) == 1, f"{name}: a NaN query row leaked into other rows"
