@@ -628,7 +628,7 @@ def bench_shape(shape: Shape, dtype: str, rungs: list[Path], peers: list[str], *
                 raise TypeError(inputs.rung_inputs_problem)
             q, k, v = inputs.qkv
             launch = kernels.prepare(q, k, v, kernel=path)  # validates and compiles: never timed
-            r["config"] = kernels.instance(path, shape.d).describe()
+            r["config"] = kernels.instance(path, shape.d, dtype=q.dtype.name).describe()
             out = launch()
             out.fill(np.nan)  # poison: an element the rung does not write fails the check
             out = launch()
@@ -1497,7 +1497,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = argv
     if getattr(args, "kernels", False) is None:
-        args.kernels = [kernels.resolve(n) for n in kernels.names()]
+        # decode rungs (split-KV) are made for a few query rows over a long cache, not whole sequences:
+        # they are timed only when named (and by tests/test_decode_gpu.py's timing on decode shapes)
+        whole = args.command == "resources"
+        args.kernels = [kernels.resolve(n) for n in kernels.names() if whole or not kernels.load(n).split_kv]
     if args.command == "sweep" and args.t_min > args.t_max:
         parser.error(f"--t-min {args.t_min} is larger than --t-max {args.t_max}")
     try:

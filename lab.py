@@ -116,8 +116,9 @@ def pick_device(choice: str) -> str:
 def pick_kernel(name: str | None, device: str, asked: str = "auto", dtype: str = "float32") -> str:
     """The rung's full name (v02_pad_k), a .cu path, or "reference" (which takes every dtype)."""
     able = [n for n in kernels.names() if dtype in kernels.load(n).dtypes]  # the rungs that take dtype
-    if name is None:
-        return able[-1] if device == "gpu" and able else REFERENCE
+    if name is None:  # the newest that takes dtype and is made for whole sequences (not a decode rung)
+        prefill = [n for n in able if not kernels.load(n).split_kv]
+        return prefill[-1] if device == "gpu" and prefill else REFERENCE
     if name.lower() in (REFERENCE, "ref"):
         return REFERENCE
     try:

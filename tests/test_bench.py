@@ -92,12 +92,16 @@ def test_kernel_and_peer_lists_resolve():
     assert bench.peer_list("none") == []
 
 
-def test_default_kernels_are_every_rung(monkeypatch):
+def test_default_kernels_are_every_whole_sequence_rung(monkeypatch):
+    """Decode (split-KV) rungs are timed on whole sequences only when named; resources lists all."""
     seen = {}
     monkeypatch.setitem(bench.COMMANDS, "kernels", lambda args: seen.setdefault("args", args) and 0)
+    monkeypatch.setitem(bench.COMMANDS, "resources", lambda args: seen.setdefault("res", args) and 0)
     assert bench.main(["kernels", "--shape", "2x64"]) == 0
     args = seen["args"]
-    assert [p.stem for p in args.kernels] == RUNGS
+    assert [p.stem for p in args.kernels] == [n for n in RUNGS if not kernels.load(n).split_kv]
+    assert bench.main(["resources"]) == 0
+    assert [p.stem for p in seen["res"].kernels] == RUNGS
     assert args.shape == [(2, 64)] and args.dtype == "float32" and args.peers is None
     assert args.argv == ["kernels", "--shape", "2x64"]
 
@@ -597,7 +601,7 @@ def stand_in(monkeypatch, tmp_path):
     monkeypatch.setattr(bench, "L2Flush", StandInFlush)
     monkeypatch.setattr(bench, "_torch", lambda: (_ for _ in ()).throw(bench.Unavailable("torch is not importable")))
     monkeypatch.setattr(kernels, "prepare", fake_prepare)
-    monkeypatch.setattr(kernels, "instance", lambda kernel, d, config=None: SimpleNamespace(describe=lambda: "stand-in"))
+    monkeypatch.setattr(kernels, "instance", lambda kernel, d, config=None, dtype=None: SimpleNamespace(describe=lambda: "stand-in"))
     rung_dir = tmp_path / "rungs"
     rung_dir.mkdir()
     paths = []
