@@ -268,6 +268,9 @@ def check_layout(q, k, v, rung: ladder.Rung, causal: bool, scale):
         raise ValueError(f"scale must be a finite number, got {scale}")
 
 
+_split_workspaces: dict[tuple, object] = {}  # one per device, rung instance and size; launches on one stream
+
+
 def _aligned(x, boundary: int = 16) -> bool:
     return x.data.ptr % boundary == 0 and all(st % boundary == 0 for st in x.strides[:3])
 
@@ -293,10 +296,15 @@ def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, ou
     elif not (isinstance(out, cupy.ndarray) and out.dtype == q.dtype and out.shape == (B, NH, T, d)
               and out.flags.c_contiguous):
         raise ValueError(f"out must be a C-contiguous {q.dtype} CuPy array of shape {(B, NH, T, d)}")
-    T_k = k.shape[2]
-    # split-KV counters must start at zero (the kernel leaves them there); other scratch is written first
-    alloc = cupy.zeros if rung.split_kv else cupy.empty
-    workspace = alloc(max(1, inst.workspace_floats(B, NH, T, T_k)), dtype=np.float32)
+    floats = max(1, inst.workspace_floats(B, NH, T, k.shape[2]))
+    if rung.split_kv:
+        # the counters must start at zero and every launch leaves them there: zero once, reuse
+        key = (cupy.cuda.runtime.getDevice(), id(inst), floats)
+        if key not in _split_workspaces:
+            _split_workspaces[key] = cupy.zeros(floats, dtype=np.float32)
+        workspace = _split_workspaces[key]
+    else:  # written before it is read
+        workspace = cupy.empty(floats, dtype=np.float32)
 
     def run():
         inst.launch(q, k, v, out, workspace, scale, causal)
