@@ -1,32 +1,35 @@
 /*
- * v13 - FA2 work partitioning: each warp owns whole rows of Q_i, and O_i lives in its registers.
+ * v13 - FA2 work partitioning: each warp owns a band of whole rows of Q_i, 8 x 8 register tiles,
+ * K_j and V_j copied asynchronously.
  *
- * The change: the partitioning of FlashAttention-2 (Dao, 2023, section 3.3) on FFMA. A block of 4
- * warps takes one tile Q_i of B_r query rows (128 by default), and each warp owns B_r / 4 of those
- * rows for the whole kernel: their scores S_ij, probabilities P_ij, statistics m_i, l_i and output
- * O_i. K_j and V_j stream through shared memory behind asynchronous copies, and each thread
- * computes a TM x TN register tile of S_ij = Q_i K_j^T and a TM x (d / 8) register tile of
- * O_i += P_ij V_j (8 x 8 and 8 x 8 at B_r = 128, B_c = 64, d = 64).
+ * The change: v12 already keeps O_i in registers and the statistics of a row within one warp, but
+ * it deals the rows of Q_i out to warps 16 apart and loads K_j and V_j through registers between two
+ * barriers. v13 takes the partitioning of FlashAttention-2 (Dao, 2023, section 3.3) all the way: a
+ * block of 4 warps takes a tile Q_i of B_r query rows (128 by default), and warp w owns the
+ * contiguous band of rows w B_r / 4 .. (w + 1) B_r / 4 - 1 with their S_ij, P_ij, m_i, l_i and O_i.
+ * Each thread computes a TM x TN register tile of S_ij = Q_i K_j^T and a TM x (d / 8) tile of
+ * O_i += P_ij V_j (8 x 8 and 8 x 8 at B_r = 128, B_c = 64, d = 64), and K_j and V_j arrive by
+ * cp.async while the other product is computed.
  *
  * Why it helps:
- *   - No warp ever needs another warp's rows: the row max and row sum are shuffles among the 8 lanes
- *     that share a row, P_ij goes through a slice of shared memory that only its warp reads, and
- *     O_i never leaves registers until the single store at the end. The only block-wide barriers
- *     are the two per tile that hand K_j and V_j over.
+ *   - Causal work at warp granularity: a warp whose band lies wholly above a tile of keys skips
+ *     the tile (its S_ij, softmax and P_ij V_j), and only tiles that cross a warp's first row are
+ *     masked. No warp needs another warp's rows: the row max and row sum are shuffles among the 8
+ *     lanes of a row, P_ij goes through a slice of shared memory only its warp reads, and the only
+ *     block-wide barriers are the two per tile that hand K_j and V_j over.
  *   - Register tiles: per 4 steps along the reduction, a thread of the 8 x 8 tile loads 8 float4 of
  *     the left operand and 8 float4 of the right one and issues 256 FFMAs, so loads are 1 in 17
- *     instructions of the inner loops. Every load is conflict-free (below).
+ *     instructions of the inner loops (v12's 4 x 4 tile: 1 in 9). Every load is conflict-free.
  *   - Copies overlap math: cp.async fetches V_j while S_ij is computed and K_{j+1} while P_ij V_j is,
- *     into the same two buffers (K_j is dead once S_ij is in registers, V_j once O_i is updated).
- *   - Less work and cheaper work: tiles above the diagonal are never touched, a warp skips a tile
- *     none of its rows can see, the mask is applied only to tiles that cross the diagonal, the
- *     softmax scale and log2(e) are folded into Q_i once so that exp(x) becomes one exp2 (ex2.approx)
- *     per score, and O_i is divided by l_i once, at the end.
- *   - Heavy tiles first: the launcher's grid is (T_r, NH, B) with blockIdx.x fastest, and the
- *     hardware in practice hands out blocks in about that order. The kernel reads the flat block index as
- *     (tile rank, head): the first NH * B blocks take the last (longest, causally) tile of every
- *     head, the next ones the tile before it, ..., so the short tiles fill the tail of the grid.
- *     Which block computes which tile changes, not what is computed.
+ *     into the same two buffers (K_j is dead once S_ij is in registers, V_j once O_i is updated),
+ *     without passing through registers.
+ *   - Cheaper softmax: the scale and log2(e) are folded into Q_i once, when it is loaded, so a
+ *     score costs one subtraction and one ex2.approx; O_i is divided by l_i once, at the end.
+ *   - Heavy tiles first across heads: the launcher's grid is (T_r, NH, B) with blockIdx.x fastest,
+ *     and the hardware in practice hands out blocks in about that order. The kernel reads the flat
+ *     block index as (tile rank, head): the first NH * B blocks take the last (longest, causally)
+ *     tile of every head, the next ones the tile before it, ..., so the short tiles fill the tail
+ *     of the grid. Which block computes which tile changes, not what is computed.
  *
  * Geometry: grid (T_r = ceil(T / B_r), n_heads, batch), block 128 threads = 4 warps. Lane l of warp
  * w has row group rg = l / 8 and column group cg = l % 8; it owns
@@ -45,10 +48,10 @@
  *   consecutive float4 of one row. The P_ij stores (one float per lane) land at bank
  *   8 rg + cg (mod 32) with the pitch of B_c + 8: all distinct.
  *
- * Limits: causal only. d_head a multiple of 32; B_r a multiple of 16, B_c a multiple of 32.
- * Rows of Q, K and V that are 16-byte aligned (base pointer and row stride) take 16-byte copies,
- * others 4-byte ones; rows past T are zero-filled so that no garbage reaches P_ij V_j. A NaN or inf
- * in V_j itself also reaches the rows of its tile that mask its key (0 x NaN in the product).
+ * Limits: causal only. d_head a multiple of 32; B_r a multiple of 16, B_c a multiple of 32. Rows
+ * of Q, K and V 16-byte aligned (the launcher copies views whose rows are not). Keys past T are
+ * zero-filled, so no garbage reaches P_ij V_j; but a NaN or inf in V_j itself also reaches the
+ * rows of its tile that mask its key (0 x NaN in the product).
  *
  * lab.template   d_head, B_r, B_c
  * lab.configs    (64, 128, 64), (64, 64, 64), (32, 128, 64), (128, 64, 32), (128, 128, 32)
@@ -80,16 +83,6 @@ __device__ __forceinline__ void copy_async_16(float* dst, const float* src, bool
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst_shared), "l"(src), "r"(valid ? 16 : 0));
 }
 
-// The same for rows that are not 16-byte aligned: four 4-byte copies.
-__device__ __forceinline__ void copy_async_4x4(float* dst, const float* src, bool valid)
-{
-    const unsigned dst_shared = (unsigned)__cvta_generic_to_shared(dst);
-    #pragma unroll
-    for (int e = 0; e < 4; ++e)
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst_shared + 4 * e), "l"(src + e),
-                     "r"(valid ? 4 : 0));
-}
-
 __device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;"); }
 __device__ __forceinline__ void copy_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 
@@ -97,26 +90,17 @@ __device__ __forceinline__ void copy_async_wait_all() { asm volatile("cp.async.w
 // given pitch; keys at or past T become zeros. Each pass of the block copies THREADS / (d / 4) rows.
 template <int d_head, int rows, int pitch>
 __device__ __forceinline__ void load_tile_async(float* tile, const float* head, long long row_stride,
-                                                int col_start, int T, bool vec)
+                                                int col_start, int T)
 {
     constexpr int d4 = d_head / 4;
     constexpr int rows_per_pass = THREADS / d4;
     static_assert(THREADS % d4 == 0 && rows % rows_per_pass == 0, "whole rows per pass, whole passes per tile");
     const int r0 = threadIdx.x / d4, c = 4 * (threadIdx.x % d4);
-    if (vec) {
-        #pragma unroll
-        for (int n = 0; n < rows / rows_per_pass; ++n) {
-            const int r = r0 + n * rows_per_pass;
-            const bool valid = col_start + r < T;
-            copy_async_16(&tile[r * pitch + c], head + (valid ? (long long)(col_start + r) * row_stride : 0) + c, valid);
-        }
-    } else {
-        #pragma unroll
-        for (int n = 0; n < rows / rows_per_pass; ++n) {
-            const int r = r0 + n * rows_per_pass;
-            const bool valid = col_start + r < T;
-            copy_async_4x4(&tile[r * pitch + c], head + (valid ? (long long)(col_start + r) * row_stride : 0) + c, valid);
-        }
+    #pragma unroll
+    for (int n = 0; n < rows / rows_per_pass; ++n) {
+        const int r = r0 + n * rows_per_pass;
+        const bool valid = col_start + r < T;
+        copy_async_16(&tile[r * pitch + c], head + (valid ? (long long)(col_start + r) * row_stride : 0) + c, valid);
     }
     copy_async_commit();
 }
@@ -159,9 +143,6 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
     const float* K_head = K + batch * kv_batch_stride + head * kv_head_stride;
     const float* V_head = V + batch * kv_batch_stride + head * kv_head_stride;
     float* O_head = O + bh * T * d_head;   // O is contiguous (B, NH, T, d)
-    const bool q_vec = ((reinterpret_cast<unsigned long long>(Q_head) & 15) | (q_row_stride & 3)) == 0;
-    const bool kv_vec = (((reinterpret_cast<unsigned long long>(K_head) | reinterpret_cast<unsigned long long>(V_head)) & 15)
-                         | (kv_row_stride & 3)) == 0;
     const bool o_vec = (reinterpret_cast<unsigned long long>(O_head) & 15) == 0;
 
     const int row_start = q_tile * B_r;
@@ -172,14 +153,13 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
     const int warp_last = row_start + warp_row + rows_per_warp - 1;  // its last query row (index in T)
 
     // K_0 starts arriving while Q_i is loaded and scaled: S = (scale log2 e) Q K^T is in log2 units.
-    load_tile_async<d_head, B_c, K_pitch>(K_j, K_head, kv_row_stride, 0, T, kv_vec);
+    load_tile_async<d_head, B_c, K_pitch>(K_j, K_head, kv_row_stride, 0, T);
     const float scale_log2 = scale * LOG2_E;
     for (int idx = threadIdx.x; idx < B_r * (d_head / 4); idx += THREADS) {
         const int r = idx / (d_head / 4), c = 4 * (idx % (d_head / 4));
         float4 q = make_float4(0.0f, 0.0f, 0.0f, 0.0f);  // rows past T: zeros, finite scores
         if (r < rows) {
-            const float* src = Q_head + (long long)(row_start + r) * q_row_stride + c;
-            q = q_vec ? *(const float4*)src : make_float4(src[0], src[1], src[2], src[3]);
+            q = *(const float4*)&Q_head[(long long)(row_start + r) * q_row_stride + c];
         }
         *(float4*)&Q_i[r * Q_pitch + c] = make_float4(q.x * scale_log2, q.y * scale_log2, q.z * scale_log2, q.w * scale_log2);
     }
@@ -204,7 +184,7 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
         // K_j has landed for every thread, and every warp is done with V_{j-1} and its P_ij slice.
         copy_async_wait_all();
         __syncthreads();
-        load_tile_async<d_head, B_c, V_pitch>(V_j, V_head, kv_row_stride, col_start, T, kv_vec);
+        load_tile_async<d_head, B_c, V_pitch>(V_j, V_head, kv_row_stride, col_start, T);
 
         // A warp whose rows all precede this tile, or all lie past T, has nothing to do in it.
         const bool warp_active = col_start <= warp_last && row_start + warp_row < T;
@@ -283,7 +263,7 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
         copy_async_wait_all();
         __syncthreads();
         if (j + 1 < T_c)
-            load_tile_async<d_head, B_c, K_pitch>(K_j, K_head, kv_row_stride, col_start + B_c, T, kv_vec);
+            load_tile_async<d_head, B_c, K_pitch>(K_j, K_head, kv_row_stride, col_start + B_c, T);
 
         if (warp_active) {
             // O_i += P_ij V_j: per 4 keys, TM float4 of P_ij and 4 * TD float4 of V_j feed 16 * TM * TD FFMAs
