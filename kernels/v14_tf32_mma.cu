@@ -41,9 +41,8 @@
  * 2^-10 |small| <= 2^-21 |x|. Three instructions per element: add, and, subtract.
  * The tensor core adds into its float32 accumulator with truncation, which biases long chains
  * toward zero; so S_ij is summed one pair of k-blocks at a time (6 mma from zero) and the pairs
- * added in float32, and P_ij V_j goes per tile into two fresh accumulators, big x big and the
- * corrections (d <= 64; at d = 128 registers allow one), which join O_i in one FFMA with the
- * rescale exp2(m_old - m_new).
+ * added in float32, and P_ij V_j goes per tile and per 32 columns into two fresh accumulators,
+ * big x big and the corrections, which join O_i in one FFMA with the rescale exp2(m_old - m_new).
  * As in v13: the softmax scale and log2(e) are folded into Q_i, masking only on tiles that cross a
  * warp's first row, a warp skips tiles none of its rows sees, heavy tiles first, O_i / l_i once.
  *
@@ -55,18 +54,20 @@
  * Shared memory, in floats: K_j, V_j (2 x 2 x B_c x d) + Q_i fragments ((1 + split) x B_r x d)
  *   d = 64, B_r = 64, B_c = 64, split = 1: 4 * (4 * 4096 + 2 * 4096) = 98,304 bytes, two blocks in
  *   the 228 KB of an H100 SM; B_r = 128: 131,072 bytes, one block of 8 warps; split = 0: 81,920.
+ *   d = 128 with split uses B_c = 16 (98,304 bytes): at B_c = 32 its registers spill.
  *
  * Tolerance: split = 1 is held to float32's own (8 times plain float32's error). Plain TF32 rounds
  * every operand to 11 significant bits, 2^13 = 8192 times float32's unit roundoff; at T = 1, where
  * O = V, its error alone reaches up to 4096 times the tests' floor (float32 epsilon times max |O|).
  *
  * Limits: causal only; sm_80 or newer (cp.async, mma TF32). d_head a multiple of 32, B_r and B_c
- * multiples of 16. Every warp splits the K_j and V_j elements it reads, so each is split once per
+ * multiples of 16; rows of Q, K and V 16-byte aligned (the launcher copies views whose rows are
+ * not). Every warp splits the K_j and V_j elements it reads, so each is split once per
  * warp of the block. A NaN or inf in V_j also reaches the rows of its tile that mask its key
  * (0 x NaN in the product), as in v13; keys past T are zero-filled, so only real inputs can.
  *
  * lab.template   d_head, B_r, B_c, split
- * lab.configs    (64, 64, 64, 1), (64, 128, 64, 1), (32, 64, 64, 1), (128, 64, 32, 1), (64, 64, 64, 0), (32, 64, 64, 0), (128, 64, 32, 0)
+ * lab.configs    (64, 64, 64, 1), (64, 128, 64, 1), (32, 64, 64, 1), (128, 64, 16, 1), (64, 64, 64, 0), (32, 64, 64, 0), (128, 64, 32, 0)
  * lab.threads    2 * B_r
  * lab.smem       4 * (4 * B_c * d_head + (1 + split) * B_r * d_head)
  * lab.strided    true
@@ -109,16 +110,6 @@ __device__ __forceinline__ void copy_async_16(float* dst, const float* src, bool
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst_shared), "l"(src), "r"(valid ? 16 : 0));
 }
 
-// The same for rows that are not 16-byte aligned: four 4-byte copies.
-__device__ __forceinline__ void copy_async_4x4(float* dst, const float* src, bool valid)
-{
-    const unsigned dst_shared = (unsigned)__cvta_generic_to_shared(dst);
-    #pragma unroll
-    for (int e = 0; e < 4; ++e)
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst_shared + 4 * e), "l"(src + e),
-                     "r"(valid ? 4 : 0));
-}
-
 __device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;"); }
 __device__ __forceinline__ void copy_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 
@@ -130,35 +121,28 @@ __device__ __forceinline__ int v_chunk(int r, int c) { return c ^ (((r >> 2) & 3
 // tile; keys at or past T become zeros. Each pass of the block copies threads / (d / 4) rows.
 template <int d_head, int rows, int threads, bool is_v>
 __device__ __forceinline__ void load_tile_async(float* tile, const float* head, long long row_stride,
-                                                int col_start, int T, bool vec)
+                                                int col_start, int T)
 {
     constexpr int d4 = d_head / 4;
     constexpr int rows_per_pass = threads / d4;
     static_assert(threads % d4 == 0 && rows % rows_per_pass == 0, "whole rows per pass, whole passes per tile");
     const int r0 = threadIdx.x / d4, c4 = threadIdx.x % d4;
-    if (vec) {
-        #pragma unroll
-        for (int n = 0; n < rows / rows_per_pass; ++n) {
-            const int r = r0 + n * rows_per_pass;
-            const bool valid = col_start + r < T;
-            copy_async_16(&tile[r * d_head + 4 * (is_v ? v_chunk(r, c4) : k_chunk(r, c4))],
-                          head + (valid ? (long long)(col_start + r) * row_stride : 0) + 4 * c4, valid);
-        }
-    } else {
-        #pragma unroll
-        for (int n = 0; n < rows / rows_per_pass; ++n) {
-            const int r = r0 + n * rows_per_pass;
-            const bool valid = col_start + r < T;
-            copy_async_4x4(&tile[r * d_head + 4 * (is_v ? v_chunk(r, c4) : k_chunk(r, c4))],
-                           head + (valid ? (long long)(col_start + r) * row_stride : 0) + 4 * c4, valid);
-        }
+    #pragma unroll
+    for (int n = 0; n < rows / rows_per_pass; ++n) {
+        const int r = r0 + n * rows_per_pass;
+        const bool valid = col_start + r < T;
+        copy_async_16(&tile[r * d_head + 4 * (is_v ? v_chunk(r, c4) : k_chunk(r, c4))],
+                      head + (valid ? (long long)(col_start + r) * row_stride : 0) + 4 * c4, valid);
     }
 }
 
+// The 1 (at least one block per SM) keeps ptxas from capping registers below 255 to fit more
+// blocks: without it some configurations spill.
 template <int d_head, int B_r, int B_c, int split>
-__global__ void __launch_bounds__(2 * B_r)
+__global__ void __launch_bounds__(2 * B_r, 1)
 attention_forward(const float* __restrict__ Q, const float* __restrict__ K, const float* __restrict__ V,
-                  float* __restrict__ O, float* __restrict__ workspace, int T, float scale,
+                  float* __restrict__ O, float* __restrict__ workspace,
+                  int T, int /* T_k */, int /* kv_group */, int /* causal */, float scale,
                   long long q_batch_stride, long long q_head_stride, long long q_row_stride,
                   long long kv_batch_stride, long long kv_head_stride, long long kv_row_stride)
 {
@@ -167,7 +151,6 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
     constexpr int KB = d_head / 8;          // k-blocks of S_ij = Q_i K_j^T
     constexpr int NT = B_c / 8;             // n-tiles of S_ij = k-blocks of P_ij V_j
     constexpr int ND = d_head / 8;          // n-tiles of O_i
-    constexpr bool corr_chain = split && ND <= 8;  // corrections in their own accumulator (registers)
     constexpr unsigned FULL_WARP = 0xffffffffu;
     static_assert(B_r % 16 == 0 && B_c % 16 == 0 && d_head % 32 == 0, "tile shapes");
 
@@ -188,9 +171,6 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
     const float* K_head = K + batch * kv_batch_stride + head * kv_head_stride;
     const float* V_head = V + batch * kv_batch_stride + head * kv_head_stride;
     float* O_head = O + bh * T * d_head;   // O is contiguous (B, NH, T, d)
-    const bool q_vec = ((reinterpret_cast<unsigned long long>(Q_head) & 15) | (q_row_stride & 3)) == 0;
-    const bool kv_vec = (((reinterpret_cast<unsigned long long>(K_head) | reinterpret_cast<unsigned long long>(V_head)) & 15)
-                         | (kv_row_stride & 3)) == 0;
     const bool o_vec = (reinterpret_cast<unsigned long long>(O_head) & 15) == 0;
 
     const int row_start = q_tile * B_r;
@@ -209,8 +189,8 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
     const int V_off = 4 * t * d_head + 4 * (g ^ (2 * t));
 
     // K_0 and V_0 start arriving while Q_i is loaded.
-    load_tile_async<d_head, B_c, THREADS, false>(K_buf, K_head, kv_row_stride, 0, T, kv_vec);
-    load_tile_async<d_head, B_c, THREADS, true>(V_buf, V_head, kv_row_stride, 0, T, kv_vec);
+    load_tile_async<d_head, B_c, THREADS, false>(K_buf, K_head, kv_row_stride, 0, T);
+    load_tile_async<d_head, B_c, THREADS, true>(V_buf, V_head, kv_row_stride, 0, T);
     copy_async_commit();
 
     // Q_i's A fragments, once: rows g and g + 8, columns 16 kk + 4 t .. + 3 (two k-blocks), scaled
@@ -227,8 +207,7 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
             const int row = h ? row1 : row0;
             float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             if (row < T) {
-                const float* src = Q_head + (long long)row * q_row_stride + 16 * kk + 4 * t;
-                v = q_vec ? *(const float4*)src : make_float4(src[0], src[1], src[2], src[3]);
+                v = *(const float4*)&Q_head[(long long)row * q_row_stride + 16 * kk + 4 * t];
             }
             q[h][0] = v.x * scale_log2, q[h][1] = v.y * scale_log2, q[h][2] = v.z * scale_log2, q[h][3] = v.w * scale_log2;
         }
@@ -267,8 +246,8 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
         copy_async_wait_all();
         __syncthreads();
         if (j + 1 < T_c) {
-            load_tile_async<d_head, B_c, THREADS, false>(K_buf + ((j + 1) & 1) * B_c * d_head, K_head, kv_row_stride, col_start + B_c, T, kv_vec);
-            load_tile_async<d_head, B_c, THREADS, true>(V_buf + ((j + 1) & 1) * B_c * d_head, V_head, kv_row_stride, col_start + B_c, T, kv_vec);
+            load_tile_async<d_head, B_c, THREADS, false>(K_buf + ((j + 1) & 1) * B_c * d_head, K_head, kv_row_stride, col_start + B_c, T);
+            load_tile_async<d_head, B_c, THREADS, true>(V_buf + ((j + 1) & 1) * B_c * d_head, V_head, kv_row_stride, col_start + B_c, T);
             copy_async_commit();
         }
         // A warp whose rows all precede this tile, or all lie past T, has nothing to do in it.
@@ -362,29 +341,30 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
             l_i[h] = l_i[h] * alpha[h] + row_sum;
         }
 
-        // O_tile = P_ij V_j from zero: big x big, and with split the corrections in O_corr.
-        float O_tile[ND][4], O_corr[ND][4];
+        // P_ij as A fragments: the accumulators of S tile p are the A fragment of k-block p.
+        unsigned P_big[NT][4], P_small[NT][4];
         #pragma unroll
-        for (int n = 0; n < ND; ++n)
+        for (int p = 0; p < NT; ++p) {
+            const float a[4] = {S[p][0], S[p][2], S[p][1], S[p][3]};
             #pragma unroll
-            for (int i = 0; i < 4; ++i)
-                O_tile[n][i] = 0.0f, O_corr[n][i] = 0.0f;
-
-        #pragma unroll
-        for (int u = 0; u < NT / 2; ++u) {
-            // The accumulators of S tiles 2 u and 2 u + 1 are the A fragments of two k-blocks.
-            unsigned P_big[2][4], P_small[2][4];
-            #pragma unroll
-            for (int s = 0; s < 2; ++s) {
-                const float a[4] = {S[2 * u + s][0], S[2 * u + s][2], S[2 * u + s][1], S[2 * u + s][3]};
-                #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    P_big[s][i] = tf32_big(a[i]);
-                    P_small[s][i] = tf32_small(a[i], P_big[s][i]);
-                }
+            for (int i = 0; i < 4; ++i) {
+                P_big[p][i] = tf32_big(a[i]);
+                P_small[p][i] = tf32_small(a[i], P_big[p][i]);
             }
+        }
+
+        // O_i = 2^(m_i - m_new) O_i + P_ij V_j, 32 columns (4 n-tiles) at a time: P_ij V_j is summed
+        // from zero, big x big in O_tile and with split the corrections in O_corr.
+        #pragma unroll
+        for (int w = 0; w < ND / 4; ++w) {
+            float O_tile[4][4], O_corr[4][4];
             #pragma unroll
-            for (int w = 0; w < ND / 4; ++w) {
+            for (int z = 0; z < 4; ++z)
+                #pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    O_tile[z][i] = 0.0f, O_corr[z][i] = 0.0f;
+            #pragma unroll
+            for (int u = 0; u < NT / 2; ++u) {
                 // keys 16 u + 4 t + e, columns 32 w + 4 g + z: B operands of n-tiles 4 w + z
                 float v[4][4];
                 #pragma unroll
@@ -394,7 +374,6 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
                 }
                 #pragma unroll
                 for (int z = 0; z < 4; ++z) {
-                    const int n = 4 * w + z;
                     #pragma unroll
                     for (int s = 0; s < 2; ++s) {
                         unsigned V_big[2], V_small[2];
@@ -404,20 +383,19 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
                             V_small[i] = tf32_small(v[2 * s + i][z], V_big[i]);
                         }
                         if (split) {
-                            mma_tf32(corr_chain ? O_corr[n] : O_tile[n], P_small[s], V_big);
-                            mma_tf32(corr_chain ? O_corr[n] : O_tile[n], P_big[s], V_small);
+                            mma_tf32(O_corr[z], P_small[2 * u + s], V_big);
+                            mma_tf32(O_corr[z], P_big[2 * u + s], V_small);
                         }
-                        mma_tf32(O_tile[n], P_big[s], V_big);
+                        mma_tf32(O_tile[z], P_big[2 * u + s], V_big);
                     }
                 }
             }
-        }
-        // O_i = 2^(m_i - m_new) O_i + P_ij V_j
-        #pragma unroll
-        for (int n = 0; n < ND; ++n)
             #pragma unroll
-            for (int i = 0; i < 4; ++i)
-                O_acc[n][i] = fmaf(O_acc[n][i], alpha[i / 2], corr_chain ? O_tile[n][i] + O_corr[n][i] : O_tile[n][i]);
+            for (int z = 0; z < 4; ++z)
+                #pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    O_acc[4 * w + z][i] = fmaf(O_acc[4 * w + z][i], alpha[i / 2], split ? O_tile[z][i] + O_corr[z][i] : O_tile[z][i]);
+        }
     }
 
     // O_i = O_i / l_i, once; l_i is the sum of the quad's 4 shares. Lane t writes columns
