@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 _lib = None
 
@@ -113,8 +114,12 @@ def _log(lib, prog) -> str:
 def compile_isolated(source: str, name: str, options: list[str], name_expressions: list[str]) -> list[dict]:
     """compile_cubin for each name expression as its own program, in a child process that loads
     no other NVRTC; returns [{"log": ..., "lowered": ...}] in order, or raises NvrtcError."""
-    request = {"source": source, "name": name, "options": options, "expressions": name_expressions}
-    proc = subprocess.run([sys.executable, "-m", "kernels.nvrtc"], input=json.dumps(request),
+    # A compilation cache (seen on the GPU machine) can hand back a cubin without running ptxas, and
+    # so without its report: a unique global variable makes the PTX new, and the cache is turned off.
+    nonce = f"\n__device__ int lab_resource_report_{os.getpid()}_{time.perf_counter_ns()};\n"
+    request = {"source": source + nonce, "name": name, "options": options, "expressions": name_expressions}
+    env = dict(os.environ, CUDA_CACHE_DISABLE="1")
+    proc = subprocess.run([sys.executable, "-m", "kernels.nvrtc"], input=json.dumps(request), env=env,
                           capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
     if proc.returncode != 0:
         raise NvrtcError(f"NVRTC child process failed (exit {proc.returncode})", proc.stderr.strip())

@@ -204,9 +204,9 @@ def _as_config(rung: ladder.Rung, config) -> tuple[int, ...]:
     if isinstance(config, str):
         config = [int(v) for v in re.split(r"[,x ]+", config.strip()) if v]
     config = tuple(int(v) for v in config)
-    sizes = [v for name, v in zip(rung.template, config) if name != rung.dtype_param]
-    if len(config) != len(rung.template) or min(sizes) <= 0:
-        raise ValueError(f"config {config} must be {len(rung.template)} positive integers: {', '.join(rung.template)}")
+    if len(config) != len(rung.template) or min(config[:3]) <= 0 or min(config) < 0:
+        raise ValueError(f"config {config} must be {len(rung.template)} integers ({', '.join(rung.template)}): "
+                         "d_head, B_r and B_c positive, the others not negative")
     if rung.dtype_param is not None and not 0 <= rung.params(config)[rung.dtype_param] < len(rung.dtypes):
         raise ValueError(f"config {config}: {rung.dtype_param} must index lab.dtypes "
                          f"({', '.join(f'{i} = {t}' for i, t in enumerate(rung.dtypes))})")

@@ -120,7 +120,7 @@ def test_dtype_param_selects_configs_by_dtype(tmp_path):
     assert runtime._as_config(rung, {"d_head": 32, "B_r": 16, "B_c": 16, "dtype_id": 1}) == (32, 16, 16, 1)
     with pytest.raises(ValueError, match="dtype_id must index lab.dtypes"):
         runtime._as_config(rung, (64, 32, 32, 2))
-    with pytest.raises(ValueError, match="positive integers"):
+    with pytest.raises(ValueError, match="d_head, B_r and B_c positive"):
         runtime._as_config(rung, (64, 0, 32, 1))
     plain = kernels.load(write(tmp_path, "plain.cu", MINIMAL))
     assert plain.dtype_param is None and plain.dtype_of((64, 32, 32)) is None
