@@ -66,7 +66,11 @@ def layer_norm(x, w, name: str, eps: float):
 
 def linear(x, w, name: str):
     weight = w[name + ".weight"]  # Conv1D: stored (in, out)
-    return x.astype(weight.dtype, copy=False) @ weight + w[name + ".bias"]  # the product in the weights' dtype
+    x = x.astype(weight.dtype, copy=False)  # the product in the weights' dtype
+    if weight.dtype.name == "bfloat16" and not isinstance(weight, np.ndarray):
+        # CuPy has no bfloat16 matrix product: bfloat16 operands, products accumulated in float32
+        return (x.astype(np.float32) @ weight.astype(np.float32)).astype(weight.dtype) + w[name + ".bias"]
+    return x @ weight + w[name + ".bias"]
 
 
 class KVCache:
