@@ -96,11 +96,12 @@ __device__ __forceinline__ void load_tile_async(float* tile, const float* head, 
     constexpr int rows_per_pass = THREADS / d4;
     static_assert(THREADS % d4 == 0 && rows % rows_per_pass == 0, "whole rows per pass, whole passes per tile");
     const int r0 = threadIdx.x / d4, c = 4 * (threadIdx.x % d4);
+    const float* src = head + (long long)(col_start + r0) * row_stride + c;
     #pragma unroll
-    for (int n = 0; n < rows / rows_per_pass; ++n) {
+    for (int n = 0; n < rows / rows_per_pass; ++n, src += rows_per_pass * row_stride) {
         const int r = r0 + n * rows_per_pass;
-        const bool valid = col_start + r < T;
-        copy_async_16(&tile[r * pitch + c], head + (valid ? (long long)(col_start + r) * row_stride : 0) + c, valid);
+        const bool valid = col_start + r < T;  // a key past T reads nothing (at a valid address)
+        copy_async_16(&tile[r * pitch + c], valid ? src : head, valid);
     }
     copy_async_commit();
 }

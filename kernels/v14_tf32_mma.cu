@@ -127,12 +127,12 @@ __device__ __forceinline__ void load_tile_async(float* tile, const float* head, 
     constexpr int rows_per_pass = threads / d4;
     static_assert(threads % d4 == 0 && rows % rows_per_pass == 0, "whole rows per pass, whole passes per tile");
     const int r0 = threadIdx.x / d4, c4 = threadIdx.x % d4;
+    const float* src = head + (long long)(col_start + r0) * row_stride + 4 * c4;
     #pragma unroll
-    for (int n = 0; n < rows / rows_per_pass; ++n) {
+    for (int n = 0; n < rows / rows_per_pass; ++n, src += rows_per_pass * row_stride) {
         const int r = r0 + n * rows_per_pass;
-        const bool valid = col_start + r < T;
-        copy_async_16(&tile[r * d_head + 4 * (is_v ? v_chunk(r, c4) : k_chunk(r, c4))],
-                      head + (valid ? (long long)(col_start + r) * row_stride : 0) + 4 * c4, valid);
+        const bool valid = col_start + r < T;  // a key past T reads nothing (at a valid address)
+        copy_async_16(&tile[r * d_head + 4 * (is_v ? v_chunk(r, c4) : k_chunk(r, c4))], valid ? src : head, valid);
     }
 }
 
