@@ -1195,10 +1195,11 @@ def cmd_e2e(args) -> int:
         "method": {
             "clock": "time.perf_counter around gpt2.generate (device synchronized before and after), after a "
                      f"{args.warmup}-token warm-up generation that compiles every rung and CuPy kernel",
-            "no-cache": "every step runs the whole sequence so far through the model: the attention under test "
-                        "runs on every token, at every length",
+            "no-cache": "every step runs the whole sequence so far through the model (gpt2's fast path: fused "
+                        "kernels around cuBLAS): the attention under test runs on every token, at every length",
             "kv-cache": "the prompt is prefilled through the attention under test; each later step is one query "
-                        "over the cache through gpt2's decode attention (the CuPy reference until a decode rung exists)",
+                        "over a static cache, the decode step replayed as a CUDA graph of gpt2.fast's fused kernels "
+                        "and its decode attention, the same for every rung",
             "hf": "transformers GPT2LMHeadModel.from_pretrained on the same weights (gpt2.save), fp32, "
                   "generate(do_sample=False, min_new_tokens=max_new_tokens), use_cache per mode",
         },
