@@ -99,7 +99,12 @@ def test_default_kernels_are_every_whole_sequence_rung(monkeypatch):
     monkeypatch.setitem(bench.COMMANDS, "resources", lambda args: seen.setdefault("res", args) and 0)
     assert bench.main(["kernels", "--shape", "2x64"]) == 0
     args = seen["args"]
-    assert [p.stem for p in args.kernels] == [n for n in RUNGS if not kernels.load(n).split_kv]
+    assert [p.stem for p in args.kernels] == [n for n in RUNGS if not kernels.load(n).split_kv
+                                              and "float32" in kernels.load(n).dtypes]
+    seen.clear()
+    assert bench.main(["kernels", "--dtype", "bfloat16"]) == 0
+    bf16 = [p.stem for p in seen["args"].kernels]
+    assert bf16 and bf16 == [n for n in RUNGS if not kernels.load(n).split_kv and "bfloat16" in kernels.load(n).dtypes]
     assert bench.main(["resources"]) == 0
     assert [p.stem for p in seen["res"].kernels] == RUNGS
     assert args.shape == [(2, 64)] and args.dtype == "float32" and args.peers is None
