@@ -916,13 +916,22 @@ def _device_title(result: dict) -> str:
     return f"{dev.get('name', 'no GPU')}, {result['setup']['date'][:10]}"
 
 
+def _colors(plt, names: list[str]) -> dict[str, tuple]:
+    """One distinct colour per name (tab20, then tab20b), stable across both plots."""
+    palette = [plt.get_cmap("tab20")(i) for i in range(20)] + [plt.get_cmap("tab20b")(i) for i in range(20)]
+    return {n: palette[i % len(palette)] for i, n in enumerate(names)}
+
+
 def plot_sweep(plt, result: dict):
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for name in result["kernels"] + result["peers"]:
+    fig, ax = plt.subplots(figsize=(11, 5.5))
+    names = result["kernels"] + result["peers"]
+    color = _colors(plt, names)
+    for name in names:
         points = [(r["shape"]["T"], r["tflops"]) for r in result["rows"] if r["name"] == name and r["status"] == "ok"]
         if points:
             label = next(r["label"] for r in result["rows"] if r["name"] == name)
-            ax.plot(*zip(*points, strict=True), marker="o", label=label, linestyle="-" if name in result["kernels"] else "--")
+            ax.plot(*zip(*points, strict=True), marker="o", label=label, color=color[name],
+                    linestyle="-" if name in result["kernels"] else "--")
     ffma = result["ceilings"]["ffma_tflops"]
     ax.axhline(ffma, color="gray", linestyle=":", label=f"fp32 FFMA ceiling ({ffma:.0f})")
     ax.set_xscale("log", base=2)
@@ -931,21 +940,27 @@ def plot_sweep(plt, result: dict):
     ax.set_ylabel("TFLOP/s (causal: 4 B NH T^2 d / 2)")
     ax.set_title(f"causal attention forward, {result['dtype']}: {_device_title(result)}")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return fig
 
 
 def plot_e2e(plt, result: dict):
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for r in result["rows"]:
-        if r["status"] == "ok":
-            ax.plot(range(1, len(r["elapsed"]) + 1), r["elapsed"], label=f"{r['label']}, {r['mode']}",
-                    linestyle="-" if r["mode"] == "no-cache" else "--")
-    ax.set_xlabel("tokens generated")
-    ax.set_ylabel("elapsed seconds")
-    ax.set_title(f"GPT-2 small, greedy, float32, prompt {result['prompt']!r}: {_device_title(result)}")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small")
+    """Elapsed time against tokens generated, one panel per mode, one colour per attention."""
+    modes = [m for m in ("no-cache", "kv-cache") if any(r["mode"] == m and r["status"] == "ok" for r in result["rows"])]
+    fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes) + 3, 5.5), squeeze=False)
+    labels = list(dict.fromkeys(r["label"] for r in result["rows"]))
+    color = _colors(plt, labels)
+    for ax, mode in zip(axes[0], modes, strict=True):
+        for r in result["rows"]:
+            if r["status"] == "ok" and r["mode"] == mode:
+                ax.plot(range(1, len(r["elapsed"]) + 1), r["elapsed"], label=r["label"], color=color[r["label"]],
+                        linestyle="--" if r["kind"] != "rung" else "-")
+        ax.set_xlabel("tokens generated")
+        ax.set_ylabel("elapsed seconds")
+        ax.set_title("no KV cache (the seed's mode)" if mode == "no-cache" else "KV cache")
+        ax.grid(True, alpha=0.3)
+    axes[0][-1].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.suptitle(f"GPT-2 small, greedy, float32, prompt {result['prompt']!r}: {_device_title(result)}")
     return fig
 
 
@@ -1346,6 +1361,10 @@ def cmd_readme(args) -> int:
         raise CannotRun(f"{readme} has no bench markers (a line <!-- bench:kernels:start --> and a line "
                         "<!-- bench:kernels:end -->, likewise for sweep, e2e, resources); nothing rewritten")
     found = newest_results(results)
+    if getattr(args, "replot", False):
+        for kind, plot in (("sweep", plot_sweep), ("e2e", plot_e2e)):
+            for p in found[kind][:1]:
+                plot_or_none(plot, _load(p), p.with_suffix(".png"))  # the JSON already names this PNG
     blocks = readme_blocks(found, readme.parent)
     for name in SECTIONS:
         if name in blocks and name not in spans:
@@ -1494,6 +1513,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Exits 2 if the README has no markers.")
     m.add_argument("--readme", type=Path, default=README, help="default: README.md beside bench.py")
     m.add_argument("--results", type=Path, default=RESULTS, help="default: results/ beside bench.py")
+    m.add_argument("--replot", action="store_true",
+                   help="also redraw the newest sweep and e2e plots from their JSON (after a change to the plotting)")
     return parser
 
 
