@@ -343,17 +343,29 @@ class FakeAxes:
         return lambda *a, **k: None
 
 
+class FakeFigure:
+    def __getattr__(self, name):  # suptitle
+        return lambda *a, **k: None
+
+
 class FakePyplot:
-    def subplots(self, **kw):
-        self.ax = FakeAxes()
-        return "figure", self.ax
+    def subplots(self, rows=1, cols=1, **kw):
+        self.axes = [FakeAxes() for _ in range(rows * cols)]
+        self.ax = self.axes[0]
+        self.figure = FakeFigure()
+        if kw.get("squeeze", True) and rows * cols == 1:
+            return self.figure, self.ax
+        return self.figure, [self.axes[r * cols:(r + 1) * cols] for r in range(rows)]
+
+    def get_cmap(self, name):
+        return lambda i: (name, i)
 
 
 def test_sweep_plot_draws_each_timed_series_against_T():
     result = kernels_result(shapes=((64, 256), (16, 1024)), kind="sweep")
     result["tokens"] = 16384
     plt = FakePyplot()
-    assert bench.plot_sweep(plt, result) == "figure"
+    assert bench.plot_sweep(plt, result) is plt.figure
     lines = {label: (xs, ys) for xs, ys, label in plt.ax.lines}
     assert set(lines) == {"v01_naive", "v03_fast", "CuPy reference", "SDPA efficient"}  # the wrong rung has no line
     xs, ys = lines["v03_fast"]
@@ -366,9 +378,13 @@ def test_sweep_plot_draws_each_timed_series_against_T():
 def test_e2e_plot_draws_elapsed_against_tokens():
     plt = FakePyplot()
     bench.plot_e2e(plt, e2e_result(modes=("no-cache",)))
+    assert len(plt.axes) == 1  # one panel per mode present
     lines = {label: (xs, ys) for xs, ys, label in plt.ax.lines}
-    assert lines["v03_fast, no-cache"] == ([1, 2, 3, 4], [1.0, 2.0, 3.0, 4.0])
+    assert lines["v03_fast"] == ([1, 2, 3, 4], [1.0, 2.0, 3.0, 4.0])
     assert len(lines) == 3
+    plt = FakePyplot()
+    bench.plot_e2e(plt, e2e_result())
+    assert len(plt.axes) == 2 and all(ax.lines for ax in plt.axes)
 
 
 def test_plots_are_optional(monkeypatch, tmp_path, capsys):
