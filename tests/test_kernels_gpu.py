@@ -197,6 +197,26 @@ def test_user_kernel_by_path_runs(tmp_path):
 
 
 @pytest.mark.parametrize("name", RUNGS)
+def test_inf_in_v_is_not_masked(name):
+    """An Inf in V reaches every row that attends to its key as a non-finite output."""
+    import cupy as cp
+
+    dtype = kernels.load(name).dtypes[0]
+    q, k, v = random_qkv(cp, 1, 1, 70, 64, dtype=dtype)
+    v[0, 0, 30, 5] = cp.inf
+    out = kernels.attention(q, k, v, kernel=name).astype(cp.float32)
+    assert not bool(cp.isfinite(out[0, 0, 30:, 5]).any()), f"{name}: an Inf in V was masked"
+
+
+def test_config_needing_more_shared_memory_than_the_device_has():
+    import cupy as cp
+
+    x = cp.ones((1, 1, 8, 128), cp.float32)
+    with pytest.raises(ValueError, match=r"v01_naive config d_head=128, B_r=256, B_c=64: needs \d+ bytes of shared memory"):
+        kernels.attention(x, x, x, kernel="v01", config=(128, 256, 64))
+
+
+@pytest.mark.parametrize("name", RUNGS)
 @pytest.mark.parametrize("where", ["q", "k", "v"])
 def test_nan_reaches_every_row_that_sees_it(name, where):
     """A NaN is never masked silently: with a NaN in query row 40, or in key/value row 40, every
