@@ -628,7 +628,7 @@ def bench_shape(shape: Shape, dtype: str, rungs: list[Path], peers: list[str], *
                 raise TypeError(inputs.rung_inputs_problem)
             q, k, v = inputs.qkv
             launch = kernels.prepare(q, k, v, kernel=path)  # validates and compiles: never timed
-            r["config"] = kernels.instance(path, shape.d, dtype=q.dtype.name).describe()
+            r["config"] = launch.instance.describe()
             out = launch()
             out.fill(np.nan)  # poison: an element the rung does not write fails the check
             out = launch()

@@ -160,15 +160,12 @@ def _log_of(exc) -> str:
     return text.strip()
 
 
-_instances: dict[tuple, Instance] = {}
-
-
-def instance(kernel, d_head: int, config=None, dtype: str | None = None) -> Instance:
+def instance(kernel, d_head: int, config=None, dtype: str | None = None, grid: tuple[int, int, int] | None = None) -> Instance:
     """The compiled rung for head size d_head: `config` if given, else the first declared
     configuration for d_head that fits this device (rungs declare them in order of preference).
-    For a rung with lab.dtype_param, `dtype` (the inputs' dtype name) selects that dtype's configs."""
+    For a rung with lab.dtype_param, `dtype` (the inputs' dtype name) selects that dtype's configs.
+    `grid` = (B, NH, T_q) lets a small problem take another declared tile shape (see _fill)."""
     rung = ladder.load(kernel)
-    dev = _cupy().cuda.runtime.getDevice()
     if config is not None:
         candidates = [_as_config(rung, config)]
         if candidates[0][0] != d_head:
@@ -183,16 +180,61 @@ def instance(kernel, d_head: int, config=None, dtype: str | None = None) -> Inst
             sizes = ", ".join(map(str, rung.head_sizes()))
             raise ValueError(f"kernel {rung.name} supports head sizes {sizes}; got d={d_head}")
     errors = []
-    for c in candidates:
-        key = (dev, rung.path, rung.source, rung.options, c)
-        if key not in _instances:
-            try:
-                _instances[key] = Instance(rung, c)
-            except ValueError as exc:
-                errors.append(str(exc))
-                continue
-        return _instances[key]
+    for i, c in enumerate(candidates):
+        try:
+            first = _compiled(rung, c)
+        except ValueError as exc:
+            errors.append(str(exc))
+            continue
+        if config is not None or grid is None or rung.split_kv:
+            return first
+        # other tile shapes of the same kernel variant (same d_head and non-tile parameters)
+        same = [o for o in candidates[i + 1:] if o[:1] + o[3:] == c[:1] + c[3:]]
+        return _fill(rung, first, same, grid)
     raise ValueError("no configuration fits this device:\n  " + "\n  ".join(errors))
+
+
+_instances: dict[tuple, Instance] = {}
+
+
+def _compiled(rung: ladder.Rung, config: tuple[int, ...]) -> Instance:
+    key = (_cupy().cuda.runtime.getDevice(), rung.path, rung.source, rung.options, config)
+    if key not in _instances:
+        _instances[key] = Instance(rung, config)  # ValueError when it does not fit the device
+    return _instances[key]
+
+
+_choices: dict[tuple, Instance] = {}
+
+
+def _fill(rung: ladder.Rung, first: Instance, others: list[tuple[int, ...]], grid: tuple[int, int, int]) -> Instance:
+    """The rung's first choice when its grid fills the device: at least as many blocks as the SMs
+    hold at once. A smaller grid leaves warps unused that another declared tile shape may put to
+    work, so then the launcher takes the shape with the most warps resident,
+    min(blocks, SMs x blocks per SM) x warps per block, the earlier declared winning ties."""
+    B, NH, T_q = grid
+    key = (id(first), tuple(others), B, NH, T_q)
+    if key in _choices:
+        return _choices[key]
+    sms = device_limits().sm_count
+
+    def blocks(inst):
+        return -(-T_q // inst.B_r) * NH * B
+
+    def resident_warps(inst):
+        return min(blocks(inst), sms * inst.blocks_per_sm()) * -(-math.prod(inst.block) // 32)
+
+    best = first
+    if others and blocks(first) < sms * first.blocks_per_sm():
+        for c in others:
+            try:
+                inst = _compiled(rung, c)
+            except ValueError:
+                continue
+            if resident_warps(inst) > resident_warps(best):
+                best = inst
+    _choices[key] = best
+    return best
 
 
 def _as_config(rung: ladder.Rung, config) -> tuple[int, ...]:
@@ -276,14 +318,15 @@ def _aligned(x, boundary: int = 16) -> bool:
 
 
 def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, out=None):
-    """Validate and compile once; return a function that launches the rung (for timing loops)."""
+    """Validate and compile once; return a function that launches the rung (for timing loops);
+    its `instance` attribute is the compiled configuration chosen for these inputs."""
     cupy = _cupy()
     rung = ladder.load(kernel)
     validate(q, k, v, rung, causal, scale)
     B, NH, T, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     causal = bool(causal)
-    inst = instance(rung.path, d, config, dtype=q.dtype.name)
+    inst = instance(rung.path, d, config, dtype=q.dtype.name, grid=(B, NH, T))
     if not rung.strided:
         q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))
     else:
@@ -310,6 +353,7 @@ def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, ou
         inst.launch(q, k, v, out, workspace, scale, causal)
         return out
 
+    run.instance = inst  # the configuration chosen for these inputs
     return run
 
 

@@ -597,6 +597,7 @@ def fake_prepare(q, k, v, *, kernel, causal=True):
             out[...] = ref
         return out
 
+    run.instance = SimpleNamespace(describe=lambda: "stand-in")
     return run
 
 
@@ -622,7 +623,6 @@ def stand_in(monkeypatch, tmp_path):
     monkeypatch.setattr(bench, "L2Flush", StandInFlush)
     monkeypatch.setattr(bench, "_torch", lambda: (_ for _ in ()).throw(bench.Unavailable("torch is not importable")))
     monkeypatch.setattr(kernels, "prepare", fake_prepare)
-    monkeypatch.setattr(kernels, "instance", lambda kernel, d, config=None, dtype=None: SimpleNamespace(describe=lambda: "stand-in"))
     rung_dir = tmp_path / "rungs"
     rung_dir.mkdir()
     paths = []

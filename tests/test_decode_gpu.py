@@ -52,9 +52,9 @@ def check_general(q, k, v, name, *, causal=True, scale=None, config=None):
 
     B, NH, T_q, d = q.shape
     out = cp.full((B, NH, T_q, d), cp.nan, dtype=q.dtype)  # poison: unwritten elements fail
-    got = kernels.attention(q, k, v, kernel=name, causal=causal, scale=scale, out=out, config=config)
+    run = kernels.prepare(q, k, v, kernel=name, causal=causal, scale=scale, out=out, config=config)
+    got, inst = run(), run.instance
     assert got is out
-    inst = kernels.instance(name, d, config, dtype=q.dtype.name)
     ref64 = kernels.reference_attention(*(x.astype(cp.float64) for x in (q, k, v)), causal=causal, scale=scale)
     plain_same_dtype = kernels.reference_attention(q, k, v, causal=causal, scale=scale)
     got64 = got.astype(cp.float64)

@@ -227,6 +227,41 @@ def test_resources_without_gpu_use_the_named_arch():
     assert reports and all(r.arch == "sm_80" and r.blocks_per_sm is None for r in reports)
 
 
+
+class StandInInstance:
+    """What runtime._fill reads of a compiled configuration: rows per block, threads, occupancy."""
+
+    def __init__(self, config, threads, per_sm):
+        self.config, self.B_r, self.block, self.per_sm = config, config[1], (threads, 1, 1), per_sm
+
+    def blocks_per_sm(self):
+        return self.per_sm
+
+
+def test_small_grids_take_the_tile_shape_with_most_warps_resident(monkeypatch, tmp_path):
+    """The first declared configuration runs whenever its grid fills the SMs; below that, the
+    declared shape (same d_head and non-tile parameters) keeping the most warps resident wins."""
+    path = tmp_path / "v01_fill.cu"
+    path.write_text(" * lab.template   d_head, B_r, B_c\n"
+                    " * lab.configs    (64, 64, 32), (64, 64, 64), (64, 32, 64), (32, 64, 64)\n"
+                    " * lab.threads    128\n"
+                    " * lab.smem       0\n")
+    made = {(64, 64, 32): StandInInstance((64, 64, 32), 128, 4),   # 4 warps, 4 blocks per SM
+            (64, 64, 64): StandInInstance((64, 64, 64), 256, 2),   # 8 warps, 2 blocks per SM
+            (64, 32, 64): StandInInstance((64, 32, 64), 128, 4)}   # 4 warps, twice the blocks
+    compiled = []
+    monkeypatch.setattr(runtime, "_compiled", lambda rung, c: compiled.append(c) or made[c])
+    monkeypatch.setattr(runtime, "device_limits", lambda: runtime.DeviceLimits("stand-in", "sm_90", 132, 1024, 0))
+    runtime._choices.clear()
+    chosen = runtime.instance(path, 64, grid=(1, 12, 512))  # 96 blocks of 64 rows: one per SM at most
+    assert chosen.config == (64, 64, 64)  # 96 x 8 warps beats 96 x 4, and ties 192 x 4 (declared earlier)
+    compiled.clear()
+    chosen = runtime.instance(path, 64, grid=(8, 12, 1024))  # 1536 blocks: more than 132 x 4
+    assert chosen.config == (64, 64, 32) and compiled == [(64, 64, 32)]  # nothing else compiled
+    assert runtime.instance(path, 64, config=(64, 32, 64), grid=(1, 1, 1)).config == (64, 32, 64)  # asked for
+    assert runtime.instance(path, 64).config == (64, 64, 32)  # no shape: the first declared
+
+
 # -- the reference -------------------------------------------------------------------------------
 
 

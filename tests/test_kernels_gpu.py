@@ -37,8 +37,8 @@ def check_against_reference(q, k, v, name, scale=None, config=None):
 
     B, NH, T, d = q.shape
     out = cp.full((B, NH, T, d), cp.nan, dtype=q.dtype)  # poison: unwritten elements fail
-    got = kernels.attention(q, k, v, kernel=name, scale=scale, out=out, config=config)
-    inst = kernels.instance(name, d, config)
+    run = kernels.prepare(q, k, v, kernel=name, scale=scale, out=out, config=config)
+    got, inst = run(), run.instance  # the configuration the launcher chose for this shape
     assert got is out
     ref64 = kernels.reference_attention(*(x.astype(cp.float64) for x in (q, k, v)), scale=scale)
     plain_same_dtype = kernels.reference_attention(q, k, v, scale=scale)

@@ -58,6 +58,14 @@ __device__ __forceinline__ void unpack(const uint4& v, float (&out)[8])
 // A read-only 16-byte load through the non-coherent path (the weights never change in a step).
 __device__ __forceinline__ uint4 load16(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 
+// What an earlier kernel of the step wrote (activations, the KV cache, the state), read through L2
+// (ld.global.cg). Under programmatic dependent launch a kernel starts while the previous one runs, and
+// an SM's L1 is not coherent with other SMs' stores: a line of x that a block of the previous kernel
+// read on this SM before blocks on other SMs wrote their parts of it may still sit in this SM's L1
+// after griddep_wait(). L2 holds the one current copy. (Under ordinary launches L1 starts clean.)
+template <typename T>
+__device__ __forceinline__ T fresh(const T* p) { return __ldcg(p); }
+
 // -- reductions -------------------------------------------------------------------------------------
 
 __device__ __forceinline__ float warp_sum(float v)
@@ -96,9 +104,9 @@ __device__ __forceinline__ void stage_input(const float* __restrict__ x, const f
 {
     static_assert(K % 4 == 0, "rows are read as float4");
     for (int i = threadIdx.x; i < K / 4; i += THREADS) {
-        float4 v = reinterpret_cast<const float4*>(x)[i];
+        float4 v = fresh(reinterpret_cast<const float4*>(x) + i);
         if (y != nullptr) {
-            const float4 a = reinterpret_cast<const float4*>(y)[i];
+            const float4 a = fresh(reinterpret_cast<const float4*>(y) + i);
             const float4 b = reinterpret_cast<const float4*>(y_bias)[i];
             v.x += a.x + b.x; v.y += a.y + b.y; v.z += a.z + b.z; v.w += a.w + b.w;
         }
@@ -133,7 +141,8 @@ __device__ __forceinline__ float gelu_tanh(float x)
 // The decode step's kernels may be launched with programmatic stream serialization (gpt2/fast.py,
 // pdl=True): the next kernel starts while this one finishes, issues its weight loads, and waits in
 // griddep_wait() until this grid has completed and its writes are visible. Rule for every decode
-// kernel: before griddep_wait() read only the weights (and ask for prefetches), write nothing.
+// kernel: before griddep_wait() read only the weights (and ask for prefetches), write nothing; after
+// it, read what earlier kernels wrote with fresh().
 // Under an ordinary launch both calls return at once.
 __device__ __forceinline__ void griddep_wait()
 {

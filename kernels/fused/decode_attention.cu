@@ -33,28 +33,28 @@
 
 // This lane's 8 elements of key or value row j: from the cache, or (j == pos) from the projection.
 template <typename kv_t>
-__device__ __forceinline__ void load8(const kv_t* cache_row, const float* fresh, bool is_fresh, float (&v)[8]);
+__device__ __forceinline__ void load8(const kv_t* cache_row, const float* new_row, bool is_new, float (&v)[8]);
 
 template <>
-__device__ __forceinline__ void load8<float>(const float* cache_row, const float* fresh, bool is_fresh, float (&v)[8])
+__device__ __forceinline__ void load8<float>(const float* cache_row, const float* new_row, bool is_new, float (&v)[8])
 {
-    const float4* p = reinterpret_cast<const float4*>(is_fresh ? fresh : cache_row);
-    const float4 a = p[0], b = p[1];
+    const float4* p = reinterpret_cast<const float4*>(is_new ? new_row : cache_row);
+    const float4 a = fresh(p), b = fresh(p + 1);
     v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
 }
 
 template <>
-__device__ __forceinline__ void load8<bf16_bits>(const bf16_bits* cache_row, const float* fresh, bool is_fresh,
+__device__ __forceinline__ void load8<bf16_bits>(const bf16_bits* cache_row, const float* new_row, bool is_new,
                                                  float (&v)[8])
 {
-    if (is_fresh) {
-        const float4* p = reinterpret_cast<const float4*>(fresh);
-        const float4 a = p[0], b = p[1];
+    if (is_new) {
+        const float4* p = reinterpret_cast<const float4*>(new_row);
+        const float4 a = fresh(p), b = fresh(p + 1);
         const float f[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
         for (int e = 0; e < 8; ++e) v[e] = round_as<bf16_bits>(f[e]);
     } else {
-        unpack(*reinterpret_cast<const uint4*>(cache_row), v);
+        unpack(fresh(reinterpret_cast<const uint4*>(cache_row)), v);
     }
 }
 
@@ -73,7 +73,7 @@ __device__ __forceinline__ float block_max(float v, float* scratch)
 }
 
 template <typename kv_t, int HS, int WARPS>
-__global__ void __launch_bounds__(WARPS * 32)
+__global__ void __launch_bounds__(WARPS * 32, 1)
 decode_attention(const float* __restrict__ qkv, kv_t* k_cache, kv_t* v_cache, const int* __restrict__ state,
                  int n_head, int max_len, float scale, float* partial, unsigned int* counters,
                  float* __restrict__ y, const char* prefetch, unsigned long long prefetch_bytes)
@@ -94,7 +94,7 @@ decode_attention(const float* __restrict__ qkv, kv_t* k_cache, kv_t* v_cache, co
 
     const int S = gridDim.x, s = blockIdx.x, h = blockIdx.y;
     const int C = n_head * HS;
-    const int pos = state[1];
+    const int pos = fresh(state + 1);
     const int T_k = pos + 1;
     const int chunk = (T_k + S - 1) / S;
     const int start = min(s * chunk, T_k), end = min(start + chunk, T_k);
@@ -108,7 +108,7 @@ decode_attention(const float* __restrict__ qkv, kv_t* k_cache, kv_t* v_cache, co
     float q[8];
     {
         const float4* qp = reinterpret_cast<const float4*>(qkv + h * HS + part * 8);
-        const float4 a = qp[0], b = qp[1];
+        const float4 a = fresh(qp), b = fresh(qp + 1);
         q[0] = a.x * scale; q[1] = a.y * scale; q[2] = a.z * scale; q[3] = a.w * scale;
         q[4] = b.x * scale; q[5] = b.y * scale; q[6] = b.z * scale; q[7] = b.w * scale;
     }
@@ -180,8 +180,8 @@ decode_attention(const float* __restrict__ qkv, kv_t* k_cache, kv_t* v_cache, co
 
     // The new key and value into the cache, by the one block whose range holds pos.
     if (start <= pos && pos < end && threadIdx.x < HS) {
-        store_as(k_cache + head + (long long)pos * HS + threadIdx.x, k_new[threadIdx.x]);
-        store_as(v_cache + head + (long long)pos * HS + threadIdx.x, v_new[threadIdx.x]);
+        store_as(k_cache + head + (long long)pos * HS + threadIdx.x, fresh(k_new + threadIdx.x));
+        store_as(v_cache + head + (long long)pos * HS + threadIdx.x, fresh(v_new + threadIdx.x));
     }
     __syncthreads();
 

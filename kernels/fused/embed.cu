@@ -22,8 +22,8 @@ embed(const weight_t* __restrict__ wte, const weight_t* __restrict__ wpe, const 
     griddep_launch_dependents();
     griddep_wait();  // ids and pos0 (the decode step's state) are the previous step's from here on
     const int t = blockIdx.x;
-    const long long token = ids[t];
-    const long long position = (pos0 != nullptr ? *pos0 : 0) + t;
+    const long long token = fresh(ids + t);
+    const long long position = (pos0 != nullptr ? fresh(pos0) : 0) + t;
     for (int c = threadIdx.x; c < C; c += blockDim.x)
         x[(long long)t * C + c] = to_float(wte[token * C + c]) + to_float(wpe[position * C + c]);
 }

@@ -94,7 +94,7 @@ gemv(const weight_t* __restrict__ W, const float* __restrict__ bias, const float
             const float v = acc + bias[n];
             if (EPI == EPI_BIAS) out[n] = v;
             else if (EPI == EPI_GELU) out[n] = gelu_tanh(v);
-            else out[n] += v;  // EPI_RESIDUAL: x + (y @ W + b), as the eager model adds it
+            else out[n] = fresh(out + n) + v;  // EPI_RESIDUAL: x + (y @ W + b), as the eager model adds it
         }
     }
 }

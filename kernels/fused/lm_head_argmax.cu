@@ -134,7 +134,7 @@ lm_head_argmax(const weight_t* __restrict__ wte, const float* __restrict__ x, co
     block_argmax<WARPS>(best, arg, warp_best, warp_arg);
     if (threadIdx.x == 0) {
         const int token = (arg >= 0 && arg < V) ? arg : 0;
-        const int pos = state[1];
+        const int pos = fresh(state + 1);
         history[pos + 1] = token;
         state[0] = token;
         state[1] = pos + 1;
