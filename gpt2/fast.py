@@ -20,11 +20,13 @@ larger kernels (kernels/fused/*.cu, each tested against the CuPy code it replace
   `history` and advances `state`: 5 * n_layer + 2 kernels per token (62 for GPT-2 small).
   Between kernels, two ways to keep memory busy: each kernel that reads a matrix asks L2 to prefetch
   the next kernel's matrix (cp.async.bulk.prefetch.L2, a hint), and on Hopper the graphs are built
-  from programmatic dependent launches (cuLaunchKernelEx) when asked (pdl=True), so that a kernel
-  starts, and issues its weight loads, while the previous one finishes; it waits
-  (griddepcontrol.wait) before reading activations. Off by default: on an H200 PDL graphs match
-  plain launches for one step but part from them after a few dozen tokens, the mark of a
-  write-after-read race between neighbouring kernels that is not found yet.
+  from programmatic dependent launches (cuLaunchKernelEx), so that a kernel starts, and issues its
+  weight loads, while the previous one finishes; it waits (griddepcontrol.wait) before reading
+  activations, and reads them through L2 (kernels/fused/common.cuh, fresh()): an SM's L1 may still
+  hold lines of x that the previous kernel's blocks read there before other SMs wrote them, and
+  with plain L1 loads PDL graphs parted from plain launches after a few dozen tokens. On by default
+  where the device has it (compute capability 9.0) and one replayed step matches plain launches
+  bit for bit; pdl=False keeps plain launches.
   The linear layers read transposed copies of the Conv1D weights, (out, in), made once here, so that
   a warp reads one output's weights contiguously: on the fast path the linear weights are held
   twice (the (in, out) originals stay for the prefill's matrix products). In bfloat16 the matrices
@@ -449,15 +451,16 @@ class Engine:
         self._variants: dict[tuple, list[Launch]] = {}
         self.graphs: dict[tuple, object] = {}
         self.step_launches = self.launches(prefetch, pdl=False)  # eager launches, and what profile_step times
-        # Programmatic dependent launch for the graphs: only when asked (see the module's docstring)
-        self.pdl, self.pdl_note = False, "off (default)" if pdl is None else "off (asked)" if pdl is False else None
-        if pdl:
+        # Programmatic dependent launch for the graphs (see the module's docstring): on where it works,
+        # unless pdl=False; pdl=True insists.
+        self.pdl, self.pdl_note = False, "off (asked)"
+        if pdl is not False:
             why = self._check_pdl()
             self.pdl = why is None
             self.pdl_note = "on" if why is None else f"off ({why})"
             if why is not None and pdl:
                 raise RuntimeError(f"programmatic dependent launch does not work here: {why}")
-            if why is not None:
+            if why is not None and not why.startswith("needs compute capability"):
                 warnings.warn(f"gpt2.fast: programmatic dependent launch disabled: {why}", stacklevel=2)
         for steps in sorted({1, steps_per_graph}):  # captured now, on an idle stream, replayed from here on
             self.graph(steps)
