@@ -234,6 +234,17 @@ def attention_warps(config: GPT2Config) -> int:
     return max(4, config.head_size // 32)  # a block holds at least one thread per element of a head
 
 
+STAGE_BYTES = 64 << 10  # shared memory for the K and V rows a decode_attention block copies before its wait
+
+
+def attention_staging(max_len: int, splits: int, head_size: int, itemsize: int) -> tuple[int, int]:
+    """(rows staged per block, dynamic shared memory bytes) of decode_attention.cu: the scores of the
+    longest chunk, ceil(max_len / splits) floats, then K and V rows, up to STAGE_BYTES."""
+    cap = -(-max_len // splits)
+    rows = min(cap, STAGE_BYTES // (2 * head_size * itemsize))
+    return rows, 4 * (-(-cap // 4) * 4) + 2 * rows * head_size * itemsize
+
+
 # -- launches --------------------------------------------------------------------------------------
 
 
@@ -426,6 +437,7 @@ class Engine:
             self.splits = max(1, min(self.sm_count // NH, -(-self.max_len // 16)))
             self.attn_partial = cp.zeros((NH, self.splits, HS + 2), dtype=cp.float32)
             self.attn_counters = cp.zeros(NH, dtype=cp.uint32)
+            self.attn_rows, self.attn_smem = attention_staging(self.max_len, self.splits, HS, 2 if bf16 else 4)
             # lm_head: one (max, argmax) per block and the last-block ticket
             self.lm_warps, self.lm_rows = lm_head_shape(config, self.dtype)
             self.lm_blocks = -(-V // (self.lm_warps * self.lm_rows))
@@ -476,6 +488,8 @@ class Engine:
             warps, rows = gemv_shape(N, K, item)
             self.fn[key] = (self.fn[key], -(-N // (warps * rows)), warps * 32)  # kernel, blocks, threads
         self.attn_warps = attention_warps(c)
+        if self.attn_smem > 48 * 1024:  # past the default, the kernel must opt in
+            self.fn["attention"].max_dynamic_shared_size_bytes = self.attn_smem
 
     # -- the decode step -----------------------------------------------------------------------------
 
@@ -525,8 +539,9 @@ class Engine:
                 gemv(k, "c_attn", i, "attn.c_attn", self.x, "ln_1", self.qkv, 3 * C),
                 Launch(plan[k + 1][0], self.fn["attention"], (self.splits, NH), (self.attn_warps * 32,),
                        (self.qkv, self.k_cache[i], self.v_cache[i], self.state, np.int32(NH), np.int32(self.max_len),
-                        np.float32(1.0 / math.sqrt(HS)), self.attn_partial, self.attn_counters, self.y, *pf(k + 1)),
-                       shared_mem=4 * -(-self.max_len // self.splits)),
+                        np.int32(self.attn_rows), np.float32(1.0 / math.sqrt(HS)), self.attn_partial,
+                        self.attn_counters, self.y, *pf(k + 1)),
+                       shared_mem=self.attn_smem),
                 gemv(k + 2, "c_proj", i, "attn.c_proj", self.y, None, self.x, C),
                 gemv(k + 3, "c_fc", i, "mlp.c_fc", self.x, "ln_2", self.g, c.mlp_width),
                 gemv(k + 4, "mlp_proj", i, "mlp.c_proj", self.g, None, self.x, C),

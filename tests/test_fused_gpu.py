@@ -208,7 +208,8 @@ def nan_bits(cp, shape, dtype):
 @pytest.mark.parametrize("pos", [0, 1, 15, 16, 97, 519, 1023])
 @pytest.mark.parametrize("NH,HS", [(12, 64), (3, 32), (2, 16), (4, 128)])
 @pytest.mark.parametrize("splits", ["engine", 1, 5])
-def test_decode_attention_matches_softmax_attention_over_the_cache(cp, NH, HS, pos, kv, splits):
+@pytest.mark.parametrize("staged", [1 << 30, 3], ids=["staged", "3-staged"])
+def test_decode_attention_matches_softmax_attention_over_the_cache(cp, NH, HS, pos, kv, splits, staged):
     rng = cp.random.default_rng()
     max_len, C = 1024, NH * HS
     S = max(1, min(kernels.device_limits().sm_count // NH, -(-max_len // 16))) if splits == "engine" else splits
@@ -223,12 +224,15 @@ def test_decode_attention_matches_softmax_attention_over_the_cache(cp, NH, HS, p
     warps = max(4, HS // 32)
     kt = "unsigned short" if kv == "bfloat16" else "float"
     fn = fused.function("decode_attention", f"decode_attention<{kt}, {HS}, {warps}>")
+    rows, smem = fast.attention_staging(max_len, S, HS, k_cache.itemsize)
+    rows = min(rows, staged)  # also fewer rows staged than the chunk: the rest read from the cache
+    fn.max_dynamic_shared_size_bytes = max(smem, 48 * 1024)
 
     def run():
         y = cp.full(C, cp.nan, dtype=cp.float32)
-        fn((S, NH), (warps * 32,), (qkv, k_cache, v_cache, state, np.int32(NH), np.int32(max_len),
+        fn((S, NH), (warps * 32,), (qkv, k_cache, v_cache, state, np.int32(NH), np.int32(max_len), np.int32(rows),
                                     np.float32(1.0 / math.sqrt(HS)), partial, counters, y, NULL, np.uint64(0)),
-           shared_mem=4 * -(-max_len // S))
+           shared_mem=smem)
         return y
 
     y = run()

@@ -138,11 +138,13 @@ __device__ __forceinline__ float gelu_tanh(float x)
 
 // -- programmatic dependent launch (sm_90) ----------------------------------------------------------
 
-// The decode step's kernels may be launched with programmatic stream serialization (gpt2/fast.py,
-// pdl=True): the next kernel starts while this one finishes, issues its weight loads, and waits in
-// griddep_wait() until this grid has completed and its writes are visible. Rule for every decode
-// kernel: before griddep_wait() read only the weights (and ask for prefetches), write nothing; after
-// it, read what earlier kernels wrote with fresh().
+// The decode step's kernels are launched with programmatic stream serialization where the device has
+// it (gpt2/fast.py): the next kernel starts while this one runs, issues its weight loads, and waits
+// in griddep_wait() until this grid has completed and its writes are visible. Every decode kernel
+// calls griddep_wait() and then griddep_launch_dependents(), so a kernel starts only after the one
+// two launches back has completed. Rule for every decode kernel: before griddep_wait() read only the
+// weights and what kernels two or more launches back wrote (decode_attention stages its cache rows),
+// and write nothing; after it, read what earlier kernels wrote with fresh().
 // Under an ordinary launch both calls return at once.
 __device__ __forceinline__ void griddep_wait()
 {

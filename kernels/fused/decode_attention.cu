@@ -21,42 +21,69 @@
  * read back later) by every block, and stored into the cache by the block whose range holds pos:
  * no block reads a cache entry that another block of this launch writes.
  *
+ * Under programmatic dependent launch the block starts while c_attn computes q; by then the
+ * state and every cache row before pos are final (common.cuh), so the block copies its first
+ * staged_rows keys and values to shared memory (cp.async) before griddep_wait(): the reads of the
+ * cache leave the critical path, which then holds q, the new row, and the arithmetic. Rows past
+ * staged_rows (a chunk longer than the shared memory the engine gives) are read after the wait.
+ *
  * Template parameters: kv_t (float or bfloat16 bits), HS (head size; a multiple of 8 with HS / 8
  * dividing 32: 8 to 256), WARPS. Geometry: grid (S, NH), block WARPS * 32 (>= HS).
- * Shared memory: dynamic ceil(max_len / S) floats for the scores, static WARPS * HS floats for the
- * per-warp outputs. Loads: keys and values are read in groups of UNROLL per lane before use.
+ * Shared memory: dynamic, cap = ceil(max_len / S) floats for the scores (rounded up to 16 bytes),
+ * then staged_rows rows of K and of V (gpt2/fast.py attention_staging: at GPT-2 small's
+ * max_len 1024 and S = 11, cap = 94 and all 94 rows, 384 + 2 x 94 x 256 = 48,512 bytes in float32);
+ * static WARPS * HS floats for the per-warp outputs. Loads from the cache past the staged rows are
+ * read in groups of UNROLL per lane before use.
  * Caches are (NH, max_len, HS) for this layer; partial is (NH, S, HS + 2) floats.
  */
 #include "common.cuh"
 
 #define UNROLL 4
+#define NEW 0     // row j == pos: the new token's, from qkv
+#define STAGED 1  // a row copied to shared memory before griddep_wait()
+#define CACHED 2  // a row read from the cache after it
 
-// This lane's 8 elements of key or value row j: from the cache, or (j == pos) from the projection.
+// This lane's 8 elements of key or value row j: from qkv (j == pos: the new token's), from the rows
+// staged in shared memory, or from the cache.
 template <typename kv_t>
-__device__ __forceinline__ void load8(const kv_t* cache_row, const float* new_row, bool is_new, float (&v)[8]);
-
+__device__ __forceinline__ void widen8(const uint4* raw, float (&v)[8]);
 template <>
-__device__ __forceinline__ void load8<float>(const float* cache_row, const float* new_row, bool is_new, float (&v)[8])
+__device__ __forceinline__ void widen8<float>(const uint4* raw, float (&v)[8])
 {
-    const float4* p = reinterpret_cast<const float4*>(is_new ? new_row : cache_row);
-    const float4 a = fresh(p), b = fresh(p + 1);
-    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    const uint4 a = raw[0], b = raw[1];
+    v[0] = __uint_as_float(a.x); v[1] = __uint_as_float(a.y); v[2] = __uint_as_float(a.z); v[3] = __uint_as_float(a.w);
+    v[4] = __uint_as_float(b.x); v[5] = __uint_as_float(b.y); v[6] = __uint_as_float(b.z); v[7] = __uint_as_float(b.w);
 }
-
 template <>
-__device__ __forceinline__ void load8<bf16_bits>(const bf16_bits* cache_row, const float* new_row, bool is_new,
-                                                 float (&v)[8])
+__device__ __forceinline__ void widen8<bf16_bits>(const uint4* raw, float (&v)[8]) { unpack(raw[0], v); }
+
+template <typename kv_t>
+__device__ __forceinline__ void load8(const kv_t* staged_row, const kv_t* cache_row, const float* new_row, int where,
+                                      float (&v)[8])
 {
-    if (is_new) {
-        const float4* p = reinterpret_cast<const float4*>(new_row);
-        const float4 a = fresh(p), b = fresh(p + 1);
+    constexpr int N = 8 * sizeof(kv_t) / 16;  // 16-byte vectors in 8 elements
+    uint4 raw[N];
+    if (where == NEW) {
+        const float4 a = fresh(reinterpret_cast<const float4*>(new_row)), b = fresh(reinterpret_cast<const float4*>(new_row) + 1);
         const float f[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
-        for (int e = 0; e < 8; ++e) v[e] = round_as<bf16_bits>(f[e]);
-    } else {
-        unpack(fresh(reinterpret_cast<const uint4*>(cache_row)), v);
+        for (int e = 0; e < 8; ++e) v[e] = round_as<kv_t>(f[e]);  // as the cache will hold it
+        return;
     }
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+        raw[i] = where == STAGED ? reinterpret_cast<const uint4*>(staged_row)[i]
+                                 : fresh(reinterpret_cast<const uint4*>(cache_row) + i);
+    widen8<kv_t>(raw, v);
 }
+
+// 16 bytes from global to shared memory, through L2 only (cp.async.cg), landing by cp_async_wait_all().
+__device__ __forceinline__ void cp_async16(void* dst, const void* src)
+{
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 template <int THREADS>
 __device__ __forceinline__ float block_max(float v, float* scratch)
@@ -75,7 +102,7 @@ __device__ __forceinline__ float block_max(float v, float* scratch)
 template <typename kv_t, int HS, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 decode_attention(const float* __restrict__ qkv, kv_t* k_cache, kv_t* v_cache, const int* __restrict__ state,
-                 int n_head, int max_len, float scale, float* partial, unsigned int* counters,
+                 int n_head, int max_len, int staged_rows, float scale, float* partial, unsigned int* counters,
                  float* __restrict__ y, const char* prefetch, unsigned long long prefetch_bytes)
 {
     constexpr int THREADS = WARPS * 32;
@@ -83,27 +110,46 @@ decode_attention(const float* __restrict__ qkv, kv_t* k_cache, kv_t* v_cache, co
     constexpr int KPW = 32 / LPK;       // keys per warp and pass
     constexpr int KPB = KPW * WARPS;    // keys per block and pass
     static_assert(HS % 8 == 0 && 32 % (HS / 8) == 0 && HS <= THREADS, "HS: a multiple of 8, HS / 8 divides 32");
-    extern __shared__ float p_s[];      // S_j, then p_j, for this block's keys
+    extern __shared__ __align__(16) float p_s[];  // S_j, then p_j, for this block's keys; then K, V rows
     __shared__ float scratch[WARPS];
     __shared__ __align__(16) float o_s[WARPS][HS];
     __shared__ bool is_last;
 
     prefetch_l2(prefetch, prefetch_bytes);
-    griddep_launch_dependents();
-    griddep_wait();  // state, qkv and the cache are the previous kernels' from here on
 
+    // Before griddep_wait(): every kernel two or more launches back has completed (each decode kernel
+    // lets the next one launch only once its own wait has returned), so the state (written by the
+    // previous step's lm_head) and the cache rows before pos (earlier steps') are final. Copy this
+    // block's first staged_rows of them to shared memory now, while c_attn computes q.
     const int S = gridDim.x, s = blockIdx.x, h = blockIdx.y;
     const int C = n_head * HS;
     const int pos = fresh(state + 1);
     const int T_k = pos + 1;
     const int chunk = (T_k + S - 1) / S;
     const int start = min(s * chunk, T_k), end = min(start + chunk, T_k);
+    const long long head = (long long)h * max_len * HS;
+    const int cap = (max_len + S - 1) / S;  // the longest chunk: p_s's length
+    kv_t* k_s = reinterpret_cast<kv_t*>(p_s + (cap + 3) / 4 * 4);
+    kv_t* v_s = k_s + (long long)staged_rows * HS;
+    const int staged = max(0, min(min(end, pos) - start, staged_rows));  // rows [start, start + staged)
+    {
+        constexpr int VPR = HS * (int)sizeof(kv_t) / 16;  // 16-byte vectors per row
+        for (int c = threadIdx.x; c < staged * VPR; c += THREADS) {
+            const long long from = head + (long long)start * HS + c * (16 / (int)sizeof(kv_t));
+            cp_async16(k_s + c * (16 / (int)sizeof(kv_t)), k_cache + from);
+            cp_async16(v_s + c * (16 / (int)sizeof(kv_t)), v_cache + from);
+        }
+    }
+    griddep_wait();  // qkv is c_attn's from here on
+    griddep_launch_dependents();
+
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int sub = lane / LPK;   // which of the warp's KPW keys
     const int part = lane % LPK;  // which 8 elements of it
-    const long long head = (long long)h * max_len * HS;
     const float* k_new = qkv + C + h * HS;
     const float* v_new = qkv + 2 * C + h * HS;
+    cp_async_wait_all();
+    __syncthreads();  // every thread's copies have landed
 
     float q[8];
     {
@@ -119,7 +165,9 @@ decode_attention(const float* __restrict__ qkv, kv_t* k_cache, kv_t* v_cache, co
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int j = base + u * KPB + sub;
-            if (j < end) load8<kv_t>(k_cache + head + (long long)j * HS + part * 8, k_new + part * 8, j == pos, k[u]);
+            if (j < end)
+                load8<kv_t>(k_s + (j - start) * HS + part * 8, k_cache + head + (long long)j * HS + part * 8,
+                            k_new + part * 8, j == pos ? NEW : j - start < staged ? STAGED : CACHED, k[u]);
             else
 #pragma unroll
                 for (int e = 0; e < 8; ++e) k[u][e] = 0.0f;
@@ -157,7 +205,9 @@ decode_attention(const float* __restrict__ qkv, kv_t* k_cache, kv_t* v_cache, co
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int j = base + u * KPB + sub;
-            if (j < end) load8<kv_t>(v_cache + head + (long long)j * HS + part * 8, v_new + part * 8, j == pos, v[u]);
+            if (j < end)
+                load8<kv_t>(v_s + (j - start) * HS + part * 8, v_cache + head + (long long)j * HS + part * 8,
+                            v_new + part * 8, j == pos ? NEW : j - start < staged ? STAGED : CACHED, v[u]);
             else
 #pragma unroll
                 for (int e = 0; e < 8; ++e) v[u][e] = 0.0f;

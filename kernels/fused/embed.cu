@@ -19,8 +19,8 @@ embed(const weight_t* __restrict__ wte, const weight_t* __restrict__ wpe, const 
       unsigned long long prefetch_bytes)
 {
     prefetch_l2(prefetch, prefetch_bytes);
-    griddep_launch_dependents();
     griddep_wait();  // ids and pos0 (the decode step's state) are the previous step's from here on
+    griddep_launch_dependents();
     const int t = blockIdx.x;
     const long long token = fresh(ids + t);
     const long long position = (pos0 != nullptr ? fresh(pos0) : 0) + t;

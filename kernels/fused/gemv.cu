@@ -62,8 +62,8 @@ gemv(const weight_t* __restrict__ W, const float* __restrict__ bias, const float
         }
     }
     prefetch_l2(prefetch, prefetch_bytes);
-    griddep_launch_dependents();
     griddep_wait();  // from here on, the previous kernel's outputs (x) are complete
+    griddep_launch_dependents();
 
     // The input (LayerNorm'd if LN) into shared memory while the weights arrive.
     stage_input<K, THREADS, LN>(x, nullptr, nullptr, ln_w, ln_b, eps, x_s, scratch);
