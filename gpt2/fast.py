@@ -488,8 +488,8 @@ class Engine:
             warps, rows = gemv_shape(N, K, item)
             self.fn[key] = (self.fn[key], -(-N // (warps * rows)), warps * 32)  # kernel, blocks, threads
         self.attn_warps = attention_warps(c)
-        if self.attn_smem > 48 * 1024:  # past the default, the kernel must opt in
-            self.fn["attention"].max_dynamic_shared_size_bytes = self.attn_smem
+        # opt in to the dynamic shared memory (with the static, past 48 KB a kernel must)
+        self.fn["attention"].max_dynamic_shared_size_bytes = self.attn_smem
 
     # -- the decode step -----------------------------------------------------------------------------
 
