@@ -17,9 +17,21 @@
  *     2 t + 9): P_ij is rounded to 16 bits in place (cvt.rn.bf16x2) and multiplied by V_j at once.
  *   - ldmatrix.x4 gives a warp four 8 x 8 operand fragments per instruction, each lane pointing at
  *     one 16-byte row; .trans hands over V_j transposed, as the B operand of P_ij V_j wants it, so
- *     V_j is stored as it arrives. Shared memory is XOR-swizzled: 16-byte chunk c of row r is stored
- *     at chunk c ^ (r mod 8) (d = 32: c ^ ((r / 2) mod 4)), so the 8 rows one ldmatrix phase reads,
- *     8 consecutive rows of one logical chunk, land in 8 different 16-byte bank groups.
+ *     V_j is stored as it arrives. Shared memory is XOR-swizzled so that the 8 rows one ldmatrix
+ *     phase reads, 8 consecutive rows (the first a multiple of 8) of one logical 16-byte chunk, land
+ *     in 8 different 16-byte bank groups. Row r of d / 8 chunks starts at group (d / 8) r mod 8, and
+ *     chunk c of row r is stored at chunk c ^ ((r / (8 / P)) mod P), P the largest power of two
+ *     that divides d / 8, at most 8:
+ *       d = 64, 128 (P = 8): every row starts at group 0; c ^ (r mod 8) spreads the 8 rows.
+ *       d = 32 (P = 4): two rows per 128-byte line, the odd one at group 4; c ^ ((r / 2) mod 4).
+ *       d = 96 (P = 4): 12 chunks, 192 bytes per row, so again the odd rows start at group 4, and
+ *         c ^ ((r / 2) mod 4) flips only the low two bits of c: it permutes chunks within each
+ *         aligned run of 4 (0-3, 4-7, 8-11), never out of the row. Over 8 rows, r mod 2 sets bit 2
+ *         of the group and (r / 2) mod 4 bits 0-1: 8 groups, with no padding.
+ *     The other accesses are conflict-free for d = 96 too: cp.async stores and the 16-byte reads of
+ *     O_i take 8 consecutive chunks of the tile read row by row (the first a multiple of 8), which
+ *     the swizzle maps onto the same 8 stored chunks; the 4-byte stores of O_i (8 rows, 4 lanes per
+ *     row) fill 32 different banks.
  *   - Q_i is read into registers (A fragments) once and reused for every K_j. Each warp owns
  *     B_r / 4 rows as B_r / 64 m16 tiles, so every K_j or V_j fragment it loads feeds that many mma.
  *   - Two stages of K_j and V_j: the copies of tile j + 1 (cp.async, 16 bytes per thread) run while
@@ -36,23 +48,31 @@
  * Geometry: grid (T_r = ceil(T_q / B_r), n_heads, batch), read heavy tiles first; block 128 threads =
  * 4 warps. Warp w owns query rows w * B_r / 4 .. (w + 1) * B_r / 4 - 1 of Q_i as M_TILES = B_r / 64
  * tiles of 16 rows. Per K_j tile a warp issues M_TILES * (d / 16) * (B_c / 8) mma for S_ij and as
- * many for P_ij V_j, and 2 * (d / 16) * (B_c / 16) ldmatrix.x4. Registers per thread: Q_i
- * fragments 4 * M_TILES * d / 16, O_i accumulators 4 * M_TILES * d / 8, S_ij 4 * M_TILES * B_c / 8
- * (d = 64, B_r = 128, B_c = 64: 32 + 64 + 64). Shared memory, 2-byte elements:
+ * many for P_ij V_j, and 2 * (d / 16) * (B_c / 16) ldmatrix.x4 (d = 96: 6 k16 steps over d for
+ * S_ij, 12 n8 tiles of O_i in 6 pairs). Registers per thread: Q_i fragments 4 * M_TILES * d / 16,
+ * O_i accumulators 4 * M_TILES * d / 8, S_ij 4 * M_TILES * B_c / 8 (d = 64, B_r = 128, B_c = 64:
+ * 32 + 64 + 64; d = 96, B_r = 64, B_c = 64: 24 + 48 + 32). A tile copy is THREADS 16-byte copies
+ * per pass: THREADS / (d / 8) rows per pass when d / 8 is a power of two; for d = 96 the thread ->
+ * (row, chunk) map repeats every 32 rows, 3 passes (see load_tile). Shared memory, 2-byte elements:
  *   Q_i (B_r x d) + 2 stages x (K_j + V_j) (B_c x d each)
  *   d = 64,  B_r = 128, B_c = 64: 2 * (128 * 64 + 4 * 64 * 64) = 49,152 bytes
  *   d = 64,  B_r = 64,  B_c = 64: 2 * (64 * 64 + 4 * 64 * 64) = 40,960 bytes
+ *   d = 96,  B_r = 64,  B_c = 64: 2 * (64 * 96 + 4 * 64 * 96) = 61,440 bytes
  *   d = 32,  B_r = 128, B_c = 64: 24,576 bytes;  d = 128, B_r = 64, B_c = 64: 81,920 bytes
+ * Every tile is a multiple of 128 bytes (d = 96: 64 rows of 192 bytes = 12,288), so each starts at
+ * bank group 0 and the swizzle argument holds in each.
  *
- * Limits: d a multiple of 16 with d / 8 a power of two (32, 64, 128); B_r 64 or 128 (d = 128: 64,
- * or O_i and Q_i alone would take 192 registers); B_c a multiple of 16. A scale below zero is
+ * Limits: d a multiple of 16 (32, 64, 96 and 128 declared); B_r 64 or 128 (d = 128: 64, or O_i and
+ * Q_i alone would take 192 registers; d = 96: 64, since B_r = 128 holds 48 + 96 + 64 fragment
+ * registers at B_c = 64 and spills); B_c a multiple of 16, and B_r and B_c multiples of the copy
+ * period, 128 / P rows (16 for d = 64, 32 for d = 32 and 96). A scale below zero is
  * taken as |scale| with Q negated (exact in 16 bits). Every row of Q, K and V must start on a
  * 16-byte boundary, for cp.async: the launcher copies views whose rows do not (the model's packed
  * views do). dtype_id 0 reads and writes bfloat16, 1 float16; the launcher picks the instantiation
  * of the inputs' dtype (lab.dtype_param).
  *
  * lab.template    d_head, B_r, B_c, dtype_id
- * lab.configs     (64, 128, 64, 0), (64, 128, 64, 1), (64, 64, 64, 0), (64, 64, 64, 1), (32, 128, 64, 0), (32, 128, 64, 1), (128, 64, 64, 0), (128, 64, 64, 1)
+ * lab.configs     (64, 128, 64, 0), (64, 128, 64, 1), (64, 64, 64, 0), (64, 64, 64, 1), (32, 128, 64, 0), (32, 128, 64, 1), (128, 64, 64, 0), (128, 64, 64, 1), (96, 64, 64, 0), (96, 64, 64, 1)
  * lab.threads     128
  * lab.smem        2 * (B_r * d_head + 4 * B_c * d_head)
  * lab.strided     true
@@ -134,40 +154,64 @@ __device__ __forceinline__ void copy_async_16(unsigned dst, const element* src, 
 __device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;"); }
 __device__ __forceinline__ void copy_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 
+// The largest power of two that divides n (n > 0): its lowest set bit.
+__host__ __device__ constexpr int power_of_two_part(int n) { return n & -n; }
+
 // Byte offset of 16-byte chunk c (8 values) of row r in a swizzled tile of d_head columns. Shared
-// memory serves 128 bytes per cycle as 8 groups of 16; the rows that one 128-byte line holds and the
-// 8 lines that follow get their chunks XOR-permuted, so 8 consecutive rows' chunk c use 8 groups.
+// memory serves 128 bytes per cycle as 8 groups of 16; an ldmatrix phase reads chunk c of 8
+// consecutive rows, the first a multiple of 8. Row r starts at group chunks * r mod 8, which tells
+// apart rows that differ mod rows_per_line; XOR-ing the low log2(phases) bits of c with
+// (r / rows_per_line) mod phases tells apart the rest, and keeps c inside its aligned run of phases
+// chunks, so inside the row (phases divides chunks): d = 96 needs no padding. The header works
+// through each declared d.
 template <int d_head>
 __device__ __forceinline__ unsigned swizzled(int r, int c)
 {
     constexpr int chunks = d_head / 8;                        // 16-byte chunks per row
-    constexpr int rows_per_line = chunks >= 8 ? 1 : 8 / chunks;
-    constexpr int phases = chunks >= 8 ? 8 : chunks;
-    static_assert((chunks & (chunks - 1)) == 0, "d_head / 8 must be a power of two for the XOR swizzle");
+    constexpr int phases = power_of_two_part(chunks) >= 8 ? 8 : power_of_two_part(chunks);
+    constexpr int rows_per_line = 8 / phases;
     return r * d_head * 2 + 16 * (c ^ ((r / rows_per_line) % phases));
 }
 
-// Start copying rows row_start .. row_start + rows - 1 of one head into a swizzled tile, 16 bytes per
-// thread per copy; rows at or past T become zeros, so that no garbage reaches S_ij or P_ij V_j.
+// One thread's share of a tile copy: chunk c of rows r0, r0 + period, ... of the tile, 16 bytes per
+// copy; rows at or past T become zeros, so that no garbage reaches S_ij or P_ij V_j.
+template <int d_head, int rows, int period>
+__device__ __forceinline__ void load_rows(unsigned tile, const element* head, long long row_stride, int row_start, int T,
+                                          int r0, int c)
+{
+    const element* src = head + (long long)(row_start + r0) * row_stride + 8 * c;
+    if (row_start + rows <= T) {  // every tile but the last: no row to check, one add per copy
+        #pragma unroll
+        for (int n = 0; n < rows / period; ++n)
+            copy_async_16(tile + swizzled<d_head>(r0 + n * period, c), src + n * period * row_stride, true);
+    } else {  // a row past T reads nothing (and points at row 0, which exists)
+        #pragma unroll
+        for (int n = 0; n < rows / period; ++n) {
+            const bool valid = row_start + r0 + n * period < T;
+            copy_async_16(tile + swizzled<d_head>(r0 + n * period, c),
+                          valid ? src + n * period * row_stride : head, valid);
+        }
+    }
+}
+
+// Start copying rows row_start .. row_start + rows - 1 of one head into a swizzled tile. Thread i
+// copies chunks i, i + THREADS, i + 2 THREADS, ... of the tile read row by row, so consecutive
+// threads read consecutive 16 bytes of a row. Which chunk of which row that is repeats every period
+// rows, the fewest whole rows that make whole passes of the block: one pass of THREADS / chunks rows
+// when chunks is a power of two (the loop below then runs no pass), 3 passes of 32 rows for d = 96.
 template <int d_head, int rows>
 __device__ __forceinline__ void load_tile(unsigned tile, const element* head, long long row_stride, int row_start, int T)
 {
     constexpr int chunks = d_head / 8;
-    constexpr int rows_per_pass = THREADS / chunks;
-    static_assert(THREADS % chunks == 0 && rows % rows_per_pass == 0, "whole rows per pass, whole passes per tile");
-    const int r0 = threadIdx.x / chunks, c = threadIdx.x % chunks;
-    const element* src = head + (long long)(row_start + r0) * row_stride + 8 * c;
-    if (row_start + rows <= T) {  // every tile but the last: no row to check, one add per copy
-        #pragma unroll
-        for (int n = 0; n < rows / rows_per_pass; ++n)
-            copy_async_16(tile + swizzled<d_head>(r0 + n * rows_per_pass, c), src + n * rows_per_pass * row_stride, true);
-    } else {  // a row past T reads nothing (and points at row 0, which exists)
-        #pragma unroll
-        for (int n = 0; n < rows / rows_per_pass; ++n) {
-            const bool valid = row_start + r0 + n * rows_per_pass < T;
-            copy_async_16(tile + swizzled<d_head>(r0 + n * rows_per_pass, c),
-                          valid ? src + n * rows_per_pass * row_stride : head, valid);
-        }
+    constexpr int period = THREADS / power_of_two_part(chunks);
+    constexpr int passes = period * chunks / THREADS;
+    static_assert(THREADS % power_of_two_part(chunks) == 0 && rows % period == 0,
+                  "whole passes per period, whole periods per tile");
+    load_rows<d_head, rows, period>(tile, head, row_stride, row_start, T, threadIdx.x / chunks, threadIdx.x % chunks);
+    #pragma unroll
+    for (int p = 1; p < passes; ++p) {
+        const int i = threadIdx.x + p * THREADS;
+        load_rows<d_head, rows, period>(tile, head, row_stride, row_start, T, i / chunks, i % chunks);
     }
 }
 
