@@ -193,8 +193,20 @@ def gemv_shape(N: int, K: int, itemsize: int, *, most_rows: int = 2, loads: int 
 
 
 def lm_head_shape(config: GPT2Config, dtype: str) -> tuple[int, int]:
-    """(warps, rows per warp) of lm_head_argmax.cu: about 16 loads in flight per lane."""
-    return gemv_shape(config.vocab_size, config.n_embd, 2 if dtype == "bfloat16" else 4, most_rows=4, loads=16)
+    """(warps, rows per group) of lm_head_argmax.cu: 8 warps, groups of about 8 16-byte loads per lane
+    (two groups in flight, so about 16 loads per lane), at least one row."""
+    iters = -(-config.n_embd // (16 // (2 if dtype == "bfloat16" else 4)) // 32)  # 16-byte loads per row, per lane
+    return 8, max(1, 8 // iters)
+
+
+def lm_head_blocks(fn, warps: int, rows: int, V: int, sm_count: int) -> int:
+    """lm_head_argmax.cu's grid: one wave, as many blocks as the SMs hold at once (the kernel's
+    occupancy), no more than there are row groups for their warps."""
+    import cupy
+
+    per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, warps * 32, 0)
+    groups = -(-V // rows)
+    return max(1, min(sm_count * per_sm, -(-groups // warps)))
 
 
 def kernel_expressions(config: GPT2Config, dtype: str) -> dict[str, tuple[str, str]]:
@@ -439,10 +451,14 @@ class Engine:
             self.attn_counters = cp.zeros(NH, dtype=cp.uint32)
             self.attn_rows, self.attn_smem = attention_staging(self.max_len, self.splits, HS, 2 if bf16 else 4)
             # lm_head: one (max, argmax) per block and the last-block ticket
+            # (one wave of blocks: the grid depends on the compiled kernel's occupancy)
+            lm_exprs = kernel_expressions(config, self.dtype)
             self.lm_warps, self.lm_rows = lm_head_shape(config, self.dtype)
-            self.lm_blocks = -(-V // (self.lm_warps * self.lm_rows))
+            self.lm_blocks = lm_head_blocks(fused.function(*lm_exprs["lm_head"]), self.lm_warps, self.lm_rows, V,
+                                            self.sm_count)
             self.lm32_warps, self.lm32_rows = lm_head_shape(config, "float32")  # the eager path's lm_head
-            self.lm32_blocks = -(-V // (self.lm32_warps * self.lm32_rows))
+            self.lm32_blocks = lm_head_blocks(fused.function(*lm_exprs["lm_head32"]), self.lm32_warps, self.lm32_rows,
+                                              V, self.sm_count)
             self.block_max = cp.zeros(max(self.lm_blocks, self.lm32_blocks), dtype=cp.float32)
             self.block_arg = cp.zeros(max(self.lm_blocks, self.lm32_blocks), dtype=cp.int32)
             self.lm_counter = cp.zeros(1, dtype=cp.uint32)

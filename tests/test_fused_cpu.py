@@ -40,18 +40,26 @@ def test_the_engine_launches_every_fused_file():
 
 @pytest.mark.parametrize("dtype,vector", [("float32", "ld.global.nc.v4.u32"), ("bfloat16", "ld.global.nc.v4.u32")])
 def test_linear_layers_read_16_byte_vectors_and_prefetch(dtype, vector):
-    """Every weight load of gemv and lm_head_argmax is one 16-byte vector, all issued before the first
-    barrier (the LayerNorm of the input), and each kernel hands the next one's weights to L2."""
+    """Every weight load of gemv and lm_head_argmax is one 16-byte vector; gemv issues all of them, and
+    lm_head_argmax its first two row groups, before griddep_wait() and the first barrier (the LayerNorm
+    of the input); lm_head_argmax issues two more groups in its loop (the two refilled buffers); and
+    each kernel hands the next one's weights to L2."""
     for key in ("c_attn", "mlp_proj", "lm_head"):
         file, expr = fast.kernel_expressions(gpt2.SIZES["gpt2"], dtype)[key]
         text = fused.ptx(file, expr)
         body = text[text.index(".entry"):]
         loads = [m.start() for m in re.finditer(re.escape(vector), body)]
-        first_barrier = body.index("bar.sync")
+        first_barrier = min(body.index("bar.sync"), body.index("griddepcontrol.wait"))
         K = 3072 if key == "mlp_proj" else 768
         per_lane = -(-K // (16 // (2 if dtype == "bfloat16" else 4)) // 32)
-        assert len(loads) >= per_lane, f"{expr}: {len(loads)} 16-byte loads, expected {per_lane} per row"
-        assert all(at < first_barrier for at in loads), f"{expr}: a weight load after the first barrier"
+        if key == "lm_head":
+            group = fast.lm_head_shape(gpt2.SIZES["gpt2"], dtype)[1] * per_lane  # loads per row group
+            early = sum(at < first_barrier for at in loads)
+            assert early == 2 * group, f"{expr}: {early} 16-byte loads before the wait, expected two groups of {group}"
+            assert len(loads) == 4 * group, f"{expr}: {len(loads)} 16-byte loads, expected 2 + 2 groups of {group}"
+        else:
+            assert len(loads) >= per_lane, f"{expr}: {len(loads)} 16-byte loads, expected {per_lane} per row"
+            assert all(at < first_barrier for at in loads), f"{expr}: a weight load after the first barrier"
         assert "cp.async.bulk.prefetch.L2.global" in body, expr
 
 
@@ -127,7 +135,9 @@ def test_decode_step_is_five_kernels_per_layer_plus_two():
     exprs = fast.kernel_expressions(gpt2.SIZES["gpt2"], "float32")
     assert exprs["c_attn"] == ("gemv", "gemv<float, 768, 8, 1, true, 0>")
     assert exprs["mlp_proj"] == ("gemv", "gemv<float, 3072, 4, 1, false, 2>")
-    assert exprs["lm_head"] == ("lm_head_argmax", "lm_head_argmax<float, 768, 8, 2>")
+    assert exprs["lm_head"] == ("lm_head_argmax", "lm_head_argmax<float, 768, 8, 1>")
+    assert fast.kernel_expressions(gpt2.SIZES["gpt2"], "bfloat16")["lm_head"] == (
+        "lm_head_argmax", "lm_head_argmax<unsigned short, 768, 8, 2>")
     assert fast.kernel_expressions(gpt2.SIZES["gpt2"], "bfloat16")["attention"] == (
         "decode_attention", "decode_attention<unsigned short, 64, 4>")
 

@@ -139,10 +139,20 @@ def test_gemv_prefetch_hint_changes_nothing(cp):
 # -- lm_head + argmax ------------------------------------------------------------------------------
 
 
+def lm_head(V, C, dtype):
+    """The engine's lm_head_argmax for (V, C) in dtype: (kernel, threads, the engine's grid)."""
+    warps, rows = fast.lm_head_shape(gpt2.GPT2Config(n_layer=1, n_head=1, n_embd=C, vocab_size=V), dtype)
+    wt = "unsigned short" if dtype == "bfloat16" else "float"
+    fn = fused.function("lm_head_argmax", f"lm_head_argmax<{wt}, {C}, {warps}, {rows}>")
+    return fn, warps * 32, fast.lm_head_blocks(fn, warps, rows, V, kernels.device_limits().sm_count)
+
+
 @pytest.mark.parametrize("dtype", fast.DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True], ids=["decode", "eager-last-row"])
-@pytest.mark.parametrize("V,C", [(50257, 768), (1000, 32), (97, 256)])
+@pytest.mark.parametrize("V,C", [(50257, 768), (4097, 1600), (1000, 32), (97, 256)])
 def test_lm_head_argmax_picks_the_largest_logit_and_advances_the_state(cp, V, C, with_residual, dtype):
+    """Against float64, on the engine's grid and on others (one block, a few, more warps than row
+    groups): every grid gives the same logits bit for bit and the same token."""
     rng = cp.random.default_rng()
     wte, wte32 = weights(cp, rng, (V, C), dtype, scale=0.1)
     x = rng.standard_normal(C, dtype=cp.float32)
@@ -151,47 +161,56 @@ def test_lm_head_argmax_picks_the_largest_logit_and_advances_the_state(cp, V, C,
     ln_w = np.float32(1.0) + rng.standard_normal(C, dtype=cp.float32) * np.float32(0.1)
     ln_b = rng.standard_normal(C, dtype=cp.float32) * np.float32(0.1)
     eps = np.float32(1e-5)
-    warps, rows = fast.gemv_shape(V, C, 2 if dtype == "bfloat16" else 4, most_rows=4, loads=16)
-    blocks = -(-V // (warps * rows))
-    wt = "unsigned short" if dtype == "bfloat16" else "float"
-    fn = fused.function("lm_head_argmax", f"lm_head_argmax<{wt}, {C}, {warps}, {rows}>")
+    fn, threads, engine_blocks = lm_head(V, C, dtype)
+    grids = [engine_blocks, 1, 7, -(-V // (threads // 32)) + 3, engine_blocks]  # one wave, 1, 7, more warps than rows, one wave
     pos = 37
     state = cp.asarray([5, pos], dtype=cp.int32)
-    history = cp.full(pos + 3, -1, dtype=cp.int32)
+    history = cp.full(pos + len(grids) + 1, -1, dtype=cp.int32)
     counter = cp.zeros(1, dtype=cp.uint32)
-    block_max, block_arg = cp.full(blocks, cp.nan, dtype=cp.float32), cp.full(blocks, -1, dtype=cp.int32)
+    block_max, block_arg = cp.full(max(grids), cp.nan, dtype=cp.float32), cp.full(max(grids), -1, dtype=cp.int32)
 
     xin = x + (y + y_bias) if with_residual else x
     ref = wte32.astype(cp.float64) @ ln64(cp, xin, ln_w, ln_b, float(eps))
     plain = wte32 @ ln32(xin, ln_w, ln_b, float(eps))
-    for step in range(2):  # the second run checks that the last block put the ticket counter back
+    first = None
+    for step, blocks in enumerate(grids):
         logits = cp.full(V, cp.nan, dtype=cp.float32)
-        fn((blocks,), (warps * 32,),
+        fn((blocks,), (threads,),
            (wte, x, y if with_residual else NULL, y_bias if with_residual else NULL, ln_w, ln_b, eps, np.int32(V),
             logits, block_max, block_arg, counter, state, history, NULL, np.uint64(0)))
-        bound = check_close(cp, logits, ref, plain, f"lm_head logits {dtype} V={V} C={C} run {step}")
+        what = f"lm_head {dtype} V={V} C={C} grid {blocks} run {step}"
+        bound = check_close(cp, logits, ref, plain, f"{what}: logits")
         token = int(state[0])
         top = cp.sort(ref)[-2:]
-        assert float(ref[token]) >= float(top[1]) - 2 * bound, f"token {token} is not the largest logit"
+        assert float(ref[token]) >= float(top[1]) - 2 * bound, f"{what}: token {token} is not the largest logit"
         if float(top[1] - top[0]) > 2 * bound:  # a clear maximum: exactly the argmax
-            assert token == int(ref.argmax())
-        assert int(state[1]) == pos + 1 + step and int(history[pos + 1 + step]) == token
-        assert int(counter[0]) == 0, "the last block must put the ticket counter back to 0"
+            assert token == int(ref.argmax()), what
+        assert token == int(logits.argmax()), f"{what}: not the first largest of its own logits"
+        if first is None:
+            first = (logits, token)
+        assert bool((logits == first[0]).all()) and token == first[1], f"{what}: differs from grid {grids[0]}"
+        assert int(state[1]) == pos + 1 + step and int(history[pos + 1 + step]) == token, what
+        assert int(counter[0]) == 0, f"{what}: the last block must put the ticket counter back to 0"
     assert cp.asnumpy(history[:pos + 1]).tolist() == [-1] * (pos + 1), "history written outside pos + 1"
 
 
-def test_lm_head_argmax_ties_go_to_the_first_index(cp):
+@pytest.mark.parametrize("dtype", fast.DTYPES)
+@pytest.mark.parametrize("grid", ["engine", 1, 2, 7])
+def test_lm_head_argmax_ties_go_to_the_first_index(cp, dtype, grid):
+    """Equal largest logits in one row group, in one warp's later groups, in other warps and blocks."""
     V, C = 5000, 64
     wte = cp.zeros((V, C), dtype=cp.float32)
-    wte[[4321, 17, 2999], :] = 1.0  # three equal largest logits, in different blocks
+    wte[[4321, 18, 17, 2999, 81, 4999, 17 + 64 * 8], :] = 1.0  # 1.0 is exact in bfloat16 too
+    wte = fast.bf16_bits(cp, wte) if dtype == "bfloat16" else wte
+    fn, threads, engine_blocks = lm_head(V, C, dtype)
+    blocks = engine_blocks if grid == "engine" else grid
     state = cp.asarray([0, 3], dtype=cp.int32)
-    warps, rows = fast.gemv_shape(V, C, 4, most_rows=4, loads=16)
-    blocks = -(-V // (warps * rows))
-    fn = fused.function("lm_head_argmax", f"lm_head_argmax<float, {C}, {warps}, {rows}>")
-    fn((blocks,), (warps * 32,),
+    logits = cp.full(V, cp.nan, dtype=cp.float32)
+    fn((blocks,), (threads,),
        (wte, cp.arange(C, dtype=cp.float32), NULL, NULL, cp.ones(C, dtype=cp.float32), cp.ones(C, dtype=cp.float32),
-        np.float32(1e-5), np.int32(V), NULL, cp.zeros(blocks, dtype=cp.float32), cp.zeros(blocks, dtype=cp.int32),
+        np.float32(1e-5), np.int32(V), logits, cp.zeros(blocks, dtype=cp.float32), cp.zeros(blocks, dtype=cp.int32),
         cp.zeros(1, dtype=cp.uint32), state, cp.zeros(8, dtype=cp.int32), NULL, np.uint64(0)))
+    assert int(logits.argmax()) == 17 and float(logits[17]) > float(logits[16])
     assert int(state[0]) == 17
 
 
