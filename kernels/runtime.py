@@ -124,7 +124,8 @@ class Instance:
         """Key blocks per query tile for a split-KV rung: enough blocks to fill every SM twice,
         no split shorter than one K/V tile. The kernel reads it back as gridDim.x / T_r; split s
         writes its unnormalised O and its (m, l) per query row into the workspace, and the last
-        split of a tile to finish (a counter after the partials, left at zero) combines them."""
+        split of a tile to start (a ticket counter after the partials) combines them; each launch
+        leaves the whole workspace at zero."""
         if not self.rung.split_kv:
             return 1
         tiles = B * NH * ((T_q + self.B_r - 1) // self.B_r)

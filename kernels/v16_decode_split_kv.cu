@@ -1,10 +1,10 @@
 /*
  * v16 - decode: a few query rows per block, the keys split across blocks (flash-decoding) and the
- * splits combined by the last block to finish.
+ * splits combined by the block that starts last.
  *
  * The change (against v13): a block takes a short tile of B_r query rows (one new token, or a few)
  * and only one split of the keys; the launcher starts `splits` blocks per tile, each writes an
- * unnormalised partial O_i with its (m_i, l_i) to the workspace, and the last of them to finish
+ * unnormalised partial O_i with its (m_i, l_i) to the workspace, and the last of them to start
  * combines the partials into O. Inside a block the 4 warps split the keys again and meet in shared
  * memory. K and V go straight from global memory to registers: no tiles in shared memory.
  *
@@ -27,11 +27,23 @@
  *     (heads * rows <= B_r) and the blocks left busy still cover the SMs (%nsmid), the block of the
  *     group's first head serves all of them and the other blocks exit at once: K and V of a KV head
  *     are read once instead of once per query head. Otherwise each query head reads its own.
- *   - The combine needs no second launch: each block writes its partial, fences it
- *     (__threadfence), and counts itself on its tile's counter (atomicAdd); the block that draws
- *     splits - 1 is the last, reads every partial from L2, merges them, writes O and puts the
- *     counter back to 0 for the next launch. With splits = 1 the block writes O at once and
- *     touches neither partials nor counter.
+ *   - The combine needs no second launch and no fence. At a decode step most of the time is a chain
+ *     of round trips, not bytes, so the combine is built to add as few as it can:
+ *     - Each block draws a ticket on its tile's counter (atomicAdd) before its keys arrive, so the
+ *       atomic's round trip passes under the loads. The block that draws splits - 1 started last
+ *       and combines; every block it waits for has drawn before it, so is already running, and
+ *       waits for nothing: no deadlock, however many blocks the grid has.
+ *     - The other blocks publish their partial (O_i unnormalised, m_i, l_i) word by word, each word
+ *       stored as ~bits (a NaN first made the canonical 0x7fffffff), never 0, and relaxed at GPU
+ *       scope, straight to L2. The combining block polls the words until none is 0: the data is
+ *       its own flag, so no __threadfence (a round trip for the stores' acknowledgement) and no
+ *       second round trip for the counter after it. It keeps its own partial in shared memory.
+ *     - The combining block merges in split order, its own in its place (the same bits whichever
+ *       block combines), writes O, and puts 0 back in every word it read and in the counter: the
+ *       workspace is all zeros between launches.
+ *     With splits = 1 the block writes O at once and touches neither partials nor counter.
+ *   - The decode case (one query tile, one query head per K/V head) computes its indices without an
+ *     integer division: each costs a chain of ~15 dependent instructions before the first load.
  *
  * Geometry: grid (T_r * splits, NH, B) with T_r = ceil(T_q / B_r), so splits = gridDim.x / T_r;
  * blockIdx.x = tile rank * splits + split, the tiles counted down (with T_q = T_k the tiles that see
@@ -40,30 +52,38 @@
  * holds them.
  * Lane l of warp w: key slot l / G, chunks l % G + G f (f < F) of the row. Per step a warp takes
  * U * 32 / G consecutive keys, U = B_c / (4 * 32 / G) / R (at least 1): fewer keys in flight as more
- * rows hold registers. Keys are split across blocks in whole tiles of B_c.
+ * rows hold registers. Keys are split across blocks in whole tiles of B_c: with key_tiles tiles, each
+ * split takes key_tiles / splits of them and the first key_tiles % splits one more. With one tile
+ * per split (GPT-2 decode up to 1024 keys at B_c = 64), every load of a block is in flight at once.
  *   float32: d = 32: G = 8, F = 1; d = 64: G = 16, F = 1; d = 96: G = 8, F = 3; d = 128: G = 32, F = 1.
  *   16-bit:  d = 32: G = 4, F = 1; d = 64: G = 8, F = 1;  d = 96: G = 4, F = 3; d = 128: G = 16, F = 1.
  *   float32 d = 64, B_c = 64, R = 1: U = 8, 16 keys per warp per step, a block's 64 keys in one step;
  *   bfloat16 d = 128, B_c = 64, R = 1: U = 8, 16 keys (4 KB of K and 4 KB of V) per warp per step.
- * Shared memory, in floats: Q_i (B_r x d, used when a lane's share of Q_i passes 8 floats) + the merge area
- *   max(4 warps x B_r x (d + 2), 6 x 128): each warp's (O_i, m_i, l_i), reused by the last block
- *   for its per-thread partial merges.
+ * Shared memory, in floats: Q_i (B_r x d, used when a lane's share of Q_i passes 8 floats; then the
+ *   combining block's own O_i) + the merge area max(4 warps x B_r x (d + 2), 6 x 128): each warp's
+ *   (O_i, m_i, l_i), reused by the combining block for its per-thread partial merges; statically,
+ *   the combining block's own (m_i, l_i) (B_r x 2) and its flag.
  *   d = 64, B_r = 8: 4 * (512 + 2112) = 10,496 bytes; d = 128, B_r = 8: 20,736 bytes;
  *   d = 32, B_r = 8: 5,376 bytes; d = 96, B_r = 2: 3,904 bytes; 16-bit d = 128, B_r = 4: 10,368 bytes.
  *   B_r is 8 in float32 and 4 in 16 bits (2 at d = 96): the rows' O_i stay in registers, at most 128
- *   per thread (__launch_bounds__(128, 4)): four blocks, 16 warps, per SM.
+ *   per thread (__launch_bounds__(128, 4)): four blocks, 16 warps, per SM. A decode row (T_q = 1)
+ *   runs the R = 1 loop whatever B_r is. (64, 8, 32, 0) is declared to be compared with
+ *   config=...: half the keys per block, up to twice the splits (runtime.Instance.splits).
  * Workspace (runtime.Instance.workspace_floats), in floats: O partials (B * NH * T_q * splits * d),
- *   then (m, l) pairs (B * NH * T_q * splits * 2), then one counter per (batch, head, tile), zero
- *   between launches. GPT-2 decode at T_k = 1024 (12 heads, 16 splits): 12,672 floats + 12 counters.
+ *   then (m, l) pairs (B * NH * T_q * splits * 2), then one counter per (batch, head, tile); all
+ *   zero between launches (runtime.prepare zeroes it once; every launch leaves it so). GPT-2 decode
+ *   at T_k = 1024 (12 heads, 16 splits): 12,672 floats + 12 counters.
  *
  * Limits: d_head a multiple of 8 (declared: 32, 64, 96, 128). Every row of Q, K and V must start
  * on a 16-byte boundary: the launcher copies views whose rows do not (runtime.prepare). A tile of
  * many rows (T_q = T_k) is correct but slow: every tile reads its keys again, B_r rows at a time.
  * GQA's shared reads need the blocks of a group to be few enough that one in `heads` still covers the
  * SMs; with the launcher's splits counted per query head that holds for large batches only.
+ * One launch at a time per workspace (runtime.prepare keeps one per instance and size): two launches
+ * in flight on one workspace would mix their tickets and partials.
  *
  * lab.template    d_head, B_r, B_c, dtype_id
- * lab.configs     (64, 8, 64, 0), (32, 8, 128, 0), (96, 2, 32, 0), (128, 8, 32, 0), (64, 4, 64, 1), (32, 4, 128, 1), (96, 2, 64, 1), (128, 4, 64, 1), (64, 4, 64, 2), (32, 4, 128, 2), (96, 2, 64, 2), (128, 4, 64, 2)
+ * lab.configs     (64, 8, 64, 0), (64, 8, 32, 0), (32, 8, 128, 0), (96, 2, 32, 0), (128, 8, 32, 0), (64, 4, 64, 1), (32, 4, 128, 1), (96, 2, 64, 1), (128, 4, 64, 1), (64, 4, 64, 2), (32, 4, 128, 2), (96, 2, 64, 2), (128, 4, 64, 2)
  * lab.threads     128
  * lab.smem        4 * (B_r * d_head + max(4 * B_r * (d_head + 2), 768))
  * lab.strided     true
@@ -191,20 +211,52 @@ __device__ __forceinline__ float4 load_shared(const float* p)
     return x;
 }
 
-// Another block's partials: read from L2 (ld.cg, never a stale line of this SM's L1), and kept
-// after the barrier that follows the counter (volatile, memory clobber).
-__device__ __forceinline__ float4 load_partial4(const float* p)
+// The partials travel without fences: every word is published on its own, encoded so that it is
+// never 0 (~bits, a NaN first made the canonical 0x7fffffff: 0xffffffff is a NaN), and the workspace
+// holds 0 wherever nothing is published. The combining block polls each word until it is not 0,
+// decodes it and puts the 0 back. Relaxed at GPU scope: read and written in L2, never a stale line
+// of an SM's L1, and no ordering between words is needed, so no fence and no second round trip.
+__device__ __forceinline__ unsigned encode(float x)
 {
-    float4 x;
-    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w) : "l"(p) : "memory");
+    const unsigned bits = __float_as_uint(x);
+    return ~((bits & 0x7fffffffu) > 0x7f800000u ? 0x7fffffffu : bits);
+}
+
+__device__ __forceinline__ float decode(unsigned word) { return __uint_as_float(~word); }
+
+__device__ __forceinline__ void publish4(float* p, float4 x)
+{
+    asm volatile("st.relaxed.gpu.global.v4.b32 [%0], {%1, %2, %3, %4};"
+                 :: "l"(p), "r"(encode(x.x)), "r"(encode(x.y)), "r"(encode(x.z)), "r"(encode(x.w)) : "memory");
+}
+
+__device__ __forceinline__ void publish2(float* p, float x, float y)
+{
+    asm volatile("st.relaxed.gpu.global.v2.b32 [%0], {%1, %2};" :: "l"(p), "r"(encode(x)), "r"(encode(y)) : "memory");
+}
+
+__device__ __forceinline__ uint4 poll4(const float* p)
+{
+    uint4 x;
+    asm volatile("ld.relaxed.gpu.global.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w) : "l"(p) : "memory");
     return x;
 }
 
-__device__ __forceinline__ float2 load_partial2(const float* p)
+__device__ __forceinline__ uint2 poll2(const float* p)
 {
-    float2 x;
-    asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];" : "=f"(x.x), "=f"(x.y) : "l"(p) : "memory");
+    uint2 x;
+    asm volatile("ld.relaxed.gpu.global.v2.b32 {%0, %1}, [%2];" : "=r"(x.x), "=r"(x.y) : "l"(p) : "memory");
     return x;
+}
+
+__device__ __forceinline__ void clear4(float* p)
+{
+    asm volatile("st.relaxed.gpu.global.v4.b32 [%0], {%1, %1, %1, %1};" :: "l"(p), "r"(0u) : "memory");
+}
+
+__device__ __forceinline__ void clear2(float* p)
+{
+    asm volatile("st.relaxed.gpu.global.v2.b32 [%0], {%1, %1};" :: "l"(p), "r"(0u) : "memory");
 }
 
 // Request U keys of one lane: rows row0, row0 + KPW rows, ... (F chunks, G chunks apart, in each).
@@ -464,31 +516,39 @@ attention_forward(const element_t<dtype_id>* __restrict__ Q, const element_t<dty
     float* merge_O = smem + B_r * d_head;              // WARPS x B_r x d
     float* merge_ml = merge_O + WARPS * B_r * d_head;  // WARPS x B_r x 2
     __shared__ int is_last;
+    __shared__ float2 own_ml[B_r];  // the combining block's own (m_i, l_i) per row
     static_assert(WARPS * B_r * (d_head + 2) <= MERGE_FLOATS, "merge area");
 
     // blockIdx.x = tile rank * splits + split, tiles counted down: the longest causal tiles start first.
+    // Integer division costs a chain of ~15 dependent instructions and the loads wait for it: the
+    // decode case (one tile, one head per K/V head) takes none.
     const int T_r = (T_q + B_r - 1) / B_r;
-    const int splits = gridDim.x / T_r;
-    const int split = blockIdx.x % splits;
-    const int tile = T_r - 1 - (int)(blockIdx.x / splits);
+    int splits = gridDim.x, split = blockIdx.x, tile = 0;
+    if (T_r > 1) {
+        splits = gridDim.x / T_r;
+        split = blockIdx.x % splits;
+        tile = T_r - 1 - (int)(blockIdx.x / splits);
+    }
     const int NH = gridDim.y, head = blockIdx.y, batch = blockIdx.z;
-    const long long n_blocks = (long long)gridDim.x * gridDim.y * gridDim.z;
 
     // Query heads per block: the largest divisor of kv_group whose rows fit in B_r, if the blocks
     // left busy (one in `heads`) still cover the SMs; then one block reads its K/V head for all.
-    const int rows_max = min(B_r, T_q);
     int heads = 1;
-    for (int c = min(kv_group, B_r / rows_max); c > 1; --c)
-        if (kv_group % c == 0) {
-            heads = c;
-            break;
-        }
-    unsigned n_sm;
-    asm("mov.u32 %0, %%nsmid;" : "=r"(n_sm));
-    if (heads > 1 && n_blocks / heads < n_sm)
-        heads = 1;
-    if (head % heads != 0)
-        return;  // a block of the group's first head serves this one
+    if (kv_group > 1) {
+        const int rows_max = min(B_r, T_q);
+        for (int c = min(kv_group, B_r / rows_max); c > 1; --c)
+            if (kv_group % c == 0) {
+                heads = c;
+                break;
+            }
+        unsigned n_sm;
+        asm("mov.u32 %0, %%nsmid;" : "=r"(n_sm));
+        const long long n_blocks = (long long)gridDim.x * gridDim.y * gridDim.z;
+        if (heads > 1 && n_blocks / heads < n_sm)
+            heads = 1;
+        if (heads > 1 && head % heads != 0)
+            return;  // a block of the group's first head serves this one
+    }
 
     Split<element_t<dtype_id>> sp;
     sp.row_start = tile * B_r;
@@ -501,15 +561,42 @@ attention_forward(const element_t<dtype_id>* __restrict__ Q, const element_t<dty
     sp.Q_first = Q + batch * q_batch_stride + head * q_head_stride + sp.row_start * q_row_stride;
     sp.q_head_stride = q_head_stride;
     sp.q_row_stride = q_row_stride;
-    const int kv_head = head / kv_group;
+    const int kv_head = kv_group == 1 ? head : head / kv_group;
     sp.K_head = K + batch * kv_batch_stride + kv_head * kv_head_stride;
     sp.V_head = V + batch * kv_batch_stride + kv_head * kv_head_stride;
     sp.kv_row_stride = kv_row_stride;
-    // This split's keys: whole tiles of B_c of the keys the tile's last row may see.
+    // This split's keys: whole tiles of B_c of the keys the tile's last row may see, `per` tiles to
+    // a split and one more to each of the first `extra`.
     const int n_keys = causal ? min(max(sp.row_start + sp.rows_per_head + sp.key_offset, 0), T_k) : T_k;
-    const int key_tiles = (n_keys + B_c - 1) / B_c;
-    sp.k_begin = (int)((long long)split * key_tiles / splits) * B_c;
-    sp.k_end = max(sp.k_begin, min((int)((long long)(split + 1) * key_tiles / splits) * B_c, n_keys));
+    sp.k_begin = 0;
+    sp.k_end = n_keys;
+    if (splits > 1) {
+        const int key_tiles = (n_keys + B_c - 1) / B_c;
+        const int per = key_tiles / splits, extra = key_tiles - per * splits;
+        const int first_tile = split * per + min(split, extra);
+        sp.k_begin = min(first_tile * B_c, n_keys);
+        sp.k_end = min((first_tile + per + (split < extra ? 1 : 0)) * B_c, n_keys);
+    }
+
+    // Row r of the block is query row row_start + r % rows_per_head of head head + r / rows_per_head.
+    const long long bh0 = (long long)batch * NH + head;
+    const bool o_vec = (reinterpret_cast<unsigned long long>(O) & 15) == 0;
+    auto row_index = [&](int r) {  // (batch, head, query row) of block row r, as an index over B x NH x T_q
+        if (heads == 1)            // rows < rows_per_head: no division
+            return bh0 * T_q + sp.row_start + r;
+        return (bh0 + r / sp.rows_per_head) * T_q + sp.row_start + r % sp.rows_per_head;
+    };
+    const long long n_slots = (long long)gridDim.z * NH * T_q * splits;
+    float* part_O = workspace;                      // n_slots x d: row index * splits + split
+    float* part_ml = workspace + n_slots * d_head;  // n_slots x 2
+    unsigned* counter = reinterpret_cast<unsigned*>(part_ml + n_slots * 2) + bh0 * T_r + tile;
+
+    // Draw a ticket now, so that the atomic's round trip passes while the keys load: the block that
+    // draws splits - 1 started last and combines. Every block it waits for has drawn before it, so is
+    // running, and waits for nothing: no deadlock, whatever the grid.
+    unsigned ticket = 0;
+    if (splits > 1 && threadIdx.x == 0)
+        ticket = atomicAdd(counter, 1u);
 
     if (sp.rows == 1)
         attend_keys<d_head, B_r, B_c, dtype_id, 1>(sp, Q_smem, merge_O, merge_ml);
@@ -519,19 +606,14 @@ attention_forward(const element_t<dtype_id>* __restrict__ Q, const element_t<dty
         attend_keys<d_head, B_r, B_c, dtype_id, cmin(4, B_r)>(sp, Q_smem, merge_O, merge_ml);
     else
         attend_keys<d_head, B_r, B_c, dtype_id, B_r>(sp, Q_smem, merge_O, merge_ml);
+    if (threadIdx.x == 0)
+        is_last = ticket == (unsigned)splits - 1;
     __syncthreads();  // every warp's state is in the merge area
+    const bool last = splits > 1 && is_last;
 
-    // Row r of the block is query row row_start + r % rows_per_head of head head + r / rows_per_head.
-    const long long bh0 = (long long)batch * NH + head;
-    const bool o_vec = (reinterpret_cast<unsigned long long>(O) & 15) == 0;
-    auto row_index = [&](int r) {  // (batch, head, query row) of block row r, as an index over B x NH x T_q
-        return (bh0 + r / sp.rows_per_head) * T_q + sp.row_start + r % sp.rows_per_head;
-    };
-    const long long n_slots = (long long)gridDim.z * NH * T_q * splits;
-    float* part_O = workspace;                      // n_slots x d: row index * splits + split
-    float* part_ml = workspace + n_slots * d_head;  // n_slots x 2
-
-    // The block's state: merge the 4 warps' (O_i, m_i, l_i), then write O_i / l_i, or the partial.
+    // The block's state: merge the 4 warps' (O_i, m_i, l_i), then write O_i / l_i, or publish the
+    // partial; the combining block keeps its own in shared memory (Q_i's area, free now).
+    float4* own_O = reinterpret_cast<float4*>(Q_smem);  // rows x d
     for (int idx = threadIdx.x; idx < sp.rows * CHUNKS; idx += THREADS) {
         const int r = idx / CHUNKS, c = idx % CHUNKS;
         float m = -INFINITY;
@@ -550,34 +632,26 @@ attention_forward(const element_t<dtype_id>* __restrict__ Q, const element_t<dty
         }
         if (splits == 1) {
             store4<dtype_id>(O + row_index(r) * d_head + 4 * c, scaled(acc, l > 0.0f ? 1.0f / l : 0.0f), o_vec);  // no key: 0
+        } else if (last) {
+            own_O[idx] = acc;
+            if (c == 0)
+                own_ml[r] = make_float2(m, l);
         } else {
             const long long s = row_index(r) * splits + split;
-            *reinterpret_cast<float4*>(&part_O[s * d_head + 4 * c]) = acc;
+            publish4(&part_O[s * d_head + 4 * c], acc);
             if (c == 0)
-                *reinterpret_cast<float2*>(&part_ml[s * 2]) = make_float2(m, l);
+                publish2(&part_ml[s * 2], m, l);
         }
     }
-    if (splits == 1)
+    if (!last)
         return;
-
-    // Publish the partial, then count this block on its tile's counter; the last one combines.
-    __threadfence();   // each thread's partial is visible device-wide before the count
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        unsigned* counter = reinterpret_cast<unsigned*>(part_ml + n_slots * 2) + bh0 * T_r + tile;
-        const bool last = atomicAdd(counter, 1u) == (unsigned)splits - 1;
-        if (last) {
-            atomicExch(counter, 0u);  // every split has counted: ready for the next launch
-            __threadfence();          // read the partials only after the count that saw them all
-        }
-        is_last = last;
-    }
-    __syncthreads();
-    if (!is_last)
-        return;
+    if (threadIdx.x == 0)
+        atomicExch(counter, 0u);  // every split has drawn: ready for the next launch
+    __syncthreads();              // own state in place, the merge area free
 
     // The last block merges the splits: item (row, chunk) over splits p, p + parts, ..., with
     // `parts` threads per item when there are few items, so that all partials are requested at once.
+    // Always in split order, its own in its place: the same bits whichever block combines.
     const int items = sp.rows * CHUNKS;
     const int parts = max(1, min(splits, THREADS / items));
     float* thread_O = merge_O;                  // THREADS float4, reused: the merge area is free
@@ -589,21 +663,47 @@ attention_forward(const element_t<dtype_id>* __restrict__ Q, const element_t<dty
         float m = -INFINITY, l = 0.0f;
         float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         for (int s0 = p; s0 < splits; s0 += 4 * parts) {
-            float2 ml[4];  // four partials requested together, then merged; past splits: empty
-            float4 o[4];
+            // Four partials requested together, again until every word of them has been published.
+            uint4 o[4];
+            uint2 ml[4];
+            bool ready;
+            int polls = 0;
+            do {
+                if (++polls > (1 << 22))
+                    __trap();  // seconds without a word arriving: a bug, an error rather than a hang
+                ready = true;
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int s = s0 + j * parts;
+                    if (s < splits && s != split) {
+                        o[j] = poll4(&part_O[(first + s) * d_head + 4 * c]);
+                        ml[j] = poll2(&part_ml[(first + s) * 2]);
+                    }
+                }
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int s = s0 + j * parts;
+                    if (s < splits && s != split)
+                        ready = ready && o[j].x && o[j].y && o[j].z && o[j].w && ml[j].x && ml[j].y;
+                }
+            } while (!ready);
             #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                const long long s = first + s0 + j * parts;
-                const bool valid = s0 + j * parts < splits;
-                ml[j] = valid ? load_partial2(&part_ml[s * 2]) : make_float2(-INFINITY, 0.0f);
-                o[j] = valid ? load_partial4(&part_O[s * d_head + 4 * c]) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            }
-            #pragma unroll
-            for (int j = 0; j < 4; ++j) {
+                const int s = s0 + j * parts;
+                float2 ml_j = make_float2(-INFINITY, 0.0f);  // past splits: empty
+                float4 o_j = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (s == split) {
+                    ml_j = own_ml[r];
+                    o_j = own_O[item];
+                } else if (s < splits) {
+                    ml_j = make_float2(decode(ml[j].x), decode(ml[j].y));
+                    o_j = make_float4(decode(o[j].x), decode(o[j].y), decode(o[j].z), decode(o[j].w));
+                    clear4(&part_O[(first + s) * d_head + 4 * c]);  // this thread is its only reader
+                }
                 float m_new, a, b;
-                merge_weights(m, ml[j].x, m_new, a, b);
-                l = l * a + ml[j].y * b;
-                acc = blend(acc, a, o[j], b);
+                merge_weights(m, ml_j.x, m_new, a, b);
+                l = l * a + ml_j.y * b;
+                acc = blend(acc, a, o_j, b);
                 m = m_new;
             }
         }
@@ -614,9 +714,14 @@ attention_forward(const element_t<dtype_id>* __restrict__ Q, const element_t<dty
             *reinterpret_cast<float2*>(&thread_ml[2 * idx]) = make_float2(m, l);
         }
     }
+    __syncthreads();  // every thread of a row has read its (m, l): clear them for the next launch
+    for (int i = threadIdx.x; i < sp.rows * splits; i += THREADS) {
+        const int r = i / splits, s = i % splits;
+        if (s != split)
+            clear2(&part_ml[(row_index(r) * splits + s) * 2]);
+    }
     if (parts == 1)
         return;
-    __syncthreads();
     for (int item = threadIdx.x; item < items; item += THREADS) {
         const int r = item / CHUNKS, c = item % CHUNKS;
         float m = -INFINITY, l = 0.0f;
