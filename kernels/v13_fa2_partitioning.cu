@@ -9,7 +9,8 @@
  * contiguous band of rows w B_r / 4 .. (w + 1) B_r / 4 - 1 with their S_ij, P_ij, m_i, l_i and O_i.
  * Each thread computes a TM x TN register tile of S_ij = Q_i K_j^T and a TM x (d / 8) tile of
  * O_i += P_ij V_j (8 x 8 and 8 x 8 at B_r = 128, B_c = 64, d = 64), and K_j and V_j arrive by
- * cp.async while the other product is computed.
+ * cp.async while the other product is computed. It also takes non-causal attention, query and key
+ * lengths that differ, grouped-query attention, and head size 96.
  *
  * Why it helps:
  *   - Causal work at warp granularity: a warp whose band lies wholly above a tile of keys skips
@@ -31,33 +32,59 @@
  *     tile of every head, the next ones the tile before it, ..., so the short tiles fill the tail
  *     of the grid. Which block computes which tile changes, not what is computed.
  *
- * Geometry: grid (T_r = ceil(T / B_r), n_heads, batch), block 128 threads = 4 warps. Lane l of warp
- * w has row group rg = l / 8 and column group cg = l % 8; it owns
+ * Beyond causal self-attention (lab.supports), with the inner loops untouched: what differs is
+ * decided once per block or per warp, in the block-uniform branches around them.
+ *   - Query row i sees keys j <= min(i + diag, T_k - 1): causal, diag = T_k - T_q, the mask aligned
+ *     bottom-right (the last query sees every key, as in a block of new tokens over a KV cache);
+ *     non-causal, diag = T_k, which never binds. The block computes diag once, and from it T_c, the
+ *     tile of the last key its last row sees; each warp the last key its last row sees (skip the
+ *     tiles past it) and the last key all its rows see (mask only the tiles past that one). Causal
+ *     masking compares key - row with diag; non-causal masks the keys past T_k in the last tile.
+ *   - With T_q > T_k the first T_q - T_k rows see no key. A block all of whose rows are such runs
+ *     no tile and writes zeros. In a warp that has some, those rows start at m_i = 0 instead of
+ *     -inf: all their scores are -inf, so P_ij is exactly 0 and no -inf - (-inf) makes a NaN; l_i
+ *     stays 0, and a row with l_i = 0 writes zeros (as the reference defines it).
+ *   - Grouped-query attention: query head h reads K/V head h / kv_group through the K/V strides, so
+ *     the kv_group query heads of a group share one copy of K and V in memory.
+ *
+ * Geometry: grid (T_r = ceil(T_q / B_r), n_heads, batch), block 128 threads = 4 warps. Lane l of
+ * warp w has row group rg = l / 8 and column group cg = l % 8; it owns
  *   rows      w * B_r / 4 + rg + 4 i,  i < TM = B_r / 16  (consecutive lanes: consecutive rows)
  *   S columns cg + 8 j,                j < TN = B_c / 8
  *   O columns 32 q + 4 cg + e,         q < d / 32, e < 4  (8 lanes: 32 consecutive floats)
+ * so d = 96 gives each thread TD = 3 float4 groups of O_i columns, the same layout as d = 64 or 128.
  * Shared memory, in floats (every row 16-byte aligned):
  *   Q_i (B_r x (d + 4)) + K_j (B_c x (d + 4)) + V_j (B_c x d) + P_ij (B_r x (B_c + 8))
  *   B_r = 128, B_c = 64, d = 64: 4 * (128 * 68 + 64 * 68 + 64 * 64 + 128 * 72) = 105,472 bytes,
  *   two blocks in the 228 KB of an H100 SM; B_r = 64: 69,632 bytes, three blocks;
  *   d = 32, B_r = 128, B_c = 64: 72,704 bytes; d = 128, B_r = 64, B_c = 32: 77,312 bytes;
- *   d = 128, B_r = 128, B_c = 32: 121,344 bytes, one block.
+ *   d = 128, B_r = 128, B_c = 32: 121,344 bytes, one block;
+ *   d = 96, B_r = 128, B_c = 32: 4 * (128 * 100 + 32 * 100 + 32 * 96 + 128 * 40) = 96,768 bytes,
+ *   two blocks; B_r = 64, B_c = 64: 94,208 bytes, two blocks; B_r = 64, B_c = 32: 60,928 bytes, three.
+ *   For d = 96 the 128 x 32 tile comes first, by the rule of the other head sizes: the tallest
+ *   register tile (TM = 8) that still leaves two blocks per SM (d = 96, B_c = 64 at B_r = 128
+ *   would leave one); the 64 x 32 tile also fits devices with less shared memory.
  * Banks: a warp reads K_j[cg + 8 j][4 k .. 4 k + 3] for 8 consecutive rows; with a pitch of d + 4
- *   floats, row r starts 4 r banks further, so the 8 float4 cover the 32 banks once. Q_i and P_ij
- *   reads are 4 consecutive rows (broadcast to 8 lanes each), 4 or 8 banks apart. V_j reads are 8
- *   consecutive float4 of one row. The P_ij stores (one float per lane) land at bank
- *   8 rg + cg (mod 32) with the pitch of B_c + 8: all distinct.
+ *   floats (4 mod 32 for every multiple of 32, 96 included), row r starts 4 r banks further, so the
+ *   8 float4 cover the 32 banks once. Q_i and P_ij reads are 4 consecutive rows (broadcast to 8
+ *   lanes each), 4 or 8 banks apart. V_j reads are 8 consecutive float4 of one row. The P_ij stores
+ *   (one float per lane) land at bank 8 rg + cg (mod 32) with the pitch of B_c + 8: all distinct.
+ * Copies: a row of K_j or V_j is d / 4 chunks of 16 bytes. For d = 32, 64, 128 that divides the 128
+ *   threads, and one pass copies 128 / (d / 4) whole rows; at d = 96 (24 chunks) the pattern repeats
+ *   every lcm(128, 24) = 384 chunks = 16 rows: each thread has 3 (row, chunk) starting points among
+ *   the first 16 rows and steps 16 rows from each (B_c, a multiple of 32, is whole periods).
  *
- * Limits: causal only. d_head a multiple of 32; B_r a multiple of 16, B_c a multiple of 32. Rows
- * of Q, K and V 16-byte aligned (the launcher copies views whose rows are not). Keys past T are
- * zero-filled, so no garbage reaches P_ij V_j; but a NaN or inf in V_j itself also reaches the
- * rows of its tile that mask its key (0 x NaN in the product).
+ * Limits: d_head a multiple of 32 (32, 64, 96, 128 declared); B_r a multiple of 16, B_c a multiple
+ * of 32. Rows of Q, K and V 16-byte aligned (the launcher copies views whose rows are not), K and V
+ * with the same strides. Keys past T_k are zero-filled, so no garbage reaches P_ij V_j; but a NaN or
+ * inf in V_j itself also reaches the rows of its tile that mask its key (0 x NaN in the product).
  *
  * lab.template   d_head, B_r, B_c
- * lab.configs    (64, 128, 64), (64, 64, 64), (32, 128, 64), (128, 64, 32), (128, 128, 32)
+ * lab.configs    (64, 128, 64), (64, 64, 64), (32, 128, 64), (128, 64, 32), (128, 128, 32), (96, 128, 32), (96, 64, 64), (96, 64, 32)
  * lab.threads    128
  * lab.smem       4 * (B_r * (d_head + 4) + B_c * (d_head + 4) + B_c * d_head + B_r * (B_c + 8))
  * lab.strided    true
+ * lab.supports   noncausal, cross, gqa
  */
 
 #ifndef INFINITY
@@ -86,22 +113,31 @@ __device__ __forceinline__ void copy_async_16(float* dst, const float* src, bool
 __device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;"); }
 __device__ __forceinline__ void copy_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 
+__host__ __device__ constexpr int gcd(int a, int b) { return b == 0 ? a : gcd(b, a % b); }
+
 // Start copying keys (or values) col_start .. col_start + rows - 1 of one head into a tile with the
-// given pitch; keys at or past T become zeros. Each pass of the block copies THREADS / (d / 4) rows.
+// given pitch; keys at or past T_k become zeros. The block's copies repeat every lcm(THREADS, d / 4)
+// 16-byte chunks: each thread takes passes_per_period (row, chunk) starting points (1, or 3 at d = 96)
+// and steps rows_per_period rows from each.
 template <int d_head, int rows, int pitch>
 __device__ __forceinline__ void load_tile_async(float* tile, const float* head, long long row_stride,
-                                                int col_start, int T)
+                                                int col_start, int T_k)
 {
-    constexpr int d4 = d_head / 4;
-    constexpr int rows_per_pass = THREADS / d4;
-    static_assert(THREADS % d4 == 0 && rows % rows_per_pass == 0, "whole rows per pass, whole passes per tile");
-    const int r0 = threadIdx.x / d4, c = 4 * (threadIdx.x % d4);
-    const float* src = head + (long long)(col_start + r0) * row_stride + c;
+    constexpr int chunks = d_head / 4;                                 // 16-byte chunks per row
+    constexpr int passes_per_period = chunks / gcd(THREADS, chunks);
+    constexpr int rows_per_period = passes_per_period * THREADS / chunks;
+    static_assert(rows % rows_per_period == 0, "whole periods per tile");
     #pragma unroll
-    for (int n = 0; n < rows / rows_per_pass; ++n, src += rows_per_pass * row_stride) {
-        const int r = r0 + n * rows_per_pass;
-        const bool valid = col_start + r < T;  // a key past T reads nothing (at a valid address)
-        copy_async_16(&tile[r * pitch + c], valid ? src : head, valid);
+    for (int s = 0; s < passes_per_period; ++s) {
+        const unsigned idx = threadIdx.x + s * THREADS;
+        const int r0 = idx / chunks, c = 4 * (idx % chunks);
+        const float* src = head + (long long)(col_start + r0) * row_stride + c;
+        #pragma unroll
+        for (int n = 0; n < rows / rows_per_period; ++n, src += rows_per_period * row_stride) {
+            const int r = r0 + n * rows_per_period;
+            const bool valid = col_start + r < T_k;  // a key past T_k reads nothing (at a valid address)
+            copy_async_16(&tile[r * pitch + c], valid ? src : head, valid);
+        }
     }
     copy_async_commit();
 }
@@ -109,7 +145,8 @@ __device__ __forceinline__ void load_tile_async(float* tile, const float* head, 
 template <int d_head, int B_r, int B_c>
 __global__ void __launch_bounds__(THREADS)
 attention_forward(const float* __restrict__ Q, const float* __restrict__ K, const float* __restrict__ V,
-                  float* __restrict__ O, float* __restrict__ workspace, int T, int /* T_k */, int /* kv_group */, int /* causal */, float scale,
+                  float* __restrict__ O, float* __restrict__ /* workspace */, int T_q, int T_k, int kv_group,
+                  int causal, float scale,
                   long long q_batch_stride, long long q_head_stride, long long q_row_stride,
                   long long kv_batch_stride, long long kv_head_stride, long long kv_row_stride)
 {
@@ -139,26 +176,39 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
     const long long bh = flat % n_heads;   // = batch * NH + head
     const long long batch = bh / gridDim.y;
     const long long head = bh % gridDim.y;
+    // Grouped-query attention: kv_group consecutive query heads share a K/V head. Unsigned: no sign
+    // fix-ups (compiled signed, it cost the d = 32 tile the register budget of a third block per SM).
+    const long long kv_head = (unsigned)head / (unsigned)kv_group;
 
     const float* Q_head = Q + batch * q_batch_stride + head * q_head_stride;
-    const float* K_head = K + batch * kv_batch_stride + head * kv_head_stride;
-    const float* V_head = V + batch * kv_batch_stride + head * kv_head_stride;
-    float* O_head = O + bh * T * d_head;   // O is contiguous (B, NH, T, d)
+    const float* K_head = K + batch * kv_batch_stride + kv_head * kv_head_stride;
+    const float* V_head = V + batch * kv_batch_stride + kv_head * kv_head_stride;
+    float* O_head = O + bh * T_q * d_head;  // O is contiguous (B, NH, T_q, d)
     const bool o_vec = (reinterpret_cast<unsigned long long>(O_head) & 15) == 0;
 
     const int row_start = q_tile * B_r;
-    const int rows = min(B_r, T - row_start);
+    const int rows = min(B_r, T_q - row_start);
+    // Query row i sees keys j <= min(i + diag, T_k - 1). Causal: diag = T_k - T_q, the mask aligned
+    // bottom-right (the last query sees every key); non-causal: diag = T_k, which never binds.
+    const int diag = causal ? T_k - T_q : T_k;
+    // Stop at the tile of the last key the block's last row sees; none if it sees none.
+    const int block_last_key = row_start + rows - 1 + diag;
+    const int T_c = block_last_key < 0 ? 0 : min((T_k + B_c - 1) / B_c, block_last_key / B_c + 1);
+
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int rg = lane / 8, cg = lane % 8;
-    const int warp_row = warp * rows_per_warp;                 // first row of this warp in Q_i
-    const int warp_last = row_start + warp_row + rows_per_warp - 1;  // its last query row (index in T)
+    const int warp_row = warp * rows_per_warp;         // first row of this warp in Q_i
+    const int warp_first = row_start + warp_row;       // ... as a query index
+    const int warp_last_key = warp_first + rows_per_warp - 1 + diag;  // the last key its last row sees
+    const int warp_full_key = min(warp_first + diag, T_k - 1);        // ... and every row of it sees
 
     // K_0 starts arriving while Q_i is loaded and scaled: S = (scale log2 e) Q K^T is in log2 units.
-    load_tile_async<d_head, B_c, K_pitch>(K_j, K_head, kv_row_stride, 0, T);
+    if (T_c > 0)
+        load_tile_async<d_head, B_c, K_pitch>(K_j, K_head, kv_row_stride, 0, T_k);
     const float scale_log2 = scale * LOG2_E;
     for (int idx = threadIdx.x; idx < B_r * (d_head / 4); idx += THREADS) {
         const int r = idx / (d_head / 4), c = 4 * (idx % (d_head / 4));
-        float4 q = make_float4(0.0f, 0.0f, 0.0f, 0.0f);  // rows past T: zeros, finite scores
+        float4 q = make_float4(0.0f, 0.0f, 0.0f, 0.0f);  // rows past T_q: zeros, finite scores
         if (r < rows) {
             q = *(const float4*)&Q_head[(long long)(row_start + r) * q_row_stride + c];
         }
@@ -169,7 +219,10 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
     float m_i[TM], l_i[TM];                // l_i: this lane's share of the row sum, reduced at the end
     #pragma unroll
     for (int i = 0; i < TM; ++i) {
-        m_i[i] = -INFINITY;
+        // A row that sees a key sees key 0, in tile 0, and has a finite m_i from then on. A row that
+        // sees none (causal, T_q > T_k) starts at m_i = 0, not -inf: its scores are all -inf, so
+        // m_i stays 0, P_ij stays exactly 0 and no -inf - (-inf) turns it into NaN; l_i stays 0.
+        m_i[i] = warp_first + rg + 4 * i + diag < 0 ? 0.0f : -INFINITY;
         l_i[i] = 0.0f;
         #pragma unroll
         for (int q = 0; q < TD; ++q)
@@ -178,17 +231,16 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
                 O_acc[i][q][e] = 0.0f;
     }
 
-    // Causal: no row of Q_i sees a key past its last row, so stop at that key's tile.
-    const int T_c = (row_start + rows - 1) / B_c + 1;
     for (int j = 0; j < T_c; ++j) {
         const int col_start = j * B_c;
         // K_j has landed for every thread, and every warp is done with V_{j-1} and its P_ij slice.
         copy_async_wait_all();
         __syncthreads();
-        load_tile_async<d_head, B_c, V_pitch>(V_j, V_head, kv_row_stride, col_start, T);
+        load_tile_async<d_head, B_c, V_pitch>(V_j, V_head, kv_row_stride, col_start, T_k);
 
-        // A warp whose rows all precede this tile, or all lie past T, has nothing to do in it.
-        const bool warp_active = col_start <= warp_last && row_start + warp_row < T;
+        // A warp none of whose rows sees a key of this tile, or whose rows all lie past T_q, has
+        // nothing to do in it.
+        const bool warp_active = col_start <= warp_last_key && warp_first < T_q;
         if (warp_active) {
             // S_ij = Q_i K_j^T: per 4 steps of d, 8 + 8 float4 loads feed 4 * TM * TN FFMAs
             float S[TM][TN];
@@ -216,23 +268,33 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
                 }
             }
 
-            // Only a tile that reaches past this warp's first row holds masked scores. Select, do
-            // not add: whatever sits in a masked score becomes -inf and then exactly 0.
-            if (col_start + B_c - 1 > row_start + warp_row) {
-                #pragma unroll
-                for (int i = 0; i < TM; ++i) {
-                    const int row = row_start + warp_row + rg + 4 * i;
+            // Only a tile that reaches past a key that every row of the warp sees (past the diagonal
+            // of its first row, or past T_k) holds masked scores. Select, do not add: whatever sits in
+            // a masked score, the zeros of keys past T_k included, becomes -inf and then exactly 0.
+            if (col_start + B_c - 1 > warp_full_key) {
+                if (causal) {  // key > row + diag; for a row before T_q, every key past T_k is too
+                    // Key col_start + cg + 8 n, row warp_first + rg + 4 i: one comparison per 8 n - 4 i.
+                    const int last = warp_first + rg + diag - col_start - cg;
+                    #pragma unroll
+                    for (int i = 0; i < TM; ++i)
+                        #pragma unroll
+                        for (int n = 0; n < TN; ++n)
+                            if (8 * n - 4 * i > last)
+                                S[i][n] = -INFINITY;
+                } else {       // key >= T_k, the same columns in every row
                     #pragma unroll
                     for (int n = 0; n < TN; ++n)
-                        if (col_start + cg + 8 * n > row)
-                            S[i][n] = -INFINITY;
+                        if (col_start + cg + 8 * n >= T_k)
+                            #pragma unroll
+                            for (int i = 0; i < TM; ++i)
+                                S[i][n] = -INFINITY;
                 }
             }
 
             #pragma unroll
             for (int i = 0; i < TM; ++i) {
-                // m_new = max(m_i, rowmax(S_ij)), over this lane's columns and then the row group's 8 lanes.
-                // Tile 0 always holds key 0, visible to every row, so m_new is finite from then on.
+                // m_new = max(m_i, rowmax(S_ij)), over this lane's columns and then the row group's 8 lanes;
+                // finite from tile 0 on (see m_i's start).
                 float m_new = m_i[i];
                 #pragma unroll
                 for (int n = 0; n < TN; ++n)
@@ -264,7 +326,7 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
         copy_async_wait_all();
         __syncthreads();
         if (j + 1 < T_c)
-            load_tile_async<d_head, B_c, K_pitch>(K_j, K_head, kv_row_stride, col_start + B_c, T);
+            load_tile_async<d_head, B_c, K_pitch>(K_j, K_head, kv_row_stride, col_start + B_c, T_k);
 
         if (warp_active) {
             // O_i += P_ij V_j: per 4 keys, TM float4 of P_ij and 4 * TD float4 of V_j feed 16 * TM * TD FFMAs
@@ -304,16 +366,17 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
         }
     }
 
-    // O_i = O_i / l_i, once; l_i is the sum of the 8 lanes' shares.
+    // O_i = O_i / l_i, once; l_i is the sum of the 8 lanes' shares, 0 for a row that sees no key,
+    // whose output is 0.
     #pragma unroll
     for (int i = 0; i < TM; ++i) {
         float l = l_i[i];
         l += __shfl_xor_sync(FULL_WARP, l, 1);
         l += __shfl_xor_sync(FULL_WARP, l, 2);
         l += __shfl_xor_sync(FULL_WARP, l, 4);
-        const float inv_l = 1.0f / l;
-        const int row = row_start + warp_row + rg + 4 * i;
-        if (row < T) {
+        const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;
+        const int row = warp_first + rg + 4 * i;
+        if (row < T_q) {
             #pragma unroll
             for (int q = 0; q < TD; ++q) {
                 float* dst = O_head + (long long)row * d_head + 32 * q + 4 * cg;

@@ -5,6 +5,7 @@
  * registers, K_j and V_j streamed through shared memory) with both products issued to the tensor
  * cores as mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32. The template parameter split picks
  * the arithmetic: split = 1 is 3xTF32 (float32-level accuracy, the default), split = 0 plain TF32.
+ * It also takes non-causal, cross (T_q != T_k) and grouped-query attention.
  *
  * Why it helps: one mma is 16 x 8 x 8 = 1024 multiply-adds for a warp, against 32 for an FFMA, on
  * a pipe whose TF32 rate is several times the FFMA rate (DEVICE.md has the measured ceilings).
@@ -26,10 +27,15 @@
  *     a3 = c3), and a thread's V_j operands are keys 16 u + 4 t .. 16 u + 4 t + 3;
  *   - the columns of O_i: n-tile 4 w + z, logical column n is column 32 w + 4 n + z, so the V_j
  *     operands of 4 n-tiles are 4 consecutive floats and a thread's 8 values of a row of O_i are
- *     8 consecutive floats, stored as two float4.
+ *     8 consecutive floats, stored as two float4. There are d / 32 groups w (3 at d = 96) and
+ *     d / 16 k-pairs kk (6 at d = 96): d a multiple of 32 is all either needs.
  * Shared memory is swizzled in 16-byte chunks (so that cp.async writes whole chunks): chunk c of
  * row r of K_j sits at c ^ 4 (r % 2), of V_j at c ^ 2 ((r / 4) % 4). A quarter-warp's 8 float4
  * loads then land on 8 distinct groups of 4 banks, for K_j (rows r, r + 1) and V_j (4 rows apart).
+ * A row is d / 4 chunks, a multiple of 8 (d = 96: 24 chunks, 384 bytes), so every row starts in
+ * bank group 0 and the XOR, which touches only the 3 low bits, keeps a chunk within its aligned 8.
+ * The 24 chunks of a d = 96 row do not divide the 128 threads of a block, so the copies go by
+ * segments of 8 chunks, 16 rows a pass (load_tile_async); d = 32, 64, 128 copy whole rows.
  *
  * 3xTF32: x = big + small with big = x rounded to TF32 (10 mantissa bits) and small = x - big,
  * exact in float32; a b ~ big_a big_b + big_a small_b + small_a big_b, dropping small_a small_b
@@ -46,7 +52,23 @@
  * As in v13: the softmax scale and log2(e) are folded into Q_i, masking only on tiles that cross a
  * warp's first row, a warp skips tiles none of its rows sees, heavy tiles first, O_i / l_i once.
  *
- * Geometry: grid (T_r = ceil(T / B_r), n_heads, batch), block 2 B_r threads = B_r / 16 warps;
+ * Beyond causal self-attention, all the extra work is block- or warp-uniform and before the loop
+ * over tiles. Query row i sees keys j <= i + T_k - T_q when causal: the mask aligned bottom-right,
+ * as in the reference. The block stops at the tile of the last key its last row sees (non-causal:
+ * the last tile of T_k). Each warp keeps one number, warp_key, the last key its first row sees
+ * (causal: warp_row + T_k - T_q; non-causal: T_k - 1; -16 for a warp whose rows all lie past
+ * T_q): it skips a tile that starts past warp_key + 15 and masks one that reaches past warp_key,
+ * keys past row + T_k - T_q (or past T_k - 1) becoming -inf. With T_q = T_k and causal these are
+ * the same tests on the same tiles as before, one compare each. Query head h reads K/V head
+ * h / kv_group (kv_group = NH / NH_kv) through the K/V strides, with no copies. A row that sees no
+ * key (causal, T_q > T_k: rows i < T_q - T_k) is written as zeros, as in the reference. Its
+ * scores are all -inf, 2^(-inf - (-inf)) makes its l_i and O_i NaN, in its own row only (the quad
+ * shuffles and each mma row stay within a row), and the store selects zeros for it, so no test
+ * is added to the loop. A block whose rows all see no key still loads K_0 and V_0 (T_c = 1) and
+ * every warp skips it: the first tile's copies stay unconditional, so ptxas keeps hoisting the
+ * copies' addresses out of the loop over tiles.
+ *
+ * Geometry: grid (T_r = ceil(T_q / B_r), n_heads, batch), block 2 B_r threads = B_r / 16 warps;
  * warp w owns rows 16 w .. 16 w + 15 of Q_i, lane (g, t) rows 16 w + g and 16 w + g + 8.
  * K_j and V_j are double-buffered: the copies of tile j + 1 start right after the one barrier of
  * tile j and land while tile j is computed. Q_i's fragments are loaded once, scaled, split and
@@ -55,23 +77,27 @@
  *   d = 64, B_r = 64, B_c = 64, split = 1: 4 * (4 * 4096 + 2 * 4096) = 98,304 bytes, two blocks in
  *   the 228 KB of an H100 SM; B_r = 128: 131,072 bytes, one block of 8 warps; split = 0: 81,920.
  *   d = 128 with split uses B_c = 16 (98,304 bytes): at B_c = 32 its registers spill.
+ *   d = 96, B_r = 64: with split B_c = 16, 4 * (4 * 1536 + 2 * 6144) = 73,728 bytes (at B_c = 32
+ *   its registers spill); without, B_c = 32, 4 * (4 * 3072 + 6144) = 73,728 bytes.
  *
  * Tolerance: split = 1 is held to float32's own (8 times plain float32's error). Plain TF32 rounds
  * every operand to 11 significant bits, 2^13 = 8192 times float32's unit roundoff; at T = 1, where
  * O = V, its error alone reaches up to 4096 times the tests' floor (float32 epsilon times max |O|).
  *
- * Limits: causal only; sm_80 or newer (cp.async, mma TF32). d_head a multiple of 32, B_r and B_c
- * multiples of 16; rows of Q, K and V 16-byte aligned (the launcher copies views whose rows are
- * not). Every warp splits the K_j and V_j elements it reads, so each is split once per
- * warp of the block. A NaN or inf in V_j also reaches the rows of its tile that mask its key
- * (0 x NaN in the product), as in v13; keys past T are zero-filled, so only real inputs can.
+ * Limits: sm_80 or newer (cp.async, mma TF32). d_head a multiple of 32, B_r and B_c multiples of
+ * 16, B_c also of the rows one pass of copies covers (2 B_r / gcd(2 B_r, d / 4): 16 at d = 96 and
+ * B_r = 64); rows of Q, K and V 16-byte aligned (the launcher copies views whose rows are not).
+ * Every warp splits the K_j and V_j elements it reads, so each is split once per warp of the
+ * block. A NaN or inf in V_j also reaches the rows of its tile that mask its key (0 x NaN in the
+ * product), as in v13; keys past T_k are zero-filled, so only real inputs can.
  *
  * lab.template   d_head, B_r, B_c, split
- * lab.configs    (64, 64, 64, 1), (64, 128, 64, 1), (32, 64, 64, 1), (128, 64, 16, 1), (64, 64, 64, 0), (32, 64, 64, 0), (128, 64, 32, 0)
+ * lab.configs    (64, 64, 64, 1), (64, 128, 64, 1), (32, 64, 64, 1), (96, 64, 16, 1), (128, 64, 16, 1), (64, 64, 64, 0), (32, 64, 64, 0), (96, 64, 32, 0), (128, 64, 32, 0)
  * lab.threads    2 * B_r
  * lab.smem       4 * (4 * B_c * d_head + (1 + split) * B_r * d_head)
  * lab.strided    true
  * lab.tolerance  8 + 8192 * (1 - split)
+ * lab.supports   noncausal, cross, gqa
  */
 
 #ifndef INFINITY
@@ -117,22 +143,31 @@ __device__ __forceinline__ void copy_async_wait_all() { asm volatile("cp.async.w
 __device__ __forceinline__ int k_chunk(int r, int c) { return c ^ ((r & 1) << 2); }
 __device__ __forceinline__ int v_chunk(int r, int c) { return c ^ (((r >> 2) & 3) << 1); }
 
+__device__ constexpr int gcd(int a, int b) { return b == 0 ? a : gcd(b, a % b); }
+
 // Start copying keys (or values) col_start .. col_start + rows - 1 of one head into a swizzled
-// tile; keys at or past T become zeros. Each pass of the block copies threads / (d / 4) rows.
+// tile; keys at or past T become zeros. The block copies a row's d / 4 chunks as segments of
+// width = gcd(threads, d / 4) chunks (the whole row when d / 4 divides the threads; 3 segments of
+// 8 at d = 96), one pass covering threads / width rows of one segment. The swizzles change only
+// the 3 low bits of a chunk index and width is a multiple of 8, so a segment's chunks stay in it.
 template <int d_head, int rows, int threads, bool is_v>
 __device__ __forceinline__ void load_tile_async(float* tile, const float* head, long long row_stride,
                                                 int col_start, int T)
 {
     constexpr int d4 = d_head / 4;
-    constexpr int rows_per_pass = threads / d4;
-    static_assert(threads % d4 == 0 && rows % rows_per_pass == 0, "whole rows per pass, whole passes per tile");
-    const int r0 = threadIdx.x / d4, c4 = threadIdx.x % d4;
-    const float* src = head + (long long)(col_start + r0) * row_stride + 4 * c4;
+    constexpr int width = gcd(threads, d4);
+    constexpr int rows_per_pass = threads / width;
+    static_assert(width % 8 == 0 && rows % rows_per_pass == 0, "whole segments per pass, whole passes per tile");
+    const int r0 = threadIdx.x / width, c4 = threadIdx.x % width;
     #pragma unroll
-    for (int n = 0; n < rows / rows_per_pass; ++n, src += rows_per_pass * row_stride) {
-        const int r = r0 + n * rows_per_pass;
-        const bool valid = col_start + r < T;  // a key past T reads nothing (at a valid address)
-        copy_async_16(&tile[r * d_head + 4 * (is_v ? v_chunk(r, c4) : k_chunk(r, c4))], valid ? src : head, valid);
+    for (int seg = 0; seg < d4 / width; ++seg) {
+        const float* src = head + (long long)(col_start + r0) * row_stride + 4 * (width * seg + c4);
+        #pragma unroll
+        for (int n = 0; n < rows / rows_per_pass; ++n, src += rows_per_pass * row_stride) {
+            const int r = r0 + n * rows_per_pass, c = width * seg + c4;
+            const bool valid = col_start + r < T;  // a key past T reads nothing (at a valid address)
+            copy_async_16(&tile[r * d_head + 4 * (is_v ? v_chunk(r, c) : k_chunk(r, c))], valid ? src : head, valid);
+        }
     }
 }
 
@@ -142,7 +177,7 @@ template <int d_head, int B_r, int B_c, int split>
 __global__ void __launch_bounds__(2 * B_r, 1)
 attention_forward(const float* __restrict__ Q, const float* __restrict__ K, const float* __restrict__ V,
                   float* __restrict__ O, float* __restrict__ workspace,
-                  int T, int /* T_k */, int /* kv_group */, int /* causal */, float scale,
+                  int T_q, int T_k, int kv_group, int causal, float scale,
                   long long q_batch_stride, long long q_head_stride, long long q_row_stride,
                   long long kv_batch_stride, long long kv_head_stride, long long kv_row_stride)
 {
@@ -166,19 +201,35 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
     const long long bh = flat % n_heads;   // = batch * NH + head
     const long long batch = bh / gridDim.y;
     const long long head = bh % gridDim.y;
+    const int kv_head = (int)head / kv_group;  // grouped-query attention: kv_group query heads per K/V head
 
     const float* Q_head = Q + batch * q_batch_stride + head * q_head_stride;
-    const float* K_head = K + batch * kv_batch_stride + head * kv_head_stride;
-    const float* V_head = V + batch * kv_batch_stride + head * kv_head_stride;
-    float* O_head = O + bh * T * d_head;   // O is contiguous (B, NH, T, d)
+    const float* K_head = K + batch * kv_batch_stride + kv_head * kv_head_stride;
+    const float* V_head = V + batch * kv_batch_stride + kv_head * kv_head_stride;
+    float* O_head = O + bh * T_q * d_head;  // O is contiguous (B, NH, T_q, d)
     const bool o_vec = (reinterpret_cast<unsigned long long>(O_head) & 15) == 0;
 
     const int row_start = q_tile * B_r;
-    const int rows = min(B_r, T - row_start);
+    const int rows = min(B_r, T_q - row_start);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
-    const int warp_row = row_start + 16 * warp;  // this warp's first query row (index in T)
+    const int warp_row = row_start + 16 * warp;  // this warp's first query row (index in T_q)
     const int row0 = warp_row + g, row1 = row0 + 8;
+
+    // Query row i sees keys j <= i + offset: the causal mask aligned bottom-right when T_q != T_k.
+    // Causal: stop at the tile of the last key the block's last row sees. If it sees none, keep
+    // tile 0, which every warp skips: the copies of K_0 and V_0 below stay unconditional.
+    const int offset = T_k - T_q;
+    int T_c = (T_k + B_c - 1) / B_c;
+    if (causal) {
+        const int last_key = row_start + rows - 1 + offset;
+        T_c = min(T_c, max(last_key, 0) / B_c + 1);
+    }
+    // Per warp, once: the last key its first row sees (causal: warp_row + offset, and its last row
+    // 15 more; non-causal: T_k - 1), so that a tile past warp_key + 15 has nothing for the warp and
+    // a tile reaching past warp_key needs the mask; -16 when all its rows lie past T_q.
+    const int warp_key = warp_row >= T_q ? -16 : causal ? warp_row + offset : T_k - 1;
+
     // K_j fragment: row 4 (g / 2) + (g % 2) of each 16-key group, chunk (4 kk + t) ^ 4 (g % 2), i.e. chunk
     // 4 (kk ^ (g % 2)) + t: one base for even kk and one for odd kk, the rest is a compile-time offset.
     int K_off[2];
@@ -189,13 +240,13 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
     const int V_off = 4 * t * d_head + 4 * (g ^ (2 * t));
 
     // K_0 and V_0 start arriving while Q_i is loaded.
-    load_tile_async<d_head, B_c, THREADS, false>(K_buf, K_head, kv_row_stride, 0, T);
-    load_tile_async<d_head, B_c, THREADS, true>(V_buf, V_head, kv_row_stride, 0, T);
+    load_tile_async<d_head, B_c, THREADS, false>(K_buf, K_head, kv_row_stride, 0, T_k);
+    load_tile_async<d_head, B_c, THREADS, true>(V_buf, V_head, kv_row_stride, 0, T_k);
     copy_async_commit();
 
     // Q_i's A fragments, once: rows g and g + 8, columns 16 kk + 4 t .. + 3 (two k-blocks), scaled
     // by scale log2(e) so that S_ij is in log2 units, split, and parked in shared memory.
-    // Rows past T are zeros: finite scores that nobody stores.
+    // Rows past T_q are zeros: finite scores that nobody stores.
     const float scale_log2 = scale * LOG2_E;
     uint4* Q_big_frag = Q_frag + warp * KB * 32 + lane;
     uint4* Q_small_frag = Q_big_frag + WARPS * KB * 32;
@@ -206,7 +257,7 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
         for (int h = 0; h < 2; ++h) {
             const int row = h ? row1 : row0;
             float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (row < T) {
+            if (row < T_q) {
                 v = *(const float4*)&Q_head[(long long)row * q_row_stride + 16 * kk + 4 * t];
             }
             q[h][0] = v.x * scale_log2, q[h][1] = v.y * scale_log2, q[h][2] = v.z * scale_log2, q[h][3] = v.w * scale_log2;
@@ -235,8 +286,6 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
     // Rows g and g + 8; l_i is this lane's share of the row sum, reduced over the quad at the end.
     float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.0f, 0.0f};
 
-    // Causal: no row of Q_i sees a key past its last row, so stop at that key's tile.
-    const int T_c = (row_start + rows - 1) / B_c + 1;
     for (int j = 0; j < T_c; ++j) {
         const int col_start = j * B_c;
         const float* K_frag[2] = {K_buf + (j & 1) * B_c * d_head + K_off[0], K_buf + (j & 1) * B_c * d_head + K_off[1]};
@@ -246,12 +295,13 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
         copy_async_wait_all();
         __syncthreads();
         if (j + 1 < T_c) {
-            load_tile_async<d_head, B_c, THREADS, false>(K_buf + ((j + 1) & 1) * B_c * d_head, K_head, kv_row_stride, col_start + B_c, T);
-            load_tile_async<d_head, B_c, THREADS, true>(V_buf + ((j + 1) & 1) * B_c * d_head, V_head, kv_row_stride, col_start + B_c, T);
+            load_tile_async<d_head, B_c, THREADS, false>(K_buf + ((j + 1) & 1) * B_c * d_head, K_head, kv_row_stride, col_start + B_c, T_k);
+            load_tile_async<d_head, B_c, THREADS, true>(V_buf + ((j + 1) & 1) * B_c * d_head, V_head, kv_row_stride, col_start + B_c, T_k);
             copy_async_commit();
         }
-        // A warp whose rows all precede this tile, or all lie past T, has nothing to do in it.
-        if (col_start > warp_row + 15 || warp_row >= T)
+        // A warp none of whose rows sees a key of this tile, or whose rows all lie past T_q, has
+        // nothing to do in it.
+        if (col_start > warp_key + 15)
             continue;
 
         // S_ij = Q_i K_j^T, one k-pair (16 columns of d) at a time: with split, a pair's 6 mma
@@ -303,15 +353,18 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
             }
         }
 
-        // Only a tile that reaches past this warp's first row holds masked scores. Select, do not
-        // add: whatever sits in a masked score becomes -inf and then exactly 0.
-        if (__builtin_expect(col_start + B_c - 1 > warp_row, 0)) {
+        // Only a tile that reaches past the last key this warp's first row sees (causal: the
+        // diagonal; else: the end of the keys) holds masked scores. Select, do not add: whatever
+        // sits in a masked score becomes -inf and then exactly 0.
+        if (__builtin_expect(col_start + B_c - 1 > warp_key, 0)) {
+            // Rows past T_q see keys past T_k: zero-filled, finite scores in rows nobody stores.
+            const int key_limit[2] = {causal ? row0 + offset : T_k - 1, causal ? row1 + offset : T_k - 1};
             #pragma unroll
             for (int p = 0; p < NT; ++p)
                 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const int key = col_start + 16 * (p / 2) + 4 * t + 2 * (p % 2) + (i % 2);
-                    if (key > (i < 2 ? row0 : row1))
+                    if (key > key_limit[i / 2])
                         S[p][i] = -INFINITY;
                 }
         }
@@ -320,7 +373,9 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
             // m_new = max(m_i, rowmax(S_ij)), over this lane's keys and then the quad's 4 lanes.
-            // Tile 0 always holds key 0, visible to every row, so m_new is finite from then on.
+            // Tile 0 holds key 0, which every row that sees a key sees, so m_new is finite from
+            // then on. A row that sees none (causal, T_q > T_k) keeps m = -inf, and 2^(-inf + inf)
+            // makes its alpha, P_ij, l_i and O_i NaN: its own row only, written as zeros at the end.
             float m_new = m_i[h];
             #pragma unroll
             for (int p = 0; p < NT; ++p)
@@ -399,7 +454,8 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
     }
 
     // O_i = O_i / l_i, once; l_i is the sum of the quad's 4 shares. Lane t writes columns
-    // 32 w + 8 t .. 32 w + 8 t + 7 of its two rows.
+    // 32 w + 8 t .. 32 w + 8 t + 7 of its two rows. A row that sees no key is zeros, as in the
+    // reference: selected, not scaled, since its l_i is 0 (tiles skipped) or NaN.
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
         float l = l_i[h];
@@ -407,14 +463,17 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
         l += __shfl_xor_sync(FULL_WARP, l, 2);
         const float inv_l = 1.0f / l;
         const int row = h ? row1 : row0;
-        if (row < T) {
+        const bool sees_key = warp_key + g + 8 * h >= 0;
+        if (row < T_q) {
             #pragma unroll
             for (int w = 0; w < ND / 4; ++w) {
                 float* dst = O_head + (long long)row * d_head + 32 * w + 8 * t;
-                const float4 lo = make_float4(O_acc[4 * w][2 * h] * inv_l, O_acc[4 * w + 1][2 * h] * inv_l,
-                                              O_acc[4 * w + 2][2 * h] * inv_l, O_acc[4 * w + 3][2 * h] * inv_l);
-                const float4 hi = make_float4(O_acc[4 * w][2 * h + 1] * inv_l, O_acc[4 * w + 1][2 * h + 1] * inv_l,
-                                              O_acc[4 * w + 2][2 * h + 1] * inv_l, O_acc[4 * w + 3][2 * h + 1] * inv_l);
+                float4 lo = make_float4(O_acc[4 * w][2 * h] * inv_l, O_acc[4 * w + 1][2 * h] * inv_l,
+                                        O_acc[4 * w + 2][2 * h] * inv_l, O_acc[4 * w + 3][2 * h] * inv_l);
+                float4 hi = make_float4(O_acc[4 * w][2 * h + 1] * inv_l, O_acc[4 * w + 1][2 * h + 1] * inv_l,
+                                        O_acc[4 * w + 2][2 * h + 1] * inv_l, O_acc[4 * w + 3][2 * h + 1] * inv_l);
+                if (!sees_key)
+                    lo = hi = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                 if (o_vec) {
                     *(float4*)dst = lo;
                     *(float4*)(dst + 4) = hi;
