@@ -6,6 +6,8 @@
     python3 bench.py sweep                      TFLOP/s against T = 128 .. 16384, with a PNG plot
     python3 bench.py e2e                        seconds to generate 512 tokens, per rung, without and with a KV cache
     python3 bench.py resources [--arch sm_90]   registers, shared memory, spills, resident blocks per SM
+    python3 bench.py features                   decode, long-context decode, non-causal, cross lengths, GQA and
+                                                head sizes on the rungs that declare them, beside torch SDPA
     python3 bench.py readme                     rewrite README.md's tables from the newest results/*.json
 
 How it measures (every number it prints is also written to results/<subcommand>-<device>-<UTC time>.json,
@@ -20,7 +22,12 @@ with the device, driver, CUDA, CuPy and torch versions, the date and the command
   implementation (kernels.reference_attention in float32), floored at the dtype's epsilon x max|ref|.
   A rung over that bound is reported wrong, with its error, and not timed.
 - FLOPs: causal forward counts 4 * B * NH * T^2 * d / 2 (attention_flops); TFLOP/s are also given as
-  a percentage of the fp32 FFMA ceiling this run measures (cuBLAS SGEMM 8192^3, TF32 off).
+  a percentage of the fp32 FFMA ceiling this run measures (cuBLAS SGEMM 8192^3, TF32 off). `features`
+  counts 4 * d per (query, key) pair the mask lets through (attention_flops_qk): all T_q x T_k without
+  the mask, the same T^2 / 2 for causal self-attention, the exact bottom-right count otherwise.
+- Decode (`features`): kernel time per call from CUPTI's kernel records through torch.profiler, the
+  median over calls that rotate through 24 independent caches so that L2 does not hold K and V,
+  and the time per call of the same calls replayed as one CUDA graph.
 """
 
 from __future__ import annotations
@@ -55,7 +62,7 @@ ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
 README = ROOT / "README.md"
 SCHEMA = 1
-SECTIONS = ("kernels", "sweep", "e2e", "resources")  # result kinds, and the README's marked sections
+SECTIONS = ("kernels", "sweep", "e2e", "resources", "features")  # result kinds, and the README's marked sections
 
 GPT2_SHAPES = ((1, 512), (8, 1024), (16, 2048), (6, 4096), (1, 8192))  # B x T; NH = 12, d = 64
 DTYPES = ("float32", "bfloat16", "float16")
@@ -72,8 +79,41 @@ def attention_flops(B: int, NH: int, T: int, d: int, causal: bool = True) -> int
     return full // 2 if causal else full
 
 
+FEATURE_FLOP_CONVENTION = (
+    "4 * d FLOPs per (query, key) pair of every query head (S = Q K^T and O = P V, 2 * d each; exp and the "
+    "softmax arithmetic are not counted; grouped-query heads count every query head). Pairs: T_q * T_k without "
+    "the mask; T^2 / 2 for causal self-attention (T_q = T_k, as in the kernels table); with T_q != T_k the exact "
+    "number the bottom-right causal mask lets through, T_q * T_k - T_q * (T_q - 1) / 2 for T_q <= T_k")
+
+
+def visible_pairs(T_q: int, T_k: int, causal: bool = True) -> int:
+    """(query, key) pairs the mask lets through. Causal is aligned bottom-right, as in the rungs and
+    kernels.reference.causal_mask: query i sees keys j <= i + T_k - T_q (so with T_q > T_k the first
+    T_q - T_k queries see nothing)."""
+    if not causal:
+        return T_q * T_k
+    if T_q <= T_k:  # query i sees i + T_k - T_q + 1 keys
+        return T_q * T_k - T_q * (T_q - 1) // 2
+    return T_k * (T_k + 1) // 2  # the last T_k queries see 1, 2, ..., T_k keys
+
+
+def attention_flops_qk(B: int, NH: int, T_q: int, T_k: int, d: int, causal: bool = True) -> int:
+    """FLOPs of q (B, NH, T_q, d) over k, v (B, NH_kv, T_k, d) (FEATURE_FLOP_CONVENTION): 4 * d per pair.
+    Causal self-attention (T_q == T_k) keeps attention_flops' T^2 / 2, so these TFLOP/s compare with
+    the kernels table; without the mask every T_q x T_k pair counts; causal with T_q != T_k counts the
+    pairs the bottom-right mask lets through exactly (visible_pairs)."""
+    if causal and T_q == T_k:
+        return attention_flops(B, NH, T_q, d, causal=True)
+    return 4 * B * NH * visible_pairs(T_q, T_k, causal) * d
+
+
 class Unavailable(Exception):
     """A peer that cannot run here (a missing package, a backend refusing the dtype, memory): a row says so."""
+
+
+class NotComparable(Unavailable):
+    """A peer that could run, but not with the rungs' mask (cross lengths on a torch without a bottom-right
+    causal mask for this backend): its row says n/a rather than comparing different masks."""
 
 
 def fail(message: str) -> int:
@@ -325,6 +365,103 @@ def time_gpu(fn, *, stream, flush, method: Method) -> dict:
     }
 
 
+def per_call_us(records: list[tuple[float, float, str]], calls: int) -> dict | None:
+    """Device time per call from the kernel records (start, duration in us, name) of `calls` identical
+    calls made one after another: with k records per call, each run of k consecutive records (in start
+    order) is one call, summed; the median and spread over the calls. Records that do not divide evenly
+    among the calls give their total over the calls instead (the mean, and `statistic` says so)."""
+    if not records or calls < 1:
+        return None
+    records = sorted(records)
+    names = sorted({name[:160] for *_, name in records})
+    if len(records) % calls:
+        return {"us": sum(d for _, d, _ in records) / calls, "statistic": "mean (records do not divide among calls)",
+                "calls": calls, "kernels_per_call": len(records) / calls, "kernels": names}
+    k = len(records) // calls
+    per_call = np.array([sum(d for _, d, _ in records[i:i + k]) for i in range(0, len(records), k)])
+    return {"us": float(np.median(per_call)), "statistic": "median", "p20_us": float(np.percentile(per_call, 20)),
+            "p80_us": float(np.percentile(per_call, 80)), "min_us": float(per_call.min()),
+            "max_us": float(per_call.max()), "calls": calls, "kernels_per_call": k, "kernels": names}
+
+
+def kernel_timing(runs, reps: int = 10, name: str | None = None) -> dict | None:
+    """Device time per call, from CUPTI's kernel records (torch's profiler sees CuPy's launches too),
+    over `reps` passes through `runs`: the kernels each call launched, summed (per_call_us); only
+    those whose name contains `name` if given. None without torch."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return None
+    cupy = _cupy()
+    for run in runs:  # compiled and warm before the profile
+        run()
+    cupy.cuda.Device().synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            for run in runs:
+                run()
+        cupy.cuda.Device().synchronize()
+    records = [(e.time_range.start, e.time_range.elapsed_us(), e.name) for e in prof.events()
+               if (name in e.name if name else str(getattr(e, "device_type", "")).endswith("CUDA"))]
+    return per_call_us(records, reps * len(runs))
+
+
+def kernel_us(runs, reps: int = 10, name: str | None = None) -> float | None:
+    """kernel_timing's median microseconds per call, or None without torch."""
+    timing = kernel_timing(runs, reps, name)
+    return timing["us"] if timing else None
+
+
+def graph_us(runs, reps: int = 10) -> float:
+    """Microseconds per call: the calls captured once as a CUDA graph on a CuPy stream (no Python
+    between launches), replayed, timed with events. For launches that go through CuPy (the rungs)."""
+    cupy = _cupy()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        for run in runs:  # compiled and warm before the capture
+            run()
+        stream.begin_capture()
+        for _ in range(reps):
+            for run in runs:
+                run()
+        graph = stream.end_capture()
+        graph.launch()
+        stream.synchronize()
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        graph.launch()
+        end.record(stream)
+        end.synchronize()
+    return 1e3 * cupy.cuda.get_elapsed_time(start, end) / (reps * len(runs))
+
+
+def torch_graph_us(runs, reps: int = 10) -> float:
+    """graph_us for calls that launch through torch (SDPA): captured with torch.cuda.graph, whose
+    private memory pool serves the calls' allocations during the capture."""
+    torch = _torch()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm, off the capture, as torch.cuda.graph asks
+        for run in runs:
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            for run in runs:
+                run()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    us = 1e3 * start.elapsed_time(end) / (reps * len(runs))
+    del graph
+    return us
+
+
 # ---------------------------------------------------------------------------------------------
 # Ceilings: what the device can do, measured here
 # ---------------------------------------------------------------------------------------------
@@ -354,18 +491,32 @@ def measure_ceilings(method: Method, n: int = 8192, copy_bytes: int = 1 << 30) -
         c = cupy.empty((n, n), dtype=cupy.float32)
         return time_gpu(lambda: cupy.matmul(a, b, out=c), stream=stream, flush=no_flush, method=quick)
 
-    def time_copy():
-        src = rng.random(copy_bytes // 4, dtype=cupy.float32)
-        dst = cupy.empty_like(src)
-        return time_gpu(lambda: dst.data.copy_from_device_async(src.data, src.nbytes, stream), stream=stream,
-                        flush=no_flush, method=quick)
-
-    gemm, copy = time_gemm(), time_copy()
+    gemm = time_gemm()
     release_memory()
     return {
         "ffma_tflops": 2 * n**3 / (gemm["median_ms"] * 1e-3) / 1e12,
         "ffma_what": f"cupy.matmul float32 {n}^3 (cuBLAS, compute type {mode}, CUPY_TF32=0)",
         "ffma_timing": gemm,
+        **measure_copy(method, copy_bytes),
+    }
+
+
+def measure_copy(method: Method, copy_bytes: int = 1 << 30) -> dict:
+    """Device-to-device copy bandwidth, bytes read + written over the median time: the ceiling a
+    bandwidth-bound kernel (decode) is held against."""
+    cupy = _cupy()
+    stream = cupy.cuda.get_current_stream()
+    quick = Method(budget_ms=min(method.budget_ms, 300.0), min_runs=5, max_runs=50, warmup=2)
+
+    def time_copy():
+        src = cupy.random.default_rng(1234).random(copy_bytes // 4, dtype=cupy.float32)
+        dst = cupy.empty_like(src)
+        return time_gpu(lambda: dst.data.copy_from_device_async(src.data, src.nbytes, stream), stream=stream,
+                        flush=no_flush, method=quick)
+
+    copy = time_copy()
+    release_memory()  # the two buffers are gone with time_copy's frame
+    return {
         "copy_tbps": 2 * copy_bytes / (copy["median_ms"] * 1e-3) / 1e12,
         "copy_what": f"device-to-device copy of {copy_bytes >> 20} MiB; bytes read + written",
         "copy_timing": copy,
@@ -391,6 +542,52 @@ class Shape:
     def as_dict(self) -> dict:
         return {"B": self.B, "T": self.T, "NH": self.NH, "d": self.d}
 
+    # causal self-attention, one K/V head per query head: the general fields Case spells out
+    T_q = property(lambda self: self.T)
+    T_k = property(lambda self: self.T)
+    NH_kv = property(lambda self: self.NH)
+    causal = True
+
+
+@dataclass(frozen=True)
+class Case:
+    """A shape of the features benchmark: q (B, NH, T_q, d) over k, v (B, NH_kv, T_k, d), causal (the
+    mask aligned bottom-right) or not. `part` names the table it belongs to."""
+
+    part: str
+    B: int
+    NH: int
+    NH_kv: int
+    T_q: int
+    T_k: int
+    d: int
+    causal: bool = True
+
+    @property
+    def label(self) -> str:
+        lengths = f"{self.T_q}" if self.T_q == self.T_k else f"{self.T_q}/{self.T_k}"
+        return f"{self.part} {self.B}x{lengths}"
+
+    def needs(self) -> set[str]:
+        """The lab.supports features a rung must declare to run this case."""
+        return {f for f, needed in (("noncausal", not self.causal), ("cross", self.T_q != self.T_k),
+                                    ("gqa", self.NH_kv != self.NH)) if needed}
+
+    def describe(self) -> str:
+        heads = f"NH={self.NH}" + (f", NH_kv={self.NH_kv}" if self.NH_kv != self.NH else "")
+        lengths = f"T={self.T_q}" if self.T_q == self.T_k else f"T_q={self.T_q}, T_k={self.T_k}"
+        mask = ("causal" + (", bottom-right" if self.T_q != self.T_k else "")) if self.causal else "non-causal"
+        return f"B={self.B}, {heads}, {lengths}, d={self.d}, {mask}"
+
+    def as_dict(self) -> dict:
+        return {"part": self.part, "B": self.B, "NH": self.NH, "NH_kv": self.NH_kv, "T_q": self.T_q,
+                "T_k": self.T_k, "d": self.d, "causal": self.causal}
+
+
+def shape_flops(shape) -> int:
+    """attention_flops_qk of a Shape or a Case (for a Shape: attention_flops)."""
+    return attention_flops_qk(shape.B, shape.NH, shape.T_q, shape.T_k, shape.d, shape.causal)
+
 
 def _round_to(x32, dtype: str):
     """float32 values rounded to `dtype` and held in float32 (exact: both halves are subsets of float32)."""
@@ -408,13 +605,14 @@ class Inputs:
     """One shape's random Q, K, V: the float32 values every implementation sees (rounded to the
     benchmark dtype), the arrays a rung gets, and torch views of the same memory (DLPack)."""
 
-    def __init__(self, shape: Shape, dtype: str, seed: int):
+    def __init__(self, shape: Shape | Case, dtype: str, seed: int):
         cupy = _cupy()
         self.shape, self.dtype = shape, dtype
         rng = cupy.random.default_rng(seed)
-        dims = (shape.B, shape.NH, shape.T, shape.d)
+        q_dims = (shape.B, shape.NH, shape.T_q, shape.d)
+        kv_dims = (shape.B, shape.NH_kv, shape.T_k, shape.d)
         self.q32, self.k32, self.v32 = (_round_to(rng.standard_normal(dims, dtype=cupy.float32), dtype)
-                                        for _ in range(3))
+                                        for dims in (q_dims, kv_dims, kv_dims))
         self.rung_inputs_problem = None
         if dtype == "float32":
             self.qkv = (self.q32, self.k32, self.v32)
@@ -487,9 +685,9 @@ class Peer:
     backend: str | None  # torch.nn.attention.SDPBackend member; None for the CuPy reference
     materialises: bool  # builds the T x T score matrix: memory grows with T^2
 
-    def memory_needed(self, shape: Shape) -> int:
-        """A generous estimate for the materialising peers: three (B, NH, T, T) float32 temporaries."""
-        return 3 * 4 * shape.B * shape.NH * shape.T**2 + (1 << 28) if self.materialises else 0
+    def memory_needed(self, shape: Shape | Case) -> int:
+        """A generous estimate for the materialising peers: three (B, NH, T_q, T_k) float32 temporaries."""
+        return 3 * 4 * shape.B * shape.NH * shape.T_q * shape.T_k + (1 << 28) if self.materialises else 0
 
 
 PEERS = {p.name: p for p in (
@@ -505,32 +703,111 @@ DEFAULT_PEERS = {"float32": ("reference", "sdpa_math", "sdpa_efficient"),
 COMPARE_TO = {"float32": ("sdpa_efficient", "reference"),  # the README's "vs" columns, besides the previous rung
               "bfloat16": ("sdpa_flash", "sdpa_cudnn"),
               "float16": ("sdpa_flash", "sdpa_cudnn")}
+FEATURE_PEER = {"float32": "sdpa_efficient", "bfloat16": "sdpa_flash", "float16": "sdpa_flash"}  # `features`
+
+
+def sdpa_mask(shape: Shape | Case) -> str:
+    """How SDPA expresses the rungs' mask for this shape: "none" (non-causal, or one query row under the
+    bottom-right mask, which hides nothing from it), "is_causal" (T_q == T_k, where is_causal's top-left
+    alignment is the same mask) or "lower_right" (T_q != T_k: torch.nn.attention.bias.causal_lower_right)."""
+    if not shape.causal:
+        return "none"
+    if shape.T_q == shape.T_k:
+        return "is_causal"
+    return "none" if shape.T_q == 1 else "lower_right"
+
+
+def lower_right_backend(q, k, v) -> str:
+    """The SDPBackend member torch runs causal_lower_right with on these tensors under the backends now
+    enabled: flash if it can, else memory-efficient, else the math path on a materialised mask
+    (torch/nn/attention/bias.py, CausalBias._dispatch)."""
+    from torch.backends.cuda import SDPAParams, can_use_efficient_attention, can_use_flash_attention
+
+    try:
+        params = SDPAParams(q, k, v, None, 0.0, False, False)  # torch >= 2.5: enable_gqa last
+    except TypeError:
+        params = SDPAParams(q, k, v, None, 0.0, False)
+    if can_use_flash_attention(params):
+        return "FLASH_ATTENTION"
+    return "EFFICIENT_ATTENTION" if can_use_efficient_attention(params) else "MATH"
+
+
+def sdpa_launch(torch, peer: Peer, q, k, v, shape: Shape | Case):
+    """A function running torch SDPA on q, k, v as the rungs compute `shape` (its mask, cross lengths,
+    grouped-query heads), under the backend the caller enabled; its `note` says how. Grouped-query heads
+    go through enable_gqa=True where this torch and backend take it (one trial call), else through K and
+    V repeated to NH heads for the peer only. NotComparable where the mask cannot be expressed."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    kwargs, notes = {}, []
+    mask = sdpa_mask(shape)
+    if mask == "is_causal":
+        kwargs["is_causal"] = True
+    elif mask == "lower_right":
+        try:
+            from torch.nn.attention.bias import causal_lower_right
+        except ImportError:
+            raise NotComparable("n/a: this torch has no torch.nn.attention.bias.causal_lower_right, and "
+                                "is_causal=True aligns the mask top-left, not bottom-right") from None
+        runs = lower_right_backend(q, k, v)
+        if runs != peer.backend:
+            raise NotComparable(f"n/a: torch runs the bottom-right causal mask of these inputs with {runs}, not "
+                                f"{peer.backend}")
+        kwargs["attn_mask"] = causal_lower_right(shape.T_q, shape.T_k)
+        notes.append("attn_mask=causal_lower_right(T_q, T_k)")
+    elif shape.causal:
+        notes.append("one query row: the bottom-right mask hides no key, so is_causal=False")
+    if shape.NH_kv != shape.NH:
+        try:
+            sdpa(q, k, v, enable_gqa=True, **kwargs)
+            torch.cuda.synchronize()
+            kwargs["enable_gqa"] = True
+            notes.append("enable_gqa=True")
+        except (TypeError, RuntimeError) as exc:  # an older torch, or a backend without grouped heads
+            group = shape.NH // shape.NH_kv
+            k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
+            notes.append(f"K and V repeated to {shape.NH} heads for the peer only (enable_gqa=True: "
+                         f"{_first_line(exc)})")
+
+    def launch():
+        return sdpa(q, k, v, **kwargs)
+
+    launch.note = "; ".join(notes)
+    return launch
 
 
 @contextlib.contextmanager
-def peer_session(peer: Peer, inputs: Inputs):
-    """Yield (launch, stream) for a peer on these inputs; raise Unavailable if it cannot run."""
+def peer_sessions(peer: Peer, inputs_list: list[Inputs]):
+    """Yield (launches, stream) for a peer on each of these inputs (all of one shape), its backend
+    enabled while the block runs; raise Unavailable if it cannot run them."""
     cupy = _cupy()
-    shape = inputs.shape
+    shape = inputs_list[0].shape
     if peer.materialises:
         need, have = peer.memory_needed(shape), free_memory()
         if need > have:
             raise Unavailable(f"does not fit: needs about {need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB free")
     if peer.backend is None:
-        q, k, v = inputs.q32, inputs.k32, inputs.v32
-        yield (lambda: kernels.reference_attention(q, k, v)), cupy.cuda.get_current_stream()
+        def reference(inputs):
+            q, k, v = inputs.q32, inputs.k32, inputs.v32
+            return lambda: kernels.reference_attention(q, k, v, causal=shape.causal)
+
+        yield [reference(x) for x in inputs_list], cupy.cuda.get_current_stream()
         return
     torch = _torch()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    q, k, v = inputs.torch_qkv()
     ptr = torch.cuda.current_stream().cuda_stream
     stream = cupy.cuda.get_current_stream()
     if ptr != stream.ptr:  # time torch where it runs
         stream = cupy.cuda.ExternalStream(ptr)
     with sdpa_kernel([getattr(SDPBackend, peer.backend)]):
-        yield (lambda: sdpa(q, k, v, is_causal=True)), stream
+        yield [sdpa_launch(torch, peer, *x.torch_qkv(), shape) for x in inputs_list], stream
+
+
+@contextlib.contextmanager
+def peer_session(peer: Peer, inputs: Inputs):
+    """Yield (launch, stream) for a peer on these inputs; raise Unavailable if it cannot run."""
+    with peer_sessions(peer, [inputs]) as (launches, stream):
+        yield launches[0], stream
 
 
 def as_cupy_float(out):
@@ -543,27 +820,30 @@ def as_cupy_float(out):
 
 def check_outputs(inputs: Inputs, outputs: dict[str, object]) -> dict:
     """Every output's error against a float64 reference on the same inputs, with the plain float32
-    implementation's own error beside it. Computed over chunks of (batch, head) slices so that the
-    float64 score matrices fit in memory at any shape; every slice is checked."""
+    implementation's own error beside it. Computed over chunks of K/V heads (each with the query heads
+    it serves) so that the float64 score matrices fit in memory at any shape; every slice is checked."""
     cupy = _cupy()
-    B, NH, T, d = inputs.shape.B, inputs.shape.NH, inputs.shape.T, inputs.shape.d
-    heads = B * NH
-    flat = lambda x: x.reshape(1, heads, T, d)  # noqa: E731  (B, NH, T, d) -> (1, B*NH, T, d)
-    q, k, v = (flat(x) for x in (inputs.q32, inputs.k32, inputs.v32))
-    outs = {name: flat(as_cupy_float(o)) for name, o in outputs.items()}
+    s = inputs.shape
+    B, NH, NH_kv, T_q, T_k, d = s.B, s.NH, s.NH_kv, s.T_q, s.T_k, s.d
+    group, kv_heads = NH // NH_kv, B * NH_kv
+    as_q = lambda x: x.reshape(kv_heads, group, T_q, d)  # noqa: E731  (B, NH, T_q, d) -> (B*NH_kv, group, T_q, d)
+    as_kv = lambda x: x.reshape(kv_heads, 1, T_k, d)  # noqa: E731  (B, NH_kv, T_k, d) -> (B*NH_kv, 1, T_k, d)
+    q, k, v = as_q(inputs.q32), as_kv(inputs.k32), as_kv(inputs.v32)
+    outs = {name: as_q(as_cupy_float(o)) for name, o in outputs.items()}
     budget = min(0.4 * free_memory(), 8 * 2**30)
-    chunk = int(max(1, min(heads, budget // (32 * T * T))))  # ~3 float64 T x T temporaries per head
+    per_kv_head = 32 * group * T_q * T_k + 32 * T_k * d  # ~3 float64 T_q x T_k temporaries per query head, K and V
+    chunk = int(max(1, min(kv_heads, budget // per_kv_head)))
     plain = ref_max = 0.0
     stats = {name: {"max": 0.0, "sum": 0.0, "nonfinite": 0} for name in outs}
-    for s in range(0, heads, chunk):
-        part = slice(s, min(heads, s + chunk))
-        ref = kernels.reference_attention(*(x[:, part].astype(cupy.float64) for x in (q, k, v)))
-        plain32 = kernels.reference_attention(q[:, part], k[:, part], v[:, part])
+    for start in range(0, kv_heads, chunk):
+        part = slice(start, min(kv_heads, start + chunk))
+        ref = kernels.reference_attention(*(x[part].astype(cupy.float64) for x in (q, k, v)), causal=s.causal)
+        plain32 = kernels.reference_attention(q[part], k[part], v[part], causal=s.causal)
         plain = max(plain, float(cupy.abs(plain32 - ref).max()))
         del plain32
         ref_max = max(ref_max, float(cupy.abs(ref).max()))
         for name, out in outs.items():
-            o = out[:, part].astype(cupy.float64)
+            o = out[part].astype(cupy.float64)
             bad = int((~cupy.isfinite(o)).sum())
             diff = cupy.abs(o - ref)
             st = stats[name]
@@ -574,7 +854,7 @@ def check_outputs(inputs: Inputs, outputs: dict[str, object]) -> dict:
     release_memory()
     floor = EPS[inputs.dtype] * ref_max
     bound = TOLERANCE_FACTOR * max(plain, floor)
-    n = heads * T * d
+    n = B * NH * T_q * d
     return {
         "plain32_err": plain,
         "ref_max": ref_max,
@@ -594,14 +874,58 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
-def bench_shape(shape: Shape, dtype: str, rungs: list[Path], peers: list[str], *, flush, method: Method,
+def describe_launch(launch, shape: Shape | Case) -> str:
+    """The configuration a prepared rung runs, with its number of key splits for a split-KV rung."""
+    inst = launch.instance
+    text = inst.describe()
+    rung = getattr(inst, "rung", None)
+    if rung is not None and rung.split_kv:
+        text += f", splits={inst.splits(shape.B, shape.NH, shape.T_q, shape.T_k)}"
+    return text
+
+
+def apply_check(rows: list[dict], check: dict | None, outputs: dict) -> None:
+    """The gate: each output's error against float64 goes into its row; a rung over the bound is wrong."""
+    for r in rows:
+        if r["name"] in outputs:
+            e = check["outputs"][r["name"]]
+            r |= {"max_err": e["max_err"], "mean_err": e["mean_err"], "nonfinite": e["nonfinite"],
+                  "bound": check["bound"], "plain32_err": check["plain32_err"]}
+            if not e["ok"] and r["kind"] == "rung":
+                r["status"] = "wrong"
+                r["reason"] = (f"max error {e['max_err']:.2e} > bound {check['bound']:.2e}"
+                               + (f"; {e['nonfinite']} elements NaN/inf (unwritten?)" if e["nonfinite"] else ""))
+
+
+def run_peer_once(r: dict, peer: Peer, inputs: Inputs, outputs: dict) -> bool:
+    """The peer once on `inputs`, its output kept for the check; False (the row says why) if it cannot run."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with peer_session(peer, inputs) as (launch, stream):
+                out = launch()
+                stream.synchronize()
+                if getattr(launch, "note", ""):
+                    r["note"] = launch.note
+            outputs[r["name"]] = out
+            return True
+        except Unavailable as exc:
+            r["status"], r["reason"] = "n/a" if isinstance(exc, NotComparable) else "unavailable", str(exc)
+        except Exception as exc:  # a backend that refuses this dtype or shape, out of memory, ...
+            why = "; ".join(dict.fromkeys(str(w.message).splitlines()[0] for w in caught))
+            r["status"], r["reason"] = "unavailable", _first_line(exc) + (f" ({why})" if why else "")
+            release_memory()
+    return False
+
+
+def bench_shape(shape: Shape | Case, dtype: str, rungs: list[Path], peers: list[str], *, flush, method: Method,
                 ffma_tflops: float, seed: int, counter: list[int], total: int) -> list[dict]:
     """Rows for one shape: every rung (ladder order), then every peer."""
     cupy = _cupy()
     progress(f"{shape.label}: NH={shape.NH}, d={shape.d}, {dtype}: running {len(rungs)} rungs (compiled on first "
              f"use) and {len(peers)} peers once, then checking them against float64 ...")
     inputs = Inputs(shape, dtype, seed)
-    flops = attention_flops(shape.B, shape.NH, shape.T, shape.d)
+    flops = shape_flops(shape)
     rows, launches, outputs = [], {}, {}
 
     def row(name, label, kind):
@@ -627,8 +951,8 @@ def bench_shape(shape: Shape, dtype: str, rungs: list[Path], peers: list[str], *
             if inputs.qkv is None:
                 raise TypeError(inputs.rung_inputs_problem)
             q, k, v = inputs.qkv
-            launch = kernels.prepare(q, k, v, kernel=path)  # validates and compiles: never timed
-            r["config"] = launch.instance.describe()
+            launch = kernels.prepare(q, k, v, kernel=path, causal=shape.causal)  # validates, compiles: never timed
+            r["config"] = describe_launch(launch, shape)
             out = launch()
             out.fill(np.nan)  # poison: an element the rung does not write fails the check
             out = launch()
@@ -642,33 +966,11 @@ def bench_shape(shape: Shape, dtype: str, rungs: list[Path], peers: list[str], *
     # 2. Each peer once on the same inputs.
     for name in peers:
         peer = PEERS[name]
-        r = row(name, peer.label, "peer")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                with peer_session(peer, inputs) as (launch, stream):
-                    out = launch()
-                    stream.synchronize()
-                outputs[name] = out
-                launches[name] = (peer, None)
-            except Unavailable as exc:
-                r["status"], r["reason"] = "unavailable", str(exc)
-            except Exception as exc:  # a backend that refuses this dtype or shape, out of memory, ...
-                why = "; ".join(dict.fromkeys(str(w.message).splitlines()[0] for w in caught))
-                r["status"], r["reason"] = "unavailable", _first_line(exc) + (f" ({why})" if why else "")
-                release_memory()
+        if run_peer_once(row(name, peer.label, "peer"), peer, inputs, outputs):
+            launches[name] = (peer, None)
 
     # 3. The gate: every output against float64, in one pass over the reference.
-    check = check_outputs(inputs, outputs) if outputs else None
-    for r in rows:
-        if r["name"] in outputs:
-            e = check["outputs"][r["name"]]
-            r |= {"max_err": e["max_err"], "mean_err": e["mean_err"], "nonfinite": e["nonfinite"],
-                  "bound": check["bound"], "plain32_err": check["plain32_err"]}
-            if not e["ok"] and r["kind"] == "rung":
-                r["status"] = "wrong"
-                r["reason"] = (f"max error {e['max_err']:.2e} > bound {check['bound']:.2e}"
-                               + (f"; {e['nonfinite']} elements NaN/inf (unwritten?)" if e["nonfinite"] else ""))
+    apply_check(rows, check_outputs(inputs, outputs) if outputs else None, outputs)
     outputs.clear()
     release_memory()
 
@@ -753,6 +1055,179 @@ def run_shapes(kind: str, args, shapes: list[Shape]) -> dict:
         "wall_seconds": time.perf_counter() - started,
         "rows": rows,
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# Features: decode, long-context decode, non-causal, cross lengths, grouped-query heads, head sizes
+# ---------------------------------------------------------------------------------------------
+
+FEATURE_PARTS = ("decode", "long", "noncausal", "cross", "gqa", "heads")
+FEATURE_CASES = {  # part -> the cases measured, each in every dtype of the part
+    "decode": [Case("decode", 1, 12, 12, 1, T_k, 64) for T_k in (1, 128, 512, 1024)],  # GPT-2 small, one token
+    "long": [Case("long", 16, 32, 32, 1, 4096, 128)],
+    "noncausal": [Case("noncausal", 4, 12, 12, 2048, 2048, 64, causal=False)],
+    "cross": [Case("cross", 4, 12, 12, 256, 4096, 64)],
+    "gqa": [Case("gqa", 4, 32, 8, 2048, 2048, 128)],
+    "heads": [Case("heads", 8, 12, 12, 1024, 1024, d) for d in (32, 64, 96, 128)],
+}
+LONG_DTYPES = ("bfloat16", "float32", "float16")  # long context: bfloat16, and the others a rung declares
+DECODE_TARGET_US = 5.0  # GPT-2 decode: kernel time per call at most this
+LONG_TARGET_PCT = 75.0  # long-context decode: K+V bandwidth at least this % of the copy ceiling
+
+
+def default_feature_rungs() -> list[Path]:
+    """The rungs past causal self-attention: those declaring lab.supports or lab.split_kv."""
+    return [kernels.resolve(n) for n in kernels.names() if kernels.load(n).supports or kernels.load(n).split_kv]
+
+
+def declares(rung, case: Case, dtype: str) -> bool:
+    """Whether a rung's declarations cover a case: the dtype, the head size and every feature it needs."""
+    return dtype in rung.dtypes and case.d in rung.head_sizes() and case.needs() <= set(rung.supports)
+
+
+def case_rungs(case: Case, dtype: str, candidates: list[Path], named: bool) -> list[Path]:
+    """The rungs a case runs. Named on the command line: every one (those that do not take the case
+    are reported unsupported). Otherwise those declaring it: for decode the split-KV rungs and, as
+    context, the newest other rung; for long context the split-KV rungs; elsewhere all."""
+    if named:
+        return list(candidates)
+    loaded = [(p, kernels.load(p)) for p in candidates]
+    taking = [(p, r) for p, r in loaded if declares(r, case, dtype)]
+    if case.part == "decode":
+        newest_other = [p for p, r in taking if not r.split_kv][-1:]
+        return [p for p, r in taking if r.split_kv or p in newest_other]
+    if case.part == "long":
+        return [p for p, r in taking if r.split_kv]
+    return [p for p, _ in taking]
+
+
+def feature_plan(parts: list[str], dtypes: list[str], candidates: list[Path], named: bool) -> list[dict]:
+    """Every (case, dtype) to measure, in table order, with its rungs and its peer: `dtypes` for decode
+    and the general features; for long context bfloat16 and any other dtype a chosen split-KV rung
+    declares (every one, with named rungs)."""
+    plan = []
+    for part in FEATURE_PARTS:
+        if part not in parts:
+            continue
+        if part == "long":
+            loaded = [kernels.load(p) for p in candidates]
+            part_dtypes = [t for t in LONG_DTYPES if t == "bfloat16" or any(
+                t in r.dtypes and (named or r.split_kv) for r in loaded)]
+        else:
+            part_dtypes = list(dtypes)
+        for case in FEATURE_CASES[part]:
+            for dtype in part_dtypes:
+                plan.append({"id": f"{part}-{case.B}x{case.T_q}x{case.T_k}-d{case.d}-{dtype}", "case": case,
+                             "dtype": dtype,
+                             "rungs": case_rungs(case, dtype, candidates, named), "peer": FEATURE_PEER[dtype]})
+    return plan
+
+
+def kv_bytes(case: Case, dtype: str) -> int:
+    """Bytes of K and V: what a decode step must read."""
+    return 2 * case.B * case.NH_kv * case.T_k * case.d * (4 if dtype == "float32" else 2)
+
+
+def bench_decode(case: Case, dtype: str, rungs: list[Path], peer_name: str, *, caches: int, reps: int, seed: int,
+                 counter: list[int], total: int) -> list[dict]:
+    """Rows for one decode shape: every rung, then the peer, checked against float64 on the first cache,
+    then timed over `caches` independent caches in turn (so that L2 does not hold K and V, as in a
+    model where other layers ran since): kernel time per call from CUPTI, and per call in a CUDA graph."""
+    cupy = _cupy()
+    peer = PEERS[peer_name]
+    progress(f"decode T_k={case.T_k} ({case.describe()}), {dtype}: {len(rungs)} rungs and {peer.label} over "
+             f"{caches} caches, checked against float64 first ...")
+    inputs = [Inputs(case, dtype, seed + i) for i in range(caches)]
+    rows, runs, outputs = [], {}, {}
+
+    def row(name, label, kind):
+        r = {"shape": case.as_dict(), "dtype": dtype, "name": name, "label": label, "kind": kind, "status": None,
+             "kv_bytes": kv_bytes(case, dtype)}
+        rows.append(r)
+        return r
+
+    for path in rungs:
+        r = row(path.stem, path.stem, "rung")
+        try:
+            if inputs[0].qkv is None:
+                raise TypeError(inputs[0].rung_inputs_problem)
+            launches = [kernels.prepare(*x.qkv, kernel=path, causal=case.causal) for x in inputs]
+            r["config"] = describe_launch(launches[0], case)
+            out = launches[0]()
+            out.fill(np.nan)  # poison: an element the rung does not write fails the check
+            out = launches[0]()
+            cupy.cuda.Device().synchronize()
+            runs[r["name"]], outputs[r["name"]] = launches, out
+        except (TypeError, ValueError) as exc:
+            r["status"], r["reason"] = "unsupported", _first_line(exc)
+        except Exception as exc:
+            r["status"], r["reason"] = "error", _first_line(exc)
+    run_peer_once(row(peer_name, peer.label, "peer"), peer, inputs[0], outputs)
+    apply_check(rows, check_outputs(inputs[0], outputs) if outputs else None, outputs)
+    outputs.clear()
+    release_memory()
+
+    def timed(calls, graph) -> dict:
+        t = {}
+        try:
+            t["kernel_timing"] = kernel_timing(calls, reps)
+        except Exception as exc:  # the profiler failing leaves the graph's time
+            t["kernel_timing"], t["kernel_reason"] = None, f"CUPTI: {_first_line(exc)}"
+        t["kernel_us"] = t["kernel_timing"]["us"] if t["kernel_timing"] else None
+        try:
+            t["graph_us"] = graph(calls, reps)
+        except Exception as exc:  # a capture the backend refuses
+            t["graph_us"], t["graph_reason"] = None, _first_line(exc)
+        return t
+
+    for r in rows:
+        if r["status"] is None:
+            try:
+                if r["kind"] == "rung":
+                    r |= timed(runs[r["name"]], graph_us)
+                else:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        with peer_sessions(peer, inputs) as (launches, _):
+                            cupy.cuda.Device().synchronize()
+                            r |= timed(launches, torch_graph_us)
+                r["status"] = "ok"
+            except Exception as exc:
+                r["status"], r["reason"] = "unavailable" if r["kind"] == "peer" else "error", _first_line(exc)
+        counter[0] += 1
+        where = f"[{counter[0]:>3}/{total}] decode {dtype:<8} T_k {case.T_k:>5} {r['label']:<22}"
+        if r["status"] == "ok":
+            us = lambda x: "n/a" if x is None else f"{x:7.2f} us"  # noqa: E731
+            progress(f"{where} kernel {us(r['kernel_us'])} (CUPTI), {us(r['graph_us'])} per call in a graph")
+        else:
+            progress(f"{where} {r['status']}: {r.get('reason', '')}")
+    runs.clear()
+    release_memory()
+    peer_us = next((r["kernel_us"] for r in rows if r["kind"] == "peer" and r["status"] == "ok"), None)
+    for r in rows:
+        if r["status"] == "ok" and r["kernel_us"]:
+            r["kv_tbps"] = r["kv_bytes"] / (r["kernel_us"] * 1e-6) / 1e12
+            r["vs_peer"] = peer_us / r["kernel_us"] if peer_us and r["kind"] == "rung" else None
+            if r["kind"] == "rung":
+                r["target_met"] = r["kernel_us"] <= DECODE_TARGET_US
+    return rows
+
+
+def add_feature_ratios(rows: list[dict], peer_name: str, copy_tbps: float | None) -> None:
+    """Each timed rung against the case's peer (the peer's median over the rung's); with a copy
+    ceiling (long context), K+V bytes / time, its % of the ceiling and whether the target is met."""
+    peer = next((r for r in rows if r["name"] == peer_name and r["status"] == "ok"), None)
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        ms = r["timing"]["median_ms"]
+        r["vs_peer"] = peer["timing"]["median_ms"] / ms if peer is not None and r["kind"] == "rung" else None
+        if copy_tbps is not None:
+            r["kv_bytes"] = kv_bytes(Case(**r["shape"]), r["dtype"])
+            r["kv_tbps"] = r["kv_bytes"] / (ms * 1e-3) / 1e12
+            r["pct_copy"] = 100.0 * r["kv_tbps"] / copy_tbps if copy_tbps else None
+            if r["kind"] == "rung" and r["pct_copy"] is not None:
+                r["target_met"] = r["pct_copy"] >= LONG_TARGET_PCT
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1134,6 +1609,126 @@ def render_resources(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _status_cells(r: dict, n: int) -> list[str]:
+    """A row that was not timed: its status in the first of `n` cells, dashes after."""
+    return [f"**{r['status']}**"] + ["-"] * (n - 1)
+
+
+def _err(r: dict) -> str:
+    return f"{r['max_err']:.1e}" if r.get("max_err") is not None else "-"
+
+
+def _note(r: dict) -> str:
+    if r["status"] != "ok":
+        return r.get("reason", "")
+    return "; ".join(x for x in (r.get("config"), r.get("note"), r.get("kernel_reason"), r.get("graph_reason")) if x)
+
+
+def _met(r: dict) -> str:
+    return "-" if r.get("target_met") is None else ("met" if r["target_met"] else "missed")
+
+
+def _peer_notes(rows: list[dict]) -> list[str]:
+    return [f"{r['label']} ({r['dtype']}): {r['note']}." for r in rows if r["kind"] == "peer" and r.get("note")]
+
+
+def render_features(result: dict) -> str:
+    """The features tables: decode, long-context decode, then one table per general-feature case."""
+    c, m, t = result["ceilings"], result["method"], result["targets"]
+    peers = result["peers"]
+    by_case = {}
+    for r in result["rows"]:
+        by_case.setdefault(r["case"], []).append(r)
+    cases = [dict(e, rows=by_case.get(e["id"], [])) for e in result["cases"]]
+    vs = "vs SDPA"
+    lines = setup_header(result) + [
+        "",
+        "Every entry was checked against a float64 reference on the same inputs before it was timed: "
+        f"{m['tolerance']}; a rung over the bound is reported wrong and not timed. Peers, on the same inputs: "
+        + ", ".join(f"{d} against {PEERS[p].label}" for d, p in peers.items())
+        + f" (torch.nn.attention.sdpa_kernel). \"{vs}\" is the peer's time over the rung's (above 1x: the rung is "
+        "faster). " + ("Rungs: those named on the command line, in every case (those that do not take a case are "
+                       "reported unsupported)." if result.get("kernels_named") else
+                       "Rungs: each rung that declares the case's features, head size and dtype (lab.supports, "
+                       "lab.dtypes); for decode the split-KV rungs and, for context, the newest other rung."),
+    ]
+    decode = [e for e in cases if e["part"] == "decode"]
+    if decode:
+        d0 = decode[0]["shape"]
+        lines += ["", f"**GPT-2 decode** (B={d0['B']}, NH={d0['NH']}, d={d0['d']}, one query over T_k keys; the "
+                      f"bottom-right causal mask hides nothing from it). {m['decode'][:1].upper()}{m['decode'][1:]}. "
+                      f"Target: kernel time <= {t['decode_kernel_us']:g} us per call."]
+        header = ["T_k", "kernel", "kernel us", "p20-p80", "us per call in a graph",
+                  f"target <= {t['decode_kernel_us']:g} us", "K+V TB/s", vs, "max error", "note"]
+        for dtype in dict.fromkeys(e["dtype"] for e in decode):
+            body = []
+            for e in (e for e in decode if e["dtype"] == dtype):
+                for r in e["rows"]:
+                    first = [str(e["shape"]["T_k"]), _label(r)]
+                    kt = r.get("kernel_timing") or {}
+                    if r["status"] == "ok":
+                        spread = (f"{_ms(kt['p20_us'])}-{_ms(kt['p80_us'])}" if "p20_us" in kt else kt.get(
+                            "statistic", "-"))
+                        body.append(first + [
+                            _ms(r["kernel_us"]) if r.get("kernel_us") else "n/a", spread,
+                            _ms(r["graph_us"]) if r.get("graph_us") else "n/a", _met(r),
+                            f"{r['kv_tbps']:.2f}" if r.get("kv_tbps") else "-", _x(r.get("vs_peer")), _err(r),
+                            _note(r)])
+                    else:
+                        body.append(first + _status_cells(r, 6) + [_err(r), _note(r)])
+            lines += ["", f"{dtype}, against {PEERS[peers[dtype]].label}:", ""]
+            lines += table(header, body, "rlrrrlrrrl")
+    long = [e for e in cases if e["part"] == "long"]
+    if long:
+        s0 = long[0]["shape"]
+        lines += ["", f"**Long-context decode** (B={s0['B']}, NH={s0['NH']}, d={s0['d']}, one query over "
+                      f"{s0['T_k']} keys). Times: median of CUDA-event runs, L2 flushed before each. Bandwidth: bytes "
+                      f"of K and V over the time, against the device copy measured in the same run "
+                      f"({c['copy_tbps']:.2f} TB/s, {c['copy_what']}). Target: at least {t['long_pct_copy']:g}% "
+                      "of the copy ceiling."]
+        body = []
+        for e in long:
+            for r in e["rows"]:
+                first = [e["dtype"], _label(r)]
+                if r["status"] == "ok":
+                    tm = r["timing"]
+                    body.append(first + [_ms(1e3 * tm["median_ms"]),
+                                         f"{_ms(1e3 * tm['p20_ms'])}-{_ms(1e3 * tm['p80_ms'])}",
+                                         _bytes(r["kv_bytes"]), f"{r['kv_tbps']:.2f}",
+                                         f"{r['pct_copy']:.0f}%" if r.get("pct_copy") is not None else "-", _met(r),
+                                         _x(r.get("vs_peer")), _err(r), _note(r)])
+                else:
+                    body.append(first + _status_cells(r, 7) + [_err(r), _note(r)])
+        lines += [""] + table(["dtype", "kernel", "us", "p20-p80", "K+V", "TB/s", "% of copy",
+                               f"target >= {t['long_pct_copy']:g}%", vs, "max error", "note"], body, "llrrrrrlrrl")
+        lines += [f"\n{n}" for n in _peer_notes([r for e in long for r in e["rows"]])]
+    general = [e for e in cases if e["part"] not in ("decode", "long")]
+    if general:
+        lines += ["", f"**Features** (FLOP convention: {result['flop_convention']}). Times: median of CUDA-event "
+                      "runs, L2 flushed before each."]
+    titles = {"noncausal": "Non-causal", "cross": "Cross lengths", "gqa": "Grouped-query heads", "heads": "Head size"}
+    for key in dict.fromkeys((e["part"], json.dumps(e["shape"], sort_keys=True)) for e in general):
+        group = [e for e in general if (e["part"], json.dumps(e["shape"], sort_keys=True)) == key]
+        shape = group[0]["shape"]
+        case = Case(**shape)
+        flops = attention_flops_qk(shape["B"], shape["NH"], shape["T_q"], shape["T_k"], shape["d"], shape["causal"])
+        title = titles.get(shape["part"], shape["part"]) + (f" {shape['d']}" if shape["part"] == "heads" else "")
+        lines += ["", f"**{title}**: {case.describe()} ({flops / 1e9:.1f} GFLOP)", ""]
+        body = []
+        for e in group:
+            for r in e["rows"]:
+                first = [_label(r), e["dtype"]]
+                if r["status"] == "ok":
+                    tm = r["timing"]
+                    body.append(first + [_ms(tm["median_ms"]), f"{_ms(tm['p20_ms'])}-{_ms(tm['p80_ms'])}",
+                                         _tflops(r["tflops"]), _x(r.get("vs_peer")), _err(r), _note(r)])
+                else:
+                    body.append(first + _status_cells(r, 4) + [_err(r), _note(r)])
+        lines += table(["kernel", "dtype", "ms", "p20-p80", "TFLOP/s", vs, "max error", "note"], body, "llrrrrrl")
+        lines += [f"\n{n}" for n in _peer_notes([r for e in group for r in e["rows"]])]
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------
 # Subcommands
 # ---------------------------------------------------------------------------------------------
@@ -1265,6 +1860,74 @@ def cmd_resources(args) -> int:
     return 0
 
 
+def cmd_features(args) -> int:
+    require_gpu()
+    setup = setup_info(args.argv)
+    method = Method(budget_ms=args.budget_ms)
+    named = args.kernels is not None
+    candidates = args.kernels if named else default_feature_rungs()
+    plan = feature_plan(args.parts, args.dtypes, candidates, named)
+    dev = setup["device"]
+    progress(f"{dev['name']} ({dev['arch']}, {dev['sm_count']} SMs), driver {dev['driver']}, CUDA {dev['cuda_runtime']}, "
+             f"CuPy {setup['cupy']}, torch {setup['torch']}")
+    progress("measuring the ceilings (fp32 SGEMM 8192^3 without TF32; device copy) ...")
+    ceilings = measure_ceilings(method)
+    progress(f"fp32 FFMA ceiling {ceilings['ffma_tflops']:.1f} TFLOP/s; copy {ceilings['copy_tbps']:.2f} TB/s")
+    flush = L2Flush()
+    compile_before = kernels.runtime.compile_seconds
+    started = time.perf_counter()
+    rows, counter = [], [0]
+    total = sum(len(entry["rungs"]) + 1 for entry in plan)
+    for i, entry in enumerate(plan):
+        case, dtype, peer = entry["case"], entry["dtype"], entry["peer"]
+        seed = args.seed + 1000 * i
+        if case.part == "decode":
+            got = bench_decode(case, dtype, entry["rungs"], peer, caches=args.caches, reps=args.reps, seed=seed,
+                               counter=counter, total=total)
+        else:
+            got = bench_shape(case, dtype, entry["rungs"], [peer], flush=flush, method=method,
+                              ffma_tflops=ceilings["ffma_tflops"], seed=seed, counter=counter, total=total)
+            add_feature_ratios(got, peer, ceilings["copy_tbps"] if case.part == "long" else None)
+        for r in got:
+            r["case"] = entry["id"]
+        rows += got
+        release_memory()
+    result = {
+        "schema": SCHEMA,
+        "kind": "features",
+        "setup": setup,
+        "flop_convention": FEATURE_FLOP_CONVENTION,
+        "method": method.describe(flush.nbytes) | {
+            "decode": f"kernel time per call: CUPTI kernel records through torch.profiler (every kernel a call "
+                      f"launches, summed), the median over {args.reps} passes through {args.caches} independent "
+                      f"caches in turn, so that L2 does not hold K and V; graph: the same {args.reps} x "
+                      f"{args.caches} calls captured as one CUDA graph (CuPy's stream capture for the rungs, "
+                      "torch.cuda.graph for SDPA), one replay timed with events, divided by the calls",
+            "caches": args.caches,
+            "reps": args.reps,
+            "speedup": "vs peer: the peer's time over the rung's (above 1x: the rung is faster)",
+        },
+        "ceilings": ceilings,
+        "targets": {"decode_kernel_us": DECODE_TARGET_US, "long_pct_copy": LONG_TARGET_PCT},
+        "parts": [p for p in FEATURE_PARTS if p in args.parts],
+        "dtypes": list(args.dtypes),
+        "kernels": [p.stem for p in candidates],
+        "kernels_named": named,
+        "peers": dict(FEATURE_PEER),
+        "cases": [{"id": e["id"], "part": e["case"].part, "shape": e["case"].as_dict(), "dtype": e["dtype"],
+                   "peer": e["peer"], "kernels": [p.stem for p in e["rungs"]],
+                   "flops": shape_flops(e["case"])} for e in plan],
+        "seed": args.seed,
+        "compile_seconds": kernels.runtime.compile_seconds - compile_before,
+        "wall_seconds": time.perf_counter() - started,
+        "rows": rows,
+    }
+    path = write_result(result, result_path("features", setup, args.results))
+    print("\n" + render_features(result))
+    progress(f"wrote {path}")
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------
 # README: the tables between <!-- bench:<section>:start --> and <!-- bench:<section>:end -->
 # ---------------------------------------------------------------------------------------------
@@ -1345,6 +2008,9 @@ def readme_blocks(found: dict[str, list[Path]], base: Path) -> dict[str, str]:
     if found["resources"]:
         p = found["resources"][0]
         blocks["resources"] = source(p) + "\n" + render_resources(_load(p))
+    if found["features"]:
+        p = found["features"][0]
+        blocks["features"] = source(p) + "\n" + render_features(_load(p))
     return blocks
 
 
@@ -1359,7 +2025,7 @@ def cmd_readme(args) -> int:
         raise CannotRun(f"{readme}: {exc}; nothing rewritten") from None
     if not spans:
         raise CannotRun(f"{readme} has no bench markers (a line <!-- bench:kernels:start --> and a line "
-                        "<!-- bench:kernels:end -->, likewise for sweep, e2e, resources); nothing rewritten")
+                        "<!-- bench:kernels:end -->, likewise for sweep, e2e, resources, features); nothing rewritten")
     found = newest_results(results)
     if getattr(args, "replot", False):
         for kind, plot in (("sweep", plot_sweep), ("e2e", plot_e2e)):
@@ -1414,6 +2080,27 @@ def peer_list(text: str) -> list[str]:
     return names
 
 
+def part_list(text: str) -> list[str]:
+    """'decode,gqa' -> the features parts, in the order given; 'all' for every part."""
+    if text.strip() == "all":
+        return list(FEATURE_PARTS)
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [n for n in names if n not in FEATURE_PARTS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown part(s) {', '.join(unknown) or repr(text)}: choose from "
+                                         f"{', '.join(FEATURE_PARTS)} (or all)")
+    return list(dict.fromkeys(names))
+
+
+def dtype_list(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [n for n in names if n not in DTYPES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown dtype(s) {', '.join(unknown) or repr(text)}: choose from "
+                                         f"{', '.join(DTYPES)}")
+    return list(dict.fromkeys(names))
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -1441,7 +2128,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n\n")[0],
                                      epilog="\n\n".join(__doc__.split("\n\n")[1:]),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{kernels,sweep,e2e,resources,readme}")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{kernels,sweep,e2e,resources,features,readme}")
 
     def results_option(p):
         p.add_argument("--results", type=Path, default=RESULTS,
@@ -1506,9 +2194,42 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--arch", type=arch_name, default=None, help="compile for this architecture (sm_90) with NVRTC")
     results_option(r)
 
+    f = sub.add_parser("features", help="decode, long-context decode, non-causal, cross lengths, GQA and head "
+                                        "sizes on the rungs that declare them, beside torch SDPA",
+                       description="The attention features past causal self-attention, each case checked against "
+                                   "a float64 reference, then timed beside torch SDPA (float32 against SDPA "
+                                   "efficient, bfloat16/float16 against SDPA flash): GPT-2 decode (B=1, NH=12, d=64, "
+                                   "one query over T_k = 1, 128, 512, 1024 keys; CUPTI kernel time per call with "
+                                   "independent caches in rotation, and per call in a CUDA graph; target <= 5 us), "
+                                   "long-context decode (B=16, NH=32, d=128, T_k=4096; TB/s of K+V against the copy "
+                                   "ceiling; target >= 75%), non-causal (B=4, NH=12, T=2048, d=64), cross lengths "
+                                   "(T_q=256 over T_k=4096, causal bottom-right), grouped-query heads (B=4, NH=32, "
+                                   "NH_kv=8, T=2048, d=128) and head sizes 32/64/96/128 (B=8, NH=12, T=1024). "
+                                   "The defaults are sized for about 3 minutes of GPU time, compilation aside; "
+                                   "--parts, --dtypes and --budget-ms trim it.")
+    f.add_argument("--parts", type=part_list, default=list(FEATURE_PARTS), metavar="LIST",
+                   help=f"parts to run, comma-separated, from {', '.join(FEATURE_PARTS)} (default: all)")
+    f.add_argument("--kernels", type=kernel_list, default=None, metavar="LIST",
+                   help="rungs to try in every case (those that do not take a case are reported unsupported); "
+                        "default: the rungs declaring lab.supports or lab.split_kv, each in the cases it declares "
+                        "(decode: the split-KV rungs and the newest other rung; long context: the split-KV rungs)")
+    f.add_argument("--dtypes", type=dtype_list, default=["float32", "bfloat16"], metavar="LIST",
+                   help="dtypes of decode and of the general features (default float32,bfloat16); long context "
+                        "runs bfloat16 and whichever of float32, float16 its rungs declare")
+    f.add_argument("--budget-ms", type=float, default=100.0,
+                   help="GPU time for the timed runs of each event-timed entry (default 100; 10-200 runs)")
+    f.add_argument("--caches", type=positive_int, default=24,
+                   help="decode: independent caches the calls rotate through, so that L2 does not hold K/V "
+                        "(default 24)")
+    f.add_argument("--reps", type=positive_int, default=10,
+                   help="decode: passes through the caches, profiled and captured as one graph (default 10)")
+    f.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    results_option(f)
+
     m = sub.add_parser("readme", help="rewrite README.md's tables between markers from the newest results",
                        description="Rewrite what lies between <!-- bench:<section>:start --> and "
-                                   "<!-- bench:<section>:end --> (sections kernels, sweep, e2e, resources) from the "
+                                   "<!-- bench:<section>:end --> (sections kernels, sweep, e2e, resources, features) "
+                                   "from the "
                                    "newest result file of each kind; nothing outside the markers changes. "
                                    "Exits 2 if the README has no markers.")
     m.add_argument("--readme", type=Path, default=README, help="default: README.md beside bench.py")
@@ -1519,7 +2240,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = {"kernels": cmd_kernels, "sweep": cmd_sweep, "e2e": cmd_e2e, "resources": cmd_resources,
-            "readme": cmd_readme}
+            "features": cmd_features, "readme": cmd_readme}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1527,7 +2248,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = argv
-    if getattr(args, "kernels", False) is None:
+    if getattr(args, "kernels", False) is None and args.command != "features":  # features picks per case
         # decode rungs (split-KV) are made for a few query rows over a long cache, not whole sequences:
         # they are timed only when named (and by tests/test_decode_gpu.py's timing on decode shapes)
         whole = args.command == "resources"

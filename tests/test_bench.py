@@ -36,13 +36,13 @@ def run(argv, capsys):
 # --- argument parsing ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("argv", [[], ["kernels"], ["sweep"], ["e2e"], ["resources"], ["readme"]])
+@pytest.mark.parametrize("argv", [[], ["kernels"], ["sweep"], ["e2e"], ["resources"], ["features"], ["readme"]])
 def test_help_exits_zero_and_describes_options(argv, capsys):
     code, out, _ = run([*argv, "--help"], capsys)
     assert code == 0
     assert out.startswith("usage: bench.py")
-    expected = {(): "kernels", ("kernels",): "--shape", ("sweep",): "--t-max", ("e2e",): "--kv-cache",
-                ("resources",): "--arch", ("readme",): "--readme"}[tuple(argv)]
+    expected = {(): "features", ("kernels",): "--shape", ("sweep",): "--t-max", ("e2e",): "--kv-cache",
+                ("resources",): "--arch", ("features",): "--caches", ("readme",): "--readme"}[tuple(argv)]
     assert expected in out
 
 
@@ -75,6 +75,12 @@ def test_bad_shape_strings_are_rejected(bad, capsys):
     (["sweep", "--t-min", "4096", "--t-max", "1024"], "larger than --t-max"),
     (["e2e", "--kv-cache", "--no-cache"], "not allowed with"),
     (["resources", "--arch", "hopper"], "sm_90"),
+    (["features", "--parts", "prefill"], "unknown part(s) prefill"),
+    (["features", "--parts", ","], "unknown part(s)"),
+    (["features", "--dtypes", "float32,int8"], "unknown dtype(s) int8"),
+    (["features", "--caches", "0"], "positive integer"),
+    (["features", "--reps", "-2"], "positive integer"),
+    (["features", "--kernels", "v99"], "unknown kernel 'v99'"),
 ])
 def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
     code, _, err = run(argv, capsys)
@@ -503,7 +509,8 @@ def test_resources_for_sm90_through_nvrtc_without_a_gpu(tmp_path, capsys):
     assert f"wrote {path}" in out and "| kernel | config | threads | registers |" in out
 
 
-@pytest.mark.parametrize("command", [["kernels"], ["sweep", "--t-max", "256"], ["e2e", "--tokens", "4"]])
+@pytest.mark.parametrize("command", [["kernels"], ["sweep", "--t-max", "256"], ["e2e", "--tokens", "4"],
+                                     ["features", "--parts", "decode"]])
 def test_gpu_subcommands_exit_2_with_one_line_without_a_gpu(command, monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench, "gpu_problem", lambda: "no CUDA device visible")
     code, out, err = run([*command, "--results", str(tmp_path)], capsys)
@@ -714,3 +721,462 @@ def test_e2e_subcommand_end_to_end_with_stand_ins(stand_in, tmp_path, monkeypatc
         assert r["elapsed"] == sorted(r["elapsed"]) and r["elapsed"][-1] <= r["seconds"]
         assert r["same_tokens_as_reference"] == 5  # the stand-in rung is the reference
     assert "| `v01_good` | kv-cache |" in out
+
+
+# --- features: decode, long context, non-causal, cross lengths, GQA, head sizes ---------------------
+
+
+def test_features_arguments_and_defaults(monkeypatch):
+    seen = {}
+    monkeypatch.setitem(bench.COMMANDS, "features", lambda args: seen.setdefault("args", args) and 0)
+    assert bench.main(["features"]) == 0
+    args = seen.pop("args")
+    assert args.parts == list(bench.FEATURE_PARTS) == ["decode", "long", "noncausal", "cross", "gqa", "heads"]
+    assert args.dtypes == ["float32", "bfloat16"]
+    assert args.kernels is None  # features picks rungs per case, not the kernels subcommand's default
+    assert (args.caches, args.reps, args.budget_ms, args.seed) == (24, 10, 100.0, 0)
+    assert args.results == bench.RESULTS
+    assert bench.main(["features", "--parts", "gqa,decode,gqa", "--dtypes", "bfloat16", "--kernels", "v13,v16",
+                       "--caches", "3", "--reps", "2", "--budget-ms", "5"]) == 0
+    args = seen.pop("args")
+    assert args.parts == ["gqa", "decode"] and args.dtypes == ["bfloat16"]
+    assert [p.stem for p in args.kernels] == [kernels.resolve("v13").stem, kernels.resolve("v16").stem]
+    assert (args.caches, args.reps, args.budget_ms) == (3, 2, 5.0)
+    assert bench.part_list("all") == list(bench.FEATURE_PARTS)
+
+
+def brute_force_pairs(T_q, T_k, causal):
+    """(query, key) pairs counted one by one, with the reference's own mask (bottom-right)."""
+    from kernels.reference import causal_mask
+
+    if not causal:
+        return sum(1 for _ in range(T_q) for _ in range(T_k))
+    mask = causal_mask(np, T_q, T_k)
+    return sum(1 for i in range(T_q) for j in range(T_k) if mask[i, j])
+
+
+@pytest.mark.parametrize("T_q,T_k", [(1, 1), (1, 7), (3, 3), (5, 17), (16, 16), (7, 2), (17, 5), (256, 300), (9, 1)])
+def test_visible_pairs_by_brute_force(T_q, T_k):
+    assert bench.visible_pairs(T_q, T_k, causal=False) == brute_force_pairs(T_q, T_k, False) == T_q * T_k
+    assert bench.visible_pairs(T_q, T_k, causal=True) == brute_force_pairs(T_q, T_k, True)
+
+
+def test_feature_flops_conventions():
+    B, NH, d = 2, 3, 16
+    # non-causal: every T_q x T_k pair, 4 * d FLOPs each (two products of 2 * d)
+    assert bench.attention_flops_qk(B, NH, 5, 17, d, causal=False) == 4 * B * NH * 5 * 17 * d
+    assert bench.attention_flops_qk(B, NH, 64, 64, d, causal=False) == bench.attention_flops(B, NH, 64, d, causal=False)
+    # causal with T_q != T_k: the pairs the bottom-right mask lets through, exactly
+    for T_q, T_k in [(5, 17), (17, 5), (1, 9), (256, 4096)]:
+        assert bench.attention_flops_qk(B, NH, T_q, T_k, d) == 4 * B * NH * brute_force_pairs(T_q, T_k, True) * d
+    assert bench.visible_pairs(256, 4096) == 256 * 4096 - 256 * 255 // 2 == 1_015_936
+    # causal self-attention keeps the kernels table's T^2 / 2, not the exact T (T + 1) / 2
+    assert bench.attention_flops_qk(B, NH, 64, 64, d) == bench.attention_flops(B, NH, 64, d) == 4 * B * NH * 64**2 * d // 2
+    # grouped-query heads: every query head does the arithmetic, whatever NH_kv is
+    gqa = bench.Case("gqa", 4, 32, 8, 2048, 2048, 128)
+    assert bench.shape_flops(gqa) == bench.attention_flops(4, 32, 2048, 128)
+    assert bench.shape_flops(bench.Shape(8, 1024)) == bench.attention_flops(8, 12, 1024, 64)
+    for words in ("T_q * T_k", "T^2 / 2", "bottom-right", "4 * d"):
+        assert words in bench.FEATURE_FLOP_CONVENTION
+
+
+def test_cases_name_the_features_they_need():
+    cases = {c.part: c for part in bench.FEATURE_CASES.values() for c in part}
+    assert cases["noncausal"].needs() == {"noncausal"}
+    assert cases["cross"].needs() == {"cross"} and (cases["cross"].T_q, cases["cross"].T_k) == (256, 4096)
+    assert cases["gqa"].needs() == {"gqa"} and (cases["gqa"].NH, cases["gqa"].NH_kv) == (32, 8)
+    assert cases["long"].needs() == {"cross"}
+    assert [c.T_k for c in bench.FEATURE_CASES["decode"]] == [1, 128, 512, 1024]
+    assert bench.FEATURE_CASES["decode"][0].needs() == set()  # T_q = T_k = 1
+    assert [c.d for c in bench.FEATURE_CASES["heads"]] == [32, 64, 96, 128]
+    assert cases["cross"].describe() == "B=4, NH=12, T_q=256, T_k=4096, d=64, causal, bottom-right"
+    assert cases["gqa"].describe() == "B=4, NH=32, NH_kv=8, T=2048, d=128, causal"
+
+
+def test_sdpa_mask_matches_the_rungs_mask():
+    case = bench.FEATURE_CASES
+    assert bench.sdpa_mask(case["noncausal"][0]) == "none"
+    assert bench.sdpa_mask(case["gqa"][0]) == "is_causal"  # T_q == T_k: top-left and bottom-right agree
+    assert bench.sdpa_mask(case["cross"][0]) == "lower_right"
+    assert bench.sdpa_mask(case["decode"][0]) == "is_causal"  # 1 x 1
+    assert bench.sdpa_mask(case["decode"][2]) == "none"  # one query row sees every key
+    assert bench.sdpa_mask(bench.Shape(2, 64)) == "is_causal"
+    assert bench.sdpa_mask(bench.Case("cross", 1, 2, 2, 9, 3, 32)) == "lower_right"
+
+
+def test_feature_plan_follows_declarations():
+    rungs = bench.default_feature_rungs()
+    assert rungs and all(kernels.load(p).supports or kernels.load(p).split_kv for p in rungs)
+    plan = bench.feature_plan(list(bench.FEATURE_PARTS), ["float32", "bfloat16"], rungs, named=False)
+    assert [e["case"].part for e in plan] == sorted((e["case"].part for e in plan), key=bench.FEATURE_PARTS.index)
+    assert len({e["id"] for e in plan}) == len(plan)
+    for e in plan:
+        case, dtype = e["case"], e["dtype"]
+        assert e["peer"] == ("sdpa_efficient" if dtype == "float32" else "sdpa_flash")
+        loaded = {p.stem: kernels.load(p) for p in e["rungs"]}
+        assert all(bench.declares(r, case, dtype) for r in loaded.values())
+        taking = [p.stem for p in rungs if bench.declares(kernels.load(p), case, dtype)]
+        if case.part == "decode":  # every split-KV rung, and the newest other rung as context
+            others = [n for n in taking if not kernels.load(n).split_kv]
+            assert list(loaded) == [n for n in taking if kernels.load(n).split_kv or n == others[-1]]
+            assert sum(not r.split_kv for r in loaded.values()) == 1
+        elif case.part == "long":
+            assert list(loaded) == [n for n in taking if kernels.load(n).split_kv]
+        else:
+            assert list(loaded) == taking
+    long_dtypes = [e["dtype"] for e in plan if e["case"].part == "long"]
+    assert long_dtypes[0] == "bfloat16" and set(long_dtypes) <= set(bench.LONG_DTYPES)
+    declared = {t for p in rungs if kernels.load(p).split_kv for t in kernels.load(p).dtypes}
+    assert set(long_dtypes) == {"bfloat16"} | (declared & set(bench.LONG_DTYPES))
+    # named rungs run in every case, declared or not: those that do not take it are reported unsupported
+    named = [kernels.resolve("v12"), kernels.resolve("v13")]
+    plan = bench.feature_plan(["noncausal", "long"], ["float32"], named, named=True)
+    assert all([p.stem for p in e["rungs"]] == [p.stem for p in named] for e in plan)
+    assert {e["dtype"] for e in plan if e["case"].part == "long"} == {"bfloat16", "float32"}
+
+
+def test_per_call_us_groups_kernels_into_calls():
+    one = [(float(i), 2.0 + (i % 3), "attention_forward<64, 8, 64, 0>") for i in range(12)]
+    t = bench.per_call_us(one[::-1], calls=12)  # any order: sorted by start
+    assert t["kernels_per_call"] == 1 and t["statistic"] == "median" and t["us"] == pytest.approx(3.0)
+    assert (t["min_us"], t["max_us"]) == (2.0, 4.0) and t["calls"] == 12
+    two = [(10.0 * c + 0, 3.0, "flash_fwd_splitkv_kernel") for c in range(5)] + \
+          [(10.0 * c + 5, 1.0, "flash_fwd_splitkv_combine_kernel") for c in range(5)]
+    t = bench.per_call_us(two, calls=5)
+    assert t["kernels_per_call"] == 2 and t["us"] == pytest.approx(4.0)
+    assert t["kernels"] == ["flash_fwd_splitkv_combine_kernel", "flash_fwd_splitkv_kernel"]
+    t = bench.per_call_us(two[:7], calls=5)  # uneven: the mean, labelled so
+    assert t["us"] == pytest.approx((5 * 3.0 + 2 * 1.0) / 5) and t["statistic"].startswith("mean")
+    assert bench.per_call_us([], calls=5) is None
+
+
+def fake_prepare_declared(q, k, v, *, kernel, causal=True):
+    """kernels.prepare for NumPy arrays: the real rung's declarations decide what it takes (check_layout
+    raises what prepare raises), the reference computes the output."""
+    kernels.runtime.check_layout(q, k, v, kernels.load(kernel), causal, None)
+    out = np.empty(q.shape, dtype=q.dtype)
+
+    def run():
+        out[...] = kernels.reference_attention(q, k, v, causal=causal)
+        return out
+
+    run.instance = SimpleNamespace(describe=lambda: "stand-in")
+    return run
+
+
+TINY_CASES = {  # the same parts at shapes NumPy checks in a moment
+    "decode": [bench.Case("decode", 1, 2, 2, 1, T_k, 32) for T_k in (1, 9)],
+    "long": [bench.Case("long", 2, 2, 2, 1, 40, 32)],
+    "noncausal": [bench.Case("noncausal", 1, 2, 2, 17, 17, 32, causal=False)],
+    "cross": [bench.Case("cross", 1, 2, 2, 5, 23, 32)],
+    "gqa": [bench.Case("gqa", 1, 4, 2, 13, 13, 32)],
+    "heads": [bench.Case("heads", 1, 2, 2, 11, 11, d) for d in (32, 96)],
+}
+
+
+@pytest.fixture
+def features_stand_in(stand_in, monkeypatch):
+    """bench.py features with NumPy for CuPy, no torch, real rung declarations and tiny cases; CUPTI and
+    the graph replaced by host clocks over the same calls."""
+    monkeypatch.setattr(kernels, "prepare", fake_prepare_declared)
+    monkeypatch.setattr(bench, "FEATURE_CASES", TINY_CASES)
+
+    def kernel_timing(runs, reps=10, name=None):
+        records = []
+        for _ in range(reps):
+            for run in runs:
+                start = time.perf_counter()
+                run()
+                records.append((start * 1e6, (time.perf_counter() - start) * 1e6, "attention_forward"))
+        return bench.per_call_us(records, reps * len(runs))
+
+    def graph_us(runs, reps=10):
+        start = time.perf_counter()
+        for _ in range(reps):
+            for run in runs:
+                run()
+        return (time.perf_counter() - start) * 1e6 / (reps * len(runs))
+
+    monkeypatch.setattr(bench, "kernel_timing", kernel_timing)
+    monkeypatch.setattr(bench, "graph_us", graph_us)
+    monkeypatch.setattr(bench, "torch_graph_us", graph_us)
+
+
+def test_features_end_to_end_with_stand_ins(features_stand_in, tmp_path, capsys):
+    v12, v13, v16 = (kernels.resolve(n).stem for n in ("v12", "v13", "v16"))
+    code, out, err = run(["features", "--kernels", "v12,v13,v16", "--dtypes", "float32", "--caches", "3", "--reps",
+                          "2", "--budget-ms", "1", "--results", str(tmp_path)], capsys)
+    assert code == 0, err
+    (path,) = tmp_path.glob("features-stand-in-gpu-*.json")
+    data = json.loads(path.read_text())
+    # the JSON: setup, method, ceilings, targets, the plan, and rows that name their case
+    assert data["schema"] == bench.SCHEMA and data["kind"] == "features"
+    assert data["setup"]["device"]["name"] == "Stand-in GPU"
+    assert data["setup"]["command"].startswith("python3 bench.py features --kernels v12,v13,v16")
+    assert data["flop_convention"] == bench.FEATURE_FLOP_CONVENTION
+    assert {"tolerance", "decode", "caches", "reps", "l2_flush"} <= set(data["method"])
+    assert data["method"]["caches"] == 3 and data["method"]["reps"] == 2
+    assert data["ceilings"]["copy_tbps"] == 3.0
+    assert data["targets"] == {"decode_kernel_us": 5.0, "long_pct_copy": 75.0}
+    assert data["parts"] == list(bench.FEATURE_PARTS) and data["kernels"] == [v12, v13, v16]
+    assert data["kernels_named"] is True and data["dtypes"] == ["float32"]
+    cases = {c["id"]: c for c in data["cases"]}
+    assert [c["part"] for c in data["cases"]] == ["decode", "decode", "long", "long", "long", "noncausal", "cross",
+                                                 "gqa", "heads", "heads"]
+    assert [c["dtype"] for c in data["cases"] if c["part"] == "long"] == ["bfloat16", "float32", "float16"]
+    for c in data["cases"]:
+        s = c["shape"]
+        assert c["flops"] == bench.attention_flops_qk(s["B"], s["NH"], s["T_q"], s["T_k"], s["d"], s["causal"])
+        assert c["peer"] == bench.FEATURE_PEER[c["dtype"]] and c["kernels"] == [v12, v13, v16]
+    rows = {(cases[r["case"]]["part"], r["shape"]["T_k"], r["shape"]["d"], r["dtype"], r["name"]): r
+            for r in data["rows"]}
+    assert len(rows) == len(data["rows"]) == 4 * len(data["cases"])  # three rungs and the peer per case
+    for r in data["rows"]:
+        assert r["case"] in cases and r["shape"] == cases[r["case"]]["shape"]
+        if r["kind"] == "peer":  # no torch here: reported, not fatal
+            assert r["status"] == "unavailable" and "torch" in r["reason"]
+
+    def row(part, name, dtype="float32", T_k=None, d=32):
+        return next(r for k, r in rows.items() if k[0] == part and k[4] == name and k[3] == dtype
+                    and (T_k is None or k[1] == T_k) and k[2] == d)
+
+    # rungs not declaring a feature are reported unsupported, with the launcher's reason, and not timed
+    assert row("noncausal", v12)["status"] == "unsupported" and "causal=False" in row("noncausal", v12)["reason"]
+    assert row("cross", v12)["status"] == "unsupported" and "query length 5 != key length 23" in row("cross", v12)["reason"]
+    assert row("gqa", v12)["status"] == "unsupported" and "key/value heads" in row("gqa", v12)["reason"]
+    assert row("heads", v12, d=96)["status"] == "unsupported" and "head sizes" in row("heads", v12, d=96)["reason"]
+    assert row("long", v13, "bfloat16")["status"] == "unsupported"
+    assert all("timing" not in r and "kernel_us" not in r for r in data["rows"] if r["status"] == "unsupported")
+    # those that declare it are checked, then timed
+    for part in ("noncausal", "cross", "gqa", "heads"):
+        for name in (v13, v16):
+            r = row(part, name)
+            assert r["status"] == "ok" and r["max_err"] <= r["bound"], r
+            assert r["tflops"] == pytest.approx(r["flops"] / (r["timing"]["median_ms"] * 1e-3) / 1e12)
+            assert r["flops"] == cases[r["case"]]["flops"] and r["vs_peer"] is None  # the peer could not run
+    assert row("heads", v12, d=32)["status"] == "ok"
+    # decode: CUPTI kernel time and graph time per call, the target computed from the kernel time
+    first = row("decode", v12, T_k=1)
+    assert first["status"] == "ok" and first["kernel_timing"]["calls"] == 2 * 3
+    assert row("decode", v12, T_k=9)["status"] == "unsupported"
+    for T_k in (1, 9):
+        r = row("decode", v16, T_k=T_k)
+        assert r["status"] == "ok" and r["kernel_us"] > 0 and r["graph_us"] > 0
+        assert r["target_met"] == (r["kernel_us"] <= 5.0)
+        assert r["kv_bytes"] == 2 * 1 * 2 * T_k * 32 * 4
+    # long context: bandwidth of K + V against the copy ceiling of the same run
+    for dtype, size in (("float32", 4), ("float16", 2), ("bfloat16", 2)):
+        r = row("long", v16, dtype)
+        assert r["status"] == "ok" and r["kv_bytes"] == 2 * 2 * 2 * 40 * 32 * size
+        assert r["kv_tbps"] == pytest.approx(r["kv_bytes"] / (r["timing"]["median_ms"] * 1e-3) / 1e12)
+        assert r["pct_copy"] == pytest.approx(100 * r["kv_tbps"] / 3.0)
+        assert r["target_met"] == (r["pct_copy"] >= 75.0)
+    # progress lines while running, the tables at the end
+    assert "[  1/40] decode float32  T_k     1" in out
+    assert "unsupported: ValueError: kernel" in out
+    assert "| T_k | kernel | kernel us |" in out and f"wrote {path}" in out
+
+
+def test_a_rung_not_declaring_a_feature_is_unsupported_not_fatal(features_stand_in, capsys):
+    case = bench.Case("gqa", 1, 4, 2, 13, 13, 32)
+    method = bench.Method(budget_ms=1.0, min_runs=3, max_runs=3, warmup=1)
+    rows = bench.bench_shape(case, "float32", [kernels.resolve("v12"), kernels.resolve("v13")], ["sdpa_efficient"],
+                             flush=bench.no_flush, method=method, ffma_tflops=50.0, seed=0, counter=[0], total=3)
+    by = {r["kind"] + ":" + r["name"][:3]: r for r in rows}
+    assert by["rung:v12"]["status"] == "unsupported" and "gqa" not in kernels.load("v12").supports
+    assert "2 key/value heads for 4 query heads" in by["rung:v12"]["reason"]
+    assert by["rung:v13"]["status"] == "ok" and by["rung:v13"]["flops"] == bench.attention_flops(1, 4, 13, 32)
+    assert by["peer:sdp"]["status"] == "unavailable"
+
+
+def features_result():
+    """A small features result as cmd_features writes it: decode, long context, a cross case whose
+    peer is n/a, a GQA case whose peer repeats K/V, and an unsupported rung."""
+    def timing(ms):
+        return {"median_ms": ms, "p20_ms": ms * 0.98, "p80_ms": ms * 1.02, "min_ms": ms * 0.9, "max_ms": ms * 1.1,
+                "runs": 50}
+
+    decode = bench.Case("decode", 1, 12, 12, 1, 1024, 64)
+    long = bench.Case("long", 16, 32, 32, 1, 4096, 128)
+    cross = bench.Case("cross", 4, 12, 12, 256, 4096, 64)
+    gqa = bench.Case("gqa", 4, 32, 8, 2048, 2048, 128)
+    cases = [("decode-a", decode, "float32"), ("long-a", long, "bfloat16"), ("cross-a", cross, "float32"),
+             ("gqa-a", gqa, "float32")]
+    base = lambda cid, case, dtype, name, kind, status="ok": {  # noqa: E731
+        "case": cid, "shape": case.as_dict(), "dtype": dtype, "name": name,
+        "label": bench.PEERS[name].label if kind == "peer" else name, "kind": kind, "status": status,
+        "max_err": 1e-7, "bound": 2e-6}
+    kv = bench.kv_bytes(decode, "float32")
+    rows = [
+        base("decode-a", decode, "float32", "v16_decode_split_kv", "rung") | {
+            "kernel_us": 4.0, "graph_us": 5.5, "target_met": True, "vs_peer": 2.5, "kv_bytes": kv,
+            "kv_tbps": kv / 4e-6 / 1e12, "config": "d_head=64, splits=6",
+            "kernel_timing": {"us": 4.0, "p20_us": 3.9, "p80_us": 4.1, "statistic": "median", "calls": 240}},
+        base("decode-a", decode, "float32", "v14_tf32_mma", "rung") | {
+            "kernel_us": 12.0, "graph_us": 13.0, "target_met": False, "vs_peer": 10 / 12, "kv_bytes": kv,
+            "kv_tbps": kv / 12e-6 / 1e12, "kernel_timing": {"us": 12.0, "statistic": "mean (records ...)"}},
+        base("decode-a", decode, "float32", "sdpa_efficient", "peer") | {
+            "kernel_us": 10.0, "graph_us": None, "graph_reason": "capture refused", "kv_bytes": kv,
+            "kv_tbps": kv / 1e-5 / 1e12, "kernel_timing": {"us": 10.0, "p20_us": 9.0, "p80_us": 11.0}},
+        base("long-a", long, "bfloat16", "v16_decode_split_kv", "rung") | {
+            "timing": timing(0.3), "kv_bytes": bench.kv_bytes(long, "bfloat16"), "kv_tbps": 3.58, "pct_copy": 84.2,
+            "target_met": True, "vs_peer": 1.2},
+        base("long-a", long, "bfloat16", "sdpa_flash", "peer") | {"timing": timing(0.36), "kv_tbps": 2.98,
+                                                                  "kv_bytes": bench.kv_bytes(long, "bfloat16"),
+                                                                  "pct_copy": 70.1},
+        base("cross-a", cross, "float32", "v13_fa2_partitioning", "rung") | {
+            "timing": timing(2.0), "tflops": bench.shape_flops(cross) / 2e-3 / 1e12, "vs_peer": None},
+        base("cross-a", cross, "float32", "v12_o_in_registers", "rung", "unsupported") | {
+            "max_err": None, "reason": "ValueError: kernel v12_o_in_registers does not support query length 256 != "
+                                       "key length 4096"},
+        base("cross-a", cross, "float32", "sdpa_efficient", "peer", "n/a") | {
+            "reason": "n/a: this torch has no torch.nn.attention.bias.causal_lower_right"},
+        base("gqa-a", gqa, "float32", "v13_fa2_partitioning", "rung") | {
+            "timing": timing(4.0), "tflops": bench.shape_flops(gqa) / 4e-3 / 1e12, "vs_peer": 0.5},
+        base("gqa-a", gqa, "float32", "sdpa_efficient", "peer") | {
+            "timing": timing(2.0), "tflops": bench.shape_flops(gqa) / 2e-3 / 1e12,
+            "note": "K and V repeated to 32 heads for the peer only (enable_gqa=True: RuntimeError: No available kernel)"},
+    ]
+    return {"schema": bench.SCHEMA, "kind": "features", "setup": fixture_setup("python3 bench.py features"),
+            "flop_convention": bench.FEATURE_FLOP_CONVENTION,
+            "method": bench.Method(budget_ms=100).describe(100 * 2**20) | {"decode": "CUPTI (fixture)", "caches": 24,
+                                                                             "reps": 10},
+            "ceilings": {"ffma_tflops": 50.0, "ffma_what": "fixture", "copy_tbps": 4.25, "copy_what": "fixture copy"},
+            "targets": {"decode_kernel_us": 5.0, "long_pct_copy": 75.0}, "parts": list(bench.FEATURE_PARTS),
+            "dtypes": ["float32", "bfloat16"], "kernels": ["v13_fa2_partitioning", "v16_decode_split_kv"],
+            "kernels_named": False, "peers": dict(bench.FEATURE_PEER),
+            "cases": [{"id": cid, "part": case.part, "shape": case.as_dict(), "dtype": dtype,
+                       "peer": bench.FEATURE_PEER[dtype], "kernels": [], "flops": bench.shape_flops(case)}
+                      for cid, case, dtype in cases],
+            "seed": 0, "rows": rows}
+
+
+def cells_of(line):
+    return [c.strip() for c in line.split("|")[1:-1]]
+
+
+def test_features_tables_from_a_synthetic_result():
+    text = bench.render_features(json.loads(json.dumps(bench._jsonable(features_result()))))
+    assert "**Fixture GPU** (sm_90, 132 SMs, 80 GiB)" in text and "Command: `python3 bench.py features`" in text
+    assert "float32 against SDPA efficient, bfloat16 against SDPA flash, float16 against SDPA flash" in text
+    # decode: the target in the header text, met/missed computed per row, graph time beside the kernel time
+    assert "Target: kernel time <= 5 us per call." in text
+    assert ("| T_k | kernel | kernel us | p20-p80 | us per call in a graph | target <= 5 us | K+V TB/s | vs SDPA "
+            "| max error | note |") in text
+    v16, v14 = (cells_of(table_rows(text, "1024")[i]) for i in (0, 1))
+    assert v16[:7] == ["1024", "`v16_decode_split_kv`", "4.000", "3.900-4.100", "5.500", "met", "1.57"]
+    assert v16[7] == "2.50x" and v16[-1] == "d_head=64, splits=6"
+    assert v14[2:6] == ["12.00", "mean (records ...)", "13.00", "missed"]
+    peer = cells_of(table_rows(text, "1024")[2])
+    assert peer[1] == "SDPA efficient" and peer[4:6] == ["n/a", "-"] and peer[-1] == "capture refused"
+    # long context: TB/s and % of the copy ceiling measured in the same run, target >= 75%
+    assert "(4.25 TB/s, fixture copy)" in text and "Target: at least 75% of the copy ceiling." in text
+    long = cells_of(table_rows(text, "bfloat16")[0])
+    assert long == ["bfloat16", "`v16_decode_split_kv`", "300.0", "294.0-306.0", "1.00 GiB", "3.58", "84%", "met",
+                    "1.20x", "1.0e-07", ""]
+    assert cells_of(table_rows(text, "bfloat16")[1])[6:8] == ["70%", "-"]  # no target for the peer
+    # the general features: FLOP convention, GFLOP, ratio to the peer, n/a and unsupported rows with reasons
+    assert bench.FEATURE_FLOP_CONVENTION in text
+    assert f"**Cross lengths**: B=4, NH=12, T_q=256, T_k=4096, d=64, causal, bottom-right " \
+           f"({bench.shape_flops(bench.FEATURE_CASES['cross'][0]) / 1e9:.1f} GFLOP)" in text
+    v13 = cells_of(table_rows(text, "`v13_fa2_partitioning`")[0])
+    assert v13[:6] == ["`v13_fa2_partitioning`", "float32", "2.000", "1.960-2.040", bench._tflops(
+        bench.shape_flops(bench.FEATURE_CASES["cross"][0]) / 2e-3 / 1e12), "-"]
+    na = [cells_of(r) for r in table_rows(text, "SDPA efficient") if "**n/a**" in r][0]
+    assert na[2] == "**n/a**" and "causal_lower_right" in na[-1]
+    unsupported = cells_of(table_rows(text, "`v12_o_in_registers`")[0])
+    assert unsupported[2] == "**unsupported**" and "does not support query length 256" in unsupported[-1]
+    assert "**Grouped-query heads**: B=4, NH=32, NH_kv=8, T=2048, d=128, causal" in text
+    assert cells_of(table_rows(text, "`v13_fa2_partitioning`")[1])[5] == "0.50x"
+    assert "SDPA efficient (float32): K and V repeated to 32 heads for the peer only" in text
+
+
+def test_features_tables_without_some_parts():
+    result = features_result()
+    result["cases"] = [c for c in result["cases"] if c["part"] == "gqa"]
+    result["rows"] = [r for r in result["rows"] if r["case"] == "gqa-a"]
+    text = bench.render_features(result)
+    assert "GPT-2 decode" not in text and "Long-context" not in text and "**Grouped-query heads**" in text
+
+
+def test_readme_fills_the_features_block(tmp_path, capsys):
+    readme = tmp_path / "README.md"
+    text = (FIXTURES / "bench_readme.md").read_text().replace(
+        "## After", "Features, hand-written.\n\n<!-- bench:features:start -->\nstale\n<!-- bench:features:end -->\n\n"
+                    "## After")
+    readme.write_text(text)
+    results = tmp_path / "results"
+    older = features_result()
+    older["setup"]["date"] = "2025-12-01T00:00:00Z"
+    older["setup"]["device"]["name"] = "Older GPU"
+    for result in (older, features_result()):
+        bench.write_result(result, bench.result_path("features", result["setup"], results))
+    code, out, _ = run(["readme", "--readme", str(readme), "--results", str(results)], capsys)
+    assert code == 0 and "features" in out
+    after = readme.read_text()
+    assert outside_markers(after) == outside_markers(text)
+    block = re.search(r"<!-- bench:features:start -->(.*?)<!-- bench:features:end -->", after, re.S)[1]
+    assert "from `results/features-fixture-gpu-20260102T030405Z.json`" in block  # the newest
+    assert "stale" not in block and "Older GPU" not in block and "Target: kernel time <= 5 us per call." in block
+    assert "no kernels results" in out  # the other sections are left as they are
+
+
+class FakeTorchTensor:
+    """The one tensor method sdpa_launch calls, on a NumPy array."""
+
+    def __init__(self, a):
+        self.a = a
+
+    def repeat_interleave(self, n, dim):
+        return FakeTorchTensor(np.repeat(self.a, n, axis=dim))
+
+
+def fake_torch(takes_gqa: bool, calls: list):
+    def sdpa(q, k, v, is_causal=False, attn_mask=None, **kw):
+        if "enable_gqa" in kw and not takes_gqa:
+            raise TypeError("scaled_dot_product_attention() got an unexpected keyword argument 'enable_gqa'")
+        calls.append({"k_heads": k.a.shape[1], "is_causal": is_causal, "attn_mask": attn_mask, **kw})
+        return kernels.reference_attention(q.a, k.a, v.a, causal=is_causal)
+
+    return SimpleNamespace(nn=SimpleNamespace(functional=SimpleNamespace(scaled_dot_product_attention=sdpa)),
+                           cuda=SimpleNamespace(synchronize=lambda: None))
+
+
+@pytest.mark.parametrize("takes_gqa", [True, False])
+def test_sdpa_peer_with_grouped_heads_uses_enable_gqa_or_repeats_kv(takes_gqa):
+    case = bench.Case("gqa", 1, 4, 2, 7, 7, 8)
+    rng = np.random.default_rng(0)
+    q, k, v = (FakeTorchTensor(rng.standard_normal(s).astype(np.float32)) for s in ((1, 4, 7, 8), (1, 2, 7, 8),
+                                                                                   (1, 2, 7, 8)))
+    calls = []
+    launch = bench.sdpa_launch(fake_torch(takes_gqa, calls), bench.PEERS["sdpa_flash"], q, k, v, case)
+    out = launch()
+    np.testing.assert_allclose(out, kernels.reference_attention(q.a, k.a, v.a), rtol=1e-5, atol=1e-6)
+    last = calls[-1]
+    assert last["is_causal"] is True
+    if takes_gqa:
+        assert launch.note == "enable_gqa=True" and last["enable_gqa"] is True and last["k_heads"] == 2
+    else:  # the peer alone gets K and V repeated to the query heads; the table note says so
+        assert launch.note.startswith("K and V repeated to 4 heads for the peer only (enable_gqa=True: TypeError")
+        assert "enable_gqa" not in last and last["k_heads"] == 4
+
+
+def test_sdpa_peer_cross_lengths_without_a_bottom_right_mask_is_not_comparable(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.nn.attention.bias", None)  # a torch without causal_lower_right
+    case = bench.Case("cross", 1, 2, 2, 5, 23, 8)
+    q, k, v = (FakeTorchTensor(np.zeros(s, dtype=np.float32)) for s in ((1, 2, 5, 8), (1, 2, 23, 8), (1, 2, 23, 8)))
+    with pytest.raises(bench.NotComparable, match="n/a: this torch has no .*causal_lower_right"):
+        bench.sdpa_launch(fake_torch(True, []), bench.PEERS["sdpa_efficient"], q, k, v, case)
+    # one query row: the bottom-right mask hides nothing, so plain non-causal SDPA is the same mask
+    calls = []
+    q1 = FakeTorchTensor(np.ones((1, 2, 1, 8), dtype=np.float32))
+    launch = bench.sdpa_launch(fake_torch(True, calls), bench.PEERS["sdpa_efficient"], q1, k, v,
+                               bench.Case("decode", 1, 2, 2, 1, 23, 8))
+    launch()
+    assert calls[-1]["is_causal"] is False and calls[-1]["attn_mask"] is None
+    assert "hides no key" in launch.note
+
+
+def test_cupti_timing_needs_torch(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.profiler", None)
+    assert bench.kernel_timing([lambda: None]) is None and bench.kernel_us([lambda: None]) is None

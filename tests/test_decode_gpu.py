@@ -239,54 +239,17 @@ def test_lab_kv_cache_no_graph_decodes_with_the_decode_rung(tmp_path, capsys):
     assert s["check"]["identical"], s["check"]
 
 
-# -- timing of the two targets: python3 -m tests.test_decode_gpu -----------------------------------
-
-
-def graph_us(runs, reps=10):
-    """Microseconds per call: the calls captured once as a CUDA graph (no Python between launches),
-    replayed, timed with events."""
-    import cupy as cp
-
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        for run in runs:  # compiled and warm before the capture
-            run()
-        stream.begin_capture()
-        for _ in range(reps):
-            for run in runs:
-                run()
-        graph = stream.end_capture()
-        graph.launch()
-        stream.synchronize()
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record(stream)
-        graph.launch()
-        end.record(stream)
-        end.synchronize()
-    return 1e3 * cp.cuda.get_elapsed_time(start, end) / (reps * len(runs))
-
-
-def kernel_us(runs, reps=10):
-    """Median device time of one launch in microseconds from CUPTI's kernel records (torch's
-    profiler sees CuPy's launches too), or None without torch."""
-    import cupy as cp
-
-    try:
-        from torch.profiler import ProfilerActivity, profile
-    except ImportError:
-        return None
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            for run in runs:
-                run()
-        cp.cuda.Device().synchronize()
-    times = [e.time_range.elapsed_us() for e in prof.events() if "attention_forward" in e.name]
-    return float(np.median(times)) if times else None
+# -- timing of the two targets: python3 -m tests.test_decode_gpu ----------------------------------
+#
+# The timing helpers live in bench.py (graph_us, kernel_us, measure_copy), which also measures these
+# targets beside torch SDPA and writes them to the README: python3 bench.py features --parts decode,long
 
 
 def main():
     import cupy as cp
     import ml_dtypes  # noqa: F401
+
+    import bench
 
     limits = kernels.device_limits()
     print(f"{limits.name}, {limits.sm_count} SMs, CuPy {cp.__version__}, driver {cp.cuda.runtime.driverGetVersion()}")
@@ -298,27 +261,17 @@ def main():
             q, k, v = random_qkv(cp, 1, 12, 12, 1, T_k, 64, seed=None)
             runs.append(kernels.prepare(q, k, v, kernel=DECODE))
         splits = kernels.instance(DECODE, 64, dtype="float32").splits(1, 12, 1, T_k)
-        device = kernel_us(runs)
-        print(f"GPT-2 decode, T_k {T_k:4d}, {splits:2d} splits: {graph_us(runs):6.2f} us per call in a graph, kernel "
-              + (f"{device:6.2f} us (CUPTI)" if device else "n/a") + "; target <= 5 us")
+        device = bench.kernel_us(runs, name="attention_forward")
+        print(f"GPT-2 decode, T_k {T_k:4d}, {splits:2d} splits: {bench.graph_us(runs):6.2f} us per call in a graph, "
+              "kernel " + (f"{device:6.2f} us (CUPTI)" if device else "n/a") + "; target <= 5 us")
     # Long context: B=16, NH=32, d=128, one query over 4096 keys; bandwidth = bytes of K and V / time,
     # against a device-to-device copy measured now (bytes read + written).
-    src = cp.empty(1 << 28, dtype=cp.float32)
-    dst = cp.empty_like(src)
-    cp.copyto(dst, src)
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    start.record()
-    for _ in range(10):
-        cp.copyto(dst, src)
-    end.record()
-    end.synchronize()
-    ceiling = 2 * 10 * src.nbytes / (1e-3 * cp.cuda.get_elapsed_time(start, end))
+    ceiling = 1e12 * bench.measure_copy(bench.Method())["copy_tbps"]
     print(f"copy ceiling: {ceiling / 1e12:.2f} TB/s")
-    del src, dst
     for dtype in kernels.load(DECODE).dtypes:
         q, k, v = random_qkv(cp, 16, 32, 32, 1, 4096, 128, dtype=dtype)
         run = kernels.prepare(q, k, v, kernel=DECODE)
-        seconds = 1e-6 * graph_us([run])
+        seconds = 1e-6 * bench.graph_us([run])
         rate = (k.nbytes + v.nbytes) / seconds
         print(f"long context, {dtype:8s}: {1e6 * seconds:7.1f} us, K+V {rate / 1e12:.2f} TB/s = "
               f"{100 * rate / ceiling:.0f}% of the copy ceiling; target >= 75%")
