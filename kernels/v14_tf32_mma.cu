@@ -90,6 +90,12 @@
  * Every warp splits the K_j and V_j elements it reads, so each is split once per warp of the
  * block. A NaN or inf in V_j also reaches the rows of its tile that mask its key (0 x NaN in the
  * product), as in v13; keys past T_k are zero-filled, so only real inputs can.
+ * The rounding add of the split turns a NaN whose mantissa is 0x7ff000 or more (0x7fffffff, the NaN
+ * the GPU's arithmetic returns) into +-0 (tf32_big_keep_nan). Q_i's fragments, always such a NaN
+ * after the scaling, are rounded NaN-safe once per block. In the inner loops: P_ij's NaN still
+ * reaches l_i (summed unrounded) and alpha; with split a NaN in K_j or V_j reaches the tensor core
+ * through small; without split a K_j or V_j NaN of that form (written by GPU arithmetic, e.g. an
+ * earlier layer's) is lost, which the loops do not test for (an instruction per element).
  *
  * lab.template   d_head, B_r, B_c, split
  * lab.configs    (64, 64, 64, 1), (64, 128, 64, 1), (32, 64, 64, 1), (96, 64, 16, 1), (128, 64, 16, 1), (64, 64, 64, 0), (32, 64, 64, 0), (96, 64, 32, 0), (128, 64, 32, 0)
@@ -119,6 +125,15 @@ __device__ __forceinline__ float exp2_approx(float x)
 // and the tensor core reads only its 19 TF32 bits.
 __device__ __forceinline__ unsigned tf32_big(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
 __device__ __forceinline__ unsigned tf32_small(float x, unsigned big) { return __float_as_uint(x - __uint_as_float(big)); }
+
+// tf32_big turns one kind of NaN into a zero: a NaN whose mantissa is 0x7ff000 or more, where the
+// half ulp carries through the all-ones exponent into the sign (0x7fffffff + 0x1000 = 0x80000fff,
+// masked to 0x80000000 = -0). The GPU's own NaN is that NaN: a float32 operation with a NaN result
+// returns 0x7fffffff whatever the inputs' payloads, so a NaN in Q_i, which is rounded after the
+// multiplication by scale log2(e), always is. With split it still reaches the tensor core through
+// small = NaN - (-0) = NaN; without split big is all the tensor core sees, and the NaN would vanish.
+// So Q_i's fragments, rounded once per block, keep a NaN a NaN (0x7fffe000, a TF32 NaN) there.
+__device__ __forceinline__ unsigned tf32_big_keep_nan(float x) { return isnan(x) ? 0x7fffe000u : tf32_big(x); }
 
 // D = A B + D for one 16x8x8 tile; the fragment layouts are in the header.
 __device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2])
@@ -268,7 +283,7 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
             unsigned big[4], small[4];
             #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                big[i] = tf32_big(a[i]);
+                big[i] = split ? tf32_big(a[i]) : tf32_big_keep_nan(a[i]);  // a NaN here is 0x7fffffff
                 small[i] = tf32_small(a[i], big[i]);
             }
             Q_big_frag[(2 * kk + b) * 32] = make_uint4(big[0], big[1], big[2], big[3]);

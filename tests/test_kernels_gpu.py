@@ -216,23 +216,61 @@ def test_config_needing_more_shared_memory_than_the_device_has():
         kernels.attention(x, x, x, kernel="v01", config=(128, 256, 64))
 
 
+def check_nan_reaches(name, where, *, T_q, T_k, row, config=None):
+    """A NaN at q[0, 1, row, 3] (where = "q") or at k/v[0, 1, row, 3], causal, the mask aligned
+    bottom-right: every output row of head 1 that sees it must be NaN; a NaN query row must stay in
+    its row; head 0 must stay clean. Rows that cannot see a NaN key may turn NaN too in a tiled rung
+    (0 x NaN is NaN when a tile's masked products are summed; the README says so)."""
+    import cupy as cp
+
+    rung = kernels.load(name)
+    d = config[0] if config else 64
+    dtype = (rung.dtype_of(config) if config else None) or rung.dtypes[0]
+    q = (cp.random.standard_normal((1, 2, T_q, d), dtype=cp.float32)).astype(dtype)
+    k, v = ((cp.random.standard_normal((1, 2, T_k, d), dtype=cp.float32)).astype(dtype) for _ in range(2))
+    {"q": q, "k": k, "v": v}[where][0, 1, row, 3] = cp.nan
+    out = kernels.attention(q, k, v, kernel=name, config=config).astype(cp.float32)
+    nan_rows = cp.isnan(out[0, 1]).any(axis=-1)
+    what = f"{name} config {config} T_q={T_q} T_k={T_k}: NaN in {where} row {row}"
+    if where == "q":  # query row i sees keys j <= i + T_k - T_q: this one sees at least key 0
+        assert row + T_k - T_q >= 0
+        assert bool(nan_rows[row]), f"{what} did not reach its own output row"
+        assert int(nan_rows.sum()) == 1, f"{what} leaked into rows {cp.flatnonzero(nan_rows).tolist()}"
+    else:  # every row i with i + T_k - T_q >= row sees key `row`
+        must = cp.zeros(T_q, dtype=bool)
+        must[max(row + T_q - T_k, 0):] = True
+        assert bool(nan_rows[must].all()), f"{what} did not reach rows {cp.flatnonzero(must & ~nan_rows).tolist()}"
+    assert not bool(cp.isnan(out[0, 0]).any()), f"{what} leaked into another head"
+
+
 @pytest.mark.parametrize("name", RUNGS)
 @pytest.mark.parametrize("where", ["q", "k", "v"])
 def test_nan_reaches_every_row_that_sees_it(name, where):
     """A NaN is never masked silently: with a NaN in query row 40, or in key/value row 40, every
-    output row that attends to it is NaN. (Rows that cannot see key 40 may turn NaN too in a tiled
-    rung, since 0 x NaN is NaN when a tile's masked products are summed; the README says so.)"""
-    import cupy as cp
+    output row that attends to it is NaN (T = 100, the configuration the launcher picks)."""
+    check_nan_reaches(name, where, T_q=100, T_k=100, row=40)
 
-    dtype = kernels.load(name).dtypes[0]
-    q, k, v = random_qkv(cp, 1, 2, 100, 64, dtype=dtype)
-    {"q": q, "k": k, "v": v}[where][0, 1, 40, 3] = cp.nan
-    out = kernels.attention(q, k, v, kernel=name).astype(cp.float32)
-    nan_rows = cp.isnan(out[0, 1]).any(axis=-1)
-    must = cp.zeros(100, dtype=bool)
-    must[40:] = True if where != "q" else False
-    must[40] = True
-    assert bool(nan_rows[must].all()), f"{name}: NaN in {where} row 40 did not reach rows {cp.flatnonzero(must & ~nan_rows).tolist()}"
-    assert not bool(cp.isnan(out[0, 0]).any()), f"{name}: the NaN leaked into another head"
-    if where == "q":
-        assert int(nan_rows.sum()) == 1, f"{name}: a NaN query row leaked into other rows"
+
+# every declared configuration of every rung, plus the cross-length case for rungs declaring "cross"
+NAN_CONFIG_CASES = [pytest.param(name, config, shape, id=f"{name}-{'x'.join(map(str, config))}-{shape}")
+                    for name in RUNGS for config in kernels.load(name).configs
+                    for shape in ["self"] + (["cross"] * ("cross" in kernels.load(name).supports))]
+
+
+@pytest.mark.parametrize("name,config,shape", NAN_CONFIG_CASES)
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_nan_reaches_every_row_that_sees_it_every_config(name, config, shape, where):
+    """test_nan_reaches_every_row_that_sees_it for every declared configuration, and, for a rung
+    declaring "cross", with T_q = 300 queries over T_k = 97 keys (causal, bottom-right: row i sees
+    keys j <= i - 203): NaN in query row 250, which sees keys 0..47 (with B_c = 64 its tile 0
+    reaches past its last key: the visible scores all NaN, the masked ones -inf, the row maximum
+    -inf), or in key/value row 40, which rows 243..299 see. A rung that scales Q on the GPU meets a
+    NaN in Q as the GPU's canonical NaN 0x7fffffff: v14 with split = 0 used to round that to TF32
+    as -0 and lose it."""
+    rung = kernels.load(name)
+    if rung.shared_bytes(config) > kernels.device_limits().max_shared_per_block:
+        pytest.skip(f"{name} config {config} needs more shared memory than this device has")
+    if shape == "self":
+        check_nan_reaches(name, where, T_q=100, T_k=100, row=40, config=config)
+    else:
+        check_nan_reaches(name, where, T_q=300, T_k=97, row=250 if where == "q" else 40, config=config)
