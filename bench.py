@@ -181,6 +181,11 @@ def _driver_release() -> str | None:
 
 
 def _git_commit() -> str | None:
+    """The checkout's commit (+dirty with uncommitted changes to tracked files); LAB_COMMIT, where
+    set, names it instead: a copy of the tree without its history (a GPU machine it was synced to)
+    cannot tell."""
+    if os.environ.get("LAB_COMMIT"):
+        return os.environ["LAB_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True,
                               text=True, timeout=10)
