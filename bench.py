@@ -1024,17 +1024,23 @@ def add_speedups(rows: list[dict]) -> None:
                 r["speedup"][other] = timed[other] / ms
 
 
-def run_shapes(kind: str, args, shapes: list[Shape]) -> dict:
-    """The shared body of `kernels` and `sweep`: setup, ceilings, every shape, one result."""
-    setup = setup_info(args.argv)
-    method = Method(budget_ms=args.budget_ms)
-    peers = list(DEFAULT_PEERS[args.dtype] if args.peers is None else args.peers)
+def announce_and_measure_ceilings(setup: dict, method) -> dict:
+    """Print the device line, then measure the FFMA and copy ceilings of this run."""
     dev = setup["device"]
     progress(f"{dev['name']} ({dev['arch']}, {dev['sm_count']} SMs), driver {dev['driver']}, CUDA {dev['cuda_runtime']}, "
              f"CuPy {setup['cupy']}, torch {setup['torch']}")
     progress("measuring the ceilings (fp32 SGEMM 8192^3 without TF32; device copy) ...")
     ceilings = measure_ceilings(method)
     progress(f"fp32 FFMA ceiling {ceilings['ffma_tflops']:.1f} TFLOP/s; copy {ceilings['copy_tbps']:.2f} TB/s")
+    return ceilings
+
+
+def run_shapes(kind: str, args, shapes: list[Shape]) -> dict:
+    """The shared body of `kernels` and `sweep`: setup, ceilings, every shape, one result."""
+    setup = setup_info(args.argv)
+    method = Method(budget_ms=args.budget_ms)
+    peers = list(DEFAULT_PEERS[args.dtype] if args.peers is None else args.peers)
+    ceilings = announce_and_measure_ceilings(setup, method)
     flush = L2Flush()
     compile_before = kernels.runtime.compile_seconds
     rows, counter = [], [0]
@@ -1872,12 +1878,7 @@ def cmd_features(args) -> int:
     named = args.kernels is not None
     candidates = args.kernels if named else default_feature_rungs()
     plan = feature_plan(args.parts, args.dtypes, candidates, named)
-    dev = setup["device"]
-    progress(f"{dev['name']} ({dev['arch']}, {dev['sm_count']} SMs), driver {dev['driver']}, CUDA {dev['cuda_runtime']}, "
-             f"CuPy {setup['cupy']}, torch {setup['torch']}")
-    progress("measuring the ceilings (fp32 SGEMM 8192^3 without TF32; device copy) ...")
-    ceilings = measure_ceilings(method)
-    progress(f"fp32 FFMA ceiling {ceilings['ffma_tflops']:.1f} TFLOP/s; copy {ceilings['copy_tbps']:.2f} TB/s")
+    ceilings = announce_and_measure_ceilings(setup, method)
     flush = L2Flush()
     compile_before = kernels.runtime.compile_seconds
     started = time.perf_counter()
