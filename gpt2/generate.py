@@ -31,13 +31,21 @@ def reference_attend(q, k, v):
     return reference_attention(q, k, v, causal=True)
 
 
-DECODE_KERNEL = "v16_decode_split_kv"  # one query over the cached keys, the keys split across blocks
+def decode_rung(config: GPT2Config, dtype: str) -> str | None:
+    """The newest split-KV rung (one query over the cached keys, the keys split across blocks) that
+    runs on this device and takes the model's head size and dtype; None if none does."""
+    arch = kernels.device_limits().arch
+    for name in reversed(kernels.names()):
+        rung = kernels.load(name)
+        if rung.split_kv and rung.runs_on(arch) and config.head_size in rung.head_sizes() and dtype in rung.dtypes:
+            return name
+    return None
 
 
-def decode_rung_attend(q, k, v):
-    """The decode rung on CuPy arrays: q (B, NH, 1, hs) over the cache views k, v (B, NH, T_k, hs),
-    read through their strides (unit last stride)."""
-    return kernels.attention(q, k, v, kernel=DECODE_KERNEL, causal=True)
+def decode_rung_attend(name: str):
+    """The decode rung `name` on CuPy arrays: q (B, NH, 1, hs) over the cache views k, v
+    (B, NH, T_k, hs), read through their strides (unit last stride)."""
+    return lambda q, k, v: kernels.attention(q, k, v, kernel=name, causal=True)
 
 
 def decode_attention_name(xp, config: GPT2Config, dtype: str) -> str:
@@ -45,8 +53,7 @@ def decode_attention_name(xp, config: GPT2Config, dtype: str) -> str:
     dtype it takes, else "reference"."""
     if xp is np:
         return "reference"
-    rung = kernels.load(DECODE_KERNEL)
-    return DECODE_KERNEL if config.head_size in rung.head_sizes() and dtype in rung.dtypes else "reference"
+    return decode_rung(config, dtype) or "reference"
 
 
 class Sampler:
@@ -109,8 +116,8 @@ def generate(params: dict, config: GPT2Config, prompt: list[int], n_new: int, *,
                                       eos_id=eos_id, on_token=on_token)
     sampler = sampler or Sampler()
     if decode_attend is None:
-        use_rung = decode_attention_name(xp, config, compute_dtype(params).name) == DECODE_KERNEL
-        decode_attend = decode_rung_attend if use_rung else reference_attend
+        name = decode_attention_name(xp, config, compute_dtype(params).name)
+        decode_attend = reference_attend if name == "reference" else decode_rung_attend(name)
     ids = list(prompt)
     out = Generation(tokens=[])
     cache = KVCache(config, 1, len(prompt) + n_new - 1, xp, compute_dtype(params)) if kv_cache else None

@@ -20,6 +20,11 @@ A rung declares what the launcher needs in its header comment, one `lab.<key>` l
                                               key lengths that differ, fewer K/V heads than Q heads
     lab.split_kv   true                       split the keys across `splits` blocks per query tile
                                               (flash-decoding); see runtime.Instance.splits
+    lab.cluster    CLUSTER                    the kernel is compiled with __cluster_dims__(CLUSTER, 1, 1):
+                                              with lab.split_kv, the splits of a tile are one cluster,
+                                              so a tile always has CLUSTER splits (default: none)
+    lab.min_arch   sm_90                      the oldest architecture the rung compiles for (clusters,
+                                              DSMEM); older devices are refused (default: any)
 
 Every rung exports the same entry point, `attention_forward<...>`, with one signature, launched on a
 grid of (ceil(T_q / B_r), n_heads, batch) blocks: one block per tile of B_r query rows of one head.
@@ -40,7 +45,7 @@ _RUNG_FILE = re.compile(r"^v(\d+)_([a-z0-9_]+)\.cu$")
 _DECL = re.compile(r"^\s*(?:\*|//)\s*lab\.(\w+)\s+(.*?)\s*$")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 _KEYS = {"template", "configs", "threads", "smem", "workspace", "strided", "options", "stack", "tolerance", "dtypes",
-         "dtype_param", "supports", "split_kv"}
+         "dtype_param", "supports", "split_kv", "cluster", "min_arch"}
 FEATURES = ("noncausal", "cross", "gqa")
 
 
@@ -61,6 +66,8 @@ class Rung:
     dtype_param: str | None = None  # the template parameter whose value indexes lab.dtypes
     supports: tuple[str, ...] = ()
     split_kv: bool = False
+    cluster: str | None = None  # blocks per cluster along x, an expression of the template parameters
+    min_arch: int = 0  # 90 for sm_90: the oldest architecture it compiles for
     source: str = field(default="", repr=False, compare=False)
     files: tuple = field(default=(), repr=False, compare=False)  # (path, stamp) of the file and its includes
 
@@ -100,6 +107,14 @@ class Rung:
 
     def tolerance_factor(self, config) -> int:
         return evaluate(self.tolerance, self.params(config))
+
+    def cluster_size(self, config) -> int | None:
+        """Blocks per cluster (lab.cluster) of a config, or None for a rung launched without clusters."""
+        return None if self.cluster is None else evaluate(self.cluster, self.params(config))
+
+    def runs_on(self, arch: str) -> bool:
+        """Whether the rung compiles for `arch` ("sm_80", "sm_90a"): lab.min_arch or newer."""
+        return arch_number(arch) >= self.min_arch
 
 
 def rung_files() -> list[Path]:
@@ -203,6 +218,8 @@ def parse(path: Path) -> Rung:
         dtype_param=decl.get("dtype_param"),
         supports=tuple(t.strip() for t in decl.get("supports", "").split(",") if t.strip()),
         split_kv=decl.get("split_kv", "false").lower() == "true",
+        cluster=decl.get("cluster"),
+        min_arch=arch_number(decl["min_arch"], f"{path}: lab.min_arch") if "min_arch" in decl else 0,
         source=source,
         files=tuple((p, _stamp(p)) for p in files),
     )
@@ -216,7 +233,18 @@ def parse(path: Path) -> Rung:
         raise ValueError(f"{path}: lab.supports {', '.join(sorted(unknown))} not among {', '.join(FEATURES)}")
     for c in configs:  # fail at load, not at launch, on a bad expression
         rung.block(c), rung.shared_bytes(c), rung.workspace_per_row(c), rung.tolerance_factor(c)
+        if rung.cluster is not None and not 1 <= rung.cluster_size(c) <= 16:
+            raise ValueError(f"{path}: lab.cluster {rung.cluster} is {rung.cluster_size(c)} for config {c}; "
+                             "a cluster holds 1 to 16 blocks")
     return rung
+
+
+def arch_number(arch: str, where: str = "architecture") -> int:
+    """An architecture's number: 90 for "sm_90", "sm_90a" or "compute_90"."""
+    m = re.fullmatch(r"(?:sm|compute)_(\d+)[a-z]?", arch.strip())
+    if not m:
+        raise ValueError(f"{where} must look like sm_90, got {arch!r}")
+    return int(m.group(1))
 
 
 def check_dtype_param(rung: Rung) -> None:

@@ -19,6 +19,8 @@ from . import ladder, nvrtc
 
 COMMON_OPTIONS = ("-ftz=true",)  # CuPy adds -ftz=true to every compile; the NVRTC path matches it
 MAX_GRID_YZ = 65535
+CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH = 11  # cuda.h's CUfunction_attribute; CuPy names neither
+CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 
 compile_seconds = 0.0  # total time spent compiling in this process (lab.py reports it apart)
 
@@ -87,6 +89,11 @@ class Instance:
         self.smem = rung.shared_bytes(config)
         self.workspace_per_row = rung.workspace_per_row(config)
         self.B_r = rung.params(config).get("B_r", 1)
+        self.cluster = rung.cluster_size(config)  # None: launched without clusters
+        limits = device_limits()
+        if not rung.runs_on(limits.arch):
+            raise ValueError(f"kernel {rung.name} needs sm_{rung.min_arch} or newer (lab.min_arch); "
+                             f"{limits.name} is {limits.arch}")
         expr = rung.name_expression(config)
         start = time.perf_counter()
         try:
@@ -96,7 +103,9 @@ class Instance:
             raise KernelCompileError(f"{rung.path}: {expr} failed to compile:\n{_log_of(exc)}") from None
         finally:
             compile_seconds += time.perf_counter() - start
-        self._fit(device_limits())
+        self._fit(limits)
+        if self.cluster is not None:
+            self._allow_cluster()
 
     def _fit(self, limits: DeviceLimits):
         threads = math.prod(self.block)
@@ -113,6 +122,17 @@ class Instance:
         if self.smem > 48 * 1024:  # beyond the default, the kernel must opt in
             self.function.max_dynamic_shared_size_bytes = self.smem
 
+    def _allow_cluster(self):
+        """The cluster size is compiled in (__cluster_dims__), so an ordinary launch forms the clusters
+        as long as gridDim.x is a multiple of it; past the portable 8 blocks the kernel must opt in."""
+        driver = _cupy().cuda.driver
+        width = driver.funcGetAttribute(CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH, self.function.kernel.ptr)
+        if width and width != self.cluster:
+            raise KernelCompileError(f"kernel {self.rung.name} config {self.describe()}: lab.cluster is {self.cluster}, "
+                                     f"but the kernel is compiled for clusters of {width}")
+        if self.cluster > 8:
+            driver.funcSetAttribute(self.function.kernel.ptr, CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+
     def describe(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.rung.params(self.config).items())
 
@@ -125,9 +145,12 @@ class Instance:
         no split shorter than one K/V tile. The kernel reads it back as gridDim.x / T_r; split s
         writes its unnormalised O and its (m, l) per query row into the workspace, and the last
         split of a tile to start (a ticket counter after the partials) combines them; each launch
-        leaves the whole workspace at zero."""
+        leaves the whole workspace at zero. A rung with lab.cluster has its splits fixed at compile
+        time: the cluster's blocks are the splits of one tile and combine in shared memory."""
         if not self.rung.split_kv:
             return 1
+        if self.cluster is not None:
+            return self.cluster
         tiles = B * NH * ((T_q + self.B_r - 1) // self.B_r)
         B_c = self.rung.params(self.config).get("B_c", 64)
         wanted = -(-2 * device_limits().sm_count // tiles)
@@ -135,6 +158,8 @@ class Instance:
 
     def workspace_floats(self, B: int, NH: int, T_q: int, T_k: int) -> int:
         if not self.rung.split_kv:
+            return B * NH * T_q * self.workspace_per_row
+        if self.cluster is not None:  # partials in the cluster's shared memory
             return B * NH * T_q * self.workspace_per_row
         splits = self.splits(B, NH, T_q, T_k)
         d_head = self.config[0]
@@ -399,6 +424,8 @@ def compile_report(kernel, arch: str, configs=None) -> list[Resources]:
     configuration is its own program: ptxas may interleave the reports of several entry points."""
     rung = ladder.load(kernel)
     configs = [_as_config(rung, c) for c in configs] if configs else list(rung.configs)
+    if not rung.runs_on(arch):
+        raise KernelCompileError(f"{rung.path}: needs sm_{rung.min_arch} or newer (lab.min_arch), not {arch}")
     options = [f"-arch={arch}", "-Xptxas=-v", *COMMON_OPTIONS, *rung.options]
     try:
         results = nvrtc.compile_isolated(rung.source, str(rung.path), options, [rung.name_expression(c) for c in configs])

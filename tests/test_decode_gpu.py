@@ -21,13 +21,17 @@ import lab
 
 pytestmark = pytest.mark.gpu
 
-DECODE = "v16_decode_split_kv"
+DECODE_RUNGS = [name for name in kernels.names() if kernels.load(name).split_kv]  # v16, v17, ...
 EPS = {"float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
 
 
 def rung_cases(name):
     rung = kernels.load(name)
     return [(name, d, dtype) for d in rung.head_sizes() for dtype in rung.dtypes]
+
+
+def decode_cases():
+    return [case for name in DECODE_RUNGS for case in rung_cases(name)]
 
 
 def supporting(feature):
@@ -71,7 +75,7 @@ def check_general(q, k, v, name, *, causal=True, scale=None, config=None):
 # -- the decode rung ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name,d,dtype", rung_cases(DECODE))
+@pytest.mark.parametrize("name,d,dtype", decode_cases())
 @pytest.mark.parametrize("NH,NH_kv", [(12, 12), (32, 8), (8, 1)])
 @pytest.mark.parametrize("T_k", [1, 17, 257, 1000, 1024, 4096])
 @pytest.mark.parametrize("T_q", [1, 2, 7, 16])
@@ -83,7 +87,7 @@ def test_decode_matches_reference(name, d, dtype, NH, NH_kv, T_k, T_q, causal):
     check_general(q, k, v, name, causal=causal)
 
 
-@pytest.mark.parametrize("name,d,dtype", rung_cases(DECODE))
+@pytest.mark.parametrize("name,d,dtype", decode_cases())
 @pytest.mark.parametrize("T_q", [1, 2])
 @pytest.mark.parametrize("T_k", [17, 300])
 def test_decode_query_heads_sharing_kv_heads_in_one_block(name, d, dtype, T_q, T_k):
@@ -96,7 +100,7 @@ def test_decode_query_heads_sharing_kv_heads_in_one_block(name, d, dtype, T_q, T
     check_general(*random_qkv(cp, 1, 128, 64, T_q, T_k, d, dtype=dtype), name, causal=False)
 
 
-@pytest.mark.parametrize("name,d,dtype", rung_cases(DECODE))
+@pytest.mark.parametrize("name,d,dtype", decode_cases())
 @pytest.mark.parametrize("T_k", [1, 300, 1024])
 def test_decode_over_kv_cache_views(name, d, dtype, T_k):
     """As the model calls it: q a view of the packed projection, k and v views of a preallocated
@@ -114,8 +118,8 @@ def test_decode_over_kv_cache_views(name, d, dtype, T_k):
     check_general(q, k, v, name)
 
 
-@pytest.mark.parametrize("dtype", kernels.load(DECODE).dtypes)
-def test_decode_workspace_reused_across_launches(dtype):
+@pytest.mark.parametrize("name,dtype", [(n, t) for n in DECODE_RUNGS for t in kernels.load(n).dtypes])
+def test_decode_workspace_reused_across_launches(name, dtype):
     """prepare() allocates the counters once: each launch must leave them at zero for the next, and
     give the same bits (the combine runs in split order whichever block finishes last)."""
     import cupy as cp
@@ -123,17 +127,17 @@ def test_decode_workspace_reused_across_launches(dtype):
     for B, NH, NH_kv, T_q, T_k in [(1, 12, 12, 1, 1024), (1, 32, 8, 7, 4096), (3, 8, 1, 16, 1000)]:
         q, k, v = random_qkv(cp, B, NH, NH_kv, T_q, T_k, 64, dtype=dtype)
         out = cp.full(q.shape, cp.nan, dtype=q.dtype)
-        run = kernels.prepare(q, k, v, kernel=DECODE, out=out)
-        assert kernels.instance(DECODE, 64, dtype=dtype).splits(B, NH, T_q, T_k) > 1
+        run = kernels.prepare(q, k, v, kernel=name, out=out)
+        assert run.instance.splits(B, NH, T_q, T_k) > 1
         first = run().astype(cp.float64)
         for _ in range(5):
             out.fill(cp.nan)
             again = run().astype(cp.float64)
             assert cp.array_equal(again, first), f"{(B, NH, NH_kv, T_q, T_k)}: a relaunch gave other values"
-        check_general(q, k, v, DECODE)
+        check_general(q, k, v, name)
 
 
-@pytest.mark.parametrize("name,d,dtype", rung_cases(DECODE))
+@pytest.mark.parametrize("name,d,dtype", decode_cases())
 @pytest.mark.parametrize("magnitude", [8.0, 30.0])
 def test_decode_large_scores(name, d, dtype, magnitude):
     """Scores in the hundreds: the splits' maxima differ wildly, and the combine must rescale."""
@@ -143,21 +147,23 @@ def test_decode_large_scores(name, d, dtype, magnitude):
     check_general(*random_qkv(cp, 1, 4, 2, 5, 700, d, dtype=dtype, magnitude=magnitude), name, causal=False)
 
 
-def test_decode_custom_scale():
+@pytest.mark.parametrize("name", DECODE_RUNGS)
+def test_decode_custom_scale(name):
     import cupy as cp
 
-    for dtype in kernels.load(DECODE).dtypes:
-        check_general(*random_qkv(cp, 1, 6, 2, 3, 999, 64, dtype=dtype), DECODE, scale=0.5)
+    for dtype in kernels.load(name).dtypes:
+        check_general(*random_qkv(cp, 1, 6, 2, 3, 999, 64, dtype=dtype), name, scale=0.5)
 
 
-def test_decode_every_declared_config():
+@pytest.mark.parametrize("name", DECODE_RUNGS)
+def test_decode_every_declared_config(name):
     import cupy as cp
 
-    rung = kernels.load(DECODE)
+    rung = kernels.load(name)
     for config in rung.configs:
         dtype = rung.dtype_of(config)
         for T_q, T_k in [(1, 1000), (4, 257), (9, 33)]:
-            check_general(*random_qkv(cp, 2, 8, 2, T_q, T_k, config[0], dtype=dtype), DECODE, config=config)
+            check_general(*random_qkv(cp, 2, 8, 2, T_q, T_k, config[0], dtype=dtype), name, config=config)
 
 
 # -- the general features, on every rung that declares them ----------------------------------------
@@ -205,17 +211,20 @@ def test_kv_cache_generation_with_the_decode_rung_equals_no_cache():
     generate_module = importlib.import_module("gpt2.generate")
     ckpt = gpt2.random_weights("gpt2", seed=3, xp=cp)
     config = ckpt.config
-    assert generate_module.decode_attention_name(cp, config, "float32") == DECODE
+    decode = generate_module.decode_rung(config, "float32")
+    arch = kernels.device_limits().arch
+    newest = [n for n in DECODE_RUNGS if kernels.load(n).runs_on(arch)][-1]
+    assert decode == newest and generate_module.decode_attention_name(cp, config, "float32") == decode
     assert generate_module.decode_attention_name(np, config, "float32") == "reference"
     calls = []
 
     def spy(q, k, v):  # the default decode attention, counted
         calls.append((q.shape, k.shape))
-        return kernels.attention(q, k, v, kernel=DECODE, causal=True)
+        return kernels.attention(q, k, v, kernel=decode, causal=True)
 
     prompt, n_new = [464, 3290, 318, 257, 1332, 13], 24
     original = generate_module.decode_rung_attend
-    generate_module.decode_rung_attend = spy
+    generate_module.decode_rung_attend = lambda name: spy if name == decode else original(name)
     try:
         cached = gpt2.generate(ckpt.params, config, prompt, n_new, attend=gpt2.reference_attend, kv_cache=True,
                                fast=False)
@@ -234,8 +243,9 @@ def test_lab_kv_cache_no_graph_decodes_with_the_decode_rung(tmp_path, capsys):
     printed = capsys.readouterr().out
     s = json.loads(out.read_text())
     assert rc == 0, printed
-    assert s["engine"] == "eager" and s["decode_attention"] == DECODE
-    assert f"decode attention: {DECODE}" in printed
+    decode = importlib.import_module("gpt2.generate").decode_rung(gpt2.SIZES["gpt2"], "float32")
+    assert s["engine"] == "eager" and s["decode_attention"] == decode
+    assert f"decode attention: {decode}" in printed
     assert s["check"]["identical"], s["check"]
 
 
@@ -253,30 +263,30 @@ def main():
 
     limits = kernels.device_limits()
     print(f"{limits.name}, {limits.sm_count} SMs, CuPy {cp.__version__}, driver {cp.cuda.runtime.driverGetVersion()}")
-    # GPT-2 decode: B=1, NH=12, d=64, one query, float32. 24 caches in turn (151 MB at T_k = 1024), so
-    # that L2 does not hold the keys, as in a decode step where 11 other layers ran since.
-    for T_k in (1, 128, 512, 1024):
-        runs = []
-        for _ in range(24):
-            q, k, v = random_qkv(cp, 1, 12, 12, 1, T_k, 64, seed=None)
-            runs.append(kernels.prepare(q, k, v, kernel=DECODE))
-        splits = kernels.instance(DECODE, 64, dtype="float32").splits(1, 12, 1, T_k)
-        device = bench.kernel_us(runs, name="attention_forward")
-        print(f"GPT-2 decode, T_k {T_k:4d}, {splits:2d} splits: {bench.graph_us(runs):6.2f} us per call in a graph, "
-              "kernel " + (f"{device:6.2f} us (CUPTI)" if device else "n/a") + "; target <= 5 us")
-    # Long context: B=16, NH=32, d=128, one query over 4096 keys; bandwidth = bytes of K and V / time,
-    # against a device-to-device copy measured now (bytes read + written).
     ceiling = 1e12 * bench.measure_copy(bench.Method())["copy_tbps"]
     print(f"copy ceiling: {ceiling / 1e12:.2f} TB/s")
-    for dtype in kernels.load(DECODE).dtypes:
-        q, k, v = random_qkv(cp, 16, 32, 32, 1, 4096, 128, dtype=dtype)
-        run = kernels.prepare(q, k, v, kernel=DECODE)
-        seconds = 1e-6 * bench.graph_us([run])
-        rate = (k.nbytes + v.nbytes) / seconds
-        print(f"long context, {dtype:8s}: {1e6 * seconds:7.1f} us, K+V {rate / 1e12:.2f} TB/s = "
-              f"{100 * rate / ceiling:.0f}% of the copy ceiling; target >= 75%")
-        del q, k, v, run
-
+    for name in [n for n in DECODE_RUNGS if kernels.load(n).runs_on(limits.arch)]:
+        # GPT-2 decode: B=1, NH=12, d=64, one query, float32. 24 caches in turn (151 MB at T_k = 1024), so
+        # that L2 does not hold the keys, as in a decode step where 11 other layers ran since.
+        for T_k in (1, 128, 512, 1024):
+            runs = []
+            for _ in range(24):
+                q, k, v = random_qkv(cp, 1, 12, 12, 1, T_k, 64, seed=None)
+                runs.append(kernels.prepare(q, k, v, kernel=name))
+            splits = runs[0].instance.splits(1, 12, 1, T_k)
+            device = bench.kernel_us(runs, name="attention_forward")
+            print(f"{name} GPT-2 decode, T_k {T_k:4d}, {splits:2d} splits: {bench.graph_us(runs):6.2f} us per call "
+                  "in a graph, kernel " + (f"{device:6.2f} us (CUPTI)" if device else "n/a") + "; target <= 5 us")
+        # Long context: B=16, NH=32, d=128, one query over 4096 keys; bandwidth = bytes of K and V / time,
+        # against the device-to-device copy measured above (bytes read + written).
+        for dtype in kernels.load(name).dtypes:
+            q, k, v = random_qkv(cp, 16, 32, 32, 1, 4096, 128, dtype=dtype)
+            run = kernels.prepare(q, k, v, kernel=name)
+            seconds = 1e-6 * bench.graph_us([run])
+            rate = (k.nbytes + v.nbytes) / seconds
+            print(f"{name} long context, {dtype:8s}: {1e6 * seconds:7.1f} us, K+V {rate / 1e12:.2f} TB/s = "
+                  f"{100 * rate / ceiling:.0f}% of the copy ceiling; target >= 75%")
+            del q, k, v, run
 
 if __name__ == "__main__":
     main()

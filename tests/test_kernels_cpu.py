@@ -99,6 +99,34 @@ def test_bad_declarations_are_clear_errors(tmp_path, edit, message):
         kernels.load(write(tmp_path, "bad.cu", edit(MINIMAL)))
 
 
+CLUSTERED = MINIMAL.replace(" * lab.workspace  2\n", " * lab.split_kv   true\n * lab.cluster    B_c // 4\n * lab.min_arch   sm_90\n").replace(
+    "template <int d_head, int B_r, int B_c>\n__global__ void", "template <int d_head, int B_r, int B_c>\n__global__ void __cluster_dims__(B_c / 4, 1, 1)")
+
+
+def test_cluster_and_min_arch_declarations(tmp_path):
+    """lab.cluster: blocks per cluster, from the parameters; with lab.split_kv they are a tile's splits
+    whatever the shape, and the partials need no workspace. lab.min_arch: older architectures are
+    refused by compile_report (and by the launcher), not compiled into an NVRTC error."""
+    rung = kernels.load(write(tmp_path, "clustered.cu", CLUSTERED))
+    assert rung.cluster_size((64, 32, 32)) == 8 and rung.cluster_size((32, 16, 16)) == 4
+    assert rung.min_arch == 90 and rung.runs_on("sm_90") and rung.runs_on("sm_100a") and not rung.runs_on("sm_80")
+    plain = kernels.load(write(tmp_path, "plain.cu", MINIMAL))
+    assert plain.cluster is None and plain.cluster_size((64, 32, 32)) is None
+    assert plain.min_arch == 0 and plain.runs_on("sm_80")
+    inst = object.__new__(runtime.Instance)  # what splits() and workspace_floats() read, without a GPU
+    inst.rung, inst.config, inst.B_r, inst.workspace_per_row = rung, (64, 32, 32), 32, 0
+    inst.cluster = rung.cluster_size(inst.config)
+    assert inst.splits(1, 12, 1, 1) == inst.splits(16, 32, 1, 4096) == 8
+    assert inst.workspace_floats(1, 12, 1, 1024) == 0
+    assert [r.config["B_c"] for r in kernels.compile_report(str(rung.path), "sm_90")] == [32, 16]
+    with pytest.raises(kernels.KernelCompileError, match=r"needs sm_90 or newer \(lab.min_arch\), not sm_80"):
+        kernels.compile_report(str(rung.path), "sm_80")
+    for edit, message in [(lambda s: s.replace("sm_90\n", "hopper\n"), "lab.min_arch must look like sm_90"),
+                          (lambda s: s.replace("B_c // 4", "B_c"), "a cluster holds 1 to 16 blocks")]:
+        with pytest.raises(ValueError, match=message):
+            kernels.load(write(tmp_path, "bad.cu", edit(CLUSTERED)))
+
+
 TWO_DTYPES = MINIMAL.replace("lab.template   d_head, B_r, B_c\n", "lab.template   d_head, B_r, B_c, dtype_id\n").replace(
     "lab.configs    (64, 32, 32), (32, 16, 16)\n",
     "lab.configs    (64, 32, 32, 0), (64, 32, 32, 1), (64, 16, 16, 1), (32, 16, 16, 0), (32, 16, 16, 1)\n"
@@ -194,6 +222,8 @@ def test_include_cycle_is_an_error(tmp_path):
 @pytest.mark.parametrize("name", kernels.names())
 def test_every_config_compiles_without_spills(name, arch):
     rung = kernels.load(name)
+    if not rung.runs_on(arch):
+        pytest.skip(f"{name} declares lab.min_arch sm_{rung.min_arch}")
     reports = kernels.compile_report(name, arch)
     assert [tuple(r.config.values()) for r in reports] == list(rung.configs)
     for r in reports:
