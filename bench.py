@@ -2086,25 +2086,23 @@ def peer_list(text: str) -> list[str]:
     return names
 
 
+def _choices(text: str, allowed, what: str, extra: str = "") -> list[str]:
+    """'a,b' -> the names given, each once, in order; an argparse error names the unknown ones."""
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [n for n in names if n not in allowed]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown {what}(s) {', '.join(unknown) or repr(text)}: choose from "
+                                         f"{', '.join(allowed)}{extra}")
+    return list(dict.fromkeys(names))
+
+
 def part_list(text: str) -> list[str]:
     """'decode,gqa' -> the features parts, in the order given; 'all' for every part."""
-    if text.strip() == "all":
-        return list(FEATURE_PARTS)
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    unknown = [n for n in names if n not in FEATURE_PARTS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown part(s) {', '.join(unknown) or repr(text)}: choose from "
-                                         f"{', '.join(FEATURE_PARTS)} (or all)")
-    return list(dict.fromkeys(names))
+    return list(FEATURE_PARTS) if text.strip() == "all" else _choices(text, FEATURE_PARTS, "part", " (or all)")
 
 
 def dtype_list(text: str) -> list[str]:
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    unknown = [n for n in names if n not in DTYPES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown dtype(s) {', '.join(unknown) or repr(text)}: choose from "
-                                         f"{', '.join(DTYPES)}")
-    return list(dict.fromkeys(names))
+    return _choices(text, DTYPES, "dtype")
 
 
 def positive_int(text: str) -> int:
