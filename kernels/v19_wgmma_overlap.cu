@@ -1,0 +1,445 @@
+/*
+ * v19 - softmax overlapped with the tensor cores: each step issues S_ij = Q_i K_j^T and
+ * O_i += P_i,j-1 V_j-1 together, and computes the softmax of S_ij while the second product runs.
+ *
+ * The change: v18 waited for every wgmma as soon as it was issued, so a warpgroup's tensor-core
+ * work and its softmax (max, exp2, sums on the CUDA cores and the special-function unit) took
+ * turns. wgmma.mma_async returns at once; here a warpgroup keeps one product in flight while it
+ * works on the other's result, the intra-warpgroup pipelining of FlashAttention-3:
+ *
+ *   step j:  issue S_ij = Q_i K_j^T           (commit group 1)
+ *            issue O_i += P_i,j-1 V_j-1       (commit group 2)
+ *            wait until one group is pending  -> S_ij is in registers
+ *            mask, row max, exp2, row sums of S_ij      while P_i,j-1 V_j-1 runs
+ *            wait for the rest                -> O_i = alpha_j (O_i + P_i,j-1 V_j-1)
+ *            P_ij rounded to 16 bits into the A registers
+ *
+ * A last step issues only the last P V. The online softmax is exact as before: O_i is rescaled by
+ * alpha_j = 2^(m_i,j-1 - m_ij) after P_i,j-1 V_j-1 is added, which is v18's order of operations.
+ *
+ * Two things this rung teaches:
+ *   - ptxas keeps wgmma in flight only where it can see the pipeline is uniform. A first version
+ *     skipped, per warpgroup, the tiles its rows do not see (as v18 does) and issued the products
+ *     under warpgroup-dependent branches; ptxas then reported "wgmma.mma_async instructions are
+ *     serialized due to program dependence on compiler-inserted WG.AR in divergent path" (C7520),
+ *     and the kernel ran slower than v18. Here every warpgroup runs every step of its block, with
+ *     a first step (S only), a steady loop (S and P V) and a last step (P V only); a tile that a
+ *     warpgroup's rows do not see is masked whole and adds zeros. The warning is gone.
+ *   - The overlap buys little here (the README's bf16 table has v18 and v19 side by side): with
+ *     three one-warpgroup blocks per SM, other warpgroups already fill one warpgroup's softmax
+ *     gaps on the tensor cores, and the pipeline costs registers (154 against 130 at B_c = 128).
+ *
+ * The price: P_i,j-1 lives across a step (B_c / 4 more registers), and V_j-1 must stay in shared
+ * memory while K_j+1 arrives, so K runs one tile ahead of V: step j copies K_j+1 and V_j, each into
+ * the stage its tile j - 1 left (two stages of K, two of V: the same shared memory as v18).
+ *
+ * Everything else - shared-memory layout, descriptors, the 128-byte swizzle, softmax on the
+ * accumulator fragments, masking, heavy-first order, features - is v18's (see its header).
+ *
+ * Geometry: grid (T_r = ceil(T_q / B_r), n_heads, batch), heavy tiles first; block B_r * 2 threads,
+ * B_r / 64 warpgroups of 64 query rows each. Registers per thread: S_ij B_c / 2, P_i,j-1 B_c / 4,
+ * O_i d / 2. Shared memory, 2-byte elements: Q_i (B_r x d) + 2 stages of K_j + 2 of V_j + 1024.
+ *
+ * Limits: as v18: sm_90a only; d 64 or 128; B_r 64 or 128; B_c 64 or 128; rows on 16-byte
+ * boundaries (the launcher copies views whose rows are not); dtype_id 0 bfloat16, 1 float16.
+ *
+ * lab.template    d_head, B_r, B_c, dtype_id
+ * lab.configs     (64, 64, 128, 0), (64, 64, 128, 1), (64, 128, 128, 0), (64, 128, 128, 1), (64, 128, 64, 0), (64, 128, 64, 1), (64, 64, 64, 0), (64, 64, 64, 1), (128, 128, 64, 0), (128, 128, 64, 1), (128, 64, 64, 0), (128, 64, 64, 1)
+ * lab.threads     B_r * 2
+ * lab.smem        2 * (B_r * d_head + 4 * B_c * d_head) + 1024
+ * lab.strided     true
+ * lab.tolerance   2
+ * lab.dtypes      bfloat16, float16
+ * lab.dtype_param dtype_id
+ * lab.supports    noncausal, cross, gqa
+ * lab.min_arch    sm_90
+ * lab.options     -arch=sm_90a
+ */
+
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)  // NVRTC compiles without <math.h>
+#endif
+
+constexpr float LOG2_E = 1.4426950408889634f;
+constexpr float FLT_MIN_NORMAL = 1.17549435e-38f;
+constexpr unsigned FULL_WARP = 0xffffffffu;
+
+// One bfloat16 or float16 value as raw bits: the mma and cvt instructions decide how they read.
+using element = unsigned short;
+
+// 2^x on the special-function unit; ex2.approx.ftz(-inf) = +0, which the masked scores rely on.
+__device__ __forceinline__ float exp2_approx(float x)
+{
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Two floats rounded to nearest into one register, lo in the low half (cvt puts its first source high).
+template <int dtype_id>
+__device__ __forceinline__ unsigned pack_rounded(float lo, float hi)
+{
+    unsigned r;
+    if (dtype_id == 0)
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    else
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// -- wgmma -----------------------------------------------------------------------------------------
+
+// A shared-memory matrix descriptor for the 128-byte swizzle: start address, leading and stride
+// byte offsets (all in 16-byte units), swizzle mode 1 in bits 62-63.
+__device__ __forceinline__ unsigned long long descriptor(unsigned address, unsigned lbo, unsigned sbo)
+{
+    return (unsigned long long)((address & 0x3ffff) >> 4) | (unsigned long long)(lbo >> 4) << 16 |
+           (unsigned long long)(sbo >> 4) << 32 | 1ull << 62;
+}
+
+// wgmma reads registers and shared memory asynchronously: fence before a batch (the accumulators
+// and A registers were just written by ordinary instructions), commit the batch, wait for it.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_one() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
+
+// After the wait: a volatile no-op that "writes" each accumulator, so that no read of it is
+// scheduled before the wait (the compiler sees the wgmma's outputs as written at its issue).
+template <int N>
+__device__ __forceinline__ void settle(float (&d)[N])
+{
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+        asm volatile("" : "+f"(d[i])::"memory");
+}
+
+#define ACC4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
+#define ACC16(i) ACC4(i), ACC4(i + 4), ACC4(i + 8), ACC4(i + 12)
+#define ACC32 ACC16(0), ACC16(16)
+#define ACC64 ACC32, ACC16(32), ACC16(48)
+#define REGS32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define REGS64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+               "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+               "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define WGMMA(N, T) "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." T "." T " "
+
+// D (+)= A B, A 64 x 16 and B 16 x N both in shared memory (K-major); D = A B when accumulate is 0.
+template <int N, int dtype_id>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], unsigned long long a, unsigned long long b, int accumulate)
+{
+    static_assert(N == 64 || N == 128, "m64n64k16 or m64n128k16");
+    if constexpr (N == 64 && dtype_id == 0)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" WGMMA(64, "bf16") REGS32 ", %32, %33, p, 1, 1, 0, 0;\n}"
+                     : ACC32 : "l"(a), "l"(b), "r"(accumulate));
+    else if constexpr (N == 64)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" WGMMA(64, "f16") REGS32 ", %32, %33, p, 1, 1, 0, 0;\n}"
+                     : ACC32 : "l"(a), "l"(b), "r"(accumulate));
+    else if constexpr (dtype_id == 0)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" WGMMA(128, "bf16") REGS64 ", %64, %65, p, 1, 1, 0, 0;\n}"
+                     : ACC64 : "l"(a), "l"(b), "r"(accumulate));
+    else
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" WGMMA(128, "f16") REGS64 ", %64, %65, p, 1, 1, 0, 0;\n}"
+                     : ACC64 : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// D += A B, A 64 x 16 in registers (mma.sync's A fragment, per warp), B 16 x N in shared memory,
+// stored N-contiguous and read transposed (the last immediate).
+template <int N, int dtype_id>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long b)
+{
+    static_assert(N == 64 || N == 128, "m64n64k16 or m64n128k16");
+    if constexpr (N == 64 && dtype_id == 0)
+        asm volatile(WGMMA(64, "bf16") REGS32 ", {%32, %33, %34, %35}, %36, 1, 1, 1, 1;"
+                     : ACC32 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+    else if constexpr (N == 64)
+        asm volatile(WGMMA(64, "f16") REGS32 ", {%32, %33, %34, %35}, %36, 1, 1, 1, 1;"
+                     : ACC32 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+    else if constexpr (dtype_id == 0)
+        asm volatile(WGMMA(128, "bf16") REGS64 ", {%64, %65, %66, %67}, %68, 1, 1, 1, 1;"
+                     : ACC64 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+    else
+        asm volatile(WGMMA(128, "f16") REGS64 ", {%64, %65, %66, %67}, %68, 1, 1, 1, 1;"
+                     : ACC64 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+// -- copies into the swizzled tiles ----------------------------------------------------------------
+
+__device__ __forceinline__ void copy_async_16(unsigned dst, const element* src, bool valid)
+{
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;"); }
+
+// The copies have landed (this thread's), and are visible to the async proxy that wgmma reads through.
+__device__ __forceinline__ void copy_async_wait_all()
+{
+    asm volatile("cp.async.wait_group 0;\nfence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// Byte offset of 16-byte chunk c (of d_head / 8) of row r in a tile of `rows` rows: 64-column
+// halves one after the other, chunk c % 8 of a half's row r at chunk (c % 8) ^ (r % 8).
+template <int rows>
+__device__ __forceinline__ unsigned swizzled(int r, int c)
+{
+    return (c / 8) * rows * 128 + r * 128 + 16 * ((c % 8) ^ (r % 8));
+}
+
+// Start copying rows row_start .. row_start + rows - 1 of one head into a swizzled tile: thread i
+// takes chunk i % chunks of rows i / chunks, + THREADS / chunks, ...; rows at or past T become
+// zeros (a row past T reads nothing and points at row 0, which exists).
+template <int d_head, int rows, int THREADS>
+__device__ __forceinline__ void load_tile(unsigned tile, const element* head, long long row_stride, int row_start, int T)
+{
+    constexpr int chunks = d_head / 8;
+    constexpr int period = THREADS / chunks;
+    static_assert(rows % period == 0, "whole passes of the block per tile");
+    const int r0 = threadIdx.x / chunks, c = threadIdx.x % chunks;
+    const element* src = head + (long long)(row_start + r0) * row_stride + 8 * c;
+    if (row_start + rows <= T) {
+#pragma unroll
+        for (int n = 0; n < rows / period; ++n)
+            copy_async_16(tile + swizzled<rows>(r0 + n * period, c), src + n * period * row_stride, true);
+    } else {
+#pragma unroll
+        for (int n = 0; n < rows / period; ++n) {
+            const bool valid = row_start + r0 + n * period < T;
+            copy_async_16(tile + swizzled<rows>(r0 + n * period, c), valid ? src + n * period * row_stride : head, valid);
+        }
+    }
+}
+
+template <int d_head, int B_r, int B_c, int dtype_id>
+__global__ void __launch_bounds__(B_r * 2)
+attention_forward(const element* __restrict__ Q, const element* __restrict__ K, const element* __restrict__ V,
+                  element* __restrict__ O, float* __restrict__ /* workspace */, int T_q, int T_k, int kv_group,
+                  int causal, float scale,
+                  long long q_batch_stride, long long q_head_stride, long long q_row_stride,
+                  long long kv_batch_stride, long long kv_head_stride, long long kv_row_stride)
+{
+    static_assert(dtype_id == 0 || dtype_id == 1, "dtype_id: 0 = bfloat16, 1 = float16");
+    static_assert(d_head == 64 || d_head == 128, "whole 64-column halves of 128 bytes");
+    static_assert(B_r == 64 || B_r == 128, "one or two warpgroups of 64 rows");
+    static_assert(B_c == 64 || B_c == 128, "S_ij is m64n64 or m64n128");
+    constexpr int THREADS = B_r * 2;
+    constexpr int D_STEPS = d_head / 16;    // k16 steps of Q_i K_j^T
+    constexpr int D_TILES = d_head / 8;     // n8 tiles of O_i
+    constexpr int N_TILES = B_c / 8;        // n8 tiles of S_ij
+    constexpr int KEY_STEPS = B_c / 16;     // k16 steps of P_ij V_j
+    constexpr int chunks = d_head / 8;
+    constexpr unsigned TILE_BYTES = B_c * d_head * 2;
+
+    extern __shared__ unsigned char smem[];
+    // Every tile on a 1024-byte boundary, where the swizzle pattern starts (lab.smem has 1 KB spare).
+    const unsigned Q_smem = ((unsigned)__cvta_generic_to_shared(smem) + 1023) & ~1023u;  // later O_i
+    const unsigned K_smem = Q_smem + B_r * d_head * 2;  // two stages of K_j
+    const unsigned V_smem = K_smem + 2 * TILE_BYTES;     // two stages of V_j
+
+    // Heavy tiles first: the flat block index, read as (tile rank, head), counts tiles down.
+    const long long n_heads = (long long)gridDim.y * gridDim.z;
+    const long long flat = blockIdx.x + (long long)gridDim.x * (blockIdx.y + (long long)gridDim.y * blockIdx.z);
+    const int q_tile = gridDim.x - 1 - (int)(flat / n_heads);
+    const long long bh = flat % n_heads;  // = batch * NH + head
+    const long long batch = bh / gridDim.y;
+    const long long head = bh % gridDim.y;
+    const long long kv_head = head / kv_group;
+
+    const element* Q_head = Q + batch * q_batch_stride + head * q_head_stride;
+    const element* K_head = K + batch * kv_batch_stride + kv_head * kv_head_stride;
+    const element* V_head = V + batch * kv_batch_stride + kv_head * kv_head_stride;
+    element* O_head = O + bh * T_q * d_head;  // O is contiguous (B, NH, T_q, d)
+    const bool o_vec = (reinterpret_cast<unsigned long long>(O_head) & 15) == 0;
+
+    const int row_start = q_tile * B_r;
+    const int rows = min(B_r, T_q - row_start);
+    const int offset = T_k - T_q;  // query row i sees keys j <= i + offset (bottom-right causal mask)
+    int T_c = (T_k + B_c - 1) / B_c;
+    if (causal) {
+        const int last_key = row_start + rows - 1 + offset;
+        T_c = last_key < 0 ? 0 : min(T_c, last_key / B_c + 1);
+    }
+
+    load_tile<d_head, B_r, THREADS>(Q_smem, Q_head, q_row_stride, row_start, T_q);
+    if (T_c > 0)
+        load_tile<d_head, B_c, THREADS>(K_smem, K_head, kv_row_stride, 0, T_k);
+    copy_async_commit();
+    copy_async_wait_all();
+    if (scale < 0.0f) {  // S with -Q_i and |scale|: flip the sign bits of the chunks this thread copied
+        for (int i = threadIdx.x; i < B_r * chunks; i += THREADS) {
+            const unsigned at = Q_smem + swizzled<B_r>(i / chunks, i % chunks);
+            unsigned w[4];
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(at));
+            asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(at), "r"(w[0] ^ 0x80008000u), "r"(w[1] ^ 0x80008000u),
+                         "r"(w[2] ^ 0x80008000u), "r"(w[3] ^ 0x80008000u));
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    }
+    __syncthreads();
+
+    const int warpgroup = threadIdx.x / 128;
+    const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;  // warp within the warpgroup
+    const int g = lane / 4, t = lane % 4;
+    const int wg_row = 64 * warpgroup;      // first row of this warpgroup in Q_i
+    const int wg_first = row_start + wg_row;  // ... as a query index
+    const int my_row = wg_first + 16 * warp + g;  // this thread's rows: my_row and my_row + 8
+    const float scale_log2 = fmaxf(fabsf(scale) * LOG2_E, FLT_MIN_NORMAL);  // as in v15
+
+    float O_acc[d_head / 2];  // n8 tile n, entry e: row my_row + 8 (e / 2), column 8 n + 2 t + e % 2
+    float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < d_head / 2; ++i)
+        O_acc[i] = 0.0f;
+
+    // Step j copies K_j+1 and V_j: K runs one tile ahead of V, each into the stage its tile j - 1
+    // left, last read in step j - 1, which every warpgroup finished before the barrier.
+    auto copy_step = [&](int j) {
+        if (j + 1 < T_c)
+            load_tile<d_head, B_c, THREADS>(K_smem + ((j + 1) % 2) * TILE_BYTES, K_head, kv_row_stride, (j + 1) * B_c, T_k);
+        load_tile<d_head, B_c, THREADS>(V_smem + (j % 2) * TILE_BYTES, V_head, kv_row_stride, j * B_c, T_k);
+        copy_async_commit();
+    };
+    // S = Q_i K_j^T: d / 16 k16 steps, each 32 bytes further along a row (next half at 4).
+    auto issue_S = [&](float (&S)[B_c / 2], int j) {
+        const unsigned K_j = K_smem + (j % 2) * TILE_BYTES;
+#pragma unroll
+        for (int s = 0; s < D_STEPS; ++s) {
+            const unsigned a = Q_smem + (s / 4) * B_r * 128 + wg_row * 128 + (s % 4) * 32;
+            const unsigned b = K_j + (s / 4) * B_c * 128 + (s % 4) * 32;
+            wgmma_ss<B_c, dtype_id>(S, descriptor(a, 16, 1024), descriptor(b, 16, 1024), s > 0);
+        }
+        wgmma_commit();
+    };
+    // O_i += P V_j, P the rounded probabilities of tile j: key step kk is rows 16 kk .. of V_j.
+    auto issue_PV = [&](const unsigned (&P)[KEY_STEPS][4], int j) {
+        const unsigned V_j = V_smem + (j % 2) * TILE_BYTES;
+#pragma unroll
+        for (int kk = 0; kk < KEY_STEPS; ++kk)
+            wgmma_rs<d_head, dtype_id>(O_acc, P[kk], descriptor(V_j + kk * 2048, B_c * 128, 1024));
+        wgmma_commit();
+    };
+    // The online softmax of one tile in place (v18's): S becomes 2^(scale log2(e) S - m_new'),
+    // m_i and l_i move on, alpha holds each row's rescale factor; true if some row max of the warp moved.
+    auto softmax = [&](float (&S)[B_c / 2], int j, float (&alpha)[2]) {
+        const int col_start = j * B_c;
+        if ((causal && col_start + B_c - 1 > wg_first + offset) || col_start + B_c > T_k) {
+#pragma unroll
+            for (int i = 0; i < B_c / 2; ++i) {
+                const int row = my_row + 8 * (i % 4 / 2);
+                const int key = col_start + 8 * (i / 4) + 2 * t + i % 2;
+                if (key >= T_k || (causal && key > row + offset))
+                    S[i] = -INFINITY;
+            }
+        }
+        bool max_moved = false;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float m_new = m_i[h];
+#pragma unroll
+            for (int n = 0; n < N_TILES; ++n)
+                m_new = fmaxf(m_new, fmaxf(S[4 * n + 2 * h], S[4 * n + 2 * h + 1]));
+            m_new = fmaxf(m_new, __shfl_xor_sync(FULL_WARP, m_new, 1));
+            m_new = fmaxf(m_new, __shfl_xor_sync(FULL_WARP, m_new, 2));
+            const float m_scaled = m_new == -INFINITY ? 0.0f : m_new * scale_log2;
+            max_moved |= m_new != m_i[h];
+            alpha[h] = m_new == m_i[h] ? 1.0f : exp2_approx(fmaf(m_i[h], scale_log2, -m_scaled));
+            m_i[h] = m_new;
+            float row_sum = 0.0f;
+#pragma unroll
+            for (int n = 0; n < N_TILES; ++n)
+#pragma unroll
+                for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                    S[4 * n + e] = exp2_approx(fmaf(S[4 * n + e], scale_log2, -m_scaled));
+                    row_sum += S[4 * n + e];
+                }
+            l_i[h] = l_i[h] * alpha[h] + row_sum;
+        }
+        return __any_sync(FULL_WARP, max_moved);
+    };
+    auto round_P = [&](unsigned (&P)[KEY_STEPS][4], const float (&S)[B_c / 2]) {
+#pragma unroll
+        for (int kk = 0; kk < KEY_STEPS; ++kk) {
+            P[kk][0] = pack_rounded<dtype_id>(S[8 * kk + 0], S[8 * kk + 1]);
+            P[kk][1] = pack_rounded<dtype_id>(S[8 * kk + 2], S[8 * kk + 3]);
+            P[kk][2] = pack_rounded<dtype_id>(S[8 * kk + 4], S[8 * kk + 5]);
+            P[kk][3] = pack_rounded<dtype_id>(S[8 * kk + 6], S[8 * kk + 7]);
+        }
+    };
+
+    // No branch around a wgmma depends on the warpgroup: every warpgroup runs every step of the
+    // block (a tile a warpgroup's rows do not see is masked whole and adds zeros), so that ptxas can
+    // keep the products in flight; around a warpgroup-dependent branch it serializes them.
+    if (T_c > 0) {
+        float S[B_c / 2], alpha[2];
+        unsigned P[KEY_STEPS][4];  // P_i,j-1 rounded to 16 bits: the A registers of each key step
+        copy_step(0);
+        wgmma_fence();
+        issue_S(S, 0);
+        wgmma_wait_all();
+        settle(S);
+        softmax(S, 0, alpha);  // O_i is still zero: nothing to rescale
+        round_P(P, S);
+        copy_async_wait_all();
+        __syncthreads();
+        for (int j = 1; j < T_c; ++j) {
+            copy_step(j);
+            wgmma_fence();
+            issue_S(S, j);
+            issue_PV(P, j - 1);
+            wgmma_wait_one();  // S_ij has landed; P_i,j-1 V_j-1 may still run
+            settle(S);
+            const bool moved = softmax(S, j, alpha);  // while P_i,j-1 V_j-1 runs
+            wgmma_wait_all();
+            settle(O_acc);
+            if (moved) {  // O_i = alpha (O_i + P_i,j-1 V_j-1)
+#pragma unroll
+                for (int i = 0; i < d_head / 2; ++i)
+                    O_acc[i] *= alpha[i % 4 / 2];
+            }
+            round_P(P, S);
+            copy_async_wait_all();  // K_j+1 and V_j have landed for every thread
+            __syncthreads();
+        }
+        wgmma_fence();
+        issue_PV(P, T_c - 1);
+        wgmma_wait_all();
+        settle(O_acc);
+    }
+
+    // O_i = O_i / l_i, rounded to 16 bits into this warp's own rows of Q_i's shared memory (no
+    // wgmma reads it any more), then out in 16-byte stores.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float l = l_i[h];
+        l += __shfl_xor_sync(FULL_WARP, l, 1);
+        l += __shfl_xor_sync(FULL_WARP, l, 2);
+        const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;
+        const int r = wg_row + 16 * warp + g + 8 * h;
+#pragma unroll
+        for (int n = 0; n < D_TILES; ++n) {
+            const unsigned o = pack_rounded<dtype_id>(O_acc[4 * n + 2 * h] * inv_l, O_acc[4 * n + 2 * h + 1] * inv_l);
+            asm volatile("st.shared.u32 [%0], %1;" ::"r"(Q_smem + swizzled<B_r>(r, n) + 4 * t), "r"(o));
+        }
+    }
+    __syncwarp();
+    const int warp_row = wg_row + 16 * warp;
+#pragma unroll
+    for (int idx = lane; idx < 16 * chunks; idx += 32) {
+        const int r = idx / chunks, c = idx % chunks;
+        const int row = row_start + warp_row + r;
+        if (row < T_q) {
+            unsigned w[4];
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(Q_smem + swizzled<B_r>(warp_row + r, c)));
+            element* dst = O_head + (long long)row * d_head + 8 * c;
+            if (o_vec) {
+                *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; ++e)
+                    dst[e] = (element)(w[e / 2] >> (16 * (e % 2)));
+            }
+        }
+    }
+}
