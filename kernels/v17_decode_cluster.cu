@@ -58,8 +58,10 @@
  * Open: compute-sanitizer's synccheck reports "Barrier error detected. Divergent thread(s) in warp"
  * in this kernel at B = 2, NH = 3, T = 97 (the tool then stops the launch), though not at the
  * decode shapes; memcheck, racecheck and initcheck are clean, every GPU test passes, and a minimal
- * kernel with the same cluster barriers is clean under synccheck. The divergent barrier is not
- * found yet.
+ * kernel with the same cluster barriers is clean under synccheck. Ruled out on the device: a
+ * __syncwarp() before the barrier after Q_i is staged, and the relaxed cluster arrive moved from
+ * the kernel's start to just before its wait (so that no __syncthreads runs inside an open cluster
+ * barrier phase); both variants report the same error. The divergent barrier is not found yet.
  *
  * lab.template    d_head, B_r, B_c, dtype_id, CLUSTER
  * lab.configs     (64, 8, 64, 0, 16), (64, 8, 64, 0, 8), (32, 8, 128, 0, 8), (96, 2, 32, 0, 16), (128, 8, 32, 0, 8), (64, 4, 64, 1, 16), (32, 4, 128, 1, 8), (96, 2, 64, 1, 16), (128, 4, 64, 1, 8), (64, 4, 64, 2, 16), (32, 4, 128, 2, 8), (96, 2, 64, 2, 16), (128, 4, 64, 2, 8)
