@@ -22,6 +22,12 @@
  *     their MMA. v19 overlaps them inside one warpgroup.
  *   - Tiles of 64 queries x 128 keys: a warpgroup's S_ij is 64 registers per thread, with no Q_i
  *     fragments held (v15 held 32), so one warpgroup per block keeps three blocks on an SM.
+ *   - Heads in L2-sized chunks. At 400 TFLOP/s the first waves of heavy tiles, one tile rank across
+ *     every head, read every head's K and V: 96 MB at B = 16, T = 2048, more than L2 holds, so
+ *     those waves wait on DRAM and the time swung by 10% from run to run. When the K and V of all
+ *     heads pass 32 MB, heads go in chunks whose K and V take 16 MB, heavy tiles first within each
+ *     chunk (the same order v15 tried without gain: for the slower kernel DRAM was not the limit).
+ *     Both numbers were picked on the issue's shapes on an H200.
  *   - The accumulator of m64nNk16 gives thread l of warp w of the warpgroup rows 16 w + l / 4 and
  *     + 8, columns 8 n + 2 (l % 4) and + 1 of each n8 tile: within a warp, exactly mma.sync's
  *     m16n8 fragment, so v15's softmax on fragments and its P_ij-into-A-operand trick carry over
@@ -73,6 +79,7 @@
 #endif
 
 constexpr float LOG2_E = 1.4426950408889634f;
+constexpr long long L2_ALL = 32ll << 20, L2_CHUNK = 16ll << 20;  // block order (measured on an H200's 60 MB L2)
 constexpr float FLT_MIN_NORMAL = 1.17549435e-38f;
 constexpr unsigned FULL_WARP = 0xffffffffu;
 
@@ -247,11 +254,19 @@ attention_forward(const element* __restrict__ Q, const element* __restrict__ K, 
     const unsigned Q_smem = ((unsigned)__cvta_generic_to_shared(smem) + 1023) & ~1023u;  // later O_i
     const unsigned KV_smem = Q_smem + B_r * d_head * 2;  // stage s: K_j, then V_j, at 2 s TILE_BYTES
 
-    // Heavy tiles first: the flat block index, read as (tile rank, head), counts tiles down.
+    // Heavy tiles first, in chunks of heads: the flat block index, read as (chunk, tile rank, head
+    // in the chunk), counts tiles down within each chunk. When the K and V of all heads fit in L2
+    // (L2_ALL), one chunk holds every head, as in v15; otherwise a chunk's K and V take L2_CHUNK.
     const long long n_heads = (long long)gridDim.y * gridDim.z;
     const long long flat = blockIdx.x + (long long)gridDim.x * (blockIdx.y + (long long)gridDim.y * blockIdx.z);
-    const int q_tile = gridDim.x - 1 - (int)(flat / n_heads);
-    const long long bh = flat % n_heads;  // = batch * NH + head
+    const long long kv_bytes = 4LL * T_k * d_head;  // K and V of one head, 2 bytes an element
+    const long long chunk = n_heads * kv_bytes <= L2_ALL ? n_heads : max(1LL, min(n_heads, L2_CHUNK / kv_bytes));
+    const long long chunk_blocks = chunk * gridDim.x;
+    const long long first_head = flat / chunk_blocks * chunk;
+    const long long heads_here = min(chunk, n_heads - first_head);  // the last chunk may be short
+    const long long within = flat % chunk_blocks;
+    const int q_tile = gridDim.x - 1 - (int)(within / heads_here);
+    const long long bh = first_head + within % heads_here;  // = batch * NH + head
     const long long batch = bh / gridDim.y;
     const long long head = bh % gridDim.y;
     const long long kv_head = head / kv_group;

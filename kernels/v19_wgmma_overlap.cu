@@ -61,6 +61,7 @@
 #endif
 
 constexpr float LOG2_E = 1.4426950408889634f;
+constexpr long long L2_ALL = 32ll << 20, L2_CHUNK = 16ll << 20;  // block order (measured on an H200's 60 MB L2)
 constexpr float FLT_MIN_NORMAL = 1.17549435e-38f;
 constexpr unsigned FULL_WARP = 0xffffffffu;
 
@@ -237,11 +238,19 @@ attention_forward(const element* __restrict__ Q, const element* __restrict__ K, 
     const unsigned K_smem = Q_smem + B_r * d_head * 2;  // two stages of K_j
     const unsigned V_smem = K_smem + 2 * TILE_BYTES;     // two stages of V_j
 
-    // Heavy tiles first: the flat block index, read as (tile rank, head), counts tiles down.
+    // Heavy tiles first, in chunks of heads: the flat block index, read as (chunk, tile rank, head
+    // in the chunk), counts tiles down within each chunk. When the K and V of all heads fit in L2
+    // (L2_ALL), one chunk holds every head, as in v15; otherwise a chunk's K and V take L2_CHUNK.
     const long long n_heads = (long long)gridDim.y * gridDim.z;
     const long long flat = blockIdx.x + (long long)gridDim.x * (blockIdx.y + (long long)gridDim.y * blockIdx.z);
-    const int q_tile = gridDim.x - 1 - (int)(flat / n_heads);
-    const long long bh = flat % n_heads;  // = batch * NH + head
+    const long long kv_bytes = 4LL * T_k * d_head;  // K and V of one head, 2 bytes an element
+    const long long chunk = n_heads * kv_bytes <= L2_ALL ? n_heads : max(1LL, min(n_heads, L2_CHUNK / kv_bytes));
+    const long long chunk_blocks = chunk * gridDim.x;
+    const long long first_head = flat / chunk_blocks * chunk;
+    const long long heads_here = min(chunk, n_heads - first_head);  // the last chunk may be short
+    const long long within = flat % chunk_blocks;
+    const int q_tile = gridDim.x - 1 - (int)(within / heads_here);
+    const long long bh = first_head + within % heads_here;  // = batch * NH + head
     const long long batch = bh / gridDim.y;
     const long long head = bh % gridDim.y;
     const long long kv_head = head / kv_group;
