@@ -25,9 +25,10 @@
  *     and the kernel ran slower than v18. Here every warpgroup runs every step of its block, with
  *     a first step (S only), a steady loop (S and P V) and a last step (P V only); a tile that a
  *     warpgroup's rows do not see is masked whole and adds zeros. The warning is gone.
- *   - The overlap buys little here (the README's bf16 table has v18 and v19 side by side): with
- *     three one-warpgroup blocks per SM, other warpgroups already fill one warpgroup's softmax
- *     gaps on the tensor cores, and the pipeline costs registers (154 against 130 at B_c = 128).
+ *   - The overlap buys little here: 1-3% over v18 in the README's bf16 table, where earlier runs
+ *     (before both took their heads in L2-sized chunks) had it 3-7% behind. With three
+ *     one-warpgroup blocks per SM, other warpgroups already fill one warpgroup's softmax gaps on
+ *     the tensor cores, and the pipeline costs registers (156 against 130 at B_c = 128).
  *
  * The price: P_i,j-1 lives across a step (B_c / 4 more registers), and V_j-1 must stay in shared
  * memory while K_j+1 arrives, so K runs one tile ahead of V: step j copies K_j+1 and V_j, each into
