@@ -113,11 +113,13 @@ def pick_device(choice: str) -> str:
     return "gpu" if has_gpu else "cpu"
 
 
-def pick_kernel(name: str | None, device: str, asked: str = "auto", dtype: str = "float32") -> str:
-    """The rung's full name (v02_pad_k), a .cu path, or "reference" (which takes every dtype)."""
+def pick_kernel(name: str | None, device: str, asked: str = "auto", dtype: str = "float32",
+                arch: str | None = None) -> str:
+    """The rung's full name (v02_pad_k), a .cu path, or "reference" (which takes every dtype).
+    `arch` (the GPU's, "sm_90") keeps the default to rungs that run there (lab.min_arch)."""
     able = [n for n in kernels.names() if dtype in kernels.load(n).dtypes]  # the rungs that take dtype
-    if name is None:  # the newest that takes dtype and is made for whole sequences (not a decode rung)
-        prefill = [n for n in able if not kernels.load(n).split_kv]
+    if name is None:  # the newest that takes dtype, runs on arch, and is made for whole sequences
+        prefill = [n for n in able if not kernels.load(n).split_kv and (arch is None or kernels.load(n).runs_on(arch))]
         return prefill[-1] if device == "gpu" and prefill else REFERENCE
     if name.lower() in (REFERENCE, "ref"):
         return REFERENCE
@@ -178,7 +180,8 @@ def device_name(device: str) -> str:
 def run(args) -> int:
     check_args(args)
     device = pick_device(args.device)
-    kernel = pick_kernel(args.kernel, device, args.device, args.dtype)
+    kernel = pick_kernel(args.kernel, device, args.device, args.dtype,
+                         kernels.device_limits().arch if device == "gpu" else None)
     if device == "gpu":
         import cupy as xp
     else:

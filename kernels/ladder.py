@@ -24,7 +24,8 @@ A rung declares what the launcher needs in its header comment, one `lab.<key>` l
                                               with lab.split_kv, the splits of a tile are one cluster,
                                               so a tile always has CLUSTER splits (default: none)
     lab.min_arch   sm_90                      the oldest architecture the rung compiles for (clusters,
-                                              DSMEM); older devices are refused (default: any)
+                                              DSMEM); older devices are refused (default: any). With
+                                              lab.options -arch=sm_90a (wgmma) it runs on sm_90 only
 
 Every rung exports the same entry point, `attention_forward<...>`, with one signature, launched on a
 grid of (ceil(T_q / B_r), n_heads, batch) blocks: one block per tile of B_r query rows of one head.
@@ -112,8 +113,21 @@ class Rung:
         """Blocks per cluster (lab.cluster) of a config, or None for a rung launched without clusters."""
         return None if self.cluster is None else evaluate(self.cluster, self.params(config))
 
+    def arch_needed(self) -> str:
+        """What runs_on asks for, in words: "sm_90 or newer (lab.min_arch)", or for an
+        architecture-specific target "sm_90 (lab.options -arch=sm_90a)"."""
+        specific = [m.group(1) for o in self.options if (m := re.fullmatch(r"-arch=sm_(\d+)a", o))]
+        if specific:
+            return f"sm_{specific[0]} (lab.options -arch=sm_{specific[0]}a)"
+        return f"sm_{self.min_arch} or newer (lab.min_arch)"
+
     def runs_on(self, arch: str) -> bool:
-        """Whether the rung compiles for `arch` ("sm_80", "sm_90a"): lab.min_arch or newer."""
+        """Whether the rung compiles for `arch` ("sm_80", "sm_90a"): lab.min_arch or newer, and, for a
+        rung built for an architecture-specific target (lab.options -arch=sm_90a: wgmma), that
+        architecture only: its features are not carried to later ones."""
+        specific = [int(m.group(1)) for o in self.options if (m := re.fullmatch(r"-arch=sm_(\d+)a", o))]
+        if specific and arch_number(arch) not in specific:
+            return False
         return arch_number(arch) >= self.min_arch
 
 

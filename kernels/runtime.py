@@ -92,8 +92,7 @@ class Instance:
         self.cluster = rung.cluster_size(config)  # None: launched without clusters
         limits = device_limits()
         if not rung.runs_on(limits.arch):
-            raise ValueError(f"kernel {rung.name} needs sm_{rung.min_arch} or newer (lab.min_arch); "
-                             f"{limits.name} is {limits.arch}")
+            raise ValueError(f"kernel {rung.name} needs {rung.arch_needed()}; {limits.name} is {limits.arch}")
         expr = rung.name_expression(config)
         start = time.perf_counter()
         try:
@@ -425,7 +424,7 @@ def compile_report(kernel, arch: str, configs=None) -> list[Resources]:
     rung = ladder.load(kernel)
     configs = [_as_config(rung, c) for c in configs] if configs else list(rung.configs)
     if not rung.runs_on(arch):
-        raise KernelCompileError(f"{rung.path}: needs sm_{rung.min_arch} or newer (lab.min_arch), not {arch}")
+        raise KernelCompileError(f"{rung.path}: needs {rung.arch_needed()}, not {arch}")
     options = [f"-arch={arch}", "-Xptxas=-v", *COMMON_OPTIONS, *rung.options]
     try:
         results = nvrtc.compile_isolated(rung.source, str(rung.path), options, [rung.name_expression(c) for c in configs])

@@ -121,6 +121,11 @@ def test_cluster_and_min_arch_declarations(tmp_path):
     assert [r.config["B_c"] for r in kernels.compile_report(str(rung.path), "sm_90")] == [32, 16]
     with pytest.raises(kernels.KernelCompileError, match=r"needs sm_90 or newer \(lab.min_arch\), not sm_80"):
         kernels.compile_report(str(rung.path), "sm_80")
+    specific = kernels.load(write(tmp_path, "specific.cu", CLUSTERED.replace(" * lab.min_arch   sm_90\n",
+                                                                            " * lab.min_arch   sm_90\n * lab.options    -arch=sm_90a\n")))
+    assert specific.runs_on("sm_90") and not specific.runs_on("sm_100") and not specific.runs_on("sm_80")
+    with pytest.raises(kernels.KernelCompileError, match=r"needs sm_90 \(lab.options -arch=sm_90a\), not sm_100"):
+        kernels.compile_report(str(specific.path), "sm_100")
     for edit, message in [(lambda s: s.replace("sm_90\n", "hopper\n"), "lab.min_arch must look like sm_90"),
                           (lambda s: s.replace("B_c // 4", "B_c"), "a cluster holds 1 to 16 blocks")]:
         with pytest.raises(ValueError, match=message):

@@ -35,6 +35,17 @@ def test_the_default_rung_is_the_newest_that_takes_the_dtype():
     assert "v15_bf16_mma" in able("bfloat16") and "v15_bf16_mma" not in able("float32")
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_the_default_rung_runs_on_the_gpu_it_is_for(arch):
+    """A rung declaring lab.min_arch newer than the GPU (wgmma on an sm_80 part) is never the default."""
+    for dtype in ("float32", "bfloat16"):
+        fit = [n for n in able(dtype) if not kernels.load(n).split_kv and kernels.load(n).runs_on(arch)]
+        picked = lab.pick_kernel(None, "gpu", dtype=dtype, arch=arch)
+        assert picked == fit[-1] and kernels.load(picked).runs_on(arch)
+    assert lab.pick_kernel(None, "gpu", dtype="float32", arch="sm_80") == "v14_tf32_mma"
+    assert lab.pick_kernel(None, "gpu", dtype="bfloat16", arch="sm_80") == "v15_bf16_mma"
+
+
 def test_a_rung_without_the_dtype_is_refused_with_the_rungs_that_have_it():
     with pytest.raises(lab.LabError) as info:
         lab.pick_kernel("v13", "gpu", dtype="bfloat16")
