@@ -1614,7 +1614,7 @@ def render_resources(result: dict) -> str:
         blocks = "-" if r.get("blocks_per_sm") is None else str(r["blocks_per_sm"])
         body.append([f"`{r['kernel']}`", config, str(r["threads"]), str(r["registers"]),
                      f"{r['static_smem']} + {r['dynamic_smem']}", str(r["stack_bytes"]),
-                     f"{r['spill_stores']} / {r['spill_loads']}", blocks, ""])
+                     f"{r['spill_stores']} / {r['spill_loads']}", blocks, "; ".join(r.get("performance_warnings", ()))])
     lines += table(["kernel", "config", "threads", "registers", "smem bytes (static + dynamic)", "stack bytes",
                     "spill bytes (stores / loads)", "blocks / SM", "note"], body, "llrrrrrrl")
     return "\n".join(lines)

@@ -403,6 +403,8 @@ class Resources:
     spill_stores: int
     spill_loads: int
     blocks_per_sm: int | None = None  # needs the device; None when compiled for a named arch only
+    # ptxas's "Potential Performance Loss" lines, e.g. C7520: wgmma serialized (see v19's header)
+    performance_warnings: tuple[str, ...] = ()
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -417,9 +419,14 @@ _PTXAS = {
 }
 
 
+# "ptxas info    : (C7520) Potential Performance Loss: ... in the function '_Z17attention_...'" -> the message
+_PERFORMANCE_WARNING = re.compile(r"^ptxas \w+\s*:\s*|\s*in the function '[^']*'")
+
+
 def compile_report(kernel, arch: str, configs=None) -> list[Resources]:
     """Compile every declared configuration (or `configs`) with NVRTC for `arch`, no GPU needed,
-    and read ptxas's report: registers, static shared memory, stack and spill bytes. Each
+    and read ptxas's report: registers, static shared memory, stack and spill bytes, performance
+    warnings (a serialized wgmma pipeline, C7520). Each
     configuration is its own program: ptxas may interleave the reports of several entry points."""
     rung = ladder.load(kernel)
     configs = [_as_config(rung, c) for c in configs] if configs else list(rung.configs)
@@ -436,8 +443,11 @@ def compile_report(kernel, arch: str, configs=None) -> list[Resources]:
         if not _PTXAS["registers"].search(log):
             raise RuntimeError(f"{rung.path}: no register count in ptxas's report for {arch}:\n{log}")
         values = {k: int(m.group(1)) if (m := rx.search(log)) else 0 for k, rx in _PTXAS.items()}
+        warnings = tuple(_PERFORMANCE_WARNING.sub("", line).strip() for line in log.splitlines()
+                         if "Potential Performance Loss" in line)
         reports.append(Resources(kernel=rung.name, config=rung.params(c), arch=arch,
-                                 threads=math.prod(rung.block(c)), dynamic_smem=rung.shared_bytes(c), **values))
+                                 threads=math.prod(rung.block(c)), dynamic_smem=rung.shared_bytes(c),
+                                 performance_warnings=warnings, **values))
     return reports
 
 

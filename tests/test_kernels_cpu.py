@@ -236,7 +236,57 @@ def test_every_config_compiles_without_spills(name, arch):
         assert r.spill_stores == 0 and r.spill_loads == 0, f"{name} {r.config} on {arch}: spills {r}"
         assert r.stack_bytes <= rung.stack, f"{name} {r.config} on {arch}: {r.stack_bytes} B stack > {rung.stack}"
         assert r.registers * r.threads <= 65536, f"{name} {r.config}: a block needs more registers than an SM has"
+        assert not r.performance_warnings, f"{name} {r.config} on {arch}: ptxas says {r.performance_warnings}"
         assert r.threads <= 1024
+
+
+SERIALIZED_WGMMA = r"""/*
+ * lab.template   d_head, B_r, B_c
+ * lab.configs    (64, 64, 64)
+ * lab.threads    256
+ * lab.smem       0
+ * lab.min_arch   sm_90
+ * lab.options    -arch=sm_90a
+ */
+#define ACC4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
+#define ACC16(i) ACC4(i), ACC4(i + 4), ACC4(i + 8), ACC4(i + 12)
+__device__ __forceinline__ void mma(float (&d)[32], unsigned long long a, unsigned long long b)
+{
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
+                 "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}"
+                 : ACC16(0), ACC16(16) : "l"(a), "l"(b), "r"(1));
+}
+template <int d_head, int B_r, int B_c>
+__global__ void attention_forward(const float* Q, const float* K, const float* V, float* O, float* workspace,
+                                  int T_q, int T_k, int kv_group, int causal, float scale,
+                                  long long q_batch_stride, long long q_head_stride, long long q_row_stride,
+                                  long long kv_batch_stride, long long kv_head_stride, long long kv_row_stride)
+{
+    float d[32], e[32];
+    for (int i = 0; i < 32; ++i) d[i] = e[i] = 0.0f;
+    const unsigned long long desc = (unsigned long long)q_row_stride;
+    for (int j = 0; j <= T_k; ++j) {
+        const bool has_a = j < T_q + (int)(threadIdx.x / 128), has_b = j >= 1;  // warpgroup-dependent
+        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+        if (has_a) { mma(d, desc, desc + j); asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+        if (has_b) { mma(e, desc + 2 * j, desc); asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+        if (has_a && has_b) asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+        else asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+        if (has_a) for (int i = 0; i < 32; ++i) d[i] = d[i] * scale;
+        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    }
+    for (int i = 0; i < 32; ++i) O[threadIdx.x * 32 + i] = d[i] + e[i];
+}
+"""
+
+
+def test_a_serialized_wgmma_pipeline_is_reported(tmp_path):
+    """Products issued under warpgroup-dependent branches: ptxas serializes the wgmma pipeline and
+    says so (C7520, v19's header); compile_report carries the warning, which the test above forbids."""
+    (report,) = kernels.compile_report(str(write(tmp_path, "serialized.cu", SERIALIZED_WGMMA)), "sm_90")
+    assert len(report.performance_warnings) == 1
+    assert report.performance_warnings[0].startswith("(C7520) Potential Performance Loss: wgmma.mma_async instructions are serialized")
 
 
 def test_user_kernel_by_path_compiles(tmp_path):
