@@ -113,20 +113,26 @@ class Rung:
         """Blocks per cluster (lab.cluster) of a config, or None for a rung launched without clusters."""
         return None if self.cluster is None else evaluate(self.cluster, self.params(config))
 
+    @property
+    def specific_arch(self) -> int | None:
+        """90 for a rung built for an architecture-specific target (lab.options -arch=sm_90a: wgmma),
+        whose features later architectures do not carry; None otherwise."""
+        for option in self.options:
+            if m := re.fullmatch(r"-arch=sm_(\d+)a", option):
+                return int(m.group(1))
+        return None
+
     def arch_needed(self) -> str:
         """What runs_on asks for, in words: "sm_90 or newer (lab.min_arch)", or for an
         architecture-specific target "sm_90 (lab.options -arch=sm_90a)"."""
-        specific = [m.group(1) for o in self.options if (m := re.fullmatch(r"-arch=sm_(\d+)a", o))]
-        if specific:
-            return f"sm_{specific[0]} (lab.options -arch=sm_{specific[0]}a)"
+        if self.specific_arch is not None:
+            return f"sm_{self.specific_arch} (lab.options -arch=sm_{self.specific_arch}a)"
         return f"sm_{self.min_arch} or newer (lab.min_arch)"
 
     def runs_on(self, arch: str) -> bool:
-        """Whether the rung compiles for `arch` ("sm_80", "sm_90a"): lab.min_arch or newer, and, for a
-        rung built for an architecture-specific target (lab.options -arch=sm_90a: wgmma), that
-        architecture only: its features are not carried to later ones."""
-        specific = [int(m.group(1)) for o in self.options if (m := re.fullmatch(r"-arch=sm_(\d+)a", o))]
-        if specific and arch_number(arch) not in specific:
+        """Whether the rung compiles for `arch` ("sm_80", "sm_90a"): lab.min_arch or newer, and, for an
+        architecture-specific target, that architecture only."""
+        if self.specific_arch is not None and arch_number(arch) != self.specific_arch:
             return False
         return arch_number(arch) >= self.min_arch
 
