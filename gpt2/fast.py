@@ -239,6 +239,8 @@ def kernel_expressions(config: GPT2Config, dtype: str) -> dict[str, tuple[str, s
         "kv_store": ("kv_store", f"kv_store<{wt}>"),
         "merge_heads": ("merge_heads", "merge_heads"),
         "spin": ("spin", "spin"),
+        **({"decode_step": ("decode_step", f"decode_step<{wt}, {C}, {config.n_head}, {HS}, {F}, {STEP_THREADS}>")}
+           if HS % 32 == 0 and STEP_THREADS % HS == 0 else {}),
     }
 
 
@@ -255,6 +257,63 @@ def attention_staging(max_len: int, splits: int, head_size: int, itemsize: int) 
     cap = -(-max_len // splits)
     rows = min(cap, STAGE_BYTES // (2 * head_size * itemsize))
     return rows, 4 * (-(-cap // 4) * 4) + 2 * rows * head_size * itemsize
+
+
+STEP_THREADS = 384  # decode_step.cu's block (117 registers at GPT-2's shapes: no spills under the 168 of 384 threads)
+STEP_SLOTS = 8  # at most this many weight slots in decode_step.cu's ring
+STEP_MAX_SPLITS = 16  # decode_step.cu's MAX_SPLITS
+STEP_STATIC_SMEM = 4 << 10  # headroom for decode_step.cu's static shared memory (about 2 KB)
+
+
+LAYER_POINTERS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight",
+                  "attn.c_attn.bias", "attn.c_proj.bias", "mlp.c_fc.bias", "mlp.c_proj.bias",
+                  "ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "k_cache", "v_cache")  # decode_step.cu's Layer
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """decode_step.cu's geometry for one model, dtype and device: G blocks (one per SM), `splits` key
+    splits per head in stage B, a ring of `slots` shared-memory slots of `slot_bytes` each (the largest
+    item of the weight stream), wte streamed `lm_rows` rows per item, `smem` dynamic bytes in all."""
+
+    blocks: int
+    splits: int
+    slot_bytes: int
+    slots: int
+    lm_rows: int
+    smem: int
+
+
+def step_plan(config: GPT2Config, dtype: str, sm_count: int, max_len: int, smem_limit: int) -> StepPlan | str:
+    """The persistent step's geometry (kernels/fused/decode_step.cu), or why it cannot run these shapes."""
+    C, NH, HS, F = config.n_embd, config.n_head, config.head_size, config.mlp_width
+    item = 2 if dtype == "bfloat16" else 4
+    if HS % 32 or STEP_THREADS % HS:
+        return f"head size {HS}: decode_step needs a multiple of 32 dividing {STEP_THREADS}"
+    G = sm_count
+    splits = min(G // NH, STEP_MAX_SPLITS, STEP_THREADS // (2 * NH))  # stage C holds every (m, l) in a block's red
+    if splits < 1:
+        return f"{NH} heads on {G} SMs: decode_step needs a block per head"
+    cap = -(-max_len // splits)  # keys per split, at most
+    if cap > F:
+        return f"{cap} keys per split: decode_step keeps the scores in {F} floats"
+
+    def rows(N):
+        return -(-N // G)
+
+    def linear(N, K, ln):  # decode_step.cu's linear_item: rows, LayerNorm weight and bias, biases
+        return rows(N) * K * item + (8 * K if ln else 0) + 4 * (rows(N) + 8)
+
+    biggest = max(linear(3 * C, C, True), linear(C, C, False), linear(F, C, True), linear(C, F, False))
+    slot = -(-max(biggest, 2 * cap * HS * item, 8 * C + C * item) // 128) * 128
+    table = config.n_layer * 8 * len(LAYER_POINTERS)
+    fixed = 128 + 4 * F + table + STEP_STATIC_SMEM
+    slots = min(STEP_SLOTS, (smem_limit - fixed) // slot)
+    if slots < 2:
+        return f"decode_step needs two slots of {slot} bytes and {fixed} more of shared memory; the device has {smem_limit}"
+    lm_rows = max(1, min(STEP_THREADS, (slot - 8 * C) // (C * item)))
+    return StepPlan(blocks=G, splits=splits, slot_bytes=slot, slots=slots, lm_rows=lm_rows,
+                    smem=128 + slots * slot + 4 * F + table)
 
 
 # -- launches --------------------------------------------------------------------------------------
@@ -390,7 +449,7 @@ class Engine:
 
     def __init__(self, params: dict, config: GPT2Config, *, dtype: str | None = None, max_len: int | None = None,
                  prefetch: bool = True, pdl: bool | None = None, steps_per_graph: int = STEPS_PER_GRAPH,
-                 keep_logits: bool = False):
+                 keep_logits: bool = False, persistent: bool | None = None):
         import cupy as cp
 
         import kernels
@@ -492,13 +551,23 @@ class Engine:
                 warnings.warn(f"gpt2.fast: programmatic dependent launch disabled: {why}", stacklevel=2)
         for steps in sorted({1, steps_per_graph}):  # captured now, on an idle stream, replayed from here on
             self.graph(steps)
+        # The persistent step (decode_step.cu): the default where it runs, unless persistent=False;
+        # persistent=True insists.
+        self.persistent, self.persistent_note = False, "off (asked)"
+        if persistent is not False:
+            why = self._setup_persistent()
+            self.persistent = why is None
+            self.persistent_note = "on" if why is None else f"off ({why})"
+            if why is not None and persistent:
+                raise RuntimeError(f"the persistent decode step cannot run here: {why}")
 
     # -- kernels -----------------------------------------------------------------------------------
 
     def _compile(self):
         c = self.config
         item = 2 if self.dtype == "bfloat16" else 4
-        self.fn = {key: fused.function(file, expr) for key, (file, expr) in kernel_expressions(c, self.dtype).items()}
+        self.fn = {key: fused.function(file, expr) for key, (file, expr) in kernel_expressions(c, self.dtype).items()
+                   if key != "decode_step"}  # compiled by _setup_persistent, where the device runs it
         for key, (N, K) in {"c_attn": (3 * c.n_embd, c.n_embd), "c_proj": (c.n_embd, c.n_embd),
                             "c_fc": (c.mlp_width, c.n_embd), "mlp_proj": (c.n_embd, c.mlp_width)}.items():
             warps, rows = gemv_shape(N, K, item)
@@ -506,6 +575,62 @@ class Engine:
         self.attn_warps = attention_warps(c)
         # opt in to the dynamic shared memory (with the static, past 48 KB a kernel must)
         self.fn["attention"].max_dynamic_shared_size_bytes = self.attn_smem
+
+    def _setup_persistent(self) -> str | None:
+        """Compile decode_step.cu and lay out what it reads (the plan, the layer table, its buffers);
+        None when it is ready, else why it cannot run here."""
+        cp, c = self.cp, self.config
+        device = cp.cuda.Device()
+        if int(device.compute_capability) < 90:
+            return "needs compute capability 9.0 (cp.async.bulk)"
+        if not device.attributes.get("CooperativeLaunch", 0):
+            return "the device has no cooperative launch"
+        exprs = kernel_expressions(c, self.dtype)
+        if "decode_step" not in exprs:
+            return f"head size {c.head_size}: decode_step needs a multiple of 32 dividing {STEP_THREADS}"
+        import kernels
+
+        plan = step_plan(c, self.dtype, self.sm_count, self.max_len, kernels.device_limits().max_shared_per_block)
+        if isinstance(plan, str):
+            return plan
+        fn = fused.function(*exprs["decode_step"])
+        fn.max_dynamic_shared_size_bytes = plan.smem
+        per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, STEP_THREADS, plan.smem)
+        if per_sm < 1:
+            return f"decode_step does not fit an SM ({plan.smem} bytes of shared memory, {STEP_THREADS} threads)"
+        with self.stream:
+            table = []
+            for i, layer in enumerate(self.layers):
+                arrays = {"k_cache": self.k_cache[i], "v_cache": self.v_cache[i]}
+                for name in LAYER_POINTERS[:12]:  # (out, in) matrices in the decode dtype; float32 vectors
+                    arrays[name] = layer[name.removesuffix(".weight")] if name in LAYER_POINTERS[:4] else \
+                        self.params32[f"h.{i}.{name}"]
+                table.append([arrays[name].data.ptr for name in LAYER_POINTERS])
+            self.layer_table = cp.asarray(np.asarray(table, dtype=np.uint64))
+            self.step_partial = cp.zeros((c.n_head, plan.splits, c.head_size + 2), dtype=cp.float32)
+            self.step_tickets = cp.zeros(c.n_head, dtype=cp.uint32)  # stage B's last-split tickets
+            self.step_max = cp.zeros(plan.blocks, dtype=cp.float32)
+            self.step_arg = cp.zeros(plan.blocks, dtype=cp.int32)
+            self.step_barrier = cp.zeros(1, dtype=cp.uint32)  # never reset: see decode_step.cu
+        self.stream.synchronize()
+        self.plan, self.fn["decode_step"] = plan, fn
+        return None
+
+    def persistent_steps(self, n: int, trace=None) -> None:
+        """Queue n decode steps as one launch of decode_step.cu (cooperative: all blocks resident).
+        trace: (n, stages, blocks, 2) uint64 for the global timer at each block's barrier arrivals and
+        departures (profile_persistent)."""
+        c, p, plan = self.config, self.params32, self.plan
+        args = (self.layer_table, np.int32(c.n_layer), self.wte, self.wpe, p["ln_f.weight"], p["ln_f.bias"], self.eps,
+                np.int32(c.vocab_size), np.int32(self.max_len), np.int32(plan.splits),
+                np.float32(1.0 / math.sqrt(c.head_size)), self.x, self.qkv, self.g, self.step_partial, self.step_tickets,
+                self.y, self.step_max,
+                self.step_arg, self.logits if self.logits is not None else NULL, self.state, self.history,
+                self.step_barrier, np.int32(n), np.int32(plan.slot_bytes), np.int32(plan.slots), np.int32(plan.lm_rows),
+                NULL if trace is None else trace)
+        # the launch itself (cupy.cuda.Function): RawKernel takes cooperation from its module's options
+        self.fn["decode_step"].kernel((plan.blocks, 1, 1), (STEP_THREADS, 1, 1), args, shared_mem=plan.smem,
+                                      stream=self.stream, enable_cooperative_groups=True)
 
     # -- the decode step -----------------------------------------------------------------------------
 
@@ -597,6 +722,9 @@ class Engine:
                 for _ in range(n):
                     for launch in self.step_launches:
                         launch()
+                return
+            if self.persistent:
+                self.persistent_steps(n)
                 return
             big, small = self.graph(self.steps_per_graph), self.graph(1)
             for _ in range(n // self.steps_per_graph):
@@ -772,14 +900,19 @@ class Engine:
         return list(zip([launch.name for launch in self.step_launches], np.median(times, axis=0).tolist(), strict=True))
 
     def replay_ms(self, position: int, steps: int = 64, *, prefetch: bool | None = None, pdl: bool | None = None,
-                  repeats: int = 5) -> float:
-        """Milliseconds per decode step of graph replays from `position` (median of `repeats` runs of
-        `steps` steps in graphs of steps_per_graph), in a launch variant (default: the engine's)."""
+                  persistent: bool | None = None, repeats: int = 5) -> float:
+        """Milliseconds per decode step from `position` as generate() runs them (median of `repeats` runs
+        of `steps` steps in windows of steps_per_graph): one decode_step launch per window where the
+        engine is persistent (persistent=False: the per-operation graphs), else graph replays, in a
+        launch variant (default: the engine's)."""
         cp = self.cp
         steps = steps // self.steps_per_graph * self.steps_per_graph
         if steps < 1 or position + steps >= self.max_len:
             raise LabError(f"{steps} steps from position {position} do not fit the engine's {self.max_len} positions")
-        big = self.graph(self.steps_per_graph, prefetch, pdl)
+        persistent = self.persistent if persistent is None else persistent
+        if persistent and not self.persistent:
+            raise LabError(f"the persistent step is {self.persistent_note}")
+        big = None if persistent else self.graph(self.steps_per_graph, prefetch, pdl)
         start = np.asarray([0, position], dtype=np.int32)
         times = []
         with self.stream:
@@ -788,11 +921,48 @@ class Engine:
                 self.state.set(start, stream=self.stream)
                 before.record(self.stream)
                 for _ in range(steps // self.steps_per_graph):
-                    big.launch(self.stream)
+                    if persistent:
+                        self.persistent_steps(self.steps_per_graph)
+                    else:
+                        big.launch(self.stream)
                 after.record(self.stream)
                 after.synchronize()
                 times.append(cp.cuda.get_elapsed_time(before, after) / steps)
         return float(np.median(times[1:]))
+
+
+    def profile_persistent(self, position: int, repeats: int = 5) -> list[tuple[str, float, float, float]]:
+        """Where the persistent step's time goes at `position`: per stage (named as profile_step's
+        kernels), milliseconds from the previous stage's last departure from its barrier to this one's
+        (total), the slowest block's work before it arrives (work), and the wait from the last arrival
+        to the first departure (barrier); medians of `repeats` runs of the second of two steps, from
+        the global timer each block's thread 0 reads at its barriers. Changes state, history and the
+        cache at `position` and the next: run generate() again after."""
+        cp, c = self.cp, self.config
+        if not self.persistent:
+            raise LabError(f"the persistent step is {self.persistent_note}")
+        if not 0 <= position < self.max_len - 2:
+            raise LabError(f"position {position} outside the engine's 0..{self.max_len - 3}")
+        stages = 5 * c.n_layer + 1
+        trace = cp.zeros((2, stages, self.plan.blocks, 2), dtype=cp.uint64)
+        runs = []
+        for _ in range(repeats + 1):  # the first run warms up
+            with self.stream:
+                self.state.set(np.asarray([0, position], dtype=np.int32), stream=self.stream)
+                self.persistent_steps(2, trace)
+            self.stream.synchronize()
+            t = cp.asnumpy(trace).astype(np.int64)
+            arrive, leave = t[..., 0], t[..., 1]  # (step, stage, block) in ns
+            last_leave = leave.max(axis=2).reshape(-1)  # stage by stage over both steps
+            prev = leave.reshape(-1, self.plan.blocks)[stages - 1:-1]  # each block's departure before stage k
+            step = slice(stages, 2 * stages)
+            runs.append(np.stack([last_leave[step] - last_leave[stages - 1:-1],
+                                  (arrive[1] - prev).max(axis=1),
+                                  leave[1].min(axis=1) - arrive[1].max(axis=1)], axis=1) / 1e6)
+        ms = np.median(runs[1:], axis=0)
+        names = [f"h.{i}.{kind}" for i in range(c.n_layer) for kind in
+                 ("ln_1+attn.c_attn", "attn", "attn.c_proj+residual", "ln_2+mlp.c_fc+gelu", "mlp.c_proj+residual")]
+        return [(name, *row) for name, row in zip(names + ["ln_f+lm_head+argmax"], ms.tolist(), strict=True)]
 
 
 def by_kind(kernels_ms: list[tuple[str, float]]) -> list[tuple[str, int, float]]:

@@ -93,9 +93,28 @@ __device__ __forceinline__ float block_sum(float v, float* scratch)
 
 // -- the block's input vector -----------------------------------------------------------------------
 
+// x_s = LN(x_s) * ln_w + ln_b in place, K floats in shared memory, as GPT-2's LayerNorm: biased
+// variance, eps inside the square root. The statistics are two-pass (the mean, then the centred sum
+// of squares). Every thread must have finished writing x_s (a __syncthreads() before).
+template <int K, int THREADS>
+__device__ __forceinline__ void layernorm_inplace(float* x_s, const float* __restrict__ ln_w,
+                                                  const float* __restrict__ ln_b, float eps, float* scratch)
+{
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < K; i += THREADS) s += x_s[i];
+    const float mean = block_sum<THREADS>(s, scratch) / K;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < K; i += THREADS) {
+        const float d = x_s[i] - mean;
+        ss += d * d;
+    }
+    const float rstd = 1.0f / sqrtf(block_sum<THREADS>(ss, scratch) / K + eps);
+    for (int i = threadIdx.x; i < K; i += THREADS) x_s[i] = (x_s[i] - mean) * rstd * ln_w[i] + ln_b[i];
+    __syncthreads();
+}
+
 // x_s = LN(x + y + y_bias) * ln_w + ln_b (y and y_bias may be null; LN = false skips the norm),
-// K floats in shared memory, as GPT-2's LayerNorm: biased variance, eps inside the square root.
-// The statistics are two-pass over shared memory (mean, then the centred sum of squares).
+// K floats in shared memory (layernorm_inplace above).
 template <int K, int THREADS, bool LN>
 __device__ __forceinline__ void stage_input(const float* __restrict__ x, const float* __restrict__ y,
                                             const float* __restrict__ y_bias, const float* __restrict__ ln_w,
@@ -113,18 +132,7 @@ __device__ __forceinline__ void stage_input(const float* __restrict__ x, const f
         reinterpret_cast<float4*>(x_s)[i] = v;
     }
     __syncthreads();
-    if (!LN) return;
-    float s = 0.0f;
-    for (int i = threadIdx.x; i < K; i += THREADS) s += x_s[i];
-    const float mean = block_sum<THREADS>(s, scratch) / K;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < K; i += THREADS) {
-        const float d = x_s[i] - mean;
-        ss += d * d;
-    }
-    const float rstd = 1.0f / sqrtf(block_sum<THREADS>(ss, scratch) / K + eps);
-    for (int i = threadIdx.x; i < K; i += THREADS) x_s[i] = (x_s[i] - mean) * rstd * ln_w[i] + ln_b[i];
-    __syncthreads();
+    if (LN) layernorm_inplace<K, THREADS>(x_s, ln_w, ln_b, eps, scratch);
 }
 
 // -- epilogues --------------------------------------------------------------------------------------

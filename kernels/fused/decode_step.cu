@@ -1,0 +1,569 @@
+/*
+ * decode_step - GPT-2's whole decode step, every layer and the argmax, for `steps` tokens in one
+ * persistent kernel: one block per SM, a grid-wide barrier between stages, and each block's share of
+ * the weights streamed into shared memory ahead of the barriers.
+ *
+ * The operation: `steps` greedy steps of gpt2/model.py with the KV cache, from state = {token, pos}:
+ *   x = wte[token] + wpe[pos]
+ *   per layer:  A  qkv = LN_1(x) W_attn + b;  k, v stored into the cache at pos
+ *               B  attention of q over the cache rows 0..pos, split over the keys (partials)
+ *               C  y = the partials combined;  x += y W_proj + b
+ *               D  g = gelu(LN_2(x) W_fc + b)
+ *               E  x += g W_mlp + b
+ *   F  token = argmax(LN_f(x) wte^T);  history[pos + 1] = token;  state = {token, pos + 1}
+ * The same kernels as the per-operation step (gemv.cu, decode_attention.cu, lm_head_argmax.cu), fused
+ * into one launch that loops over the stages.
+ *
+ * Why: at batch 1 the step reads every weight once, ~0.25 GB in bfloat16, about 60 us at the device's
+ * bandwidth, but as 62 dependent kernels it costs ~5 us per kernel boundary, so the per-operation
+ * step spends most of its time between kernels (the README's decode profile). Here a kernel boundary
+ * becomes a barrier of one atomic per block (~1 us), and the weights no longer wait for it: the
+ * weights of a stage do not depend on the activations, so each block copies its share of the next
+ * stages' weights into a ring of shared-memory slots (cp.async.bulk, completion on an mbarrier per
+ * slot) while it computes and while it waits at the barrier. DRAM streams through the barriers.
+ *
+ * The weight stream. Block b of G owns a fixed share of every stage: rows [b * ceil(N / G), ...) of
+ * each (out, in) matrix, which is one contiguous range of bytes, one bulk copy; in stage B it owns one
+ * (head, key split), and its item is that split's cached K and V rows below pos (rows written by
+ * earlier steps: final, and fenced into the async proxy); in stage F its rows of wte, in chunks of
+ * `lm_rows` rows. Item i of the stream lands in slot i % nslot; thread 0 issues item i + nslot as soon
+ * as the block has finished with item i (after a __syncthreads()), so up to nslot items are in flight
+ * or waiting, across barriers and across steps. Every block consumes the same number of items per
+ * step (an item may be empty: the mbarrier's phase then completes on the arrive alone).
+ *
+ * The barrier. One counter, never reset: block 0 adds 2^31 - (G - 1), every other block adds 1, so
+ * the top bit flips exactly when all G blocks have arrived and the low bits return to zero, and the
+ * next barrier flips it back (the scheme of cooperative groups' grid sync). Thread 0 arrives with a
+ * release and spins with acquire loads; __syncthreads() on either side orders the block's threads.
+ * Everything a block reads that another block wrote in this launch (x, qkv, the partials, g, the cache
+ * row at pos, the per-block maxima) is read with fresh() (through L2): an SM's L1 is not coherent.
+ * The grid must be co-resident: the engine launches it cooperatively, G = SM count.
+ *
+ * Numerics as in the per-operation kernels: float32 accumulation, LayerNorm two-pass, the key and
+ * value rounded to the cache's dtype on the store and read back from it, the argmax's first index of
+ * the largest logit (NaN never chosen; all NaN gives token 0). Summation orders differ from gemv.cu
+ * (a row is split over up to WARPS / rows warps), so logits match it to rounding, not bit for bit.
+ *
+ * Template parameters: weight_t (float or bfloat16 bits, also the cache's type), C (n_embd), NH, HS
+ * (head size, a multiple of 32), F (MLP width), THREADS. Geometry: grid G (one block per SM,
+ * cooperative), block THREADS, dynamic shared memory 128 bytes of mbarriers + nslot * slot_bytes +
+ * F floats (the input vector, also stage B's scores). layers is the engine's table of per-layer
+ * pointers (struct Layer). Needs sm_90 (cp.async.bulk, mbarrier transaction counts).
+ */
+#include "common.cuh"
+
+#define ISSUER 32  // the thread that issues the weight stream's copies (warp 1: not the barrier's thread 0)
+#define MAX_SPLITS 16  // key splits per head, at most (stage C holds one value of each in registers)
+
+
+// One layer's pointers, in the order gpt2/fast.py writes them (Engine.layer_table).
+template <typename weight_t>
+struct Layer {
+    const weight_t* w_attn; const weight_t* w_proj; const weight_t* w_fc; const weight_t* w_mlp;  // (out, in)
+    const float* b_attn; const float* b_proj; const float* b_fc; const float* b_mlp;
+    const float* ln1_w; const float* ln1_b; const float* ln2_w; const float* ln2_b;
+    weight_t* k_cache; weight_t* v_cache;  // (NH, max_len, HS)
+};
+
+// -- the weight stream: bulk copies into shared memory, completion by mbarrier ----------------------
+
+__device__ __forceinline__ unsigned int smem_addr(const void* p) { return (unsigned int)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(unsigned long long* bar)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// Expect `bytes` on bar and arrive: the phase completes when they have landed.
+__device__ __forceinline__ void mbar_expect(unsigned long long* bar, unsigned int bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned int parity)
+{
+    unsigned int done = 0;
+    while (!done)
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+}
+
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned int bytes, unsigned long long* bar)
+{
+    if (bytes == 0) return;
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+
+// -- the grid barrier --------------------------------------------------------------------------------
+
+__device__ __forceinline__ void grid_arrive(unsigned int* counter, unsigned int& ticket)
+{
+    const unsigned int add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
+    asm volatile("atom.add.release.gpu.global.u32 %0, [%1], %2;" : "=r"(ticket) : "l"(counter), "r"(add) : "memory");
+}
+
+__device__ __forceinline__ void grid_wait(const unsigned int* counter, unsigned int ticket)
+{
+    unsigned int now;
+    do asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(counter) : "memory");
+    while (((now ^ ticket) & 0x80000000u) == 0);
+}
+
+// -- rows of a matrix against a vector, from shared memory -------------------------------------------
+
+// The dot products of R rows of K weights at W_s with in_s (K floats): unit u = (row u / P, part
+// u % P) is one warp's, each lane loading its ITERS 16-byte vectors of the part at once and
+// accumulating in four independent chains; the parts are then summed in order. Returns row
+// threadIdx.x's value in threads below R. Ends with every thread past its reads of W_s and in_s.
+template <typename weight_t, int K, int THREADS, int P>
+__device__ __forceinline__ float rows_dot(const weight_t* W_s, const float* in_s, int R, float* red)
+{
+    constexpr int WARPS = THREADS / 32, VEC = Vec16<weight_t>::N, CHUNKS = K / VEC;
+    constexpr int SPAN = (CHUNKS + P - 1) / P, ITERS = (SPAN + 31) / 32;
+    static_assert(K % VEC == 0, "rows are whole 16-byte vectors");
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int u = warp; u < R * P; u += WARPS) {
+        const int first = (u % P) * SPAN;
+        const uint4* row = reinterpret_cast<const uint4*>(W_s + (long long)(u / P) * K);
+        uint4 w[ITERS];
+#pragma unroll
+        for (int i = 0; i < ITERS; ++i) {
+            const int c = first + i * 32 + lane;
+            if (i * 32 + lane < SPAN && c < CHUNKS) w[i] = row[c];
+        }
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int i = 0; i < ITERS; ++i) {
+            const int c = first + i * 32 + lane;
+            if (i * 32 + lane >= SPAN || c >= CHUNKS) break;  // past the part (lanes ascend with i)
+            float wv[VEC];
+            unpack(w[i], wv);
+            const float4* xv = reinterpret_cast<const float4*>(in_s + c * VEC);
+#pragma unroll
+            for (int e = 0; e < VEC / 4; ++e) {
+                const float4 xe = xv[e];
+                float& a = acc[(i * (VEC / 4) + e) % 4];
+                a = fmaf(wv[4 * e + 0], xe.x, a);
+                a = fmaf(wv[4 * e + 1], xe.y, a);
+                a = fmaf(wv[4 * e + 2], xe.z, a);
+                a = fmaf(wv[4 * e + 3], xe.w, a);
+            }
+        }
+        const float total = warp_sum((acc[0] + acc[1]) + (acc[2] + acc[3]));
+        if (lane == 0) red[u] = total;
+    }
+    __syncthreads();
+    float v = 0.0f;
+    if ((int)threadIdx.x < R)
+        for (int p = 0; p < P; ++p) v += red[threadIdx.x * P + p];
+    __syncthreads();
+    return v;
+}
+
+// LayerNorm of K floats in place, without block reductions: every warp computes the mean and the
+// centred sum of squares over all K itself (two passes, the same order in every warp), then each
+// thread normalizes its elements. Every thread must have finished writing x_s (a __syncthreads()).
+template <int K, int THREADS>
+__device__ __forceinline__ void layernorm_warps(float* x_s, const float* w, const float* bias, float eps)
+{
+    const int lane = threadIdx.x % 32;
+    float s = 0.0f;
+#pragma unroll 8
+    for (int i = lane; i < K; i += 32) s += x_s[i];
+    const float mean = warp_sum(s) / K;
+    float ss = 0.0f;
+#pragma unroll 8
+    for (int i = lane; i < K; i += 32) {
+        const float d = x_s[i] - mean;
+        ss += d * d;
+    }
+    const float rstd = 1.0f / sqrtf(warp_sum(ss) / K + eps);
+    __syncthreads();  // every warp is past its reads
+    for (int i = threadIdx.x; i < K; i += THREADS) x_s[i] = (x_s[i] - mean) * rstd * w[i] + bias[i];
+    __syncthreads();
+}
+
+// (best, arg) folded with (v, a): the larger value, the smaller index on ties, NaN never taken.
+__device__ __forceinline__ void take_max(float& best, int& arg, float v, int a)
+{
+    if (v > best || (v == best && a < arg)) { best = v; arg = a; }
+}
+
+__device__ __forceinline__ void warp_argmax(float& best, int& arg)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2)
+        take_max(best, arg, __shfl_xor_sync(0xffffffffu, best, o), __shfl_xor_sync(0xffffffffu, arg, o));
+}
+
+// This block's rows of an N-row matrix: [first, first + count), ceil(N / G) per block.
+struct Share { int first, count; };
+__device__ __forceinline__ Share share(int N, int b, int G)
+{
+    const int per = (N + G - 1) / G, first = min(N, b * per);
+    return {first, min(N, first + per) - first};
+}
+
+// A linear stage's item, handed to emit(src, bytes) range by range: the block's rows of W (count x K),
+// then, for a LayerNorm in front, its weight and bias (K floats each), then the bias of the rows from
+// the 16-byte boundary at or below the first (bulk copies move whole 16-byte units): row r's bias is
+// at bias_s[first % 4 + r] (LinearSlot below).
+template <typename weight_t, typename Emit>
+__device__ __forceinline__ void linear_item(Emit& emit, const weight_t* W, int K, int N, const float* ln_w,
+                                            const float* ln_b, const float* bias)
+{
+    const Share s = share(N, blockIdx.x, gridDim.x);
+    emit(W + (long long)s.first * K, s.count * K * (unsigned int)sizeof(weight_t));
+    if (ln_w != nullptr) { emit(ln_w, K * 4u); emit(ln_b, K * 4u); }
+    const int a0 = s.first & ~3, a1 = min(N, (s.first + s.count + 3) & ~3);  // N is a multiple of 4
+    emit(bias + a0, s.count > 0 ? (a1 - a0) * 4u : 0u);
+}
+
+// What block blockIdx.x reads, item by item: item i is stage i % per_step of step i / per_step.
+template <typename weight_t, int C, int NH, int HS, int F>
+struct Stream {
+    const Layer<weight_t>* layers;  // in shared memory
+    const weight_t* wte;
+    const float* lnf_w;
+    const float* lnf_b;
+    unsigned char* slots;
+    unsigned long long* full;  // one mbarrier per slot
+    int n_layer, V, max_len, splits, pos0, lm_rows, lm_chunks, per_step, nslot, slot_bytes;
+
+    // Item i's ranges of global memory, in the order they land in the slot, to emit(src, bytes).
+    template <typename Emit>
+    __device__ __forceinline__ void ranges(long long i, Emit& emit) const
+    {
+        constexpr int ITEM = (int)sizeof(weight_t);
+        const int b = blockIdx.x;
+        const int step = (int)(i / per_step), r = (int)(i % per_step);
+        if (r >= 5 * n_layer) {  // chunk k of the block's rows of wte, lm_rows rows; the first also carries LN_f
+            const Share s = share(V, b, gridDim.x);
+            const int k = r - 5 * n_layer, n = max(0, min(lm_rows, s.count - k * lm_rows));
+            emit(wte + ((long long)s.first + k * lm_rows) * C, n * C * ITEM);
+            if (k == 0) { emit(lnf_w, C * 4u); emit(lnf_b, C * 4u); }
+            return;
+        }
+        const Layer<weight_t>& L = layers[r / 5];
+        switch (r % 5) {
+        case 0: linear_item(emit, L.w_attn, C, 3 * C, L.ln1_w, L.ln1_b, L.b_attn); break;
+        case 1:
+            if (b / splits < NH) {  // the split's cached rows below pos (the row at pos is this step's)
+                const int pos = pos0 + step, chunk = (pos + 1 + splits - 1) / splits;
+                const int k0 = min(pos, (b % splits) * chunk), k1 = min(pos, k0 + chunk);
+                const long long at = ((long long)(b / splits) * max_len + k0) * HS;
+                emit(L.k_cache + at, (k1 - k0) * HS * ITEM);
+                emit(L.v_cache + at, (k1 - k0) * HS * ITEM);
+            }
+            break;
+        case 2: linear_item<weight_t>(emit, L.w_proj, C, C, nullptr, nullptr, L.b_proj); break;
+        case 3: linear_item(emit, L.w_fc, C, F, L.ln2_w, L.ln2_b, L.b_fc); break;
+        case 4: linear_item<weight_t>(emit, L.w_mlp, F, C, nullptr, nullptr, L.b_mlp); break;
+        }
+    }
+
+    // Copy item i into slot i % nslot (one thread: ISSUER): the bytes it expects, then the copies.
+    __device__ __forceinline__ void issue(long long i) const
+    {
+        unsigned long long* bar = full + i % nslot;
+        unsigned int total = 0;
+        auto count = [&](const void*, unsigned int bytes) { total += bytes; };
+        ranges(i, count);
+        mbar_expect(bar, total);
+        const int r = (int)(i % per_step);
+        if (r < 5 * n_layer && r % 5 == 1)  // cache rows, written by earlier steps' ordinary stores
+            asm volatile("fence.proxy.async.global;" ::: "memory");
+        unsigned char* dst = slots + (i % nslot) * slot_bytes;
+        auto copy = [&](const void* src, unsigned int bytes) { bulk_copy(dst, src, bytes, bar); dst += bytes; };
+        ranges(i, copy);
+    }
+};
+
+// Where a linear stage's vectors sit in its slot (linear_copies): LayerNorm weight and bias (ln), and
+// this block's biases.
+template <typename weight_t>
+struct LinearSlot {
+    const weight_t* W;
+    const float* ln_w;
+    const float* ln_b;
+    const float* bias;
+    __device__ __forceinline__ LinearSlot(const unsigned char* slot, Share s, int K, bool ln)
+    {
+        W = reinterpret_cast<const weight_t*>(slot);
+        ln_w = reinterpret_cast<const float*>(slot + (long long)s.count * K * sizeof(weight_t));
+        ln_b = ln_w + K;
+        bias = ln_w + (ln ? 2 * K : 0) + (s.first & 3);
+    }
+};
+
+template <typename weight_t, int C, int NH, int HS, int F, int THREADS>
+__global__ void __launch_bounds__(THREADS, 1)
+decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weight_t* __restrict__ wte,
+            const weight_t* __restrict__ wpe, const float* __restrict__ lnf_w, const float* __restrict__ lnf_b,
+            float eps, int V, int max_len, int splits, float scale, float* x, float* qkv, float* g, float* partial,
+            unsigned int* tickets, float* y,
+            float* block_max, int* block_arg, float* logits, int* state, int* history, unsigned int* barrier,
+            int steps, int slot_bytes, int nslot, int lm_rows, unsigned long long* trace)
+{
+    constexpr int WARPS = THREADS / 32;
+    static_assert(HS % 32 == 0 && THREADS % HS == 0, "head size: a multiple of 32 dividing THREADS");
+    extern __shared__ __align__(128) unsigned char smem[];
+    unsigned long long* full = reinterpret_cast<unsigned long long*>(smem);  // one mbarrier per slot
+    unsigned char* slots = smem + 128;
+    float* in_s = reinterpret_cast<float*>(slots + (long long)nslot * slot_bytes);  // F floats
+    Layer<weight_t>* layer_s = reinterpret_cast<Layer<weight_t>*>(in_s + F);  // the layer table
+    __shared__ float red[THREADS];
+    __shared__ float scratch[WARPS];
+    __shared__ float q_s[HS];
+    __shared__ int arg_s;
+    __shared__ bool last_s;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, G = gridDim.x, b = blockIdx.x;
+
+    const int head = b / splits, split = b % splits;  // stage B's (head, key split); head >= NH: idle
+    int token = state[0];
+    const int pos0 = state[1];
+    const int lm_chunks = ((V + G - 1) / G + lm_rows - 1) / lm_rows;  // the same in every block
+    const Stream<weight_t, C, NH, HS, F> stream{layer_s, wte, lnf_w, lnf_b, slots, full, n_layer, V, max_len, splits,
+                                                 pos0, lm_rows, lm_chunks, 5 * n_layer + lm_chunks, nslot, slot_bytes};
+    const long long items = (long long)steps * stream.per_step;
+
+    for (int i = tid; i < n_layer * (int)(sizeof(Layer<weight_t>) / 8); i += THREADS)
+        reinterpret_cast<unsigned long long*>(layer_s)[i] = reinterpret_cast<const unsigned long long*>(layers)[i];
+    __syncthreads();
+    if (tid == ISSUER) {
+        for (int s = 0; s < nslot; ++s) mbar_init(full + s);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        for (long long i = 0; i < nslot && i < items; ++i) stream.issue(i);
+    }
+    __syncthreads();
+
+    long long item = 0;  // the next item to consume
+    int stage = 0;       // barriers passed in this step (the trace's index)
+    // Wait for the next item; its slot.
+    auto take = [&]() { mbar_wait(full + item % nslot, (unsigned int)((item / nslot) & 1)); return slots + (item % nslot) * slot_bytes; };
+    // Done with the item: once every thread is, its slot takes item + nslot.
+    auto release = [&]() { __syncthreads(); if (tid == ISSUER && item + nslot < items) stream.issue(item + nslot); ++item; };
+    // Done with the item and the stage: release it, then wait for every block (thread 0 arrives and
+    // waits while ISSUER, in another warp, refills the slot). With a trace, thread 0 records the
+    // global timer at its arrival and at its departure.
+    auto finish = [&](int step) {
+        __syncthreads();
+        if (tid == ISSUER && item + nslot < items) stream.issue(item + nslot);
+        if (tid == 0) {
+            unsigned long long* at = trace != nullptr ? trace + (((long long)step * (5 * n_layer + 1) + stage) * G + b) * 2 : nullptr;
+            if (at != nullptr) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(at[0]));
+            unsigned int ticket;
+            grid_arrive(barrier, ticket);
+            grid_wait(barrier, ticket);
+            if (at != nullptr) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(at[1]));
+        }
+        ++item;
+        ++stage;
+        __syncthreads();
+    };
+
+    for (int step = 0; step < steps; ++step) {
+        const int pos = pos0 + step;
+        stage = 0;
+        for (int l = 0; l < n_layer; ++l) {
+            const Layer<weight_t>& L = layer_s[l];
+            Share sh;
+            float v;
+            // A: qkv = LN_1(x) W_attn + b; the new key and value into the cache (rounded to its dtype)
+            if (l == 0) {  // x = wte[token] + wpe[pos], written by block 0 for the residual adds
+                for (int i = tid; i < C; i += THREADS) {
+                    in_s[i] = to_float(wte[(long long)token * C + i]) + to_float(wpe[(long long)pos * C + i]);
+                    if (b == 0) x[i] = in_s[i];
+                }
+                __syncthreads();
+            } else {
+                stage_input<C, THREADS, false>(x, nullptr, nullptr, nullptr, nullptr, 0.0f, in_s, scratch);
+            }
+            sh = share(3 * C, b, G);
+            {
+                const LinearSlot<weight_t> in(take(), sh, C, true);
+                layernorm_warps<C, THREADS>(in_s, in.ln_w, in.ln_b, eps);
+                v = rows_dot<weight_t, C, THREADS, 2>(in.W, in_s, sh.count, red);
+                if (tid < sh.count) {
+                    const int n = sh.first + tid;
+                    v += in.bias[tid];
+                    qkv[n] = v;
+                    if (n >= C) {
+                        const int hd = (n - C) % C;
+                        weight_t* cache = n < 2 * C ? L.k_cache : L.v_cache;
+                        store_as(cache + ((long long)(hd / HS) * max_len + pos) * HS + hd % HS, v);
+                    }
+                }
+            }
+            finish(step);
+
+            // B: this block's split of the keys: scores, their max and sum, and o = sum p_j v_j
+            {
+                const int chunk = (pos + 1 + splits - 1) / splits;
+                const int k0 = min(pos + 1, split * chunk), n = head < NH ? min(pos + 1, k0 + chunk) - k0 : 0;
+                const int staged = max(0, min(n, pos - k0));  // rows in the slot; the row at pos is read from the cache
+                const bool has_new = n > staged;
+                // this step's key and value, when this split holds pos, and q: loads in flight together
+                const long long at_new = ((long long)head * max_len + pos) * HS;
+                float q = 0.0f, k_new[HS / 32], v_new = 0.0f;
+                if (head < NH && tid < HS) q = fresh(qkv + head * HS + tid);
+#pragma unroll
+                for (int e = 0; e < HS / 32; ++e) k_new[e] = has_new && warp == 0 ? to_float(fresh(L.k_cache + at_new + e * 32 + lane)) : 0.0f;
+                if (has_new && tid < HS) v_new = to_float(fresh(L.v_cache + at_new + tid));
+                if (tid < HS) q_s[tid] = q;
+                float* s_s = in_s;  // the scores; the new row's goes last
+                __syncthreads();
+                const weight_t* K_s = reinterpret_cast<const weight_t*>(take());
+                const weight_t* V_s = K_s + (long long)max(staged, 0) * HS;
+                if (has_new && warp == 0) {
+                    float acc = 0.0f;
+#pragma unroll
+                    for (int e = 0; e < HS / 32; ++e) acc = fmaf(q_s[e * 32 + lane], k_new[e], acc);
+                    acc = warp_sum(acc);
+                    if (lane == 0) s_s[staged] = acc * scale;
+                }
+                for (int j = warp; j < staged; j += WARPS) {
+                    float acc = 0.0f;
+#pragma unroll
+                    for (int e = 0; e < HS / 32; ++e) acc = fmaf(q_s[e * 32 + lane], to_float(K_s[j * HS + e * 32 + lane]), acc);
+                    acc = warp_sum(acc);
+                    if (lane == 0) s_s[j] = acc * scale;
+                }
+                __syncthreads();
+                float m = -INFINITY, sum = 0.0f;  // every warp the same, in the same order
+                for (int j = lane; j < n; j += 32) m = fmaxf(m, s_s[j]);
+#pragma unroll
+                for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+                for (int j = lane; j < n; j += 32) sum += expf(s_s[j] - m);
+                sum = warp_sum(sum);
+                constexpr int GROUPS = THREADS / HS;
+                const int d = tid % HS, grp = tid / HS;
+                float o = 0.0f;
+                for (int j = grp; j < staged; j += GROUPS) o = fmaf(expf(s_s[j] - m), to_float(V_s[j * HS + d]), o);
+                red[grp * HS + d] = o;
+                __syncthreads();
+                float* mine = partial + (long long)(head * splits + split) * (HS + 2);
+                if (head < NH && tid < HS) {
+                    float total = has_new ? expf(s_s[staged] - m) * v_new : 0.0f;  // v_new sits in threads below HS
+                    for (int k = 0; k < GROUPS; ++k) total += red[k * HS + tid];
+                    mine[tid] = total;
+                    if (tid == 0) { mine[HS] = m; mine[HS + 1] = sum; }
+                }
+                // The last split of the head to finish (a ticket, reset by it) combines the splits in
+                // split order: y_h = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s, M = max_s m_s.
+                __syncthreads();
+                if (head < NH && tid == 0) {  // release: the partial before the ticket; acquire: the others'
+                    unsigned int before;
+                    asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], 1;" : "=r"(before) : "l"(tickets + head) : "memory");
+                    last_s = before == (unsigned int)splits - 1;
+                    if (last_s) tickets[head] = 0u;
+                }
+                __syncthreads();
+                if (head < NH && last_s) {  // the same in every thread of the block
+                    const float* p = partial + (long long)head * splits * (HS + 2);
+                    float os[MAX_SPLITS];  // every load in flight at once; (m, l) of each split into red
+#pragma unroll
+                    for (int k = 0; k < MAX_SPLITS; ++k) os[k] = tid < HS && k < splits ? fresh(p + k * (HS + 2) + tid) : 0.0f;
+                    if (tid < splits) {
+                        red[2 * tid] = fresh(p + tid * (HS + 2) + HS);
+                        red[2 * tid + 1] = fresh(p + tid * (HS + 2) + HS + 1);
+                    }
+                    __syncthreads();
+                    float M = -INFINITY;
+                    for (int k = 0; k < splits; ++k) M = fmaxf(M, red[2 * k]);
+                    float num = 0.0f, den = 0.0f;
+#pragma unroll
+                    for (int k = 0; k < MAX_SPLITS; ++k)
+                        if (k < splits && red[2 * k] != -INFINITY) {  // an empty split adds nothing
+                            const float e = expf(red[2 * k] - M);
+                            num = fmaf(e, os[k], num);
+                            den = fmaf(e, red[2 * k + 1], den);
+                        }
+                    if (tid < HS) y[head * HS + tid] = num / den;
+                }
+            }
+            finish(step);
+
+            // C: x += y W_proj + b
+            sh = share(C, b, G);
+            {
+                const float x_own = tid < sh.count ? fresh(x + sh.first + tid) : 0.0f;
+                stage_input<C, THREADS, false>(y, nullptr, nullptr, nullptr, nullptr, 0.0f, in_s, scratch);
+                const LinearSlot<weight_t> in(take(), sh, C, false);
+                v = rows_dot<weight_t, C, THREADS, 2>(in.W, in_s, sh.count, red);
+                if (tid < sh.count) x[sh.first + tid] = x_own + (v + in.bias[tid]);
+            }
+            finish(step);
+
+            // D: g = gelu(LN_2(x) W_fc + b)
+            stage_input<C, THREADS, false>(x, nullptr, nullptr, nullptr, nullptr, 0.0f, in_s, scratch);
+            sh = share(F, b, G);
+            {
+                const LinearSlot<weight_t> in(take(), sh, C, true);
+                layernorm_warps<C, THREADS>(in_s, in.ln_w, in.ln_b, eps);
+                v = rows_dot<weight_t, C, THREADS, 1>(in.W, in_s, sh.count, red);
+                if (tid < sh.count) g[sh.first + tid] = gelu_tanh(v + in.bias[tid]);
+            }
+            finish(step);
+
+            // E: x += g W_mlp + b
+            sh = share(C, b, G);
+            {
+                const float x_own = tid < sh.count ? fresh(x + sh.first + tid) : 0.0f;
+                stage_input<F, THREADS, false>(g, nullptr, nullptr, nullptr, nullptr, 0.0f, in_s, scratch);
+                const LinearSlot<weight_t> in(take(), sh, F, false);
+                v = rows_dot<weight_t, F, THREADS, 4>(in.W, in_s, sh.count, red);
+                if (tid < sh.count) x[sh.first + tid] = x_own + (v + in.bias[tid]);
+            }
+            finish(step);
+        }
+
+        // F: the logits of this block's rows of wte, chunk by chunk (LN_f's parameters come with the
+        // first); the block's (max, argmax)
+        stage_input<C, THREADS, false>(x, nullptr, nullptr, nullptr, nullptr, 0.0f, in_s, scratch);
+        const Share lm = share(V, b, G);
+        float best = -INFINITY;
+        int arg = 0x7fffffff;
+        for (int c = 0; c < lm_chunks; ++c) {
+            const int n0 = lm.first + c * lm_rows, R = max(0, min(lm_rows, lm.count - c * lm_rows));
+            const weight_t* W_s = reinterpret_cast<const weight_t*>(take());
+            if (c == 0) {
+                const float* ln = reinterpret_cast<const float*>(W_s + (long long)R * C);
+                layernorm_warps<C, THREADS>(in_s, ln, ln + C, eps);
+            }
+            const float v = rows_dot<weight_t, C, THREADS, 1>(W_s, in_s, R, red);
+            if (tid < R) {
+                if (logits != nullptr) logits[n0 + tid] = v;
+                take_max(best, arg, v, n0 + tid);
+            }
+            if (c + 1 < lm_chunks) release();
+        }
+        // the block's best (rows_dot's values sit in threads below R: warps reduce, then thread 0)
+        warp_argmax(best, arg);
+        if (lane == 0) { red[warp] = best; reinterpret_cast<int*>(scratch)[warp] = arg; }
+        __syncthreads();
+        if (tid == 0) {
+            for (int w = 1; w < WARPS; ++w) take_max(red[0], reinterpret_cast<int*>(scratch)[0], red[w], reinterpret_cast<int*>(scratch)[w]);
+            block_max[b] = red[0];
+            block_arg[b] = reinterpret_cast<int*>(scratch)[0];
+        }
+        finish(step);
+
+        // Every block reduces the blocks' maxima (in the same order): the next token, known everywhere.
+        if (warp == 0) {
+            best = -INFINITY;
+            arg = 0x7fffffff;
+            for (int k = lane; k < G; k += 32) take_max(best, arg, fresh(block_max + k), fresh(block_arg + k));
+            warp_argmax(best, arg);
+            if (lane == 0) arg_s = (arg >= 0 && arg < V) ? arg : 0;
+        }
+        __syncthreads();
+        token = arg_s;
+        if (b == 0 && tid == 0) {
+            history[pos + 1] = token;
+            state[0] = token;
+            state[1] = pos + 1;
+        }
+    }
+}
