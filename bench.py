@@ -1290,8 +1290,8 @@ def time_generation(gpt2, ckpt, prompt: list[int], n_new: int, attend, kv_cache:
 
 
 def time_hf_generation(folder: Path, prompt: list[int], n_new: int, kv_cache: bool, warmup: int,
-                       attn_implementation: str) -> dict:
-    """HF transformers' GPT2LMHeadModel on the same weights (saved by gpt2.save), fp32, greedy."""
+                       attn_implementation: str, dtype: str = "float32") -> dict:
+    """HF transformers' GPT2LMHeadModel on the same weights (saved by gpt2.save), greedy, in dtype."""
     torch = _torch()
     try:
         import transformers
@@ -1317,7 +1317,7 @@ def time_hf_generation(folder: Path, prompt: list[int], n_new: int, kv_cache: bo
             pass
 
     model = transformers.GPT2LMHeadModel.from_pretrained(str(folder), attn_implementation=attn_implementation)
-    model = model.to("cuda", dtype=torch.float32).eval()
+    model = model.to("cuda", dtype=getattr(torch, dtype)).eval()
     ids = torch.tensor([prompt], device="cuda")
     options = dict(attention_mask=torch.ones_like(ids), do_sample=False, use_cache=kv_cache,
                    pad_token_id=model.config.eos_token_id)
@@ -1337,6 +1337,52 @@ def time_hf_generation(folder: Path, prompt: list[int], n_new: int, kv_cache: bo
     return {"seconds": seconds, "elapsed": [t - start for t in clock.stamps], "tokens": tokens, "peak_bytes": peak,
             "peak_what": "torch.cuda.max_memory_reserved() during the run, weights included",
             "attn_implementation": attn_implementation, "transformers": transformers.__version__}
+
+
+DECODE_TARGETS = {"float32": 4000.0, "bfloat16": 7000.0}  # decode tokens/s with the KV cache, GPT-2 small
+DECODE_STEPS = {"persistent": "one persistent kernel per window (kernels/fused/decode_step.cu)",
+                "graphs": "CUDA graphs of the per-operation kernels (5 per layer + 2)"}
+
+
+def time_decode(gpt2, ckpt, prompt: list[int], n_new: int, dtype: str, step: str, warmup: int) -> dict:
+    """The fast engine's KV-cache generation in dtype with one decode step (DECODE_STEPS): time to the
+    first token (the prefill, through the CuPy reference attention) and decode tokens/s from the
+    first token's arrival on the host to the last's."""
+    import gpt2.fast as fast
+
+    cupy = _cupy()
+    params = ckpt.params if dtype == "float32" else fast.as_bfloat16(ckpt.params)
+    engine = fast.Engine(params, ckpt.config, dtype=dtype, persistent=step == "persistent")
+    try:
+        engine.generate(prompt, warmup, attend=gpt2.reference_attend, kv_cache=True)  # compile, warm up
+        cupy.cuda.Device().synchronize()
+        stamps = []
+        start = time.perf_counter()
+        out = engine.generate(prompt, n_new, attend=gpt2.reference_attend, kv_cache=True,
+                              on_token=lambda token: stamps.append(time.perf_counter()))
+        cupy.cuda.Device().synchronize()
+        seconds = time.perf_counter() - start
+        note = f"programmatic dependent launch {engine.pdl_note}" if step == "graphs" else None
+    finally:
+        del engine
+        fast.clear_cache()
+        release_memory()
+    return {"seconds": seconds, "elapsed": [t - start for t in stamps], "tokens": list(out.tokens), "note": note}
+
+
+def decode_figures(row: dict, weight_bytes_per_token: int, ceiling: float) -> None:
+    """From a row's per-token stamps: time to first token, decode tokens/s, the weight bytes streamed
+    per second and their % of the copy ceiling (bytes/s), and, for gpt2.fast, whether the target is met."""
+    t = row["elapsed"]
+    row["ttft_ms"] = 1e3 * t[0]
+    rate = row["decode_tokens_per_s"] = (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 and t[-1] > t[0] else None
+    if rate is None:
+        return
+    row["weight_bytes_per_token"] = weight_bytes_per_token
+    row["weight_tbps"] = weight_bytes_per_token * rate / 1e12
+    row["pct_copy"] = 100 * weight_bytes_per_token * rate / ceiling
+    if row["step"] in DECODE_STEPS:
+        row["target_met"] = rate >= DECODE_TARGETS[row["dtype"]]
 
 
 def report_generation(count: int, total: int, row: dict) -> None:
@@ -1597,8 +1643,29 @@ def render_e2e(entries: list[tuple[Path, dict, set]], base: Path) -> str:
                 body.append([_label(r), r["mode"], f"**{r['status']}**", "-", "-", "-", "-", r.get("reason", "")])
         lines += [""] + table(["attention", "mode", "seconds", "tokens/s", "ms/token", "peak memory",
                                "vs reference", "leading tokens equal to the reference's"], body, "llrrrrrr")
+        if result.get("decode") and "kv-cache" in modes:
+            lines += ["", render_decode(result["decode"])]
         out.append("\n".join(lines))
     return "\n\n".join(out)
+
+
+def render_decode(d: dict) -> str:
+    """The KV-cache decode table of an e2e result."""
+    steps = "; ".join(f"{k}: {v}" for k, v in d["steps"].items())
+    lines = [f"**Decode with the KV cache**, same run: {d['method']} Decode steps: {steps}. Copy ceiling "
+             f"measured in the run: {d['copy_tbps']:.2f} TB/s. Targets: "
+             + ", ".join(f"{dtype} {rate:,.0f} tokens/s" for dtype, rate in d["targets"].items()) + "."]
+    body = []
+    for r in d["rows"]:
+        if r["status"] != "ok":
+            body.append([r["dtype"], r["label"], f"**{r['status']}**", "-", "-", "-", "-", r.get("reason", "")])
+            continue
+        rate = r.get("decode_tokens_per_s")
+        body.append([r["dtype"], r["label"], f"{r['ttft_ms']:.1f}", f"{rate:,.0f}" if rate else "-",
+                     f"{1e6 / rate:.0f}" if rate else "-",
+                     f"{r['weight_tbps']:.2f} ({r['pct_copy']:.0f}%)" if rate else "-", _met(r), r.get("note") or ""])
+    return "\n".join(lines + [""] + table(["dtype", "generation", "first token ms", "decode tokens/s", "us/token",
+                                           "weights TB/s (% of copy)", "target", "note"], body, "llrrrrll"))
 
 
 def render_resources(result: dict) -> str:
@@ -1769,6 +1836,53 @@ def cmd_sweep(args) -> int:
     return 0
 
 
+def measure_decode(gpt2, ckpt, prompt: list[int], args, rows: list[dict]) -> dict:
+    """The KV-cache decode table: the fast engine in float32 and bfloat16 with each decode step, and
+    HF transformers with its cache in the same dtypes (the float32 row is the kv-cache row measured
+    above), each with its time to first token, decode tokens/s, the weight bytes streamed per second
+    against the copy ceiling measured now, and the lab's decode target."""
+    import gpt2.fast as fast
+
+    ceiling = fast.copy_ceiling()
+    progress(f"decode: copy ceiling {ceiling / 1e12:.2f} TB/s (bytes read + written)")
+    out = []
+    for dtype in DECODE_TARGETS:
+        for step in DECODE_STEPS:
+            row = {"dtype": dtype, "step": step, "label": f"gpt2.fast, {step}"}
+            try:
+                row |= time_decode(gpt2, ckpt, prompt, args.tokens, dtype, step, args.warmup)
+                row["status"] = "ok"
+            except Exception as exc:
+                row |= {"status": "error", "reason": _first_line(exc)}
+            out.append(row)
+        hf = next((dict(r) for r in rows if r["name"] == "hf" and r["mode"] == "kv-cache"), None)
+        if dtype != "float32" and hf is not None:
+            hf = {"name": "hf", "label": hf["label"]}
+            try:
+                with tempfile.TemporaryDirectory(prefix="bench-e2e-") as scratch:
+                    folder = gpt2.save(ckpt, Path(scratch) / "gpt2")
+                    hf |= time_hf_generation(folder, prompt, args.tokens, True, args.warmup, args.hf_attn, dtype)
+                hf["status"] = "ok"
+            except Exception as exc:
+                hf |= {"status": "unavailable", "reason": _first_line(exc)}
+        if hf is not None:
+            out.append(hf | {"dtype": dtype, "step": "HF generate", "elapsed": hf.get("elapsed", [])})
+    for r in out:
+        if r["status"] != "ok":
+            progress(f"decode {r['dtype']:<8} {r['label']:<30} {r['status']}: {r.get('reason', '')}")
+            continue
+        decode_figures(r, fast.weight_bytes_per_token(ckpt.config, r["dtype"]), ceiling)
+        progress(f"decode {r['dtype']:<8} {r['label']:<30} first token {r['ttft_ms']:7.1f} ms, "
+                 f"decode {r['decode_tokens_per_s'] or 0:8.1f} tokens/s")
+    for r in out:
+        r.pop("elapsed", None)
+    return {"copy_tbps": ceiling / 1e12, "targets": DECODE_TARGETS, "steps": DECODE_STEPS, "rows": out,
+            "method": "time.perf_counter stamps as each token reaches the host (gpt2.fast copies tokens back in "
+                      "windows of 8 while the GPU runs the next window): time to first token = the prompt's "
+                      "prefill and first argmax; decode tokens/s = (tokens - 1) / (last stamp - first stamp). "
+                      "Weight bytes per token: gpt2.fast.weight_bytes_per_token (every matrix once, wte whole)."}
+
+
 def cmd_e2e(args) -> int:
     require_gpu()
     gpt2 = gpt2_seam()
@@ -1813,6 +1927,7 @@ def cmd_e2e(args) -> int:
                 rows.append(row)
                 report_generation(count, total, row)
     add_generation_comparisons(rows)
+    decode = measure_decode(gpt2, ckpt, prompt, args, rows) if True in modes and not args.no_decode else None
     result = {
         "schema": SCHEMA, "kind": "e2e", "setup": setup,
         "model": ckpt.name, "prompt": args.prompt, "prompt_tokens": len(prompt), "new_tokens": args.tokens,
@@ -1823,12 +1938,13 @@ def cmd_e2e(args) -> int:
             "no-cache": "every step runs the whole sequence so far through the model (gpt2's fast path: fused "
                         "kernels around cuBLAS): the attention under test runs on every token, at every length",
             "kv-cache": "the prompt is prefilled through the attention under test; each later step is one query "
-                        "over a static cache, the decode step replayed as a CUDA graph of gpt2.fast's fused kernels "
-                        "and its decode attention, the same for every rung",
+                        "over a static cache, gpt2.fast's decode step (the persistent kernel where the device runs "
+                        "it, else CUDA graphs of its fused kernels), the same for every rung",
             "hf": "transformers GPT2LMHeadModel.from_pretrained on the same weights (gpt2.save), fp32, "
                   "generate(do_sample=False, min_new_tokens=max_new_tokens), use_cache per mode",
         },
         "rows": rows,
+        "decode": decode,
     }
     path = result_path("e2e", setup, args.results)
     result["plot"] = plot_or_none(plot_e2e, result, path.with_suffix(".png"))
@@ -2184,6 +2300,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="only the no-cache mode, the seed's setup (default: both modes)")
     e.set_defaults(mode="both")
     e.add_argument("--no-hf", action="store_true", help="leave out the HF transformers peer")
+    e.add_argument("--no-decode", action="store_true",
+                   help="leave out the decode table (gpt2.fast in float32 and bfloat16, each decode step, HF)")
     e.add_argument("--hf-attn", choices=("sdpa", "eager"), default="sdpa",
                    help="the HF model's attn_implementation (default sdpa)")
     e.add_argument("--warmup", type=positive_int, default=8, help="tokens of the warm-up generation (default 8)")

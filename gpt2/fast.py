@@ -909,7 +909,8 @@ class Engine:
         steps = steps // self.steps_per_graph * self.steps_per_graph
         if steps < 1 or position + steps >= self.max_len:
             raise LabError(f"{steps} steps from position {position} do not fit the engine's {self.max_len} positions")
-        persistent = self.persistent if persistent is None else persistent
+        if persistent is None:  # the engine's step, unless a graph variant is asked for
+            persistent = self.persistent and prefetch is None and pdl is None
         if persistent and not self.persistent:
             raise LabError(f"the persistent step is {self.persistent_note}")
         big = None if persistent else self.graph(self.steps_per_graph, prefetch, pdl)

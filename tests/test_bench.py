@@ -707,11 +707,11 @@ def test_e2e_subcommand_end_to_end_with_stand_ins(stand_in, tmp_path, monkeypatc
     monkeypatch.setattr(kernels, "attention", lambda q, k, v, kernel, causal: kernels.reference_attention(q, k, v))
     monkeypatch.setattr(bench, "plot_or_none", lambda plot, result, path: None)
     code, out, err = run(["e2e", "--kernels", stand_in[0], "--tokens", "5", "--warmup", "2", "--no-hf",
-                          "--results", str(tmp_path)], capsys)
+                          "--no-decode", "--results", str(tmp_path)], capsys)  # the decode table needs the GPU
     assert code == 0, err
     (path,) = tmp_path.glob("e2e-stand-in-gpu-*.json")
     data = json.loads(path.read_text())
-    assert data["modes"] == ["no-cache", "kv-cache"] and data["prompt"] == bench.PROMPT
+    assert data["modes"] == ["no-cache", "kv-cache"] and data["prompt"] == bench.PROMPT and data["decode"] is None
     assert data["prompt_tokens"] == 8  # "Hello, I'm a language model," in GPT-2's BPE
     rows = {(r["name"], r["mode"]): r for r in data["rows"]}
     assert set(rows) == {("reference", "no-cache"), ("v01_good", "no-cache"), ("reference", "kv-cache"),
@@ -1180,3 +1180,29 @@ def test_sdpa_peer_cross_lengths_without_a_bottom_right_mask_is_not_comparable(m
 def test_cupti_timing_needs_torch(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.profiler", None)
     assert bench.kernel_timing([lambda: None]) is None and bench.kernel_us([lambda: None]) is None
+
+
+def test_decode_figures_and_table():
+    """The decode table: time to first token from the first stamp, decode tokens/s over the rest, the
+    weights' bandwidth against the ceiling, the target judged for gpt2.fast rows only."""
+    rows = [{"dtype": "bfloat16", "step": "persistent", "label": "gpt2.fast, persistent", "status": "ok",
+             "elapsed": [0.010, 0.010 + 1 / 8000, 0.010 + 2 / 8000], "note": None},
+            {"dtype": "float32", "step": "graphs", "label": "gpt2.fast, graphs", "status": "ok",
+             "elapsed": [0.020, 0.020 + 1 / 3000], "note": "programmatic dependent launch on"},
+            {"dtype": "float32", "step": "HF generate", "label": "HF transformers (sdpa)", "status": "ok",
+             "elapsed": [0.050, 0.055, 0.060], "note": None},
+            {"dtype": "bfloat16", "step": "HF generate", "label": "HF transformers (sdpa)", "status": "unavailable",
+             "reason": "no bf16 here"}]
+    for r in rows[:3]:
+        bench.decode_figures(r, 250_000_000, 4e12)
+    fast_bf16, fast_fp32, hf = rows[:3]
+    assert fast_bf16["ttft_ms"] == pytest.approx(10.0) and fast_bf16["decode_tokens_per_s"] == pytest.approx(8000)
+    assert fast_bf16["weight_tbps"] == pytest.approx(2.0) and fast_bf16["pct_copy"] == pytest.approx(50.0)
+    assert fast_bf16["target_met"] is True and fast_fp32["target_met"] is False  # 7000 and 4000 tokens/s
+    assert "target_met" not in hf and hf["decode_tokens_per_s"] == pytest.approx(200)
+    text = bench.render_decode({"copy_tbps": 4.0, "targets": bench.DECODE_TARGETS, "steps": bench.DECODE_STEPS,
+                                "rows": rows, "method": "stamps."})
+    cells = [[c.strip() for c in row.split("|")[1:-1]] for row in table_rows(text, "bfloat16") + table_rows(text, "float32")]
+    assert cells[0] == ["bfloat16", "gpt2.fast, persistent", "10.0", "8,000", "125", "2.00 (50%)", "met", ""]
+    assert cells[2][3:7] == ["3,000", "333", "0.75 (19%)", "missed"]  # bfloat16 rows first
+    assert "**unavailable**" in text and "no bf16 here" in text and "float32 4,000 tokens/s" in text

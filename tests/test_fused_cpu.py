@@ -243,3 +243,46 @@ def test_pdl_launch_arguments_are_packed_by_type():
     assert got == [0x7000, -5, 0.5, 7, -9]
     with pytest.raises(TypeError, match="cannot pass int"):
         fast._pack_launch(fast.Launch("k", FakeKernel, (1,), (1,), (3,), pdl=True))
+
+
+H100_SMEM = 232_448  # MaxSharedMemoryPerBlockOptin on H100 and H200
+
+
+@pytest.mark.parametrize("dtype,slots,slot_bytes", [("float32", 2, 80_000), ("bfloat16", 4, 43_136)])
+def test_persistent_step_plan_for_gpt2_small_on_132_sms(dtype, slots, slot_bytes):
+    """A slot holds the largest item: c_fc's 24 rows of 768 (or mlp.c_proj's 6 rows of 3072) with
+    LayerNorm's weight and bias and the rows' biases, rounded up to 128 bytes; as many slots as fit."""
+    plan = fast.step_plan(gpt2.SIZES["gpt2"], dtype, 132, 1024, H100_SMEM)
+    item = 2 if dtype == "bfloat16" else 4
+    assert plan.slot_bytes == -(-(24 * 768 * item + 8 * 768 + 4 * (24 + 8)) // 128) * 128 == slot_bytes
+    assert (plan.blocks, plan.splits, plan.slots, plan.lm_rows) == (132, 11, slots, 24)
+    table = 12 * 8 * len(fast.LAYER_POINTERS)
+    assert plan.smem == 128 + slots * slot_bytes + 4 * 3072 + table
+    assert plan.smem + fast.STEP_STATIC_SMEM <= H100_SMEM
+    assert 2 * 94 * 64 * item <= plan.slot_bytes  # stage B's longest split: 94 keys of K and V
+
+
+@pytest.mark.parametrize("config,sms,smem,reason", [
+    ("gpt2-xl", 132, H100_SMEM, "needs two slots of"),  # 37 rows of 1600 per block
+    ("tiny", 132, H100_SMEM, "head size 16"),
+    ("gpt2", 8, H100_SMEM, "12 heads on 8 SMs"),
+    ("gpt2", 132, 100_000, "needs two slots of"),
+])
+def test_persistent_step_plan_says_why_not(config, sms, smem, reason):
+    why = fast.step_plan(MODELS[config], "float32", sms, 1024, smem)
+    assert isinstance(why, str) and reason in why
+
+
+def test_layer_table_matches_decode_step_struct():
+    """Engine._setup_persistent writes LAYER_POINTERS in order; decode_step.cu reads struct Layer."""
+    text = fused.path_of("decode_step").read_text()
+    body = text[text.index("struct Layer {"):text.index("};", text.index("struct Layer {"))]
+    fields = re.findall(r"\*\s*(\w+)", body)
+    assert len(fields) == len(fast.LAYER_POINTERS) == 14
+    expected = ["w_attn", "w_proj", "w_fc", "w_mlp", "b_attn", "b_proj", "b_fc", "b_mlp", "ln1_w", "ln1_b", "ln2_w",
+                "ln2_b", "k_cache", "v_cache"]
+    assert fields == expected
+    assert [n.split(".")[-2] + "." + n.split(".")[-1] if "." in n else n for n in fast.LAYER_POINTERS][:4] == [
+        "c_attn.weight", "c_proj.weight", "c_fc.weight", "c_proj.weight"]
+    assert "decode_step" in fast.kernel_expressions(gpt2.SIZES["gpt2"], "float32")
+    assert "decode_step" not in fast.kernel_expressions(TINY, "float32")  # head size 16: the graphs only

@@ -386,7 +386,7 @@ def margins(cp, logits):
 def test_graph_replay_equals_eager_launches_and_the_eager_model(cp, small, attention):
     attend = reference_attend if attention == "reference" else (
         lambda q, k, v: kernels.attention(q, k, v, kernel="v13", causal=True))
-    engine = fast.engine_for(small.params, small.config)
+    engine = fast.engine_for(small.params, small.config, persistent=False)
     graphed = engine.generate(PROMPT, 64, attend=attend, kv_cache=True, graph=True)
     launched = engine.generate(PROMPT, 64, attend=attend, kv_cache=True, graph=False)
     assert graphed.tokens == launched.tokens, "the same kernels, replayed or launched, must give the same tokens"
@@ -478,12 +478,12 @@ def test_windows_end_of_text_and_streaming(cp, small):
 def test_programmatic_dependent_launch_gives_the_plain_launches_tokens(cp, small, dtype):
     """On Hopper the graphs use PDL by default. Its tokens must equal plain launches' over hundreds of
     steps: with L1 loads of activations (before fresh()) they parted after a few dozen."""
-    engine = fast.engine_for(small.params, small.config, dtype)
+    engine = fast.engine_for(small.params, small.config, dtype, persistent=False)
     major = int(cp.cuda.Device().compute_capability) // 10
     assert engine.pdl == (major >= 9), engine.pdl_note
     if not engine.pdl:
         pytest.skip(f"programmatic dependent launch: {engine.pdl_note}")
-    plain = fast.Engine(small.params, small.config, dtype=dtype, pdl=False)
+    plain = fast.Engine(small.params, small.config, dtype=dtype, pdl=False, persistent=False)
     assert plain.pdl_note == "off (asked)"
     want = plain.generate(PROMPT, 400, attend=reference_attend, kv_cache=True).tokens
     for _ in range(2):
@@ -522,3 +522,71 @@ def test_profile_step_times_every_kernel(cp, small, capsys):
 
 def test_copy_ceiling_is_measured():
     assert 1e11 < fast.copy_ceiling(1 << 28, 3) < 1e14  # between 100 GB/s and 100 TB/s
+
+
+# -- the persistent decode step (kernels/fused/decode_step.cu) -------------------------------------
+
+
+def persistent_engine(cp, small, dtype, **options):
+    engine = fast.Engine(small.params, small.config, dtype=dtype, keep_logits=True, **options)
+    major = int(cp.cuda.Device().compute_capability) // 10
+    assert engine.persistent == (major >= 9), engine.persistent_note  # the default wherever it runs
+    if not engine.persistent:
+        pytest.skip(f"the persistent step: {engine.persistent_note}")
+    return engine
+
+
+@pytest.mark.parametrize("max_len", [None, 97])
+@pytest.mark.parametrize("dtype", fast.DTYPES)
+def test_persistent_step_follows_the_per_operation_step(cp, small, dtype, max_len):
+    """Teacher-forced to the per-operation step's tokens, step by step up to the engine's last position
+    (97: splits of 9 keys, the last one short): the logits within summation-order rounding (float32
+    1e-5 relative, bfloat16 5e-4), the same argmax wherever the top two are apart, the same state."""
+    engine = persistent_engine(cp, small, dtype, max_len=max_len)
+    graphs = fast.Engine(small.params, small.config, dtype=dtype, keep_logits=True, persistent=False,
+                         max_len=max_len)
+    n = 48 if max_len is None else max_len - len(PROMPT)
+    for e in (engine, graphs):
+        e.start(PROMPT, reference_attend, kv_cache=True)
+    limit = 1e-5 if dtype == "float32" else 5e-4
+    for step in range(n):
+        if step:
+            for e in (engine, graphs):
+                e.decode(1)
+        for e in (engine, graphs):
+            e.stream.synchronize()
+        rel = float(cp.linalg.norm(engine.logits - graphs.logits) / cp.linalg.norm(graphs.logits))
+        assert rel <= limit, f"{dtype} step {step}: relative logit difference {rel:.2e} (limit {limit:g})"
+        want = int(graphs.state[0].get())
+        if margins(cp, [graphs.logits])[0] >= 1e-3:
+            assert int(engine.state[0].get()) == want, f"{dtype} step {step}: argmax differs at a clear margin"
+        assert int(engine.state[1].get()) == int(graphs.state[1].get()) == len(PROMPT) + step
+        with engine.stream:  # both go on from the per-operation step's token
+            engine.state[0:1].set(np.asarray([want], dtype=np.int32), stream=engine.stream)
+
+
+@pytest.mark.parametrize("dtype", fast.DTYPES)
+def test_persistent_step_windows_are_single_steps(cp, small, dtype):
+    """One launch runs a window of steps, carrying token and position on the device: the tokens of
+    windows of 8 equal those of one step per launch, and a rerun gives the same tokens (deterministic:
+    fixed summation orders, no atomics in the arithmetic)."""
+    windows = persistent_engine(cp, small, dtype)
+    single = persistent_engine(cp, small, dtype, steps_per_graph=1)
+    want = windows.generate(PROMPT, 200, attend=reference_attend, kv_cache=True).tokens
+    assert single.generate(PROMPT, 200, attend=reference_attend, kv_cache=True).tokens == want
+    assert windows.generate(PROMPT, 200, attend=reference_attend, kv_cache=True).tokens == want
+    assert cp.asnumpy(windows.history[len(PROMPT):len(PROMPT) + 200]).tolist() == want
+
+
+def test_profile_persistent_names_every_stage(cp, small, capsys):
+    engine = persistent_engine(cp, small, "float32")
+    rows = engine.profile_persistent(519)
+    assert len(rows) == 5 * 12 + 1 and rows[0][0] == "h.0.ln_1+attn.c_attn" and rows[-1][0] == "ln_f+lm_head+argmax"
+    assert all(total > 0 and work > 0 and barrier >= 0 for _, total, work, barrier in rows), rows
+    per_token = engine.replay_ms(519, 64)
+    assert 0.5 * per_token < sum(r[1] for r in rows) < 2 * per_token
+    with capsys.disabled():  # for the notes
+        print(f"\npersistent fp32 step at 519: stages sum to {1e3 * sum(r[1] for r in rows):.1f} us, "
+              f"{1e3 * per_token:.1f} us per token in windows")
+        for kind, n, ms in fast.by_kind([(name, total) for name, total, _, _ in rows]):
+            print(f"  {kind:<28}{n:>3} x {1e3 * ms / n:7.2f} us")
