@@ -12,7 +12,8 @@ Prints the text as it is generated, then a summary: model, attention, mode, toke
 and tokens/s (warm-up and compilation excluded), time to first token and decode tokens/s, weight
 bytes per token and the bandwidth they imply against a measured copy ceiling (KV cache on the GPU),
 compile time, peak GPU memory, device. Greedy runs on the GPU use the fast path (gpt2/fast.py: fused
-kernels, a static KV cache, the decode step replayed as a CUDA graph); --no-graph runs the eager code.
+kernels, a static KV cache, the decode step as one persistent kernel where the device runs it, else
+replayed as CUDA graphs); --no-graph runs the eager code.
 User errors print one line to stderr and exit 2; --check exits 1 when the tokens differ.
 """
 
@@ -260,6 +261,8 @@ def run(args) -> int:
         "engine": "fast" if fast_why is None else "eager",
         "engine_note": fast_why,
         "pdl": gpt2.fast.engine_for(ckpt.params, config).pdl_note if fast_why is None and args.kv_cache else None,
+        "persistent": gpt2.fast.engine_for(ckpt.params, config).persistent_note
+        if fast_why is None and args.kv_cache else None,
         "dtype": args.dtype,
         "device": device,
         "device_name": device_name(device),
@@ -312,24 +315,37 @@ def bandwidth(config, dtype: str, decode_tokens_per_second) -> dict:
 
 
 def profile_step(ckpt, config, position: int) -> dict:
-    """Per-kernel milliseconds of one fast decode step at `position` (eager launches timed with
-    events), and the graph replay per token with and without the L2 prefetch hints."""
+    """Where a fast decode step's time goes at `position`: the per-operation kernels each timed alone
+    (events), their graph replay per token with and without the L2 prefetch hints and PDL, and, where
+    the persistent step runs, its time per token and its stages (global-timer trace, by kind)."""
     engine = gpt2.fast.engine_for(ckpt.params, config)
-    position = max(0, min(position, engine.max_len - 2))
+    position = max(0, min(position, engine.max_len - 3))
     kernels_ms = engine.profile_step(position)
     steps = max(1, min(64, engine.max_len - 1 - position) // engine.steps_per_graph) * engine.steps_per_graph
     replay_from = max(0, min(position, engine.max_len - 1 - steps))
-    return {
+    out = {
         "position": position,
         "kernels": [{"name": name, "ms": ms} for name, ms in kernels_ms],
         "by_kind": [{"kind": kind, "launches": n, "ms": ms} for kind, n, ms in gpt2.fast.by_kind(kernels_ms)],
         "kernel_ms_sum": sum(ms for _, ms in kernels_ms),
-        "graph_ms_per_token": engine.replay_ms(replay_from, steps),
+        "graph_ms_per_token": engine.replay_ms(replay_from, steps, persistent=False),
         "graph_ms_per_token_without_prefetch": engine.replay_ms(replay_from, steps, prefetch=False),
         "graph_ms_per_token_without_pdl": engine.replay_ms(replay_from, steps, pdl=False) if engine.pdl else None,
         "pdl": engine.pdl_note,
         "graph_replay": f"{steps} steps from position {replay_from}, graphs of {engine.steps_per_graph} steps",
+        "persistent": engine.persistent_note,
+        "persistent_ms_per_token": None,
+        "persistent_stages": None,
     }
+    if engine.persistent:
+        out["persistent_ms_per_token"] = engine.replay_ms(replay_from, steps, persistent=True)
+        stages = engine.profile_persistent(position)
+        work = dict((k, ms) for k, _, ms in gpt2.fast.by_kind([(name, w) for name, _, w, _ in stages]))
+        wait = dict((k, ms) for k, _, ms in gpt2.fast.by_kind([(name, b) for name, _, _, b in stages]))
+        out["persistent_stages"] = [
+            {"kind": kind, "stages": n, "ms": ms, "work_ms": work[kind], "barrier_ms": wait[kind]}
+            for kind, n, ms in gpt2.fast.by_kind([(name, total) for name, total, _, _ in stages])]
+    return out
 
 
 def compare_with_reference(run_once, attend, timed, n_new: int, xp) -> dict:
@@ -409,9 +425,12 @@ def print_summary(s: dict) -> None:
 def engine_line(s: dict) -> str:
     if s["engine"] != "fast":
         return f"eager: gpt2/model.py step by step ({s['engine_note']})"
+    if s["mode"] == "kv-cache" and s.get("persistent") == "on":
+        return (f"fast ({s['dtype']}): static KV cache, the decode step as one persistent kernel per window of "
+                "tokens (kernels/fused/decode_step.cu)")
     if s["mode"] == "kv-cache":
         return (f"fast ({s['dtype']}): fused kernels, static KV cache, the decode step replayed as a CUDA graph "
-                f"(programmatic dependent launch {s['pdl']})")
+                f"(programmatic dependent launch {s['pdl']}; persistent step {s.get('persistent')})")
     return f"fast ({s['dtype']}): fused kernels around cuBLAS, the whole sequence every step"
 
 
@@ -428,6 +447,16 @@ def print_profile(p: dict) -> None:
           f"{1e3 * p['graph_ms_per_token_without_prefetch']:.1f} us without the prefetch hints"
           + (f", {1e3 * p['graph_ms_per_token_without_pdl']:.1f} us with plain launches"
              if p["graph_ms_per_token_without_pdl"] is not None else ""))
+    if p.get("persistent_stages"):
+        print(f"persistent step: {1e3 * p['persistent_ms_per_token']:.1f} us per token as generate() runs it; its "
+              "stages (second of two steps; from the previous barrier to this one, the slowest block's work, "
+              "the wait after the last arrival):")
+        for row in p["persistent_stages"]:
+            n = row["stages"]
+            print(f"  {row['kind']:<28}{n:>4} x {1e3 * row['ms'] / n:7.2f} us  (work {1e3 * row['work_ms'] / n:6.2f}, "
+                  f"barrier {1e3 * row['barrier_ms'] / n:5.2f})")
+    else:
+        print(f"persistent step: {p.get('persistent')}")
 
 
 def main(argv=None) -> int:

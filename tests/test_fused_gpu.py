@@ -13,6 +13,7 @@ eager float32 run's sequence, as tests/test_gpt2_dtype.py judges the eager bfloa
 argmax agrees at every position whose float32 top-two margin is at least MARGIN and at 90% of all.
 """
 
+import json
 import math
 
 import numpy as np
@@ -590,3 +591,20 @@ def test_profile_persistent_names_every_stage(cp, small, capsys):
               f"{1e3 * per_token:.1f} us per token in windows")
         for kind, n, ms in fast.by_kind([(name, total) for name, total, _, _ in rows]):
             print(f"  {kind:<28}{n:>3} x {1e3 * ms / n:7.2f} us")
+
+
+def test_lab_profile_step_reports_both_decode_steps(cp, tmp_path, capsys):
+    import lab
+
+    out = tmp_path / "run.json"
+    assert lab.main(["--random-weights", "--kv-cache", "--tokens", "16", "--profile-step", "--json", str(out)]) == 0
+    s = json.loads(out.read_text())
+    p = s["profile_step"]
+    assert len(p["kernels"]) == 5 * 12 + 2 and p["graph_ms_per_token"] > 0
+    assert s["persistent"] == p["persistent"]
+    if p["persistent"] == "on":
+        kinds = [row["kind"] for row in p["persistent_stages"]]
+        assert kinds == ["ln_1+attn.c_attn", "attn", "attn.c_proj+residual", "ln_2+mlp.c_fc+gelu",
+                         "mlp.c_proj+residual", "ln_f+lm_head+argmax"]
+        assert [row["stages"] for row in p["persistent_stages"]] == [12] * 5 + [1]
+        assert p["persistent_ms_per_token"] > 0 and "persistent kernel" in capsys.readouterr().out
