@@ -291,7 +291,7 @@ def step_plan(config: GPT2Config, dtype: str, sm_count: int, max_len: int, smem_
     if HS % 32 or STEP_THREADS % HS:
         return f"head size {HS}: decode_step needs a multiple of 32 dividing {STEP_THREADS}"
     G = sm_count
-    splits = min(G // NH, STEP_MAX_SPLITS, STEP_THREADS // (2 * NH))  # stage C holds every (m, l) in a block's red
+    splits = min(G // NH, STEP_MAX_SPLITS)
     if splits < 1:
         return f"{NH} heads on {G} SMs: decode_step needs a block per head"
     cap = -(-max_len // splits)  # keys per split, at most
@@ -311,7 +311,13 @@ def step_plan(config: GPT2Config, dtype: str, sm_count: int, max_len: int, smem_
     slots = min(STEP_SLOTS, (smem_limit - fixed) // slot)
     if slots < 2:
         return f"decode_step needs two slots of {slot} bytes and {fixed} more of shared memory; the device has {smem_limit}"
-    lm_rows = max(1, min(STEP_THREADS, (slot - 8 * C) // (C * item)))
+    def parts(K, least):  # decode_step.cu's rows_dot: a row in P parts, at most 6 vectors per lane
+        return max(least, -(-K * item // 16 // 192))
+
+    for N, K, least in ((3 * C, C, 2), (C, C, 2), (F, C, 1), (C, F, 4)):  # stages A, C, D, E
+        if rows(N) * parts(K, least) > STEP_THREADS:
+            return f"{rows(N)} rows of {K} per block: more row parts than decode_step's {STEP_THREADS} threads"
+    lm_rows = max(1, min(STEP_THREADS // parts(C, 1), (slot - 8 * C) // (C * item)))
     return StepPlan(blocks=G, splits=splits, slot_bytes=slot, slots=slots, lm_rows=lm_rows,
                     smem=128 + slots * slot + 4 * F + table)
 
@@ -429,8 +435,11 @@ class _Sgemm:
         self.one, self.zero = np.ones(1, np.float32), np.zeros(1, np.float32)
 
     def begin(self):
+        """Before a run of products: host pointer mode, and the handle on the current stream (CuPy sets
+        its handle's stream before each of its own calls, so another stream may be left on it)."""
         if self.cublas is not None:
             self.cublas.setPointerMode(self.handle, self.cublas.CUBLAS_POINTER_MODE_HOST)
+            self.cublas.setStream(self.handle, self.cp.cuda.get_current_stream().ptr)
 
     def __call__(self, a, b, out):
         if self.cublas is None:

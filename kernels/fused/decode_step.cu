@@ -113,63 +113,47 @@ __device__ __forceinline__ void grid_wait(const unsigned int* counter, unsigned 
 // -- rows of a matrix against a vector, from shared memory -------------------------------------------
 
 // The dot products of R rows of K weights at W_s with in_s (K floats). Unit u = (row u / P, part
-// u % P) is warp u % WARPS's; a warp takes its units U at a time, every lane loading all their
-// 16-byte vectors at once (ITERS per unit) and accumulating each unit in two independent chains, so
-// that the shared-memory latencies and the shuffle reductions of U units overlap. The parts are then
-// summed in order. Returns row threadIdx.x's value in threads below R. Ends with every thread past
-// its reads of W_s and in_s.
-template <typename weight_t, int K, int THREADS, int P, int U>
+// u % P) is one warp's, each lane loading all its (at most 6) 16-byte vectors of the part at once and
+// accumulating in two independent chains; the parts are then summed in order. P is at least P_LEAST
+// and enough parts that a lane holds at most 6 vectors. Returns row threadIdx.x's value in threads
+// below R. Ends with every thread past its reads of W_s and in_s.
+template <typename weight_t, int K, int THREADS, int P_LEAST>
 __device__ __forceinline__ float rows_dot(const weight_t* W_s, const float* in_s, int R, float* red)
 {
     constexpr int WARPS = THREADS / 32, VEC = Vec16<weight_t>::N, CHUNKS = K / VEC;
+    constexpr int P = P_LEAST > (CHUNKS + 191) / 192 ? P_LEAST : (CHUNKS + 191) / 192;
     constexpr int SPAN = (CHUNKS + P - 1) / P, ITERS = (SPAN + 31) / 32;
     static_assert(K % VEC == 0, "rows are whole 16-byte vectors");
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int u0 = warp; u0 < R * P; u0 += U * WARPS) {
-        uint4 w[U][ITERS];
+    for (int u = warp; u < R * P; u += WARPS) {
+        const int first = (u % P) * SPAN;
+        const uint4* row = reinterpret_cast<const uint4*>(W_s + (long long)(u / P) * K);
+        uint4 w[ITERS];
 #pragma unroll
-        for (int k = 0; k < U; ++k) {
-            const int u = u0 + k * WARPS;
-            const uint4* row = reinterpret_cast<const uint4*>(W_s + (long long)(u / P) * K) + (u % P) * SPAN;
+        for (int i = 0; i < ITERS; ++i) {
+            const int c = first + i * 32 + lane;
+            if (i * 32 + lane < SPAN && c < CHUNKS) w[i] = row[c];
+        }
+        float acc[2] = {0.0f, 0.0f};
 #pragma unroll
-            for (int i = 0; i < ITERS; ++i) {
-                const int c = i * 32 + lane;
-                if (u < R * P && c < SPAN && (u % P) * SPAN + c < CHUNKS) w[k][i] = row[c];
+        for (int i = 0; i < ITERS; ++i) {
+            const int c = first + i * 32 + lane;
+            if (i * 32 + lane >= SPAN || c >= CHUNKS) break;  // past the part (lanes ascend with i)
+            float wv[VEC];
+            unpack(w[i], wv);
+            const float4* xv = reinterpret_cast<const float4*>(in_s + c * VEC);
+#pragma unroll
+            for (int e = 0; e < VEC / 4; ++e) {
+                const float4 xe = xv[e];
+                float& a = acc[(i * (VEC / 4) + e) % 2];
+                a = fmaf(wv[4 * e + 0], xe.x, a);
+                a = fmaf(wv[4 * e + 1], xe.y, a);
+                a = fmaf(wv[4 * e + 2], xe.z, a);
+                a = fmaf(wv[4 * e + 3], xe.w, a);
             }
         }
-        float acc[U][2];
-#pragma unroll
-        for (int k = 0; k < U; ++k) {
-            const int u = u0 + k * WARPS;
-            acc[k][0] = acc[k][1] = 0.0f;
-#pragma unroll
-            for (int i = 0; i < ITERS; ++i) {
-                const int c = (u % P) * SPAN + i * 32 + lane;
-                if (u >= R * P || i * 32 + lane >= SPAN || c >= CHUNKS) break;  // lanes ascend with i
-                float wv[VEC];
-                unpack(w[k][i], wv);
-                const float4* xv = reinterpret_cast<const float4*>(in_s + c * VEC);
-#pragma unroll
-                for (int e = 0; e < VEC / 4; ++e) {
-                    const float4 xe = xv[e];
-                    float& a = acc[k][(i * (VEC / 4) + e) % 2];
-                    a = fmaf(wv[4 * e + 0], xe.x, a);
-                    a = fmaf(wv[4 * e + 1], xe.y, a);
-                    a = fmaf(wv[4 * e + 2], xe.z, a);
-                    a = fmaf(wv[4 * e + 3], xe.w, a);
-                }
-            }
-        }
-        float total[U];
-#pragma unroll
-        for (int k = 0; k < U; ++k) total[k] = acc[k][0] + acc[k][1];
-#pragma unroll
-        for (int o = 16; o > 0; o /= 2)
-#pragma unroll
-            for (int k = 0; k < U; ++k) total[k] += __shfl_xor_sync(0xffffffffu, total[k], o);
-#pragma unroll
-        for (int k = 0; k < U; ++k)
-            if (lane == 0 && u0 + k * WARPS < R * P) red[u0 + k * WARPS] = total[k];
+        const float total = warp_sum(acc[0] + acc[1]);
+        if (lane == 0) red[u] = total;
     }
     __syncthreads();
     float v = 0.0f;
@@ -402,7 +386,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
             {
                 const LinearSlot<weight_t> in(take(), sh, C, true);
                 layernorm_warps<C, THREADS>(in_s, in.ln_w, in.ln_b, eps);
-                v = rows_dot<weight_t, C, THREADS, 2, 3>(in.W, in_s, sh.count, red);
+                v = rows_dot<weight_t, C, THREADS, 2>(in.W, in_s, sh.count, red);
                 if (tid < sh.count) {
                     const int n = sh.first + tid;
                     v += in.bias[tid];
@@ -509,7 +493,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                 const float x_own = tid < sh.count ? fresh(x + sh.first + tid) : 0.0f;
                 stage_input<C, THREADS, false>(y, nullptr, nullptr, nullptr, nullptr, 0.0f, in_s, scratch);
                 const LinearSlot<weight_t> in(take(), sh, C, false);
-                v = rows_dot<weight_t, C, THREADS, 2, 1>(in.W, in_s, sh.count, red);
+                v = rows_dot<weight_t, C, THREADS, 2>(in.W, in_s, sh.count, red);
                 if (tid < sh.count) x[sh.first + tid] = x_own + (v + in.bias[tid]);
             }
             finish(step);
@@ -520,7 +504,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
             {
                 const LinearSlot<weight_t> in(take(), sh, C, true);
                 layernorm_warps<C, THREADS>(in_s, in.ln_w, in.ln_b, eps);
-                v = rows_dot<weight_t, C, THREADS, 1, 2>(in.W, in_s, sh.count, red);
+                v = rows_dot<weight_t, C, THREADS, 1>(in.W, in_s, sh.count, red);
                 if (tid < sh.count) g[sh.first + tid] = gelu_tanh(v + in.bias[tid]);
             }
             finish(step);
@@ -531,7 +515,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                 const float x_own = tid < sh.count ? fresh(x + sh.first + tid) : 0.0f;
                 stage_input<F, THREADS, false>(g, nullptr, nullptr, nullptr, nullptr, 0.0f, in_s, scratch);
                 const LinearSlot<weight_t> in(take(), sh, F, false);
-                v = rows_dot<weight_t, F, THREADS, 4, 2>(in.W, in_s, sh.count, red);
+                v = rows_dot<weight_t, F, THREADS, 4>(in.W, in_s, sh.count, red);
                 if (tid < sh.count) x[sh.first + tid] = x_own + (v + in.bias[tid]);
             }
             finish(step);
@@ -550,7 +534,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                 const float* ln = reinterpret_cast<const float*>(W_s + (long long)R * C);
                 layernorm_warps<C, THREADS>(in_s, ln, ln + C, eps);
             }
-            const float v = rows_dot<weight_t, C, THREADS, 1, 2>(W_s, in_s, R, red);
+            const float v = rows_dot<weight_t, C, THREADS, 1>(W_s, in_s, R, red);
             if (tid < R) {
                 if (logits != nullptr) logits[n0 + tid] = v;
                 take_max(best, arg, v, n0 + tid);
