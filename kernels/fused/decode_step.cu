@@ -53,7 +53,10 @@
 #include "common.cuh"
 
 #define ISSUER 32  // the thread that issues the weight stream's copies (warp 1: not the barrier's thread 0)
-#define MAX_SPLITS 16  // key splits per head, at most (stage C holds one value of each in registers)
+#define MAX_SPLITS 16
+#ifndef POLL_SLEEP_NS
+#define POLL_SLEEP_NS 40  // between polls of the barrier: 1% faster steps than polling flat out (H100, 0 / 40 / 200 ns)
+#endif  // key splits per head, at most (stage C holds one value of each in registers)
 
 
 // One layer's pointers, in the order gpt2/fast.py writes them (Engine.layer_table).
@@ -106,8 +109,13 @@ __device__ __forceinline__ void grid_arrive(unsigned int* counter, unsigned int&
 __device__ __forceinline__ void grid_wait(const unsigned int* counter, unsigned int ticket)
 {
     unsigned int now;
-    do asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(counter) : "memory");
-    while (((now ^ ticket) & 0x80000000u) == 0);
+    while (true) {
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(counter) : "memory");
+        if ((now ^ ticket) & 0x80000000u) break;
+#if POLL_SLEEP_NS > 0
+        __nanosleep(POLL_SLEEP_NS);
+#endif
+    }
 }
 
 // -- rows of a matrix against a vector, from shared memory -------------------------------------------
