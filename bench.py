@@ -1290,8 +1290,8 @@ def time_generation(gpt2, ckpt, prompt: list[int], n_new: int, attend, kv_cache:
 
 
 def time_hf_generation(folder: Path, prompt: list[int], n_new: int, kv_cache: bool, warmup: int,
-                       attn_implementation: str, dtype: str = "float32") -> dict:
-    """HF transformers' GPT2LMHeadModel on the same weights (saved by gpt2.save), greedy, in dtype."""
+                       attn_implementation: str) -> dict:
+    """HF transformers' GPT2LMHeadModel on the same weights (saved by gpt2.save), fp32, greedy."""
     torch = _torch()
     try:
         import transformers
@@ -1317,7 +1317,7 @@ def time_hf_generation(folder: Path, prompt: list[int], n_new: int, kv_cache: bo
             pass
 
     model = transformers.GPT2LMHeadModel.from_pretrained(str(folder), attn_implementation=attn_implementation)
-    model = model.to("cuda", dtype=getattr(torch, dtype)).eval()
+    model = model.to("cuda", dtype=torch.float32).eval()
     ids = torch.tensor([prompt], device="cuda")
     options = dict(attention_mask=torch.ones_like(ids), do_sample=False, use_cache=kv_cache,
                    pad_token_id=model.config.eos_token_id)
@@ -1838,9 +1838,9 @@ def cmd_sweep(args) -> int:
 
 def measure_decode(gpt2, ckpt, prompt: list[int], args, rows: list[dict]) -> dict:
     """The KV-cache decode table: the fast engine in float32 and bfloat16 with each decode step, and
-    HF transformers with its cache in the same dtypes (the float32 row is the kv-cache row measured
-    above), each with its time to first token, decode tokens/s, the weight bytes streamed per second
-    against the copy ceiling measured now, and the lab's decode target."""
+    HF transformers' float32 kv-cache row measured above, each with its time to first token, decode
+    tokens/s, the weight bytes streamed per second against the copy ceiling measured now, and the
+    lab's decode target."""
     import gpt2.fast as fast
 
     ceiling = fast.copy_ceiling()
@@ -1855,18 +1855,9 @@ def measure_decode(gpt2, ckpt, prompt: list[int], args, rows: list[dict]) -> dic
             except Exception as exc:
                 row |= {"status": "error", "reason": _first_line(exc)}
             out.append(row)
-        hf = next((dict(r) for r in rows if r["name"] == "hf" and r["mode"] == "kv-cache"), None)
-        if dtype != "float32" and hf is not None:
-            hf = {"name": "hf", "label": hf["label"]}
-            try:
-                with tempfile.TemporaryDirectory(prefix="bench-e2e-") as scratch:
-                    folder = gpt2.save(ckpt, Path(scratch) / "gpt2")
-                    hf |= time_hf_generation(folder, prompt, args.tokens, True, args.warmup, args.hf_attn, dtype)
-                hf["status"] = "ok"
-            except Exception as exc:
-                hf |= {"status": "unavailable", "reason": _first_line(exc)}
-        if hf is not None:
-            out.append(hf | {"dtype": dtype, "step": "HF generate", "elapsed": hf.get("elapsed", [])})
+        hf = next((r for r in rows if r["name"] == "hf" and r["mode"] == "kv-cache"), None)
+        if dtype == "float32" and hf is not None:  # the kv-cache row measured above
+            out.append(dict(hf) | {"dtype": dtype, "step": "HF generate"})
     for r in out:
         if r["status"] != "ok":
             progress(f"decode {r['dtype']:<8} {r['label']:<30} {r['status']}: {r.get('reason', '')}")
@@ -2301,7 +2292,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(mode="both")
     e.add_argument("--no-hf", action="store_true", help="leave out the HF transformers peer")
     e.add_argument("--no-decode", action="store_true",
-                   help="leave out the decode table (gpt2.fast in float32 and bfloat16, each decode step, HF)")
+                   help="leave out the decode table (gpt2.fast in float32 and bfloat16 with each decode step)")
     e.add_argument("--hf-attn", choices=("sdpa", "eager"), default="sdpa",
                    help="the HF model's attn_implementation (default sdpa)")
     e.add_argument("--warmup", type=positive_int, default=8, help="tokens of the warm-up generation (default 8)")

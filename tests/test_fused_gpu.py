@@ -585,7 +585,8 @@ def test_profile_persistent_names_every_stage(cp, small, capsys):
     assert len(rows) == 5 * 12 + 1 and rows[0][0] == "h.0.ln_1+attn.c_attn" and rows[-1][0] == "ln_f+lm_head+argmax"
     assert all(total > 0 and work > 0 and barrier >= 0 for _, total, work, barrier in rows), rows
     per_token = engine.replay_ms(519, 64)
-    assert 0.5 * per_token < sum(r[1] for r in rows) < 2 * per_token
+    # loose: other processes sharing the GPU (pytest -n) stretch single runs
+    assert 0.25 * per_token < sum(r[1] for r in rows) < 4 * per_token, (sum(r[1] for r in rows), per_token)
     with capsys.disabled():  # for the notes
         print(f"\npersistent fp32 step at 519: stages sum to {1e3 * sum(r[1] for r in rows):.1f} us, "
               f"{1e3 * per_token:.1f} us per token in windows")
