@@ -1,8 +1,10 @@
-"""Fast greedy generation on the GPU: fused kernels, a static KV cache, one CUDA graph per decode step.
+"""Fast greedy generation on the GPU: fused kernels, a static KV cache, the decode step as one
+persistent kernel (or CUDA graphs of per-operation kernels).
 
     out = fast.generate(params, config, prompt, n_new, attend=attend, kv_cache=True)   what generate() calls
     engine = fast.engine_for(params, config, dtype="bfloat16")                           the cached engine
     engine.profile_step(position)                                                        per-kernel milliseconds
+    engine.profile_persistent(position)                                                  per-stage milliseconds
 
 gpt2/model.py stays the readable definition of GPT-2; this module runs the same network with fewer,
 larger kernels (kernels/fused/*.cu, each tested against the CuPy code it replaces):
@@ -32,6 +34,12 @@ larger kernels (kernels/fused/*.cu, each tested against the CuPy code it replace
   twice (the (in, out) originals stay for the prefill's matrix products). In bfloat16 the matrices
   (wte, wpe and the linear weights) are rounded once to bfloat16 and the KV cache is bfloat16;
   LayerNorm parameters, biases, activations and every accumulation stay float32.
+- The persistent step (the default where it runs: compute capability 9.0 with cooperative launch, a
+  head size that is a multiple of 32, shapes that fit shared memory; step_plan says why not):
+  kernels/fused/decode_step.cu runs the same operations for a whole window of steps in one
+  cooperative launch, one block per SM, a grid barrier where the per-operation step has a kernel
+  boundary, and each block's share of the weights copied into shared memory ahead of the barriers.
+  One launch per window of STEPS_PER_GRAPH tokens; persistent=False keeps the graphs.
 - Prefill, and every step of the no-cache mode: the whole sequence eagerly, cuBLAS SGEMM (through
   CuPy's handle, no TF32) for the products, the attention under test, and fused kernels around them
   (residual add + LayerNorm, bias, bias + GELU, head merge, KV store), then the same

@@ -6,49 +6,65 @@
  * The operation: `steps` greedy steps of gpt2/model.py with the KV cache, from state = {token, pos}:
  *   x = wte[token] + wpe[pos]
  *   per layer:  A  qkv = LN_1(x) W_attn + b;  k, v stored into the cache at pos
- *               B  attention of q over the cache rows 0..pos, split over the keys (partials)
- *               C  y = the partials combined;  x += y W_proj + b
+ *               B  attention of q over the cache rows 0..pos, split over the keys; the last split of
+ *                  each head to finish combines the splits into y (a ticket, as decode_attention.cu)
+ *               C  x += y W_proj + b
  *               D  g = gelu(LN_2(x) W_fc + b)
  *               E  x += g W_mlp + b
  *   F  token = argmax(LN_f(x) wte^T);  history[pos + 1] = token;  state = {token, pos + 1}
- * The same kernels as the per-operation step (gemv.cu, decode_attention.cu, lm_head_argmax.cu), fused
- * into one launch that loops over the stages.
+ * The same operations as the per-operation step (gemv.cu, decode_attention.cu, lm_head_argmax.cu),
+ * fused into one launch that loops over the stages: 5 * n_layer + 1 barriers per token.
  *
- * Why: at batch 1 the step reads every weight once, ~0.25 GB in bfloat16, about 60 us at the device's
- * bandwidth, but as 62 dependent kernels it costs ~5 us per kernel boundary, so the per-operation
- * step spends most of its time between kernels (the README's decode profile). Here a kernel boundary
- * becomes a barrier of one atomic per block (~1 us), and the weights no longer wait for it: the
- * weights of a stage do not depend on the activations, so each block copies its share of the next
- * stages' weights into a ring of shared-memory slots (cp.async.bulk, completion on an mbarrier per
- * slot) while it computes and while it waits at the barrier. DRAM streams through the barriers.
+ * Why: at batch 1 the step reads every weight once (0.25 GB in bfloat16, under 100 us at an H100's
+ * bandwidth), but as 62 dependent kernels it pays a kernel boundary each time, and the per-operation
+ * step spends most of its time between kernels (lab.py --profile-step). Here a boundary becomes a
+ * barrier of one atomic per block, and the weights no longer wait for it: a stage's weights do not
+ * depend on the activations, so each block copies its share of the next stages' weights into a ring
+ * of shared-memory slots (cp.async.bulk, completion on an mbarrier per slot) while it computes and
+ * while it waits at the barrier. DRAM streams through the barriers.
  *
  * The weight stream. Block b of G owns a fixed share of every stage: rows [b * ceil(N / G), ...) of
- * each (out, in) matrix, which is one contiguous range of bytes, one bulk copy; in stage B it owns one
- * (head, key split), and its item is that split's cached K and V rows below pos (rows written by
- * earlier steps: final, and fenced into the async proxy); in stage F its rows of wte, in chunks of
- * `lm_rows` rows. Item i of the stream lands in slot i % nslot; thread 0 issues item i + nslot as soon
- * as the block has finished with item i (after a __syncthreads()), so up to nslot items are in flight
- * or waiting, across barriers and across steps. Every block consumes the same number of items per
- * step (an item may be empty: the mbarrier's phase then completes on the arrive alone).
+ * each (out, in) matrix, one contiguous range of bytes, plus the vectors the stage reads (LayerNorm's
+ * weight and bias, the rows' biases), so that everything a stage reads that is not an activation
+ * lands with it; in stage B it owns one (head, key split), and its item is that split's cached K and
+ * V rows below pos (written by earlier steps: final, and fenced into the async proxy); in stage F its
+ * rows of wte, in chunks of `lm_rows` rows (the first also carries LN_f). Item i of the stream lands
+ * in slot i % nslot; thread ISSUER issues item i + nslot as soon as the block has finished with item
+ * i (after a __syncthreads()), while thread 0 takes the block through the barrier, so up to nslot
+ * items are in flight or waiting, across barriers and across steps. Every block consumes the same
+ * number of items per step (an item may be empty: the mbarrier's phase then completes on the arrive).
  *
  * The barrier. One counter, never reset: block 0 adds 2^31 - (G - 1), every other block adds 1, so
  * the top bit flips exactly when all G blocks have arrived and the low bits return to zero, and the
  * next barrier flips it back (the scheme of cooperative groups' grid sync). Thread 0 arrives with a
- * release and spins with acquire loads; __syncthreads() on either side orders the block's threads.
- * Everything a block reads that another block wrote in this launch (x, qkv, the partials, g, the cache
- * row at pos, the per-block maxima) is read with fresh() (through L2): an SM's L1 is not coherent.
- * The grid must be co-resident: the engine launches it cooperatively, G = SM count.
+ * release and polls with acquire loads; __syncthreads() on either side orders the block's threads.
+ * Everything a block reads that another block wrote in this launch (x, qkv, the partials, y, g, the
+ * cache row at pos, the per-block maxima) is read with fresh() (through L2): an SM's L1 is not
+ * coherent. The grid must be co-resident: the engine launches it cooperatively, G = SM count.
  *
- * Numerics as in the per-operation kernels: float32 accumulation, LayerNorm two-pass, the key and
- * value rounded to the cache's dtype on the store and read back from it, the argmax's first index of
- * the largest logit (NaN never chosen; all NaN gives token 0). Summation orders differ from gemv.cu
- * (a row is split over up to WARPS / rows warps), so logits match it to rounding, not bit for bit.
+ * Where the time goes (H100, GPT-2 small at position 519, bfloat16; global-timer marks in a debug
+ * copy, medians over blocks): of a stage's ~2.4-6 us, the barrier is ~1-1.7 us from a block's arrival
+ * to its departure (the release of its stores, the last block's arrival, the poll), reading the
+ * previous stage's activations from L2 ~0.5 us, and the block's own arithmetic the rest: LayerNorm and
+ * three rounds of row dot products ~1.8 us in stage A, the ticket and combine ~1 us in stage B. The
+ * weights are in shared memory before they are needed (the wait for the slot is ~0.1 us). So the
+ * step is latency-bound, not bandwidth-bound: fewer stages per layer, or less work between a stage's
+ * input and its barrier arrival, is what would make it faster.
+ *
+ * Numerics as in the per-operation kernels: float32 accumulation, LayerNorm two-pass (here every warp
+ * computes the statistics itself, in the same order, instead of a block reduction), the key and value
+ * rounded to the cache's dtype on the store and read back from it, the argmax's first index of the
+ * largest logit (NaN never chosen; all NaN gives token 0). Summation orders differ from gemv.cu (a
+ * row is split into parts over warps, rows_dot), so logits match it to rounding, not bit for bit; the
+ * kernel itself is deterministic (fixed orders; the ticket decides only which block combines).
  *
  * Template parameters: weight_t (float or bfloat16 bits, also the cache's type), C (n_embd), NH, HS
- * (head size, a multiple of 32), F (MLP width), THREADS. Geometry: grid G (one block per SM,
- * cooperative), block THREADS, dynamic shared memory 128 bytes of mbarriers + nslot * slot_bytes +
- * F floats (the input vector, also stage B's scores). layers is the engine's table of per-layer
- * pointers (struct Layer). Needs sm_90 (cp.async.bulk, mbarrier transaction counts).
+ * (head size, a multiple of 32 dividing THREADS), F (MLP width), THREADS. Geometry (gpt2/fast.py,
+ * step_plan): grid G (one block per SM, cooperative), block THREADS, dynamic shared memory 128 bytes
+ * of mbarriers + nslot * slot_bytes + F floats (the input vector, also stage B's scores) + the layer
+ * table (struct Layer, copied from `layers` at the start). Needs sm_90 (cp.async.bulk, mbarrier
+ * transaction counts). trace (may be null): the global timer at each block's barrier arrivals and
+ * departures, (steps, 5 * n_layer + 1, G, 2), for Engine.profile_persistent.
  */
 #include "common.cuh"
 
