@@ -32,7 +32,7 @@
  *     ran 25-30% slower.
  *     Open: with large scores the truncation still shows. The GPU property test found (H200,
  *     hypothesis seed 11) B = 3, NH = 2, T = 2, packed q/k/v of magnitude 10, data seed 25: max
- *     error 1.17e-4 against the declared bound of 8 x plain float32's 4.1e-6. Scores of ~100 after
+ *     error 1.17e-4 against the declared bound of 8 x plain float32's 4.1e-6. An estimate, not measured: scores of ~100 after
  *     scaling put a k8 step's truncation at ~1e-5; four of them in a chain, through two keys' softmax,
  *     are about that error. Shorter big x big chains would cost registers or issue slots: unmeasured.
  * Each product is waited for as soon as it is issued (v18's pipeline); the warpgroups of a block
