@@ -460,6 +460,17 @@ class _Sgemm:
                           self.one.ctypes.data, b.data.ptr, N, a.data.ptr, K, self.zero.ctypes.data, out.data.ptr, N)
 
 
+def _switch(asked: bool | None, check, what: str) -> tuple[bool, str]:
+    """An engine option that is on where it works: False keeps it off, None takes it where check()
+    (None, or why not) allows, True insists. (on, note: "on", "off (asked)" or "off (why)")."""
+    if asked is False:
+        return False, "off (asked)"
+    why = check()
+    if why is not None and asked:
+        raise RuntimeError(f"{what} does not work here: {why}")
+    return why is None, "on" if why is None else f"off ({why})"
+
+
 class Engine:
     """Everything the fast path needs for one set of weights, allocated once: weight copies, the
     static KV cache (n_positions long), activations, the decode step's launches and its graphs."""
@@ -557,26 +568,13 @@ class Engine:
         self.step_launches = self.launches(prefetch, pdl=False)  # eager launches, and what profile_step times
         # Programmatic dependent launch for the graphs (see the module's docstring): on where it works,
         # unless pdl=False; pdl=True insists.
-        self.pdl, self.pdl_note = False, "off (asked)"
-        if pdl is not False:
-            why = self._check_pdl()
-            self.pdl = why is None
-            self.pdl_note = "on" if why is None else f"off ({why})"
-            if why is not None and pdl:
-                raise RuntimeError(f"programmatic dependent launch does not work here: {why}")
-            if why is not None and not why.startswith("needs compute capability"):
-                warnings.warn(f"gpt2.fast: programmatic dependent launch disabled: {why}", stacklevel=2)
+        self.pdl, self.pdl_note = _switch(pdl, self._check_pdl, "programmatic dependent launch")
+        if self.pdl_note.startswith("off (") and not self.pdl_note.startswith(("off (asked", "off (needs compute")):
+            warnings.warn(f"gpt2.fast: programmatic dependent launch disabled: {self.pdl_note[5:-1]}", stacklevel=2)
         for steps in sorted({1, steps_per_graph}):  # captured now, on an idle stream, replayed from here on
             self.graph(steps)
-        # The persistent step (decode_step.cu): the default where it runs, unless persistent=False;
-        # persistent=True insists.
-        self.persistent, self.persistent_note = False, "off (asked)"
-        if persistent is not False:
-            why = self._setup_persistent()
-            self.persistent = why is None
-            self.persistent_note = "on" if why is None else f"off ({why})"
-            if why is not None and persistent:
-                raise RuntimeError(f"the persistent decode step cannot run here: {why}")
+        # The persistent step (decode_step.cu): the default where it runs, unless persistent=False.
+        self.persistent, self.persistent_note = _switch(persistent, self._setup_persistent, "the persistent decode step")
 
     # -- kernels -----------------------------------------------------------------------------------
 

@@ -286,3 +286,17 @@ def test_layer_table_matches_decode_step_struct():
         "c_attn.weight", "c_proj.weight", "c_fc.weight", "c_proj.weight"]
     assert "decode_step" in fast.kernel_expressions(gpt2.SIZES["gpt2"], "float32")
     assert "decode_step" not in fast.kernel_expressions(TINY, "float32")  # head size 16: the graphs only
+
+
+def test_engine_options_are_on_where_they_work():
+    """pdl and persistent: False keeps the option off without checking, None takes what the check
+    allows, True insists and names the reason when it cannot."""
+    def never():
+        raise AssertionError("checked although asked off")
+
+    assert fast._switch(False, never, "x") == (False, "off (asked)")
+    assert fast._switch(None, lambda: None, "x") == (True, "on")
+    assert fast._switch(None, lambda: "needs compute capability 9.0", "x") == (False, "off (needs compute capability 9.0)")
+    assert fast._switch(True, lambda: None, "x") == (True, "on")
+    with pytest.raises(RuntimeError, match="the persistent decode step does not work here: no cooperative launch"):
+        fast._switch(True, lambda: "no cooperative launch", "the persistent decode step")
