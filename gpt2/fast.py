@@ -267,7 +267,7 @@ def attention_staging(max_len: int, splits: int, head_size: int, itemsize: int) 
     return rows, 4 * (-(-cap // 4) * 4) + 2 * rows * head_size * itemsize
 
 
-STEP_THREADS = 384  # decode_step.cu's block (117 registers at GPT-2's shapes: no spills under the 168 of 384 threads)
+STEP_THREADS = 384  # decode_step.cu's block: a thread may hold 168 registers (GPT-2 small: 138 in float32, no spills)
 STEP_SLOTS = 8  # at most this many weight slots in decode_step.cu's ring
 STEP_MAX_SPLITS = 16  # decode_step.cu's MAX_SPLITS
 STEP_STATIC_SMEM = 4 << 10  # headroom for decode_step.cu's static shared memory (about 2 KB)
@@ -730,8 +730,9 @@ class Engine:
         return self.graphs[key]
 
     def decode(self, n: int, *, graph: bool = True) -> None:
-        """Queue n decode steps on the engine's stream: graphs of steps_per_graph steps, then single
-        steps (or, graph=False, the same kernels launched one by one, plainly)."""
+        """Queue n decode steps on the engine's stream: one decode_step launch of n steps where the engine
+        is persistent, else graphs of steps_per_graph steps, then single steps (graph=False: the
+        per-operation kernels launched one by one, plainly)."""
         with self.stream:
             if not graph:
                 for _ in range(n):
