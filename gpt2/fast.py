@@ -39,7 +39,9 @@ larger kernels (kernels/fused/*.cu, each tested against the CuPy code it replace
   kernels/fused/decode_step.cu runs the same operations for a whole window of steps in one
   cooperative launch, one block per SM, a grid barrier where the per-operation step has a kernel
   boundary, and each block's share of the weights copied into shared memory ahead of the barriers.
-  One launch per window of STEPS_PER_GRAPH tokens; persistent=False keeps the graphs.
+  Four stages per layer (STEP_STAGES): attn.c_proj is done per head inside the attention stage, from
+  a head-major copy of its weight made here. One launch per window of STEPS_PER_GRAPH tokens;
+  persistent=False keeps the graphs.
 - Prefill, and every step of the no-cache mode: the whole sequence eagerly, cuBLAS SGEMM (through
   CuPy's handle, no TF32) for the products, the attention under test, and fused kernels around them
   (residual add + LayerNorm, bias, bias + GELU, head merge, KV store), then the same
@@ -270,6 +272,8 @@ def attention_staging(max_len: int, splits: int, head_size: int, itemsize: int) 
 STEP_THREADS = 384  # decode_step.cu's block: a thread may hold 168 registers (GPT-2 small: 138 in float32, no spills)
 STEP_SLOTS = 8  # at most this many weight slots in decode_step.cu's ring
 STEP_MAX_SPLITS = 16  # decode_step.cu's MAX_SPLITS
+STEP_STAGES = ("ln_1+attn.c_attn", "attn+attn.c_proj", "residual+ln_2+mlp.c_fc+gelu",
+               "mlp.c_proj+residual")  # decode_step.cu's stages A-D of a layer (E, the lm_head, ends the step)
 STEP_STATIC_SMEM = 4 << 10  # headroom for decode_step.cu's static shared memory (about 2 KB)
 
 
@@ -312,8 +316,9 @@ def step_plan(config: GPT2Config, dtype: str, sm_count: int, max_len: int, smem_
     def linear(N, K, ln):  # decode_step.cu's linear_item: rows, LayerNorm weight and bias, biases
         return rows(N) * K * item + (8 * K if ln else 0) + 4 * (rows(N) + 8)
 
-    biggest = max(linear(3 * C, C, True), linear(C, C, False), linear(F, C, True), linear(C, F, False))
-    slot = -(-max(biggest, 2 * cap * HS * item, 8 * C + C * item) // 128) * 128
+    biggest = max(linear(3 * C, C, True), linear(F, C, True), linear(C, F, False))
+    attention = (2 * cap + -(-C // splits)) * HS * item  # a split's keys and values, its rows of W_proj[h]
+    slot = -(-max(biggest, attention, 8 * C + C * item) // 128) * 128
     table = config.n_layer * 8 * len(LAYER_POINTERS)
     fixed = 128 + 4 * F + table + STEP_STATIC_SMEM
     slots = min(STEP_SLOTS, (smem_limit - fixed) // slot)
@@ -322,7 +327,7 @@ def step_plan(config: GPT2Config, dtype: str, sm_count: int, max_len: int, smem_
     def parts(K, least):  # decode_step.cu's rows_dot: a row in P parts, at most 6 vectors per lane
         return max(least, -(-K * item // 16 // 192))
 
-    for N, K, least in ((3 * C, C, 2), (C, C, 2), (F, C, 1), (C, F, 4)):  # stages A, C, D, E
+    for N, K, least in ((3 * C, C, 2), (F, C, 1), (C, F, 4)):  # stages A, C, D
         if rows(N) * parts(K, least) > STEP_THREADS:
             return f"{rows(N)} rows of {K} per block: more row parts than decode_step's {STEP_THREADS} threads"
     lm_rows = max(1, min(STEP_THREADS // parts(C, 1), (slot - 8 * C) // (C * item)))
@@ -615,15 +620,20 @@ class Engine:
             return f"decode_step does not fit an SM ({plan.smem} bytes of shared memory, {STEP_THREADS} threads)"
         with self.stream:
             table = []
+            # attn.c_proj head-major, (NH, C, HS): [h, n, d] = W[n, h * HS + d] of the (out, in) copy
+            self.proj_heads = [cp.ascontiguousarray(layer["attn.c_proj"].reshape(c.n_embd, c.n_head, c.head_size)
+                                                    .transpose(1, 0, 2)) for layer in self.layers]
             for i, layer in enumerate(self.layers):
                 arrays = {"k_cache": self.k_cache[i], "v_cache": self.v_cache[i]}
                 for name in LAYER_POINTERS[:12]:  # (out, in) matrices in the decode dtype; float32 vectors
                     arrays[name] = layer[name.removesuffix(".weight")] if name in LAYER_POINTERS[:4] else \
                         self.params32[f"h.{i}.{name}"]
+                arrays["attn.c_proj.weight"] = self.proj_heads[i]
                 table.append([arrays[name].data.ptr for name in LAYER_POINTERS])
             self.layer_table = cp.asarray(np.asarray(table, dtype=np.uint64))
             self.step_partial = cp.zeros((c.n_head, plan.splits, c.head_size + 2), dtype=cp.float32)
-            self.step_tickets = cp.zeros(c.n_head, dtype=cp.uint32)  # stage B's last-split tickets
+            self.step_tickets = cp.zeros(c.n_head, dtype=cp.uint32)  # stage B's barriers of a head's splits
+            self.step_proj = cp.zeros((c.n_head, c.n_embd), dtype=cp.float32)  # the heads' terms of attn.c_proj
             self.step_max = cp.zeros(plan.blocks, dtype=cp.float32)
             self.step_arg = cp.zeros(plan.blocks, dtype=cp.int32)
             self.step_barrier = cp.zeros(1, dtype=cp.uint32)  # never reset: see decode_step.cu
@@ -639,7 +649,7 @@ class Engine:
         args = (self.layer_table, np.int32(c.n_layer), self.wte, self.wpe, p["ln_f.weight"], p["ln_f.bias"], self.eps,
                 np.int32(c.vocab_size), np.int32(self.max_len), np.int32(plan.splits),
                 np.float32(1.0 / math.sqrt(c.head_size)), self.x, self.qkv, self.g, self.step_partial, self.step_tickets,
-                self.y, self.step_max,
+                self.step_proj, self.step_max,
                 self.step_arg, self.logits if self.logits is not None else NULL, self.state, self.history,
                 self.step_barrier, np.int32(n), np.int32(plan.slot_bytes), np.int32(plan.slots), np.int32(plan.lm_rows),
                 NULL if trace is None else trace)
@@ -949,8 +959,8 @@ class Engine:
 
 
     def profile_persistent(self, position: int, repeats: int = 5) -> list[tuple[str, float, float, float]]:
-        """Where the persistent step's time goes at `position`: per stage (named as profile_step's
-        kernels), milliseconds from the previous stage's last departure from its barrier to this one's
+        """Where the persistent step's time goes at `position`: per stage (STEP_STAGES per layer, then
+        the lm_head), milliseconds from the previous stage's last departure from its barrier to this one's
         (total), the slowest block's work before it arrives (work), and the wait from the last arrival
         to the first departure (barrier); medians of `repeats` runs of the second of two steps, from
         the global timer each block's thread 0 reads at its barriers. Changes state, history and the
@@ -960,7 +970,7 @@ class Engine:
             raise LabError(f"the persistent step is {self.persistent_note}")
         if not 0 <= position < self.max_len - 2:
             raise LabError(f"position {position} outside the engine's 0..{self.max_len - 3}")
-        stages = 5 * c.n_layer + 1
+        stages = len(STEP_STAGES) * c.n_layer + 1
         trace = cp.zeros((2, stages, self.plan.blocks, 2), dtype=cp.uint64)
         runs = []
         for _ in range(repeats + 1):  # the first run warms up
@@ -977,8 +987,7 @@ class Engine:
                                   (arrive[1] - prev).max(axis=1),
                                   leave[1].min(axis=1) - arrive[1].max(axis=1)], axis=1) / 1e6)
         ms = np.median(runs[1:], axis=0)
-        names = [f"h.{i}.{kind}" for i in range(c.n_layer) for kind in
-                 ("ln_1+attn.c_attn", "attn", "attn.c_proj+residual", "ln_2+mlp.c_fc+gelu", "mlp.c_proj+residual")]
+        names = [f"h.{i}.{kind}" for i in range(c.n_layer) for kind in STEP_STAGES]
         return [(name, *row) for name, row in zip(names + ["ln_f+lm_head+argmax"], ms.tolist(), strict=True)]
 
 

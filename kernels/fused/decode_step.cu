@@ -6,14 +6,24 @@
  * The operation: `steps` greedy steps of gpt2/model.py with the KV cache, from state = {token, pos}:
  *   x = wte[token] + wpe[pos]
  *   per layer:  A  qkv = LN_1(x) W_attn + b;  k, v stored into the cache at pos
- *               B  attention of q over the cache rows 0..pos, split over the keys; the last split of
- *                  each head to finish combines the splits into y (a ticket, as decode_attention.cu)
- *               C  x += y W_proj + b
- *               D  g = gelu(LN_2(x) W_fc + b)
- *               E  x += g W_mlp + b
- *   F  token = argmax(LN_f(x) wte^T);  history[pos + 1] = token;  state = {token, pos + 1}
+ *               B  attention of q over the cache rows 0..pos, split over the keys; the splits of a
+ *                  head meet (a barrier of the head's blocks), each combines them into y_h and
+ *                  computes its rows of the head's term of attn.c_proj: proj_h = y_h W_proj[h]
+ *               C  x += sum_h proj_h + b;  g = gelu(LN_2(x) W_fc + b)
+ *               D  x += g W_mlp + b
+ *   E  token = argmax(LN_f(x) wte^T);  history[pos + 1] = token;  state = {token, pos + 1}
  * The same operations as the per-operation step (gemv.cu, decode_attention.cu, lm_head_argmax.cu),
- * fused into one launch that loops over the stages: 5 * n_layer + 1 barriers per token.
+ * fused into one launch that loops over the stages: 4 * n_layer + 1 grid barriers per token.
+ *
+ * attn.c_proj inside the attention stage: y W_proj = sum_h y_h W_proj[h], with W_proj[h] the HS
+ * columns (inputs) of head h, so the head's key splits can finish the projection of their own head
+ * as soon as they have y_h, without a grid barrier between the attention and the projection (the
+ * per-operation step has one: a kernel boundary). They need y_h, which needs every split of the
+ * head, so the head's splits wait for each other (one counter per head, the grid barrier's scheme)
+ * instead of leaving the combine to the last to finish; each then combines all splits itself. W_proj
+ * comes head-major, (NH, C, HS) (gpt2/fast.py makes the copy), so that a split's rows of its head's
+ * columns are one contiguous range, streamed with its keys. Stage C sums the heads' terms in head
+ * order, the same in every block, so the step stays deterministic.
  *
  * Why: at batch 1 the step reads every weight once (0.25 GB in bfloat16, under 100 us at an H100's
  * bandwidth), but as 62 dependent kernels it pays a kernel boundary each time, and the per-operation
@@ -27,8 +37,9 @@
  * each (out, in) matrix, one contiguous range of bytes, plus the vectors the stage reads (LayerNorm's
  * weight and bias, the rows' biases), so that everything a stage reads that is not an activation
  * lands with it; in stage B it owns one (head, key split), and its item is that split's cached K and
- * V rows below pos (written by earlier steps: final, and fenced into the async proxy); in stage F its
- * rows of wte, in chunks of `lm_rows` rows (the first also carries LN_f). Item i of the stream lands
+ * V rows below pos (written by earlier steps: final, and fenced into the async proxy) and its rows of
+ * the head's W_proj[h]; in stage E its rows of wte, in chunks of `lm_rows` rows (the first also
+ * carries LN_f). Item i of the stream lands
  * in slot i % nslot; thread ISSUER issues item i + nslot as soon as the block has finished with item
  * i (after a __syncthreads()), while thread 0 takes the block through the barrier, so up to nslot
  * items are in flight or waiting, across barriers and across steps. Every block consumes the same
@@ -36,10 +47,11 @@
  *
  * The barrier. One counter, never reset: block 0 adds 2^31 - (G - 1), every other block adds 1, so
  * the top bit flips exactly when all G blocks have arrived and the low bits return to zero, and the
- * next barrier flips it back (the scheme of cooperative groups' grid sync). Thread 0 arrives with a
- * release and polls with acquire loads; __syncthreads() on either side orders the block's threads.
- * Everything a block reads that another block wrote in this launch (x, qkv, the partials, y, g, the
- * cache row at pos, the per-block maxima) is read with fresh() (through L2): an SM's L1 is not
+ * next barrier flips it back (the scheme of cooperative groups' grid sync); a head's splits meet the
+ * same way on their own counter. Thread 0 arrives with a release and polls with acquire loads;
+ * __syncthreads() on either side orders the block's threads.
+ * Everything a block reads that another block wrote in this launch (x, qkv, the partials, the heads'
+ * projections, g, the cache row at pos, the per-block maxima) is read with fresh() (through L2): an SM's L1 is not
  * coherent. The grid must be co-resident: the engine launches it cooperatively, G = SM count.
  *
  * Where the time goes (H100, GPT-2 small at position 519, bfloat16; global-timer marks in a debug
@@ -56,7 +68,7 @@
  * rounded to the cache's dtype on the store and read back from it, the argmax's first index of the
  * largest logit (NaN never chosen; all NaN gives token 0). Summation orders differ from gemv.cu (a
  * row is split into parts over warps, rows_dot), so logits match it to rounding, not bit for bit; the
- * kernel itself is deterministic (fixed orders; the ticket decides only which block combines).
+ * kernel itself is deterministic (fixed orders, no atomics in the arithmetic).
  *
  * Template parameters: weight_t (float or bfloat16 bits, also the cache's type), C (n_embd), NH, HS
  * (head size, a multiple of 32 dividing THREADS), F (MLP width), THREADS. Geometry (gpt2/fast.py,
@@ -64,12 +76,15 @@
  * of mbarriers + nslot * slot_bytes + F floats (the input vector, also stage B's scores) + the layer
  * table (struct Layer, copied from `layers` at the start). Needs sm_90 (cp.async.bulk, mbarrier
  * transaction counts). trace (may be null): the global timer at each block's barrier arrivals and
- * departures, (steps, 5 * n_layer + 1, G, 2), for Engine.profile_persistent.
+ * departures, (steps, 4 * n_layer + 1, G, 2), for Engine.profile_persistent.
  */
 #include "common.cuh"
 
 #define ISSUER 32  // the thread that issues the weight stream's copies (warp 1: not the barrier's thread 0)
 #define MAX_SPLITS 16
+#ifndef ISSUE_AT
+#define ISSUE_AT 0  // where finish() issues the next weight item: 0 before the arrive, 1 after it, 2 after the barrier
+#endif
 #ifndef POLL_SLEEP_NS
 #define POLL_SLEEP_NS 40  // between polls of the barrier: 1% faster steps than polling flat out (H100, 0 / 40 / 200 ns)
 #endif  // key splits per head, at most (stage C holds one value of each in registers)
@@ -114,15 +129,17 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned i
                  ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 }
 
-// -- the grid barrier --------------------------------------------------------------------------------
+// -- barriers of a group of blocks (the grid, or a head's key splits) --------------------------------
 
-__device__ __forceinline__ void grid_arrive(unsigned int* counter, unsigned int& ticket)
+// One of `count` blocks arrives at counter (the group's leader adds 2^31 - (count - 1), the others 1).
+__device__ __forceinline__ void group_arrive(unsigned int* counter, bool leader, unsigned int count, unsigned int& ticket)
 {
-    const unsigned int add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
+    const unsigned int add = leader ? 0x80000000u - (count - 1) : 1u;
     asm volatile("atom.add.release.gpu.global.u32 %0, [%1], %2;" : "=r"(ticket) : "l"(counter), "r"(add) : "memory");
 }
 
-__device__ __forceinline__ void grid_wait(const unsigned int* counter, unsigned int ticket)
+// Until the top bit differs from the ticket's: every block of the group has arrived.
+__device__ __forceinline__ void group_wait(const unsigned int* counter, unsigned int ticket)
 {
     unsigned int now;
     while (true) {
@@ -135,6 +152,15 @@ __device__ __forceinline__ void grid_wait(const unsigned int* counter, unsigned 
 }
 
 // -- rows of a matrix against a vector, from shared memory -------------------------------------------
+
+// Block b's rows of an N-row matrix (of G blocks): [first, first + count), ceil(N / G) per block.
+struct Share { int first, count; };
+__device__ __forceinline__ Share share(int N, int b, int G)
+{
+    const int per = (N + G - 1) / G, first = min(N, b * per);
+    return {first, min(N, first + per) - first};
+}
+
 
 // The dot products of R rows of K weights at W_s with in_s (K floats). Unit u = (row u / P, part
 // u % P) is one warp's, each lane loading all its (at most 6) 16-byte vectors of the part at once and
@@ -210,6 +236,57 @@ __device__ __forceinline__ void layernorm_warps(float* x_s, const float* w, cons
     __syncthreads();
 }
 
+// out[first + r] = W_s[r] . y_s for the rows of `rows` (HS weights each, from shared memory): HS / 16
+// threads to a row, 16 weights each, summed by shuffles.
+template <typename weight_t, int HS, int THREADS>
+__device__ __forceinline__ void head_rows_dot(const weight_t* W_s, const float* y_s, Share rows, float* out)
+{
+    constexpr int Q = HS / 16, VEC = Vec16<weight_t>::N, PER = THREADS / Q;
+    static_assert(32 % Q == 0, "a row's threads sit in one warp");
+    const int part = threadIdx.x % Q;
+    for (int r0 = 0; r0 < rows.count; r0 += PER) {  // the same trips in every thread: the shuffles need them all
+        const int r = r0 + (int)threadIdx.x / Q;
+        float acc = 0.0f;
+        if (r < rows.count) {
+            const uint4* w = reinterpret_cast<const uint4*>(W_s + (long long)r * HS + part * 16);
+#pragma unroll
+            for (int i = 0; i < 16 / VEC; ++i) {
+                float wv[VEC];
+                unpack(w[i], wv);
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) acc = fmaf(wv[e], y_s[part * 16 + i * VEC + e], acc);
+            }
+        }
+#pragma unroll
+        for (int o = Q / 2; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (r < rows.count && part == 0) out[rows.first + r] = acc;
+    }
+}
+
+// x_s = x + (b + sum_h proj_h), the heads in order (every block the same sum), from L2; b is a weight.
+// Up to 12 heads' loads in flight at once (GPT-2 small's all).
+template <int C, int NH, int THREADS>
+__device__ __forceinline__ void proj_input(const float* x, const float* proj, const float* bias, float* x_s)
+{
+    constexpr int GROUP = NH < 12 ? NH : 12;
+    for (int i = threadIdx.x; i < C / 4; i += THREADS) {
+        const float4 xv = fresh(reinterpret_cast<const float4*>(x) + i);
+        float4 t = __ldg(reinterpret_cast<const float4*>(bias) + i);
+#pragma unroll
+        for (int h0 = 0; h0 < NH; h0 += GROUP) {
+            float4 v[GROUP];
+#pragma unroll
+            for (int j = 0; j < GROUP; ++j)
+                if (h0 + j < NH) v[j] = fresh(reinterpret_cast<const float4*>(proj + (h0 + j) * C) + i);
+#pragma unroll
+            for (int j = 0; j < GROUP; ++j)
+                if (h0 + j < NH) { t.x += v[j].x; t.y += v[j].y; t.z += v[j].z; t.w += v[j].w; }
+        }
+        reinterpret_cast<float4*>(x_s)[i] = make_float4(xv.x + t.x, xv.y + t.y, xv.z + t.z, xv.w + t.w);
+    }
+    __syncthreads();
+}
+
 // (best, arg) folded with (v, a): the larger value, the smaller index on ties, NaN never taken.
 __device__ __forceinline__ void take_max(float& best, int& arg, float v, int a)
 {
@@ -221,14 +298,6 @@ __device__ __forceinline__ void warp_argmax(float& best, int& arg)
 #pragma unroll
     for (int o = 16; o > 0; o /= 2)
         take_max(best, arg, __shfl_xor_sync(0xffffffffu, best, o), __shfl_xor_sync(0xffffffffu, arg, o));
-}
-
-// This block's rows of an N-row matrix: [first, first + count), ceil(N / G) per block.
-struct Share { int first, count; };
-__device__ __forceinline__ Share share(int N, int b, int G)
-{
-    const int per = (N + G - 1) / G, first = min(N, b * per);
-    return {first, min(N, first + per) - first};
 }
 
 // A linear stage's item, handed to emit(src, bytes) range by range: the block's rows of W (count x K),
@@ -264,28 +333,30 @@ struct Stream {
         constexpr int ITEM = (int)sizeof(weight_t);
         const int b = blockIdx.x;
         const int step = (int)(i / per_step), r = (int)(i % per_step);
-        if (r >= 5 * n_layer) {  // chunk k of the block's rows of wte, lm_rows rows; the first also carries LN_f
+        if (r >= 4 * n_layer) {  // chunk k of the block's rows of wte, lm_rows rows; the first also carries LN_f
             const Share s = share(V, b, gridDim.x);
-            const int k = r - 5 * n_layer, n = max(0, min(lm_rows, s.count - k * lm_rows));
+            const int k = r - 4 * n_layer, n = max(0, min(lm_rows, s.count - k * lm_rows));
             emit(wte + ((long long)s.first + k * lm_rows) * C, n * C * ITEM);
             if (k == 0) { emit(lnf_w, C * 4u); emit(lnf_b, C * 4u); }
             return;
         }
-        const Layer<weight_t>& L = layers[r / 5];
-        switch (r % 5) {
+        const Layer<weight_t>& L = layers[r / 4];
+        switch (r % 4) {
         case 0: linear_item(emit, L.w_attn, C, 3 * C, L.ln1_w, L.ln1_b, L.b_attn); break;
         case 1:
-            if (b / splits < NH) {  // the split's cached rows below pos (the row at pos is this step's)
+            if (b / splits < NH) {  // the split's cached rows below pos (the row at pos is this step's),
+                // then its rows of the head's attn.c_proj columns (W_proj head-major: (NH, C, HS))
                 const int pos = pos0 + step, chunk = (pos + 1 + splits - 1) / splits;
                 const int k0 = min(pos, (b % splits) * chunk), k1 = min(pos, k0 + chunk);
                 const long long at = ((long long)(b / splits) * max_len + k0) * HS;
                 emit(L.k_cache + at, (k1 - k0) * HS * ITEM);
                 emit(L.v_cache + at, (k1 - k0) * HS * ITEM);
+                const Share rows = share(C, b % splits, splits);
+                emit(L.w_proj + ((long long)(b / splits) * C + rows.first) * HS, rows.count * HS * ITEM);
             }
             break;
-        case 2: linear_item<weight_t>(emit, L.w_proj, C, C, nullptr, nullptr, L.b_proj); break;
-        case 3: linear_item(emit, L.w_fc, C, F, L.ln2_w, L.ln2_b, L.b_fc); break;
-        case 4: linear_item<weight_t>(emit, L.w_mlp, F, C, nullptr, nullptr, L.b_mlp); break;
+        case 2: linear_item(emit, L.w_fc, C, F, L.ln2_w, L.ln2_b, L.b_fc); break;
+        case 3: linear_item<weight_t>(emit, L.w_mlp, F, C, nullptr, nullptr, L.b_mlp); break;
         }
     }
 
@@ -298,7 +369,7 @@ struct Stream {
         ranges(i, count);
         mbar_expect(bar, total);
         const int r = (int)(i % per_step);
-        if (r < 5 * n_layer && r % 5 == 1)  // cache rows, written by earlier steps' ordinary stores
+        if (r < 4 * n_layer && r % 4 == 1)  // cache rows, written by earlier steps' ordinary stores
             asm volatile("fence.proxy.async.global;" ::: "memory");
         unsigned char* dst = slots + (i % nslot) * slot_bytes;
         auto copy = [&](const void* src, unsigned int bytes) { bulk_copy(dst, src, bytes, bar); dst += bytes; };
@@ -328,7 +399,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weight_t* __restrict__ wte,
             const weight_t* __restrict__ wpe, const float* __restrict__ lnf_w, const float* __restrict__ lnf_b,
             float eps, int V, int max_len, int splits, float scale, float* x, float* qkv, float* g, float* partial,
-            unsigned int* tickets, float* y,
+            unsigned int* tickets, float* proj,
             float* block_max, int* block_arg, float* logits, int* state, int* history, unsigned int* barrier,
             int steps, int slot_bytes, int nslot, int lm_rows, unsigned long long* trace)
 {
@@ -343,7 +414,6 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
     __shared__ float scratch[WARPS];
     __shared__ float q_s[HS];
     __shared__ int arg_s;
-    __shared__ bool last_s;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, G = gridDim.x, b = blockIdx.x;
 
     const int head = b / splits, split = b % splits;  // stage B's (head, key split); head >= NH: idle
@@ -351,7 +421,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
     const int pos0 = state[1];
     const int lm_chunks = ((V + G - 1) / G + lm_rows - 1) / lm_rows;  // the same in every block
     const Stream<weight_t, C, NH, HS, F> stream{layer_s, wte, lnf_w, lnf_b, slots, full, n_layer, V, max_len, splits,
-                                                 pos0, lm_rows, lm_chunks, 5 * n_layer + lm_chunks, nslot, slot_bytes};
+                                                 pos0, lm_rows, lm_chunks, 4 * n_layer + lm_chunks, nslot, slot_bytes};
     const long long items = (long long)steps * stream.per_step;
 
     for (int i = tid; i < n_layer * (int)(sizeof(Layer<weight_t>) / 8); i += THREADS)
@@ -375,18 +445,37 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
     // global timer at its arrival and at its departure.
     auto finish = [&](int step) {
         __syncthreads();
+#if ISSUE_AT == 0
         if (tid == ISSUER && item + nslot < items) stream.issue(item + nslot);
-        if (tid == 0) {
-            unsigned long long* at = trace != nullptr ? trace + (((long long)step * (5 * n_layer + 1) + stage) * G + b) * 2 : nullptr;
-            if (at != nullptr) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(at[0]));
-            unsigned int ticket;
-            grid_arrive(barrier, ticket);
-            grid_wait(barrier, ticket);
-            if (at != nullptr) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(at[1]));
+#endif
+        if (warp == 0) {
+            unsigned long long* at = trace != nullptr ? trace + (((long long)step * (4 * n_layer + 1) + stage) * G + b) * 2 : nullptr;
+            unsigned int ticket = 0;
+            if (lane == 0) {
+                if (at != nullptr) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(at[0]));
+                group_arrive(barrier, b == 0, G, ticket);
+            }
+#if ISSUE_AT == 1
+            __syncwarp();
+            asm volatile("bar.arrive 1, 64;" ::: "memory");
+#endif
+            if (lane == 0) {
+                group_wait(barrier, ticket);
+                if (at != nullptr) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(at[1]));
+            }
         }
+#if ISSUE_AT == 1
+        else if (warp == 1) {
+            asm volatile("bar.sync 1, 64;" ::: "memory");
+            if (tid == ISSUER && item + nslot < items) stream.issue(item + nslot);
+        }
+#endif
+        __syncthreads();
+#if ISSUE_AT == 2
+        if (tid == ISSUER && item + nslot < items) stream.issue(item + nslot);
+#endif
         ++item;
         ++stage;
-        __syncthreads();
     };
 
     for (int step = 0; step < steps; ++step) {
@@ -395,7 +484,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
         for (int l = 0; l < n_layer; ++l) {
             const Layer<weight_t>& L = layer_s[l];
             Share sh;
-            float v;
+            float v, x_own;  // x_own: this block's rows of the residual, from stage C to stage D
             // A: qkv = LN_1(x) W_attn + b; the new key and value into the cache (rounded to its dtype)
             if (l == 0) {  // x = wte[token] + wpe[pos], written by block 0 for the residual adds
                 for (int i = tid; i < C; i += THREADS) {
@@ -476,17 +565,17 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                     mine[tid] = total;
                     if (tid == 0) { mine[HS] = m; mine[HS + 1] = sum; }
                 }
-                // The last split of the head to finish (a ticket, reset by it) combines the splits in
-                // split order: y_h = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s, M = max_s m_s.
+                // Every split of the head waits for all of them (a barrier of the head's blocks, on its
+                // own counter), then combines them in split order, each the same way:
+                // y_h = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s, M = max_s m_s.
                 __syncthreads();
-                if (head < NH && tid == 0) {  // release: the partial before the ticket; acquire: the others'
-                    unsigned int before;
-                    asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], 1;" : "=r"(before) : "l"(tickets + head) : "memory");
-                    last_s = before == (unsigned int)splits - 1;
-                    if (last_s) tickets[head] = 0u;
+                if (head < NH && tid == 0) {  // release: this split's partial; acquire: the others'
+                    unsigned int ticket;
+                    group_arrive(tickets + head, split == 0, splits, ticket);
+                    group_wait(tickets + head, ticket);
                 }
                 __syncthreads();
-                if (head < NH && last_s) {  // the same in every thread of the block
+                if (head < NH) {
                     const float* p = partial + (long long)head * splits * (HS + 2);
                     float os[MAX_SPLITS];  // every load in flight at once; (m, l) of each split into red
 #pragma unroll
@@ -506,26 +595,22 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                             num = fmaf(e, os[k], num);
                             den = fmaf(e, red[2 * k + 1], den);
                         }
-                    if (tid < HS) y[head * HS + tid] = num / den;
+                    if (tid < HS) q_s[tid] = num / den;  // y_h, where q_h was
+                    __syncthreads();
+                    // attn.c_proj is a sum over heads: x += sum_h y_h W_proj[h] + b. This split's rows of
+                    // the head's term, from the head-major copy W_proj[h] (C, HS) that came with the keys.
+                    head_rows_dot<weight_t, HS, THREADS>(V_s + (long long)staged * HS, q_s, share(C, split, splits),
+                                                         proj + (long long)head * C);
                 }
             }
             finish(step);
 
-            // C: x += y W_proj + b
-            sh = share(C, b, G);
-            {
-                const float x_own = tid < sh.count ? fresh(x + sh.first + tid) : 0.0f;
-                stage_input<C, THREADS, false>(y, nullptr, nullptr, nullptr, nullptr, 0.0f, in_s, scratch);
-                const LinearSlot<weight_t> in(take(), sh, C, false);
-                v = rows_dot<weight_t, C, THREADS, 2>(in.W, in_s, sh.count, red);
-                if (tid < sh.count) x[sh.first + tid] = x_own + (v + in.bias[tid]);
-            }
-            finish(step);
-
-            // D: g = gelu(LN_2(x) W_fc + b)
-            stage_input<C, THREADS, false>(x, nullptr, nullptr, nullptr, nullptr, 0.0f, in_s, scratch);
+            // C: x += sum_h proj_h + b (the heads in order); g = gelu(LN_2(x) W_fc + b)
             sh = share(F, b, G);
             {
+                proj_input<C, NH, THREADS>(x, proj, L.b_proj, in_s);
+                const Share own = share(C, b, G);  // this block's rows of the residual in stage D
+                x_own = tid < own.count ? in_s[own.first + tid] : 0.0f;
                 const LinearSlot<weight_t> in(take(), sh, C, true);
                 layernorm_warps<C, THREADS>(in_s, in.ln_w, in.ln_b, eps);
                 v = rows_dot<weight_t, C, THREADS, 1>(in.W, in_s, sh.count, red);
@@ -533,10 +618,9 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
             }
             finish(step);
 
-            // E: x += g W_mlp + b
+            // D: x += g W_mlp + b
             sh = share(C, b, G);
             {
-                const float x_own = tid < sh.count ? fresh(x + sh.first + tid) : 0.0f;
                 stage_input<F, THREADS, false>(g, nullptr, nullptr, nullptr, nullptr, 0.0f, in_s, scratch);
                 const LinearSlot<weight_t> in(take(), sh, F, false);
                 v = rows_dot<weight_t, F, THREADS, 4>(in.W, in_s, sh.count, red);
@@ -545,7 +629,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
             finish(step);
         }
 
-        // F: the logits of this block's rows of wte, chunk by chunk (LN_f's parameters come with the
+        // E: the logits of this block's rows of wte, chunk by chunk (LN_f's parameters come with the
         // first); the block's (max, argmax)
         stage_input<C, THREADS, false>(x, nullptr, nullptr, nullptr, nullptr, 0.0f, in_s, scratch);
         const Share lm = share(V, b, G);
