@@ -269,7 +269,8 @@ def attention_staging(max_len: int, splits: int, head_size: int, itemsize: int) 
     return rows, 4 * (-(-cap // 4) * 4) + 2 * rows * head_size * itemsize
 
 
-STEP_THREADS = 384  # decode_step.cu's block: a thread may hold 168 registers (GPT-2 small: 138 in float32, no spills)
+STEP_THREADS = 320  # decode_step.cu's compute threads (a multiple of 64); one more warp issues the weight stream
+STEP_BLOCK = STEP_THREADS + 32  # 11 warps, at most 3 on an SM sub-partition: up to 168 registers a thread
 STEP_SLOTS = 8  # at most this many weight slots in decode_step.cu's ring
 STEP_MAX_SPLITS = 16  # decode_step.cu's MAX_SPLITS
 STEP_STAGES = ("ln_1+attn.c_attn", "attn+attn.c_proj", "residual+ln_2+mlp.c_fc+gelu",
@@ -615,9 +616,9 @@ class Engine:
             return plan
         fn = fused.function(*exprs["decode_step"])
         fn.max_dynamic_shared_size_bytes = plan.smem
-        per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, STEP_THREADS, plan.smem)
+        per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, STEP_BLOCK, plan.smem)
         if per_sm < 1:
-            return f"decode_step does not fit an SM ({plan.smem} bytes of shared memory, {STEP_THREADS} threads)"
+            return f"decode_step does not fit an SM ({plan.smem} bytes of shared memory, {STEP_BLOCK} threads)"
         with self.stream:
             table = []
             # attn.c_proj head-major, (NH, C, HS): [h, n, d] = W[n, h * HS + d] of the (out, in) copy
@@ -654,7 +655,7 @@ class Engine:
                 self.step_barrier, np.int32(n), np.int32(plan.slot_bytes), np.int32(plan.slots), np.int32(plan.lm_rows),
                 NULL if trace is None else trace)
         # the launch itself (cupy.cuda.Function): RawKernel takes cooperation from its module's options
-        self.fn["decode_step"].kernel((plan.blocks, 1, 1), (STEP_THREADS, 1, 1), args, shared_mem=plan.smem,
+        self.fn["decode_step"].kernel((plan.blocks, 1, 1), (STEP_BLOCK, 1, 1), args, shared_mem=plan.smem,
                                       stream=self.stream, enable_cooperative_groups=True)
 
     # -- the decode step -----------------------------------------------------------------------------

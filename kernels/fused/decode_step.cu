@@ -39,17 +39,17 @@
  * lands with it; in stage B it owns one (head, key split), and its item is that split's cached K and
  * V rows below pos (written by earlier steps: final, and fenced into the async proxy) and its rows of
  * the head's W_proj[h]; in stage E its rows of wte, in chunks of `lm_rows` rows (the first also
- * carries LN_f). Item i of the stream lands
- * in slot i % nslot; thread ISSUER issues item i + nslot as soon as the block has finished with item
- * i (after a __syncthreads()), while thread 0 takes the block through the barrier, so up to nslot
- * items are in flight or waiting, across barriers and across steps. Every block consumes the same
- * number of items per step (an item may be empty: the mbarrier's phase then completes on the arrive).
+ * carries LN_f). Item i of the stream lands in slot i % nslot. A producer warp of its own issues the copies: item i as soon as the compute
+ * warps are done with item i - nslot (an "empty" mbarrier per slot), so up to nslot items are in
+ * flight or waiting, across barriers and across steps, and a copy that is slow to issue (the copy
+ * engine's queue full) stalls only the producer. The compute warps never wait with it: they sync on
+ * a named barrier of their own (compute_sync). Every block consumes the same number of items per step (an item may be empty: the mbarrier's phase then completes on the arrive).
  *
  * The barrier. One counter, never reset: block 0 adds 2^31 - (G - 1), every other block adds 1, so
  * the top bit flips exactly when all G blocks have arrived and the low bits return to zero, and the
  * next barrier flips it back (the scheme of cooperative groups' grid sync); a head's splits meet the
  * same way on their own counter. Thread 0 arrives with a release and polls with acquire loads;
- * __syncthreads() on either side orders the block's threads.
+ * compute_sync() on either side orders the compute warps.
  * Everything a block reads that another block wrote in this launch (x, qkv, the partials, the heads'
  * projections, g, the cache row at pos, the per-block maxima) is read with fresh() (through L2): an SM's L1 is not
  * coherent. The grid must be co-resident: the engine launches it cooperatively, G = SM count.
@@ -72,19 +72,16 @@
  *
  * Template parameters: weight_t (float or bfloat16 bits, also the cache's type), C (n_embd), NH, HS
  * (head size, a multiple of 32 dividing THREADS), F (MLP width), THREADS. Geometry (gpt2/fast.py,
- * step_plan): grid G (one block per SM, cooperative), block THREADS, dynamic shared memory 128 bytes
- * of mbarriers + nslot * slot_bytes + F floats (the input vector, also stage B's scores) + the layer
+ * step_plan): grid G (one block per SM, cooperative), block THREADS + 32 (the compute warps and the
+ * producer), dynamic shared memory 128 bytes of mbarriers + nslot * slot_bytes + F floats (the input vector, also stage B's scores) + the layer
  * table (struct Layer, copied from `layers` at the start). Needs sm_90 (cp.async.bulk, mbarrier
  * transaction counts). trace (may be null): the global timer at each block's barrier arrivals and
  * departures, (steps, 4 * n_layer + 1, G, 2), for Engine.profile_persistent.
  */
 #include "common.cuh"
 
-#define ISSUER 32  // the thread that issues the weight stream's copies (warp 1: not the barrier's thread 0)
 #define MAX_SPLITS 16
-#ifndef ISSUE_AT
-#define ISSUE_AT 0  // where finish() issues the next weight item: 0 before the arrive, 1 after it, 2 after the barrier
-#endif
+#define MAX_SLOTS 8  // the weight stream's slots, at most (two mbarriers each in the first 128 bytes)
 #ifndef POLL_SLEEP_NS
 #define POLL_SLEEP_NS 40  // between polls of the barrier: 1% faster steps than polling flat out (H100, 0 / 40 / 200 ns)
 #endif  // key splits per head, at most (stage C holds one value of each in registers)
@@ -130,6 +127,15 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned i
 }
 
 // -- barriers of a group of blocks (the grid, or a head's key splits) --------------------------------
+
+// __syncthreads() of the compute warps only (the producer warp never waits with them): named barrier 1.
+template <int THREADS>
+__device__ __forceinline__ void compute_sync() { asm volatile("bar.sync 1, %0;" ::"n"(THREADS) : "memory"); }
+
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar)
+{
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
 
 // One of `count` blocks arrives at counter (the group's leader adds 2^31 - (count - 1), the others 1).
 __device__ __forceinline__ void group_arrive(unsigned int* counter, bool leader, unsigned int count, unsigned int& ticket)
@@ -205,17 +211,17 @@ __device__ __forceinline__ float rows_dot(const weight_t* W_s, const float* in_s
         const float total = warp_sum(acc[0] + acc[1]);
         if (lane == 0) red[u] = total;
     }
-    __syncthreads();
+    compute_sync<THREADS>();
     float v = 0.0f;
     if ((int)threadIdx.x < R)
         for (int p = 0; p < P; ++p) v += red[threadIdx.x * P + p];
-    __syncthreads();
+    compute_sync<THREADS>();
     return v;
 }
 
 // LayerNorm of K floats in place, without block reductions: every warp computes the mean and the
 // centred sum of squares over all K itself (two passes, the same order in every warp), then each
-// thread normalizes its elements. Every thread must have finished writing x_s (a __syncthreads()).
+// thread normalizes its elements. Every thread must have finished writing x_s (a compute_sync()).
 template <int K, int THREADS>
 __device__ __forceinline__ void layernorm_warps(float* x_s, const float* w, const float* bias, float eps)
 {
@@ -231,9 +237,9 @@ __device__ __forceinline__ void layernorm_warps(float* x_s, const float* w, cons
         ss += d * d;
     }
     const float rstd = 1.0f / sqrtf(warp_sum(ss) / K + eps);
-    __syncthreads();  // every warp is past its reads
+    compute_sync<THREADS>();  // every warp is past its reads
     for (int i = threadIdx.x; i < K; i += THREADS) x_s[i] = (x_s[i] - mean) * rstd * w[i] + bias[i];
-    __syncthreads();
+    compute_sync<THREADS>();
 }
 
 // out[first + r] = W_s[r] . y_s for the rows of `rows` (HS weights each, from shared memory): HS / 16
@@ -263,6 +269,15 @@ __device__ __forceinline__ void head_rows_dot(const weight_t* W_s, const float* 
     }
 }
 
+// x_s = src (K floats another block wrote), through L2.
+template <int K, int THREADS>
+__device__ __forceinline__ void load_input(const float* src, float* x_s)
+{
+    static_assert(K % 4 == 0, "read as float4");
+    for (int i = threadIdx.x; i < K / 4; i += THREADS) reinterpret_cast<float4*>(x_s)[i] = fresh(reinterpret_cast<const float4*>(src) + i);
+    compute_sync<THREADS>();
+}
+
 // x_s = x + (b + sum_h proj_h), the heads in order (every block the same sum), from L2; b is a weight.
 // Up to 12 heads' loads in flight at once (GPT-2 small's all).
 template <int C, int NH, int THREADS>
@@ -284,7 +299,7 @@ __device__ __forceinline__ void proj_input(const float* x, const float* proj, co
         }
         reinterpret_cast<float4*>(x_s)[i] = make_float4(xv.x + t.x, xv.y + t.y, xv.z + t.z, xv.w + t.w);
     }
-    __syncthreads();
+    compute_sync<THREADS>();
 }
 
 // (best, arg) folded with (v, a): the larger value, the smaller index on ties, NaN never taken.
@@ -360,7 +375,7 @@ struct Stream {
         }
     }
 
-    // Copy item i into slot i % nslot (one thread: ISSUER): the bytes it expects, then the copies.
+    // Copy item i into slot i % nslot (one thread, the producer's): the bytes it expects, then the copies.
     __device__ __forceinline__ void issue(long long i) const
     {
         unsigned long long* bar = full + i % nslot;
@@ -395,7 +410,7 @@ struct LinearSlot {
 };
 
 template <typename weight_t, int C, int NH, int HS, int F, int THREADS>
-__global__ void __launch_bounds__(THREADS, 1)
+__global__ void __launch_bounds__(THREADS + 32, 1)
 decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weight_t* __restrict__ wte,
             const weight_t* __restrict__ wpe, const float* __restrict__ lnf_w, const float* __restrict__ lnf_b,
             float eps, int V, int max_len, int splits, float scale, float* x, float* qkv, float* g, float* partial,
@@ -403,11 +418,12 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
             float* block_max, int* block_arg, float* logits, int* state, int* history, unsigned int* barrier,
             int steps, int slot_bytes, int nslot, int lm_rows, unsigned long long* trace)
 {
-    constexpr int WARPS = THREADS / 32;
+    constexpr int WARPS = THREADS / 32;  // compute warps; warp WARPS is the producer
     static_assert(HS % 32 == 0 && THREADS % HS == 0, "head size: a multiple of 32 dividing THREADS");
     extern __shared__ __align__(128) unsigned char smem[];
-    unsigned long long* full = reinterpret_cast<unsigned long long*>(smem);  // one mbarrier per slot
-    unsigned char* slots = smem + 128;
+    unsigned long long* full = reinterpret_cast<unsigned long long*>(smem);  // per slot: its item has landed
+    unsigned long long* empty = full + MAX_SLOTS;                            // per slot: the block is done with it
+    unsigned char* slots = smem + 16 * MAX_SLOTS;
     float* in_s = reinterpret_cast<float*>(slots + (long long)nslot * slot_bytes);  // F floats
     Layer<weight_t>* layer_s = reinterpret_cast<Layer<weight_t>*>(in_s + F);  // the layer table
     __shared__ float red[THREADS];
@@ -424,58 +440,47 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                                                  pos0, lm_rows, lm_chunks, 4 * n_layer + lm_chunks, nslot, slot_bytes};
     const long long items = (long long)steps * stream.per_step;
 
-    for (int i = tid; i < n_layer * (int)(sizeof(Layer<weight_t>) / 8); i += THREADS)
+    for (int i = tid; i < n_layer * (int)(sizeof(Layer<weight_t>) / 8); i += blockDim.x)
         reinterpret_cast<unsigned long long*>(layer_s)[i] = reinterpret_cast<const unsigned long long*>(layers)[i];
-    __syncthreads();
-    if (tid == ISSUER) {
-        for (int s = 0; s < nslot; ++s) mbar_init(full + s);
+    if (tid == 0) {
+        for (int s = 0; s < nslot; ++s) { mbar_init(full + s); mbar_init(empty + s); }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        for (long long i = 0; i < nslot && i < items; ++i) stream.issue(i);
     }
-    __syncthreads();
+    __syncthreads();  // the last barrier of the whole block: from here on the producer goes its own way
+
+    // The producer warp: item i goes into its slot as soon as the block is done with item i - nslot.
+    // It never waits at the grid barriers, so a copy that is slow to issue holds up nothing else.
+    if (warp == WARPS) {
+        if (lane == 0)
+            for (long long i = 0; i < items; ++i) {
+                if (i >= nslot) mbar_wait(empty + i % nslot, (unsigned int)((i / nslot - 1) & 1));
+                stream.issue(i);
+            }
+        return;
+    }
 
     long long item = 0;  // the next item to consume
     int stage = 0;       // barriers passed in this step (the trace's index)
     // Wait for the next item; its slot.
     auto take = [&]() { mbar_wait(full + item % nslot, (unsigned int)((item / nslot) & 1)); return slots + (item % nslot) * slot_bytes; };
-    // Done with the item: once every thread is, its slot takes item + nslot.
-    auto release = [&]() { __syncthreads(); if (tid == ISSUER && item + nslot < items) stream.issue(item + nslot); ++item; };
+    // Done with the item: once every compute thread is, the producer may refill its slot.
+    auto release = [&]() { compute_sync<THREADS>(); if (tid == 0) mbar_arrive(empty + item % nslot); ++item; };
     // Done with the item and the stage: release it, then wait for every block (thread 0 arrives and
-    // waits while ISSUER, in another warp, refills the slot). With a trace, thread 0 records the
-    // global timer at its arrival and at its departure.
+    // waits). With a trace, thread 0 records the global timer at its arrival and at its departure.
     auto finish = [&](int step) {
-        __syncthreads();
-#if ISSUE_AT == 0
-        if (tid == ISSUER && item + nslot < items) stream.issue(item + nslot);
-#endif
-        if (warp == 0) {
+        compute_sync<THREADS>();
+        if (tid == 0) {
+            mbar_arrive(empty + item % nslot);
             unsigned long long* at = trace != nullptr ? trace + (((long long)step * (4 * n_layer + 1) + stage) * G + b) * 2 : nullptr;
-            unsigned int ticket = 0;
-            if (lane == 0) {
-                if (at != nullptr) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(at[0]));
-                group_arrive(barrier, b == 0, G, ticket);
-            }
-#if ISSUE_AT == 1
-            __syncwarp();
-            asm volatile("bar.arrive 1, 64;" ::: "memory");
-#endif
-            if (lane == 0) {
-                group_wait(barrier, ticket);
-                if (at != nullptr) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(at[1]));
-            }
+            if (at != nullptr) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(at[0]));
+            unsigned int ticket;
+            group_arrive(barrier, b == 0, G, ticket);
+            group_wait(barrier, ticket);
+            if (at != nullptr) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(at[1]));
         }
-#if ISSUE_AT == 1
-        else if (warp == 1) {
-            asm volatile("bar.sync 1, 64;" ::: "memory");
-            if (tid == ISSUER && item + nslot < items) stream.issue(item + nslot);
-        }
-#endif
-        __syncthreads();
-#if ISSUE_AT == 2
-        if (tid == ISSUER && item + nslot < items) stream.issue(item + nslot);
-#endif
         ++item;
         ++stage;
+        compute_sync<THREADS>();
     };
 
     for (int step = 0; step < steps; ++step) {
@@ -491,9 +496,9 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                     in_s[i] = to_float(wte[(long long)token * C + i]) + to_float(wpe[(long long)pos * C + i]);
                     if (b == 0) x[i] = in_s[i];
                 }
-                __syncthreads();
+                compute_sync<THREADS>();
             } else {
-                stage_input<C, THREADS, false>(x, nullptr, nullptr, nullptr, nullptr, 0.0f, in_s, scratch);
+                load_input<C, THREADS>(x, in_s);
             }
             sh = share(3 * C, b, G);
             {
@@ -528,7 +533,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                 if (has_new && tid < HS) v_new = to_float(fresh(L.v_cache + at_new + tid));
                 if (tid < HS) q_s[tid] = q;
                 float* s_s = in_s;  // the scores; the new row's goes last
-                __syncthreads();
+                compute_sync<THREADS>();
                 const weight_t* K_s = reinterpret_cast<const weight_t*>(take());
                 const weight_t* V_s = K_s + (long long)max(staged, 0) * HS;
                 if (has_new && warp == 0) {
@@ -545,7 +550,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                     acc = warp_sum(acc);
                     if (lane == 0) s_s[j] = acc * scale;
                 }
-                __syncthreads();
+                compute_sync<THREADS>();
                 float m = -INFINITY, sum = 0.0f;  // every warp the same, in the same order
                 for (int j = lane; j < n; j += 32) m = fmaxf(m, s_s[j]);
 #pragma unroll
@@ -557,7 +562,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                 float o = 0.0f;
                 for (int j = grp; j < staged; j += GROUPS) o = fmaf(expf(s_s[j] - m), to_float(V_s[j * HS + d]), o);
                 red[grp * HS + d] = o;
-                __syncthreads();
+                compute_sync<THREADS>();
                 float* mine = partial + (long long)(head * splits + split) * (HS + 2);
                 if (head < NH && tid < HS) {
                     float total = has_new ? expf(s_s[staged] - m) * v_new : 0.0f;  // v_new sits in threads below HS
@@ -568,13 +573,13 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                 // Every split of the head waits for all of them (a barrier of the head's blocks, on its
                 // own counter), then combines them in split order, each the same way:
                 // y_h = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s, M = max_s m_s.
-                __syncthreads();
+                compute_sync<THREADS>();
                 if (head < NH && tid == 0) {  // release: this split's partial; acquire: the others'
                     unsigned int ticket;
                     group_arrive(tickets + head, split == 0, splits, ticket);
                     group_wait(tickets + head, ticket);
                 }
-                __syncthreads();
+                compute_sync<THREADS>();
                 if (head < NH) {
                     const float* p = partial + (long long)head * splits * (HS + 2);
                     float os[MAX_SPLITS];  // every load in flight at once; (m, l) of each split into red
@@ -584,7 +589,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                         red[2 * tid] = fresh(p + tid * (HS + 2) + HS);
                         red[2 * tid + 1] = fresh(p + tid * (HS + 2) + HS + 1);
                     }
-                    __syncthreads();
+                    compute_sync<THREADS>();
                     float M = -INFINITY;
                     for (int k = 0; k < splits; ++k) M = fmaxf(M, red[2 * k]);
                     float num = 0.0f, den = 0.0f;
@@ -596,7 +601,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                             den = fmaf(e, red[2 * k + 1], den);
                         }
                     if (tid < HS) q_s[tid] = num / den;  // y_h, where q_h was
-                    __syncthreads();
+                    compute_sync<THREADS>();
                     // attn.c_proj is a sum over heads: x += sum_h y_h W_proj[h] + b. This split's rows of
                     // the head's term, from the head-major copy W_proj[h] (C, HS) that came with the keys.
                     head_rows_dot<weight_t, HS, THREADS>(V_s + (long long)staged * HS, q_s, share(C, split, splits),
@@ -621,7 +626,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
             // D: x += g W_mlp + b
             sh = share(C, b, G);
             {
-                stage_input<F, THREADS, false>(g, nullptr, nullptr, nullptr, nullptr, 0.0f, in_s, scratch);
+                load_input<F, THREADS>(g, in_s);
                 const LinearSlot<weight_t> in(take(), sh, F, false);
                 v = rows_dot<weight_t, F, THREADS, 4>(in.W, in_s, sh.count, red);
                 if (tid < sh.count) x[sh.first + tid] = x_own + (v + in.bias[tid]);
@@ -631,7 +636,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
 
         // E: the logits of this block's rows of wte, chunk by chunk (LN_f's parameters come with the
         // first); the block's (max, argmax)
-        stage_input<C, THREADS, false>(x, nullptr, nullptr, nullptr, nullptr, 0.0f, in_s, scratch);
+        load_input<C, THREADS>(x, in_s);
         const Share lm = share(V, b, G);
         float best = -INFINITY;
         int arg = 0x7fffffff;
@@ -652,7 +657,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
         // the block's best (rows_dot's values sit in threads below R: warps reduce, then thread 0)
         warp_argmax(best, arg);
         if (lane == 0) { red[warp] = best; reinterpret_cast<int*>(scratch)[warp] = arg; }
-        __syncthreads();
+        compute_sync<THREADS>();
         if (tid == 0) {
             for (int w = 1; w < WARPS; ++w) take_max(red[0], reinterpret_cast<int*>(scratch)[0], red[w], reinterpret_cast<int*>(scratch)[w]);
             block_max[b] = red[0];
@@ -668,7 +673,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
             warp_argmax(best, arg);
             if (lane == 0) arg_s = (arg >= 0 && arg < V) ? arg : 0;
         }
-        __syncthreads();
+        compute_sync<THREADS>();
         token = arg_s;
         if (b == 0 && tid == 0) {
             history[pos + 1] = token;
