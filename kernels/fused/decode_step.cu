@@ -55,13 +55,18 @@
  * coherent. The grid must be co-resident: the engine launches it cooperatively, G = SM count.
  *
  * Where the time goes (H100, GPT-2 small at position 519, bfloat16; global-timer marks in a debug
- * copy, medians over blocks): of a stage's ~2.4-6 us, the barrier is ~1-1.7 us from a block's arrival
+ * copy of the five-stage step, before attn.c_proj moved into stage B; medians over blocks): of a
+ * stage's ~2.4-6 us, the barrier is ~1-1.7 us from a block's arrival
  * to its departure (the release of its stores, the last block's arrival, the poll), reading the
  * previous stage's activations from L2 ~0.5 us, and the block's own arithmetic the rest: LayerNorm and
  * three rounds of row dot products ~1.8 us in stage A, the ticket and combine ~1 us in stage B. The
  * weights are in shared memory before they are needed (the wait for the slot is ~0.1 us). So the
  * step is latency-bound, not bandwidth-bound: fewer stages per layer, or less work between a stage's
  * input and its barrier arrival, is what would make it faster.
+ * What moving the copies showed: issuing a stage's next item after the barrier instead of before the
+ * arrival makes the barrier itself cheapest but the stages slower (the stream falls behind), and a
+ * float32 barrier costs more than a bfloat16 one while its larger copies are in flight; the producer
+ * warp takes the issue off the compute warps but not that cost off the barrier.
  *
  * Numerics as in the per-operation kernels: float32 accumulation, LayerNorm two-pass (here every warp
  * computes the statistics itself, in the same order, instead of a block reduction), the key and value
