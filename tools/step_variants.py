@@ -1,0 +1,84 @@
+"""A/B of compile-time variants of the persistent decode step (kernels/fused/decode_step.cu) on a GPU.
+
+    python3 tools/step_variants.py "" "-DPOLL_SLEEP_NS=0" [--position 264] [--dtype float32]
+
+Each argument is one variant: NVRTC options separated by commas ("" is the file as it is). For each
+dtype: GPT-2 small with random weights, a KV cache filled by a generation; every variant runs 64
+steps from the same state and cache, and must leave the same tokens and the same bits of x as the
+first (a variant that changes arithmetic says so); then microseconds per token from `position`
+(Engine.replay_ms, the variants interleaved over 4 rounds, each a median of 5 runs) and each stage
+kind's total, work and barrier time (Engine.profile_persistent at 519).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("variants", nargs="+", help='NVRTC options of a variant, comma-separated ("" for none)')
+    parser.add_argument("--position", type=int, default=264)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
+    args = parser.parse_args(argv)
+
+    import cupy as cp
+
+    import gpt2
+    import gpt2.fast as fast
+    from kernels import fused
+
+    variants = [tuple(o for o in v.split(",") if o) for v in args.variants]
+    ckpt = gpt2.random_weights("gpt2", seed=0, xp=cp)
+    for dtype in fast.DTYPES if args.dtype == "both" else (args.dtype,):
+        params = ckpt.params if dtype == "float32" else fast.as_bfloat16(ckpt.params)
+        engine = fast.Engine(params, ckpt.config, dtype=dtype, persistent=True)
+        engine.generate([1, 2, 3], 300, attend=gpt2.reference_attend, kv_cache=True)  # the cache up to 303
+        name, expr = fast.kernel_expressions(ckpt.config, dtype)["decode_step"]
+        fns = []
+        for options in variants:
+            fn = fused.function(name, expr, options=options)
+            fn.max_dynamic_shared_size_bytes = engine.plan.smem
+            fns.append(fn)
+        k0, v0 = engine.k_cache.copy(), engine.v_cache.copy()
+        first = None
+        for options, fn in zip(variants, fns):
+            engine.fn["decode_step"] = fn
+            engine.k_cache[...], engine.v_cache[...] = k0, v0
+            engine.state.set(np.asarray([int(engine.history[200].get()), 200], np.int32))
+            with engine.stream:
+                engine.persistent_steps(64)
+            engine.stream.synchronize()
+            got = cp.asnumpy(engine.history[201:265]), cp.asnumpy(engine.x)
+            first = first or got
+            same = bool((got[0] == first[0]).all() and (got[1] == first[1]).all())
+            print(f"{dtype} {' '.join(options) or '(as is)'}: tokens and x {'the same as' if same else 'DIFFER from'} "
+                  "the first variant's")
+        times = {i: [] for i in range(len(fns))}
+        for _ in range(4):
+            for i, fn in enumerate(fns):
+                engine.fn["decode_step"] = fn
+                times[i].append(1e3 * engine.replay_ms(args.position, 64, repeats=5))
+        for i, options in enumerate(variants):
+            engine.fn["decode_step"] = fns[i]
+            stages = engine.profile_persistent(519)
+            kinds = fast.by_kind([(n, t) for n, t, _, _ in stages])
+            work = {k: ms for k, _, ms in fast.by_kind([(n, w) for n, _, w, _ in stages])}
+            wait = {k: ms for k, _, ms in fast.by_kind([(n, b) for n, _, _, b in stages])}
+            print(f"{dtype} {' '.join(options) or '(as is)':<40} us/token at {args.position}: "
+                  + " ".join(f"{t:.1f}" for t in times[i]))
+            print("    " + "; ".join(f"{k} {1e3 * ms:.0f}/{1e3 * work[k]:.0f}/{1e3 * wait[k]:.0f}"
+                                     for k, _, ms in kinds) + "  (us per token: total/work/barrier)")
+        del engine
+        fast.clear_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
