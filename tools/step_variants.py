@@ -1,8 +1,8 @@
 """A/B of compile-time variants of the persistent decode step (kernels/fused/decode_step.cu) on a GPU.
 
-    python3 tools/step_variants.py "" "-DPOLL_SLEEP_NS=0" [--position 264] [--dtype float32]
+    python3 tools/step_variants.py [--position 264] [--dtype float32] -- "" "-DPOLL_SLEEP_NS=0"
 
-Each argument is one variant: NVRTC options separated by commas ("" is the file as it is). For each
+Each argument after `--` is one variant: NVRTC options separated by commas ("" is the file as it is). For each
 dtype: GPT-2 small with random weights, a KV cache filled by a generation; every variant runs 64
 steps from the same state and cache, and must leave the same tokens and the same bits of x as the
 first (a variant that changes arithmetic says so); then microseconds per token from `position`
