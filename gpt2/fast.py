@@ -321,7 +321,7 @@ def step_plan(config: GPT2Config, dtype: str, sm_count: int, max_len: int, smem_
     attention = (2 * cap + -(-C // splits)) * HS * item  # a split's keys and values, its rows of W_proj[h]
     slot = -(-max(biggest, attention, 8 * C + C * item) // 128) * 128
     table = config.n_layer * 8 * len(LAYER_POINTERS)
-    fixed = 128 + 4 * F + table + STEP_STATIC_SMEM
+    fixed = 128 + 4 * (F + C) + table + STEP_STATIC_SMEM  # mbarriers, the input vector and x, the table
     slots = min(STEP_SLOTS, (smem_limit - fixed) // slot)
     if slots < 2:
         return f"decode_step needs two slots of {slot} bytes and {fixed} more of shared memory; the device has {smem_limit}"
@@ -333,7 +333,7 @@ def step_plan(config: GPT2Config, dtype: str, sm_count: int, max_len: int, smem_
             return f"{rows(N)} rows of {K} per block: more row parts than decode_step's {STEP_THREADS} threads"
     lm_rows = max(1, min(STEP_THREADS // parts(C, 1), (slot - 8 * C) // (C * item)))
     return StepPlan(blocks=G, splits=splits, slot_bytes=slot, slots=slots, lm_rows=lm_rows,
-                    smem=128 + slots * slot + 4 * F + table)
+                    smem=128 + slots * slot + 4 * (F + C) + table)
 
 
 # -- launches --------------------------------------------------------------------------------------
@@ -632,9 +632,14 @@ class Engine:
                 arrays["attn.c_proj.weight"] = self.proj_heads[i]
                 table.append([arrays[name].data.ptr for name in LAYER_POINTERS])
             self.layer_table = cp.asarray(np.asarray(table, dtype=np.uint64))
-            self.step_partial = cp.zeros((c.n_head, plan.splits, c.head_size + 2), dtype=cp.float32)
-            self.step_tickets = cp.zeros(c.n_head, dtype=cp.uint32)  # stage B's barriers of a head's splits
-            self.step_proj = cp.zeros((c.n_head, c.n_embd), dtype=cp.float32)  # the heads' terms of attn.c_proj
+            # what blocks hand each other, per layer: (value, epoch) words (decode_step.cu's LL handoffs)
+            L = c.n_layer
+            self.step_ll = {"x": cp.zeros((L, c.n_embd), dtype=cp.uint64),
+                            "qkv": cp.zeros((L, 3 * c.n_embd), dtype=cp.uint64),
+                            "partial": cp.zeros((L, c.n_head, plan.splits, c.head_size + 2), dtype=cp.uint64),
+                            "g": cp.zeros((L, c.mlp_width), dtype=cp.uint64)}
+            self.step_epoch = cp.zeros(1, dtype=cp.uint32)  # the last step's epoch: advanced by every launch
+            self.step_proj = cp.zeros((L, c.n_head, c.n_embd), dtype=cp.float32)  # the heads' terms of attn.c_proj
             self.step_max = cp.zeros(plan.blocks, dtype=cp.float32)
             self.step_arg = cp.zeros(plan.blocks, dtype=cp.int32)
             self.step_barrier = cp.zeros(1, dtype=cp.uint32)  # never reset: see decode_step.cu
@@ -649,11 +654,10 @@ class Engine:
         c, p, plan = self.config, self.params32, self.plan
         args = (self.layer_table, np.int32(c.n_layer), self.wte, self.wpe, p["ln_f.weight"], p["ln_f.bias"], self.eps,
                 np.int32(c.vocab_size), np.int32(self.max_len), np.int32(plan.splits),
-                np.float32(1.0 / math.sqrt(c.head_size)), self.x, self.qkv, self.g, self.step_partial, self.step_tickets,
-                self.step_proj, self.step_max,
-                self.step_arg, self.logits if self.logits is not None else NULL, self.state, self.history,
-                self.step_barrier, np.int32(n), np.int32(plan.slot_bytes), np.int32(plan.slots), np.int32(plan.lm_rows),
-                NULL if trace is None else trace)
+                np.float32(1.0 / math.sqrt(c.head_size)), self.x, *self.step_ll.values(), self.step_proj,
+                self.step_max, self.step_arg, self.logits if self.logits is not None else NULL, self.state,
+                self.history, self.step_barrier, self.step_epoch, np.int32(n), np.int32(plan.slot_bytes),
+                np.int32(plan.slots), np.int32(plan.lm_rows), NULL if trace is None else trace)
         # the launch itself (cupy.cuda.Function): RawKernel takes cooperation from its module's options
         self.fn["decode_step"].kernel((plan.blocks, 1, 1), (STEP_BLOCK, 1, 1), args, shared_mem=plan.smem,
                                       stream=self.stream, enable_cooperative_groups=True)
@@ -986,7 +990,7 @@ class Engine:
             step = slice(stages, 2 * stages)
             runs.append(np.stack([last_leave[step] - last_leave[stages - 1:-1],
                                   (arrive[1] - prev).max(axis=1),
-                                  leave[1].min(axis=1) - arrive[1].max(axis=1)], axis=1) / 1e6)
+                                  np.median(leave[1] - arrive[1], axis=1)], axis=1) / 1e6)
         ms = np.median(runs[1:], axis=0)
         names = [f"h.{i}.{kind}" for i in range(c.n_layer) for kind in STEP_STAGES]
         return [(name, *row) for name, row in zip(names + ["ln_f+lm_head+argmax"], ms.tolist(), strict=True)]

@@ -257,7 +257,7 @@ def test_persistent_step_plan_for_gpt2_small_on_132_sms(dtype, slots, slot_bytes
     assert plan.slot_bytes == -(-(24 * 768 * item + 8 * 768 + 4 * (24 + 8)) // 128) * 128 == slot_bytes
     assert (plan.blocks, plan.splits, plan.slots, plan.lm_rows) == (132, 11, slots, 24)
     table = 12 * 8 * len(fast.LAYER_POINTERS)
-    assert plan.smem == 128 + slots * slot_bytes + 4 * 3072 + table
+    assert plan.smem == 128 + slots * slot_bytes + 4 * (3072 + 768) + table
     assert plan.smem + fast.STEP_STATIC_SMEM <= H100_SMEM
     assert (2 * 94 + 70) * 64 * item <= plan.slot_bytes  # stage B: 94 keys of K and V, 70 rows of W_proj[h]
 

@@ -85,11 +85,14 @@
  */
 #include "common.cuh"
 
-#define MAX_SPLITS 16
-#define MAX_SLOTS 8  // the weight stream's slots, at most (two mbarriers each in the first 128 bytes)
+#define MAX_SPLITS 16  // key splits per head, at most (stage B holds one value of each in registers)
+#define MAX_SLOTS 8    // the weight stream's slots, at most (two mbarriers each in the first 128 bytes)
 #ifndef POLL_SLEEP_NS
-#define POLL_SLEEP_NS 40  // between polls of the barrier: 1% faster steps than polling flat out (H100, 0 / 40 / 200 ns)
-#endif  // key splits per head, at most (stage C holds one value of each in registers)
+#define POLL_SLEEP_NS 40  // between polls of the grid barrier: 1% faster steps than polling flat out (H100, 0 / 40 / 200 ns)
+#endif
+#ifndef LL_SLEEP_NS
+#define LL_SLEEP_NS 0  // between rounds of reloads of stale handoff words
+#endif
 
 
 // One layer's pointers, in the order gpt2/fast.py writes them (Engine.layer_table).
@@ -131,7 +134,7 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned i
                  ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 }
 
-// -- barriers of a group of blocks (the grid, or a head's key splits) --------------------------------
+// -- synchronization: the compute warps, the grid ---------------------------------------------------
 
 // __syncthreads() of the compute warps only (the producer warp never waits with them): named barrier 1.
 template <int THREADS>
@@ -142,24 +145,85 @@ __device__ __forceinline__ void mbar_arrive(unsigned long long* bar)
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
 
-// One of `count` blocks arrives at counter (the group's leader adds 2^31 - (count - 1), the others 1).
-__device__ __forceinline__ void group_arrive(unsigned int* counter, bool leader, unsigned int count, unsigned int& ticket)
+// The grid barrier: arrive (acquire-release on the add), then poll until the top bit flips. The last to
+// arrive knows it from its own add, has acquired every other block's release with it, and leaves at once.
+__device__ __forceinline__ void grid_sync(unsigned int* counter, bool leader, unsigned int count)
 {
     const unsigned int add = leader ? 0x80000000u - (count - 1) : 1u;
-    asm volatile("atom.add.release.gpu.global.u32 %0, [%1], %2;" : "=r"(ticket) : "l"(counter), "r"(add) : "memory");
-}
-
-// Until the top bit differs from the ticket's: every block of the group has arrived.
-__device__ __forceinline__ void group_wait(const unsigned int* counter, unsigned int ticket)
-{
-    unsigned int now;
+    unsigned int ticket, now;
+    asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], %2;" : "=r"(ticket) : "l"(counter), "r"(add) : "memory");
+    if (((ticket + add) ^ ticket) & 0x80000000u) return;
     while (true) {
         asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(counter) : "memory");
-        if ((now ^ ticket) & 0x80000000u) break;
+        if ((now ^ ticket) & 0x80000000u) return;
 #if POLL_SLEEP_NS > 0
         __nanosleep(POLL_SLEEP_NS);
 #endif
     }
+}
+
+// -- handoffs that carry their data (the LL protocol) ----------------------------------------------
+// A value one block hands to others: the float in the low half of an 8-byte word, the step's epoch in
+// the high half, stored and loaded as one 8-byte access (single-copy atomic). A reader that sees this
+// step's epoch has the value with it: no fence, no barrier, and it waits only for the blocks whose
+// values it reads. Words from earlier steps carry earlier epochs; epochs never repeat (ll_epoch).
+
+__device__ __forceinline__ void ll_store(unsigned long long* p, float v, unsigned int epoch)
+{
+    const unsigned long long w = ((unsigned long long)epoch << 32) | __float_as_uint(v);
+    asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(w) : "memory");
+}
+
+__device__ __forceinline__ unsigned long long ll_word(const unsigned long long* p)
+{
+    unsigned long long w;
+    asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(w) : "l"(p) : "memory");
+    return w;
+}
+
+__device__ __forceinline__ float ll_float(unsigned long long w) { return __uint_as_float((unsigned int)w); }
+
+// w[k] = the word at at(k) (none where at(k) is null) once it carries epoch. The loads go out together,
+// and so do the reloads of the words still stale: a round trip per round, not per word.
+template <int N, typename At>
+__device__ __forceinline__ void ll_gather(unsigned long long (&w)[N], At at, unsigned int epoch)
+{
+    const unsigned long long settled = (unsigned long long)epoch << 32;
+#pragma unroll
+    for (int k = 0; k < N; ++k) w[k] = at(k) != nullptr ? ll_word(at(k)) : settled;
+    while (true) {
+        bool stale = false;
+#pragma unroll
+        for (int k = 0; k < N; ++k) stale |= (unsigned int)(w[k] >> 32) != epoch;
+        if (!stale) return;
+#if LL_SLEEP_NS > 0
+        __nanosleep(LL_SLEEP_NS);
+#endif
+#pragma unroll
+        for (int k = 0; k < N; ++k)
+            if ((unsigned int)(w[k] >> 32) != epoch) w[k] = ll_word(at(k));
+    }
+}
+
+// x_s = the K values at src of this step (and a copy into `keep`, when given): all of a thread's words
+// at once, up to 12.
+template <int K, int THREADS>
+__device__ __forceinline__ void ll_input(const unsigned long long* src, unsigned int epoch, float* x_s, float* keep)
+{
+    constexpr int BATCH = (K + THREADS - 1) / THREADS < 12 ? (K + THREADS - 1) / THREADS : 12;
+    for (int i0 = threadIdx.x; i0 < K; i0 += BATCH * THREADS) {
+        unsigned long long w[BATCH];
+        ll_gather(w, [&](int k) { return i0 + k * THREADS < K ? src + i0 + k * THREADS : nullptr; }, epoch);
+#pragma unroll
+        for (int k = 0; k < BATCH; ++k) {
+            const int i = i0 + k * THREADS;
+            if (i < K) {
+                x_s[i] = ll_float(w[k]);
+                if (keep != nullptr) keep[i] = x_s[i];
+            }
+        }
+    }
+    compute_sync<THREADS>();
 }
 
 // -- rows of a matrix against a vector, from shared memory -------------------------------------------
@@ -274,23 +338,14 @@ __device__ __forceinline__ void head_rows_dot(const weight_t* W_s, const float* 
     }
 }
 
-// x_s = src (K floats another block wrote), through L2.
-template <int K, int THREADS>
-__device__ __forceinline__ void load_input(const float* src, float* x_s)
-{
-    static_assert(K % 4 == 0, "read as float4");
-    for (int i = threadIdx.x; i < K / 4; i += THREADS) reinterpret_cast<float4*>(x_s)[i] = fresh(reinterpret_cast<const float4*>(src) + i);
-    compute_sync<THREADS>();
-}
-
-// x_s = x + (b + sum_h proj_h), the heads in order (every block the same sum), from L2; b is a weight.
-// Up to 12 heads' loads in flight at once (GPT-2 small's all).
+// x_s = x_in + (b + sum_h proj_h), the heads in order (every block the same sum), proj through L2;
+// x_in is in shared memory, b a weight. Up to 12 heads' loads in flight at once (GPT-2 small's all).
 template <int C, int NH, int THREADS>
-__device__ __forceinline__ void proj_input(const float* x, const float* proj, const float* bias, float* x_s)
+__device__ __forceinline__ void proj_input(const float* x_in, const float* proj, const float* bias, float* x_s)
 {
     constexpr int GROUP = NH < 12 ? NH : 12;
     for (int i = threadIdx.x; i < C / 4; i += THREADS) {
-        const float4 xv = fresh(reinterpret_cast<const float4*>(x) + i);
+        const float4 xv = reinterpret_cast<const float4*>(x_in)[i];
         float4 t = __ldg(reinterpret_cast<const float4*>(bias) + i);
 #pragma unroll
         for (int h0 = 0; h0 < NH; h0 += GROUP) {
@@ -418,10 +473,10 @@ template <typename weight_t, int C, int NH, int HS, int F, int THREADS>
 __global__ void __launch_bounds__(THREADS + 32, 1)
 decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weight_t* __restrict__ wte,
             const weight_t* __restrict__ wpe, const float* __restrict__ lnf_w, const float* __restrict__ lnf_b,
-            float eps, int V, int max_len, int splits, float scale, float* x, float* qkv, float* g, float* partial,
-            unsigned int* tickets, float* proj,
+            float eps, int V, int max_len, int splits, float scale, float* x, unsigned long long* ll_x,
+            unsigned long long* ll_qkv, unsigned long long* ll_partial, unsigned long long* ll_g, float* proj,
             float* block_max, int* block_arg, float* logits, int* state, int* history, unsigned int* barrier,
-            int steps, int slot_bytes, int nslot, int lm_rows, unsigned long long* trace)
+            unsigned int* ll_epoch, int steps, int slot_bytes, int nslot, int lm_rows, unsigned long long* trace)
 {
     constexpr int WARPS = THREADS / 32;  // compute warps; warp WARPS is the producer
     static_assert(HS % 32 == 0 && THREADS % HS == 0, "head size: a multiple of 32 dividing THREADS");
@@ -430,80 +485,93 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
     unsigned long long* empty = full + MAX_SLOTS;                            // per slot: the block is done with it
     unsigned char* slots = smem + 16 * MAX_SLOTS;
     float* in_s = reinterpret_cast<float*>(slots + (long long)nslot * slot_bytes);  // F floats
-    Layer<weight_t>* layer_s = reinterpret_cast<Layer<weight_t>*>(in_s + F);  // the layer table
+    float* x_in = in_s + F;  // C floats: the layer's input x, from stage A to stage C
+    Layer<weight_t>* layer_s = reinterpret_cast<Layer<weight_t>*>(x_in + C);  // the layer table
     __shared__ float red[THREADS];
     __shared__ float scratch[WARPS];
     __shared__ float q_s[HS];
     __shared__ int arg_s;
+    __shared__ unsigned long long stepped;  // a phase per step: the compute warps have passed its last barrier
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, G = gridDim.x, b = blockIdx.x;
 
     const int head = b / splits, split = b % splits;  // stage B's (head, key split); head >= NH: idle
     int token = state[0];
     const int pos0 = state[1];
+    const unsigned int epoch0 = *ll_epoch;  // step s hands over its values with epoch epoch0 + s + 1
     const int lm_chunks = ((V + G - 1) / G + lm_rows - 1) / lm_rows;  // the same in every block
     const Stream<weight_t, C, NH, HS, F> stream{layer_s, wte, lnf_w, lnf_b, slots, full, n_layer, V, max_len, splits,
                                                  pos0, lm_rows, lm_chunks, 4 * n_layer + lm_chunks, nslot, slot_bytes};
     const long long items = (long long)steps * stream.per_step;
+    const int stages = 4 * n_layer + 1;  // per step: the trace's second index
 
     for (int i = tid; i < n_layer * (int)(sizeof(Layer<weight_t>) / 8); i += blockDim.x)
         reinterpret_cast<unsigned long long*>(layer_s)[i] = reinterpret_cast<const unsigned long long*>(layers)[i];
     if (tid == 0) {
         for (int s = 0; s < nslot; ++s) { mbar_init(full + s); mbar_init(empty + s); }
+        mbar_init(&stepped);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();  // the last barrier of the whole block: from here on the producer goes its own way
 
     // The producer warp: item i goes into its slot as soon as the block is done with item i - nslot.
-    // It never waits at the grid barriers, so a copy that is slow to issue holds up nothing else.
+    // It never waits at the grid barriers, so a copy that is slow to issue holds up nothing else. Only
+    // stage B's items read what blocks wrote in this launch (the cache rows below pos, written by
+    // earlier steps); those of step s wait until the compute warps have passed step s - 1's last grid
+    // barrier, which orders every block's stores of that step before them.
     if (warp == WARPS) {
-        if (lane == 0)
+        if (lane == 0) {
+            int passed = 0;  // steps whose last barrier the compute warps have passed, as far as seen
             for (long long i = 0; i < items; ++i) {
+                const int step = (int)(i / stream.per_step), r = (int)(i % stream.per_step);
+                for (; passed < step && r < 4 * n_layer && r % 4 == 1; ++passed) mbar_wait(&stepped, passed & 1);
                 if (i >= nslot) mbar_wait(empty + i % nslot, (unsigned int)((i / nslot - 1) & 1));
                 stream.issue(i);
             }
+        }
         return;
     }
 
     long long item = 0;  // the next item to consume
-    int stage = 0;       // barriers passed in this step (the trace's index)
+    int stage = 0;       // stages done in this step (the trace's index)
     // Wait for the next item; its slot.
     auto take = [&]() { mbar_wait(full + item % nslot, (unsigned int)((item / nslot) & 1)); return slots + (item % nslot) * slot_bytes; };
     // Done with the item: once every compute thread is, the producer may refill its slot.
     auto release = [&]() { compute_sync<THREADS>(); if (tid == 0) mbar_arrive(empty + item % nslot); ++item; };
-    // Done with the item and the stage: release it, then wait for every block (thread 0 arrives and
-    // waits). With a trace, thread 0 records the global timer at its arrival and at its departure.
+    // With a trace, thread 0 records the global timer: at a block's arrival (which 0) when its stage is
+    // done, at its departure (which 1) when the next stage has its inputs.
+    auto mark = [&](int step, int k, int which) {
+        if (trace != nullptr && tid == 0)
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(trace[(((long long)step * stages + k) * G + b) * 2 + which]));
+    };
+    // Done with the item and the stage; the next stage's inputs come as they are handed over (ll_input).
+    auto handoff = [&](int step) { release(); mark(step, stage++, 0); };
+    // Done with the item and the stage: release it, then wait for every block (thread 0 arrives and waits).
     auto finish = [&](int step) {
-        compute_sync<THREADS>();
-        if (tid == 0) {
-            mbar_arrive(empty + item % nslot);
-            unsigned long long* at = trace != nullptr ? trace + (((long long)step * (4 * n_layer + 1) + stage) * G + b) * 2 : nullptr;
-            if (at != nullptr) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(at[0]));
-            unsigned int ticket;
-            group_arrive(barrier, b == 0, G, ticket);
-            group_wait(barrier, ticket);
-            if (at != nullptr) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(at[1]));
-        }
-        ++item;
-        ++stage;
+        release();
+        mark(step, stage, 0);
+        if (tid == 0) grid_sync(barrier, b == 0, G);
+        mark(step, stage++, 1);
         compute_sync<THREADS>();
     };
 
     for (int step = 0; step < steps; ++step) {
         const int pos = pos0 + step;
+        const unsigned int epoch = epoch0 + step + 1;
         stage = 0;
         for (int l = 0; l < n_layer; ++l) {
             const Layer<weight_t>& L = layer_s[l];
+            unsigned long long* qkv_l = ll_qkv + (long long)l * 3 * C;
+            float* proj_l = proj + (long long)l * NH * C;
             Share sh;
             float v, x_own;  // x_own: this block's rows of the residual, from stage C to stage D
             // A: qkv = LN_1(x) W_attn + b; the new key and value into the cache (rounded to its dtype)
-            if (l == 0) {  // x = wte[token] + wpe[pos], written by block 0 for the residual adds
-                for (int i = tid; i < C; i += THREADS) {
-                    in_s[i] = to_float(wte[(long long)token * C + i]) + to_float(wpe[(long long)pos * C + i]);
-                    if (b == 0) x[i] = in_s[i];
-                }
+            if (l == 0) {  // x = wte[token] + wpe[pos]
+                for (int i = tid; i < C; i += THREADS)
+                    x_in[i] = in_s[i] = to_float(wte[(long long)token * C + i]) + to_float(wpe[(long long)pos * C + i]);
                 compute_sync<THREADS>();
             } else {
-                load_input<C, THREADS>(x, in_s);
+                ll_input<C, THREADS>(ll_x + (long long)(l - 1) * C, epoch, in_s, x_in);
+                mark(step, stage - 1, 1);
             }
             sh = share(3 * C, b, G);
             {
@@ -513,32 +581,39 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                 if (tid < sh.count) {
                     const int n = sh.first + tid;
                     v += in.bias[tid];
-                    qkv[n] = v;
-                    if (n >= C) {
+                    ll_store(qkv_l + n, v, epoch);
+                    if (n >= C) {  // for later steps (this one's stage B takes it from qkv)
                         const int hd = (n - C) % C;
                         weight_t* cache = n < 2 * C ? L.k_cache : L.v_cache;
                         store_as(cache + ((long long)(hd / HS) * max_len + pos) * HS + hd % HS, v);
                     }
                 }
             }
-            finish(step);
+            handoff(step);
 
             // B: this block's split of the keys: scores, their max and sum, and o = sum p_j v_j
             {
                 const int chunk = (pos + 1 + splits - 1) / splits;
                 const int k0 = min(pos + 1, split * chunk), n = head < NH ? min(pos + 1, k0 + chunk) - k0 : 0;
-                const int staged = max(0, min(n, pos - k0));  // rows in the slot; the row at pos is read from the cache
+                const int staged = max(0, min(n, pos - k0));  // rows in the slot; the row at pos comes from qkv
                 const bool has_new = n > staged;
-                // this step's key and value, when this split holds pos, and q: loads in flight together
-                const long long at_new = ((long long)head * max_len + pos) * HS;
-                float q = 0.0f, k_new[HS / 32], v_new = 0.0f;
-                if (head < NH && tid < HS) q = fresh(qkv + head * HS + tid);
+                // q, and this step's key and value when this split holds pos (rounded to the cache's dtype,
+                // as stage A stored them): word 0 q, 1 v (threads below HS), 2... k (warp 0)
+                const unsigned long long* at_q = qkv_l + head * HS;
+                unsigned long long w[2 + HS / 32];
+                ll_gather(w, [&](int k) -> const unsigned long long* {
+                    if (k == 0) return head < NH && tid < HS ? at_q + tid : nullptr;
+                    if (k == 1) return has_new && tid < HS ? at_q + 2 * C + tid : nullptr;
+                    return has_new && warp == 0 ? at_q + C + (k - 2) * 32 + lane : nullptr;
+                }, epoch);
+                if (head < NH && tid < HS) q_s[tid] = ll_float(w[0]);
+                const float v_new = round_as<weight_t>(ll_float(w[1]));  // in threads below HS
+                float k_new[HS / 32];
 #pragma unroll
-                for (int e = 0; e < HS / 32; ++e) k_new[e] = has_new && warp == 0 ? to_float(fresh(L.k_cache + at_new + e * 32 + lane)) : 0.0f;
-                if (has_new && tid < HS) v_new = to_float(fresh(L.v_cache + at_new + tid));
-                if (tid < HS) q_s[tid] = q;
+                for (int e = 0; e < HS / 32; ++e) k_new[e] = round_as<weight_t>(ll_float(w[2 + e]));  // in warp 0
                 float* s_s = in_s;  // the scores; the new row's goes last
                 compute_sync<THREADS>();
+                mark(step, stage - 1, 1);
                 const weight_t* K_s = reinterpret_cast<const weight_t*>(take());
                 const weight_t* V_s = K_s + (long long)max(staged, 0) * HS;
                 if (has_new && warp == 0) {
@@ -568,32 +643,23 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                 for (int j = grp; j < staged; j += GROUPS) o = fmaf(expf(s_s[j] - m), to_float(V_s[j * HS + d]), o);
                 red[grp * HS + d] = o;
                 compute_sync<THREADS>();
-                float* mine = partial + (long long)(head * splits + split) * (HS + 2);
+                // The head's splits hand their (o, m, l) to each other; each combines all of them in split
+                // order, the same way: y_h = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s, M = max_s m_s.
+                unsigned long long* part = ll_partial + ((long long)l * NH + head) * splits * (HS + 2);
                 if (head < NH && tid < HS) {
                     float total = has_new ? expf(s_s[staged] - m) * v_new : 0.0f;  // v_new sits in threads below HS
                     for (int k = 0; k < GROUPS; ++k) total += red[k * HS + tid];
-                    mine[tid] = total;
-                    if (tid == 0) { mine[HS] = m; mine[HS + 1] = sum; }
+                    ll_store(part + split * (HS + 2) + tid, total, epoch);
+                    if (tid == 0) { ll_store(part + split * (HS + 2) + HS, m, epoch); ll_store(part + split * (HS + 2) + HS + 1, sum, epoch); }
                 }
-                // Every split of the head waits for all of them (a barrier of the head's blocks, on its
-                // own counter), then combines them in split order, each the same way:
-                // y_h = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s, M = max_s m_s.
-                compute_sync<THREADS>();
-                if (head < NH && tid == 0) {  // release: this split's partial; acquire: the others'
-                    unsigned int ticket;
-                    group_arrive(tickets + head, split == 0, splits, ticket);
-                    group_wait(tickets + head, ticket);
-                }
-                compute_sync<THREADS>();
                 if (head < NH) {
-                    const float* p = partial + (long long)head * splits * (HS + 2);
-                    float os[MAX_SPLITS];  // every load in flight at once; (m, l) of each split into red
-#pragma unroll
-                    for (int k = 0; k < MAX_SPLITS; ++k) os[k] = tid < HS && k < splits ? fresh(p + k * (HS + 2) + tid) : 0.0f;
-                    if (tid < splits) {
-                        red[2 * tid] = fresh(p + tid * (HS + 2) + HS);
-                        red[2 * tid + 1] = fresh(p + tid * (HS + 2) + HS + 1);
-                    }
+                    unsigned long long w[MAX_SPLITS + 2];  // o of each split (threads below HS), then m and l of split tid
+                    ll_gather(w, [&](int k) -> const unsigned long long* {
+                        if (k < MAX_SPLITS) return tid < HS && k < splits ? part + k * (HS + 2) + tid : nullptr;
+                        return tid < splits ? part + tid * (HS + 2) + HS + (k - MAX_SPLITS) : nullptr;
+                    }, epoch);
+                    compute_sync<THREADS>();  // every thread is past its reads of red (the sums of o)
+                    if (tid < splits) { red[2 * tid] = ll_float(w[MAX_SPLITS]); red[2 * tid + 1] = ll_float(w[MAX_SPLITS + 1]); }
                     compute_sync<THREADS>();
                     float M = -INFINITY;
                     for (int k = 0; k < splits; ++k) M = fmaxf(M, red[2 * k]);
@@ -602,7 +668,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                     for (int k = 0; k < MAX_SPLITS; ++k)
                         if (k < splits && red[2 * k] != -INFINITY) {  // an empty split adds nothing
                             const float e = expf(red[2 * k] - M);
-                            num = fmaf(e, os[k], num);
+                            num = fmaf(e, ll_float(w[k]), num);
                             den = fmaf(e, red[2 * k + 1], den);
                         }
                     if (tid < HS) q_s[tid] = num / den;  // y_h, where q_h was
@@ -610,7 +676,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                     // attn.c_proj is a sum over heads: x += sum_h y_h W_proj[h] + b. This split's rows of
                     // the head's term, from the head-major copy W_proj[h] (C, HS) that came with the keys.
                     head_rows_dot<weight_t, HS, THREADS>(V_s + (long long)staged * HS, q_s, share(C, split, splits),
-                                                         proj + (long long)head * C);
+                                                         proj_l + (long long)head * C);
                 }
             }
             finish(step);
@@ -618,30 +684,32 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
             // C: x += sum_h proj_h + b (the heads in order); g = gelu(LN_2(x) W_fc + b)
             sh = share(F, b, G);
             {
-                proj_input<C, NH, THREADS>(x, proj, L.b_proj, in_s);
+                proj_input<C, NH, THREADS>(x_in, proj_l, L.b_proj, in_s);
                 const Share own = share(C, b, G);  // this block's rows of the residual in stage D
                 x_own = tid < own.count ? in_s[own.first + tid] : 0.0f;
                 const LinearSlot<weight_t> in(take(), sh, C, true);
                 layernorm_warps<C, THREADS>(in_s, in.ln_w, in.ln_b, eps);
                 v = rows_dot<weight_t, C, THREADS, 1>(in.W, in_s, sh.count, red);
-                if (tid < sh.count) g[sh.first + tid] = gelu_tanh(v + in.bias[tid]);
+                if (tid < sh.count) ll_store(ll_g + (long long)l * F + sh.first + tid, gelu_tanh(v + in.bias[tid]), epoch);
             }
-            finish(step);
+            handoff(step);
 
             // D: x += g W_mlp + b
             sh = share(C, b, G);
             {
-                load_input<F, THREADS>(g, in_s);
+                ll_input<F, THREADS>(ll_g + (long long)l * F, epoch, in_s, nullptr);
+                mark(step, stage - 1, 1);
                 const LinearSlot<weight_t> in(take(), sh, F, false);
                 v = rows_dot<weight_t, F, THREADS, 4>(in.W, in_s, sh.count, red);
-                if (tid < sh.count) x[sh.first + tid] = x_own + (v + in.bias[tid]);
+                if (tid < sh.count) ll_store(ll_x + (long long)l * C + sh.first + tid, x_own + (v + in.bias[tid]), epoch);
             }
-            finish(step);
+            handoff(step);
         }
 
         // E: the logits of this block's rows of wte, chunk by chunk (LN_f's parameters come with the
-        // first); the block's (max, argmax)
-        load_input<C, THREADS>(x, in_s);
+        // first); the block's (max, argmax). Block 0 keeps the final x.
+        ll_input<C, THREADS>(ll_x + (long long)(n_layer - 1) * C, epoch, in_s, b == 0 ? x : nullptr);
+        mark(step, stage - 1, 1);
         const Share lm = share(V, b, G);
         float best = -INFINITY;
         int arg = 0x7fffffff;
@@ -669,6 +737,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
             block_arg[b] = reinterpret_cast<int*>(scratch)[0];
         }
         finish(step);
+        if (tid == 0) mbar_arrive(&stepped);  // the producer may now issue the next step's stage B items
 
         // Every block reduces the blocks' maxima (in the same order): the next token, known everywhere.
         if (warp == 0) {
@@ -686,4 +755,5 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
             state[1] = pos + 1;
         }
     }
+    if (b == 0 && tid == 0) *ll_epoch = epoch0 + steps;  // every block read it before the first step's last barrier
 }
