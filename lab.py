@@ -449,12 +449,12 @@ def print_profile(p: dict) -> None:
              if p["graph_ms_per_token_without_pdl"] is not None else ""))
     if p.get("persistent_stages"):
         print(f"persistent step: {1e3 * p['persistent_ms_per_token']:.1f} us per token as generate() runs it; its "
-              "stages (second of two steps; from the previous barrier to this one, the slowest block's work, "
-              "the wait after the last arrival):")
+              "stages (second of two steps; from the previous stage's last start to this one's, the slowest "
+              "block's work, the median block's wait for the next stage's inputs):")
         for row in p["persistent_stages"]:
             n = row["stages"]
             print(f"  {row['kind']:<28}{n:>4} x {1e3 * row['ms'] / n:7.2f} us  (work {1e3 * row['work_ms'] / n:6.2f}, "
-                  f"barrier {1e3 * row['barrier_ms'] / n:5.2f})")
+                  f"wait {1e3 * row['barrier_ms'] / n:5.2f})")
     else:
         print(f"persistent step: {p.get('persistent')}")
 

@@ -37,11 +37,12 @@ larger kernels (kernels/fused/*.cu, each tested against the CuPy code it replace
 - The persistent step (the default where it runs: compute capability 9.0 with cooperative launch, a
   head size that is a multiple of 32, shapes that fit shared memory; step_plan says why not):
   kernels/fused/decode_step.cu runs the same operations for a whole window of steps in one
-  cooperative launch, one block per SM, a grid barrier where the per-operation step has a kernel
-  boundary, and each block's share of the weights copied into shared memory ahead of the barriers.
-  Four stages per layer (STEP_STAGES): attn.c_proj is done per head inside the attention stage, from
-  a head-major copy of its weight made here. One launch per window of STEPS_PER_GRAPH tokens;
-  persistent=False keeps the graphs.
+  cooperative launch, one block per SM, where the per-operation step has a kernel boundary either a
+  handoff of words that carry the step's epoch (the reader waits for the words it needs) or a grid
+  barrier (one per layer, one per token), and each block's share of the weights copied into shared
+  memory ahead of its use. Four stages per layer (STEP_STAGES): attn.c_proj is done per head inside
+  the attention stage, from a head-major copy of its weight made here. One launch per window of
+  STEPS_PER_GRAPH tokens; persistent=False keeps the graphs.
 - Prefill, and every step of the no-cache mode: the whole sequence eagerly, cuBLAS SGEMM (through
   CuPy's handle, no TF32) for the products, the attention under test, and fused kernels around them
   (residual add + LayerNorm, bias, bias + GELU, head merge, KV store), then the same
@@ -649,8 +650,8 @@ class Engine:
 
     def persistent_steps(self, n: int, trace=None) -> None:
         """Queue n decode steps as one launch of decode_step.cu (cooperative: all blocks resident).
-        trace: (n, stages, blocks, 2) uint64 for the global timer at each block's barrier arrivals and
-        departures (profile_persistent)."""
+        trace: (n, stages, blocks, 2) uint64 for the global timer at each block's end of a stage and its
+        start of the next, inputs in hand (profile_persistent)."""
         c, p, plan = self.config, self.params32, self.plan
         args = (self.layer_table, np.int32(c.n_layer), self.wte, self.wpe, p["ln_f.weight"], p["ln_f.bias"], self.eps,
                 np.int32(c.vocab_size), np.int32(self.max_len), np.int32(plan.splits),
@@ -965,10 +966,11 @@ class Engine:
 
     def profile_persistent(self, position: int, repeats: int = 5) -> list[tuple[str, float, float, float]]:
         """Where the persistent step's time goes at `position`: per stage (STEP_STAGES per layer, then
-        the lm_head), milliseconds from the previous stage's last departure from its barrier to this one's
-        (total), the slowest block's work before it arrives (work), and the wait from the last arrival
-        to the first departure (barrier); medians of `repeats` runs of the second of two steps, from
-        the global timer each block's thread 0 reads at its barriers. Changes state, history and the
+        the lm_head), milliseconds from the previous stage's last start (the last block to have its
+        inputs) to this one's (total), the slowest block's work from its start to its end of the stage
+        (work), and the median block's wait from its end of the stage to its start of the next, for its
+        inputs: a handoff's words or the barrier (wait); medians of `repeats` runs of the second of two
+        steps, from the global timer that each block's thread 0 reads. Changes state, history and the
         cache at `position` and the next: run generate() again after."""
         cp, c = self.cp, self.config
         if not self.persistent:

@@ -1,87 +1,90 @@
 /*
  * decode_step - GPT-2's whole decode step, every layer and the argmax, for `steps` tokens in one
- * persistent kernel: one block per SM, a grid-wide barrier between stages, and each block's share of
- * the weights streamed into shared memory ahead of the barriers.
+ * persistent kernel: one block per SM, each block's share of the weights streamed into shared memory
+ * ahead of its use, and between stages either a handoff of data that carries its own step (LL) or a
+ * grid barrier: n_layer + 1 barriers per token.
  *
  * The operation: `steps` greedy steps of gpt2/model.py with the KV cache, from state = {token, pos}:
  *   x = wte[token] + wpe[pos]
- *   per layer:  A  qkv = LN_1(x) W_attn + b;  k, v stored into the cache at pos
+ *   per layer:  A  qkv = LN_1(x) W_attn + b;  k, v stored into the cache at pos            -> handoff
  *               B  attention of q over the cache rows 0..pos, split over the keys; the splits of a
- *                  head meet (a barrier of the head's blocks), each combines them into y_h and
- *                  computes its rows of the head's term of attn.c_proj: proj_h = y_h W_proj[h]
- *               C  x += sum_h proj_h + b;  g = gelu(LN_2(x) W_fc + b)
- *               D  x += g W_mlp + b
- *   E  token = argmax(LN_f(x) wte^T);  history[pos + 1] = token;  state = {token, pos + 1}
+ *                  head hand each other their partials, each combines them into y_h and computes
+ *                  its rows of the head's term of attn.c_proj: proj_h = y_h W_proj[h]     -> barrier
+ *               C  x += sum_h proj_h + b;  g = gelu(LN_2(x) W_fc + b)                     -> handoff
+ *               D  x += g W_mlp + b                                                       -> handoff
+ *   E  token = argmax(LN_f(x) wte^T);  history[pos + 1] = token;  state = {token, pos + 1} -> barrier
  * The same operations as the per-operation step (gemv.cu, decode_attention.cu, lm_head_argmax.cu),
- * fused into one launch that loops over the stages: 4 * n_layer + 1 grid barriers per token.
- *
- * attn.c_proj inside the attention stage: y W_proj = sum_h y_h W_proj[h], with W_proj[h] the HS
- * columns (inputs) of head h, so the head's key splits can finish the projection of their own head
- * as soon as they have y_h, without a grid barrier between the attention and the projection (the
- * per-operation step has one: a kernel boundary). They need y_h, which needs every split of the
- * head, so the head's splits wait for each other (one counter per head, the grid barrier's scheme)
- * instead of leaving the combine to the last to finish; each then combines all splits itself. W_proj
- * comes head-major, (NH, C, HS) (gpt2/fast.py makes the copy), so that a split's rows of its head's
- * columns are one contiguous range, streamed with its keys. Stage C sums the heads' terms in head
- * order, the same in every block, so the step stays deterministic.
+ * fused into one launch that loops over the stages.
  *
  * Why: at batch 1 the step reads every weight once (0.25 GB in bfloat16, under 100 us at an H100's
  * bandwidth), but as 62 dependent kernels it pays a kernel boundary each time, and the per-operation
- * step spends most of its time between kernels (lab.py --profile-step). Here a boundary becomes a
- * barrier of one atomic per block, and the weights no longer wait for it: a stage's weights do not
- * depend on the activations, so each block copies its share of the next stages' weights into a ring
- * of shared-memory slots (cp.async.bulk, completion on an mbarrier per slot) while it computes and
- * while it waits at the barrier. DRAM streams through the barriers.
+ * step spends most of its time between kernels (lab.py --profile-step). Here a boundary costs a round
+ * trip through L2, and the weights no longer wait for it: a stage's weights do not depend on the
+ * activations, so each block copies its share of the next stages' weights into a ring of shared-memory
+ * slots (cp.async.bulk, completion on an mbarrier per slot) while it computes and while it waits.
+ *
+ * Handoffs (the LL protocol of NCCL's low-latency kernels). A value one block hands to others is an
+ * 8-byte word: the float, and the step's epoch in the high half, stored and loaded as one access
+ * (single-copy atomic). A reader loads the words it needs, all at once, and loads again those that
+ * still carry an older epoch; when all carry this step's, it has the values. No fence, no barrier,
+ * and a reader waits only for the blocks whose values it reads: stage B's split for the few that own
+ * its head's q, k and v rows, and for the other splits of its head. Every buffer is per layer, so a
+ * word is rewritten only in the next step, after the step's last barrier (ordered: every read of it
+ * is done). Epochs count steps across launches (ll_epoch): no two steps within 2^32 share one.
+ * Why stage B ends at a barrier instead: stage C needs every head's projection of all C rows, 12 * C
+ * values read by every block at once; as handoff words (twice the bytes, polled) that read was slower
+ * than the barrier and a plain read through L2.
+ *
+ * attn.c_proj inside the attention stage: y W_proj = sum_h y_h W_proj[h], with W_proj[h] the HS
+ * columns (inputs) of head h, so the head's key splits can finish the projection of their own head
+ * as soon as they have y_h. Each split combines all the head's splits itself, in split order. W_proj
+ * comes head-major, (NH, C, HS) (gpt2/fast.py makes the copy), so that a split's rows of its head's
+ * columns are one contiguous range, streamed with its keys. Stage C sums the heads' terms in head
+ * order, the same in every block, so the step stays deterministic.
  *
  * The weight stream. Block b of G owns a fixed share of every stage: rows [b * ceil(N / G), ...) of
  * each (out, in) matrix, one contiguous range of bytes, plus the vectors the stage reads (LayerNorm's
  * weight and bias, the rows' biases), so that everything a stage reads that is not an activation
  * lands with it; in stage B it owns one (head, key split), and its item is that split's cached K and
- * V rows below pos (written by earlier steps: final, and fenced into the async proxy) and its rows of
- * the head's W_proj[h]; in stage E its rows of wte, in chunks of `lm_rows` rows (the first also
- * carries LN_f). Item i of the stream lands in slot i % nslot. A producer warp of its own issues the copies: item i as soon as the compute
- * warps are done with item i - nslot (an "empty" mbarrier per slot), so up to nslot items are in
- * flight or waiting, across barriers and across steps, and a copy that is slow to issue (the copy
- * engine's queue full) stalls only the producer. The compute warps never wait with it: they sync on
- * a named barrier of their own (compute_sync). Every block consumes the same number of items per step (an item may be empty: the mbarrier's phase then completes on the arrive).
+ * V rows below pos and its rows of the head's W_proj[h] (the row at pos comes from stage A's handoff);
+ * in stage E its rows of wte, in chunks of `lm_rows` rows (the first also carries LN_f). Item i of the
+ * stream lands in slot i % nslot. A producer warp of its own issues the copies: item i as soon as the
+ * compute warps are done with item i - nslot (an "empty" mbarrier per slot), so up to nslot items are
+ * in flight or waiting, across stages and steps, and a copy that is slow to issue stalls only the
+ * producer; the compute warps sync on a named barrier of their own (compute_sync). Every block
+ * consumes the same number of items per step (an item may be empty: the mbarrier's phase then
+ * completes on the arrive). The cache rows were written by earlier steps with ordinary stores: a
+ * step's stage B items wait until the compute warps have passed the previous step's last barrier
+ * (the `stepped` mbarrier), and the copy is fenced into the async proxy.
  *
  * The barrier. One counter, never reset: block 0 adds 2^31 - (G - 1), every other block adds 1, so
  * the top bit flips exactly when all G blocks have arrived and the low bits return to zero, and the
- * next barrier flips it back (the scheme of cooperative groups' grid sync); a head's splits meet the
- * same way on their own counter. Thread 0 arrives with a release and polls with acquire loads;
- * compute_sync() on either side orders the compute warps.
- * Everything a block reads that another block wrote in this launch (x, qkv, the partials, the heads'
- * projections, g, the cache row at pos, the per-block maxima) is read with fresh() (through L2): an SM's L1 is not
- * coherent. The grid must be co-resident: the engine launches it cooperatively, G = SM count.
- *
- * Where the time goes (H100, GPT-2 small at position 519, bfloat16; global-timer marks in a debug
- * copy of the five-stage step, before attn.c_proj moved into stage B; medians over blocks): of a
- * stage's ~2.4-6 us, the barrier is ~1-1.7 us from a block's arrival
- * to its departure (the release of its stores, the last block's arrival, the poll), reading the
- * previous stage's activations from L2 ~0.5 us, and the block's own arithmetic the rest: LayerNorm and
- * three rounds of row dot products ~1.8 us in stage A, the ticket and combine ~1 us in stage B. The
- * weights are in shared memory before they are needed (the wait for the slot is ~0.1 us). So the
- * step is latency-bound, not bandwidth-bound: fewer stages per layer, or less work between a stage's
- * input and its barrier arrival, is what would make it faster.
- * What moving the copies showed: issuing a stage's next item after the barrier instead of before the
- * arrival makes the barrier itself cheapest but the stages slower (the stream falls behind), and a
- * float32 barrier costs more than a bfloat16 one while its larger copies are in flight; the producer
- * warp takes the issue off the compute warps but not that cost off the barrier.
+ * next barrier flips it back (the scheme of cooperative groups' grid sync). Thread 0 arrives with an
+ * acquire-release add; the last to arrive sees the flip in its own add and leaves at once, the others
+ * poll with acquire loads. The release's fence waits for the SM's memory traffic in flight, the
+ * weight stream's copies too, so the block hands its slot back to the producer after the arrival.
+ * What the barrier's ordering costs (H200, float32, `tools/step_variants.py`): a relaxed add and
+ * relaxed polls, which order nothing, made the step 3.6% faster (with the slot handed back before
+ * the arrival, which gained 1.2% since).
+ * Everything a block reads that another block wrote in this launch is read through L2 (handoff words,
+ * fresh()): an SM's L1 is not coherent. The grid must be co-resident: the engine launches it
+ * cooperatively, G = SM count.
  *
  * Numerics as in the per-operation kernels: float32 accumulation, LayerNorm two-pass (here every warp
  * computes the statistics itself, in the same order, instead of a block reduction), the key and value
- * rounded to the cache's dtype on the store and read back from it, the argmax's first index of the
- * largest logit (NaN never chosen; all NaN gives token 0). Summation orders differ from gemv.cu (a
- * row is split into parts over warps, rows_dot), so logits match it to rounding, not bit for bit; the
- * kernel itself is deterministic (fixed orders, no atomics in the arithmetic).
+ * rounded to the cache's dtype, the argmax's first index of the largest logit (NaN never chosen; all
+ * NaN gives token 0). Summation orders differ from gemv.cu (a row is split into parts over warps,
+ * rows_dot), so logits match it to rounding, not bit for bit; the kernel itself is deterministic
+ * (fixed orders, no atomics in the arithmetic).
  *
  * Template parameters: weight_t (float or bfloat16 bits, also the cache's type), C (n_embd), NH, HS
  * (head size, a multiple of 32 dividing THREADS), F (MLP width), THREADS. Geometry (gpt2/fast.py,
  * step_plan): grid G (one block per SM, cooperative), block THREADS + 32 (the compute warps and the
- * producer), dynamic shared memory 128 bytes of mbarriers + nslot * slot_bytes + F floats (the input vector, also stage B's scores) + the layer
- * table (struct Layer, copied from `layers` at the start). Needs sm_90 (cp.async.bulk, mbarrier
- * transaction counts). trace (may be null): the global timer at each block's barrier arrivals and
- * departures, (steps, 4 * n_layer + 1, G, 2), for Engine.profile_persistent.
+ * producer), dynamic shared memory 128 bytes of mbarriers + nslot * slot_bytes + F floats (the input
+ * vector, also stage B's scores) + C floats (the layer's input x) + the layer table (struct Layer,
+ * copied from `layers` at the start). Needs sm_90 (cp.async.bulk, mbarrier transaction counts).
+ * trace (may be null): the global timer, (steps, 4 * n_layer + 1, G, 2), at each block's end of a
+ * stage (0) and at its start of the next with its inputs in hand (1), for Engine.profile_persistent.
  */
 #include "common.cuh"
 
@@ -145,14 +148,19 @@ __device__ __forceinline__ void mbar_arrive(unsigned long long* bar)
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
 
-// The grid barrier: arrive (acquire-release on the add), then poll until the top bit flips. The last to
-// arrive knows it from its own add, has acquired every other block's release with it, and leaves at once.
-__device__ __forceinline__ void grid_sync(unsigned int* counter, bool leader, unsigned int count)
+// The grid barrier, in two halves. Arrive: acquire-release on the add; returns whether this block was
+// the last (its add flipped the top bit), in which case it has acquired every other block's release
+// and need not wait. Wait: poll until the top bit differs from the ticket's.
+__device__ __forceinline__ bool grid_arrive(unsigned int* counter, bool leader, unsigned int count, unsigned int& ticket)
 {
     const unsigned int add = leader ? 0x80000000u - (count - 1) : 1u;
-    unsigned int ticket, now;
     asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], %2;" : "=r"(ticket) : "l"(counter), "r"(add) : "memory");
-    if (((ticket + add) ^ ticket) & 0x80000000u) return;
+    return ((ticket + add) ^ ticket) & 0x80000000u;
+}
+
+__device__ __forceinline__ void grid_wait(const unsigned int* counter, unsigned int ticket)
+{
+    unsigned int now;
     while (true) {
         asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(counter) : "memory");
         if ((now ^ ticket) & 0x80000000u) return;
@@ -166,7 +174,7 @@ __device__ __forceinline__ void grid_sync(unsigned int* counter, bool leader, un
 // A value one block hands to others: the float in the low half of an 8-byte word, the step's epoch in
 // the high half, stored and loaded as one 8-byte access (single-copy atomic). A reader that sees this
 // step's epoch has the value with it: no fence, no barrier, and it waits only for the blocks whose
-// values it reads. Words from earlier steps carry earlier epochs; epochs never repeat (ll_epoch).
+// values it reads. Words from earlier steps carry earlier epochs (ll_epoch: no repeat within 2^32 steps).
 
 __device__ __forceinline__ void ll_store(unsigned long long* p, float v, unsigned int epoch)
 {
@@ -545,11 +553,19 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
     };
     // Done with the item and the stage; the next stage's inputs come as they are handed over (ll_input).
     auto handoff = [&](int step) { release(); mark(step, stage++, 0); };
-    // Done with the item and the stage: release it, then wait for every block (thread 0 arrives and waits).
+    // Done with the item and the stage: wait for every block (thread 0 arrives and waits). The slot goes
+    // back to the producer after the arrival: the release's fence waits for the SM's memory traffic in
+    // flight, and the next item's copy would be part of it.
     auto finish = [&](int step) {
-        release();
+        compute_sync<THREADS>();
         mark(step, stage, 0);
-        if (tid == 0) grid_sync(barrier, b == 0, G);
+        if (tid == 0) {
+            unsigned int ticket;
+            const bool last = grid_arrive(barrier, b == 0, G, ticket);
+            mbar_arrive(empty + item % nslot);
+            if (!last) grid_wait(barrier, ticket);
+        }
+        ++item;
         mark(step, stage++, 1);
         compute_sync<THREADS>();
     };
