@@ -647,23 +647,32 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                     if (lane == 0) s_s[j] = acc * scale;
                 }
                 compute_sync<THREADS>();
-                float m = -INFINITY, sum = 0.0f;  // every warp the same, in the same order
-                for (int j = lane; j < n; j += 32) m = fmaxf(m, s_s[j]);
+                // warp 0: the scores' max m, p_j = e^(s_j - m) in place of s_j (once, for every thread's
+                // o below), and their sum
+                float m = -INFINITY, sum = 0.0f;
+                if (warp == 0) {
+                    for (int j = lane; j < n; j += 32) m = fmaxf(m, s_s[j]);
 #pragma unroll
-                for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-                for (int j = lane; j < n; j += 32) sum += expf(s_s[j] - m);
-                sum = warp_sum(sum);
+                    for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+                    for (int j = lane; j < n; j += 32) {
+                        const float p = expf(s_s[j] - m);
+                        s_s[j] = p;
+                        sum += p;
+                    }
+                    sum = warp_sum(sum);
+                }
+                compute_sync<THREADS>();
                 constexpr int GROUPS = THREADS / HS;
                 const int d = tid % HS, grp = tid / HS;
                 float o = 0.0f;
-                for (int j = grp; j < staged; j += GROUPS) o = fmaf(expf(s_s[j] - m), to_float(V_s[j * HS + d]), o);
+                for (int j = grp; j < staged; j += GROUPS) o = fmaf(s_s[j], to_float(V_s[j * HS + d]), o);
                 red[grp * HS + d] = o;
                 compute_sync<THREADS>();
                 // The head's splits hand their (o, m, l) to each other; each combines all of them in split
                 // order, the same way: y_h = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s, M = max_s m_s.
                 unsigned long long* part = ll_partial + ((long long)l * NH + head) * splits * (HS + 2);
                 if (head < NH && tid < HS) {
-                    float total = has_new ? expf(s_s[staged] - m) * v_new : 0.0f;  // v_new sits in threads below HS
+                    float total = has_new ? s_s[staged] * v_new : 0.0f;  // v_new sits in threads below HS
                     for (int k = 0; k < GROUPS; ++k) total += red[k * HS + tid];
                     ll_store(part + split * (HS + 2) + tid, total, epoch);
                     if (tid == 0) { ll_store(part + split * (HS + 2) + HS, m, epoch); ll_store(part + split * (HS + 2) + HS + 1, sum, epoch); }
@@ -677,17 +686,19 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                     compute_sync<THREADS>();  // every thread is past its reads of red (the sums of o)
                     if (tid < splits) { red[2 * tid] = ll_float(w[MAX_SPLITS]); red[2 * tid + 1] = ll_float(w[MAX_SPLITS + 1]); }
                     compute_sync<THREADS>();
-                    float M = -INFINITY;
-                    for (int k = 0; k < splits; ++k) M = fmaxf(M, red[2 * k]);
-                    float num = 0.0f, den = 0.0f;
+                    if (tid < HS) {  // y_h, where q_h was
+                        float M = -INFINITY;
+                        for (int k = 0; k < splits; ++k) M = fmaxf(M, red[2 * k]);
+                        float num = 0.0f, den = 0.0f;
 #pragma unroll
-                    for (int k = 0; k < MAX_SPLITS; ++k)
-                        if (k < splits && red[2 * k] != -INFINITY) {  // an empty split adds nothing
-                            const float e = expf(red[2 * k] - M);
-                            num = fmaf(e, ll_float(w[k]), num);
-                            den = fmaf(e, red[2 * k + 1], den);
-                        }
-                    if (tid < HS) q_s[tid] = num / den;  // y_h, where q_h was
+                        for (int k = 0; k < MAX_SPLITS; ++k)
+                            if (k < splits && red[2 * k] != -INFINITY) {  // an empty split adds nothing
+                                const float e = expf(red[2 * k] - M);
+                                num = fmaf(e, ll_float(w[k]), num);
+                                den = fmaf(e, red[2 * k + 1], den);
+                            }
+                        q_s[tid] = num / den;
+                    }
                     compute_sync<THREADS>();
                     // attn.c_proj is a sum over heads: x += sum_h y_h W_proj[h] + b. This split's rows of
                     // the head's term, from the head-major copy W_proj[h] (C, HS) that came with the keys.
