@@ -329,7 +329,7 @@ def step_plan(config: GPT2Config, dtype: str, sm_count: int, max_len: int, smem_
     def parts(K, least):  # decode_step.cu's rows_dot: a row in P parts, at most 6 vectors per lane
         return max(least, -(-K * item // 16 // 192))
 
-    for N, K, least in ((3 * C, C, 2), (F, C, 1), (C, F, 4)):  # stages A, C, D
+    for N, K, least in ((3 * C, C, 1), (F, C, 1), (C, F, 4)):  # stages A, C, D
         if rows(N) * parts(K, least) > STEP_THREADS:
             return f"{rows(N)} rows of {K} per block: more row parts than decode_step's {STEP_THREADS} threads"
     lm_rows = max(1, min(STEP_THREADS // parts(C, 1), (slot - 8 * C) // (C * item)))

@@ -593,7 +593,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
             {
                 const LinearSlot<weight_t> in(take(), sh, C, true);
                 layernorm_warps<C, THREADS>(in_s, in.ln_w, in.ln_b, eps);
-                v = rows_dot<weight_t, C, THREADS, 2>(in.W, in_s, sh.count, red);
+                v = rows_dot<weight_t, C, THREADS, 1>(in.W, in_s, sh.count, red);
                 if (tid < sh.count) {
                     const int n = sh.first + tid;
                     v += in.bias[tid];
