@@ -326,13 +326,13 @@ def step_plan(config: GPT2Config, dtype: str, sm_count: int, max_len: int, smem_
     slots = min(STEP_SLOTS, (smem_limit - fixed) // slot)
     if slots < 2:
         return f"decode_step needs two slots of {slot} bytes and {fixed} more of shared memory; the device has {smem_limit}"
-    def parts(K, least):  # decode_step.cu's rows_dot: a row in P parts, at most 6 vectors per lane
-        return max(least, -(-K * item // 16 // 192))
+    def parts(K):  # decode_step.cu's rows_dot: a row in P parts, at most 6 vectors per lane
+        return -(-K * item // 16 // 192)
 
-    for N, K, least in ((3 * C, C, 1), (F, C, 1), (C, F, 4)):  # stages A, C, D
-        if rows(N) * parts(K, least) > STEP_THREADS:
+    for N, K in ((3 * C, C), (F, C), (C, F)):  # stages A, C, D
+        if rows(N) * parts(K) > STEP_THREADS:
             return f"{rows(N)} rows of {K} per block: more row parts than decode_step's {STEP_THREADS} threads"
-    lm_rows = max(1, min(STEP_THREADS // parts(C, 1), (slot - 8 * C) // (C * item)))
+    lm_rows = max(1, min(STEP_THREADS // parts(C), (slot - 8 * C) // (C * item)))
     return StepPlan(blocks=G, splits=splits, slot_bytes=slot, slots=slots, lm_rows=lm_rows,
                     smem=128 + slots * slot + 4 * (F + C) + table)
 

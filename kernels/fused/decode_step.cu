@@ -55,7 +55,9 @@
  * consumes the same number of items per step (an item may be empty: the mbarrier's phase then
  * completes on the arrive). The cache rows were written by earlier steps with ordinary stores: a
  * step's stage B items wait until the compute warps have passed the previous step's last barrier
- * (the `stepped` mbarrier), and the copy is fenced into the async proxy.
+ * (the `stepped` mbarrier), and the copy is fenced into the async proxy. Stage E reads wte at about
+ * the copy ceiling already: prefetching its first chunks into L2 during the last layer or two
+ * (cp.async.bulk.prefetch.L2, 3 to 10 chunks a block) made the step 0-4% slower.
  *
  * The barrier. One counter, never reset: block 0 adds 2^31 - (G - 1), every other block adds 1, so
  * the top bit flips exactly when all G blocks have arrived and the low bits return to zero, and the
@@ -247,14 +249,15 @@ __device__ __forceinline__ Share share(int N, int b, int G)
 
 // The dot products of R rows of K weights at W_s with in_s (K floats). Unit u = (row u / P, part
 // u % P) is one warp's, each lane loading all its (at most 6) 16-byte vectors of the part at once and
-// accumulating in two independent chains; the parts are then summed in order. P is at least P_LEAST
-// and enough parts that a lane holds at most 6 vectors. Returns row threadIdx.x's value in threads
-// below R. Ends with every thread past its reads of W_s and in_s.
-template <typename weight_t, int K, int THREADS, int P_LEAST>
+// accumulating in two independent chains; the parts are then summed in order. P is the fewest parts
+// that keep a lane at 6 vectors or fewer (more parts, shorter units, measured slower: more rounds).
+// Returns row threadIdx.x's value in threads below R. Ends with every thread past its reads of W_s
+// and in_s.
+template <typename weight_t, int K, int THREADS>
 __device__ __forceinline__ float rows_dot(const weight_t* W_s, const float* in_s, int R, float* red)
 {
     constexpr int WARPS = THREADS / 32, VEC = Vec16<weight_t>::N, CHUNKS = K / VEC;
-    constexpr int P = P_LEAST > (CHUNKS + 191) / 192 ? P_LEAST : (CHUNKS + 191) / 192;
+    constexpr int P = (CHUNKS + 191) / 192;
     constexpr int SPAN = (CHUNKS + P - 1) / P, ITERS = (SPAN + 31) / 32;
     static_assert(K % VEC == 0, "rows are whole 16-byte vectors");
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -593,7 +596,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
             {
                 const LinearSlot<weight_t> in(take(), sh, C, true);
                 layernorm_warps<C, THREADS>(in_s, in.ln_w, in.ln_b, eps);
-                v = rows_dot<weight_t, C, THREADS, 1>(in.W, in_s, sh.count, red);
+                v = rows_dot<weight_t, C, THREADS>(in.W, in_s, sh.count, red);
                 if (tid < sh.count) {
                     const int n = sh.first + tid;
                     v += in.bias[tid];
@@ -716,7 +719,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                 x_own = tid < own.count ? in_s[own.first + tid] : 0.0f;
                 const LinearSlot<weight_t> in(take(), sh, C, true);
                 layernorm_warps<C, THREADS>(in_s, in.ln_w, in.ln_b, eps);
-                v = rows_dot<weight_t, C, THREADS, 1>(in.W, in_s, sh.count, red);
+                v = rows_dot<weight_t, C, THREADS>(in.W, in_s, sh.count, red);
                 if (tid < sh.count) ll_store(ll_g + (long long)l * F + sh.first + tid, gelu_tanh(v + in.bias[tid]), epoch);
             }
             handoff(step);
@@ -727,7 +730,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                 ll_input<F, THREADS>(ll_g + (long long)l * F, epoch, in_s, nullptr);
                 mark(step, stage - 1, 1);
                 const LinearSlot<weight_t> in(take(), sh, F, false);
-                v = rows_dot<weight_t, F, THREADS, 4>(in.W, in_s, sh.count, red);
+                v = rows_dot<weight_t, F, THREADS>(in.W, in_s, sh.count, red);
                 if (tid < sh.count) ll_store(ll_x + (long long)l * C + sh.first + tid, x_own + (v + in.bias[tid]), epoch);
             }
             handoff(step);
@@ -747,7 +750,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                 const float* ln = reinterpret_cast<const float*>(W_s + (long long)R * C);
                 layernorm_warps<C, THREADS>(in_s, ln, ln + C, eps);
             }
-            const float v = rows_dot<weight_t, C, THREADS, 1>(W_s, in_s, R, red);
+            const float v = rows_dot<weight_t, C, THREADS>(W_s, in_s, R, red);
             if (tid < R) {
                 if (logits != nullptr) logits[n0 + tid] = v;
                 take_max(best, arg, v, n0 + tid);
