@@ -7,7 +7,7 @@ dtype: GPT-2 small with random weights, a KV cache filled by a generation; every
 steps from the same state and cache, and must leave the same tokens and the same bits of x as the
 first (a variant that changes arithmetic says so); then microseconds per token from `position`
 (Engine.replay_ms, the variants interleaved over 4 rounds, each a median of 5 runs) and each stage
-kind's total, work and barrier time (Engine.profile_persistent at 519).
+kind's total, work and wait (Engine.profile_persistent at 519).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
             print(f"{dtype} {' '.join(options) or '(as is)':<40} us/token at {args.position}: "
                   + " ".join(f"{t:.1f}" for t in times[i]))
             print("    " + "; ".join(f"{k} {1e3 * ms:.0f}/{1e3 * work[k]:.0f}/{1e3 * wait[k]:.0f}"
-                                     for k, _, ms in kinds) + "  (us per token: total/work/barrier)")
+                                     for k, _, ms in kinds) + "  (us per token: total/work/wait)")
         del engine
         fast.clear_cache()
     return 0
