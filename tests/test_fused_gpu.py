@@ -584,7 +584,7 @@ def test_profile_persistent_names_every_stage(cp, small, capsys):
     rows = engine.profile_persistent(519)
     assert len(rows) == 4 * 12 + 1 and rows[0][0] == "h.0.ln_1+attn.c_attn" and rows[-1][0] == "ln_f+lm_head+argmax"
     assert [name for name, *_ in rows[:4]] == [f"h.0.{kind}" for kind in fast.STEP_STAGES]
-    assert all(total > 0 and work > 0 and barrier >= 0 for _, total, work, barrier in rows), rows
+    assert all(total > 0 and work > 0 and wait >= 0 for _, total, work, wait in rows), rows
     per_token = engine.replay_ms(519, 64)
     # loose: other processes sharing the GPU (pytest -n) stretch single runs
     assert 0.25 * per_token < sum(r[1] for r in rows) < 4 * per_token, (sum(r[1] for r in rows), per_token)
