@@ -1265,7 +1265,7 @@ def attend_with(gpt2, path: Path | None):
     """The attention function gpt2.forward calls: the CuPy reference, or a rung (as lab.py runs them)."""
     if path is None:
         return gpt2.reference_attend
-    return lambda q, k, v: kernels.attention(q, k, v, kernel=path, causal=True)
+    return kernels.Attend(path)
 
 
 def time_generation(gpt2, ckpt, prompt: list[int], n_new: int, attend, kv_cache: bool, warmup: int) -> dict:

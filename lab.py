@@ -140,19 +140,16 @@ def pick_kernel(name: str | None, device: str, asked: str = "auto", dtype: str =
 def make_attend(kernel: str, dtype: str = "float32"):
     """The attention in `dtype`: inputs of another dtype (the fast path's float32 prefill in a
     bfloat16 run) are cast to it, and the output back to theirs."""
-    if kernel == REFERENCE:
-        in_dtype = reference_attend
-    else:
-        path = str(kernels.resolve(kernel))  # once: resolving a name per call scans kernels/ each time
-
-        def in_dtype(q, k, v):  # (B, NH, T, hs) views of the packed qkv projection, straight to the rung
-            return kernels.attention(q, k, v, kernel=path, causal=True)
+    # the rung takes (B, NH, T, hs) views of the packed qkv projection as they are
+    in_dtype = reference_attend if kernel == REFERENCE else kernels.Attend(kernel)
 
     def attend(q, k, v):
         if q.dtype.name == dtype:
             return in_dtype(q, k, v)
         return in_dtype(q.astype(dtype), k.astype(dtype), v.astype(dtype)).astype(q.dtype)
 
+    if kernel != REFERENCE:  # launched many times on one layout: see kernels.Attend.prepare
+        attend.prepare = lambda q, k, v: in_dtype.prepare(q, k, v) if q.dtype.name == dtype else lambda: attend(q, k, v)
     return attend
 
 

@@ -74,6 +74,10 @@ PREFETCH_CAP = 16 << 20  # bytes of the next kernel's weights a kernel asks L2 t
 DTYPES = ("float32", "bfloat16")
 EPI_BIAS, EPI_GELU, EPI_RESIDUAL = 0, 1, 2  # gemv.cu's epilogues
 NULL = np.uint64(0)  # a null pointer argument
+GEMM_OPTIONS = ("-arch=sm_90a",)  # gemm.cu: TF32 wgmma
+GEMM_TILE, GEMM_BK, GEMM_STAGES = 64, 32, 4  # gemm.cu's output tile (square), K tile and pipeline depth
+GEMM_SMEM = 2048 + GEMM_STAGES * (2 * GEMM_TILE * GEMM_BK * 4 + GEMM_TILE * (GEMM_BK + 4) * 4)  # its shared memory
+GEMM_NONE, GEMM_BIAS, GEMM_BIAS_GELU = 0, 1, 2  # gemm.cu's epilogues
 CACHE_SIZE = 2  # engines kept (each holds its own weight copies and a KV cache of n_positions)
 
 
@@ -253,6 +257,42 @@ def kernel_expressions(config: GPT2Config, dtype: str) -> dict[str, tuple[str, s
         **({"decode_step": ("decode_step", f"decode_step<{wt}, {C}, {config.n_head}, {HS}, {F}, {STEP_THREADS}>")}
            if HS % 32 == 0 and STEP_THREADS % HS == 0 else {}),
     }
+
+
+def gemm_weight(cp, w) -> tuple:
+    """A Conv1D weight (K, N) as gemm.cu reads it: W^T (N, K) split into big = W^T rounded to TF32
+    (nearest, ties away: add half an ulp, clear 13 bits) and small = W^T - big, each cut into tiles of
+    GEMM_TILE rows x GEMM_BK columns stored one after the other (a block's tiles along K contiguous),
+    and within a tile the 128-byte swizzle: row r's 16-byte chunk c at c ^ (r mod 8)."""
+    K, N = w.shape
+    if N % GEMM_TILE or K % GEMM_BK:
+        raise ValueError(f"gemm.cu needs N % {GEMM_TILE} == 0 and K % {GEMM_BK} == 0, got (K, N) = ({K}, {N})")
+    wt = cp.ascontiguousarray(w.T, dtype=cp.float32)  # (N, K)
+    big = ((wt.view(cp.uint32) + cp.uint32(0x1000)) & cp.uint32(0xffffe000)).view(cp.float32)
+    small = wt - big
+    r = cp.arange(GEMM_TILE)[:, None]
+    k = cp.arange(GEMM_BK)[None, :]
+    col = ((k // 4) ^ (r % 8)) * 4 + k % 4  # (row, k) -> its float within the swizzled row
+
+    def tiles(a):
+        a = a.reshape(N // GEMM_TILE, GEMM_TILE, K // GEMM_BK, GEMM_BK).transpose(0, 2, 1, 3)  # (n tile, k tile, r, k)
+        out = cp.empty(a.shape, dtype=cp.float32)
+        out[:, :, r, col] = a
+        return out
+
+    return tiles(big), tiles(small)
+
+
+def gemm_splits(M: int, N: int, K: int, sm_count: int) -> int:
+    """gemm.cu's splits of K (grid z): where the output tiles are fewer than the SMs, enough splits to
+    give every SM a block, each split keeping at least two K tiles."""
+    blocks = (N // GEMM_TILE) * -(-M // GEMM_TILE)
+    return max(1, min(-(-sm_count // blocks), K // GEMM_BK // 2))
+
+
+def gemm_expressions() -> dict[str, tuple[str, str]]:
+    """gemm.cu's instantiations, one per epilogue (compiled with GEMM_OPTIONS, for sm_90a)."""
+    return {f"gemm_{epi}": ("gemm", f"gemm_tf32x3<{epi}>") for epi in (GEMM_NONE, GEMM_BIAS, GEMM_BIAS_GELU)}
 
 
 def attention_warps(config: GPT2Config) -> int:
@@ -484,7 +524,7 @@ class Engine:
 
     def __init__(self, params: dict, config: GPT2Config, *, dtype: str | None = None, max_len: int | None = None,
                  prefetch: bool = True, pdl: bool | None = None, steps_per_graph: int = STEPS_PER_GRAPH,
-                 keep_logits: bool = False, persistent: bool | None = None):
+                 keep_logits: bool = False, persistent: bool | None = None, products: str | None = None):
         import cupy as cp
 
         import kernels
@@ -504,6 +544,13 @@ class Engine:
         eps = np.float32(config.layer_norm_epsilon)
         self.eps = eps
         self.sm_count = kernels.device_limits().sm_count
+        # the whole-sequence products: gemm.cu (3xTF32 on wgmma, sm_90a) or cuBLAS SGEMM
+        able = int(cp.cuda.Device().compute_capability) == 90
+        if products not in (None, "3xtf32", "cublas"):
+            raise ValueError(f"products must be '3xtf32' or 'cublas', got {products!r}")
+        if products == "3xtf32" and not able:
+            raise RuntimeError("products='3xtf32' needs compute capability 9.0 (TF32 wgmma, sm_90a)")
+        self.products = products or ("3xtf32" if able else "cublas")
         self.stream.wait_event(cp.cuda.get_current_stream().record())  # the weights are written first
 
         with self.stream:
@@ -566,6 +613,12 @@ class Engine:
             self.ys = cp.zeros((T, C), dtype=cp.float32)
             self.fs = cp.zeros((T, config.mlp_width), dtype=cp.float32)
             self.sgemm = _Sgemm(cp)
+            # gemm.cu's weights: every linear weight split and tiled once (gemm_weight)
+            self.gemm_weights = {name: gemm_weight(cp, a) for name, a in self.params32.items()
+                                 if self.products == "3xtf32" and is_matrix(name) and name.startswith("h.")}
+            # split K: the splits' sums (fewer than 2 x SMs tiles of 64 x 64) and a ticket per output tile
+            self.gemm_partials = cp.zeros(2 * self.sm_count * GEMM_TILE * GEMM_TILE, dtype=cp.float32)
+            self.gemm_tickets = cp.zeros(self.sm_count, dtype=cp.uint32)
 
             self._compile()
         self.stream.synchronize()
@@ -590,6 +643,9 @@ class Engine:
         item = 2 if self.dtype == "bfloat16" else 4
         self.fn = {key: fused.function(file, expr) for key, (file, expr) in kernel_expressions(c, self.dtype).items()
                    if key != "decode_step"}  # compiled by _setup_persistent, where the device runs it
+        for key, (file, expr) in gemm_expressions().items() if self.products == "3xtf32" else ():
+            self.fn[key] = fused.function(file, expr, options=GEMM_OPTIONS)
+            self.fn[key].max_dynamic_shared_size_bytes = GEMM_SMEM
         for key, (N, K) in {"c_attn": (3 * c.n_embd, c.n_embd), "c_proj": (c.n_embd, c.n_embd),
                             "c_fc": (c.mlp_width, c.n_embd), "mlp_proj": (c.n_embd, c.mlp_width)}.items():
             warps, rows = gemv_shape(N, K, item)
@@ -799,18 +855,40 @@ class Engine:
 
     # -- whole sequences: prefill and the no-cache mode --------------------------------------------
 
+    def product(self, a, name: str, out, epi: int) -> None:
+        """out = a @ params32[name + ".weight"], then + bias (GEMM_BIAS) or gelu(. + bias)
+        (GEMM_BIAS_GELU): gemm.cu, or cuBLAS SGEMM and bias_act.cu (products="cublas")."""
+        p, (M, K), N = self.params32, a.shape, out.shape[1]
+        w, b = p[name + ".weight"], p[name + ".bias"]
+        if self.products == "cublas":
+            self.sgemm(a, w, out)
+            if epi != GEMM_NONE:
+                self.fn["bias_gelu" if epi == GEMM_BIAS_GELU else "bias"](
+                    (min(-(-M * N // 1024), 4 * self.sm_count),), (256,), (out, b, np.int32(M), np.int32(N)))
+            return
+        w_big, w_small = self.gemm_weights[name + ".weight"]
+        splits = gemm_splits(M, N, K, self.sm_count)
+        self.fn[f"gemm_{epi}"]((N // GEMM_TILE, -(-M // GEMM_TILE), splits), (128,),
+                               (a, w_big, w_small, b, out, np.int32(M), np.int32(N), np.int32(K), self.gemm_partials,
+                                self.gemm_tickets), shared_mem=GEMM_SMEM)
+
     def sequence(self, T: int, attend, *, store_kv: bool) -> None:
-        """The forward pass over history[0:T] (eager launches and cuBLAS), then ln_f + lm_head +
-        argmax on position T - 1, which writes the next token into history[T] and state. With
-        store_kv, every layer's keys and values go into the cache (the prefill)."""
+        """The forward pass over history[0:T] (eager launches), then ln_f + lm_head + argmax on
+        position T - 1, which writes the next token into history[T] and state. With store_kv, every
+        layer's keys and values go into the cache (the prefill). Only position T - 1 reaches the
+        logits, so the last layer runs its keys and values (and the attention) over every position,
+        and everything after the attention on position T - 1 alone."""
         cp, c, p, fn = self.cp, self.config, self.params32, self.fn
-        C, NH, HS, F = c.n_embd, c.n_head, c.head_size, c.mlp_width
+        C, NH, HS = c.n_embd, c.n_head, c.head_size
         eps = self.eps
         x, h, qkv, merged, y, f = (a[:T] for a in (self.xs, self.hs, self.qkvs, self.merged, self.ys, self.fs))
         views = qkv.reshape(1, T, 3, NH, HS)  # (B, T, 3, NH, hs): columns [q | k | v]
         q, k, v = (views[:, :, i].transpose(0, 2, 1, 3) for i in range(3))  # each (B, NH, T, hs), a view
+        # every layer reads the same views: a rung is validated once per pass (kernels.Attend.prepare)
+        run_attention = attend.prepare(q, k, v) if hasattr(attend, "prepare") else (lambda: attend(q, k, v))
         grid = (min(-(-T * C // 256), 4 * self.sm_count),)
-        self.sgemm.begin()
+        if self.products == "cublas":
+            self.sgemm.begin()
         fn["embed32"]((T,), (256,), (p["wte.weight"], p["wpe.weight"], self.history, NULL, np.int32(C), x, NULL,
                                      np.uint64(0)))
         for i in range(c.n_layer):
@@ -821,28 +899,28 @@ class Engine:
                 residual = (y, p[f"h.{i - 1}.mlp.c_proj.bias"])
             fn["add_layernorm"]((T,), (256,), (x, *residual, p[pre + "ln_1.weight"], p[pre + "ln_1.bias"], eps, h,
                                                np.int32(C)), shared_mem=4 * C)
-            self.sgemm(h, p[pre + "attn.c_attn.weight"], qkv)
-            fn["bias"](grid, (256,), (qkv, p[pre + "attn.c_attn.bias"], np.int32(T), np.int32(3 * C)))
+            self.product(h, pre + "attn.c_attn", qkv, GEMM_BIAS)
             if store_kv:
                 fn["kv_store"](grid, (256,), (qkv, self.k_cache[i], self.v_cache[i], np.int32(T), np.int32(NH),
                                               np.int32(HS), np.int32(self.max_len)))
-            o = attend(q, k, v)  # (B, NH, T, hs)
+            o = run_attention()  # (B, NH, T, hs)
             if o.dtype != cp.float32 or o.strides[3] != 4:
                 o = cp.ascontiguousarray(o, dtype=cp.float32)
             fn["merge_heads"](grid, (256,), (o, np.int64(o.strides[1] // 4), np.int64(o.strides[2] // 4), merged,
                                              np.int32(T), np.int32(NH), np.int32(HS)))
-            self.sgemm(merged, p[pre + "attn.c_proj.weight"], y)
+            if i == c.n_layer - 1:  # from here on, position T - 1 alone
+                x, h, merged, y, f = (a[T - 1:] for a in (x, h, merged, y, f))
+            rows = x.shape[0]
+            self.product(merged, pre + "attn.c_proj", y, GEMM_NONE)
             # x += attn.c_proj output + bias; h = ln_2(x)
-            fn["add_layernorm"]((T,), (256,), (x, y, p[pre + "attn.c_proj.bias"], p[pre + "ln_2.weight"],
-                                               p[pre + "ln_2.bias"], eps, h, np.int32(C)), shared_mem=4 * C)
-            self.sgemm(h, p[pre + "mlp.c_fc.weight"], f)
-            fn["bias_gelu"]((min(-(-T * F // 1024), 4 * self.sm_count),), (256,),
-                            (f, p[pre + "mlp.c_fc.bias"], np.int32(T), np.int32(F)))
-            self.sgemm(f, p[pre + "mlp.c_proj.weight"], y)
-        # the last position only: ln_f(x + mlp.c_proj output + bias), the logits, their argmax
+            fn["add_layernorm"]((rows,), (256,), (x, y, p[pre + "attn.c_proj.bias"], p[pre + "ln_2.weight"],
+                                                  p[pre + "ln_2.bias"], eps, h, np.int32(C)), shared_mem=4 * C)
+            self.product(h, pre + "mlp.c_fc", f, GEMM_BIAS_GELU)
+            self.product(f, pre + "mlp.c_proj", y, GEMM_NONE)
+        # the last position: ln_f(x + mlp.c_proj output + bias), the logits, their argmax
         last = f"h.{c.n_layer - 1}.mlp.c_proj.bias"
         fn["lm_head32"]((self.lm32_blocks,), (self.lm32_warps * 32,),
-                        (p["wte.weight"], x[T - 1], y[T - 1], p[last], p["ln_f.weight"], p["ln_f.bias"], eps,
+                        (p["wte.weight"], x[-1], y[-1], p[last], p["ln_f.weight"], p["ln_f.bias"], eps,
                          np.int32(c.vocab_size), self.logits if self.logits is not None else NULL, self.block_max,
                          self.block_arg, self.lm_counter, self.state, self.history, NULL, np.uint64(0)))
 

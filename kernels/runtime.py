@@ -352,6 +352,7 @@ def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, ou
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     causal = bool(causal)
     inst = instance(rung.path, d, config, dtype=q.dtype.name, grid=(B, NH, T))
+    given = q, k, v
     if not rung.strided:
         q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))
     else:
@@ -379,7 +380,28 @@ def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, ou
         return out
 
     run.instance = inst  # the configuration chosen for these inputs
+    # whether run() reads the caller's arrays themselves (else copies made here, once)
+    run.reads_inputs = all(a is b for a, b in zip((q, k, v), given, strict=True))
     return run
+
+
+class Attend:
+    """A rung as the attention function gpt2.forward takes: attend(q, k, v) is kernels.attention with
+    the rung (resolved once) and causal fixed. attend.prepare(q, k, v) returns run() -> o for callers
+    that launch on the same arrays many times with new contents (gpt2.fast's whole-sequence pass: every
+    layer of a step reads one qkv buffer): validated and compiled once, one output array reused.
+    Where the rung needs copies of its inputs (contiguous, or 16-byte aligned), run() makes them anew."""
+
+    def __init__(self, kernel, causal: bool = True):
+        self.path = str(ladder.resolve(kernel))  # resolving a name scans kernels/
+        self.causal = causal
+
+    def __call__(self, q, k, v):
+        return attention(q, k, v, kernel=self.path, causal=self.causal)
+
+    def prepare(self, q, k, v):
+        run = prepare(q, k, v, kernel=self.path, causal=self.causal)
+        return run if run.reads_inputs else (lambda: self(q, k, v))
 
 
 def attention(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, out=None):
