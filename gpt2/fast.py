@@ -290,6 +290,18 @@ def gemm_splits(M: int, N: int, K: int, sm_count: int) -> int:
     return max(1, min(-(-sm_count // blocks), K // GEMM_BK // 2))
 
 
+def gemm(fn, a, w_parts: tuple, bias, out, partials, tickets, sm_count: int, splits: int | None = None) -> None:
+    """Launch gemm.cu's kernel fn: out (M, N) = a (M, K) @ W with fn's epilogue, W as gemm_weight
+    made it; partials (2 x sm_count x 64 x 64 float32) and tickets (sm_count uint32, zeros, left
+    zeros) serve split K. splits: gemm_splits' choice unless given."""
+    (M, K), N = a.shape, out.shape[1]
+    splits = splits or gemm_splits(M, N, K, sm_count)
+    if splits * (N // GEMM_TILE) * -(-M // GEMM_TILE) * GEMM_TILE**2 > partials.size and splits > 1:
+        raise ValueError(f"{splits} splits of a ({M}, {N}) output need more partial sums than the buffer holds")
+    fn((N // GEMM_TILE, -(-M // GEMM_TILE), splits), (128,),
+       (a, *w_parts, bias, out, np.int32(M), np.int32(N), np.int32(K), partials, tickets), shared_mem=GEMM_SMEM)
+
+
 def gemm_expressions() -> dict[str, tuple[str, str]]:
     """gemm.cu's instantiations, one per epilogue (compiled with GEMM_OPTIONS, for sm_90a)."""
     return {f"gemm_{epi}": ("gemm", f"gemm_tf32x3<{epi}>") for epi in (GEMM_NONE, GEMM_BIAS, GEMM_BIAS_GELU)}
@@ -858,7 +870,7 @@ class Engine:
     def product(self, a, name: str, out, epi: int) -> None:
         """out = a @ params32[name + ".weight"], then + bias (GEMM_BIAS) or gelu(. + bias)
         (GEMM_BIAS_GELU): gemm.cu, or cuBLAS SGEMM and bias_act.cu (products="cublas")."""
-        p, (M, K), N = self.params32, a.shape, out.shape[1]
+        p, M, N = self.params32, a.shape[0], out.shape[1]
         w, b = p[name + ".weight"], p[name + ".bias"]
         if self.products == "cublas":
             self.sgemm(a, w, out)
@@ -866,11 +878,8 @@ class Engine:
                 self.fn["bias_gelu" if epi == GEMM_BIAS_GELU else "bias"](
                     (min(-(-M * N // 1024), 4 * self.sm_count),), (256,), (out, b, np.int32(M), np.int32(N)))
             return
-        w_big, w_small = self.gemm_weights[name + ".weight"]
-        splits = gemm_splits(M, N, K, self.sm_count)
-        self.fn[f"gemm_{epi}"]((N // GEMM_TILE, -(-M // GEMM_TILE), splits), (128,),
-                               (a, w_big, w_small, b, out, np.int32(M), np.int32(N), np.int32(K), self.gemm_partials,
-                                self.gemm_tickets), shared_mem=GEMM_SMEM)
+        gemm(self.fn[f"gemm_{epi}"], a, self.gemm_weights[name + ".weight"], b, out, self.gemm_partials,
+             self.gemm_tickets, self.sm_count)
 
     def sequence(self, T: int, attend, *, store_kv: bool) -> None:
         """The forward pass over history[0:T] (eager launches), then ln_f + lm_head + argmax on

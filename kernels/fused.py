@@ -105,6 +105,7 @@ class Report:
     stack_bytes: int
     spill_stores: int
     spill_loads: int
+    performance_warnings: tuple[str, ...] = ()  # ptxas's "Potential Performance Loss" lines (C7520: wgmma serialized)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -148,4 +149,6 @@ def compile_report(name: str, expression: str, arch: str = "sm_90", options: tup
     if not _PTXAS["registers"].search(log):
         raise RuntimeError(f"{path_of(name)}: no register count in ptxas's report for {expression}:\n{log}")
     values = {k: int(m.group(1)) if (m := rx.search(log)) else 0 for k, rx in _PTXAS.items()}
-    return Report(kernel=name, expression=expression, arch=arch, **values)
+    warnings = tuple(runtime._PERFORMANCE_WARNING.sub("", line).strip() for line in log.splitlines()
+                     if "Potential Performance Loss" in line)
+    return Report(kernel=name, expression=expression, arch=arch, performance_warnings=warnings, **values)

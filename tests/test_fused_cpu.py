@@ -33,8 +33,52 @@ def test_every_engine_kernel_compiles_for_sm90_without_spills(file, expr):
     assert r.registers <= 255
 
 
+@pytest.mark.parametrize("key", sorted(fast.gemm_expressions()))
+def test_gemm_compiles_for_sm90a_without_spills_or_a_serialized_wgmma(key):
+    file, expr = fast.gemm_expressions()[key]
+    r = fused.compile_report(file, expr, "sm_90", options=fast.GEMM_OPTIONS)
+    assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0, r
+    assert 0 < r.registers <= 168, r  # two blocks of 128 threads per SM with room to spare
+    assert not r.performance_warnings, f"ptxas says {r.performance_warnings}"
+
+
+def test_gemm_weight_splits_tiles_and_swizzles_every_element():
+    """gemm_weight with NumPy for CuPy: element (k, n) of W lands as gemm.cu reads it, big + small
+    is W exactly, big is W rounded to 10 mantissa bits (nearest, ties away from zero)."""
+    rng = np.random.default_rng(0)
+    K, N = 96, 128
+    w = rng.standard_normal((K, N)).astype(np.float32)
+    w[0, 0], w[1, 0] = np.float32(1 + 2**-11), np.float32(-(1 + 3 * 2**-12))  # a tie (away from zero) and a round-up
+    big, small = fast.gemm_weight(np, w)
+    assert big.shape == small.shape == (N // 64, K // 32, 64, 32)
+    k, n = np.meshgrid(np.arange(K), np.arange(N), indexing="ij")
+    r, c = n % 64, k % 32
+    at = (n // 64, k // 32, r, ((c // 4) ^ (r % 8)) * 4 + c % 4)
+    assert (big[at] + small[at] == w).all()
+    assert (big[at].view(np.uint32) & 0x1FFF == 0).all()
+    assert (np.abs(small[at]) <= np.abs(w) * 2.0**-11).all()
+    assert big[at][0, 0] == np.float32(1 + 2**-10) and big[at][1, 0] == np.float32(-(1 + 2**-10))
+    with pytest.raises(ValueError, match="N % 64"):
+        fast.gemm_weight(np, w[:, :100])
+
+
+@pytest.mark.parametrize("K,N", [(768, 2304), (768, 768), (768, 3072), (3072, 768), (1600, 6400), (32, 64)])
+def test_gemm_splits_fill_the_sms_and_fit_the_partials(K, N):
+    sms = 132
+    for M in range(1, 1025):
+        splits = fast.gemm_splits(M, N, K, sms)
+        blocks = (N // 64) * -(-M // 64)
+        assert 1 <= splits <= max(1, K // 32 // 2), (M, splits)  # a split keeps two K tiles of 32
+        if splits > 1:
+            assert blocks < sms and splits * blocks < 2 * sms, (M, splits)  # the engine's partial sums hold them
+            assert blocks <= sms, "a ticket per output tile: sm_count of them"
+        elif K // 32 >= 4:
+            assert blocks >= sms, (M, blocks)  # fewer output tiles than SMs: always split
+    assert fast.gemm_splits(16, 768, 3072, sms) == 11 and fast.gemm_splits(519, 768, 3072, sms) == 2
+
+
 def test_the_engine_launches_every_fused_file():
-    used = {file for file, _ in CASES}
+    used = {file for file, _ in CASES} | {file for file, _ in fast.gemm_expressions().values()}
     assert used == set(fused.names()), f"fused kernels nothing launches: {set(fused.names()) - used}"
 
 

@@ -366,6 +366,84 @@ def test_merge_heads_reads_any_strides(cp):
     assert bool((out == y.transpose(0, 2, 1, 3).reshape(T, NH * HS)).all())
 
 
+GEMM_SHAPES = [(768, 2304), (768, 768), (768, 3072), (3072, 768), (1024, 4096), (1600, 6400)]  # (K, N)
+GEMM_EPILOGUES = {"none": fast.GEMM_NONE, "bias": fast.GEMM_BIAS, "bias+gelu": fast.GEMM_BIAS_GELU}
+
+
+@pytest.fixture(scope="module")
+def gemm_setup(cp):
+    """gemm.cu's three instantiations, the split-K buffers; skips where TF32 wgmma does not run."""
+    if int(cp.cuda.Device().compute_capability) != 90:
+        pytest.skip("gemm.cu needs sm_90a (TF32 wgmma)")
+    fns = {}
+    for key, (file, expr) in fast.gemm_expressions().items():
+        fns[int(key.split("_")[1])] = fn = fused.function(file, expr, options=fast.GEMM_OPTIONS)
+        fn.max_dynamic_shared_size_bytes = fast.GEMM_SMEM
+    sms = kernels.device_limits().sm_count
+    return fns, cp.zeros(2 * sms * 64 * 64, dtype=cp.float32), cp.zeros(sms, dtype=cp.uint32), sms
+
+
+def gemm_case(cp, M, K, N, epi):
+    rng = cp.random.default_rng()
+    a = rng.standard_normal((M, K), dtype=cp.float32)
+    w = rng.standard_normal((K, N), dtype=cp.float32) * np.float32(0.02)
+    b = rng.standard_normal(N, dtype=cp.float32) * np.float32(0.1)
+    ref64 = a.astype(cp.float64) @ w.astype(cp.float64)
+    plain32 = a @ w  # cuBLAS SGEMM (CuPy's float32 matmul, no TF32)
+    if epi != fast.GEMM_NONE:
+        ref64, plain32 = ref64 + b, plain32 + b
+    if epi == fast.GEMM_BIAS_GELU:
+        ref64, plain32 = gelu64(cp, ref64), gpt2.model.gelu(plain32)
+    return a, w, b, ref64, plain32
+
+
+@pytest.mark.parametrize("epi", GEMM_EPILOGUES.values(), ids=GEMM_EPILOGUES.keys())
+@pytest.mark.parametrize("M", [1, 17, 97, 257, 1000, 1024])
+@pytest.mark.parametrize("K,N", GEMM_SHAPES, ids=[f"K{k}-N{n}" for k, n in GEMM_SHAPES])
+def test_gemm_matches_the_float64_product_and_epilogue(cp, gemm_setup, K, N, M, epi):
+    """3xTF32 on wgmma at float32's accuracy (the bound of a plain float32 product, cuBLAS's), every
+    output written (rows past M are not: the output is exactly (M, N)), the same bits launch after
+    launch, and the split-K tickets back at zero."""
+    fns, partials, tickets, sms = gemm_setup
+    a, w, b, ref64, plain32 = gemm_case(cp, M, K, N, epi)
+    out = cp.full((M + 1, N), cp.nan, dtype=cp.float32)  # one poisoned row past M must stay poisoned
+    parts = fast.gemm_weight(cp, w)
+    fast.gemm(fns[epi], a, parts, b, out[:M], partials, tickets, sms)
+    check_close(cp, out[:M], ref64, plain32, f"gemm {M}x{K} @ {K}x{N}, splits {fast.gemm_splits(M, N, K, sms)}")
+    assert bool(cp.isnan(out[M]).all()), "gemm wrote past row M"
+    assert int(tickets.sum()) == 0, "the split-K tickets must be left at zero"
+    again = cp.full((M, N), cp.nan, dtype=cp.float32)
+    fast.gemm(fns[epi], a, parts, b, again, partials, tickets, sms)
+    assert bool((again == out[:M]).all()), "two launches on the same inputs must give the same bits"
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5, 11, 48])
+def test_gemm_split_k_sums_every_split(cp, gemm_setup, splits):
+    fns, partials, tickets, sms = gemm_setup
+    M, K, N = 17, 3072, 768
+    a, w, b, ref64, plain32 = gemm_case(cp, M, K, N, fast.GEMM_BIAS)
+    out = cp.full((M, N), cp.nan, dtype=cp.float32)
+    fast.gemm(fns[fast.GEMM_BIAS], a, fast.gemm_weight(cp, w), b, out, partials, tickets, sms, splits=splits)
+    check_close(cp, out, ref64, plain32, f"gemm with {splits} splits of K")
+    assert int(tickets.sum()) == 0
+
+
+def test_attend_prepare_reads_new_contents_of_the_same_arrays(cp):
+    """kernels.Attend.prepare: run() sees what the arrays hold when it runs, for a strided rung (its
+    views as they are) and for one that needs contiguous copies (made anew by every run)."""
+    rng = cp.random.default_rng()
+    qkv = rng.standard_normal((1, 97, 3, 4, 64), dtype=cp.float32)
+    q, k, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+    for name in ("v02", "v13"):
+        attend = kernels.Attend(name)
+        run = attend.prepare(q, k, v)
+        first = run().copy()
+        qkv[...] = rng.standard_normal(qkv.shape, dtype=cp.float32)
+        second = run()
+        assert bool((second == attend(q, k, v)).all()), f"{name}: run() must read the new q, k, v"
+        assert not bool((second == first).all())
+
+
 # -- the engine ------------------------------------------------------------------------------------
 
 
@@ -400,12 +478,15 @@ def test_graph_replay_equals_eager_launches_and_the_eager_model(cp, small, atten
                            f"{margins(cp, eager.logits)[first]:.2e} (a near tie if below ~1e-4)")
 
 
+@pytest.mark.parametrize("products", ["3xtf32", "cublas"])
 @pytest.mark.parametrize("attention", ["reference", "v13"])
-def test_no_cache_fast_path_equals_the_eager_model(cp, small, attention):
-    attend = reference_attend if attention == "reference" else (
-        lambda q, k, v: kernels.attention(q, k, v, kernel="v13", causal=True))
-    fast_run = generate(small.params, small.config, PROMPT, 24, attend=attend, kv_cache=False)
-    eager = generate(small.params, small.config, PROMPT, 24, attend=attend, kv_cache=False, fast=False,
+def test_no_cache_fast_path_equals_the_eager_model(cp, small, attention, products):
+    if products == "3xtf32" and int(cp.cuda.Device().compute_capability) != 90:
+        pytest.skip("gemm.cu needs sm_90a")
+    attend = reference_attend if attention == "reference" else kernels.Attend("v13")
+    engine = fast.engine_for(small.params, small.config, products=products, persistent=False)
+    fast_run = engine.generate(PROMPT, 48, attend=attend, kv_cache=False)
+    eager = generate(small.params, small.config, PROMPT, 48, attend=attend, kv_cache=False, fast=False,
                      record_logits=True)
     first = first_difference(fast_run.tokens, eager.tokens)
     assert first is None, f"no-cache: tokens part at {first}; eager margin there {margins(cp, eager.logits)[first]:.2e}"
