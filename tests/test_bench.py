@@ -704,7 +704,7 @@ def test_e2e_subcommand_end_to_end_with_stand_ins(stand_in, tmp_path, monkeypatc
     tiny = gpt2.GPT2Config(n_layer=2, n_head=2, n_embd=16, n_positions=64)
     real_random = gpt2.random_weights
     monkeypatch.setattr(gpt2, "random_weights", lambda size, seed, xp: real_random(tiny, seed=seed, xp=np))
-    monkeypatch.setattr(kernels, "attention", lambda q, k, v, kernel, causal: kernels.reference_attention(q, k, v))
+    monkeypatch.setattr(kernels, "Attend", lambda path: lambda q, k, v: kernels.reference_attention(q, k, v))
     monkeypatch.setattr(bench, "plot_or_none", lambda plot, result, path: None)
     code, out, err = run(["e2e", "--kernels", stand_in[0], "--tokens", "5", "--warmup", "2", "--no-hf",
                           "--no-decode", "--results", str(tmp_path)], capsys)  # the decode table needs the GPU

@@ -417,15 +417,18 @@ def test_gemm_matches_the_float64_product_and_epilogue(cp, gemm_setup, K, N, M, 
     assert bool((again == out[:M]).all()), "two launches on the same inputs must give the same bits"
 
 
-@pytest.mark.parametrize("splits", [1, 2, 5, 11, 48])
+@pytest.mark.parametrize("splits", [1, 2, 5, 11, 22])
 def test_gemm_split_k_sums_every_split(cp, gemm_setup, splits):
     fns, partials, tickets, sms = gemm_setup
-    M, K, N = 17, 3072, 768
+    M, K, N = 17, 3072, 768  # 12 output tiles
     a, w, b, ref64, plain32 = gemm_case(cp, M, K, N, fast.GEMM_BIAS)
     out = cp.full((M, N), cp.nan, dtype=cp.float32)
-    fast.gemm(fns[fast.GEMM_BIAS], a, fast.gemm_weight(cp, w), b, out, partials, tickets, sms, splits=splits)
+    parts = fast.gemm_weight(cp, w)
+    fast.gemm(fns[fast.GEMM_BIAS], a, parts, b, out, partials, tickets, sms, splits=splits)
     check_close(cp, out, ref64, plain32, f"gemm with {splits} splits of K")
     assert int(tickets.sum()) == 0
+    with pytest.raises(ValueError, match="partial sums"):  # 12 tiles x 48 splits: more than 2 x SMs of them
+        fast.gemm(fns[fast.GEMM_BIAS], a, parts, b, out, partials, tickets, 132, splits=48)
 
 
 def test_attend_prepare_reads_new_contents_of_the_same_arrays(cp):
