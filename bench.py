@@ -1927,7 +1927,9 @@ def cmd_e2e(args) -> int:
             "clock": "time.perf_counter around gpt2.generate (device synchronized before and after), after a "
                      f"{args.warmup}-token warm-up generation that compiles every rung and CuPy kernel",
             "no-cache": "every step runs the whole sequence so far through the model (gpt2's fast path: fused "
-                        "kernels around cuBLAS): the attention under test runs on every token, at every length",
+                        "kernels, the products on kernels/fused/gemm.cu's 3xTF32 wgmma on sm_90, else cuBLAS "
+                        "SGEMM; past the last layer's attention only the last position): the attention under "
+                        "test runs on every token, at every length",
             "kv-cache": "the prompt is prefilled through the attention under test; each later step is one query "
                         "over a static cache, gpt2.fast's decode step (the persistent kernel where the device runs "
                         "it, else CUDA graphs of its fused kernels), the same for every rung",

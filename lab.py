@@ -260,6 +260,7 @@ def run(args) -> int:
         "pdl": gpt2.fast.engine_for(ckpt.params, config).pdl_note if fast_why is None and args.kv_cache else None,
         "persistent": gpt2.fast.engine_for(ckpt.params, config).persistent_note
         if fast_why is None and args.kv_cache else None,
+        "products": gpt2.fast.engine_for(ckpt.params, config).products if fast_why is None else None,
         "dtype": args.dtype,
         "device": device,
         "device_name": device_name(device),
@@ -428,7 +429,8 @@ def engine_line(s: dict) -> str:
     if s["mode"] == "kv-cache":
         return (f"fast ({s['dtype']}): fused kernels, static KV cache, the decode step replayed as a CUDA graph "
                 f"(programmatic dependent launch {s['pdl']}; persistent step {s.get('persistent')})")
-    return f"fast ({s['dtype']}): fused kernels around cuBLAS, the whole sequence every step"
+    products = "kernels/fused/gemm.cu (3xTF32 wgmma)" if s.get("products") == "3xtf32" else "cuBLAS SGEMM"
+    return f"fast ({s['dtype']}): fused kernels, the products on {products}, the whole sequence every step"
 
 
 def print_profile(p: dict) -> None:

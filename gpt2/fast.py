@@ -43,11 +43,17 @@ larger kernels (kernels/fused/*.cu, each tested against the CuPy code it replace
   memory ahead of its use. Four stages per layer (STEP_STAGES): attn.c_proj is done per head inside
   the attention stage, from a head-major copy of its weight made here. One launch per window of
   STEPS_PER_GRAPH tokens; persistent=False keeps the graphs.
-- Prefill, and every step of the no-cache mode: the whole sequence eagerly, cuBLAS SGEMM (through
-  CuPy's handle, no TF32) for the products, the attention under test, and fused kernels around them
-  (residual add + LayerNorm, bias, bias + GELU, head merge, KV store), then the same
-  ln_f + lm_head + argmax kernel on the last position only. In bfloat16 the prefill computes in float32
-  on the bfloat16-rounded weights, so both phases see the same weights.
+- Prefill, and every step of the no-cache mode: the whole sequence eagerly, the attention under test,
+  and fused kernels around it (residual add + LayerNorm, head merge, KV store). The products run on
+  kernels/fused/gemm.cu where the device is sm_90 (products="3xtf32", the default there): float32 at
+  float32 accuracy on TF32 wgmma, with the bias or bias + GELU in its epilogue and K split across
+  blocks where the output tiles are fewer than the SMs; its weights are split and tiled once here
+  (gemm_weight: two float32 copies of every linear weight). Elsewhere, or with products="cublas",
+  cuBLAS SGEMM (through CuPy's handle, no TF32) and bias_act.cu. Only the last position reaches the
+  logits, so the last layer runs its attention over every position and everything after it on the
+  last position alone; then the same ln_f + lm_head + argmax kernel. The attention under test is
+  validated once per pass (kernels.Attend.prepare): every layer reads the same qkv views. In bfloat16
+  the prefill computes in float32 on the bfloat16-rounded weights, so both phases see the same weights.
 - Greedy only: tokens stay on the device (`history`), copied back in windows of STEPS_PER_GRAPH
   through pinned memory while the GPU runs the next window, so on_token still streams.
 """
