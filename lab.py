@@ -341,7 +341,7 @@ def profile_step(ckpt, config, position: int) -> dict:
         work = dict((k, ms) for k, _, ms in gpt2.fast.by_kind([(name, w) for name, _, w, _ in stages]))
         wait = dict((k, ms) for k, _, ms in gpt2.fast.by_kind([(name, b) for name, _, _, b in stages]))
         out["persistent_stages"] = [
-            {"kind": kind, "stages": n, "ms": ms, "work_ms": work[kind], "barrier_ms": wait[kind]}
+            {"kind": kind, "stages": n, "ms": ms, "work_ms": work[kind], "wait_ms": wait[kind]}
             for kind, n, ms in gpt2.fast.by_kind([(name, total) for name, total, _, _ in stages])]
     return out
 
@@ -453,7 +453,7 @@ def print_profile(p: dict) -> None:
         for row in p["persistent_stages"]:
             n = row["stages"]
             print(f"  {row['kind']:<28}{n:>4} x {1e3 * row['ms'] / n:7.2f} us  (work {1e3 * row['work_ms'] / n:6.2f}, "
-                  f"wait {1e3 * row['barrier_ms'] / n:5.2f})")
+                  f"wait {1e3 * row['wait_ms'] / n:5.2f})")
     else:
         print(f"persistent step: {p.get('persistent')}")
 
