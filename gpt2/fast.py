@@ -302,8 +302,9 @@ def gemm(fn, a, w_parts: tuple, bias, out, partials, tickets, sm_count: int, spl
     zeros) serve split K. splits: gemm_splits' choice unless given."""
     (M, K), N = a.shape, out.shape[1]
     splits = splits or gemm_splits(M, N, K, sm_count)
-    if splits * (N // GEMM_TILE) * -(-M // GEMM_TILE) * GEMM_TILE**2 > partials.size and splits > 1:
-        raise ValueError(f"{splits} splits of a ({M}, {N}) output need more partial sums than the buffer holds")
+    tiles = (N // GEMM_TILE) * -(-M // GEMM_TILE)
+    if splits > 1 and (splits * tiles * GEMM_TILE**2 > partials.size or tiles > tickets.size):
+        raise ValueError(f"{splits} splits of a ({M}, {N}) output need more partial sums or tickets than the buffers hold")
     fn((N // GEMM_TILE, -(-M // GEMM_TILE), splits), (128,),
        (a, *w_parts, bias, out, np.int32(M), np.int32(N), np.int32(K), partials, tickets), shared_mem=GEMM_SMEM)
 

@@ -149,6 +149,5 @@ def compile_report(name: str, expression: str, arch: str = "sm_90", options: tup
     if not _PTXAS["registers"].search(log):
         raise RuntimeError(f"{path_of(name)}: no register count in ptxas's report for {expression}:\n{log}")
     values = {k: int(m.group(1)) if (m := rx.search(log)) else 0 for k, rx in _PTXAS.items()}
-    warnings = tuple(runtime._PERFORMANCE_WARNING.sub("", line).strip() for line in log.splitlines()
-                     if "Potential Performance Loss" in line)
-    return Report(kernel=name, expression=expression, arch=arch, performance_warnings=warnings, **values)
+    return Report(kernel=name, expression=expression, arch=arch, performance_warnings=runtime.performance_warnings(log),
+                  **values)

@@ -445,6 +445,12 @@ _PTXAS = {
 _PERFORMANCE_WARNING = re.compile(r"^ptxas \w+\s*:\s*|\s*in the function '[^']*'")
 
 
+def performance_warnings(log: str) -> tuple[str, ...]:
+    """ptxas's "Potential Performance Loss" lines of a compile log, each reduced to its message."""
+    return tuple(_PERFORMANCE_WARNING.sub("", line).strip() for line in log.splitlines()
+                 if "Potential Performance Loss" in line)
+
+
 def compile_report(kernel, arch: str, configs=None) -> list[Resources]:
     """Compile every declared configuration (or `configs`) with NVRTC for `arch`, no GPU needed,
     and read ptxas's report: registers, static shared memory, stack and spill bytes, performance
@@ -465,11 +471,9 @@ def compile_report(kernel, arch: str, configs=None) -> list[Resources]:
         if not _PTXAS["registers"].search(log):
             raise RuntimeError(f"{rung.path}: no register count in ptxas's report for {arch}:\n{log}")
         values = {k: int(m.group(1)) if (m := rx.search(log)) else 0 for k, rx in _PTXAS.items()}
-        warnings = tuple(_PERFORMANCE_WARNING.sub("", line).strip() for line in log.splitlines()
-                         if "Potential Performance Loss" in line)
         reports.append(Resources(kernel=rung.name, config=rung.params(c), arch=arch,
                                  threads=math.prod(rung.block(c)), dynamic_smem=rung.shared_bytes(c),
-                                 performance_warnings=warnings, **values))
+                                 performance_warnings=performance_warnings(log), **values))
     return reports
 
 
