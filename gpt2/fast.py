@@ -332,7 +332,7 @@ def attention_staging(max_len: int, splits: int, head_size: int, itemsize: int) 
 STEP_THREADS = 320  # decode_step.cu's compute threads (a multiple of 64); one more warp issues the weight stream
 STEP_BLOCK = STEP_THREADS + 32  # 11 warps, at most 3 on an SM sub-partition: up to 168 registers a thread
 STEP_SLOTS = 8  # at most this many weight slots in decode_step.cu's ring
-STEP_MAX_SPLITS = 16  # decode_step.cu's MAX_SPLITS
+STEP_MAX_SPLITS = 12  # decode_step.cu's MAX_SPLITS
 STEP_STAGES = ("ln_1+attn.c_attn", "attn+attn.c_proj", "residual+ln_2+mlp.c_fc+gelu",
                "mlp.c_proj+residual")  # decode_step.cu's stages A-D of a layer (E, the lm_head, ends the step)
 STEP_STATIC_SMEM = 4 << 10  # headroom for decode_step.cu's static shared memory (about 2 KB)
@@ -385,8 +385,8 @@ def step_plan(config: GPT2Config, dtype: str, sm_count: int, max_len: int, smem_
     slots = min(STEP_SLOTS, (smem_limit - fixed) // slot)
     if slots < 2:
         return f"decode_step needs two slots of {slot} bytes and {fixed} more of shared memory; the device has {smem_limit}"
-    def parts(K):  # decode_step.cu's rows_dot: a row in P parts, at most 6 vectors per lane
-        return -(-K * item // 16 // 192)
+    def parts(K):  # decode_step.cu's rows_dot: a row in P parts of at most 768 weights
+        return -(-K // 768)
 
     for N, K in ((3 * C, C), (F, C), (C, F)):  # stages A, C, D
         if rows(N) * parts(K) > STEP_THREADS:

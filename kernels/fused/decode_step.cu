@@ -90,7 +90,7 @@
  */
 #include "common.cuh"
 
-#define MAX_SPLITS 16  // key splits per head, at most (stage B holds one value of each in registers)
+#define MAX_SPLITS 12  // key splits per head, at most (stage B holds one value of each in registers)
 #define MAX_SLOTS 8    // the weight stream's slots, at most (two mbarriers each in the first 128 bytes)
 #ifndef POLL_SLEEP_NS
 #define POLL_SLEEP_NS 40  // between polls of the grid barrier (H200, 13 barriers a token: 0 / 40 / 100 ns alike)
@@ -247,49 +247,82 @@ __device__ __forceinline__ Share share(int N, int b, int G)
 }
 
 
-// The dot products of R rows of K weights at W_s with in_s (K floats). Unit u = (row u / P, part
-// u % P) is one warp's, each lane loading all its (at most 6) 16-byte vectors of the part at once and
-// accumulating in two independent chains; the parts are then summed in order. P is the fewest parts
-// that keep a lane at 6 vectors or fewer (more parts, shorter units, measured slower: more rounds).
+// The dot products of R rows of K weights at W_s with in_s (K floats), from shared memory. A row is
+// cut into P parts of at most 768 weights; a task is U rows' same part, a warp's: each lane loads its
+// 16-byte vectors of the part's inputs once (at most 6 in float32, 3 vectors of 8 in bfloat16) and
+// uses them for all U rows, whose weights it loads at once, accumulating each row in two independent
+// chains and reducing the U rows' sums in interleaved shuffle trees; the parts are then summed in
+// order. Shared memory's bandwidth is the limit here: read once per row, the inputs would cost as
+// much as the weights (more in bfloat16).
 // Returns row threadIdx.x's value in threads below R. Ends with every thread past its reads of W_s
 // and in_s.
 template <typename weight_t, int K, int THREADS>
 __device__ __forceinline__ float rows_dot(const weight_t* W_s, const float* in_s, int R, float* red)
 {
     constexpr int WARPS = THREADS / 32, VEC = Vec16<weight_t>::N, CHUNKS = K / VEC;
-    constexpr int P = (CHUNKS + 191) / 192;
-    constexpr int SPAN = (CHUNKS + P - 1) / P, ITERS = (SPAN + 31) / 32;
+    constexpr int P = (K + 767) / 768;
+    constexpr int ITERS = ((CHUNKS + P - 1) / P + 31) / 32, SPAN = 32 * ITERS;  // whole rounds of 32 lanes
+    constexpr int U = VEC == 8 ? 3 : 1;  // rows of a task (float32's weights alone cost as much; registers)
     static_assert(K % VEC == 0, "rows are whole 16-byte vectors");
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int u = warp; u < R * P; u += WARPS) {
-        const int first = (u % P) * SPAN;
-        const uint4* row = reinterpret_cast<const uint4*>(W_s + (long long)(u / P) * K);
-        uint4 w[ITERS];
+    const int tasks = (R + U - 1) / U * P;
+    for (int t = warp; t < tasks; t += WARPS) {
+        const int first = (t % P) * SPAN, r0 = t / P * U, rows = min(U, R - r0);
+        uint4 w[U][ITERS];
 #pragma unroll
-        for (int i = 0; i < ITERS; ++i) {
-            const int c = first + i * 32 + lane;
-            if (i * 32 + lane < SPAN && c < CHUNKS) w[i] = row[c];
+        for (int j = 0; j < U; ++j) {
+            if (j >= rows) break;  // the same in every lane
+            const uint4* row = reinterpret_cast<const uint4*>(W_s + (long long)(r0 + j) * K);
+#pragma unroll
+            for (int i = 0; i < ITERS; ++i) {
+                const int c = first + i * 32 + lane;
+                if (i * 32 + lane < SPAN && c < CHUNKS) w[j][i] = row[c];
+            }
         }
-        float acc[2] = {0.0f, 0.0f};
+        float acc[U][2];
+#pragma unroll
+        for (int j = 0; j < U; ++j) acc[j][0] = acc[j][1] = 0.0f;
 #pragma unroll
         for (int i = 0; i < ITERS; ++i) {
             const int c = first + i * 32 + lane;
             if (i * 32 + lane >= SPAN || c >= CHUNKS) break;  // past the part (lanes ascend with i)
-            float wv[VEC];
-            unpack(w[i], wv);
+            float x[VEC];  // this lane's inputs of vector i, once for the U rows
             const float4* xv = reinterpret_cast<const float4*>(in_s + c * VEC);
+            if (VEC == 4) {
+                const float4 a = xv[0];
+                x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
+            } else {  // lanes 4-7 of each 8 take the upper half first: a phase's 8 lanes hit all 32 banks
+                const int h = (lane >> 2) & 1;
+                const float4 a = xv[h], b = xv[h ^ 1], lo = h ? b : a, hi = h ? a : b;
+                x[0] = lo.x; x[1] = lo.y; x[2] = lo.z; x[3] = lo.w;
+                x[VEC - 4] = hi.x; x[VEC - 3] = hi.y; x[VEC - 2] = hi.z; x[VEC - 1] = hi.w;
+            }
 #pragma unroll
-            for (int e = 0; e < VEC / 4; ++e) {
-                const float4 xe = xv[e];
-                float& a = acc[(i * (VEC / 4) + e) % 2];
-                a = fmaf(wv[4 * e + 0], xe.x, a);
-                a = fmaf(wv[4 * e + 1], xe.y, a);
-                a = fmaf(wv[4 * e + 2], xe.z, a);
-                a = fmaf(wv[4 * e + 3], xe.w, a);
+            for (int j = 0; j < U; ++j) {
+                if (j >= rows) break;
+                float wv[VEC];
+                unpack(w[j][i], wv);
+#pragma unroll
+                for (int e = 0; e < VEC / 4; ++e) {
+                    float& a = acc[j][(i * (VEC / 4) + e) % 2];
+                    a = fmaf(wv[4 * e + 0], x[4 * e + 0], a);
+                    a = fmaf(wv[4 * e + 1], x[4 * e + 1], a);
+                    a = fmaf(wv[4 * e + 2], x[4 * e + 2], a);
+                    a = fmaf(wv[4 * e + 3], x[4 * e + 3], a);
+                }
             }
         }
-        const float total = warp_sum(acc[0] + acc[1]);
-        if (lane == 0) red[u] = total;
+        float total[U];
+#pragma unroll
+        for (int j = 0; j < U; ++j) total[j] = acc[j][0] + acc[j][1];
+#pragma unroll
+        for (int o = 16; o > 0; o /= 2)
+#pragma unroll
+            for (int j = 0; j < U; ++j) total[j] += __shfl_xor_sync(0xffffffffu, total[j], o);
+        if (lane == 0)
+#pragma unroll
+            for (int j = 0; j < U; ++j)
+                if (j < rows) red[(r0 + j) * P + t % P] = total[j];
     }
     compute_sync<THREADS>();
     float v = 0.0f;
@@ -299,26 +332,31 @@ __device__ __forceinline__ float rows_dot(const weight_t* W_s, const float* in_s
     return v;
 }
 
-// LayerNorm of K floats in place, without block reductions: every warp computes the mean and the
-// centred sum of squares over all K itself (two passes, the same order in every warp), then each
-// thread normalizes its elements. Every thread must have finished writing x_s (a compute_sync()).
+// out_s = LayerNorm of the K floats at x_s (another buffer), without block reductions: every warp
+// computes the mean and the centred sum of squares over all K itself (two passes, float4 loads, four
+// chains a lane, the same order in every warp), then each thread normalizes its elements. Every thread must have finished writing x_s (a compute_sync()).
 template <int K, int THREADS>
-__device__ __forceinline__ void layernorm_warps(float* x_s, const float* w, const float* bias, float eps)
+__device__ __forceinline__ void layernorm_warps(const float* x_s, float* out_s, const float* w, const float* bias, float eps)
 {
+    static_assert(K % 4 == 0, "whole float4 vectors");
+    const float4* x4 = reinterpret_cast<const float4*>(x_s);
     const int lane = threadIdx.x % 32;
-    float s = 0.0f;
-#pragma unroll 8
-    for (int i = lane; i < K; i += 32) s += x_s[i];
-    const float mean = warp_sum(s) / K;
-    float ss = 0.0f;
-#pragma unroll 8
-    for (int i = lane; i < K; i += 32) {
-        const float d = x_s[i] - mean;
-        ss += d * d;
+    float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 4
+    for (int i = lane; i < K / 4; i += 32) {
+        const float4 v = x4[i];
+        s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
     }
-    const float rstd = 1.0f / sqrtf(warp_sum(ss) / K + eps);
-    compute_sync<THREADS>();  // every warp is past its reads
-    for (int i = threadIdx.x; i < K; i += THREADS) x_s[i] = (x_s[i] - mean) * rstd * w[i] + bias[i];
+    const float mean = warp_sum((s.x + s.y) + (s.z + s.w)) / K;
+    s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 4
+    for (int i = lane; i < K / 4; i += 32) {
+        const float4 v = x4[i];
+        const float4 d = make_float4(v.x - mean, v.y - mean, v.z - mean, v.w - mean);
+        s.x = fmaf(d.x, d.x, s.x); s.y = fmaf(d.y, d.y, s.y); s.z = fmaf(d.z, d.z, s.z); s.w = fmaf(d.w, d.w, s.w);
+    }
+    const float rstd = 1.0f / sqrtf(warp_sum((s.x + s.y) + (s.z + s.w)) / K + eps);
+    for (int i = threadIdx.x; i < K; i += THREADS) out_s[i] = (x_s[i] - mean) * rstd * w[i] + bias[i];
     compute_sync<THREADS>();
 }
 
@@ -350,7 +388,7 @@ __device__ __forceinline__ void head_rows_dot(const weight_t* W_s, const float* 
 }
 
 // x_s = x_in + (b + sum_h proj_h), the heads in order (every block the same sum), proj through L2;
-// x_in is in shared memory, b a weight. Up to 12 heads' loads in flight at once (GPT-2 small's all).
+// x_in is in shared memory (x_s may be x_in: a thread writes only what it read), b a weight. Up to 12 heads' loads in flight at once (GPT-2 small's all).
 template <int C, int NH, int THREADS>
 __device__ __forceinline__ void proj_input(const float* x_in, const float* proj, const float* bias, float* x_s)
 {
@@ -496,11 +534,12 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
     unsigned long long* empty = full + MAX_SLOTS;                            // per slot: the block is done with it
     unsigned char* slots = smem + 16 * MAX_SLOTS;
     float* in_s = reinterpret_cast<float*>(slots + (long long)nslot * slot_bytes);  // F floats
-    float* x_in = in_s + F;  // C floats: the layer's input x, from stage A to stage C
+    float* x_in = in_s + F;  // C floats: x, the LayerNorms' input (the layer's input, then x after attention)
     Layer<weight_t>* layer_s = reinterpret_cast<Layer<weight_t>*>(x_in + C);  // the layer table
     __shared__ float red[THREADS];
     __shared__ float scratch[WARPS];
-    __shared__ float q_s[HS];
+    __shared__ __align__(16) float q_s[HS];
+    __shared__ float ml_s[2 * MAX_SPLITS];  // stage B: each split's score max and sum
     __shared__ int arg_s;
     __shared__ unsigned long long stepped;  // a phase per step: the compute warps have passed its last barrier
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, G = gridDim.x, b = blockIdx.x;
@@ -582,20 +621,20 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
             unsigned long long* qkv_l = ll_qkv + (long long)l * 3 * C;
             float* proj_l = proj + (long long)l * NH * C;
             Share sh;
-            float v, x_own;  // x_own: this block's rows of the residual, from stage C to stage D
+            float v;
             // A: qkv = LN_1(x) W_attn + b; the new key and value into the cache (rounded to its dtype)
             if (l == 0) {  // x = wte[token] + wpe[pos]
                 for (int i = tid; i < C; i += THREADS)
-                    x_in[i] = in_s[i] = to_float(wte[(long long)token * C + i]) + to_float(wpe[(long long)pos * C + i]);
+                    x_in[i] = to_float(wte[(long long)token * C + i]) + to_float(wpe[(long long)pos * C + i]);
                 compute_sync<THREADS>();
             } else {
-                ll_input<C, THREADS>(ll_x + (long long)(l - 1) * C, epoch, in_s, x_in);
+                ll_input<C, THREADS>(ll_x + (long long)(l - 1) * C, epoch, x_in, nullptr);
                 mark(step, stage - 1, 1);
             }
             sh = share(3 * C, b, G);
             {
                 const LinearSlot<weight_t> in(take(), sh, C, true);
-                layernorm_warps<C, THREADS>(in_s, in.ln_w, in.ln_b, eps);
+                layernorm_warps<C, THREADS>(x_in, in_s, in.ln_w, in.ln_b, eps);
                 v = rows_dot<weight_t, C, THREADS>(in.W, in_s, sh.count, red);
                 if (tid < sh.count) {
                     const int n = sh.first + tid;
@@ -642,12 +681,29 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                     acc = warp_sum(acc);
                     if (lane == 0) s_s[staged] = acc * scale;
                 }
-                for (int j = warp; j < staged; j += WARPS) {
-                    float acc = 0.0f;
+                // the staged keys, a thread each: its key's 16-byte vectors in an order rotated by the key, so
+                // that the threads of a shared-memory phase (consecutive keys) read different banks
+                constexpr int VEC = Vec16<weight_t>::N, KV = HS / VEC;
+                for (int j = tid; j < staged; j += THREADS) {
+                    const uint4* key = reinterpret_cast<const uint4*>(K_s + (long long)j * HS);
+                    float acc[2] = {0.0f, 0.0f};
 #pragma unroll
-                    for (int e = 0; e < HS / 32; ++e) acc = fmaf(q_s[e * 32 + lane], to_float(K_s[j * HS + e * 32 + lane]), acc);
-                    acc = warp_sum(acc);
-                    if (lane == 0) s_s[j] = acc * scale;
+                    for (int c0 = 0; c0 < KV; ++c0) {
+                        const int c = (c0 + j) % KV;
+                        float kv[VEC];
+                        unpack(key[c], kv);
+                        const float4* qv = reinterpret_cast<const float4*>(q_s + c * VEC);
+#pragma unroll
+                        for (int e = 0; e < VEC / 4; ++e) {
+                            const float4 qe = qv[e];
+                            float& a = acc[(c0 * (VEC / 4) + e) % 2];
+                            a = fmaf(qe.x, kv[4 * e + 0], a);
+                            a = fmaf(qe.y, kv[4 * e + 1], a);
+                            a = fmaf(qe.z, kv[4 * e + 2], a);
+                            a = fmaf(qe.w, kv[4 * e + 3], a);
+                        }
+                    }
+                    s_s[j] = (acc[0] + acc[1]) * scale;
                 }
                 compute_sync<THREADS>();
                 // warp 0: the scores' max m, p_j = e^(s_j - m) in place of s_j (once, for every thread's
@@ -686,19 +742,18 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                         if (k < MAX_SPLITS) return tid < HS && k < splits ? part + k * (HS + 2) + tid : nullptr;
                         return tid < splits ? part + tid * (HS + 2) + HS + (k - MAX_SPLITS) : nullptr;
                     }, epoch);
-                    compute_sync<THREADS>();  // every thread is past its reads of red (the sums of o)
-                    if (tid < splits) { red[2 * tid] = ll_float(w[MAX_SPLITS]); red[2 * tid + 1] = ll_float(w[MAX_SPLITS + 1]); }
+                    if (tid < splits) { ml_s[2 * tid] = ll_float(w[MAX_SPLITS]); ml_s[2 * tid + 1] = ll_float(w[MAX_SPLITS + 1]); }
                     compute_sync<THREADS>();
                     if (tid < HS) {  // y_h, where q_h was
                         float M = -INFINITY;
-                        for (int k = 0; k < splits; ++k) M = fmaxf(M, red[2 * k]);
+                        for (int k = 0; k < splits; ++k) M = fmaxf(M, ml_s[2 * k]);
                         float num = 0.0f, den = 0.0f;
 #pragma unroll
                         for (int k = 0; k < MAX_SPLITS; ++k)
-                            if (k < splits && red[2 * k] != -INFINITY) {  // an empty split adds nothing
-                                const float e = expf(red[2 * k] - M);
+                            if (k < splits && ml_s[2 * k] != -INFINITY) {  // an empty split adds nothing
+                                const float e = expf(ml_s[2 * k] - M);
                                 num = fmaf(e, ll_float(w[k]), num);
-                                den = fmaf(e, red[2 * k + 1], den);
+                                den = fmaf(e, ml_s[2 * k + 1], den);
                             }
                         q_s[tid] = num / den;
                     }
@@ -714,11 +769,9 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
             // C: x += sum_h proj_h + b (the heads in order); g = gelu(LN_2(x) W_fc + b)
             sh = share(F, b, G);
             {
-                proj_input<C, NH, THREADS>(x_in, proj_l, L.b_proj, in_s);
-                const Share own = share(C, b, G);  // this block's rows of the residual in stage D
-                x_own = tid < own.count ? in_s[own.first + tid] : 0.0f;
+                proj_input<C, NH, THREADS>(x_in, proj_l, L.b_proj, x_in);
                 const LinearSlot<weight_t> in(take(), sh, C, true);
-                layernorm_warps<C, THREADS>(in_s, in.ln_w, in.ln_b, eps);
+                layernorm_warps<C, THREADS>(x_in, in_s, in.ln_w, in.ln_b, eps);
                 v = rows_dot<weight_t, C, THREADS>(in.W, in_s, sh.count, red);
                 if (tid < sh.count) ll_store(ll_g + (long long)l * F + sh.first + tid, gelu_tanh(v + in.bias[tid]), epoch);
             }
@@ -731,14 +784,14 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                 mark(step, stage - 1, 1);
                 const LinearSlot<weight_t> in(take(), sh, F, false);
                 v = rows_dot<weight_t, F, THREADS>(in.W, in_s, sh.count, red);
-                if (tid < sh.count) ll_store(ll_x + (long long)l * C + sh.first + tid, x_own + (v + in.bias[tid]), epoch);
+                if (tid < sh.count) ll_store(ll_x + (long long)l * C + sh.first + tid, x_in[sh.first + tid] + (v + in.bias[tid]), epoch);
             }
             handoff(step);
         }
 
         // E: the logits of this block's rows of wte, chunk by chunk (LN_f's parameters come with the
         // first); the block's (max, argmax). Block 0 keeps the final x.
-        ll_input<C, THREADS>(ll_x + (long long)(n_layer - 1) * C, epoch, in_s, b == 0 ? x : nullptr);
+        ll_input<C, THREADS>(ll_x + (long long)(n_layer - 1) * C, epoch, x_in, b == 0 ? x : nullptr);
         mark(step, stage - 1, 1);
         const Share lm = share(V, b, G);
         float best = -INFINITY;
@@ -748,7 +801,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
             const weight_t* W_s = reinterpret_cast<const weight_t*>(take());
             if (c == 0) {
                 const float* ln = reinterpret_cast<const float*>(W_s + (long long)R * C);
-                layernorm_warps<C, THREADS>(in_s, ln, ln + C, eps);
+                layernorm_warps<C, THREADS>(x_in, in_s, ln, ln + C, eps);
             }
             const float v = rows_dot<weight_t, C, THREADS>(W_s, in_s, R, red);
             if (tid < R) {
