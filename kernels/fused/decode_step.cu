@@ -33,7 +33,11 @@
  * is done). Epochs count steps across launches (ll_epoch): no two steps within 2^32 share one.
  * Why stage B ends at a barrier instead: stage C needs every head's projection of all C rows, 12 * C
  * values read by every block at once; as handoff words (twice the bytes, polled) that read was slower
- * than the barrier and a plain read through L2.
+ * than the barrier and a plain read through L2. Nor did adding the heads' terms up in L2 help: as
+ * fixed-point integers that also count their terms (red.add, deterministic in any order; C polls the
+ * C sums until each counts NH terms, no barrier) the step was no faster (H200, bfloat16, 189 against
+ * 188 us a token); mlp.c_proj's output summed that way over all the blocks' rows of g (132 terms a
+ * word, in place of stage D's handoff of g) was slower, 204 against 193: same-address atomics queue.
  *
  * attn.c_proj inside the attention stage: y W_proj = sum_h y_h W_proj[h], with W_proj[h] the HS
  * columns (inputs) of head h, so the head's key splits can finish the projection of their own head
@@ -746,7 +750,9 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                     compute_sync<THREADS>();
                     if (tid < HS) {  // y_h, where q_h was
                         float M = -INFINITY;
-                        for (int k = 0; k < splits; ++k) M = fmaxf(M, ml_s[2 * k]);
+#pragma unroll
+                        for (int k = 0; k < MAX_SPLITS; ++k)
+                            if (k < splits) M = fmaxf(M, ml_s[2 * k]);  // the loads go out together
                         float num = 0.0f, den = 0.0f;
 #pragma unroll
                         for (int k = 0; k < MAX_SPLITS; ++k)
