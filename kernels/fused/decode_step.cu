@@ -266,7 +266,9 @@ __device__ __forceinline__ float rows_dot(const weight_t* W_s, const float* in_s
     constexpr int WARPS = THREADS / 32, VEC = Vec16<weight_t>::N, CHUNKS = K / VEC;
     constexpr int P = (K + 767) / 768;
     constexpr int ITERS = ((CHUNKS + P - 1) / P + 31) / 32, SPAN = 32 * ITERS;  // whole rounds of 32 lanes
-    constexpr int U = VEC == 8 ? 3 : 1;  // rows of a task (float32's weights alone cost as much; registers)
+    // rows of a task: 3 in bfloat16; 1 in float32, where a row's weights are as many bytes as its inputs
+    // (2 gained about 1% on GPT-2 small and spilled past 168 registers on medium and xl)
+    constexpr int U = VEC == 8 ? 3 : 1;
     static_assert(K % VEC == 0, "rows are whole 16-byte vectors");
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int tasks = (R + U - 1) / U * P;
@@ -338,7 +340,8 @@ __device__ __forceinline__ float rows_dot(const weight_t* W_s, const float* in_s
 
 // out_s = LayerNorm of the K floats at x_s (another buffer), without block reductions: every warp
 // computes the mean and the centred sum of squares over all K itself (two passes, float4 loads, four
-// chains a lane, the same order in every warp), then each thread normalizes its elements. Every thread must have finished writing x_s (a compute_sync()).
+// chains a lane, the same order in every warp), then each thread normalizes its elements. Every
+// thread must have finished writing x_s (a compute_sync()).
 template <int K, int THREADS>
 __device__ __forceinline__ void layernorm_warps(const float* x_s, float* out_s, const float* w, const float* bias, float eps)
 {
@@ -392,7 +395,8 @@ __device__ __forceinline__ void head_rows_dot(const weight_t* W_s, const float* 
 }
 
 // x_s = x_in + (b + sum_h proj_h), the heads in order (every block the same sum), proj through L2;
-// x_in is in shared memory (x_s may be x_in: a thread writes only what it read), b a weight. Up to 12 heads' loads in flight at once (GPT-2 small's all).
+// x_in is in shared memory (x_s may be x_in: a thread writes only what it read), b a weight. Up to
+// 12 heads' loads in flight at once (GPT-2 small's all).
 template <int C, int NH, int THREADS>
 __device__ __forceinline__ void proj_input(const float* x_in, const float* proj, const float* bias, float* x_s)
 {
