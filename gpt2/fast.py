@@ -37,9 +37,9 @@ larger kernels (kernels/fused/*.cu, each tested against the CuPy code it replace
 - The persistent step (the default where it runs: compute capability 9.0 with cooperative launch, a
   head size that is a multiple of 32, shapes that fit shared memory; step_plan says why not):
   kernels/fused/decode_step.cu runs the same operations for a whole window of steps in one
-  cooperative launch, one block per SM, where the per-operation step has a kernel boundary either a
-  handoff of words that carry the step's epoch (the reader waits for the words it needs) or a grid
-  barrier (one per layer, one per token), and each block's share of the weights copied into shared
+  cooperative launch, one block per SM, where the per-operation step has a kernel boundary a handoff
+  of words that carry their step (the reader waits for the words it needs; one grid barrier per
+  token, after the argmax), and each block's share of the weights copied into shared
   memory ahead of its use. Four stages per layer (STEP_STAGES): attn.c_proj is done per head inside
   the attention stage, from a head-major copy of its weight made here. One launch per window of
   STEPS_PER_GRAPH tokens; persistent=False keeps the graphs.
@@ -708,14 +708,15 @@ class Engine:
                 arrays["attn.c_proj.weight"] = self.proj_heads[i]
                 table.append([arrays[name].data.ptr for name in LAYER_POINTERS])
             self.layer_table = cp.asarray(np.asarray(table, dtype=np.uint64))
-            # what blocks hand each other, per layer: (value, epoch) words (decode_step.cu's LL handoffs)
+            # what blocks hand each other, per layer (decode_step.cu's handoffs): (value, epoch) words for
+            # q, k, v and the key splits' partials, parity words for x, g and the heads' terms of attn.c_proj
             L = c.n_layer
-            self.step_ll = {"x": cp.zeros((L, c.n_embd), dtype=cp.uint64),
+            self.step_ll = {"x": cp.zeros((L, c.n_embd), dtype=cp.uint32),
                             "qkv": cp.zeros((L, 3 * c.n_embd), dtype=cp.uint64),
                             "partial": cp.zeros((L, c.n_head, plan.splits, c.head_size + 2), dtype=cp.uint64),
-                            "g": cp.zeros((L, c.mlp_width), dtype=cp.uint64)}
+                            "g": cp.zeros((L, c.mlp_width), dtype=cp.uint32),
+                            "proj": cp.zeros((L, c.n_head, c.n_embd), dtype=cp.uint32)}
             self.step_epoch = cp.zeros(1, dtype=cp.uint32)  # the last step's epoch: advanced by every launch
-            self.step_proj = cp.zeros((L, c.n_head, c.n_embd), dtype=cp.float32)  # the heads' terms of attn.c_proj
             self.step_max = cp.zeros(plan.blocks, dtype=cp.float32)
             self.step_arg = cp.zeros(plan.blocks, dtype=cp.int32)
             self.step_barrier = cp.zeros(1, dtype=cp.uint32)  # never reset: see decode_step.cu
@@ -730,7 +731,7 @@ class Engine:
         c, p, plan = self.config, self.params32, self.plan
         args = (self.layer_table, np.int32(c.n_layer), self.wte, self.wpe, p["ln_f.weight"], p["ln_f.bias"], self.eps,
                 np.int32(c.vocab_size), np.int32(self.max_len), np.int32(plan.splits),
-                np.float32(1.0 / math.sqrt(c.head_size)), self.x, *self.step_ll.values(), self.step_proj,
+                np.float32(1.0 / math.sqrt(c.head_size)), self.x, *self.step_ll.values(),
                 self.step_max, self.step_arg, self.logits if self.logits is not None else NULL, self.state,
                 self.history, self.step_barrier, self.step_epoch, np.int32(n), np.int32(plan.slot_bytes),
                 np.int32(plan.slots), np.int32(plan.lm_rows), NULL if trace is None else trace)

@@ -1,15 +1,15 @@
 /*
  * decode_step - GPT-2's whole decode step, every layer and the argmax, for `steps` tokens in one
  * persistent kernel: one block per SM, each block's share of the weights streamed into shared memory
- * ahead of its use, and between stages either a handoff of data that carries its own step (LL) or a
- * grid barrier: n_layer + 1 barriers per token.
+ * ahead of its use, and between stages a handoff of data that carries its own step: one grid barrier
+ * per token, after the argmax.
  *
  * The operation: `steps` greedy steps of gpt2/model.py with the KV cache, from state = {token, pos}:
  *   x = wte[token] + wpe[pos]
  *   per layer:  A  qkv = LN_1(x) W_attn + b;  k, v stored into the cache at pos            -> handoff
  *               B  attention of q over the cache rows 0..pos, split over the keys; the splits of a
  *                  head hand each other their partials, each combines them into y_h and computes
- *                  its rows of the head's term of attn.c_proj: proj_h = y_h W_proj[h]     -> barrier
+ *                  its rows of the head's term of attn.c_proj: proj_h = y_h W_proj[h]     -> handoff
  *               C  x += sum_h proj_h + b;  g = gelu(LN_2(x) W_fc + b)                     -> handoff
  *               D  x += g W_mlp + b                                                       -> handoff
  *   E  token = argmax(LN_f(x) wte^T);  history[pos + 1] = token;  state = {token, pos + 1} -> barrier
@@ -31,13 +31,17 @@
  * its head's q, k and v rows, and for the other splits of its head. Every buffer is per layer, so a
  * word is rewritten only in the next step, after the step's last barrier (ordered: every read of it
  * is done). Epochs count steps across launches (ll_epoch): no two steps within 2^32 share one.
- * Why stage B ends at a barrier instead: stage C needs every head's projection of all C rows, 12 * C
- * values read by every block at once; as handoff words (twice the bytes, polled) that read was slower
- * than the barrier and a plain read through L2. Nor did adding the heads' terms up in L2 help: as
- * fixed-point integers that also count their terms (red.add, deterministic in any order; C polls the
- * C sums until each counts NH terms, no barrier) the step was no faster (H200, bfloat16, 189 against
- * 188 us a token); mlp.c_proj's output summed that way over all the blocks' rows of g (132 terms a
- * word, in place of stage D's handoff of g) was slower, 204 against 193: same-address atomics queue.
+ * Where every block reads what every block wrote (x after stage D, g, and the 12 * C heads' terms of
+ * attn.c_proj that stage C sums), the bytes are the cost, and those go as parity words: 4 bytes, the
+ * float with the step's parity in its lowest mantissa bit (pw_store), enough because every word of
+ * those buffers is written in every step. As 8-byte words the heads' terms were slower than a grid
+ * barrier and a plain read through L2; as parity words they are a little faster than that (H200,
+ * bfloat16: 182 against 185 us a token at position 264, 185 against 186 at 519), and they leave the
+ * argmax's barrier the only one. Adding the heads' terms up in L2 did not help: as fixed-point
+ * integers that also count their terms (red.add, deterministic in any order; C polls the C sums
+ * until each counts NH terms, no barrier) the step was no faster (189 against 188 us a token);
+ * mlp.c_proj's output summed that way over all the blocks' rows of g (132 terms a word, in place of
+ * stage D's handoff of g) was slower, 204 against 193: same-address atomics queue.
  *
  * attn.c_proj inside the attention stage: y W_proj = sum_h y_h W_proj[h], with W_proj[h] the HS
  * columns (inputs) of head h, so the head's key splits can finish the projection of their own head
@@ -76,12 +80,12 @@
  * fresh()): an SM's L1 is not coherent. The grid must be co-resident: the engine launches it
  * cooperatively, G = SM count.
  *
- * Numerics as in the per-operation kernels: float32 accumulation, LayerNorm two-pass (here every warp
- * computes the statistics itself, in the same order, instead of a block reduction), the key and value
- * rounded to the cache's dtype, the argmax's first index of the largest logit (NaN never chosen; all
- * NaN gives token 0). Summation orders differ from gemv.cu (a row is split into parts over warps,
- * rows_dot), so logits match it to rounding, not bit for bit; the kernel itself is deterministic
- * (fixed orders, no atomics in the arithmetic).
+ * Numerics as in the per-operation kernels, but for the parity words' last bit: float32 accumulation,
+ * LayerNorm two-pass (here every warp computes the statistics itself, in the same order, instead of a
+ * block reduction), the key and value rounded to the cache's dtype, the argmax's first index of the
+ * largest logit (NaN never chosen; all NaN gives token 0). Summation orders differ from gemv.cu (a
+ * row is split into parts over warps, rows_dot), so logits match it to rounding, not bit for bit;
+ * the kernel itself is deterministic (fixed orders, no atomics in the arithmetic).
  *
  * Template parameters: weight_t (float or bfloat16 bits, also the cache's type), C (n_embd), NH, HS
  * (head size, a multiple of 32 dividing THREADS), F (MLP width), THREADS. Geometry (gpt2/fast.py,
@@ -97,7 +101,7 @@
 #define MAX_SPLITS 12  // key splits per head, at most (stage B holds one value of each in registers)
 #define MAX_SLOTS 8    // the weight stream's slots, at most (two mbarriers each in the first 128 bytes)
 #ifndef POLL_SLEEP_NS
-#define POLL_SLEEP_NS 40  // between polls of the grid barrier (H200, 13 barriers a token: 0 / 40 / 100 ns alike)
+#define POLL_SLEEP_NS 40  // between polls of the grid barrier (H200, then 13 barriers a token: 0 / 40 / 100 ns alike)
 #endif
 #ifndef LL_SLEEP_NS
 #define LL_SLEEP_NS 0  // between rounds of reloads of stale handoff words (20 ns: 1% slower)
@@ -219,21 +223,78 @@ __device__ __forceinline__ void ll_gather(unsigned long long (&w)[N], At at, uns
     }
 }
 
-// x_s = the K values at src of this step (and a copy into `keep`, when given): all of a thread's words
-// at once, up to 12.
-template <int K, int THREADS>
-__device__ __forceinline__ void ll_input(const unsigned long long* src, unsigned int epoch, float* x_s, float* keep)
+// -- handoffs of many values: parity words ---------------------------------------------------------
+// Where every block reads what every block wrote (x, g, the heads' terms of attn.c_proj), the bytes
+// read through L2 are the cost: 4-byte words in place of LL's 8. A parity word is the float with its
+// lowest mantissa bit replaced by the step's parity (epoch & 1): one bit tells this step's value from
+// the last step's, and no older one is left, because every word of these buffers is written in every
+// step. The value is the word itself (a float one unit in the last place off at most; an infinity
+// becomes a NaN); a reader that sees this step's parity in all of its words has the values.
+
+__device__ __forceinline__ void pw_store(unsigned int* p, float v, unsigned int epoch)
 {
-    constexpr int BATCH = (K + THREADS - 1) / THREADS < 12 ? (K + THREADS - 1) / THREADS : 12;
-    for (int i0 = threadIdx.x; i0 < K; i0 += BATCH * THREADS) {
-        unsigned long long w[BATCH];
-        ll_gather(w, [&](int k) { return i0 + k * THREADS < K ? src + i0 + k * THREADS : nullptr; }, epoch);
+    const unsigned int w = (__float_as_uint(v) & ~1u) | (epoch & 1u);
+    asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(w) : "memory");
+}
+
+// Four words at p (16-byte aligned), each loaded as one access.
+__device__ __forceinline__ uint4 pw_load4(const unsigned int* p)
+{
+    uint4 w;
+    asm volatile("ld.relaxed.gpu.global.v4.b32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w) : "l"(p) : "memory");
+    return w;
+}
+
+__device__ __forceinline__ bool pw_stale(const uint4& w, unsigned int epoch)
+{
+    return ((w.x ^ epoch) | (w.y ^ epoch) | (w.z ^ epoch) | (w.w ^ epoch)) & 1u;
+}
+
+__device__ __forceinline__ float4 pw_float4(const uint4& w)
+{
+    return make_float4(__uint_as_float(w.x), __uint_as_float(w.y), __uint_as_float(w.z), __uint_as_float(w.w));
+}
+
+// w[k] = the four words at at(k) (none where at(k) is null) once all carry epoch's parity; as
+// ll_gather, the loads and the reloads of stale vectors go out together.
+template <int N, typename At>
+__device__ __forceinline__ void pw_gather(uint4 (&w)[N], At at, unsigned int epoch)
+{
+    const unsigned int p = epoch & 1u;
+    const uint4 settled = make_uint4(p, p, p, p);
+#pragma unroll
+    for (int k = 0; k < N; ++k) w[k] = at(k) != nullptr ? pw_load4(at(k)) : settled;
+    while (true) {
+        bool stale = false;
+#pragma unroll
+        for (int k = 0; k < N; ++k) stale |= pw_stale(w[k], epoch);
+        if (!stale) return;
+#if LL_SLEEP_NS > 0
+        __nanosleep(LL_SLEEP_NS);
+#endif
+#pragma unroll
+        for (int k = 0; k < N; ++k)
+            if (pw_stale(w[k], epoch)) w[k] = pw_load4(at(k));
+    }
+}
+
+// x_s = the K values at src of this step (and a copy into `keep`, when given): a thread's vectors of
+// four all at once, up to 8 (32 values).
+template <int K, int THREADS>
+__device__ __forceinline__ void pw_input(const unsigned int* src, unsigned int epoch, float* x_s, float* keep)
+{
+    static_assert(K % 4 == 0, "whole vectors of four");
+    constexpr int K4 = K / 4, BATCH = (K4 + THREADS - 1) / THREADS < 8 ? (K4 + THREADS - 1) / THREADS : 8;
+    for (int i0 = threadIdx.x; i0 < K4; i0 += BATCH * THREADS) {
+        uint4 w[BATCH];
+        pw_gather(w, [&](int k) { return i0 + k * THREADS < K4 ? src + 4 * (i0 + k * THREADS) : nullptr; }, epoch);
 #pragma unroll
         for (int k = 0; k < BATCH; ++k) {
             const int i = i0 + k * THREADS;
-            if (i < K) {
-                x_s[i] = ll_float(w[k]);
-                if (keep != nullptr) keep[i] = x_s[i];
+            if (i < K4) {
+                reinterpret_cast<float4*>(x_s)[i] = pw_float4(w[k]);
+                if (keep != nullptr) reinterpret_cast<float4*>(keep)[i] = pw_float4(w[k]);
             }
         }
     }
@@ -367,10 +428,11 @@ __device__ __forceinline__ void layernorm_warps(const float* x_s, float* out_s, 
     compute_sync<THREADS>();
 }
 
-// out[first + r] = W_s[r] . y_s for the rows of `rows` (HS weights each, from shared memory): HS / 16
-// threads to a row, 16 weights each, summed by shuffles.
+// out[first + r] = W_s[r] . y_s for the rows of `rows` (HS weights each, from shared memory), handed
+// over as parity words: HS / 16 threads to a row, 16 weights each, summed by shuffles.
 template <typename weight_t, int HS, int THREADS>
-__device__ __forceinline__ void head_rows_dot(const weight_t* W_s, const float* y_s, Share rows, float* out)
+__device__ __forceinline__ void head_rows_dot(const weight_t* W_s, const float* y_s, Share rows, unsigned int* out,
+                                              unsigned int epoch)
 {
     constexpr int Q = HS / 16, VEC = Vec16<weight_t>::N, PER = THREADS / Q;
     static_assert(32 % Q == 0, "a row's threads sit in one warp");
@@ -390,29 +452,32 @@ __device__ __forceinline__ void head_rows_dot(const weight_t* W_s, const float* 
         }
 #pragma unroll
         for (int o = Q / 2; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-        if (r < rows.count && part == 0) out[rows.first + r] = acc;
+        if (r < rows.count && part == 0) pw_store(out + rows.first + r, acc, epoch);
     }
 }
 
-// x_s = x_in + (b + sum_h proj_h), the heads in order (every block the same sum), proj through L2;
-// x_in is in shared memory (x_s may be x_in: a thread writes only what it read), b a weight. Up to
-// 12 heads' loads in flight at once (GPT-2 small's all).
+// x_s = x_in + (b + sum_h proj_h), the heads in order (every block the same sum), proj_h this step's
+// parity words; x_in is in shared memory (x_s may be x_in: a thread writes only what it read), b a
+// weight. Up to 12 heads' loads in flight at once (GPT-2 small's all); 10 where there are more (in
+// twelves, gpt2-xl's 25 spilled past 168 registers).
 template <int C, int NH, int THREADS>
-__device__ __forceinline__ void proj_input(const float* x_in, const float* proj, const float* bias, float* x_s)
+__device__ __forceinline__ void proj_input(const float* x_in, const unsigned int* proj, unsigned int epoch,
+                                           const float* bias, float* x_s)
 {
-    constexpr int GROUP = NH < 12 ? NH : 12;
+    constexpr int GROUP = NH <= 12 ? NH : 10;
     for (int i = threadIdx.x; i < C / 4; i += THREADS) {
         const float4 xv = reinterpret_cast<const float4*>(x_in)[i];
         float4 t = __ldg(reinterpret_cast<const float4*>(bias) + i);
 #pragma unroll
         for (int h0 = 0; h0 < NH; h0 += GROUP) {
-            float4 v[GROUP];
+            uint4 w[GROUP];
+            pw_gather(w, [&](int j) { return h0 + j < NH ? proj + (h0 + j) * C + 4 * i : nullptr; }, epoch);
 #pragma unroll
             for (int j = 0; j < GROUP; ++j)
-                if (h0 + j < NH) v[j] = fresh(reinterpret_cast<const float4*>(proj + (h0 + j) * C) + i);
-#pragma unroll
-            for (int j = 0; j < GROUP; ++j)
-                if (h0 + j < NH) { t.x += v[j].x; t.y += v[j].y; t.z += v[j].z; t.w += v[j].w; }
+                if (h0 + j < NH) {
+                    const float4 v = pw_float4(w[j]);
+                    t.x += v.x; t.y += v.y; t.z += v.z; t.w += v.w;
+                }
         }
         reinterpret_cast<float4*>(x_s)[i] = make_float4(xv.x + t.x, xv.y + t.y, xv.z + t.z, xv.w + t.w);
     }
@@ -530,8 +595,8 @@ template <typename weight_t, int C, int NH, int HS, int F, int THREADS>
 __global__ void __launch_bounds__(THREADS + 32, 1)
 decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weight_t* __restrict__ wte,
             const weight_t* __restrict__ wpe, const float* __restrict__ lnf_w, const float* __restrict__ lnf_b,
-            float eps, int V, int max_len, int splits, float scale, float* x, unsigned long long* ll_x,
-            unsigned long long* ll_qkv, unsigned long long* ll_partial, unsigned long long* ll_g, float* proj,
+            float eps, int V, int max_len, int splits, float scale, float* x, unsigned int* pw_x,
+            unsigned long long* ll_qkv, unsigned long long* ll_partial, unsigned int* pw_g, unsigned int* pw_proj,
             float* block_max, int* block_arg, float* logits, int* state, int* history, unsigned int* barrier,
             unsigned int* ll_epoch, int steps, int slot_bytes, int nslot, int lm_rows, unsigned long long* trace)
 {
@@ -601,7 +666,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
         if (trace != nullptr && tid == 0)
             asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(trace[(((long long)step * stages + k) * G + b) * 2 + which]));
     };
-    // Done with the item and the stage; the next stage's inputs come as they are handed over (ll_input).
+    // Done with the item and the stage; the next stage's inputs come as they are handed over (pw_input).
     auto handoff = [&](int step) { release(); mark(step, stage++, 0); };
     // Done with the item and the stage: wait for every block (thread 0 arrives and waits). The slot goes
     // back to the producer after the arrival: the release's fence waits for the SM's memory traffic in
@@ -627,7 +692,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
         for (int l = 0; l < n_layer; ++l) {
             const Layer<weight_t>& L = layer_s[l];
             unsigned long long* qkv_l = ll_qkv + (long long)l * 3 * C;
-            float* proj_l = proj + (long long)l * NH * C;
+            unsigned int* proj_l = pw_proj + (long long)l * NH * C;
             Share sh;
             float v;
             // A: qkv = LN_1(x) W_attn + b; the new key and value into the cache (rounded to its dtype)
@@ -636,7 +701,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                     x_in[i] = to_float(wte[(long long)token * C + i]) + to_float(wpe[(long long)pos * C + i]);
                 compute_sync<THREADS>();
             } else {
-                ll_input<C, THREADS>(ll_x + (long long)(l - 1) * C, epoch, x_in, nullptr);
+                pw_input<C, THREADS>(pw_x + (long long)(l - 1) * C, epoch, x_in, nullptr);
                 mark(step, stage - 1, 1);
             }
             sh = share(3 * C, b, G);
@@ -771,37 +836,38 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                     // attn.c_proj is a sum over heads: x += sum_h y_h W_proj[h] + b. This split's rows of
                     // the head's term, from the head-major copy W_proj[h] (C, HS) that came with the keys.
                     head_rows_dot<weight_t, HS, THREADS>(V_s + (long long)staged * HS, q_s, share(C, split, splits),
-                                                         proj_l + (long long)head * C);
+                                                         proj_l + (long long)head * C, epoch);
                 }
             }
-            finish(step);
+            handoff(step);
 
             // C: x += sum_h proj_h + b (the heads in order); g = gelu(LN_2(x) W_fc + b)
             sh = share(F, b, G);
             {
-                proj_input<C, NH, THREADS>(x_in, proj_l, L.b_proj, x_in);
+                proj_input<C, NH, THREADS>(x_in, proj_l, epoch, L.b_proj, x_in);
+                mark(step, stage - 1, 1);
                 const LinearSlot<weight_t> in(take(), sh, C, true);
                 layernorm_warps<C, THREADS>(x_in, in_s, in.ln_w, in.ln_b, eps);
                 v = rows_dot<weight_t, C, THREADS>(in.W, in_s, sh.count, red);
-                if (tid < sh.count) ll_store(ll_g + (long long)l * F + sh.first + tid, gelu_tanh(v + in.bias[tid]), epoch);
+                if (tid < sh.count) pw_store(pw_g + (long long)l * F + sh.first + tid, gelu_tanh(v + in.bias[tid]), epoch);
             }
             handoff(step);
 
             // D: x += g W_mlp + b
             sh = share(C, b, G);
             {
-                ll_input<F, THREADS>(ll_g + (long long)l * F, epoch, in_s, nullptr);
+                pw_input<F, THREADS>(pw_g + (long long)l * F, epoch, in_s, nullptr);
                 mark(step, stage - 1, 1);
                 const LinearSlot<weight_t> in(take(), sh, F, false);
                 v = rows_dot<weight_t, F, THREADS>(in.W, in_s, sh.count, red);
-                if (tid < sh.count) ll_store(ll_x + (long long)l * C + sh.first + tid, x_in[sh.first + tid] + (v + in.bias[tid]), epoch);
+                if (tid < sh.count) pw_store(pw_x + (long long)l * C + sh.first + tid, x_in[sh.first + tid] + (v + in.bias[tid]), epoch);
             }
             handoff(step);
         }
 
         // E: the logits of this block's rows of wte, chunk by chunk (LN_f's parameters come with the
         // first); the block's (max, argmax). Block 0 keeps the final x.
-        ll_input<C, THREADS>(ll_x + (long long)(n_layer - 1) * C, epoch, x_in, b == 0 ? x : nullptr);
+        pw_input<C, THREADS>(pw_x + (long long)(n_layer - 1) * C, epoch, x_in, b == 0 ? x : nullptr);
         mark(step, stage - 1, 1);
         const Share lm = share(V, b, G);
         float best = -INFINITY;
