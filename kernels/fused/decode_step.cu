@@ -66,6 +66,14 @@
  * (the `stepped` mbarrier), and the copy is fenced into the async proxy. Stage E reads wte at about
  * the copy ceiling already: prefetching its first chunks into L2 during the last layer or two
  * (cp.async.bulk.prefetch.L2, 3 to 10 chunks a block) made the step 0-4% slower.
+ * When to copy. A slot comes free at the end of a stage, in every block at about the same time, and
+ * that is when the blocks hand each other the stage's outputs; copies issued at once, a whole grid's
+ * burst of loads that miss L2, delayed the handoffs: without any copies (the arithmetic on stale
+ * slots, a diagnostic) a token took 153 us instead of 182 (H200, bfloat16, position 264). The
+ * producer now waits ISSUE_DELAY_NS after a slot comes free. Measured (same run, us a token at 264,
+ * 0 / 300 / 400 / 500 / 650 ns): bfloat16 181 / 170 / 169 / 170 / 174, float32 236 / 229 / 225 /
+ * 223 / 223. Not better: issuing once the next stage has its inputs (bfloat16 178), or cutting each
+ * item into pieces of 4, 8 or 16 KB spaced 100-300 ns apart (182, 177, 175; with the 400 ns wait, 191).
  *
  * The barrier. One counter, never reset: block 0 adds 2^31 - (G - 1), every other block adds 1, so
  * the top bit flips exactly when all G blocks have arrived and the low bits return to zero, and the
@@ -102,6 +110,9 @@
 #define MAX_SLOTS 8    // the weight stream's slots, at most (two mbarriers each in the first 128 bytes)
 #ifndef POLL_SLEEP_NS
 #define POLL_SLEEP_NS 40  // between polls of the grid barrier (H200, then 13 barriers a token: 0 / 40 / 100 ns alike)
+#endif
+#ifndef ISSUE_DELAY_NS
+#define ISSUE_DELAY_NS 400  // the producer's pause between a slot coming free and its next copy (see the header)
 #endif
 #ifndef LL_SLEEP_NS
 #define LL_SLEEP_NS 0  // between rounds of reloads of stale handoff words (20 ns: 1% slower)
@@ -145,6 +156,14 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned i
     if (bytes == 0) return;
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+
+// Spin for about ns nanoseconds (the global timer).
+__device__ __forceinline__ void spin_ns(unsigned int ns)
+{
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); while (t - t0 < ns);
 }
 
 // -- synchronization: the compute warps, the grid ---------------------------------------------------
@@ -647,7 +666,10 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
             for (long long i = 0; i < items; ++i) {
                 const int step = (int)(i / stream.per_step), r = (int)(i % stream.per_step);
                 for (; passed < step && r < 4 * n_layer && r % 4 == 1; ++passed) mbar_wait(&stepped, passed & 1);
-                if (i >= nslot) mbar_wait(empty + i % nslot, (unsigned int)((i / nslot - 1) & 1));
+                if (i >= nslot) {
+                    mbar_wait(empty + i % nslot, (unsigned int)((i / nslot - 1) & 1));
+                    spin_ns(ISSUE_DELAY_NS);  // out of the way of the handoff that follows the release
+                }
                 stream.issue(i);
             }
         }
