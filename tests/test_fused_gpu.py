@@ -625,7 +625,7 @@ def persistent_engine(cp, small, dtype, **options):
 @pytest.mark.parametrize("dtype", fast.DTYPES)
 def test_persistent_step_follows_the_per_operation_step(cp, small, dtype, max_len):
     """Teacher-forced to the per-operation step's tokens, step by step up to the engine's last position
-    (97: splits of 13 or 17 keys, the last one short): the logits within summation-order rounding (float32
+    (97: splits of 9 keys, the last one short): the logits within summation-order rounding (float32
     1e-5 relative, bfloat16 5e-4), the same argmax wherever the top two are apart, the same state."""
     engine = persistent_engine(cp, small, dtype, max_len=max_len)
     graphs = fast.Engine(small.params, small.config, dtype=dtype, keep_logits=True, persistent=False,

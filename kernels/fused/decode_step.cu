@@ -53,11 +53,10 @@
  * The weight stream. Block b of G owns a fixed share of every stage: rows [b * ceil(N / G), ...) of
  * each (out, in) matrix, one contiguous range of bytes, plus the vectors the stage reads (LayerNorm's
  * weight and bias, the rows' biases), so that everything a stage reads that is not an activation
- * lands with it; in stage B it owns one (head, key split) or, past NH * splits, nothing (gpt2/fast.py
- * picks fewer splits than one a block: a head's splits wait for each other), and its item is that
- * split's cached K and V rows below pos and its rows of the head's W_proj[h] (the row at pos comes
- * from stage A's handoff); in stage E its rows of wte, in chunks of `lm_rows` rows (the first also
- * carries LN_f). Item i of the stream lands in slot i % nslot. A producer warp of its own issues the copies: item i as soon as the
+ * lands with it; in stage B it owns one (head, key split), and its item is that split's cached K and
+ * V rows below pos and its rows of the head's W_proj[h] (the row at pos comes from stage A's handoff);
+ * in stage E its rows of wte, in chunks of `lm_rows` rows (the first also carries LN_f). Item i of the
+ * stream lands in slot i % nslot. A producer warp of its own issues the copies: item i as soon as the
  * compute warps are done with item i - nslot (an "empty" mbarrier per slot), so up to nslot items are
  * in flight or waiting, across stages and steps, and a copy that is slow to issue stalls only the
  * producer; the compute warps sync on a named barrier of their own (compute_sync). Every block
