@@ -220,26 +220,34 @@ __device__ __forceinline__ unsigned long long ll_word(const unsigned long long* 
 
 __device__ __forceinline__ float ll_float(unsigned long long w) { return __uint_as_float((unsigned int)w); }
 
-// w[k] = the word at at(k) (none where at(k) is null) once it carries epoch. The loads go out together,
-// and so do the reloads of the words still stale: a round trip per round, not per word.
-template <int N, typename At>
-__device__ __forceinline__ void ll_gather(unsigned long long (&w)[N], At at, unsigned int epoch)
+// w[k] = the word at at(k) (none where at(k) is null, `settled` in its place) once current(w[k]). The
+// loads go out together, and so do the reloads of the words still stale: a round trip per round, not
+// per word.
+template <typename Word, int N, typename At, typename Load, typename Current>
+__device__ __forceinline__ void gather(Word (&w)[N], At at, Word settled, Load load, Current current)
 {
-    const unsigned long long settled = (unsigned long long)epoch << 32;
 #pragma unroll
-    for (int k = 0; k < N; ++k) w[k] = at(k) != nullptr ? ll_word(at(k)) : settled;
+    for (int k = 0; k < N; ++k) w[k] = at(k) != nullptr ? load(at(k)) : settled;
     while (true) {
         bool stale = false;
 #pragma unroll
-        for (int k = 0; k < N; ++k) stale |= (unsigned int)(w[k] >> 32) != epoch;
+        for (int k = 0; k < N; ++k) stale |= !current(w[k]);
         if (!stale) return;
 #if LL_SLEEP_NS > 0
         __nanosleep(LL_SLEEP_NS);
 #endif
 #pragma unroll
         for (int k = 0; k < N; ++k)
-            if ((unsigned int)(w[k] >> 32) != epoch) w[k] = ll_word(at(k));
+            if (!current(w[k])) w[k] = load(at(k));
     }
+}
+
+// w[k] = the LL word at at(k) once it carries epoch.
+template <int N, typename At>
+__device__ __forceinline__ void ll_gather(unsigned long long (&w)[N], At at, unsigned int epoch)
+{
+    gather(w, at, (unsigned long long)epoch << 32, ll_word,
+           [&](unsigned long long v) { return (unsigned int)(v >> 32) == epoch; });
 }
 
 // -- handoffs of many values: parity words ---------------------------------------------------------
@@ -275,27 +283,12 @@ __device__ __forceinline__ float4 pw_float4(const uint4& w)
     return make_float4(__uint_as_float(w.x), __uint_as_float(w.y), __uint_as_float(w.z), __uint_as_float(w.w));
 }
 
-// w[k] = the four words at at(k) (none where at(k) is null) once all carry epoch's parity; as
-// ll_gather, the loads and the reloads of stale vectors go out together.
+// w[k] = the four parity words at at(k) once all carry epoch's parity.
 template <int N, typename At>
 __device__ __forceinline__ void pw_gather(uint4 (&w)[N], At at, unsigned int epoch)
 {
     const unsigned int p = epoch & 1u;
-    const uint4 settled = make_uint4(p, p, p, p);
-#pragma unroll
-    for (int k = 0; k < N; ++k) w[k] = at(k) != nullptr ? pw_load4(at(k)) : settled;
-    while (true) {
-        bool stale = false;
-#pragma unroll
-        for (int k = 0; k < N; ++k) stale |= pw_stale(w[k], epoch);
-        if (!stale) return;
-#if LL_SLEEP_NS > 0
-        __nanosleep(LL_SLEEP_NS);
-#endif
-#pragma unroll
-        for (int k = 0; k < N; ++k)
-            if (pw_stale(w[k], epoch)) w[k] = pw_load4(at(k));
-    }
+    gather(w, at, make_uint4(p, p, p, p), pw_load4, [&](const uint4& v) { return !pw_stale(v, epoch); });
 }
 
 // x_s = the K values at src of this step (and a copy into `keep`, when given): a thread's vectors of
