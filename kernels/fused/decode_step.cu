@@ -56,16 +56,17 @@
  * lands with it; in stage B it owns one (head, key split), and its item is that split's cached K and
  * V rows below pos and its rows of the head's W_proj[h] (the row at pos comes from stage A's handoff);
  * in stage E its rows of wte, in chunks of `lm_rows` rows (the first also carries LN_f). Item i of the
- * stream lands in slot i % nslot. A producer warp of its own issues the copies: item i as soon as the
- * compute warps are done with item i - nslot (an "empty" mbarrier per slot), so up to nslot items are
- * in flight or waiting, across stages and steps, and a copy that is slow to issue stalls only the
- * producer; the compute warps sync on a named barrier of their own (compute_sync). Every block
- * consumes the same number of items per step (an item may be empty: the mbarrier's phase then
- * completes on the arrive). The cache rows were written by earlier steps with ordinary stores: a
- * step's stage B items wait until the compute warps have passed the previous step's last barrier
- * (the `stepped` mbarrier), and the copy is fenced into the async proxy. Stage E reads wte at about
- * the copy ceiling already: prefetching its first chunks into L2 during the last layer or two
- * (cp.async.bulk.prefetch.L2, 3 to 10 chunks a block) made the step 0-4% slower.
+ * stream lands in slot i % nslot. A producer warp of its own issues the copies: item i once the
+ * compute warps are done with item i - nslot (an "empty" mbarrier per slot) and ISSUE_DELAY_NS more
+ * have passed (see "When to copy" below), so up to nslot items are in flight or waiting, across
+ * stages and steps, and a copy that is slow to issue stalls only the producer; the compute warps
+ * sync on a named barrier of their own (compute_sync). Every block consumes the same number of items
+ * per step (an item may be empty: the mbarrier's phase then completes on the arrive). The cache rows
+ * were written by earlier steps with ordinary stores: a step's stage B items wait until the compute
+ * warps have passed the previous step's last barrier (the `stepped` mbarrier), and the copy is fenced
+ * into the async proxy. Stage E reads wte at about the copy ceiling already: prefetching its first
+ * chunks into L2 during the last layer or two (cp.async.bulk.prefetch.L2, 3 to 10 chunks a block)
+ * made the step 0-4% slower.
  * When to copy. A slot comes free at the end of a stage, in every block at about the same time, and
  * that is when the blocks hand each other the stage's outputs; copies issued at once, a whole grid's
  * burst of loads that miss L2, delayed the handoffs: without any copies (the arithmetic on stale
@@ -74,6 +75,10 @@
  * 0 / 300 / 400 / 500 / 650 ns): bfloat16 181 / 170 / 169 / 170 / 174, float32 236 / 229 / 225 /
  * 223 / 223. Not better: issuing once the next stage has its inputs (bfloat16 178), or cutting each
  * item into pieces of 4, 8 or 16 KB spaced 100-300 ns apart (182, 177, 175; with the 400 ns wait, 191).
+ * A wait per stage (150 ns after stage C, 700 after D, 400 elsewhere) was 2 us slower in bfloat16 and
+ * 5 faster in float32. Copying the layers' weights with an evict-first L2 policy changed nothing, and
+ * prefetching wte's chunks into L2 over the last 3 or 6 layers (evict-last) made the step 4-5% slower
+ * (H100).
  *
  * The barrier. One counter, never reset: block 0 adds 2^31 - (G - 1), every other block adds 1, so
  * the top bit flips exactly when all G blocks have arrived and the low bits return to zero, and the
@@ -330,7 +335,9 @@ __device__ __forceinline__ Share share(int N, int b, int G)
 // uses them for all U rows, whose weights it loads at once, accumulating each row in two independent
 // chains and reducing the U rows' sums in interleaved shuffle trees; the parts are then summed in
 // order. Shared memory's bandwidth is the limit here: read once per row, the inputs would cost as
-// much as the weights (more in bfloat16).
+// much as the weights (more in bfloat16). Handing each row's value to the caller's epilogue from the
+// lane that holds it, without the sums in red and two syncs, was no faster in bfloat16 and 4% slower
+// in float32 (H100).
 // Returns row threadIdx.x's value in threads below R. Ends with every thread past its reads of W_s
 // and in_s.
 template <typename weight_t, int K, int THREADS>
@@ -795,7 +802,8 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                 }
                 compute_sync<THREADS>();
                 // warp 0: the scores' max m, p_j = e^(s_j - m) in place of s_j (once, for every thread's
-                // o below), and their sum
+                // o below), and their sum (every warp finding m itself, each thread then computing the
+                // p_j of its keys, one sync less, was no faster)
                 float m = -INFINITY, sum = 0.0f;
                 if (warp == 0) {
                     for (int j = lane; j < n; j += 32) m = fmaxf(m, s_s[j]);
