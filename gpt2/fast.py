@@ -333,6 +333,12 @@ STEP_THREADS = 320  # decode_step.cu's compute threads (a multiple of 64); one m
 STEP_BLOCK = STEP_THREADS + 32  # 11 warps, at most 3 on an SM sub-partition: up to 168 registers a thread
 STEP_SLOTS = 8  # at most this many weight slots in decode_step.cu's ring
 STEP_MAX_SPLITS = 12  # decode_step.cu's MAX_SPLITS
+# Key splits per head that stage B starts from (step_plan takes more where these do not fit). Fewer
+# splits than the G // NH that would give every block one: a head's splits wait for each other, and
+# each more split is one more block to wait for. H200, GPT-2 small, us a token at position 264 (519):
+# bfloat16 with 11 / 7 / 6 / 5 splits 169 / 165 / 160 / 165 (171 / 167 / 163 / 169), float32 with
+# 11 / 9 / 8 / 7 splits 223 / 219 / 219 / 224 (224 / 221 / 220 / 224); bigger splits grow the slot.
+STEP_SPLITS = {"float32": 8, "bfloat16": 6}
 STEP_STAGES = ("ln_1+attn.c_attn", "attn+attn.c_proj", "residual+ln_2+mlp.c_fc+gelu",
                "mlp.c_proj+residual")  # decode_step.cu's stages A-D of a layer (E, the lm_head, ends the step)
 STEP_STATIC_SMEM = 4 << 10  # headroom for decode_step.cu's static shared memory (about 2 KB)
@@ -359,19 +365,26 @@ class StepPlan:
 
 def step_plan(config: GPT2Config, dtype: str, sm_count: int, max_len: int, smem_limit: int) -> StepPlan | str:
     """The persistent step's geometry (kernels/fused/decode_step.cu), or why it cannot run these shapes."""
-    C, NH, HS, F = config.n_embd, config.n_head, config.head_size, config.mlp_width
+    NH, HS = config.n_head, config.head_size
     item = 2 if dtype == "bfloat16" else 4
     if HS % 32 or STEP_THREADS % HS:
         return f"head size {HS}: decode_step needs a multiple of 32 dividing {STEP_THREADS}"
     G = sm_count
-    # One split a block. Fewer were faster (H200, GPT-2 small at position 264: bfloat16 with 6 splits
-    # 160 against 169 us a token, float32 with 8 219 against 223), but with them the whole GPU suite
-    # under pytest -n 8 failed test_teacher_forced_logits_follow_the_eager_model[bfloat16] three times
-    # in three (logits off from the prefill on), which passes alone, in its file and in 8 concurrent
-    # copies: not taken until that is understood.
-    splits = min(G // NH, STEP_MAX_SPLITS)
-    if splits < 1:
+    most = min(G // NH, STEP_MAX_SPLITS)
+    if most < 1:
         return f"{NH} heads on {G} SMs: decode_step needs a block per head"
+    why = ""
+    for splits in range(min(STEP_SPLITS[dtype], most), most + 1):  # the fewest from STEP_SPLITS that fit
+        plan = _step_plan(config, item, G, splits, max_len, smem_limit)
+        if isinstance(plan, StepPlan):
+            return plan
+        why = plan
+    return why
+
+
+def _step_plan(config: GPT2Config, item: int, G: int, splits: int, max_len: int, smem_limit: int) -> StepPlan | str:
+    """step_plan with `splits` key splits per head."""
+    C, HS, F = config.n_embd, config.head_size, config.mlp_width
     cap = -(-max_len // splits)  # keys per split, at most
     if cap > F:
         return f"{cap} keys per split: decode_step keeps the scores in {F} floats"

@@ -292,18 +292,33 @@ def test_pdl_launch_arguments_are_packed_by_type():
 H100_SMEM = 232_448  # MaxSharedMemoryPerBlockOptin on H100 and H200
 
 
-@pytest.mark.parametrize("dtype,slots,slot_bytes", [("float32", 2, 80_000), ("bfloat16", 4, 43_136)])
-def test_persistent_step_plan_for_gpt2_small_on_132_sms(dtype, slots, slot_bytes):
-    """A slot holds the largest item: c_fc's 24 rows of 768 (or mlp.c_proj's 6 rows of 3072) with
-    LayerNorm's weight and bias and the rows' biases, rounded up to 128 bytes; as many slots as fit."""
+@pytest.mark.parametrize("dtype,splits,slots", [("float32", 8, 2), ("bfloat16", 6, 3)])
+def test_persistent_step_plan_for_gpt2_small_on_132_sms(dtype, splits, slots):
+    """STEP_SPLITS key splits per head; a slot holds the largest item, here stage B's: a split's keys and
+    values (ceil(1024 / splits) rows of each) and its rows of W_proj[h], rounded up to 128 bytes; as
+    many slots as fit; as many rows of wte a chunk as fit a slot beside LN_f."""
+    assert fast.STEP_SPLITS[dtype] == splits
     plan = fast.step_plan(gpt2.SIZES["gpt2"], dtype, 132, 1024, H100_SMEM)
     item = 2 if dtype == "bfloat16" else 4
-    assert plan.slot_bytes == -(-(24 * 768 * item + 8 * 768 + 4 * (24 + 8)) // 128) * 128 == slot_bytes
-    assert (plan.blocks, plan.splits, plan.slots, plan.lm_rows) == (132, 11, slots, 24)
+    cap = -(-1024 // splits)
+    assert plan.slot_bytes == -(-(2 * cap + -(-768 // splits)) * 64 * item // 128) * 128
+    assert plan.slot_bytes >= 24 * 768 * item + 8 * 768 + 4 * (24 + 8)  # c_fc's 24 rows with LN_2 and biases
+    assert (plan.blocks, plan.splits, plan.slots) == (132, splits, slots)
+    assert plan.lm_rows == (plan.slot_bytes - 8 * 768) // (768 * item)
     table = 12 * 8 * len(fast.LAYER_POINTERS)
-    assert plan.smem == 128 + slots * slot_bytes + 4 * (3072 + 768) + table
+    assert plan.smem == 128 + slots * plan.slot_bytes + 4 * (3072 + 768) + table
     assert plan.smem + fast.STEP_STATIC_SMEM <= H100_SMEM
-    assert (2 * 94 + 70) * 64 * item <= plan.slot_bytes  # stage B: 94 keys of K and V, 70 rows of W_proj[h]
+
+
+def test_persistent_step_plan_takes_more_splits_where_fewer_do_not_fit():
+    """8 float32 splits need two 90,112-byte slots; with less shared memory 9 splits (80,384) still fit,
+    and so on up to one split a block; past that, why not."""
+    fixed = 128 + 4 * (3072 + 768) + 12 * 8 * len(fast.LAYER_POINTERS) + fast.STEP_STATIC_SMEM
+    assert fast.step_plan(gpt2.SIZES["gpt2"], "float32", 132, 1024, fixed + 2 * 90_112).splits == 8
+    assert fast.step_plan(gpt2.SIZES["gpt2"], "float32", 132, 1024, fixed + 2 * 90_112 - 1).splits == 9
+    assert fast.step_plan(gpt2.SIZES["gpt2"], "float32", 132, 97, H100_SMEM).splits == 8  # short: as many
+    why = fast.step_plan(gpt2.SIZES["gpt2"], "float32", 132, 1024, fixed + 2 * 80_000 - 1)
+    assert isinstance(why, str) and "needs two slots of 80000 bytes" in why  # 11 splits: c_fc's item
 
 
 @pytest.mark.parametrize("config,sms,smem,reason", [

@@ -497,17 +497,18 @@ def test_no_cache_fast_path_equals_the_eager_model(cp, small, attention, product
 
 def teacher_forced(cp, engine, prompt, forced):
     """The engine's logits for the prompt's next token, then for each next token after forcing the
-    previous one to `forced` (one graph replay per step)."""
+    previous one to `forced` (one graph replay per step). Each row is copied on the engine's stream:
+    it does not wait for the legacy default stream (non_blocking), so a copy made there could run
+    after the next step has overwritten the logits."""
     rows = []
     engine.start(prompt, reference_attend, kv_cache=True)
-    engine.stream.synchronize()
-    rows.append(engine.logits.copy())
-    for token in forced[:-1]:
-        with engine.stream:
+    with engine.stream:
+        rows.append(engine.logits.copy())
+        for token in forced[:-1]:
             engine.state[0:1].set(np.asarray([token], dtype=np.int32), stream=engine.stream)
             engine.decode(1)
-        engine.stream.synchronize()
-        rows.append(engine.logits.copy())
+            rows.append(engine.logits.copy())
+    engine.stream.synchronize()
     return rows
 
 
@@ -625,7 +626,7 @@ def persistent_engine(cp, small, dtype, **options):
 @pytest.mark.parametrize("dtype", fast.DTYPES)
 def test_persistent_step_follows_the_per_operation_step(cp, small, dtype, max_len):
     """Teacher-forced to the per-operation step's tokens, step by step up to the engine's last position
-    (97: splits of 9 keys, the last one short): the logits within summation-order rounding (float32
+    (97: splits of 13 or 17 keys, the last one short): the logits within summation-order rounding (float32
     1e-5 relative, bfloat16 5e-4), the same argmax wherever the top two are apart, the same state."""
     engine = persistent_engine(cp, small, dtype, max_len=max_len)
     graphs = fast.Engine(small.params, small.config, dtype=dtype, keep_logits=True, persistent=False,

@@ -53,20 +53,21 @@
  * The weight stream. Block b of G owns a fixed share of every stage: rows [b * ceil(N / G), ...) of
  * each (out, in) matrix, one contiguous range of bytes, plus the vectors the stage reads (LayerNorm's
  * weight and bias, the rows' biases), so that everything a stage reads that is not an activation
- * lands with it; in stage B it owns one (head, key split), and its item is that split's cached K and
- * V rows below pos and its rows of the head's W_proj[h] (the row at pos comes from stage A's handoff);
- * in stage E its rows of wte, in chunks of `lm_rows` rows (the first also carries LN_f). Item i of the
- * stream lands in slot i % nslot. A producer warp of its own issues the copies: item i once the
- * compute warps are done with item i - nslot (an "empty" mbarrier per slot) and ISSUE_DELAY_NS more
- * have passed (see "When to copy" below), so up to nslot items are in flight or waiting, across
- * stages and steps, and a copy that is slow to issue stalls only the producer; the compute warps
- * sync on a named barrier of their own (compute_sync). Every block consumes the same number of items
- * per step (an item may be empty: the mbarrier's phase then completes on the arrive). The cache rows
- * were written by earlier steps with ordinary stores: a step's stage B items wait until the compute
- * warps have passed the previous step's last barrier (the `stepped` mbarrier), and the copy is fenced
- * into the async proxy. Stage E reads wte at about the copy ceiling already: prefetching its first
- * chunks into L2 during the last layer or two (cp.async.bulk.prefetch.L2, 3 to 10 chunks a block)
- * made the step 0-4% slower.
+ * lands with it; in stage B it owns one (head, key split) or, past NH * splits, nothing (gpt2/fast.py
+ * picks fewer splits than one a block: a head's splits wait for each other), and its item is that
+ * split's cached K and V rows below pos and its rows of the head's W_proj[h] (the row at pos comes
+ * from stage A's handoff); in stage E its rows of wte, in chunks of `lm_rows` rows (the first also
+ * carries LN_f). Item i of the stream lands in slot i % nslot. A producer warp of its own issues the
+ * copies: item i once the compute warps are done with item i - nslot (an "empty" mbarrier per slot)
+ * and ISSUE_DELAY_NS more have passed (see "When to copy" below), so up to nslot items are in flight
+ * or waiting, across stages and steps, and a copy that is slow to issue stalls only the producer; the
+ * compute warps sync on a named barrier of their own (compute_sync). Every block consumes the same
+ * number of items per step (an item may be empty: the mbarrier's phase then completes on the arrive).
+ * The cache rows were written by earlier steps with ordinary stores: a step's stage B items wait until
+ * the compute warps have passed the previous step's last barrier (the `stepped` mbarrier), and the
+ * copy is fenced into the async proxy. Stage E reads wte at about the copy ceiling already: prefetching
+ * its first chunks into L2 during the last layer or two (cp.async.bulk.prefetch.L2, 3 to 10 chunks a
+ * block) made the step 0-4% slower.
  * When to copy. A slot comes free at the end of a stage, in every block at about the same time, and
  * that is when the blocks hand each other the stage's outputs; copies issued at once, a whole grid's
  * burst of loads that miss L2, delayed the handoffs: without any copies (the arithmetic on stale
