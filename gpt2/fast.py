@@ -345,8 +345,18 @@ STEP_STATIC_SMEM = 4 << 10  # headroom for decode_step.cu's static shared memory
 
 
 LAYER_POINTERS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight",
-                  "attn.c_attn.bias", "attn.c_proj.bias", "mlp.c_fc.bias", "mlp.c_proj.bias",
-                  "ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "k_cache", "v_cache")  # decode_step.cu's Layer
+                  "attn.c_attn.fold", "attn.c_proj.bias", "mlp.c_fc.fold", "mlp.c_proj.bias",
+                  "ln_1.weight", "ln_2.weight", "k_cache", "v_cache")  # decode_step.cu's Layer
+FOLDS = {"attn.c_attn": "ln_1", "mlp.c_fc": "ln_2"}  # the linear layers decode_step.cu folds a LayerNorm into
+
+
+def layernorm_fold(cp, W, bias, ln_w, ln_b):
+    """decode_step.cu's fold of a LayerNorm into the rows after it: (N, 2) float32 pairs, per row n of
+    W (out, in) the sum_k W_nk ln_w_k and bias_n + sum_k W_nk ln_b_k, computed in float64, so that
+    LN(x) . W_n + bias_n = r (sum_k W_nk ln_w_k x_k - mean * fold[n, 0]) + fold[n, 1], r = 1 / std."""
+    W64 = W.astype(cp.float64)
+    return cp.stack([W64 @ ln_w.astype(cp.float64), bias.astype(cp.float64) + W64 @ ln_b.astype(cp.float64)],
+                    axis=1).astype(cp.float32)
 
 
 @dataclass(frozen=True)
@@ -392,8 +402,8 @@ def _step_plan(config: GPT2Config, item: int, G: int, splits: int, max_len: int,
     def rows(N):
         return -(-N // G)
 
-    def linear(N, K, ln):  # decode_step.cu's linear_item: rows, LayerNorm weight and bias, biases
-        return rows(N) * K * item + (8 * K if ln else 0) + 4 * (rows(N) + 8)
+    def linear(N, K, ln):  # decode_step.cu's linear_item: rows, then LayerNorm's weight and folds, or biases
+        return rows(N) * K * item + (4 * K + 8 * (rows(N) + 2) if ln else 4 * (rows(N) + 8))
 
     biggest = max(linear(3 * C, C, True), linear(F, C, True), linear(C, F, False))
     attention = (2 * cap + -(-C // splits)) * HS * item  # a split's keys and values, its rows of W_proj[h]
@@ -714,16 +724,25 @@ class Engine:
         if per_sm < 1:
             return f"decode_step does not fit an SM ({plan.smem} bytes of shared memory, {STEP_BLOCK} threads)"
         with self.stream:
-            table = []
+            table, self.folds = [], []  # folds: kept alive while the table points at them
             # attn.c_proj head-major, (NH, C, HS): [h, n, d] = W[n, h * HS + d] of the (out, in) copy
             self.proj_heads = [cp.ascontiguousarray(layer["attn.c_proj"].reshape(c.n_embd, c.n_head, c.head_size)
                                                     .transpose(1, 0, 2)) for layer in self.layers]
             for i, layer in enumerate(self.layers):
                 arrays = {"k_cache": self.k_cache[i], "v_cache": self.v_cache[i]}
-                for name in LAYER_POINTERS[:12]:  # (out, in) matrices in the decode dtype; float32 vectors
-                    arrays[name] = layer[name.removesuffix(".weight")] if name in LAYER_POINTERS[:4] else \
-                        self.params32[f"h.{i}.{name}"]
+                p = self.params32  # bfloat16-rounded matrices in bfloat16: the weights decode_step reads
+                for name in LAYER_POINTERS[:10]:  # (out, in) matrices in the decode dtype; float32 vectors
+                    if name in LAYER_POINTERS[:4]:
+                        arrays[name] = layer[name.removesuffix(".weight")]
+                    elif name.endswith(".fold"):
+                        linear = f"h.{i}.{name.removesuffix('.fold')}"
+                        ln = f"h.{i}.{FOLDS[name.removesuffix('.fold')]}"
+                        arrays[name] = layernorm_fold(cp, p[linear + ".weight"].T, p[linear + ".bias"],
+                                                      p[ln + ".weight"], p[ln + ".bias"])
+                    else:
+                        arrays[name] = p[f"h.{i}.{name}"]
                 arrays["attn.c_proj.weight"] = self.proj_heads[i]
+                self.folds.append([arrays[name] for name in arrays if name.endswith(".fold")])
                 table.append([arrays[name].data.ptr for name in LAYER_POINTERS])
             self.layer_table = cp.asarray(np.asarray(table, dtype=np.uint64))
             # what blocks hand each other, per layer (decode_step.cu's handoffs): (value, epoch) words for

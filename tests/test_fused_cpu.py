@@ -302,12 +302,30 @@ def test_persistent_step_plan_for_gpt2_small_on_132_sms(dtype, splits, slots):
     item = 2 if dtype == "bfloat16" else 4
     cap = -(-1024 // splits)
     assert plan.slot_bytes == -(-(2 * cap + -(-768 // splits)) * 64 * item // 128) * 128
-    assert plan.slot_bytes >= 24 * 768 * item + 8 * 768 + 4 * (24 + 8)  # c_fc's 24 rows with LN_2 and biases
+    assert plan.slot_bytes >= 24 * 768 * item + 4 * 768 + 8 * (24 + 2)  # c_fc's 24 rows with LN_2's weight and folds
     assert (plan.blocks, plan.splits, plan.slots) == (132, splits, slots)
     assert plan.lm_rows == (plan.slot_bytes - 8 * 768) // (768 * item)
     table = 12 * 8 * len(fast.LAYER_POINTERS)
     assert plan.smem == 128 + slots * plan.slot_bytes + 4 * (3072 + 768) + table
     assert plan.smem + fast.STEP_STATIC_SMEM <= H100_SMEM
+
+
+def test_layernorm_fold_gives_the_layernorm_then_the_rows():
+    """decode_step.cu's fold: r (W (ln_w x) - mean * fold[:, 0]) + fold[:, 1] is LN(x) W^T + b, for an x
+    with an offset mean; and the fold is what the formula says, row by row."""
+    rng = np.random.default_rng()
+    N, K = 40, 96
+    W, bias = rng.standard_normal((N, K)), rng.standard_normal(N)
+    ln_w, ln_b = 1 + 0.1 * rng.standard_normal(K), 0.1 * rng.standard_normal(K)
+    x = 3 + rng.standard_normal(K)
+    fold = fast.layernorm_fold(np, W, bias, ln_w, ln_b)
+    assert fold.shape == (N, 2) and fold.dtype == np.float32
+    np.testing.assert_allclose(fold[:, 0], W @ ln_w, rtol=1e-6)
+    np.testing.assert_allclose(fold[:, 1], bias + W @ ln_b, rtol=1e-5, atol=1e-6)
+    mean, r = x.mean(), 1 / np.sqrt(x.var() + 1e-5)
+    want = ((x - mean) * r * ln_w + ln_b) @ W.T + bias
+    got = r * (W @ (ln_w * x) - mean * fold[:, 0].astype(np.float64)) + fold[:, 1]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_persistent_step_plan_takes_more_splits_where_fewer_do_not_fit():
@@ -317,8 +335,8 @@ def test_persistent_step_plan_takes_more_splits_where_fewer_do_not_fit():
     assert fast.step_plan(gpt2.SIZES["gpt2"], "float32", 132, 1024, fixed + 2 * 90_112).splits == 8
     assert fast.step_plan(gpt2.SIZES["gpt2"], "float32", 132, 1024, fixed + 2 * 90_112 - 1).splits == 9
     assert fast.step_plan(gpt2.SIZES["gpt2"], "float32", 132, 97, H100_SMEM).splits == 8  # short: as many
-    why = fast.step_plan(gpt2.SIZES["gpt2"], "float32", 132, 1024, fixed + 2 * 80_000 - 1)
-    assert isinstance(why, str) and "needs two slots of 80000 bytes" in why  # 11 splits: c_fc's item
+    why = fast.step_plan(gpt2.SIZES["gpt2"], "float32", 132, 1024, fixed + 2 * 77_056 - 1)
+    assert isinstance(why, str) and "needs two slots of 77056 bytes" in why  # 11 splits: c_fc's item
 
 
 @pytest.mark.parametrize("config,sms,smem,reason", [
@@ -337,9 +355,9 @@ def test_layer_table_matches_decode_step_struct():
     text = fused.path_of("decode_step").read_text()
     body = text[text.index("struct Layer {"):text.index("};", text.index("struct Layer {"))]
     fields = re.findall(r"\*\s*(\w+)", body)
-    assert len(fields) == len(fast.LAYER_POINTERS) == 14
-    expected = ["w_attn", "w_proj", "w_fc", "w_mlp", "b_attn", "b_proj", "b_fc", "b_mlp", "ln1_w", "ln1_b", "ln2_w",
-                "ln2_b", "k_cache", "v_cache"]
+    assert len(fields) == len(fast.LAYER_POINTERS) == 12
+    expected = ["w_attn", "w_proj", "w_fc", "w_mlp", "fold_attn", "b_proj", "fold_fc", "b_mlp", "ln1_w", "ln2_w",
+                "k_cache", "v_cache"]
     assert fields == expected
     assert [n.split(".")[-2] + "." + n.split(".")[-1] if "." in n else n for n in fast.LAYER_POINTERS][:4] == [
         "c_attn.weight", "c_proj.weight", "c_fc.weight", "c_proj.weight"]

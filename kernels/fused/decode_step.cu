@@ -43,6 +43,20 @@
  * mlp.c_proj's output summed that way over all the blocks' rows of g (132 terms a word, in place of
  * stage D's handoff of g) was slower, 204 against 193: same-address atomics queue.
  *
+ * LayerNorm folded into the rows that follow it (stages A and C). With mean m, r = 1 / sqrt(var + eps),
+ * LayerNorm weight w and bias beta, row n of the linear layer (weights W_n, bias b_n) gives
+ *     LN(x) . W_n + b_n = r (sum_k W_nk w_k x_k - m B_n) + c_n,   B_n = sum_k W_nk w_k,
+ *                                                                 c_n = b_n + sum_k W_nk beta_k,
+ * and B_n, c_n depend on the weights alone: gpt2/fast.py computes them once (in float64, kept as a
+ * float32 pair, the row's "fold"), and they come with the row in place of its bias. So the dot
+ * products need not wait for the statistics: the input gather writes w * x beside x, the last warp
+ * computes m and r (two passes, layernorm_stats) while the others take the dot products, and each
+ * row's thread puts them together. Normalizing x first, then the dot products, cost a pass over x
+ * and a block sync more, and the statistics themselves in every warp: folded, the step went from
+ * 160.8 to 150.5 us a token in bfloat16 and from 220 to 207 in float32 (H200, position 264, same run).
+ * In exact arithmetic the same; in floating point the difference a - m B_n cancels where |m| is
+ * large against the spread of x, and the row loses about log2(|m| / std) bits to it.
+ *
  * attn.c_proj inside the attention stage: y W_proj = sum_h y_h W_proj[h], with W_proj[h] the HS
  * columns (inputs) of head h, so the head's key splits can finish the projection of their own head
  * as soon as they have y_h. Each split combines all the head's splits itself, in split order. W_proj
@@ -52,7 +66,7 @@
  *
  * The weight stream. Block b of G owns a fixed share of every stage: rows [b * ceil(N / G), ...) of
  * each (out, in) matrix, one contiguous range of bytes, plus the vectors the stage reads (LayerNorm's
- * weight and bias, the rows' biases), so that everything a stage reads that is not an activation
+ * weight and the rows' folds, or the rows' biases), so that everything a stage reads that is not an activation
  * lands with it; in stage B it owns one (head, key split) or, past NH * splits, nothing (gpt2/fast.py
  * picks fewer splits than one a block: a head's splits wait for each other), and its item is that
  * split's cached K and V rows below pos and its rows of the head's W_proj[h] (the row at pos comes
@@ -94,12 +108,13 @@
  * fresh()): an SM's L1 is not coherent. The grid must be co-resident: the engine launches it
  * cooperatively, G = SM count.
  *
- * Numerics as in the per-operation kernels, but for the parity words' last bit: float32 accumulation,
- * LayerNorm two-pass (here every warp computes the statistics itself, in the same order, instead of a
- * block reduction), the key and value rounded to the cache's dtype, the argmax's first index of the
- * largest logit (NaN never chosen; all NaN gives token 0). Summation orders differ from gemv.cu (a
- * row is split into parts over warps, rows_dot), so logits match it to rounding, not bit for bit;
- * the kernel itself is deterministic (fixed orders, no atomics in the arithmetic).
+ * Numerics as in the per-operation kernels, but for the parity words' last bit and the folded
+ * LayerNorms above: float32 accumulation, LayerNorm's statistics two-pass (by one warp; LN_f, in
+ * stage E, normalizes x first, every warp computing the statistics itself), the key and value
+ * rounded to the cache's dtype, the argmax's first index of the largest logit (NaN never chosen; all
+ * NaN gives token 0). Summation orders differ from gemv.cu (a row is split into parts over warps,
+ * rows_dot), so logits match it to rounding, not bit for bit; the kernel itself is deterministic
+ * (fixed orders, no atomics in the arithmetic).
  *
  * Template parameters: weight_t (float or bfloat16 bits, also the cache's type), C (n_embd), NH, HS
  * (head size, a multiple of 32 dividing THREADS), F (MLP width), THREADS. Geometry (gpt2/fast.py,
@@ -129,8 +144,8 @@
 template <typename weight_t>
 struct Layer {
     const weight_t* w_attn; const weight_t* w_proj; const weight_t* w_fc; const weight_t* w_mlp;  // (out, in)
-    const float* b_attn; const float* b_proj; const float* b_fc; const float* b_mlp;
-    const float* ln1_w; const float* ln1_b; const float* ln2_w; const float* ln2_b;
+    const float2* fold_attn; const float* b_proj; const float2* fold_fc; const float* b_mlp;  // fold: see the header
+    const float* ln1_w; const float* ln2_w;
     weight_t* k_cache; weight_t* v_cache;  // (NH, max_len, HS)
 };
 
@@ -289,6 +304,8 @@ __device__ __forceinline__ float4 pw_float4(const uint4& w)
     return make_float4(__uint_as_float(w.x), __uint_as_float(w.y), __uint_as_float(w.z), __uint_as_float(w.w));
 }
 
+__device__ __forceinline__ float4 times(float4 a, float4 b) { return make_float4(a.x * b.x, a.y * b.y, a.z * b.z, a.w * b.w); }
+
 // w[k] = the four parity words at at(k) once all carry epoch's parity.
 template <int N, typename At>
 __device__ __forceinline__ void pw_gather(uint4 (&w)[N], At at, unsigned int epoch)
@@ -297,10 +314,11 @@ __device__ __forceinline__ void pw_gather(uint4 (&w)[N], At at, unsigned int epo
     gather(w, at, make_uint4(p, p, p, p), pw_load4, [&](const uint4& v) { return !pw_stale(v, epoch); });
 }
 
-// x_s = the K values at src of this step (and a copy into `keep`, when given): a thread's vectors of
-// four all at once, up to 8 (32 values).
+// x_s = the K values at src of this step (and a copy into `keep`, and the values times ln_w into
+// `scaled`, when given): a thread's vectors of four all at once, up to 8 (32 values).
 template <int K, int THREADS>
-__device__ __forceinline__ void pw_input(const unsigned int* src, unsigned int epoch, float* x_s, float* keep)
+__device__ __forceinline__ void pw_input(const unsigned int* src, unsigned int epoch, float* x_s, float* keep,
+                                         float* scaled = nullptr, const float* ln_w = nullptr)
 {
     static_assert(K % 4 == 0, "whole vectors of four");
     constexpr int K4 = K / 4, BATCH = (K4 + THREADS - 1) / THREADS < 8 ? (K4 + THREADS - 1) / THREADS : 8;
@@ -311,8 +329,10 @@ __device__ __forceinline__ void pw_input(const unsigned int* src, unsigned int e
         for (int k = 0; k < BATCH; ++k) {
             const int i = i0 + k * THREADS;
             if (i < K4) {
-                reinterpret_cast<float4*>(x_s)[i] = pw_float4(w[k]);
-                if (keep != nullptr) reinterpret_cast<float4*>(keep)[i] = pw_float4(w[k]);
+                const float4 v = pw_float4(w[k]);
+                reinterpret_cast<float4*>(x_s)[i] = v;
+                if (keep != nullptr) reinterpret_cast<float4*>(keep)[i] = v;
+                if (scaled != nullptr) reinterpret_cast<float4*>(scaled)[i] = times(v, reinterpret_cast<const float4*>(ln_w)[i]);
             }
         }
     }
@@ -448,6 +468,39 @@ __device__ __forceinline__ void layernorm_warps(const float* x_s, float* out_s, 
     compute_sync<THREADS>();
 }
 
+// LayerNorm's statistics of the K floats at x_s, by one warp: two passes, over values it keeps in
+// registers where they fit (K <= 1024); lane 0 writes out[0] = mean, out[1] = 1 / sqrt(variance + eps).
+template <int K>
+__device__ __forceinline__ void layernorm_stats(const float* x_s, float eps, float* out)
+{
+    static_assert(K % 4 == 0, "whole float4 vectors");
+    constexpr int N = (K / 4 + 31) / 32, KEPT = N <= 8 ? N : 1;
+    const float4* x4 = reinterpret_cast<const float4*>(x_s);
+    const int lane = threadIdx.x % 32;
+    float4 kept[KEPT];
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        const int i = lane + 32 * j;
+        const float4 v = i < K / 4 ? x4[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (N == KEPT) kept[j % KEPT] = v;
+        s += (v.x + v.y) + (v.z + v.w);
+    }
+    const float mean = warp_sum(s) / K;
+    float m2 = 0.0f;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        const int i = lane + 32 * j;
+        if (i < K / 4) {
+            const float4 v = N == KEPT ? kept[j % KEPT] : x4[i];
+            const float a = v.x - mean, b = v.y - mean, c = v.z - mean, d = v.w - mean;
+            m2 += fmaf(a, a, b * b) + fmaf(c, c, d * d);
+        }
+    }
+    m2 = warp_sum(m2);
+    if (lane == 0) { out[0] = mean; out[1] = 1.0f / sqrtf(m2 / K + eps); }
+}
+
 // out[first + r] = W_s[r] . y_s for the rows of `rows` (HS weights each, from shared memory), handed
 // over as parity words: HS / 16 threads to a row, 16 weights each, summed by shuffles.
 template <typename weight_t, int HS, int THREADS>
@@ -477,12 +530,12 @@ __device__ __forceinline__ void head_rows_dot(const weight_t* W_s, const float* 
 }
 
 // x_s = x_in + (b + sum_h proj_h), the heads in order (every block the same sum), proj_h this step's
-// parity words; x_in is in shared memory (x_s may be x_in: a thread writes only what it read), b a
-// weight. Up to 12 heads' loads in flight at once (GPT-2 small's all); 10 where there are more (in
+// parity words, and scaled = x_s times ln_w; x_in is in shared memory (x_s may be x_in: a thread
+// writes only what it read), b a weight. Up to 12 heads' loads in flight at once (GPT-2 small's all); 10 where there are more (in
 // twelves, gpt2-xl's 25 spilled past 168 registers).
 template <int C, int NH, int THREADS>
 __device__ __forceinline__ void proj_input(const float* x_in, const unsigned int* proj, unsigned int epoch,
-                                           const float* bias, float* x_s)
+                                           const float* bias, float* x_s, float* scaled, const float* ln_w)
 {
     constexpr int GROUP = NH <= 12 ? NH : 10;
     for (int i = threadIdx.x; i < C / 4; i += THREADS) {
@@ -499,7 +552,9 @@ __device__ __forceinline__ void proj_input(const float* x_in, const unsigned int
                     t.x += v.x; t.y += v.y; t.z += v.z; t.w += v.w;
                 }
         }
-        reinterpret_cast<float4*>(x_s)[i] = make_float4(xv.x + t.x, xv.y + t.y, xv.z + t.z, xv.w + t.w);
+        const float4 v = make_float4(xv.x + t.x, xv.y + t.y, xv.z + t.z, xv.w + t.w);
+        reinterpret_cast<float4*>(x_s)[i] = v;
+        reinterpret_cast<float4*>(scaled)[i] = times(v, reinterpret_cast<const float4*>(ln_w)[i]);
     }
     compute_sync<THREADS>();
 }
@@ -518,18 +573,23 @@ __device__ __forceinline__ void warp_argmax(float& best, int& arg)
 }
 
 // A linear stage's item, handed to emit(src, bytes) range by range: the block's rows of W (count x K),
-// then, for a LayerNorm in front, its weight and bias (K floats each), then the bias of the rows from
-// the 16-byte boundary at or below the first (bulk copies move whole 16-byte units): row r's bias is
-// at bias_s[first % 4 + r] (LinearSlot below).
+// then either, for a LayerNorm in front, its weight (K floats) and the rows' folds (pairs of floats),
+// or the rows' biases, from the 16-byte boundary at or below the first (bulk copies move whole
+// 16-byte units): row r's bias is at bias[first % 4 + r], its fold at fold[first % 2 + r] (LinearSlot).
 template <typename weight_t, typename Emit>
 __device__ __forceinline__ void linear_item(Emit& emit, const weight_t* W, int K, int N, const float* ln_w,
-                                            const float* ln_b, const float* bias)
+                                            const float2* fold, const float* bias)
 {
     const Share s = share(N, blockIdx.x, gridDim.x);
     emit(W + (long long)s.first * K, s.count * K * (unsigned int)sizeof(weight_t));
-    if (ln_w != nullptr) { emit(ln_w, K * 4u); emit(ln_b, K * 4u); }
-    const int a0 = s.first & ~3, a1 = min(N, (s.first + s.count + 3) & ~3);  // N is a multiple of 4
-    emit(bias + a0, s.count > 0 ? (a1 - a0) * 4u : 0u);
+    if (ln_w != nullptr) {
+        emit(ln_w, K * 4u);
+        const int a0 = s.first & ~1, a1 = min(N, (s.first + s.count + 1) & ~1);  // N is even
+        emit(fold + a0, s.count > 0 ? (a1 - a0) * 8u : 0u);
+    } else {
+        const int a0 = s.first & ~3, a1 = min(N, (s.first + s.count + 3) & ~3);  // N is a multiple of 4
+        emit(bias + a0, s.count > 0 ? (a1 - a0) * 4u : 0u);
+    }
 }
 
 // What block blockIdx.x reads, item by item: item i is stage i % per_step of step i / per_step.
@@ -559,7 +619,7 @@ struct Stream {
         }
         const Layer<weight_t>& L = layers[r / 4];
         switch (r % 4) {
-        case 0: linear_item(emit, L.w_attn, C, 3 * C, L.ln1_w, L.ln1_b, L.b_attn); break;
+        case 0: linear_item(emit, L.w_attn, C, 3 * C, L.ln1_w, L.fold_attn, nullptr); break;
         case 1:
             if (b / splits < NH) {  // the split's cached rows below pos (the row at pos is this step's),
                 // then its rows of the head's attn.c_proj columns (W_proj head-major: (NH, C, HS))
@@ -572,7 +632,7 @@ struct Stream {
                 emit(L.w_proj + ((long long)(b / splits) * C + rows.first) * HS, rows.count * HS * ITEM);
             }
             break;
-        case 2: linear_item(emit, L.w_fc, C, F, L.ln2_w, L.ln2_b, L.b_fc); break;
+        case 2: linear_item(emit, L.w_fc, C, F, L.ln2_w, L.fold_fc, nullptr); break;
         case 3: linear_item<weight_t>(emit, L.w_mlp, F, C, nullptr, nullptr, L.b_mlp); break;
         }
     }
@@ -594,20 +654,25 @@ struct Stream {
     }
 };
 
-// Where a linear stage's vectors sit in its slot (linear_copies): LayerNorm weight and bias (ln), and
-// this block's biases.
+// Where a linear stage's vectors sit in its slot (linear_item): with a LayerNorm in front (ln), its
+// weight and this block's rows' folds, else this block's biases.
 template <typename weight_t>
 struct LinearSlot {
     const weight_t* W;
     const float* ln_w;
-    const float* ln_b;
+    const float2* fold;
     const float* bias;
     __device__ __forceinline__ LinearSlot(const unsigned char* slot, Share s, int K, bool ln)
     {
         W = reinterpret_cast<const weight_t*>(slot);
         ln_w = reinterpret_cast<const float*>(slot + (long long)s.count * K * sizeof(weight_t));
-        ln_b = ln_w + K;
-        bias = ln_w + (ln ? 2 * K : 0) + (s.first & 3);
+        fold = reinterpret_cast<const float2*>(ln_w + K) + (s.first & 1);
+        bias = ln_w + (s.first & 3);
+    }
+    // Row r's LN(x) . W_r from a = W_r . (ln_w * x) and the statistics (mean, 1 / std) in stats.
+    __device__ __forceinline__ float folded(int r, float a, const float* stats) const
+    {
+        return fmaf(stats[1], fmaf(-stats[0], fold[r].x, a), fold[r].y);
     }
 };
 
@@ -634,6 +699,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
     __shared__ __align__(16) float q_s[HS];
     __shared__ float ml_s[2 * MAX_SPLITS];  // stage B: each split's score max and sum
     __shared__ int arg_s;
+    __shared__ float ln_s[2];  // the LayerNorm's mean and 1 / std (layernorm_stats)
     __shared__ unsigned long long stepped;  // a phase per step: the compute warps have passed its last barrier
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, G = gridDim.x, b = blockIdx.x;
 
@@ -719,22 +785,26 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
             Share sh;
             float v;
             // A: qkv = LN_1(x) W_attn + b; the new key and value into the cache (rounded to its dtype)
-            if (l == 0) {  // x = wte[token] + wpe[pos]
-                for (int i = tid; i < C; i += THREADS)
-                    x_in[i] = to_float(wte[(long long)token * C + i]) + to_float(wpe[(long long)pos * C + i]);
-                compute_sync<THREADS>();
-            } else {
-                pw_input<C, THREADS>(pw_x + (long long)(l - 1) * C, epoch, x_in, nullptr);
-                mark(step, stage - 1, 1);
-            }
+            // (LayerNorm folded into the rows: the last warp finds its statistics while the others take
+            // the rows' dot products with ln_1's weight times x)
             sh = share(3 * C, b, G);
             {
                 const LinearSlot<weight_t> in(take(), sh, C, true);
-                layernorm_warps<C, THREADS>(x_in, in_s, in.ln_w, in.ln_b, eps);
+                if (l == 0) {  // x = wte[token] + wpe[pos]
+                    for (int i = tid; i < C; i += THREADS) {
+                        x_in[i] = to_float(wte[(long long)token * C + i]) + to_float(wpe[(long long)pos * C + i]);
+                        in_s[i] = x_in[i] * in.ln_w[i];
+                    }
+                    compute_sync<THREADS>();
+                } else {
+                    pw_input<C, THREADS>(pw_x + (long long)(l - 1) * C, epoch, x_in, nullptr, in_s, in.ln_w);
+                    mark(step, stage - 1, 1);
+                }
+                if (warp == WARPS - 1) layernorm_stats<C>(x_in, eps, ln_s);  // read after rows_dot's syncs
                 v = rows_dot<weight_t, C, THREADS>(in.W, in_s, sh.count, red);
                 if (tid < sh.count) {
                     const int n = sh.first + tid;
-                    v += in.bias[tid];
+                    v = in.folded(tid, v, ln_s);
                     ll_store(qkv_l + n, v, epoch);
                     if (n >= C) {  // for later steps (this one's stage B takes it from qkv)
                         const int hd = (n - C) % C;
@@ -865,15 +935,15 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
             }
             handoff(step);
 
-            // C: x += sum_h proj_h + b (the heads in order); g = gelu(LN_2(x) W_fc + b)
+            // C: x += sum_h proj_h + b (the heads in order); g = gelu(LN_2(x) W_fc + b), LayerNorm folded
             sh = share(F, b, G);
             {
-                proj_input<C, NH, THREADS>(x_in, proj_l, epoch, L.b_proj, x_in);
-                mark(step, stage - 1, 1);
                 const LinearSlot<weight_t> in(take(), sh, C, true);
-                layernorm_warps<C, THREADS>(x_in, in_s, in.ln_w, in.ln_b, eps);
+                proj_input<C, NH, THREADS>(x_in, proj_l, epoch, L.b_proj, x_in, in_s, in.ln_w);
+                mark(step, stage - 1, 1);
+                if (warp == WARPS - 1) layernorm_stats<C>(x_in, eps, ln_s);
                 v = rows_dot<weight_t, C, THREADS>(in.W, in_s, sh.count, red);
-                if (tid < sh.count) pw_store(pw_g + (long long)l * F + sh.first + tid, gelu_tanh(v + in.bias[tid]), epoch);
+                if (tid < sh.count) pw_store(pw_g + (long long)l * F + sh.first + tid, gelu_tanh(in.folded(tid, v, ln_s)), epoch);
             }
             handoff(step);
 
