@@ -91,7 +91,9 @@
  * 223 / 223. Not better: issuing once the next stage has its inputs (bfloat16 178), or cutting each
  * item into pieces of 4, 8 or 16 KB spaced 100-300 ns apart (182, 177, 175; with the 400 ns wait, 191).
  * A wait per stage (150 ns after stage C, 700 after D, 400 elsewhere) was 2 us slower in bfloat16 and
- * 5 faster in float32. Copying the layers' weights with an evict-first L2 policy changed nothing, and
+ * 5 faster in float32. With LayerNorm folded (below) the best wait moved apart by dtype: bfloat16
+ * 250 ns (145.5 us a token against 148.4 with 400 and 151.1 with 550; 150 and 200 alike with 250),
+ * float32 550 ns (205.4 against 207.7 with 400 and 209.6 with 250; 700 alike), hence one per dtype. Copying the layers' weights with an evict-first L2 policy changed nothing, and
  * prefetching wte's chunks into L2 over the last 3 or 6 layers (evict-last) made the step 4-5% slower
  * (H100).
  *
@@ -132,8 +134,8 @@
 #ifndef POLL_SLEEP_NS
 #define POLL_SLEEP_NS 40  // between polls of the grid barrier (H200, then 13 barriers a token: 0 / 40 / 100 ns alike)
 #endif
-#ifndef ISSUE_DELAY_NS
-#define ISSUE_DELAY_NS 400  // the producer's pause between a slot coming free and its next copy (see the header)
+#ifndef ISSUE_DELAY_NS  // the producer's pause between a slot coming free and its next copy (see the header)
+#define ISSUE_DELAY_NS (sizeof(weight_t) == 2 ? 250 : 550)
 #endif
 #ifndef LL_SLEEP_NS
 #define LL_SLEEP_NS 0  // between rounds of reloads of stale handoff words (20 ns: 1% slower)
