@@ -338,6 +338,8 @@ STEP_MAX_SPLITS = 12  # decode_step.cu's MAX_SPLITS
 # each more split is one more block to wait for. H200, GPT-2 small, us a token at position 264 (519):
 # bfloat16 with 11 / 7 / 6 / 5 splits 169 / 165 / 160 / 165 (171 / 167 / 163 / 169), float32 with
 # 11 / 9 / 8 / 7 splits 223 / 219 / 219 / 224 (224 / 221 / 220 / 224); bigger splits grow the slot.
+# With the LayerNorms folded (later, same run, at 264): bfloat16 5 / 6 / 7 146.8 / 145.5 / 147.3,
+# float32 7 / 8 / 9 208.0 / 206.8 / 206.4.
 STEP_SPLITS = {"float32": 8, "bfloat16": 6}
 STEP_STAGES = ("ln_1+attn.c_attn", "attn+attn.c_proj", "residual+ln_2+mlp.c_fc+gelu",
                "mlp.c_proj+residual")  # decode_step.cu's stages A-D of a layer (E, the lm_head, ends the step)
