@@ -42,7 +42,7 @@ larger kernels (kernels/fused/*.cu, each tested against the CuPy code it replace
   token, after the argmax), and each block's share of the weights copied into shared
   memory ahead of its use. Four stages per layer (STEP_STAGES): attn.c_proj is done per head inside
   the attention stage, from a head-major copy of its weight made here. One launch per window of
-  STEPS_PER_GRAPH tokens; persistent=False keeps the graphs.
+  STEPS_PER_LAUNCH tokens; persistent=False keeps the graphs.
 - Prefill, and every step of the no-cache mode: the whole sequence eagerly, the attention under test,
   and fused kernels around it (residual add + LayerNorm, head merge, KV store). The products run on
   kernels/fused/gemm.cu where the device is sm_90 (products="3xtf32", the default there): float32 at
@@ -54,8 +54,9 @@ larger kernels (kernels/fused/*.cu, each tested against the CuPy code it replace
   last position alone; then the same ln_f + lm_head + argmax kernel. The attention under test is
   validated once per pass (kernels.Attend.prepare): every layer reads the same qkv views. In bfloat16
   the prefill computes in float32 on the bfloat16-rounded weights, so both phases see the same weights.
-- Greedy only: tokens stay on the device (`history`), copied back in windows of STEPS_PER_GRAPH
-  through pinned memory while the GPU runs the next window, so on_token still streams.
+- Greedy only: tokens stay on the device (`history`), copied back in windows (STEPS_PER_LAUNCH tokens,
+  STEPS_PER_GRAPH with graphs) through pinned memory while the GPU runs the next window, so on_token
+  still streams.
 """
 
 from __future__ import annotations
@@ -76,6 +77,11 @@ from .errors import LabError
 from .generate import Generation
 
 STEPS_PER_GRAPH = 8  # decode steps per captured graph, and tokens per copy back to the host
+# decode steps per decode_step.cu launch, and tokens per copy back to the host, where the engine is
+# persistent: a launch boundary costs about 12 us (the launch, the copy back, the weight stream's first
+# items). H200, GPT-2 small, decode tokens/s as bench.py e2e measures them, windows of 8 / 16 / 32 / 64:
+# bfloat16 6,809 / 6,854 / 6,877 / 6,884, float32 4,851 / 4,870 / 4,880 / 4,882.
+STEPS_PER_LAUNCH = 32
 PREFETCH_CAP = 16 << 20  # bytes of the next kernel's weights a kernel asks L2 to fetch (L2: 50 MB on H100/H200)
 DTYPES = ("float32", "bfloat16")
 EPI_BIAS, EPI_GELU, EPI_RESIDUAL = 0, 1, 2  # gemv.cu's epilogues
@@ -365,13 +371,15 @@ def layernorm_fold(cp, W, bias, ln_w, ln_b):
 class StepPlan:
     """decode_step.cu's geometry for one model, dtype and device: G blocks (one per SM), `splits` key
     splits per head in stage B, a ring of `slots` shared-memory slots of `slot_bytes` each (the largest
-    item of the weight stream), wte streamed `lm_rows` rows per item, `smem` dynamic bytes in all."""
+    item of the weight stream), wte streamed `lm_rows` rows per item past the first `lm_keep` of a
+    block's rows, which it keeps in shared memory, `smem` dynamic bytes in all."""
 
     blocks: int
     splits: int
     slot_bytes: int
     slots: int
     lm_rows: int
+    lm_keep: int
     smem: int
 
 
@@ -421,9 +429,15 @@ def _step_plan(config: GPT2Config, item: int, G: int, splits: int, max_len: int,
     for N, K in ((3 * C, C), (F, C), (C, F)):  # stages A, C, D
         if rows(N) * parts(K) > STEP_THREADS:
             return f"{rows(N)} rows of {K} per block: more row parts than decode_step's {STEP_THREADS} threads"
-    lm_rows = max(1, min(STEP_THREADS // parts(C), (slot - 8 * C) // (C * item)))
-    return StepPlan(blocks=G, splits=splits, slot_bytes=slot, slots=slots, lm_rows=lm_rows,
-                    smem=128 + slots * slot + 4 * (F + C) + table)
+    # stage E: chunks of lm_rows rows of wte with their folds (decode_step.cu's wte_rows), and the rows a
+    # block keeps in the shared memory left over (KeptRows: the rows, LN_f's weight, the folds), at
+    # least one row less than its share, so that every block streams at least one chunk
+    lm_rows = max(1, min(STEP_THREADS // parts(C), (slot - 16) // (C * item + 8)))
+    left = smem_limit - fixed - slots * slot - 4 * C - 16
+    lm_keep = max(0, min(STEP_THREADS // parts(C), rows(config.vocab_size) - 1, left // (C * item + 8)))
+    kept = lm_keep * C * item + 4 * C + 8 * (lm_keep + 2)
+    return StepPlan(blocks=G, splits=splits, slot_bytes=slot, slots=slots, lm_rows=lm_rows, lm_keep=lm_keep,
+                    smem=128 + slots * slot + 4 * (F + C) + table + kept)
 
 
 # -- launches --------------------------------------------------------------------------------------
@@ -573,7 +587,7 @@ class Engine:
 
     def __init__(self, params: dict, config: GPT2Config, *, dtype: str | None = None, max_len: int | None = None,
                  prefetch: bool = True, pdl: bool | None = None, steps_per_graph: int = STEPS_PER_GRAPH,
-                 keep_logits: bool = False, persistent: bool | None = None, products: str | None = None):
+                 steps_per_launch: int = STEPS_PER_LAUNCH, keep_logits: bool = False, persistent: bool | None = None, products: str | None = None):
         import cupy as cp
 
         import kernels
@@ -584,7 +598,7 @@ class Engine:
         if why is not None:
             raise LabError(f"the fast path cannot run this model: {why}")
         self.max_len = max_len or config.n_positions
-        self.steps_per_graph = steps_per_graph
+        self.steps_per_graph, self.steps_per_launch = steps_per_graph, steps_per_launch
         self.stream = cp.cuda.Stream(non_blocking=True)
         C, NH, HS, V = config.n_embd, config.n_head, config.head_size, config.vocab_size
         bf16 = self.dtype == "bfloat16"
@@ -684,6 +698,7 @@ class Engine:
             self.graph(steps)
         # The persistent step (decode_step.cu): the default where it runs, unless persistent=False.
         self.persistent, self.persistent_note = _switch(persistent, self._setup_persistent, "the persistent decode step")
+        self.window = steps_per_launch if self.persistent else steps_per_graph  # tokens per copy back
 
     # -- kernels -----------------------------------------------------------------------------------
 
@@ -747,6 +762,10 @@ class Engine:
                 self.folds.append([arrays[name] for name in arrays if name.endswith(".fold")])
                 table.append([arrays[name].data.ptr for name in LAYER_POINTERS])
             self.layer_table = cp.asarray(np.asarray(table, dtype=np.uint64))
+            # LN_f folded into the rows of wte (no bias), one pair more where V is odd (whole 16-byte copies)
+            V = c.vocab_size
+            fold = layernorm_fold(cp, p["wte.weight"], cp.zeros(V, dtype=cp.float32), p["ln_f.weight"], p["ln_f.bias"])
+            self.lnf_fold = cp.concatenate([fold, cp.zeros((V % 2, 2), dtype=cp.float32)])
             # what blocks hand each other, per layer (decode_step.cu's handoffs): (value, epoch) words for
             # q, k, v and the key splits' partials, parity words for x, g and the heads' terms of attn.c_proj
             L = c.n_layer
@@ -768,12 +787,12 @@ class Engine:
         trace: (n, stages, blocks, 2) uint64 for the global timer at each block's end of a stage and its
         start of the next, inputs in hand (profile_persistent)."""
         c, p, plan = self.config, self.params32, self.plan
-        args = (self.layer_table, np.int32(c.n_layer), self.wte, self.wpe, p["ln_f.weight"], p["ln_f.bias"], self.eps,
+        args = (self.layer_table, np.int32(c.n_layer), self.wte, self.wpe, p["ln_f.weight"], self.lnf_fold, self.eps,
                 np.int32(c.vocab_size), np.int32(self.max_len), np.int32(plan.splits),
                 np.float32(1.0 / math.sqrt(c.head_size)), self.x, *self.step_ll.values(),
                 self.step_max, self.step_arg, self.logits if self.logits is not None else NULL, self.state,
                 self.history, self.step_barrier, self.step_epoch, np.int32(n), np.int32(plan.slot_bytes),
-                np.int32(plan.slots), np.int32(plan.lm_rows), NULL if trace is None else trace)
+                np.int32(plan.slots), np.int32(plan.lm_rows), np.int32(plan.lm_keep), NULL if trace is None else trace)
         # the launch itself (cupy.cuda.Function): RawKernel takes cooperation from its module's options
         self.fn["decode_step"].kernel((plan.blocks, 1, 1), (STEP_BLOCK, 1, 1), args, shared_mem=plan.smem,
                                       stream=self.stream, enable_cooperative_groups=True)
@@ -1004,7 +1023,7 @@ class Engine:
 
     def generate(self, prompt: list[int], n_new: int, *, attend, kv_cache: bool, eos_id: int | None = None,
                  on_token=None, graph: bool = True) -> Generation:
-        """n_new greedy tokens after prompt. The GPU runs a window of steps_per_graph tokens ahead of
+        """n_new greedy tokens after prompt. The GPU runs a window of self.window tokens ahead of
         the host, which hands the previous window's tokens to on_token as they arrive."""
         cp = self.cp
         T0 = len(prompt)
@@ -1018,7 +1037,7 @@ class Engine:
             produced = 1
             while pending:
                 if produced < n_new:  # queue the next window before waiting for the previous one
-                    count = min(self.steps_per_graph, n_new - produced)
+                    count = min(self.window, n_new - produced)
                     if kv_cache:
                         self.decode(count, graph=graph)
                     else:
@@ -1068,17 +1087,19 @@ class Engine:
     def replay_ms(self, position: int, steps: int = 64, *, prefetch: bool | None = None, pdl: bool | None = None,
                   persistent: bool | None = None, repeats: int = 5) -> float:
         """Milliseconds per decode step from `position` as generate() runs them (median of `repeats` runs
-        of `steps` steps in windows of steps_per_graph): one decode_step launch per window where the
-        engine is persistent (persistent=False: the per-operation graphs), else graph replays, in a
-        launch variant (default: the engine's)."""
+        of `steps` steps): decode_step launches of up to steps_per_launch steps where the engine is
+        persistent (persistent=False: the per-operation graphs), else replays of graphs of
+        steps_per_graph steps (`steps` rounded down to whole graphs), in a launch variant (default: the
+        engine's)."""
         cp = self.cp
-        steps = steps // self.steps_per_graph * self.steps_per_graph
-        if steps < 1 or position + steps >= self.max_len:
-            raise LabError(f"{steps} steps from position {position} do not fit the engine's {self.max_len} positions")
         if persistent is None:  # the engine's step, unless a graph variant is asked for
             persistent = self.persistent and prefetch is None and pdl is None
         if persistent and not self.persistent:
             raise LabError(f"the persistent step is {self.persistent_note}")
+        if not persistent:
+            steps = steps // self.steps_per_graph * self.steps_per_graph
+        if steps < 1 or position + steps >= self.max_len:
+            raise LabError(f"{steps} steps from position {position} do not fit the engine's {self.max_len} positions")
         big = None if persistent else self.graph(self.steps_per_graph, prefetch, pdl)
         start = np.asarray([0, position], dtype=np.int32)
         times = []
@@ -1087,16 +1108,16 @@ class Engine:
             for _ in range(repeats + 1):  # the first run warms up
                 self.state.set(start, stream=self.stream)
                 before.record(self.stream)
-                for _ in range(steps // self.steps_per_graph):
-                    if persistent:
-                        self.persistent_steps(self.steps_per_graph)
-                    else:
+                if persistent:
+                    for first in range(0, steps, self.steps_per_launch):
+                        self.persistent_steps(min(self.steps_per_launch, steps - first))
+                else:
+                    for _ in range(steps // self.steps_per_graph):
                         big.launch(self.stream)
                 after.record(self.stream)
                 after.synchronize()
                 times.append(cp.cuda.get_elapsed_time(before, after) / steps)
         return float(np.median(times[1:]))
-
 
     def profile_persistent(self, position: int, repeats: int = 5) -> list[tuple[str, float, float, float]]:
         """Where the persistent step's time goes at `position`: per stage (STEP_STAGES per layer, then

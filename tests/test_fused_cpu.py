@@ -296,7 +296,8 @@ H100_SMEM = 232_448  # MaxSharedMemoryPerBlockOptin on H100 and H200
 def test_persistent_step_plan_for_gpt2_small_on_132_sms(dtype, splits, slots):
     """STEP_SPLITS key splits per head; a slot holds the largest item, here stage B's: a split's keys and
     values (ceil(1024 / splits) rows of each) and its rows of W_proj[h], rounded up to 128 bytes; as
-    many slots as fit; as many rows of wte a chunk as fit a slot beside LN_f."""
+    many slots as fit; as many rows of wte a chunk as fit a slot with their folds; as many rows kept in
+    the shared memory left over (with LN_f's weight and their folds) as fit."""
     assert fast.STEP_SPLITS[dtype] == splits
     plan = fast.step_plan(gpt2.SIZES["gpt2"], dtype, 132, 1024, H100_SMEM)
     item = 2 if dtype == "bfloat16" else 4
@@ -304,10 +305,12 @@ def test_persistent_step_plan_for_gpt2_small_on_132_sms(dtype, splits, slots):
     assert plan.slot_bytes == -(-(2 * cap + -(-768 // splits)) * 64 * item // 128) * 128
     assert plan.slot_bytes >= 24 * 768 * item + 4 * 768 + 8 * (24 + 2)  # c_fc's 24 rows with LN_2's weight and folds
     assert (plan.blocks, plan.splits, plan.slots) == (132, splits, slots)
-    assert plan.lm_rows == (plan.slot_bytes - 8 * 768) // (768 * item)
+    assert plan.lm_rows == (plan.slot_bytes - 16) // (768 * item + 8)
     table = 12 * 8 * len(fast.LAYER_POINTERS)
-    assert plan.smem == 128 + slots * plan.slot_bytes + 4 * (3072 + 768) + table
-    assert plan.smem + fast.STEP_STATIC_SMEM <= H100_SMEM
+    kept = plan.lm_keep * 768 * item + 4 * 768 + 8 * (plan.lm_keep + 2)
+    assert plan.smem == 128 + slots * plan.slot_bytes + 4 * (3072 + 768) + table + kept
+    assert plan.smem + fast.STEP_STATIC_SMEM <= H100_SMEM < plan.smem + fast.STEP_STATIC_SMEM + 768 * item + 8
+    assert 0 < plan.lm_keep < -(-50257 // 132)  # every block still streams a chunk
 
 
 def test_layernorm_fold_gives_the_layernorm_then_the_rows():

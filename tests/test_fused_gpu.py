@@ -548,7 +548,9 @@ def test_bfloat16_weights_from_cast_params_take_the_fast_path(cp, small):
 def test_windows_end_of_text_and_streaming(cp, small):
     engine = fast.engine_for(small.params, small.config)
     full = engine.generate(PROMPT, 64, attend=reference_attend, kv_cache=True).tokens
-    for n in (1, 7, 8, 9, 21):  # window edges (STEPS_PER_GRAPH = 8)
+    assert engine.window == (fast.STEPS_PER_LAUNCH if engine.persistent else fast.STEPS_PER_GRAPH)
+    w = engine.window
+    for n in (1, w - 1, w, w + 1, w + 13):  # window edges
         assert engine.generate(PROMPT, n, attend=reference_attend, kv_cache=True).tokens == full[:n], n
     k = next(i for i in range(5, 64) if full[i] not in full[:i])
     seen = []
@@ -654,10 +656,10 @@ def test_persistent_step_follows_the_per_operation_step(cp, small, dtype, max_le
 @pytest.mark.parametrize("dtype", fast.DTYPES)
 def test_persistent_step_windows_are_single_steps(cp, small, dtype):
     """One launch runs a window of steps, carrying token and position on the device: the tokens of
-    windows of 8 equal those of one step per launch, and a rerun gives the same tokens (deterministic:
-    fixed summation orders, no atomics in the arithmetic)."""
+    windows of STEPS_PER_LAUNCH equal those of one step per launch, and a rerun gives the same tokens
+    (deterministic: fixed summation orders, no atomics in the arithmetic)."""
     windows = persistent_engine(cp, small, dtype)
-    single = persistent_engine(cp, small, dtype, steps_per_graph=1)
+    single = persistent_engine(cp, small, dtype, steps_per_launch=1)
     want = windows.generate(PROMPT, 200, attend=reference_attend, kv_cache=True).tokens
     assert single.generate(PROMPT, 200, attend=reference_attend, kv_cache=True).tokens == want
     assert windows.generate(PROMPT, 200, attend=reference_attend, kv_cache=True).tokens == want

@@ -75,8 +75,8 @@
  * lands with it; in stage B it owns one (head, key split) or, past NH * splits, nothing (gpt2/fast.py
  * picks fewer splits than one a block: a head's splits wait for each other), and its item is that
  * split's cached K and V rows below pos and its rows of the head's W_proj[h] (the row at pos comes
- * from stage A's handoff); in stage E its rows of wte, in chunks of `lm_rows` rows (the first also
- * carries LN_f). Item i of the stream lands in slot i % nslot. A producer warp of its own issues the
+ * from stage A's handoff); in stage E its rows of wte past the first lm_keep, in chunks of `lm_rows`
+ * rows with their folds (below). Item i of the stream lands in slot i % nslot. A producer warp of its own issues the
  * copies: item i once the compute warps are done with item i - nslot (an "empty" mbarrier per slot)
  * and ISSUE_DELAY_NS more have passed (see "When to copy" below), so up to nslot items are in flight
  * or waiting, across stages and steps, and a copy that is slow to issue stalls only the producer; the
@@ -115,9 +115,19 @@
  * fresh()): an SM's L1 is not coherent. The grid must be co-resident: the engine launches it
  * cooperatively, G = SM count.
  *
+ * Stage E. LN_f is folded into the rows of wte as ln_1 and ln_2 are into theirs (wte has no bias: the
+ * fold's second half is sum_k wte_nk beta_k). wte is 77 MB in bfloat16 and stage E reads it at about
+ * the copy ceiling, so every byte it need not read counts: each block keeps its first lm_keep rows in
+ * the shared memory the ring leaves over (KeptRows, copied once per launch, with LN_f's weight and
+ * the rows' folds) and computes them first, while its first streamed chunks land. H200, bfloat16,
+ * us a token at 264, same run: 18 rows kept (3 slots) 146.7 against 148.6 without; 57 (2 slots) 146.8
+ * against 148.4. Folding LN_f itself did not measure as a gain: with 18 and 57 rows kept and LN_f
+ * applied first as before (every warp's statistics, then x normalized), 147.8 and 146.4. Those
+ * differences are within what code layout alone moves: the previous kernel with one statement
+ * reordered, or one unused mbarrier more, ran 1.0 to 1.4 us a token slower than itself.
+ *
  * Numerics as in the per-operation kernels, but for the parity words' last bit and the folded
- * LayerNorms above: float32 accumulation, LayerNorm's statistics two-pass (by one warp; LN_f, in
- * stage E, normalizes x first, every warp computing the statistics itself), the key and value
+ * LayerNorms above: float32 accumulation, LayerNorm's statistics two-pass (by one warp), the key and value
  * rounded to the cache's dtype, the argmax's first index of the largest logit (NaN never chosen; all
  * NaN gives token 0). Summation orders differ from gemv.cu (a row is split into parts over warps,
  * rows_dot), so logits match it to rounding, not bit for bit; the kernel itself is deterministic
@@ -128,7 +138,7 @@
  * step_plan): grid G (one block per SM, cooperative), block THREADS + 32 (the compute warps and the
  * producer), dynamic shared memory 128 bytes of mbarriers + nslot * slot_bytes + F floats (the input
  * vector, also stage B's scores) + C floats (the layer's input x) + the layer table (struct Layer,
- * copied from `layers` at the start). Needs sm_90 (cp.async.bulk, mbarrier transaction counts).
+ * copied from `layers` at the start) + the kept rows of wte (KeptRows). Needs sm_90 (cp.async.bulk, mbarrier transaction counts).
  * trace (may be null): the global timer, (steps, 4 * n_layer + 1, G, 2), at each block's end of a
  * stage (0) and at its start of the next with its inputs in hand (1), for Engine.profile_persistent.
  */
@@ -446,35 +456,6 @@ __device__ __forceinline__ float rows_dot(const weight_t* W_s, const float* in_s
     return v;
 }
 
-// out_s = LayerNorm of the K floats at x_s (another buffer), without block reductions: every warp
-// computes the mean and the centred sum of squares over all K itself (two passes, float4 loads, four
-// chains a lane, the same order in every warp), then each thread normalizes its elements. Every
-// thread must have finished writing x_s (a compute_sync()).
-template <int K, int THREADS>
-__device__ __forceinline__ void layernorm_warps(const float* x_s, float* out_s, const float* w, const float* bias, float eps)
-{
-    static_assert(K % 4 == 0, "whole float4 vectors");
-    const float4* x4 = reinterpret_cast<const float4*>(x_s);
-    const int lane = threadIdx.x % 32;
-    float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 4
-    for (int i = lane; i < K / 4; i += 32) {
-        const float4 v = x4[i];
-        s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
-    }
-    const float mean = warp_sum((s.x + s.y) + (s.z + s.w)) / K;
-    s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 4
-    for (int i = lane; i < K / 4; i += 32) {
-        const float4 v = x4[i];
-        const float4 d = make_float4(v.x - mean, v.y - mean, v.z - mean, v.w - mean);
-        s.x = fmaf(d.x, d.x, s.x); s.y = fmaf(d.y, d.y, s.y); s.z = fmaf(d.z, d.z, s.z); s.w = fmaf(d.w, d.w, s.w);
-    }
-    const float rstd = 1.0f / sqrtf(warp_sum((s.x + s.y) + (s.z + s.w)) / K + eps);
-    for (int i = threadIdx.x; i < K; i += THREADS) out_s[i] = (x_s[i] - mean) * rstd * w[i] + bias[i];
-    compute_sync<THREADS>();
-}
-
 // LayerNorm's statistics of the K floats at x_s, by one warp: two passes, over values it keeps in
 // registers where they fit (K <= 1024); lane 0 writes out[0] = mean, out[1] = 1 / sqrt(variance + eps).
 template <int K>
@@ -599,16 +580,53 @@ __device__ __forceinline__ void linear_item(Emit& emit, const weight_t* W, int K
     }
 }
 
+// Where rows of wte and their folds sit: a stage E item in its slot (rows from row `first`), or the
+// rows the block keeps, with LN_f's weight (KeptRows). Row r's logit is folded(r, W_r . (ln_w * x), stats).
+template <typename weight_t, int C>
+struct LmRows {
+    const weight_t* W;
+    const float2* fold;
+    __device__ __forceinline__ LmRows(const unsigned char* at, int rows, int first)
+        : W(reinterpret_cast<const weight_t*>(at)),
+          fold(reinterpret_cast<const float2*>(at + (long long)rows * C * sizeof(weight_t)) + (first & 1)) {}
+    __device__ __forceinline__ float folded(int r, float a, const float* stats) const
+    {
+        return fmaf(stats[1], fmaf(-stats[0], fold[r].x, a), fold[r].y);
+    }
+};
+
+// The kept rows (up to keep of them from row first), then LN_f's weight (C floats), then the folds.
+template <typename weight_t, int C>
+struct KeptRows : LmRows<weight_t, C> {
+    float* ln_w;
+    __device__ __forceinline__ KeptRows(unsigned char* at, int keep, int first)
+        : LmRows<weight_t, C>(at, keep, first),
+          ln_w(reinterpret_cast<float*>(at + (long long)keep * C * sizeof(weight_t))) { this->fold += C / 2; }
+};
+
 // What block blockIdx.x reads, item by item: item i is stage i % per_step of step i / per_step.
 template <typename weight_t, int C, int NH, int HS, int F>
 struct Stream {
     const Layer<weight_t>* layers;  // in shared memory
     const weight_t* wte;
-    const float* lnf_w;
-    const float* lnf_b;
+    const float2* lnf_fold;  // per row of wte: LN_f folded into it (see the header), V pairs and one more
     unsigned char* slots;
     unsigned long long* full;  // one mbarrier per slot
-    int n_layer, V, max_len, splits, pos0, lm_rows, lm_chunks, per_step, nslot, slot_bytes;
+    int n_layer, V, max_len, splits, pos0, lm_keep, lm_rows, lm_chunks, per_step, nslot, slot_bytes;
+
+    // The bytes of the folds of rows [first, first + n), from the 16-byte boundary at or below the first.
+    static __device__ __forceinline__ unsigned int folds_bytes(int first, int n)
+    {
+        return n > 0 ? ((first + n + 1) / 2 * 2 - (first & ~1)) * 8u : 0u;
+    }
+
+    // n rows of wte from row first, then their folds (where they sit: LmRows)
+    template <typename Emit>
+    __device__ __forceinline__ void wte_rows(Emit& emit, int first, int n) const
+    {
+        emit(wte + (long long)first * C, n * C * (unsigned int)sizeof(weight_t));
+        emit(lnf_fold + (first & ~1), folds_bytes(first, n));
+    }
 
     // Item i's ranges of global memory, in the order they land in the slot, to emit(src, bytes).
     template <typename Emit>
@@ -617,11 +635,10 @@ struct Stream {
         constexpr int ITEM = (int)sizeof(weight_t);
         const int b = blockIdx.x;
         const int step = (int)(i / per_step), r = (int)(i % per_step);
-        if (r >= 4 * n_layer) {  // chunk k of the block's rows of wte, lm_rows rows; the first also carries LN_f
+        if (r >= 4 * n_layer) {  // chunk k of the block's streamed rows of wte (past the kept ones), lm_rows rows
             const Share s = share(V, b, gridDim.x);
-            const int k = r - 4 * n_layer, n = max(0, min(lm_rows, s.count - k * lm_rows));
-            emit(wte + ((long long)s.first + k * lm_rows) * C, n * C * ITEM);
-            if (k == 0) { emit(lnf_w, C * 4u); emit(lnf_b, C * 4u); }
+            const int k = r - 4 * n_layer, n = max(0, min(lm_rows, s.count - lm_keep - k * lm_rows));
+            wte_rows(emit, s.first + lm_keep + k * lm_rows, n);
             return;
         }
         const Layer<weight_t>& L = layers[r / 4];
@@ -642,6 +659,20 @@ struct Stream {
         case 2: linear_item(emit, L.w_fc, C, F, L.ln2_w, L.fold_fc, nullptr); break;
         case 3: linear_item<weight_t>(emit, L.w_mlp, F, C, nullptr, nullptr, L.b_mlp); break;
         }
+    }
+
+    // The rows of wte the block keeps in shared memory for every step (its first lm_keep, at most), their
+    // folds and LN_f's weight, into `kept` as KeptRows lays them out; completion on bar (the producer).
+    __device__ __forceinline__ void keep(unsigned char* kept, const float* lnf_w, unsigned long long* bar) const
+    {
+        const Share s = share(V, blockIdx.x, gridDim.x);
+        const int n = max(0, min(lm_keep, s.count));
+        const unsigned int row_bytes = n * C * (unsigned int)sizeof(weight_t), fold_bytes = folds_bytes(s.first, n);
+        mbar_expect(bar, row_bytes + fold_bytes + C * 4u);
+        const KeptRows<weight_t, C> at(kept, lm_keep, s.first);
+        bulk_copy(const_cast<weight_t*>(at.W), wte + (long long)s.first * C, row_bytes, bar);
+        bulk_copy(const_cast<float2*>(at.fold) - (s.first & 1), lnf_fold + (s.first & ~1), fold_bytes, bar);
+        bulk_copy(at.ln_w, lnf_w, C * 4u, bar);
     }
 
     // Copy item i into slot i % nslot (one thread, the producer's): the bytes it expects, then the copies.
@@ -686,14 +717,15 @@ struct LinearSlot {
 template <typename weight_t, int C, int NH, int HS, int F, int THREADS>
 __global__ void __launch_bounds__(THREADS + 32, 1)
 decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weight_t* __restrict__ wte,
-            const weight_t* __restrict__ wpe, const float* __restrict__ lnf_w, const float* __restrict__ lnf_b,
+            const weight_t* __restrict__ wpe, const float* __restrict__ lnf_w, const float2* __restrict__ lnf_fold,
             float eps, int V, int max_len, int splits, float scale, float* x, unsigned int* pw_x,
             unsigned long long* ll_qkv, unsigned long long* ll_partial, unsigned int* pw_g, unsigned int* pw_proj,
             float* block_max, int* block_arg, float* logits, int* state, int* history, unsigned int* barrier,
-            unsigned int* ll_epoch, int steps, int slot_bytes, int nslot, int lm_rows, unsigned long long* trace)
+            unsigned int* ll_epoch, int steps, int slot_bytes, int nslot, int lm_rows, int lm_keep, unsigned long long* trace)
 {
     constexpr int WARPS = THREADS / 32;  // compute warps; warp WARPS is the producer
     static_assert(HS % 32 == 0 && THREADS % HS == 0, "head size: a multiple of 32 dividing THREADS");
+    static_assert(C % 8 == 0, "rows of 16-byte vectors in either dtype");
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned long long* full = reinterpret_cast<unsigned long long*>(smem);  // per slot: its item has landed
     unsigned long long* empty = full + MAX_SLOTS;                            // per slot: the block is done with it
@@ -701,6 +733,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
     float* in_s = reinterpret_cast<float*>(slots + (long long)nslot * slot_bytes);  // F floats
     float* x_in = in_s + F;  // C floats: x, the LayerNorms' input (the layer's input, then x after attention)
     Layer<weight_t>* layer_s = reinterpret_cast<Layer<weight_t>*>(x_in + C);  // the layer table
+    unsigned char* kept = reinterpret_cast<unsigned char*>(layer_s + n_layer);  // KeptRows: wte's rows kept
     __shared__ float red[THREADS];
     __shared__ float scratch[WARPS];
     __shared__ __align__(16) float q_s[HS];
@@ -708,15 +741,16 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
     __shared__ int arg_s;
     __shared__ float ln_s[2];  // the LayerNorm's mean and 1 / std (layernorm_stats)
     __shared__ unsigned long long stepped;  // a phase per step: the compute warps have passed its last barrier
+    __shared__ unsigned long long kept_bar;  // the kept rows have landed (once)
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, G = gridDim.x, b = blockIdx.x;
 
     const int head = b / splits, split = b % splits;  // stage B's (head, key split); head >= NH: idle
     int token = state[0];
     const int pos0 = state[1];
     const unsigned int epoch0 = *ll_epoch;  // step s hands over its values with epoch epoch0 + s + 1
-    const int lm_chunks = ((V + G - 1) / G + lm_rows - 1) / lm_rows;  // the same in every block
-    const Stream<weight_t, C, NH, HS, F> stream{layer_s, wte, lnf_w, lnf_b, slots, full, n_layer, V, max_len, splits,
-                                                 pos0, lm_rows, lm_chunks, 4 * n_layer + lm_chunks, nslot, slot_bytes};
+    const int lm_chunks = ((V + G - 1) / G - lm_keep + lm_rows - 1) / lm_rows;  // the same in every block
+    const Stream<weight_t, C, NH, HS, F> stream{layer_s, wte, lnf_fold, slots, full, n_layer, V, max_len, splits, pos0,
+                                                 lm_keep, lm_rows, lm_chunks, 4 * n_layer + lm_chunks, nslot, slot_bytes};
     const long long items = (long long)steps * stream.per_step;
     const int stages = 4 * n_layer + 1;  // per step: the trace's second index
 
@@ -725,6 +759,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
     if (tid == 0) {
         for (int s = 0; s < nslot; ++s) { mbar_init(full + s); mbar_init(empty + s); }
         mbar_init(&stepped);
+        mbar_init(&kept_bar);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();  // the last barrier of the whole block: from here on the producer goes its own way
@@ -745,6 +780,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                     spin_ns(ISSUE_DELAY_NS);  // out of the way of the handoff that follows the release
                 }
                 stream.issue(i);
+                if (i + 1 == min(items, (long long)nslot)) stream.keep(kept, lnf_w, &kept_bar);  // after the first items
             }
         }
         return;
@@ -968,26 +1004,28 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
             handoff(step);
         }
 
-        // E: the logits of this block's rows of wte, chunk by chunk (LN_f's parameters come with the
-        // first); the block's (max, argmax). Block 0 keeps the final x.
-        pw_input<C, THREADS>(pw_x + (long long)(n_layer - 1) * C, epoch, x_in, b == 0 ? x : nullptr);
+        // E: the logits of this block's rows of wte, LN_f folded in as in stages A and C: first the rows it
+        // keeps in shared memory, then the rest chunk by chunk; the block's (max, argmax). Block 0 keeps
+        // the final x.
+        const KeptRows<weight_t, C> keep(kept, lm_keep, share(V, b, G).first);
+        if (step == 0) mbar_wait(&kept_bar, 0);
+        pw_input<C, THREADS>(pw_x + (long long)(n_layer - 1) * C, epoch, x_in, b == 0 ? x : nullptr, in_s, keep.ln_w);
         mark(step, stage - 1, 1);
+        if (warp == WARPS - 1) layernorm_stats<C>(x_in, eps, ln_s);  // read after rows_dot's syncs
         const Share lm = share(V, b, G);
         float best = -INFINITY;
         int arg = 0x7fffffff;
-        for (int c = 0; c < lm_chunks; ++c) {
-            const int n0 = lm.first + c * lm_rows, R = max(0, min(lm_rows, lm.count - c * lm_rows));
-            const weight_t* W_s = reinterpret_cast<const weight_t*>(take());
-            if (c == 0) {
-                const float* ln = reinterpret_cast<const float*>(W_s + (long long)R * C);
-                layernorm_warps<C, THREADS>(x_in, in_s, ln, ln + C, eps);
-            }
-            const float v = rows_dot<weight_t, C, THREADS>(W_s, in_s, R, red);
+        for (int c = lm_keep > 0 ? -1 : 0; c < lm_chunks; ++c) {  // c = -1: the kept rows
+            const int n0 = lm.first + (c < 0 ? 0 : lm_keep + c * lm_rows);
+            const int R = c < 0 ? max(0, min(lm_keep, lm.count)) : max(0, min(lm_rows, lm.count - lm_keep - c * lm_rows));
+            const LmRows<weight_t, C> rows = c < 0 ? LmRows<weight_t, C>(keep) : LmRows<weight_t, C>(take(), R, n0);
+            const float v = rows_dot<weight_t, C, THREADS>(rows.W, in_s, R, red);
             if (tid < R) {
-                if (logits != nullptr) logits[n0 + tid] = v;
-                take_max(best, arg, v, n0 + tid);
+                const float logit = rows.folded(tid, v, ln_s);
+                if (logits != nullptr) logits[n0 + tid] = logit;
+                take_max(best, arg, logit, n0 + tid);
             }
-            if (c + 1 < lm_chunks) release();
+            if (c >= 0 && c + 1 < lm_chunks) release();
         }
         // the block's best (rows_dot's values sit in threads below R: warps reduce, then thread 0)
         warp_argmax(best, arg);
