@@ -1869,7 +1869,9 @@ def measure_decode(gpt2, ckpt, prompt: list[int], args, rows: list[dict]) -> dic
         r.pop("elapsed", None)
     return {"copy_tbps": ceiling / 1e12, "targets": DECODE_TARGETS, "steps": DECODE_STEPS, "rows": out,
             "method": "time.perf_counter stamps as each token reaches the host (gpt2.fast copies tokens back in "
-                      "windows of 8 while the GPU runs the next window): time to first token = the prompt's "
+                      f"windows, of {fast.STEPS_PER_LAUNCH} tokens with the persistent step and "
+                      f"{fast.STEPS_PER_GRAPH} with graphs, while the GPU runs the next window): time to first "
+                      "token = the prompt's "
                       "prefill and first argmax; decode tokens/s = (tokens - 1) / (last stamp - first stamp). "
                       "Weight bytes per token: gpt2.fast.weight_bytes_per_token (every matrix once, wte whole)."}
 
