@@ -2299,7 +2299,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave out the decode table (gpt2.fast in float32 and bfloat16 with each decode step)")
     e.add_argument("--hf-attn", choices=("sdpa", "eager"), default="sdpa",
                    help="the HF model's attn_implementation (default sdpa)")
-    e.add_argument("--warmup", type=positive_int, default=8, help="tokens of the warm-up generation (default 8)")
+    e.add_argument("--warmup", type=positive_int, default=64,
+                   help="tokens of the warm-up generation (default 64: two of the persistent step's windows)")
     e.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     results_option(e)
 
