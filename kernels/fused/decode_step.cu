@@ -260,7 +260,9 @@ __device__ __forceinline__ float ll_float(unsigned long long w) { return __uint_
 
 // w[k] = the word at at(k) (none where at(k) is null, `settled` in its place) once current(w[k]). The
 // loads go out together, and so do the reloads of the words still stale: a round trip per round, not
-// per word.
+// per word. Polling more often made every handoff slower: once the first round found stale words, a
+// second round in flight beside the first, 150 / 300 / 600 cycles behind it (for up to 4 words a
+// thread), made the step 10 / 13 / 20 us a token slower (H200, bfloat16, position 264, same run).
 template <typename Word, int N, typename At, typename Load, typename Current>
 __device__ __forceinline__ void gather(Word (&w)[N], At at, Word settled, Load load, Current current)
 {
@@ -385,7 +387,9 @@ __device__ __forceinline__ float rows_dot(const weight_t* W_s, const float* in_s
     constexpr int P = (K + 767) / 768;
     constexpr int ITERS = ((CHUNKS + P - 1) / P + 31) / 32, SPAN = 32 * ITERS;  // whole rounds of 32 lanes
     // rows of a task: 3 in bfloat16; 1 in float32, where a row's weights are as many bytes as its inputs
-    // (2 gained about 1% on GPT-2 small and spilled past 168 registers on medium and xl)
+    // (2 gained about 1% on GPT-2 small and spilled past 168 registers on medium and xl). In bfloat16,
+    // 2 where that still takes a single round of the warps (stage A's 18 rows: 9 tasks, not 6) was
+    // about 1 us a token slower (H200, position 264).
     constexpr int U = VEC == 8 ? 3 : 1;
     static_assert(K % VEC == 0, "rows are whole 16-byte vectors");
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
