@@ -752,7 +752,8 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
     int token = state[0];
     const int pos0 = state[1];
     const unsigned int epoch0 = *ll_epoch;  // step s hands over its values with epoch epoch0 + s + 1
-    const int lm_chunks = ((V + G - 1) / G - lm_keep + lm_rows - 1) / lm_rows;  // the same in every block
+    // the same in every block, and at least 1: lm_keep < ceil(V / G) (gpt2/fast.py's step_plan)
+    const int lm_chunks = ((V + G - 1) / G - lm_keep + lm_rows - 1) / lm_rows;
     const Stream<weight_t, C, NH, HS, F> stream{layer_s, wte, lnf_fold, slots, full, n_layer, V, max_len, splits, pos0,
                                                  lm_keep, lm_rows, lm_chunks, 4 * n_layer + lm_chunks, nslot, slot_bytes};
     const long long items = (long long)steps * stream.per_step;
