@@ -587,7 +587,8 @@ class Engine:
 
     def __init__(self, params: dict, config: GPT2Config, *, dtype: str | None = None, max_len: int | None = None,
                  prefetch: bool = True, pdl: bool | None = None, steps_per_graph: int = STEPS_PER_GRAPH,
-                 steps_per_launch: int = STEPS_PER_LAUNCH, keep_logits: bool = False, persistent: bool | None = None, products: str | None = None):
+                 steps_per_launch: int = STEPS_PER_LAUNCH, keep_logits: bool = False,
+                 persistent: bool | None = None, products: str | None = None):
         import cupy as cp
 
         import kernels

@@ -584,28 +584,31 @@ __device__ __forceinline__ void linear_item(Emit& emit, const weight_t* W, int K
     }
 }
 
-// Where rows of wte and their folds sit: a stage E item in its slot (rows from row `first`), or the
-// rows the block keeps, with LN_f's weight (KeptRows). Row r's logit is folded(r, W_r . (ln_w * x), stats).
+// Where rows of wte and their folds sit: `rows` rows from row `first` at `at`, their folds from the
+// 16-byte boundary at or below the first at `folds` (wte_rows). A stage E item has its folds right
+// after its rows; the kept rows have LN_f's weight between (KeptRows). Row r's logit is
+// folded(r, W_r . (ln_w * x), stats).
 template <typename weight_t, int C>
 struct LmRows {
     const weight_t* W;
     const float2* fold;
+    __device__ __forceinline__ LmRows(const unsigned char* at, const unsigned char* folds, int first)
+        : W(reinterpret_cast<const weight_t*>(at)), fold(reinterpret_cast<const float2*>(folds) + (first & 1)) {}
     __device__ __forceinline__ LmRows(const unsigned char* at, int rows, int first)
-        : W(reinterpret_cast<const weight_t*>(at)),
-          fold(reinterpret_cast<const float2*>(at + (long long)rows * C * sizeof(weight_t)) + (first & 1)) {}
+        : LmRows(at, at + (long long)rows * C * sizeof(weight_t), first) {}
     __device__ __forceinline__ float folded(int r, float a, const float* stats) const
     {
         return fmaf(stats[1], fmaf(-stats[0], fold[r].x, a), fold[r].y);
     }
 };
 
-// The kept rows (up to keep of them from row first), then LN_f's weight (C floats), then the folds.
+// The kept rows (room for `keep` of them from row first), then LN_f's weight (C floats), then the folds.
 template <typename weight_t, int C>
 struct KeptRows : LmRows<weight_t, C> {
     float* ln_w;
     __device__ __forceinline__ KeptRows(unsigned char* at, int keep, int first)
-        : LmRows<weight_t, C>(at, keep, first),
-          ln_w(reinterpret_cast<float*>(at + (long long)keep * C * sizeof(weight_t))) { this->fold += C / 2; }
+        : LmRows<weight_t, C>(at, at + (long long)keep * C * sizeof(weight_t) + C * 4, first),
+          ln_w(reinterpret_cast<float*>(at + (long long)keep * C * sizeof(weight_t))) {}
 };
 
 // What block blockIdx.x reads, item by item: item i is stage i % per_step of step i / per_step.
