@@ -98,9 +98,14 @@
  * A wait per stage (150 ns after stage C, 700 after D, 400 elsewhere) was 2 us slower in bfloat16 and
  * 5 faster in float32. With LayerNorm folded (below) the best wait moved apart by dtype: bfloat16
  * 250 ns (145.5 us a token against 148.4 with 400 and 151.1 with 550; 150 and 200 alike with 250),
- * float32 550 ns (205.4 against 207.7 with 400 and 209.6 with 250; 700 alike), hence one per dtype. Copying the layers' weights with an evict-first L2 policy changed nothing, and
- * prefetching wte's chunks into L2 over the last 3 or 6 layers (evict-last) made the step 4-5% slower
- * (H100).
+ * float32 550 ns (205.4 against 207.7 with 400 and 209.6 with 250; 700 alike), hence one per dtype
+ * (bfloat16 again later, same run: 150 / 250 / 350 ns 144.4 / 144.1 / 145.5; and no wait before
+ * stage E's chunks, which follow no handoff, no faster). Copying the layers' weights with an
+ * evict-first L2 policy changed nothing, and prefetching wte's chunks into L2 over the last 3 or 6
+ * layers (evict-last) made the step 4-5% slower (H100). Stage B's item in two (the keys and values;
+ * the rows of W_proj[h], released once o is done) made the slot 44 KB in place of 60 and left room
+ * for 49 kept rows of wte in place of 18, and the step slower: 152.8 against 148.5 us a token
+ * (bfloat16, H200, position 264, same run; 154.3 with 18 rows kept).
  *
  * The barrier. One counter, never reset: block 0 adds 2^31 - (G - 1), every other block adds 1, so
  * the top bit flips exactly when all G blocks have arrived and the low bits return to zero, and the
@@ -110,7 +115,10 @@
  * weight stream's copies too, so the block hands its slot back to the producer after the arrival.
  * What the barrier's ordering costs (H200, float32, `tools/step_variants.py`): a relaxed add and
  * relaxed polls, which order nothing, made the step 3.6% faster (with the slot handed back before
- * the arrival, which gained 1.2% since).
+ * the arrival, which gained 1.2% since). Later, in bfloat16 (H200, position 264, same run): the
+ * barrier and the read of every block's maximum replaced by one handoff of LL-like words (the
+ * maximum, its row and the epoch's low bits; a release store, acquire loads) was no faster, 146.2
+ * against 146.3 us a token; the same with relaxed accesses, which order nothing, 144.9 against 145.7.
  * Everything a block reads that another block wrote in this launch is read through L2 (handoff words,
  * fresh()): an SM's L1 is not coherent. The grid must be co-resident: the engine launches it
  * cooperatively, G = SM count.
@@ -917,6 +925,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                 float* s_s = in_s;  // the scores; the new row's goes last
                 compute_sync<THREADS>();
                 mark(step, stage - 1, 1);
+                // (waiting for the slot while q's first loads are out was no faster at 264: 143.8 against 143.9)
                 const weight_t* K_s = reinterpret_cast<const weight_t*>(take());
                 const weight_t* V_s = K_s + (long long)max(staged, 0) * HS;
                 if (has_new && warp == 0) {
@@ -929,7 +938,13 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                 // the staged keys, a thread each: its key's 16-byte vectors in an order rotated by the key, so
                 // that the threads of a shared-memory phase (consecutive keys) read different banks (up to 8
                 // threads a key, summed by shuffles, with the new key's score in the last warp, was 1.5 us
-                // a token slower in bfloat16, H200)
+                // a token slower in bfloat16, H200; a warp a key, 4 keys at a time, each lane two of the
+                // head's dimensions, with the softmax online in registers and no sync until the warps
+                // combine, 5 us slower, 150.5 against 145.6 at 264, same run).
+                // The split holding pos waits for k and v besides q, and was the last of its head to hand
+                // over its partial in 98% of heads (0.3 us after the median split); every split adding
+                // the key at pos itself as it combines, so that none waits for them here, was slower:
+                // 148.5 against 143.9 in bfloat16, 209.7 against 204.3 in float32.
                 constexpr int VEC = Vec16<weight_t>::N, KV = HS / VEC;
                 for (int j = tid; j < staged; j += THREADS) {
                     const uint4* key = reinterpret_cast<const uint4*>(K_s + (long long)j * HS);
@@ -990,6 +1005,9 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                         if (k < MAX_SPLITS) return tid < HS && k < splits ? part + k * (HS + 2) + tid : nullptr;
                         return tid < splits ? part + tid * (HS + 2) + HS + (k - MAX_SPLITS) : nullptr;
                     }, epoch);
+                    // (each warp of the first HS threads taking every split's m and l and handing them round by
+                    // shuffles, one block sync less, was slower: bfloat16 147.9 against 146.6, float32 211.2
+                    // against 205.6, H200, 264, same run)
                     if (tid < splits) { ml_s[2 * tid] = ll_float(w[MAX_SPLITS]); ml_s[2 * tid + 1] = ll_float(w[MAX_SPLITS + 1]); }
                     compute_sync<THREADS>();
                     if (tid < HS) {  // y_h, where q_h was
