@@ -25,7 +25,7 @@
  *     and the kernel ran slower than v18. Here every warpgroup runs every step of its block, with
  *     a first step (S only), a steady loop (S and P V) and a last step (P V only); a tile that a
  *     warpgroup's rows do not see is masked whole and adds zeros. The warning is gone.
- *   - The overlap buys little here: 1-3% over v18 in the README's bf16 table, where earlier runs
+ *   - The overlap buys little here: 1-3% over v18 in docs/results.md's bf16 table, where earlier runs
  *     (before both took their heads in L2-sized chunks) had it 3-7% behind. With three
  *     one-warpgroup blocks per SM, other warpgroups already fill one warpgroup's softmax gaps on
  *     the tensor cores, and the pipeline costs registers (156 against 130 at B_c = 128).

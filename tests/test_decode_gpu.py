@@ -252,7 +252,7 @@ def test_lab_kv_cache_no_graph_decodes_with_the_decode_rung(tmp_path, capsys):
 # -- timing of the two targets: python3 -m tests.test_decode_gpu ----------------------------------
 #
 # The timing helpers live in bench.py (graph_us, kernel_us, measure_copy), which also measures these
-# targets beside torch SDPA and writes them to the README: python3 bench.py features --parts decode,long
+# targets beside torch SDPA and writes them to docs/results.md: python3 bench.py features --parts decode,long
 
 
 def main():

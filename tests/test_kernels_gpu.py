@@ -233,7 +233,7 @@ def check_nan_reaches(name, where, *, T_q, T_k, row, config=None):
     """A NaN at q[0, 1, row, 3] (where = "q") or at k/v[0, 1, row, 3], causal, the mask aligned
     bottom-right: every output row of head 1 that sees it must be NaN; a NaN query row must stay in
     its row; head 0 must stay clean. Rows that cannot see a NaN key may turn NaN too in a tiled rung
-    (0 x NaN is NaN when a tile's masked products are summed; the README says so)."""
+    (0 x NaN is NaN when a tile's masked products are summed; docs/ladder.md says so)."""
     import cupy as cp
 
     rung = kernels.load(name)
