@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
 import sys
 import time
@@ -38,7 +37,6 @@ from gpt2 import LabError, Sampler, StreamDecoder, generate, reference_attend
 from gpt2.generate import decode_attention_name
 from gpt2.model import cast_params
 
-ROOT = Path(__file__).resolve().parent
 REFERENCE = "reference"
 DEFAULT_PROMPT = "Hello, I'm a language model,"
 DTYPES = ("float32", "float16", "bfloat16")
@@ -460,8 +458,6 @@ def print_profile(p: dict) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if "TIKTOKEN_CACHE_DIR" not in os.environ and (ROOT / ".cache" / "tiktoken").is_dir():
-        os.environ["TIKTOKEN_CACHE_DIR"] = str(ROOT / ".cache" / "tiktoken")  # the copy carried to the GPU machine
     try:
         return run(args)
     except (LabError, kernels.KernelCompileError) as exc:
