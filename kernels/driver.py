@@ -4,16 +4,18 @@
     launch()                                                                       cuLaunchKernelEx
     driver.launch_cooperative(fn, grid, block, args, shared_mem=n, stream=s)      all blocks resident
     driver.blocks_per_sm(fn, threads, shared_mem)                                 occupancy
+    driver.required_cluster_width(fn), driver.allow_non_portable_clusters(fn)      cluster attributes
 
 CuPy launches a kernel with cuLaunchKernel (or cuLaunchCooperativeKernel): no launch attributes.
 cuLaunchKernelEx takes a CUlaunchConfig with a list of CUlaunchAttribute, each an id and a 64-byte
 union; the lab uses programmatic stream serialization (programmatic dependent launch: the kernel may
 start while the previous one in the stream finishes, and waits in griddepcontrol.wait), and the
-structures leave room for cooperative launch and cluster dimensions. The layouts are cuda.h's (CUDA
-12+), checked by tests/test_driver.py without a GPU. Everything here that calls into libcuda.so.1
-goes through library(), which declares each entry point's argument types once: tensor maps
-(cuTensorMapEncodeTiled, a 64-byte aligned 128-byte CUtensorMap) belong here too when a rung needs
-TMA descriptors.
+structures also carry cooperative launch and cluster dimensions. The layouts are cuda.h's (CUDA
+12+), checked by tests/test_driver.py without a GPU. The decode step's cooperative launch and the
+occupancy and function-attribute queries use CuPy's driver bindings, called from here only.
+Everything here that calls into libcuda.so.1 goes through library(), which declares each entry
+point's argument types once: tensor maps (cuTensorMapEncodeTiled, a 64-byte aligned 128-byte
+CUtensorMap) belong here too when a rung needs TMA descriptors.
 """
 
 from __future__ import annotations
