@@ -11,7 +11,7 @@
 Prints the text as it is generated, then a summary: model, attention, mode, token counts, seconds
 and tokens/s (warm-up and compilation excluded), time to first token and decode tokens/s, weight
 bytes per token and the bandwidth they imply against a measured copy ceiling (KV cache on the GPU),
-compile time, peak GPU memory, device. Greedy runs on the GPU use the fast path (gpt2/fast.py: fused
+compile time, peak GPU memory, device. Greedy runs on the GPU use the fast path (gpt2/fast: fused
 kernels, a static KV cache, the decode step as one persistent kernel where the device runs it, else
 replayed as CUDA graphs); --no-graph runs the eager code.
 User errors print one line to stderr and exit 2; --check exits 1 when the tokens differ.
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
 import sys
 import time
@@ -38,7 +37,6 @@ from gpt2 import LabError, Sampler, StreamDecoder, generate, reference_attend
 from gpt2.generate import decode_attention_name
 from gpt2.model import cast_params
 
-ROOT = Path(__file__).resolve().parent
 REFERENCE = "reference"
 DEFAULT_PROMPT = "Hello, I'm a language model,"
 DTYPES = ("float32", "float16", "bfloat16")
@@ -77,7 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="write the summary, prompt and token ids as JSON")
     p.add_argument("--no-graph", action="store_true",
                    help="the readable eager path (gpt2/model.py one step at a time: no fused kernels, no CUDA "
-                        "graph); default on the GPU for greedy runs: the fast path of gpt2/fast.py")
+                        "graph); default on the GPU for greedy runs: the fast path of gpt2/fast")
     p.add_argument("--profile-step", action="store_true",
                    help="after the run, time each kernel of one fast decode step (CUDA events) and the graph "
                         "replay per token, with and without the L2 prefetch hints (GPU, --kv-cache)")
@@ -460,8 +458,6 @@ def print_profile(p: dict) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if "TIKTOKEN_CACHE_DIR" not in os.environ and (ROOT / ".cache" / "tiktoken").is_dir():
-        os.environ["TIKTOKEN_CACHE_DIR"] = str(ROOT / ".cache" / "tiktoken")  # the copy carried to the GPU machine
     try:
         return run(args)
     except (LabError, kernels.KernelCompileError) as exc:

@@ -6,7 +6,7 @@
   each a single query over the cached keys (`decode_attend`: by default the decode rung,
   kernels/v16_decode_split_kv.cu, on CuPy arrays, and the reference on NumPy ones).
 
-On the GPU, greedy generation takes the fast path by default (gpt2/fast.py: fused kernels, a static
+On the GPU, greedy generation takes the fast path by default (gpt2/fast: fused kernels, a static
 KV cache and the decode step replayed as a CUDA graph; its own decode attention). `fast=False` runs
 the readable eager code below, model.forward step by step.
 """
@@ -14,7 +14,6 @@ the readable eager code below, model.forward step by step.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -23,6 +22,7 @@ from kernels import reference_attention
 
 from .config import GPT2Config
 from .errors import LabError
+from .generation import Generation
 from .model import KVCache, array_module, compute_dtype, forward
 
 
@@ -83,18 +83,11 @@ class Sampler:
         return int(self.rng.choice(z.size, p=p / p.sum()))
 
 
-@dataclass
-class Generation:
-    tokens: list[int]  # the new tokens, the end-of-text one included when generation stopped at it
-    stopped_at_eos: bool = False
-    logits: list = field(default_factory=list)  # each step's last-position logits (vocab,), if recorded
-
-
 def generate(params: dict, config: GPT2Config, prompt: list[int], n_new: int, *, attend,
              kv_cache: bool = False, decode_attend=None, sampler: Sampler | None = None,
              eos_id: int | None = None, on_token=None, record_logits: bool = False, fast: bool = True) -> Generation:
     """n_new tokens after `prompt` (one sequence); on_token(token) is called as each is chosen.
-    Stops early after `eos_id` if it is given. fast: greedy runs on the GPU go through gpt2/fast.py
+    Stops early after `eos_id` if it is given. fast: greedy runs on the GPU go through gpt2/fast
     (gpt2.fast.unsupported_reason says when they cannot); False forces the eager path, whose decode
     steps use `decode_attend`, by default as decode_attention_name says."""
     if not prompt:

@@ -1,35 +1,61 @@
-"""GPT-2's byte-level BPE through tiktoken: its "gpt2" encoding, or one built from a model folder's
-vocab.json and merges.txt (transformers' names for OpenAI's encoder.json and vocab.bpe)."""
+"""GPT-2's byte-level BPE through tiktoken: GPT-2's own, built from OpenAI's encoder.json and
+vocab.bpe shipped in gpt2/bpe (no network), or one built from a model folder's vocab.json and
+merges.txt (transformers' names for the same two files)."""
 
 from __future__ import annotations
 
 import codecs
+import functools
 import json
+import os
 from pathlib import Path
 
 from .errors import CheckpointError, LabError
 
-ENDOFTEXT = "<|endoftext|>"
-# GPT-2's pre-tokenizer split (tiktoken's r50k pattern)
-PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+BPE_DIR = Path(__file__).resolve().parent / "bpe"  # OpenAI's encoder.json and vocab.bpe (MIT: LICENSE there)
 
 
 def load_tokenizer(folder: str | Path | None = None):
     """The encoding for a model folder: built from its vocab.json and merges.txt when it has both,
-    else tiktoken's "gpt2" (downloaded once, or read from TIKTOKEN_CACHE_DIR)."""
+    else GPT-2's (gpt2_encoding)."""
     if folder is not None:
         vocab, merges = Path(folder) / "vocab.json", Path(folder) / "merges.txt"
         if vocab.is_file() and merges.is_file():
             return from_files(vocab, merges)
+    return gpt2_encoding()
+
+
+def gpt2_encoding():
+    """GPT-2's encoding, the same ids as tiktoken's "gpt2" (tests/test_gpt2.py checks both ways).
+
+    Built from the files shipped in gpt2/bpe, unless TIKTOKEN_CACHE_DIR is set: then it is tiktoken's
+    own "gpt2" encoding, exactly as tiktoken gets it, reading its copies of the two files from that
+    folder (named by the sha1 of their URL) and downloading them into it when they are missing. An
+    empty TIKTOKEN_CACHE_DIR means, for tiktoken, no cache: download every time."""
+    if "TIKTOKEN_CACHE_DIR" not in os.environ:
+        return shipped_encoding()
     import tiktoken
 
     try:
         return tiktoken.get_encoding("gpt2")
-    except Exception as exc:  # tiktoken downloads its files on first use: offline that raises
+    except Exception as exc:  # missing from the cache, and no network to download them
         raise LabError(
-            f"cannot load tiktoken's gpt2 encoding ({type(exc).__name__}); set TIKTOKEN_CACHE_DIR to a folder "
-            "holding its files (e.g. .cache/tiktoken), or give --model a folder with vocab.json and merges.txt"
+            f"cannot load tiktoken's gpt2 encoding through TIKTOKEN_CACHE_DIR={os.environ['TIKTOKEN_CACHE_DIR']!r} "
+            f"({type(exc).__name__}); unset TIKTOKEN_CACHE_DIR to use the BPE files shipped in {BPE_DIR}"
         ) from None
+
+
+@functools.cache
+def shipped_encoding():
+    """GPT-2's encoding from gpt2/bpe, under tiktoken's name for it, with its pre-tokenizer pattern
+    and special tokens (tiktoken_ext.openai_public's)."""
+    from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
+
+    enc = from_files(BPE_DIR / "encoder.json", BPE_DIR / "vocab.bpe", name="gpt2", pat_str=r50k_pat_str)
+    if enc.special_tokens_set != {ENDOFTEXT}:
+        raise CheckpointError(f"{BPE_DIR / 'encoder.json'}: special tokens {sorted(enc.special_tokens_set)}, "
+                              f"expected {ENDOFTEXT} alone")
+    return enc
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -45,10 +71,13 @@ def bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
 
 
-def from_files(vocab_path: str | Path, merges_path: str | Path):
-    """A tiktoken Encoding from vocab.json (token -> id) and merges.txt (the merge order). tiktoken
-    merges by rank, so this relies on GPT-2's ids being the merge order: checked against merges.txt."""
+def from_files(vocab_path: str | Path, merges_path: str | Path, *, name: str | None = None, pat_str: str | None = None):
+    """A tiktoken Encoding from vocab.json (token -> id) and merges.txt (the merge order), or their
+    original names, encoder.json and vocab.bpe. tiktoken merges by rank, so this relies on GPT-2's ids
+    being the merge order: checked against merges.txt. pat_str: GPT-2's pre-tokenizer split, tiktoken's
+    r50k pattern, unless given."""
     import tiktoken
+    from tiktoken_ext.openai_public import r50k_pat_str
 
     to_byte = {c: b for b, c in bytes_to_unicode().items()}
     try:
@@ -70,7 +99,7 @@ def from_files(vocab_path: str | Path, merges_path: str | Path):
     for i, pair in enumerate(merges):
         if len(pair) != 2 or ranks.get(decode(pair[0]) + decode(pair[1])) != n_single + i:
             raise CheckpointError(f"{merges_path}: merge {i} ({' '.join(pair)}) does not match vocab.json's ids")
-    return tiktoken.Encoding(name=f"gpt2 from {Path(vocab_path).parent}", pat_str=PATTERN,
+    return tiktoken.Encoding(name=name or f"gpt2 from {Path(vocab_path).parent}", pat_str=pat_str or r50k_pat_str,
                              mergeable_ranks=ranks, special_tokens=special)
 
 

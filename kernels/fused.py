@@ -5,7 +5,7 @@
     fused.compile_report("gemv", expr, "sm_90")                      registers and spills, no GPU
 
 Each `.cu` is one small operation with its own header (what it replaces, why, geometry); they share
-`common.cuh`. Unlike the attention rungs they have no common signature: gpt2/fast.py launches each
+`common.cuh`. Unlike the attention rungs they have no common signature: gpt2/fast launches each
 with its own arguments, and tests/test_fused_gpu.py checks each against the CuPy operation it
 replaces. Text is assembled as ladder.assemble does (includes inlined, #line directives naming the
 files), compiled through `cupy.RawModule(code=..., options=..., name_expressions=[...])`, and cached

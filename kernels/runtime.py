@@ -15,12 +15,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from . import ladder, nvrtc
+from . import driver, ladder, nvrtc
 
 COMMON_OPTIONS = ("-ftz=true",)  # CuPy adds -ftz=true to every compile; the NVRTC path matches it
 MAX_GRID_YZ = 65535
-CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH = 11  # cuda.h's CUfunction_attribute; CuPy names neither
-CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 
 compile_seconds = 0.0  # total time spent compiling in this process (lab.py reports it apart)
 
@@ -124,20 +122,18 @@ class Instance:
     def _allow_cluster(self):
         """The cluster size is compiled in (__cluster_dims__), so an ordinary launch forms the clusters
         as long as gridDim.x is a multiple of it; past the portable 8 blocks the kernel must opt in."""
-        driver = _cupy().cuda.driver
-        width = driver.funcGetAttribute(CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH, self.function.kernel.ptr)
+        width = driver.required_cluster_width(self.function)
         if width and width != self.cluster:
             raise KernelCompileError(f"kernel {self.rung.name} config {self.describe()}: lab.cluster is {self.cluster}, "
                                      f"but the kernel is compiled for clusters of {width}")
         if self.cluster > 8:
-            driver.funcSetAttribute(self.function.kernel.ptr, CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+            driver.allow_non_portable_clusters(self.function)
 
     def describe(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.rung.params(self.config).items())
 
     def blocks_per_sm(self) -> int:
-        driver = _cupy().cuda.driver
-        return driver.occupancyMaxActiveBlocksPerMultiprocessor(self.function.kernel.ptr, math.prod(self.block), self.smem)
+        return driver.blocks_per_sm(self.function, math.prod(self.block), self.smem)
 
     def splits(self, B: int, NH: int, T_q: int, T_k: int) -> int:
         """Key blocks per query tile for a split-KV rung: enough blocks to fill every SM twice,

@@ -1,4 +1,3 @@
-import os
 import sys
 from pathlib import Path
 
@@ -19,14 +18,3 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-@pytest.fixture(autouse=True)
-def _tiktoken_cache():
-    """The GPT-2 BPE files: shared/tiktoken-cache beside the checkout, or a copy carried inside it."""
-    if "TIKTOKEN_CACHE_DIR" not in os.environ:
-        for candidate in (ROOT / ".cache" / "tiktoken", ROOT.parent / "shared" / "tiktoken-cache"):
-            if candidate.is_dir():
-                os.environ["TIKTOKEN_CACHE_DIR"] = str(candidate)
-                break
-    yield

@@ -14,6 +14,7 @@ import pytest
 import gpt2
 import gpt2.fast as fast
 from gpt2 import GPT2Config, Sampler
+from gpt2.fast.engine import _switch
 from gpt2.load import expected_shapes
 from kernels import KernelCompileError, fused
 
@@ -251,44 +252,6 @@ def test_lab_on_the_cpu_reports_the_eager_engine_and_phases(tmp_path):
     assert "first token" in r.stdout and "decode" in r.stdout
 
 
-def test_launch_structs_match_cuda_h():
-    """CUlaunchAttribute is {id, 4 bytes of padding, a 64-byte union}; CUlaunchConfig has the stream
-    pointer after seven unsigned ints (padded to 8 bytes), then the attribute pointer and count."""
-    import ctypes
-
-    assert ctypes.sizeof(fast._Attribute) == 72 and fast._Attribute.value.offset == 8
-    assert fast._Config.sharedMemBytes.offset == 24 and fast._Config.hStream.offset == 32
-    assert fast._Config.attrs.offset == 40 and fast._Config.numAttrs.offset == 48 and ctypes.sizeof(fast._Config) == 56
-    assert fast.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION == 6
-
-
-class FakeKernel:
-    class kernel:  # noqa: N801  (CuPy's RawKernel.kernel.ptr: the CUfunction)
-        ptr = 0xDEAD
-
-
-def test_pdl_launch_arguments_are_packed_by_type():
-    """What cuLaunchKernelEx receives: one pointer per argument, each to a value of the kernel's type."""
-    import ctypes
-
-    class FakeArray:
-        class data:  # noqa: N801
-            ptr = 0x7000
-
-    launch = fast.Launch("k", FakeKernel, (3, 2), (128,), (FakeArray(), np.int32(-5), np.float32(0.5), np.uint64(7),
-                                                            np.int64(-9)), shared_mem=96, pdl=True, stream=0x1234)
-    config, function, params, values, attribute = fast._pack_launch(launch)
-    assert (config.gridDimX, config.gridDimY, config.gridDimZ, config.blockDimX, config.blockDimY) == (3, 2, 1, 128, 1)
-    assert config.sharedMemBytes == 96 and config.hStream == 0x1234 and config.numAttrs == 1
-    assert config.attrs.contents.id == 6 and config.attrs.contents.value.programmaticStreamSerializationAllowed == 1
-    assert function.value == 0xDEAD
-    got = [ctypes.cast(params[i], ctypes.POINTER(t)).contents.value
-           for i, t in enumerate((ctypes.c_void_p, ctypes.c_int32, ctypes.c_float, ctypes.c_uint64, ctypes.c_int64))]
-    assert got == [0x7000, -5, 0.5, 7, -9]
-    with pytest.raises(TypeError, match="cannot pass int"):
-        fast._pack_launch(fast.Launch("k", FakeKernel, (1,), (1,), (3,), pdl=True))
-
-
 H100_SMEM = 232_448  # MaxSharedMemoryPerBlockOptin on H100 and H200
 
 
@@ -374,9 +337,9 @@ def test_engine_options_are_on_where_they_work():
     def never():
         raise AssertionError("checked although asked off")
 
-    assert fast._switch(False, never, "x") == (False, "off (asked)")
-    assert fast._switch(None, lambda: None, "x") == (True, "on")
-    assert fast._switch(None, lambda: "needs compute capability 9.0", "x") == (False, "off (needs compute capability 9.0)")
-    assert fast._switch(True, lambda: None, "x") == (True, "on")
+    assert _switch(False, never, "x") == (False, "off (asked)")
+    assert _switch(None, lambda: None, "x") == (True, "on")
+    assert _switch(None, lambda: "needs compute capability 9.0", "x") == (False, "off (needs compute capability 9.0)")
+    assert _switch(True, lambda: None, "x") == (True, "on")
     with pytest.raises(RuntimeError, match="the persistent decode step does not work here: no cooperative launch"):
-        fast._switch(True, lambda: "no cooperative launch", "the persistent decode step")
+        _switch(True, lambda: "no cooperative launch", "the persistent decode step")

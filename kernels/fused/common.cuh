@@ -147,7 +147,7 @@ __device__ __forceinline__ float gelu_tanh(float x)
 // -- programmatic dependent launch (sm_90) ----------------------------------------------------------
 
 // The decode step's kernels are launched with programmatic stream serialization where the device has
-// it (gpt2/fast.py): the next kernel starts while this one runs, issues its weight loads, and waits
+// it (gpt2/fast/engine.py): the next kernel starts while this one runs, issues its weight loads, and waits
 // in griddep_wait() until this grid has completed and its writes are visible. Every decode kernel
 // calls griddep_wait() and then griddep_launch_dependents(), so a kernel starts only after the one
 // two launches back has completed. Rule for every decode kernel: before griddep_wait() read only the

@@ -30,7 +30,7 @@
  * Template parameters: kv_t (float or bfloat16 bits), HS (head size; a multiple of 8 with HS / 8
  * dividing 32: 8 to 256), WARPS. Geometry: grid (S, NH), block WARPS * 32 (>= HS).
  * Shared memory: dynamic, cap = ceil(max_len / S) floats for the scores (rounded up to 16 bytes),
- * then staged_rows rows of K and of V (gpt2/fast.py attention_staging: at GPT-2 small's
+ * then staged_rows rows of K and of V (gpt2/fast/plan.py attention_staging: at GPT-2 small's
  * max_len 1024 and S = 11, cap = 94 and all 94 rows, 384 + 2 x 94 x 256 = 48,512 bytes in float32);
  * static WARPS * HS floats for the per-warp outputs. Loads from the cache past the staged rows are
  * read in groups of UNROLL per lane before use.

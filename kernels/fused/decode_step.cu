@@ -47,7 +47,7 @@
  * LayerNorm weight w and bias beta, row n of the linear layer (weights W_n, bias b_n) gives
  *     LN(x) . W_n + b_n = r (sum_k W_nk w_k x_k - m B_n) + c_n,   B_n = sum_k W_nk w_k,
  *                                                                 c_n = b_n + sum_k W_nk beta_k,
- * and B_n, c_n depend on the weights alone: gpt2/fast.py computes them once (in float64, kept as a
+ * and B_n, c_n depend on the weights alone: gpt2/fast/weights.py computes them once (in float64, kept as a
  * float32 pair, the row's "fold"), and they come with the row in place of its bias. So the dot
  * products need not wait for the statistics: the input gather writes w * x beside x, the last warp
  * computes m and r (two passes, layernorm_stats) while the others take the dot products, and each
@@ -62,7 +62,7 @@
  * attn.c_proj inside the attention stage: y W_proj = sum_h y_h W_proj[h], with W_proj[h] the HS
  * columns (inputs) of head h, so the head's key splits can finish the projection of their own head
  * as soon as they have y_h. Each split combines all the head's splits itself, in split order. W_proj
- * comes head-major, (NH, C, HS) (gpt2/fast.py makes the copy), so that a split's rows of its head's
+ * comes head-major, (NH, C, HS) (gpt2/fast/engine.py makes the copy), so that a split's rows of its head's
  * columns are one contiguous range, streamed with its keys. Stage C sums the heads' terms in head
  * order, the same in every block, so the step stays deterministic. Summing them at the end of stage
  * B instead, each block its share of x's columns, handed to stage C as 768 parity words in place of
@@ -72,7 +72,7 @@
  * The weight stream. Block b of G owns a fixed share of every stage: rows [b * ceil(N / G), ...) of
  * each (out, in) matrix, one contiguous range of bytes, plus the vectors the stage reads (LayerNorm's
  * weight and the rows' folds, or the rows' biases), so that everything a stage reads that is not an activation
- * lands with it; in stage B it owns one (head, key split) or, past NH * splits, nothing (gpt2/fast.py
+ * lands with it; in stage B it owns one (head, key split) or, past NH * splits, nothing (gpt2/fast/plan.py
  * picks fewer splits than one a block: a head's splits wait for each other), and its item is that
  * split's cached K and V rows below pos and its rows of the head's W_proj[h] (the row at pos comes
  * from stage A's handoff); in stage E its rows of wte past the first lm_keep, in chunks of `lm_rows`
@@ -142,7 +142,7 @@
  * (fixed orders, no atomics in the arithmetic).
  *
  * Template parameters: weight_t (float or bfloat16 bits, also the cache's type), C (n_embd), NH, HS
- * (head size, a multiple of 32 dividing THREADS), F (MLP width), THREADS. Geometry (gpt2/fast.py,
+ * (head size, a multiple of 32 dividing THREADS), F (MLP width), THREADS. Geometry (gpt2/fast/plan.py,
  * step_plan): grid G (one block per SM, cooperative), block THREADS + 32 (the compute warps and the
  * producer), dynamic shared memory 128 bytes of mbarriers + nslot * slot_bytes + F floats (the input
  * vector, also stage B's scores) + C floats (the layer's input x) + the layer table (struct Layer,
@@ -165,7 +165,7 @@
 #endif
 
 
-// One layer's pointers, in the order gpt2/fast.py writes them (Engine.layer_table).
+// One layer's pointers, in the order gpt2/fast/engine.py writes them (Engine.layer_table).
 template <typename weight_t>
 struct Layer {
     const weight_t* w_attn; const weight_t* w_proj; const weight_t* w_fc; const weight_t* w_mlp;  // (out, in)
@@ -784,7 +784,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
     int token = state[0];
     const int pos0 = state[1];
     const unsigned int epoch0 = *ll_epoch;  // step s hands over its values with epoch epoch0 + s + 1
-    // the same in every block, and at least 1: lm_keep < ceil(V / G) (gpt2/fast.py's step_plan)
+    // the same in every block, and at least 1: lm_keep < ceil(V / G) (gpt2/fast/plan.py's step_plan)
     const int lm_chunks = ((V + G - 1) / G - lm_keep + lm_rows - 1) / lm_rows;
     const Stream<weight_t, C, NH, HS, F> stream{layer_s, wte, lnf_fold, slots, full, n_layer, V, max_len, splits, pos0,
                                                  lm_keep, lm_rows, lm_chunks, 4 * n_layer + lm_chunks, nslot, slot_bytes};

@@ -3,8 +3,8 @@
  * Hopper's TF32 warpgroup MMA at float32 accuracy (3xTF32).
  *
  * Replaces cuBLAS SGEMM and the bias_act kernel after it in the whole-sequence forward pass
- * (gpt2/fast.py's sequence(): the prefill, and every step of the no-cache mode). A and C are
- * row-major; W arrives prepared once by gpt2/fast.py (gemm_weight): transposed to (N, K), split,
+ * (gpt2/fast/engine.py's sequence(): the prefill, and every step of the no-cache mode). A and C are
+ * row-major; W arrives prepared once by gpt2/fast/weights.py (gemm_weight): transposed to (N, K), split,
  * cut into tiles and swizzled, as described below. GELU is gelu_tanh, as bias_act and
  * gpt2/model.py's gelu().
  *
@@ -43,7 +43,7 @@
  * splits). Split z sums its K tiles, stores the sum to `partials` (float4s, thread-major), fences and
  * takes a ticket; the split that draws the last ticket adds all the sums in split order (the same
  * bits whichever finishes last), resets the ticket to zero for the next launch and applies the
- * epilogue. gpt2/fast.py's gemm_splits picks the splits. Shared memory: 1024 bytes for the
+ * epilogue. gpt2/fast/plan.py's gemm_splits picks the splits. Shared memory: 1024 bytes for the
  * mbarriers and alignment, then per stage W_big, W_small (8 KB each, 1024-aligned for the swizzle)
  * and A (64 x 36 floats): 1024 + 1024 + STAGES * 25,600 bytes = 104,448 at STAGES = 4; registers:
  * the sum, big x big and the corrections (32 each) and the split A fragments of 4 k8 steps (32).

@@ -29,7 +29,7 @@
  * reduced, so while a warp waits for one group the next is in flight too.
  * A lane holds ITERS = ceil(K / vector / 32) 16-byte vectors per row: 2 * ROWS * ITERS * 4 registers
  * of weights, 2 * ROWS * K * sizeof(weight) bytes per warp when both buffers are in flight. GPT-2
- * small with the engine's shapes (gpt2/fast.py, lm_head_shape): float32 ROWS = 1, ITERS = 6;
+ * small with the engine's shapes (gpt2/fast/plan.py, lm_head_shape): float32 ROWS = 1, ITERS = 6;
  * bfloat16 ROWS = 2, ITERS = 3; both 48 registers and 6 KB per warp, a block of 8 warps 24 to 48 KB
  * (one or both buffers in flight). Little's law asks for bandwidth x latency, about 4 TB/s x 1 us
  * = 4 MB across the device or ~32 KB per SM: one resident block is about there, and the occupancy the

@@ -1,0 +1,245 @@
+"""What the fast path runs and with what geometry, computed without a GPU: when it runs at all
+(unsupported_reason), the kernels it compiles (kernel_expressions), their launch shapes (gemv,
+lm_head, decode_attention, gemm.cu's split K) and the persistent step's plan (step_plan)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kernels import driver
+
+from ..config import GPT2Config
+
+STEPS_PER_GRAPH = 8  # decode steps per captured graph, and tokens per copy back to the host
+# decode steps per decode_step.cu launch, and tokens per copy back to the host, where the engine is
+# persistent: a launch boundary costs about 12 us (the launch, the copy back, the weight stream's first
+# items). H200, GPT-2 small, decode tokens/s as bench.py e2e measures them, windows of 8 / 16 / 32 / 64:
+# bfloat16 6,809 / 6,854 / 6,877 / 6,884, float32 4,851 / 4,870 / 4,880 / 4,882.
+STEPS_PER_LAUNCH = 32
+PREFETCH_CAP = 16 << 20  # bytes of the next kernel's weights a kernel asks L2 to fetch (L2: 50 MB on H100/H200)
+DTYPES = ("float32", "bfloat16")
+EPI_BIAS, EPI_GELU, EPI_RESIDUAL = 0, 1, 2  # gemv.cu's epilogues
+NULL = np.uint64(0)  # a null pointer argument
+GEMM_OPTIONS = ("-arch=sm_90a",)  # gemm.cu: TF32 wgmma
+GEMM_TILE, GEMM_BK, GEMM_STAGES = 64, 32, 4  # gemm.cu's output tile (square), K tile and pipeline depth
+GEMM_SMEM = 2048 + GEMM_STAGES * (2 * GEMM_TILE * GEMM_BK * 4 + GEMM_TILE * (GEMM_BK + 4) * 4)  # its shared memory
+GEMM_NONE, GEMM_BIAS, GEMM_BIAS_GELU = 0, 1, 2  # gemm.cu's epilogues
+
+
+# -- what the fast path runs -----------------------------------------------------------------------
+
+
+def param_dtype(params: dict) -> str:
+    return params["wte.weight"].dtype.name
+
+
+def unsupported_reason(params: dict, config: GPT2Config, *, kv_cache: bool, sampler=None,
+                       record_logits: bool = False, dtype: str | None = None) -> str | None:
+    """None when fast.generate runs this generation; otherwise why generate() takes the eager path."""
+    if isinstance(params["wte.weight"], np.ndarray):
+        return "NumPy arrays: the fast path runs on the GPU"
+    if sampler is not None and sampler.temperature != 0:
+        return "sampling: the fast path is greedy (argmax on the device)"
+    if record_logits:
+        return "recording logits: the fast path never writes them"
+    dtype = dtype or param_dtype(params)
+    if dtype not in DTYPES:
+        return f"dtype {dtype}: the fast path runs {' and '.join(DTYPES)}"
+    if not kv_cache and dtype != "float32":
+        return "no-cache mode in bfloat16: the fast no-cache path computes in float32"
+    C, HS = config.n_embd, config.head_size
+    if C % 8 or config.mlp_width % 8:
+        return f"widths {C} and {config.mlp_width} must be multiples of 8 (whole 16-byte rows)"
+    if HS % 8 or 32 % (HS // 8) or HS > 256:
+        return f"head size {HS}: decode_attention needs a multiple of 8 with head_size / 8 dividing 32"
+    return None
+
+
+# -- launch shapes ---------------------------------------------------------------------------------
+
+
+def gemv_shape(N: int, K: int, itemsize: int, *, most_rows: int = 2, loads: int = 8) -> tuple[int, int]:
+    """(warps per block, rows per warp) for gemv.cu: about `loads` 16-byte loads in flight per lane,
+    8 warps per block for wide outputs, 4 for narrow ones (more blocks to spread over the SMs)."""
+    chunks = K // (16 // itemsize)  # 16-byte vectors per row
+    iters = -(-chunks // 32)  # per lane
+    rows = max(1, min(most_rows, loads // iters))
+    warps = 8 if N > 1024 else 4
+    return warps, rows
+
+
+def lm_head_shape(config: GPT2Config, dtype: str) -> tuple[int, int]:
+    """(warps, rows per group) of lm_head_argmax.cu: 8 warps, groups of about 8 16-byte loads per lane
+    (two groups in flight, so about 16 loads per lane), at least one row."""
+    iters = -(-config.n_embd // (16 // (2 if dtype == "bfloat16" else 4)) // 32)  # 16-byte loads per row, per lane
+    return 8, max(1, 8 // iters)
+
+
+def lm_head_blocks(fn, warps: int, rows: int, V: int, sm_count: int) -> int:
+    """lm_head_argmax.cu's grid: one wave, as many blocks as the SMs hold at once (the kernel's
+    occupancy), no more than there are row groups for their warps."""
+    per_sm = driver.blocks_per_sm(fn, warps * 32)
+    groups = -(-V // rows)
+    return max(1, min(sm_count * per_sm, -(-groups // warps)))
+
+
+def kernel_expressions(config: GPT2Config, dtype: str) -> dict[str, tuple[str, str]]:
+    """Every kernel the engine compiles for this model and dtype: key -> (kernels/fused file, name
+    expression). No device needed: the CPU tests compile exactly these."""
+    C, F, HS = config.n_embd, config.mlp_width, config.head_size
+    item = 2 if dtype == "bfloat16" else 4
+    wt = "unsigned short" if dtype == "bfloat16" else "float"
+
+    def gemv(N, K, ln, epi):
+        warps, rows = gemv_shape(N, K, item)
+        return "gemv", f"gemv<{wt}, {K}, {warps}, {rows}, {'true' if ln else 'false'}, {epi}>"
+
+    lm_warps, lm_rows = lm_head_shape(config, dtype)
+    lm32_warps, lm32_rows = lm_head_shape(config, "float32")
+    return {
+        "c_attn": gemv(3 * C, C, True, EPI_BIAS),
+        "c_proj": gemv(C, C, False, EPI_RESIDUAL),
+        "c_fc": gemv(F, C, True, EPI_GELU),
+        "mlp_proj": gemv(C, F, False, EPI_RESIDUAL),
+        "attention": ("decode_attention", f"decode_attention<{wt}, {HS}, {attention_warps(config)}>"),
+        "embed": ("embed", f"embed<{wt}>"),
+        "lm_head": ("lm_head_argmax", f"lm_head_argmax<{wt}, {C}, {lm_warps}, {lm_rows}>"),
+        # the eager path (prefill, no-cache) computes in float32
+        "embed32": ("embed", "embed<float>"),
+        "lm_head32": ("lm_head_argmax", f"lm_head_argmax<float, {C}, {lm32_warps}, {lm32_rows}>"),
+        "add_layernorm": ("layernorm", "add_layernorm<256>"),
+        "bias": ("bias_act", "bias_act<false>"),
+        "bias_gelu": ("bias_act", "bias_act<true>"),
+        "kv_store": ("kv_store", f"kv_store<{wt}>"),
+        "merge_heads": ("merge_heads", "merge_heads"),
+        "spin": ("spin", "spin"),
+        **({"decode_step": ("decode_step", f"decode_step<{wt}, {C}, {config.n_head}, {HS}, {F}, {STEP_THREADS}>")}
+           if HS % 32 == 0 and STEP_THREADS % HS == 0 else {}),
+    }
+
+
+def gemm_splits(M: int, N: int, K: int, sm_count: int) -> int:
+    """gemm.cu's splits of K (grid z): where the output tiles are fewer than the SMs, enough splits to
+    give every SM a block, each split keeping at least two K tiles."""
+    blocks = (N // GEMM_TILE) * -(-M // GEMM_TILE)
+    return max(1, min(-(-sm_count // blocks), K // GEMM_BK // 2))
+
+
+def gemm_expressions() -> dict[str, tuple[str, str]]:
+    """gemm.cu's instantiations, one per epilogue (compiled with GEMM_OPTIONS, for sm_90a)."""
+    return {f"gemm_{epi}": ("gemm", f"gemm_tf32x3<{epi}>") for epi in (GEMM_NONE, GEMM_BIAS, GEMM_BIAS_GELU)}
+
+
+def attention_warps(config: GPT2Config) -> int:
+    return max(4, config.head_size // 32)  # a block holds at least one thread per element of a head
+
+
+STAGE_BYTES = 64 << 10  # shared memory for the K and V rows a decode_attention block copies before its wait
+
+
+def attention_staging(max_len: int, splits: int, head_size: int, itemsize: int) -> tuple[int, int]:
+    """(rows staged per block, dynamic shared memory bytes) of decode_attention.cu: the scores of the
+    longest chunk, ceil(max_len / splits) floats, then K and V rows, up to STAGE_BYTES."""
+    cap = -(-max_len // splits)
+    rows = min(cap, STAGE_BYTES // (2 * head_size * itemsize))
+    return rows, 4 * (-(-cap // 4) * 4) + 2 * rows * head_size * itemsize
+
+
+STEP_THREADS = 320  # decode_step.cu's compute threads (a multiple of 64); one more warp issues the weight stream
+STEP_BLOCK = STEP_THREADS + 32  # 11 warps, at most 3 on an SM sub-partition: up to 168 registers a thread
+STEP_SLOTS = 8  # at most this many weight slots in decode_step.cu's ring
+STEP_MAX_SPLITS = 12  # decode_step.cu's MAX_SPLITS
+# Key splits per head that stage B starts from (step_plan takes more where these do not fit). Fewer
+# splits than the G // NH that would give every block one: a head's splits wait for each other, and
+# each more split is one more block to wait for. H200, GPT-2 small, us a token at position 264 (519):
+# bfloat16 with 11 / 7 / 6 / 5 splits 169 / 165 / 160 / 165 (171 / 167 / 163 / 169), float32 with
+# 11 / 9 / 8 / 7 splits 223 / 219 / 219 / 224 (224 / 221 / 220 / 224); bigger splits grow the slot.
+# With the LayerNorms folded (later, same run, at 264): bfloat16 5 / 6 / 7 146.8 / 145.5 / 147.3,
+# float32 7 / 8 / 9 208.0 / 206.8 / 206.4.
+STEP_SPLITS = {"float32": 8, "bfloat16": 6}
+STEP_STAGES = ("ln_1+attn.c_attn", "attn+attn.c_proj", "residual+ln_2+mlp.c_fc+gelu",
+               "mlp.c_proj+residual")  # decode_step.cu's stages A-D of a layer (E, the lm_head, ends the step)
+STEP_STATIC_SMEM = 4 << 10  # headroom for decode_step.cu's static shared memory (about 2 KB)
+
+
+LAYER_POINTERS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight",
+                  "attn.c_attn.fold", "attn.c_proj.bias", "mlp.c_fc.fold", "mlp.c_proj.bias",
+                  "ln_1.weight", "ln_2.weight", "k_cache", "v_cache")  # decode_step.cu's Layer
+FOLDS = {"attn.c_attn": "ln_1", "mlp.c_fc": "ln_2"}  # the linear layers decode_step.cu folds a LayerNorm into
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """decode_step.cu's geometry for one model, dtype and device: G blocks (one per SM), `splits` key
+    splits per head in stage B, a ring of `slots` shared-memory slots of `slot_bytes` each (the largest
+    item of the weight stream), wte streamed `lm_rows` rows per item past the first `lm_keep` of a
+    block's rows, which it keeps in shared memory, `smem` dynamic bytes in all."""
+
+    blocks: int
+    splits: int
+    slot_bytes: int
+    slots: int
+    lm_rows: int
+    lm_keep: int
+    smem: int
+
+
+def step_plan(config: GPT2Config, dtype: str, sm_count: int, max_len: int, smem_limit: int) -> StepPlan | str:
+    """The persistent step's geometry (kernels/fused/decode_step.cu), or why it cannot run these shapes."""
+    NH, HS = config.n_head, config.head_size
+    item = 2 if dtype == "bfloat16" else 4
+    if HS % 32 or STEP_THREADS % HS:
+        return f"head size {HS}: decode_step needs a multiple of 32 dividing {STEP_THREADS}"
+    G = sm_count
+    most = min(G // NH, STEP_MAX_SPLITS)
+    if most < 1:
+        return f"{NH} heads on {G} SMs: decode_step needs a block per head"
+    why = ""
+    for splits in range(min(STEP_SPLITS[dtype], most), most + 1):  # the fewest from STEP_SPLITS that fit
+        plan = _step_plan(config, item, G, splits, max_len, smem_limit)
+        if isinstance(plan, StepPlan):
+            return plan
+        why = plan
+    return why
+
+
+def _step_plan(config: GPT2Config, item: int, G: int, splits: int, max_len: int, smem_limit: int) -> StepPlan | str:
+    """step_plan with `splits` key splits per head."""
+    C, HS, F = config.n_embd, config.head_size, config.mlp_width
+    cap = -(-max_len // splits)  # keys per split, at most
+    if cap > F:
+        return f"{cap} keys per split: decode_step keeps the scores in {F} floats"
+
+    def rows(N):
+        return -(-N // G)
+
+    def linear(N, K, ln):  # decode_step.cu's linear_item: rows, then LayerNorm's weight and folds, or biases
+        return rows(N) * K * item + (4 * K + 8 * (rows(N) + 2) if ln else 4 * (rows(N) + 8))
+
+    biggest = max(linear(3 * C, C, True), linear(F, C, True), linear(C, F, False))
+    attention = (2 * cap + -(-C // splits)) * HS * item  # a split's keys and values, its rows of W_proj[h]
+    slot = -(-max(biggest, attention, 8 * C + C * item) // 128) * 128
+    table = config.n_layer * 8 * len(LAYER_POINTERS)
+    fixed = 128 + 4 * (F + C) + table + STEP_STATIC_SMEM  # mbarriers, the input vector and x, the table
+    slots = min(STEP_SLOTS, (smem_limit - fixed) // slot)
+    if slots < 2:
+        return f"decode_step needs two slots of {slot} bytes and {fixed} more of shared memory; the device has {smem_limit}"
+    def parts(K):  # decode_step.cu's rows_dot: a row in P parts of at most 768 weights
+        return -(-K // 768)
+
+    for N, K in ((3 * C, C), (F, C), (C, F)):  # stages A, C, D
+        if rows(N) * parts(K) > STEP_THREADS:
+            return f"{rows(N)} rows of {K} per block: more row parts than decode_step's {STEP_THREADS} threads"
+    # stage E: chunks of lm_rows rows of wte with their folds (decode_step.cu's wte_rows), and the rows a
+    # block keeps in the shared memory left over (KeptRows: the rows, LN_f's weight, the folds), at
+    # least one row less than its share, so that every block streams at least one chunk. Chunks as large
+    # as the slot: in bfloat16 (38 rows) 30 rows a chunk, one round of rows_dot's tasks in place of two,
+    # was no faster (144.4 against 144.1 us a token, H200, position 264, same run), and 33 slower (146.6).
+    lm_rows = max(1, min(STEP_THREADS // parts(C), (slot - 16) // (C * item + 8)))
+    left = smem_limit - fixed - slots * slot - 4 * C - 16
+    lm_keep = max(0, min(STEP_THREADS // parts(C), rows(config.vocab_size) - 1, left // (C * item + 8)))
+    kept = lm_keep * C * item + 4 * C + 8 * (lm_keep + 2)
+    return StepPlan(blocks=G, splits=splits, slot_bytes=slot, slots=slots, lm_rows=lm_rows, lm_keep=lm_keep,
+                    smem=128 + slots * slot + 4 * (F + C) + table + kept)
