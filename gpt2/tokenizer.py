@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import codecs
 import functools
+import hashlib
 import json
 import os
 from pathlib import Path
 
-from .errors import CheckpointError, LabError
+from .errors import CheckpointError
 
 BPE_DIR = Path(__file__).resolve().parent / "bpe"  # OpenAI's encoder.json and vocab.bpe (MIT: LICENSE there)
 
@@ -25,24 +26,27 @@ def load_tokenizer(folder: str | Path | None = None):
     return gpt2_encoding()
 
 
-def gpt2_encoding():
-    """GPT-2's encoding, the same ids as tiktoken's "gpt2" (tests/test_gpt2.py checks both ways).
+# tiktoken's copies of the two files are named by the sha1 of the address it downloads them from
+TIKTOKEN_SOURCES = tuple(f"https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/{name}"
+                         for name in ("vocab.bpe", "encoder.json"))
 
-    Built from the files shipped in gpt2/bpe, unless TIKTOKEN_CACHE_DIR is set: then it is tiktoken's
-    own "gpt2" encoding, exactly as tiktoken gets it, reading its copies of the two files from that
-    folder (named by the sha1 of their URL) and downloading them into it when they are missing. An
-    empty TIKTOKEN_CACHE_DIR means, for tiktoken, no cache: download every time."""
-    if "TIKTOKEN_CACHE_DIR" not in os.environ:
-        return shipped_encoding()
+
+def gpt2_encoding():
+    """GPT-2's encoding, the same ids as tiktoken's "gpt2" (tests/test_tokenizer.py checks both ways).
+
+    Built from the files shipped in gpt2/bpe, unless TIKTOKEN_CACHE_DIR names a folder that holds
+    tiktoken's own copies of them: then it is tiktoken's "gpt2" encoding, read from that cache. A cache
+    without them is passed over rather than filled, so nothing here ever needs the network."""
     import tiktoken
 
-    try:
-        return tiktoken.get_encoding("gpt2")
-    except Exception as exc:  # missing from the cache, and no network to download them
-        raise LabError(
-            f"cannot load tiktoken's gpt2 encoding through TIKTOKEN_CACHE_DIR={os.environ['TIKTOKEN_CACHE_DIR']!r} "
-            f"({type(exc).__name__}); unset TIKTOKEN_CACHE_DIR to use the BPE files shipped in {BPE_DIR}"
-        ) from None
+    return tiktoken.get_encoding("gpt2") if tiktoken_cache_has_gpt2() else shipped_encoding()
+
+
+def tiktoken_cache_has_gpt2() -> bool:
+    folder = os.environ.get("TIKTOKEN_CACHE_DIR")
+    if not folder:
+        return False
+    return all((Path(folder) / hashlib.sha1(url.encode()).hexdigest()).is_file() for url in TIKTOKEN_SOURCES)
 
 
 @functools.cache

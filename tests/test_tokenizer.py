@@ -1,5 +1,6 @@
 """GPT-2's tokenizer: the BPE files shipped in gpt2/bpe give tiktoken's "gpt2" ids with no network
-and no cache; TIKTOKEN_CACHE_DIR, where set, still means tiktoken's own encoding through that cache;
+and no cache; TIKTOKEN_CACHE_DIR, where set, means tiktoken's own encoding when that cache holds
+its copies of the two files, and the shipped ones otherwise;
 a model folder's vocab.json and merges.txt build the same encoding; decoding streams whole characters."""
 
 import hashlib
@@ -9,8 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from gpt2 import CheckpointError, LabError
-from gpt2.tokenizer import BPE_DIR, StreamDecoder, from_files, gpt2_encoding, load_tokenizer, shipped_encoding
+from gpt2 import CheckpointError
+from gpt2.tokenizer import (
+    BPE_DIR,
+    TIKTOKEN_SOURCES,
+    StreamDecoder,
+    from_files,
+    gpt2_encoding,
+    load_tokenizer,
+    shipped_encoding,
+    tiktoken_cache_has_gpt2,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = "Hello, I'm a language model, naïve café 日本語 🤗\n\n\tit's  12345 <|endoftext|> done"
@@ -78,16 +88,20 @@ def test_the_shipped_encoding_is_tiktokens_gpt2(monkeypatch):
     assert shipped.encode_ordinary(VARIED) == reference.encode_ordinary(VARIED)
 
 
-def test_a_cache_that_cannot_serve_says_how_to_do_without(monkeypatch):
+def test_a_cache_without_the_files_is_passed_over(monkeypatch, tmp_path):
+    """TIKTOKEN_CACHE_DIR naming a folder without tiktoken's copies (a fresh machine, a device with no
+    network) gives the shipped encoding, and tiktoken is never asked, so nothing waits on the network."""
     import tiktoken
 
     def offline(name):
-        raise ConnectionError("no network")
+        raise AssertionError("tiktoken.get_encoding was called: it would try to download")
 
-    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "/nowhere")
     monkeypatch.setattr(tiktoken, "get_encoding", offline)
-    with pytest.raises(LabError, match="TIKTOKEN_CACHE_DIR='/nowhere' .*ConnectionError.*unset TIKTOKEN_CACHE_DIR"):
-        load_tokenizer()
+    for folder in ("", str(tmp_path), "/nowhere"):
+        monkeypatch.setenv("TIKTOKEN_CACHE_DIR", folder)
+        assert gpt2_encoding() is shipped_encoding()
+    (tmp_path / hashlib.sha1(TIKTOKEN_SOURCES[0].encode()).hexdigest()).write_text("")  # one of two files
+    assert not tiktoken_cache_has_gpt2()
 
 
 def test_tokenizer_round_trip():
