@@ -50,7 +50,7 @@ def linear(x, weight):
         # CuPy has no bfloat16 matrix product: bfloat16 operands, products accumulated in float32
         y = (x.astype(np.float32) @ weight.astype(np.float32).T).astype(weight.dtype)
     else:
-        y = x @ weight.T  # (N, out)
+        y = (x @ weight.T).astype(weight.dtype, copy=False)  # (N, out); NumPy's bfloat16 product gives float32
     return y.reshape(*shape[:-1], weight.shape[0])  # (..., out)
 
 
