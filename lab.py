@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""GPT-2 text generation with any attention rung, timed: the seed's 512-token run.
+"""GPT-2 or Llama 3 text generation with any attention rung, timed: the seed's 512-token run.
 
     python lab.py --kernel v02 --tokens 512 --random-weights   no KV cache: v02 runs for every token
     python lab.py --kernel v02 --kv-cache                       prefill with v02, then the fast decode step
@@ -7,13 +7,16 @@
     python lab.py --device cpu --model FOLDER --tokens 20       NumPy and the reference attention
     python lab.py --random-weights --kv-cache --profile-step     where a decode step's time goes, per kernel
     python lab.py --dtype bfloat16 --kernel v15                  16-bit weights and attention (float16 too)
+    python lab.py --model FOLDER --chat --prompt "Hi"           a Llama 3 checkpoint (config.json's model_type)
+    python lab.py --random-weights --size llama-3.2-1b --prompt-ids 128000,791   Llama's shapes, ids in and out
 
 Prints the text as it is generated, then a summary: model, attention, mode, token counts, seconds
 and tokens/s (warm-up and compilation excluded), time to first token and decode tokens/s, weight
 bytes per token and the bandwidth they imply against a measured copy ceiling (KV cache on the GPU),
 compile time, peak GPU memory, device. Greedy runs on the GPU use the fast path (gpt2/fast: fused
 kernels, a static KV cache, the decode step as one persistent kernel where the device runs it, else
-replayed as CUDA graphs); --no-graph runs the eager code.
+replayed as CUDA graphs); --no-graph runs the eager code. Llama runs the eager code (llama/model.py),
+its grouped-query attention through the rung (docs/llama.md).
 User errors print one line to stderr and exit 2; --check exits 1 when the tokens differ.
 """
 
@@ -33,14 +36,18 @@ import numpy as np
 import gpt2
 import gpt2.fast
 import kernels
-from gpt2 import LabError, Sampler, StreamDecoder, generate, reference_attend
+import llama
+from gpt2 import LabError, Sampler, StreamDecoder, reference_attend
 from gpt2.generate import decode_attention_name
+from gpt2.load import load_folder as gpt2_load_folder
 from gpt2.model import cast_params
+from lm import checkpoint
+from lm.summary import WARMUP_TOKENS, compare_with_reference, phase_times, print_summary
 
 REFERENCE = "reference"
 DEFAULT_PROMPT = "Hello, I'm a language model,"
 DTYPES = ("float32", "float16", "bfloat16")
-WARMUP_TOKENS = 2  # one full step and, with the KV cache, one decode step: every kernel compiled
+FAMILIES = {"gpt2": gpt2, "llama": llama}  # config.json's model_type -> the package
 
 
 class Parser(argparse.ArgumentParser):
@@ -53,10 +60,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                epilog="\n".join(__doc__.split("\n\n")[1:2]))
     p.add_argument("--kernel", help="attention rung (v02, v02_pad_k, a .cu path) or 'reference'; "
-                                    "default: the newest rung that takes --dtype on the GPU, the reference on the CPU")
+                                    "default: the newest rung that takes --dtype, the head size and (Llama) grouped-query "
+                                    "attention on the GPU, the reference on the CPU")
     p.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto",
                    help="gpu: CuPy; cpu: NumPy with the reference attention; auto: gpu if there is one")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"default {DEFAULT_PROMPT!r}")
+    p.add_argument("--prompt", help=f"default {DEFAULT_PROMPT!r}")
+    p.add_argument("--prompt-ids", metavar="IDS", help="the prompt as token ids, 128000,791,... (as given: no "
+                                                        "<|begin_of_text|> added); a model without a tokenizer "
+                                                        "(random Llama weights) then shows its output as ids")
+    p.add_argument("--chat", action="store_true", help="Llama: wrap --prompt in the Llama 3 instruct format (one "
+                                                       "user turn, then the assistant's header); "
+                                                       "--stop-at-eos then stops at <|eot_id|> too")
     p.add_argument("--tokens", type=int, default=512, help="new tokens to generate (default 512)")
     p.add_argument("--kv-cache", action="store_true",
                    help="prefill with the rung, then decode one token per step over a KV cache "
@@ -65,11 +79,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     p.add_argument("--top-k", type=int, help="sample among the k likeliest tokens (needs --temperature > 0)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed, and the random weights' seed (default 0)")
-    p.add_argument("--stop-at-eos", action="store_true", help="stop after <|endoftext|>")
-    p.add_argument("--model", help=f"hub id or local folder (default {gpt2.DEFAULT_MODEL}); "
-                                   "HF_HUB_OFFLINE=1 uses the cache only")
-    p.add_argument("--random-weights", action="store_true", help="GPT-2-shaped weights from --seed, no download")
-    p.add_argument("--size", choices=list(gpt2.SIZES), help="family member for --random-weights (default gpt2)")
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="stop after <|endoftext|> (GPT-2), after the config's eos_token_id (Llama)")
+    p.add_argument("--model", help=f"hub id or local folder (default {gpt2.DEFAULT_MODEL}); the model is "
+                                   "config.json's model_type (gpt2 or llama); HF_HUB_OFFLINE=1 uses the cache only")
+    p.add_argument("--random-weights", action="store_true",
+                   help="GPT-2- or Llama-shaped weights from --seed, no download")
+    p.add_argument("--size", choices=[*gpt2.SIZES, *llama.SIZES],
+                   help="family member for --random-weights (default gpt2)")
     p.add_argument("--check", action="store_true",
                    help="rerun with the reference attention: identical tokens? largest logit difference?")
     p.add_argument("--json", metavar="PATH", help="write the summary, prompt and token ids as JSON")
@@ -79,19 +96,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile-step", action="store_true",
                    help="after the run, time each kernel of one fast decode step (CUDA events) and the graph "
                         "replay per token, with and without the L2 prefetch hints (GPU, --kv-cache)")
-    p.add_argument("--dtype", choices=list(DTYPES), default="float32",
+    p.add_argument("--dtype", choices=list(DTYPES),
                    help="weights cast once at load, and the attention's inputs: the rung must declare the dtype "
                         "(lab.dtypes). 16-bit: products, q, k, v and the KV cache in the dtype; LayerNorm, softmax, "
                         "GELU, accumulation and logits float32. bfloat16 greedy KV-cache runs take the fast path, "
-                        "the rest the eager model; default float32")
+                        "the rest the eager model; default float32 for GPT-2, bfloat16 for Llama")
     return p.parse_args(argv)
 
 
 def check_args(args) -> None:
     if args.tokens < 1:
         raise LabError(f"--tokens must be at least 1, got {args.tokens}")
-    if not args.prompt:
+    if args.prompt is not None and not args.prompt:
         raise LabError("--prompt is empty: give at least one character")
+    if args.prompt_ids is not None:
+        if args.prompt is not None or args.chat:
+            raise LabError("--prompt-ids is the prompt: it excludes --prompt and --chat")
+        args.prompt_ids = parse_ids(args.prompt_ids)
     if args.model is not None and args.random_weights:
         raise LabError("--model and --random-weights exclude each other")
     if args.size is not None and not args.random_weights:
@@ -101,6 +122,16 @@ def check_args(args) -> None:
     Sampler(args.temperature, args.top_k, args.seed)  # raises LabError on a bad temperature or top-k
     if args.profile_step and (args.no_graph or not args.kv_cache):
         raise LabError("--profile-step times the fast decode step: it needs --kv-cache and no --no-graph")
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",")]
+    except ValueError:
+        raise LabError(f"--prompt-ids {text!r}: expected token ids separated by commas, e.g. 128000,791") from None
+    if min(ids) < 0:
+        raise LabError(f"--prompt-ids: token id {min(ids)} is negative")
+    return ids
 
 
 def pick_device(choice: str) -> str:
@@ -151,10 +182,81 @@ def make_attend(kernel: str, dtype: str = "float32"):
     return attend
 
 
-def load_checkpoint(args, xp):
+def locate_model(args) -> tuple[str, Path | None, Path | None]:
+    """The family ("gpt2" or "llama": --size's, or config.json's model_type; a folder without
+    config.json is GPT-2's) and, for --model, its folder (a hub id downloaded) and a named .safetensors."""
     if args.random_weights:
-        return gpt2.random_weights(args.size or "gpt2", seed=args.seed, xp=xp)
-    return gpt2.load(args.model or gpt2.DEFAULT_MODEL, xp=xp)
+        return ("llama" if args.size in llama.SIZES else "gpt2"), None, None
+    folder, file = checkpoint.locate(args.model or gpt2.DEFAULT_MODEL)
+    family = checkpoint.model_type(folder) or "gpt2"
+    if family not in FAMILIES:
+        raise LabError(f"{folder / 'config.json'}: model_type {family!r} is not a model the lab runs "
+                       f"({', '.join(FAMILIES)})")
+    return family, folder, file
+
+
+def load_checkpoint(args, family: str, folder: Path | None, file: Path | None, xp):
+    if args.random_weights:
+        return FAMILIES[family].random_weights(args.size or "gpt2", seed=args.seed, xp=xp)
+    load_folder = gpt2_load_folder if family == "gpt2" else llama.load_folder
+    return load_folder(folder, xp=xp, name=args.model or gpt2.DEFAULT_MODEL, file=file)
+
+
+def rungs_taking(config, dtype: str) -> list[str]:
+    """The rungs that take the model's head size, grouped-query attention if it has it, and dtype."""
+    gqa = config.kv_heads != config.n_head
+    return [n for n in kernels.names() if config.head_size in kernels.load(n).head_sizes()
+            and dtype in kernels.load(n).dtypes and (not gqa or "gqa" in kernels.load(n).supports)]
+
+
+def fit_kernel(kernel: str, asked: str | None, config, dtype: str, device: str, arch: str | None) -> str:
+    """The rung for this model: the one asked for, refused (naming the rungs that would do) if it
+    lacks the head size or grouped-query attention; by default on the GPU the newest whole-sequence
+    rung that takes the model and runs there, else the reference."""
+    able = rungs_taking(config, dtype)
+    if asked is None:
+        if device != "gpu":
+            return REFERENCE
+        prefill = [n for n in able if not kernels.load(n).split_kv and kernels.load(n).runs_on(arch)]
+        return prefill[-1] if prefill else REFERENCE
+    if kernel == REFERENCE:
+        return kernel
+    rung = kernels.load(kernel)
+    others = f"; {', '.join(able)} take it in {dtype}" if able else f"; no rung takes it in {dtype}"
+    if config.head_size not in rung.head_sizes():
+        sizes = ", ".join(map(str, rung.head_sizes()))
+        raise LabError(f"kernel {kernel} supports head sizes {sizes}; this model's is {config.head_size}{others}")
+    if config.kv_heads != config.n_head and "gqa" not in rung.supports:
+        raise LabError(f"kernel {kernel} does not take grouped-query attention ({config.kv_heads} key/value heads "
+                       f"for {config.n_head} query heads){others}")
+    return kernel
+
+
+def encode_prompt(args, family: str, encoding) -> list[int]:
+    """--prompt-ids as given, or --prompt through the tokenizer (Llama: after <|begin_of_text|>, or in
+    the chat format with --chat)."""
+    if args.chat and family != "llama":
+        raise LabError("--chat wraps the prompt in Llama 3's instruct format; GPT-2 has none")
+    if args.prompt_ids is not None:
+        return args.prompt_ids
+    text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    if family == "gpt2":
+        return encoding.encode(text, allowed_special="all")
+    if encoding is None:
+        where = "random weights have" if args.random_weights else f"{args.model} has"
+        raise LabError(f"{where} no tokenizer.model: give the prompt as token ids, --prompt-ids 128000,791,...")
+    return llama.tokenizer.chat(encoding, text) if args.chat else llama.tokenizer.encode(encoding, text)
+
+
+def eos_ids(args, family: str, config, encoding) -> tuple[int, ...]:
+    """What --stop-at-eos stops at: <|endoftext|> (GPT-2); the config's eos_token_id (Llama), and with
+    --chat <|eot_id|>, which ends the assistant's turn."""
+    if not args.stop_at_eos:
+        return ()
+    if family == "gpt2":
+        return (config.eos_token_id,)
+    chat = (llama.tokenizer.special(encoding, "<|eot_id|>"),) if args.chat else ()
+    return tuple(dict.fromkeys(config.eos_token_id + chat))
 
 
 def device_name(device: str) -> str:
@@ -176,38 +278,43 @@ def device_name(device: str) -> str:
 def run(args) -> int:
     check_args(args)
     device = pick_device(args.device)
-    kernel = pick_kernel(args.kernel, device, args.device, args.dtype,
-                         kernels.device_limits().arch if device == "gpu" else None)
+    family, folder, file = locate_model(args)
+    args.dtype = args.dtype or ("float32" if family == "gpt2" else llama.DEFAULT_DTYPE)
+    arch = kernels.device_limits().arch if device == "gpu" else None
+    kernel = pick_kernel(args.kernel, device, args.device, args.dtype, arch)
     if device == "gpu":
         import cupy as xp
     else:
         xp = np
-    if device == "cpu" and args.profile_step:
-        raise LabError("--profile-step needs the GPU (the fast path)")
-    ckpt = load_checkpoint(args, xp)
+    if args.profile_step and (device == "cpu" or family != "gpt2"):
+        raise LabError("--profile-step needs the GPU (the fast path)" if device == "cpu"
+                       else "--profile-step times GPT-2's fast decode step; Llama runs the eager model")
+    encoding = gpt2.load_tokenizer(folder) if family == "gpt2" else llama.load_tokenizer(folder)
+    prompt = encode_prompt(args, family, encoding)
+    ckpt = load_checkpoint(args, family, folder, file, xp)
     config = ckpt.config
+    kernel = fit_kernel(kernel, args.kernel, config, args.dtype, device, arch)
     ckpt.params = cast_params(ckpt.params, args.dtype)  # once; float32: the arrays as loaded
-    if kernel != REFERENCE and config.head_size not in kernels.load(kernel).head_sizes():
-        sizes = ", ".join(map(str, kernels.load(kernel).head_sizes()))
-        raise LabError(f"kernel {kernel} supports head sizes {sizes}; this model's is {config.head_size}")
-    encoding = gpt2.load_tokenizer(ckpt.folder)
-    prompt = encoding.encode(args.prompt, allowed_special="all")
     if len(prompt) + args.tokens > config.n_positions:
         raise LabError(f"{len(prompt)} prompt tokens + --tokens {args.tokens} = {len(prompt) + args.tokens} "
                        f"positions, but the model has {config.n_positions}")
     attend = make_attend(kernel, args.dtype)
-    eos = config.eos_token_id if args.stop_at_eos else None
-    fast_why = "--no-graph" if args.no_graph else "NumPy on the CPU" if device == "cpu" else gpt2.fast.unsupported_reason(
-        ckpt.params, config, kv_cache=args.kv_cache, sampler=Sampler(args.temperature, args.top_k, args.seed))
+    eos = eos_ids(args, family, config, encoding)
+    fast_why = ("--no-graph" if args.no_graph else "NumPy on the CPU" if device == "cpu"
+                else "no fast path for Llama yet" if family != "gpt2" else gpt2.fast.unsupported_reason(
+                    ckpt.params, config, kv_cache=args.kv_cache, sampler=Sampler(args.temperature, args.top_k, args.seed)))
 
     def sync():
         if device == "gpu":
             xp.cuda.Device().synchronize()
 
     def run_once(attention, n_new, **kw):
-        return generate(ckpt.params, config, prompt, n_new, attend=attention, kv_cache=args.kv_cache,
-                        sampler=Sampler(args.temperature, args.top_k, args.seed), eos_id=eos,
-                        fast=not args.no_graph, **kw)
+        sampler = Sampler(args.temperature, args.top_k, args.seed)
+        if family == "gpt2":
+            return gpt2.generate(ckpt.params, config, prompt, n_new, attend=attention, kv_cache=args.kv_cache,
+                                 sampler=sampler, eos_id=eos[0] if eos else None, fast=not args.no_graph, **kw)
+        return llama.generate(ckpt.params, config, prompt, n_new, attend=attention, kv_cache=args.kv_cache,
+                              sampler=sampler, eos_ids=eos, **kw)
 
     # Warm-up outside the timing: compiles the rung (NVRTC) and CuPy's own elementwise kernels.
     compile_start = kernels.runtime.compile_seconds
@@ -219,16 +326,21 @@ def run(args) -> int:
     if pool is not None:
         pool.free_all_blocks()  # from here the pool only grows: what it holds at the end is its peak
 
-    stream = StreamDecoder(encoding)
+    # without a tokenizer (random Llama weights) the prompt and the new tokens are shown as ids
+    stream = StreamDecoder(encoding) if encoding is not None else lambda token: f" {token}"
     stamps = []  # host time of each token's arrival: the first one is the time to first token
 
     def show(token):
         stamps.append(time.perf_counter())
-        if token != eos:
+        if token not in eos:
             sys.stdout.write(stream(token))
             sys.stdout.flush()
 
-    sys.stdout.write(args.prompt)
+    if args.prompt_ids is None:  # the text as typed (with --chat: the user's turn)
+        shown_prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    else:
+        shown_prompt = encoding.decode(prompt) if encoding is not None else None
+    sys.stdout.write(shown_prompt if shown_prompt is not None else ",".join(map(str, prompt)))
     sys.stdout.flush()
     sync()
     compile_before = kernels.runtime.compile_seconds
@@ -236,17 +348,18 @@ def run(args) -> int:
     result = run_once(attend, args.tokens, on_token=show)
     sync()
     seconds = time.perf_counter() - start - (kernels.runtime.compile_seconds - compile_before)
-    sys.stdout.write(stream.flush() + "\n")
+    sys.stdout.write((stream.flush() if encoding is not None else "") + "\n")
     peak = pool.total_bytes() if pool is not None else None
 
     check = compare_with_reference(run_once, attend, result, args.tokens, xp) if args.check else None
     n_new = len(result.tokens)
     phases = phase_times(stamps, start, n_new)
-    if args.kv_cache and device == "gpu" and args.dtype in gpt2.fast.DTYPES:  # the dtypes it counts bytes for
+    if family == "gpt2" and args.kv_cache and device == "gpu" and args.dtype in gpt2.fast.DTYPES:  # the dtypes it counts bytes for
         phases |= bandwidth(config, args.dtype, phases["decode_tokens_per_second"])
     profile = profile_step(ckpt, config, len(prompt) + n_new - 1) if args.profile_step else None
     summary = {
         "model": ckpt.name,
+        "family": family,
         "n_params": ckpt.n_params,
         "config": asdict(config),
         "kernel": kernel,
@@ -262,10 +375,12 @@ def run(args) -> int:
         "dtype": args.dtype,
         "device": device,
         "device_name": device_name(device),
-        "prompt": args.prompt,
+        "prompt": shown_prompt,
         "prompt_tokens": prompt,
         "generated_tokens": result.tokens,
-        "generated_text": encoding.decode(result.tokens),
+        "generated_text": encoding.decode(result.tokens) if encoding is not None else None,
+        "tokenizer_note": None if encoding is not None else
+        "none (no tokenizer.model: random weights, or a folder without one): prompt and output as token ids",
         "n_prompt_tokens": len(prompt),
         "n_new_tokens": n_new,
         "seconds": seconds,
@@ -281,6 +396,7 @@ def run(args) -> int:
         "top_k": args.top_k,
         "seed": args.seed,
         "stop_at_eos": args.stop_at_eos,
+        "eos_ids": list(eos),
         "stopped_at_eos": result.stopped_at_eos,
         "check": check,
     }
@@ -288,15 +404,6 @@ def run(args) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
     return 1 if check is not None and not check["identical"] else 0
-
-
-def phase_times(stamps: list[float], start: float, n_new: int) -> dict:
-    """Time to first token (the prefill: host clock when the first token arrived) and the rate of the
-    tokens after it (from the first token's arrival to the last's)."""
-    first = stamps[0] - start if stamps else None
-    span = stamps[-1] - stamps[0] if len(stamps) > 1 else 0.0
-    return {"time_to_first_token_seconds": first,
-            "decode_tokens_per_second": (len(stamps) - 1) / span if span > 0 else None}
 
 
 def bandwidth(config, dtype: str, decode_tokens_per_second) -> dict:
@@ -342,118 +449,6 @@ def profile_step(ckpt, config, position: int) -> dict:
             {"kind": kind, "stages": n, "ms": ms, "work_ms": work[kind], "wait_ms": wait[kind]}
             for kind, n, ms in gpt2.fast.by_kind([(name, total) for name, total, _, _ in stages])]
     return out
-
-
-def compare_with_reference(run_once, attend, timed, n_new: int, xp) -> dict:
-    """Rerun with the rung and with the reference attention, both recording each step's logits
-    (kept out of the timed run). Logits are compared over the steps whose inputs were identical:
-    up to and including the first differing token."""
-    rung = run_once(attend, n_new, record_logits=True)
-    ref = run_once(reference_attend, n_new, record_logits=True, decode_attend=reference_attend)
-    n = min(len(rung.tokens), len(ref.tokens))
-    first = next((i for i in range(n) if rung.tokens[i] != ref.tokens[i]), None)
-    steps = n if first is None else first + 1
-    diff = max(float(xp.abs(a - b).max()) for a, b in zip(rung.logits[:steps], ref.logits[:steps], strict=True))
-    return {
-        "identical": first is None and len(rung.tokens) == len(ref.tokens),
-        "first_difference": first if first is not None else (n if len(rung.tokens) != len(ref.tokens) else None),
-        "max_logit_diff": diff,
-        "steps_compared": steps,
-        "reference_tokens": ref.tokens,
-        "rerun_matches_timed_run": rung.tokens == timed.tokens,
-    }
-
-
-def print_summary(s: dict) -> None:
-    if s["mode"] == "kv-cache":
-        mode = f"KV cache: prefill with {s['kernel']}, decode attention: {s['decode_attention']}"
-    else:
-        mode = f"no KV cache: every step recomputes the whole sequence with {s['kernel']}"
-    peak = (f"{s['peak_gpu_memory_bytes'] / 2**20:.1f} MiB (CuPy memory pool high-water mark, weights included)"
-            if s["peak_gpu_memory_bytes"] is not None else "n/a (cpu)")
-    rows = [
-        ("model", f"{s['model']}, {s['n_params'] / 1e6:.1f}M parameters"),
-        ("attention", s["kernel"]),
-        ("mode", mode),
-        ("prompt tokens", s["n_prompt_tokens"]),
-        ("new tokens", s["n_new_tokens"] if not s["stopped_at_eos"] else f"{s['n_new_tokens']} (stopped at end-of-text)"),
-        ("seconds", f"{s['seconds']:.3f} (warm-up and compilation excluded)"),
-        ("tokens/s", f"{s['tokens_per_second']:.1f}"),
-        ("engine", engine_line(s)),
-    ]
-    if s["time_to_first_token_seconds"] is not None:
-        rows.append(("first token", f"{1e3 * s['time_to_first_token_seconds']:.1f} ms after the start "
-                                    f"(prefill of {s['n_prompt_tokens']} prompt tokens; host clock at its arrival)"))
-    if s["decode_tokens_per_second"]:
-        rows.append(("decode", f"{s['decode_tokens_per_second']:.1f} tokens/s after the first token "
-                               f"({1e3 / s['decode_tokens_per_second']:.3f} ms per token)"))
-    if s.get("weight_bytes_per_token"):
-        rows.append(("weights/token", f"{s['weight_bytes_per_token'] / 1e6:.1f} MB ({s['dtype']}): every weight read "
-                                      "once per decode step (KV cache not counted)"))
-    if s.get("achieved_weight_bytes_per_second"):
-        rows.append(("bandwidth", f"{s['achieved_weight_bytes_per_second'] / 1e9:.0f} GB/s of weights = "
-                                  f"{100 * s['fraction_of_copy_ceiling']:.0f}% of a "
-                                  f"{s['copy_ceiling_bytes_per_second'] / 1e9:.0f} GB/s copy ceiling "
-                                  f"({s['copy_ceiling_measure']})"))
-    rows += [
-        ("compile time", f"{s['compile_seconds']:.3f} s (rungs and fused kernels; not in the timing)"),
-        ("warm-up", f"{s['warmup_seconds']:.3f} s ({WARMUP_TOKENS} tokens before the timed run; not in the timing)"),
-        ("peak GPU memory", peak),
-        ("device", s["device_name"]),
-    ]
-    if s["check"] is not None:
-        c = s["check"]
-        if c["identical"]:
-            verdict = f"tokens identical to the reference attention's ({s['n_new_tokens']} of {s['n_new_tokens']})"
-        else:
-            verdict = f"tokens DIFFER from the reference attention's from new token {c['first_difference']}"
-        rows.append(("check", f"{verdict}; largest logit difference {c['max_logit_diff']:.3g} "
-                              f"over {c['steps_compared']} steps"))
-        if not c["rerun_matches_timed_run"]:
-            rows.append(("", "note: rerunning the rung gave other tokens than the timed run (nondeterministic)"))
-    print("-" * 60)
-    for key, value in rows:
-        print(f"{key:<17}{value}")
-    if s["profile_step"] is not None:
-        print_profile(s["profile_step"])
-
-
-def engine_line(s: dict) -> str:
-    if s["engine"] != "fast":
-        return f"eager: gpt2/model.py step by step ({s['engine_note']})"
-    if s["mode"] == "kv-cache" and s.get("persistent") == "on":
-        return (f"fast ({s['dtype']}): static KV cache, the decode step as one persistent kernel per window of "
-                "tokens (kernels/fused/decode_step.cu)")
-    if s["mode"] == "kv-cache":
-        return (f"fast ({s['dtype']}): fused kernels, static KV cache, the decode step replayed as a CUDA graph "
-                f"(programmatic dependent launch {s['pdl']}; persistent step {s.get('persistent')})")
-    products = "kernels/fused/gemm.cu (3xTF32 wgmma)" if s.get("products") == "3xtf32" else "cuBLAS SGEMM"
-    return f"fast ({s['dtype']}): fused kernels, the products on {products}, the whole sequence every step"
-
-
-def print_profile(p: dict) -> None:
-    total = p["kernel_ms_sum"]
-    print("-" * 60)
-    print(f"one decode step at position {p['position']}, each kernel timed alone (events, launched back to back):")
-    for row in p["by_kind"]:
-        print(f"  {row['kind']:<28}{row['launches']:>4} x {1e3 * row['ms'] / row['launches']:7.1f} us = "
-              f"{1e3 * row['ms']:8.1f} us  {100 * row['ms'] / total:5.1f}%")
-    print(f"  {'sum of kernels':<28}{len(p['kernels']):>4} launches {1e3 * total:13.1f} us")
-    print(f"graph replay ({p['graph_replay']}): {1e3 * p['graph_ms_per_token']:.1f} us per token as generate() "
-          f"runs it (programmatic dependent launch {p['pdl']}, L2 prefetch hints on); "
-          f"{1e3 * p['graph_ms_per_token_without_prefetch']:.1f} us without the prefetch hints"
-          + (f", {1e3 * p['graph_ms_per_token_without_pdl']:.1f} us with plain launches"
-             if p["graph_ms_per_token_without_pdl"] is not None else ""))
-    if p.get("persistent_stages"):
-        print(f"persistent step: {1e3 * p['persistent_ms_per_token']:.1f} us per token as generate() runs it; its "
-              "stages (second of two steps; from the previous stage's last start to this one's, the slowest "
-              "block's work, the median block's wait for the next stage's inputs):")
-        for row in p["persistent_stages"]:
-            n = row["stages"]
-            print(f"  {row['kind']:<28}{n:>4} x {1e3 * row['ms'] / n:7.2f} us  (work {1e3 * row['work_ms'] / n:6.2f}, "
-                  f"wait {1e3 * row['wait_ms'] / n:5.2f})")
-    else:
-        print(f"persistent step: {p.get('persistent')}")
 
 
 def main(argv=None) -> int:

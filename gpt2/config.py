@@ -32,6 +32,10 @@ class GPT2Config:
         return self.n_embd // self.n_head
 
     @property
+    def kv_heads(self) -> int:  # what the shared KV cache keeps: GPT-2 has a key/value head per query head
+        return self.n_head
+
+    @property
     def mlp_width(self) -> int:
         return self.n_inner or 4 * self.n_embd
 

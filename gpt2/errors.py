@@ -1,13 +1,6 @@
-"""Errors that are the user's to fix: lab.py prints the message on one line and exits 2."""
+"""Errors that are the user's to fix: lab.py prints the message on one line and exits 2.
+They are the lab's, shared with llama/ (lm/errors.py); gpt2.errors names them too."""
 
+from lm.errors import CheckpointError, LabError, ModelSourceError
 
-class LabError(Exception):
-    """A bad argument or a missing resource, with a message that says what to do."""
-
-
-class CheckpointError(LabError):
-    """A checkpoint that is missing, unreadable, or not GPT-2-shaped (the message names the tensor)."""
-
-
-class ModelSourceError(LabError):
-    """A hub model that can be neither found in the cache nor downloaded."""
+__all__ = ["CheckpointError", "LabError", "ModelSourceError"]

@@ -1,4 +1,5 @@
-"""Autoregressive generation, in the two modes the lab compares.
+"""Autoregressive generation, in the two modes the lab compares (lm/generate.py: the eager loop,
+the Sampler and the decode rung, shared with llama/).
 
 - no KV cache (the seed's setup): every step runs the whole sequence so far through the model,
   so the attention under test runs on every token, at every length up to prompt + new tokens;
@@ -8,97 +9,36 @@
 
 On the GPU, greedy generation takes the fast path by default (gpt2/fast: fused kernels, a static
 KV cache and the decode step replayed as a CUDA graph; its own decode attention). `fast=False` runs
-the readable eager code below, model.forward step by step.
+the readable eager loop of lm/generate.py, model.forward step by step.
 """
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-import kernels
-from kernels import reference_attention
+from lm import generate as eager
+from lm.generate import (  # noqa: F401 (gpt2.generate names them)
+    Generation,
+    Sampler,
+    check_request,
+    decode_attention_name,
+    decode_rung,
+    decode_rung_attend,
+    reference_attend,
+)
 
 from .config import GPT2Config
-from .errors import LabError
-from .generation import Generation
-from .model import KVCache, array_module, compute_dtype, forward
-
-
-def reference_attend(q, k, v):
-    """kernels.reference_attention in the array type it is given (causal, aligned bottom-right)."""
-    return reference_attention(q, k, v, causal=True)
-
-
-def decode_rung(config: GPT2Config, dtype: str) -> str | None:
-    """The newest split-KV rung (one query over the cached keys, the keys split across blocks) that
-    runs on this device and takes the model's head size and dtype; None if none does."""
-    arch = kernels.device_limits().arch
-    for name in reversed(kernels.names()):
-        rung = kernels.load(name)
-        if rung.split_kv and rung.runs_on(arch) and config.head_size in rung.head_sizes() and dtype in rung.dtypes:
-            return name
-    return None
-
-
-def decode_rung_attend(name: str):
-    """The decode rung `name` on CuPy arrays: q (B, NH, 1, hs) over the cache views k, v
-    (B, NH, T_k, hs), read through their strides (unit last stride)."""
-    return lambda q, k, v: kernels.attention(q, k, v, kernel=name, causal=True)
-
-
-def decode_attention_name(xp, config: GPT2Config, dtype: str) -> str:
-    """What the eager KV-cache path decodes with: the decode rung for CuPy arrays of a head size and
-    dtype it takes, else "reference"."""
-    if xp is np:
-        return "reference"
-    return decode_rung(config, dtype) or "reference"
-
-
-class Sampler:
-    """Greedy when temperature is 0; otherwise softmax(logits / temperature) over the top_k
-    largest logits (all if top_k is None), drawn from a NumPy generator seeded with `seed`."""
-
-    def __init__(self, temperature: float = 0.0, top_k: int | None = None, seed: int | None = 0):
-        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
-            raise LabError(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
-        if top_k is not None and top_k < 1:
-            raise LabError(f"top-k must be at least 1, got {top_k}")
-        if top_k is not None and temperature == 0:
-            raise LabError("top-k needs a temperature > 0 (temperature 0 is greedy)")
-        self.temperature, self.top_k = float(temperature), top_k
-        self.rng = np.random.default_rng(seed)
-
-    def __call__(self, logits) -> int:
-        """The next token from one position's logits (vocab,), a NumPy or CuPy array."""
-        if self.temperature == 0:
-            return int(logits.argmax())
-        z = (logits.get() if hasattr(logits, "get") else np.asarray(logits)).astype(np.float64)
-        z /= self.temperature
-        if self.top_k is not None and self.top_k < z.size:
-            kth = np.partition(z, -self.top_k)[-self.top_k]
-            z[z < kth] = -np.inf
-        p = np.exp(z - z.max())
-        return int(self.rng.choice(z.size, p=p / p.sum()))
+from .model import array_module, compute_dtype, forward
 
 
 def generate(params: dict, config: GPT2Config, prompt: list[int], n_new: int, *, attend,
              kv_cache: bool = False, decode_attend=None, sampler: Sampler | None = None,
              eos_id: int | None = None, on_token=None, record_logits: bool = False, fast: bool = True) -> Generation:
     """n_new tokens after `prompt` (one sequence); on_token(token) is called as each is chosen.
-    Stops early after `eos_id` if it is given. fast: greedy runs on the GPU go through gpt2/fast
+    Stops early after `eos_id` if it is given. fast: greedy runs on the GPU go through gpt2/fast.py
     (gpt2.fast.unsupported_reason says when they cannot); False forces the eager path, whose decode
     steps use `decode_attend`, by default as decode_attention_name says."""
-    if not prompt:
-        raise LabError("the prompt must have at least one token")
-    if n_new < 1:
-        raise LabError(f"the number of new tokens must be at least 1, got {n_new}")
-    if len(prompt) + n_new > config.n_positions:
-        raise LabError(f"{len(prompt)} prompt tokens + {n_new} new tokens = {len(prompt) + n_new} positions, "
-                       f"but the model has {config.n_positions}")
-    if max(prompt) >= config.vocab_size or min(prompt) < 0:
-        raise LabError(f"token id {max(prompt)} is outside the model's vocabulary of {config.vocab_size}")
+    check_request(config, prompt, n_new)
     xp = array_module(params["wte.weight"])
     if fast and xp is not np:
         from . import fast as fast_path
@@ -107,29 +47,6 @@ def generate(params: dict, config: GPT2Config, prompt: list[int], n_new: int, *,
                                         record_logits=record_logits) is None:
             return fast_path.generate(params, config, prompt, n_new, attend=attend, kv_cache=kv_cache,
                                       eos_id=eos_id, on_token=on_token)
-    sampler = sampler or Sampler()
-    if decode_attend is None:
-        name = decode_attention_name(xp, config, compute_dtype(params).name)
-        decode_attend = reference_attend if name == "reference" else decode_rung_attend(name)
-    ids = list(prompt)
-    out = Generation(tokens=[])
-    cache = KVCache(config, 1, len(prompt) + n_new - 1, xp, compute_dtype(params)) if kv_cache else None
-    for step in range(n_new):
-        if cache is None:  # the whole sequence, every step
-            logits = forward(params, config, xp.asarray([ids]), attend, last_only=True)  # (1, 1, vocab)
-        elif step == 0:  # prefill: the prompt through the attention under test
-            logits = forward(params, config, xp.asarray([ids]), attend, cache=cache, last_only=True)
-        else:  # decode: the newest token's query over every cached key
-            logits = forward(params, config, xp.asarray([ids[-1:]]), decode_attend, cache=cache, last_only=True)
-        row = logits[0, -1]  # (vocab,)
-        if record_logits:
-            out.logits.append(row)
-        token = sampler(row)
-        ids.append(token)
-        out.tokens.append(token)
-        if on_token is not None:
-            on_token(token)
-        if eos_id is not None and token == eos_id:
-            out.stopped_at_eos = True
-            break
-    return out
+    return eager.generate(forward, params, config, prompt, n_new, attend=attend, dtype=compute_dtype(params),
+                          kv_cache=kv_cache, decode_attend=decode_attend, sampler=sampler,
+                          eos_ids=() if eos_id is None else (eos_id,), on_token=on_token, record_logits=record_logits)

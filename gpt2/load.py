@@ -23,13 +23,13 @@ from pathlib import Path
 
 import numpy as np
 
+from lm.checkpoint import HUB_FILES, download, listed, locate, read_checkpoint  # noqa: F401 (gpt2.load names them)
+
 from . import config as config_mod
 from .config import SIZES, GPT2Config
-from .errors import CheckpointError, ModelSourceError
+from .errors import CheckpointError
 
 DEFAULT_MODEL = "openai-community/gpt2"
-HUB_FILES = ["config.json", "model.safetensors", "model-*.safetensors", "model.safetensors.index.json",
-             "vocab.json", "merges.txt"]
 _BUFFER = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
 
 
@@ -70,49 +70,10 @@ def load(source: str | os.PathLike | None = None, *, xp=np) -> Checkpoint:
     return load_folder(folder, xp=xp, name=source, file=file)
 
 
-def locate(source: str) -> tuple[Path, Path | None]:
-    """The local folder holding the checkpoint (downloading a hub model into the cache if need be),
-    and the .safetensors file if one was named directly."""
-    path = Path(source).expanduser()
-    if path.is_dir():
-        return path, None
-    if path.is_file():
-        if path.suffix != ".safetensors":
-            raise CheckpointError(f"{source}: expected a folder or a .safetensors file")
-        return path.parent, path
-    if source.startswith((".", "/", "~")) or source.count("/") != 1 or path.suffix == ".safetensors":
-        raise CheckpointError(f"{source}: no such folder or file (a hub id looks like owner/name)")
-    return Path(download(source)), None
-
-
-def download(repo_id: str) -> str:
-    """Fetch (or find in the cache) a hub model's safetensors, config and tokenizer files.
-    huggingface_hub honours HF_HUB_OFFLINE, HF_HOME and HF_HUB_CACHE itself."""
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError:  # pragma: no cover - a declared dependency
-        raise ModelSourceError(f"cannot fetch {repo_id}: huggingface_hub is not installed; "
-                               "use --model PATH for a local folder, or --random-weights") from None
-    try:
-        return snapshot_download(repo_id, allow_patterns=HUB_FILES)
-    except Exception as exc:  # the hub raises many types (offline, DNS, HTTP, bad id): all mean the same here
-        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-        why = "HF_HUB_OFFLINE is set" if offline else f"{type(exc).__name__}: {_first_line(exc)}"
-        raise ModelSourceError(
-            f"cannot load {repo_id}: not in the Hugging Face cache and not downloadable ({why}); "
-            "use --model PATH for a local folder with model.safetensors, or --random-weights"
-        ) from None
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = [s.strip() for s in str(exc).splitlines() if s.strip()]
-    return lines[0] if lines else "no details"
-
-
 def load_folder(folder: str | os.PathLike, *, xp=np, name: str | None = None, file: Path | None = None) -> Checkpoint:
     """config.json (if present) and model.safetensors (or its shards) from one folder."""
     folder = Path(folder)
-    tensors = read_safetensors(safetensors_files(folder, file))
+    tensors = read_checkpoint(folder, file, skip=lambda key: _BUFFER.match(key.removeprefix("transformer.")))
     params = normalize(tensors)
     config_path = folder / "config.json"
     config = config_mod.from_json(config_path) if config_path.is_file() else config_mod.from_shapes(
@@ -120,47 +81,6 @@ def load_folder(folder: str | os.PathLike, *, xp=np, name: str | None = None, fi
     check_shapes(params, config)
     params = {k: xp.asarray(v) for k, v in params.items()}
     return Checkpoint(name=name or str(folder), config=config, params=params, folder=folder)
-
-
-def safetensors_files(folder: Path, file: Path | None = None) -> list[Path]:
-    if file is not None:
-        return [file]
-    single = folder / "model.safetensors"
-    if single.is_file():
-        return [single]
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index}: not a safetensors index ({exc})") from None
-        return [folder / f for f in sorted(set(weight_map.values()))]
-    others = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".h5", ".msgpack"))
-    hint = f" (it has {', '.join(others)}: re-save it with safetensors)" if others else ""
-    raise CheckpointError(f"{folder}: no model.safetensors{hint}")
-
-
-def read_safetensors(files: list[Path]) -> dict[str, np.ndarray]:
-    """Every tensor, as stored, into NumPy arrays (float32)."""
-    from safetensors import SafetensorError, safe_open
-
-    tensors = {}
-    for path in files:
-        if not path.is_file():
-            raise CheckpointError(f"{path}: missing (named by the checkpoint's index)")
-        try:
-            with safe_open(str(path), framework="numpy") as f:
-                for key in f.keys():
-                    if not _BUFFER.match(key.removeprefix("transformer.")):  # never read the mask buffers
-                        tensors[key] = f.get_tensor(key)
-        except (SafetensorError, OSError, ValueError, TypeError) as exc:
-            raise CheckpointError(f"{path}: not a readable safetensors file ({_first_line(exc)})") from None
-    for key, t in tensors.items():
-        if t.dtype != np.float32:
-            if not np.issubdtype(t.dtype, np.floating):
-                raise CheckpointError(f"{key}: dtype {t.dtype}, expected floating point")
-            tensors[key] = t.astype(np.float32)
-    return tensors
 
 
 def normalize(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -188,17 +108,12 @@ def check_shapes(params: dict, config: GPT2Config) -> None:
     missing = [k for k in expected if k not in params]
     unexpected = [k for k in params if k not in expected]
     if missing:
-        raise CheckpointError(f"{_listed(missing)} missing for {config.n_layer} layers of width {config.n_embd}")
+        raise CheckpointError(f"{listed(missing)} missing for {config.n_layer} layers of width {config.n_embd}")
     if unexpected:
-        raise CheckpointError(f"unexpected tensor(s) {_listed(unexpected)} for a {config.n_layer}-layer GPT-2")
+        raise CheckpointError(f"unexpected tensor(s) {listed(unexpected)} for a {config.n_layer}-layer GPT-2")
     for name, shape in expected.items():
         if tuple(params[name].shape) != shape:
             raise CheckpointError(f"{name}: shape {tuple(params[name].shape)} but the config says {shape}")
-
-
-def _listed(names: list[str], most: int = 4) -> str:
-    shown = ", ".join(names[:most])
-    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def random_weights(config: GPT2Config | str = "gpt2", *, seed: int = 0, xp=np) -> Checkpoint:

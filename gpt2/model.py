@@ -20,35 +20,18 @@ import math
 
 import numpy as np
 
+from lm.arrays import array_module, cast_params  # noqa: F401 (gpt2.model names them)
+from lm.kv_cache import KVCache
+
 from .config import GPT2Config
 
 GELU_C = math.sqrt(2.0 / math.pi)
-
-
-def array_module(x):
-    """numpy or cupy, whichever owns x."""
-    if isinstance(x, np.ndarray):
-        return np
-    import cupy
-
-    return cupy.get_array_module(x)
 
 
 def gelu(x):
     """GPT-2's tanh approximation of GELU (transformers' gelu_new)."""
     xp = array_module(x)
     return 0.5 * x * (1.0 + xp.tanh(GELU_C * (x + 0.044715 * (x * x * x))))
-
-
-def cast_params(params: dict, dtype) -> dict:
-    """Every parameter in `dtype` (float32, float16 or bfloat16), rounded once to nearest even;
-    forward() widens to float32 wherever the model needs it."""
-    import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy, and so with CuPy)
-
-    dtype = np.dtype(dtype)
-    if dtype.name not in ("float32", "float16", "bfloat16"):
-        raise ValueError(f"dtype {dtype.name}: the model runs float32, float16 or bfloat16")
-    return {name: a.astype(dtype, copy=False) for name, a in params.items()}
 
 
 def compute_dtype(params: dict):
@@ -71,27 +54,6 @@ def linear(x, w, name: str):
         # CuPy has no bfloat16 matrix product: bfloat16 operands, products accumulated in float32
         return (x.astype(np.float32) @ weight.astype(np.float32)).astype(weight.dtype) + w[name + ".bias"]
     return x @ weight + w[name + ".bias"]
-
-
-class KVCache:
-    """Every layer's keys and values for the tokens seen so far, in preallocated buffers."""
-
-    def __init__(self, config: GPT2Config, batch: int, max_len: int, xp=np, dtype=np.float32):
-        shape = (config.n_layer, batch, config.n_head, max_len, config.head_size)
-        self.k = xp.zeros(shape, dtype=dtype)  # dtype: compute_dtype(params), that of k and v
-        self.v = xp.zeros(shape, dtype=dtype)
-        self.length = 0  # positions filled; forward() advances it after the last layer
-
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[3]
-
-    def append(self, layer: int, k, v):
-        """Store this layer's new (B, NH, T, hs) keys and values; return all of them so far."""
-        start, end = self.length, self.length + k.shape[2]
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # each (B, NH, end, hs)
 
 
 def attention(x, w, name: str, config: GPT2Config, attend, cache: KVCache | None, layer: int):

@@ -70,8 +70,9 @@ from collections import OrderedDict
 
 import numpy as np
 
+from lm.generate import Generation
+
 from ..config import GPT2Config
-from ..generation import Generation
 from .engine import Engine
 from .launch import Launch, gemm
 from .plan import (

@@ -12,10 +12,10 @@ from collections import deque
 import numpy as np
 
 from kernels import driver, fused
+from lm.generate import Generation
 
 from ..config import GPT2Config
 from ..errors import LabError
-from ..generation import Generation
 from .launch import Launch, Sgemm, gemm
 from .plan import (
     FOLDS,

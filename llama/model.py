@@ -1,0 +1,125 @@
+"""Llama 3's forward pass in array code: NumPy or CuPy (`xp`), attention passed in.
+
+    logits = forward(params, config, idx, attend)          idx (B, T) token ids -> (B, T, vocab)
+
+`params` maps checkpoint-native names (`model.embed_tokens.weight`, `model.layers.0.self_attn.q_proj.weight`,
+...) to arrays, as llama.load makes them; nn.Linear weights are (out, in), so a projection is
+`x @ weight.T` (no biases). Per layer: x += o_proj(attend(rope(q), rope(k), v)) of RMSNorm(x), then
+x += down(silu(gate(h)) * up(h)) of h = RMSNorm(x). `attend(q, k, v) -> o` is causal attention
+with q (B, NH, T, hs) and k, v (B, NH_kv, T_k, hs), NH a multiple of NH_kv (grouped-query
+attention): a rung that declares gqa, or kernels.reference_attention. With a KVCache only the NH_kv
+key/value heads are kept, and the causal mask is aligned bottom-right.
+
+Precision, as gpt2/model.py: float32 weights give float32 everywhere. With 16-bit weights each
+product takes its operands in the weights' dtype (accumulating in float32), and so do q, k, v, the
+attention and the KV cache; the residual stream, RMSNorm statistics, RoPE, SiLU and the logits stay float32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lm.arrays import array_module
+from lm.kv_cache import KVCache
+
+from .config import LlamaConfig, rope_inv_freq
+
+
+def compute_dtype(params: dict):
+    """The dtype of the blocks' products, of q, k, v and of the KV cache: the weights' own."""
+    return params["model.layers.0.self_attn.q_proj.weight"].dtype
+
+
+def rms_norm(x, weight, eps: float):
+    """RMSNorm of the float32 residual stream: x / sqrt(mean(x^2) + eps) * weight."""
+    ms = (x * x).mean(axis=-1, keepdims=True)  # (B, T, 1)
+    return x * (ms + eps) ** -0.5 * weight
+
+
+def silu(x):
+    xp = array_module(x)
+    return x / (1.0 + xp.exp(-x))
+
+
+def linear(x, weight):
+    """x (..., in) @ weight.T for weight (out, in), in the weights' dtype. A 2-D product: CuPy copies a
+    transposed operand when either side has more than 2 dimensions."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1]).astype(weight.dtype, copy=False)  # (N, in)
+    if weight.dtype.name == "bfloat16" and not isinstance(weight, np.ndarray):
+        # CuPy has no bfloat16 matrix product: bfloat16 operands, products accumulated in float32
+        y = (x.astype(np.float32) @ weight.astype(np.float32).T).astype(weight.dtype)
+    else:
+        y = (x @ weight.T).astype(weight.dtype, copy=False)  # (N, out); NumPy's bfloat16 product gives float32
+    return y.reshape(*shape[:-1], weight.shape[0])  # (..., out)
+
+
+def rope_tables(config: LlamaConfig, start: int, T: int, xp):
+    """cos and sin (T, hs) for positions start .. start + T - 1, float32: angle pos * inv_freq[i] in
+    both halves of a head (HF's layout: element i is rotated with element i + hs / 2)."""
+    inv_freq = xp.asarray(rope_inv_freq(config))  # (hs / 2,)
+    pos = xp.arange(start, start + T, dtype=np.float32)  # (T,)
+    angles = pos[:, None] * inv_freq[None, :]  # (T, hs / 2)
+    angles = xp.concatenate([angles, angles], axis=-1)  # (T, hs)
+    return xp.cos(angles), xp.sin(angles)
+
+
+def rope(x, cos, sin):
+    """x (B, H, T, hs) rotated: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1], in float32."""
+    xp = array_module(x)
+    x = x.astype(np.float32, copy=False)
+    half = x.shape[-1] // 2
+    rotated = xp.concatenate([-x[..., half:], x[..., :half]], axis=-1)  # (B, H, T, hs)
+    return x * cos + rotated * sin
+
+
+def attention(x, w, name: str, config: LlamaConfig, attend, cache: KVCache | None, layer: int, cos, sin):
+    B, T, C = x.shape
+    NH, NKV, hs = config.num_attention_heads, config.num_key_value_heads, config.head_size
+    dtype = w[name + ".q_proj.weight"].dtype  # q, k, v and the attention in the weights' dtype
+    q = linear(x, w[name + ".q_proj.weight"]).reshape(B, T, NH, hs).transpose(0, 2, 1, 3)  # (B, NH, T, hs)
+    k = linear(x, w[name + ".k_proj.weight"]).reshape(B, T, NKV, hs).transpose(0, 2, 1, 3)  # (B, NKV, T, hs)
+    v = linear(x, w[name + ".v_proj.weight"]).reshape(B, T, NKV, hs).transpose(0, 2, 1, 3)  # (B, NKV, T, hs)
+    q, k = rope(q, cos, sin).astype(dtype), rope(k, cos, sin).astype(dtype)  # contiguous (B, H, T, hs)
+    if cache is not None:
+        k, v = cache.append(layer, k, v)  # each (B, NKV, past + T, hs)
+    y = attend(q, k, v)  # (B, NH, T, hs)
+    y = y.transpose(0, 2, 1, 3).reshape(B, T, NH * hs)  # (B, T, NH * hs): the heads side by side again
+    return linear(y, w[name + ".o_proj.weight"])
+
+
+def mlp(x, w, name: str):
+    gate = linear(x, w[name + ".gate_proj.weight"]).astype(np.float32, copy=False)  # (B, T, F): SiLU in float32
+    up = linear(x, w[name + ".up_proj.weight"]).astype(np.float32, copy=False)  # (B, T, F)
+    return linear(silu(gate) * up, w[name + ".down_proj.weight"])
+
+
+def forward(params: dict, config: LlamaConfig, idx, attend, *, cache: KVCache | None = None, last_only: bool = False):
+    """Logits (B, T, vocab) for token ids idx (B, T); (B, 1, vocab) for the last position only if
+    last_only. With a cache, idx continues the cached sequence and its keys and values are added."""
+    w = params
+    eps = config.rms_norm_eps
+    xp = array_module(w["model.embed_tokens.weight"])
+    idx = xp.asarray(idx)
+    B, T = idx.shape
+    start = cache.length if cache is not None else 0
+    if start + T > config.max_position_embeddings:
+        raise ValueError(f"{start + T} positions, but the model has {config.max_position_embeddings}")
+    if cache is not None and start + T > cache.max_len:
+        raise ValueError(f"the KV cache holds {cache.max_len} positions; {start + T} needed")
+    cos, sin = rope_tables(config, start, T, xp)  # each (T, hs), broadcast over (B, H, T, hs)
+    x = w["model.embed_tokens.weight"][idx].astype(np.float32)  # (B, T, C), float32
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}"
+        h = rms_norm(x, w[p + ".input_layernorm.weight"], eps)
+        x = x + attention(h, w, p + ".self_attn", config, attend, cache, i, cos, sin)
+        x = x + mlp(rms_norm(x, w[p + ".post_attention_layernorm.weight"], eps), w, p + ".mlp")
+    if cache is not None:
+        cache.length += T
+    if last_only:
+        x = x[:, -1:]  # (B, 1, C)
+    x = rms_norm(x, w["model.norm.weight"], eps)
+    head = w["model.embed_tokens.weight"] if config.tie_word_embeddings else w["lm_head.weight"]  # (vocab, C)
+    # the logits in float32: a 16-bit head is widened for it, so that no logit is rounded to 16 bits
+    logits = x.reshape(-1, config.hidden_size) @ head.astype(np.float32, copy=False).T  # (B * T, vocab)
+    return logits.reshape(B, -1, config.vocab_size)  # (B, T, vocab), or (B, 1, vocab) if last_only

@@ -1,0 +1,185 @@
+"""Checkpoint files, whatever the model: where they are (a folder, a file, or the Hugging Face hub)
+and their tensors (safetensors, one file or sharded with model.safetensors.index.json).
+
+The safetensors format is read here rather than through the safetensors package's NumPy loader,
+which does not know bfloat16 (Llama's checkpoints are stored in it): an 8-byte little-endian
+header length, a JSON header naming each tensor's dtype, shape and byte range, then the bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .errors import CheckpointError, ModelSourceError
+
+# what a download fetches, for either model: weights, config, GPT-2's and Llama's tokenizer files
+HUB_FILES = ["config.json", "model.safetensors", "model-*.safetensors", "model.safetensors.index.json",
+             "vocab.json", "merges.txt", "tokenizer.model", "original/tokenizer.model"]
+INDEX = "model.safetensors.index.json"
+MAX_HEADER = 100 * 2**20  # bytes; a larger header length means the file is not safetensors
+
+
+def locate(source: str, hub_files: list[str] = HUB_FILES) -> tuple[Path, Path | None]:
+    """The local folder holding the checkpoint (downloading a hub model into the cache if need be),
+    and the .safetensors file if one was named directly."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path, None
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise CheckpointError(f"{source}: expected a folder or a .safetensors file")
+        return path.parent, path
+    if source.startswith((".", "/", "~")) or source.count("/") != 1 or path.suffix == ".safetensors":
+        raise CheckpointError(f"{source}: no such folder or file (a hub id looks like owner/name)")
+    return Path(download(source, hub_files)), None
+
+
+def download(repo_id: str, hub_files: list[str] = HUB_FILES) -> str:
+    """Fetch (or find in the cache) a hub model's safetensors, config and tokenizer files.
+    huggingface_hub honours HF_HUB_OFFLINE, HF_HOME and HF_HUB_CACHE itself."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:  # pragma: no cover - a declared dependency
+        raise ModelSourceError(f"cannot fetch {repo_id}: huggingface_hub is not installed; "
+                               "use --model PATH for a local folder, or --random-weights") from None
+    try:
+        return snapshot_download(repo_id, allow_patterns=hub_files)
+    except Exception as exc:  # the hub raises many types (offline, DNS, HTTP, bad id): all mean the same here
+        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+        why = "HF_HUB_OFFLINE is set" if offline else f"{type(exc).__name__}: {first_line(exc)}"
+        raise ModelSourceError(
+            f"cannot load {repo_id}: not in the Hugging Face cache and not downloadable ({why}); "
+            "use --model PATH for a local folder with model.safetensors, or --random-weights"
+        ) from None
+
+
+def first_line(exc: BaseException) -> str:
+    lines = [s.strip() for s in str(exc).splitlines() if s.strip()]
+    return lines[0] if lines else "no details"
+
+
+def listed(names: list[str], most: int = 4) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def model_type(folder: Path) -> str | None:
+    """config.json's model_type ("gpt2", "llama"), or None for a folder without config.json."""
+    path = folder / "config.json"
+    if not path.is_file():
+        return None
+    raw = read_json(path, "a readable JSON config")
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return raw.get("model_type")
+
+
+def read_json(path: Path, what: str):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: not {what} ({exc})") from None
+
+
+def safetensors_files(folder: Path, file: Path | None = None) -> tuple[list[Path], dict[str, str] | None]:
+    """The files to read, and for a sharded checkpoint the index's weight map (tensor -> file name)."""
+    if file is not None:
+        return [file], None
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single], None
+    index = folder / INDEX
+    if index.is_file():
+        raw = read_json(index, "a safetensors index")
+        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{index}: not a safetensors index (no weight_map of tensor -> file)")
+        return [folder / f for f in sorted(set(weight_map.values()))], weight_map
+    others = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".h5", ".msgpack"))
+    hint = f" (it has {', '.join(others)}: re-save it with safetensors)" if others else ""
+    raise CheckpointError(f"{folder}: no model.safetensors{hint}")
+
+
+def read_checkpoint(folder: Path, file: Path | None = None, *, skip=None) -> dict[str, np.ndarray]:
+    """Every tensor of a folder's checkpoint (or of one named file) as float32 NumPy arrays; a
+    sharded one is checked against its index: every file it names present, every tensor where it says."""
+    files, weight_map = safetensors_files(folder, file)
+    tensors = read_safetensors(files, skip=skip, index=folder / INDEX if weight_map else None)
+    if weight_map is not None:
+        placed = {}
+        for path in files:
+            placed |= {k: path.name for k in read_header(path)[0] if k != "__metadata__"}
+        for name, shard in weight_map.items():
+            if placed.get(name) != shard:
+                where = f"it is in {placed[name]}" if name in placed else "no shard holds it"
+                raise CheckpointError(f"{folder / INDEX}: names {name} in {shard}, but {where}")
+    return tensors
+
+
+def read_safetensors(files: list[Path], *, skip=None, index: Path | None = None) -> dict[str, np.ndarray]:
+    """Every tensor, as stored, into NumPy arrays (float32); skip(name) -> True leaves a tensor unread."""
+    tensors = {}
+    for path in files:
+        if not path.is_file():
+            named = f"named by {index}" if index else "named by the checkpoint's index"
+            raise CheckpointError(f"{path}: missing ({named})")
+        tensors |= read_file(path, skip)
+    for key, t in tensors.items():
+        if t.dtype != np.float32:
+            if not np.issubdtype(t.dtype, np.floating) and t.dtype.name != "bfloat16":
+                raise CheckpointError(f"{key}: dtype {t.dtype}, expected floating point")
+            tensors[key] = t.astype(np.float32)
+    return tensors
+
+
+def _dtypes() -> dict[str, np.dtype]:
+    import ml_dtypes
+
+    return {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+            "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
+            "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_)}
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """The JSON header and the offset where the tensors' bytes begin."""
+    bad = f"{path}: not a readable safetensors file"
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 2 <= n <= MAX_HEADER:
+                raise CheckpointError(f"{bad} (header length {n})")
+            header = json.loads(f.read(n))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{bad} ({first_line(exc)})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{bad} (the header is not a JSON object)")
+    return header, 8 + n
+
+
+def read_file(path: Path, skip=None) -> dict[str, np.ndarray]:
+    header, start = read_header(path)
+    bad = f"{path}: not a readable safetensors file"
+    size = path.stat().st_size - start
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=start, shape=(size,)) if size > 0 else np.empty(0, np.uint8)
+    dtypes = _dtypes()
+    out = {}
+    for key, info in header.items():
+        if key == "__metadata__" or (skip is not None and skip(key)):
+            continue
+        try:
+            dtype = dtypes[info["dtype"]]
+            shape = tuple(int(s) for s in info["shape"])
+            begin, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{bad} (tensor {key}: dtype {info.get('dtype')!r} or its shape or offsets "
+                                  "not understood)") from None
+        if not 0 <= begin <= end <= size or end - begin != math.prod(shape) * dtype.itemsize:
+            raise CheckpointError(f"{bad} (tensor {key}: bytes {begin}..{end} of {size}, for shape {shape} "
+                                  f"of {dtype.name}: truncated or inconsistent)")
+        out[key] = np.array(data[begin:end].view(dtype).reshape(shape))  # a copy: the file may go away
+    return out

@@ -1,0 +1,131 @@
+"""The run summary lab.py prints and writes as JSON, whatever the model: the phases' times, the
+check against the reference attention, and the table of rows (with the fast path's step profile
+when one was taken)."""
+
+from __future__ import annotations
+
+from .generate import reference_attend
+
+WARMUP_TOKENS = 2  # one full step and, with the KV cache, one decode step: every kernel compiled
+
+
+def phase_times(stamps: list[float], start: float, n_new: int) -> dict:
+    """Time to first token (the prefill: host clock when the first token arrived) and the rate of the
+    tokens after it (from the first token's arrival to the last's)."""
+    first = stamps[0] - start if stamps else None
+    span = stamps[-1] - stamps[0] if len(stamps) > 1 else 0.0
+    return {"time_to_first_token_seconds": first,
+            "decode_tokens_per_second": (len(stamps) - 1) / span if span > 0 else None}
+
+
+def compare_with_reference(run_once, attend, timed, n_new: int, xp) -> dict:
+    """Rerun with the rung and with the reference attention, both recording each step's logits
+    (kept out of the timed run). Logits are compared over the steps whose inputs were identical:
+    up to and including the first differing token."""
+    rung = run_once(attend, n_new, record_logits=True)
+    ref = run_once(reference_attend, n_new, record_logits=True, decode_attend=reference_attend)
+    n = min(len(rung.tokens), len(ref.tokens))
+    first = next((i for i in range(n) if rung.tokens[i] != ref.tokens[i]), None)
+    steps = n if first is None else first + 1
+    diff = max(float(xp.abs(a - b).max()) for a, b in zip(rung.logits[:steps], ref.logits[:steps], strict=True))
+    return {
+        "identical": first is None and len(rung.tokens) == len(ref.tokens),
+        "first_difference": first if first is not None else (n if len(rung.tokens) != len(ref.tokens) else None),
+        "max_logit_diff": diff,
+        "steps_compared": steps,
+        "reference_tokens": ref.tokens,
+        "rerun_matches_timed_run": rung.tokens == timed.tokens,
+    }
+
+
+def print_summary(s: dict) -> None:
+    if s["mode"] == "kv-cache":
+        mode = f"KV cache: prefill with {s['kernel']}, decode attention: {s['decode_attention']}"
+    else:
+        mode = f"no KV cache: every step recomputes the whole sequence with {s['kernel']}"
+    peak = (f"{s['peak_gpu_memory_bytes'] / 2**20:.1f} MiB (CuPy memory pool high-water mark, weights included)"
+            if s["peak_gpu_memory_bytes"] is not None else "n/a (cpu)")
+    rows = [
+        ("model", f"{s['model']}, {s['n_params'] / 1e6:.1f}M parameters"),
+        ("attention", s["kernel"]),
+        ("mode", mode),
+        ("prompt tokens", s["n_prompt_tokens"]),
+        *([("tokenizer", s["tokenizer_note"])] if s.get("tokenizer_note") else []),
+        ("new tokens", s["n_new_tokens"] if not s["stopped_at_eos"] else f"{s['n_new_tokens']} (stopped at end-of-text)"),
+        ("seconds", f"{s['seconds']:.3f} (warm-up and compilation excluded)"),
+        ("tokens/s", f"{s['tokens_per_second']:.1f}"),
+        ("engine", engine_line(s)),
+    ]
+    if s["time_to_first_token_seconds"] is not None:
+        rows.append(("first token", f"{1e3 * s['time_to_first_token_seconds']:.1f} ms after the start "
+                                    f"(prefill of {s['n_prompt_tokens']} prompt tokens; host clock at its arrival)"))
+    if s["decode_tokens_per_second"]:
+        rows.append(("decode", f"{s['decode_tokens_per_second']:.1f} tokens/s after the first token "
+                               f"({1e3 / s['decode_tokens_per_second']:.3f} ms per token)"))
+    if s.get("weight_bytes_per_token"):
+        rows.append(("weights/token", f"{s['weight_bytes_per_token'] / 1e6:.1f} MB ({s['dtype']}): every weight read "
+                                      "once per decode step (KV cache not counted)"))
+    if s.get("achieved_weight_bytes_per_second"):
+        rows.append(("bandwidth", f"{s['achieved_weight_bytes_per_second'] / 1e9:.0f} GB/s of weights = "
+                                  f"{100 * s['fraction_of_copy_ceiling']:.0f}% of a "
+                                  f"{s['copy_ceiling_bytes_per_second'] / 1e9:.0f} GB/s copy ceiling "
+                                  f"({s['copy_ceiling_measure']})"))
+    rows += [
+        ("compile time", f"{s['compile_seconds']:.3f} s (rungs and fused kernels; not in the timing)"),
+        ("warm-up", f"{s['warmup_seconds']:.3f} s ({WARMUP_TOKENS} tokens before the timed run; not in the timing)"),
+        ("peak GPU memory", peak),
+        ("device", s["device_name"]),
+    ]
+    if s["check"] is not None:
+        c = s["check"]
+        if c["identical"]:
+            verdict = f"tokens identical to the reference attention's ({s['n_new_tokens']} of {s['n_new_tokens']})"
+        else:
+            verdict = f"tokens DIFFER from the reference attention's from new token {c['first_difference']}"
+        rows.append(("check", f"{verdict}; largest logit difference {c['max_logit_diff']:.3g} "
+                              f"over {c['steps_compared']} steps"))
+        if not c["rerun_matches_timed_run"]:
+            rows.append(("", "note: rerunning the rung gave other tokens than the timed run (nondeterministic)"))
+    print("-" * 60)
+    for key, value in rows:
+        print(f"{key:<17}{value}")
+    if s["profile_step"] is not None:
+        print_profile(s["profile_step"])
+
+
+def engine_line(s: dict) -> str:
+    if s["engine"] != "fast":
+        return f"eager: {s.get('family', 'gpt2')}/model.py step by step ({s['engine_note']})"
+    if s["mode"] == "kv-cache" and s.get("persistent") == "on":
+        return (f"fast ({s['dtype']}): static KV cache, the decode step as one persistent kernel per window of "
+                "tokens (kernels/fused/decode_step.cu)")
+    if s["mode"] == "kv-cache":
+        return (f"fast ({s['dtype']}): fused kernels, static KV cache, the decode step replayed as a CUDA graph "
+                f"(programmatic dependent launch {s['pdl']}; persistent step {s.get('persistent')})")
+    products = "kernels/fused/gemm.cu (3xTF32 wgmma)" if s.get("products") == "3xtf32" else "cuBLAS SGEMM"
+    return f"fast ({s['dtype']}): fused kernels, the products on {products}, the whole sequence every step"
+
+
+def print_profile(p: dict) -> None:
+    total = p["kernel_ms_sum"]
+    print("-" * 60)
+    print(f"one decode step at position {p['position']}, each kernel timed alone (events, launched back to back):")
+    for row in p["by_kind"]:
+        print(f"  {row['kind']:<28}{row['launches']:>4} x {1e3 * row['ms'] / row['launches']:7.1f} us = "
+              f"{1e3 * row['ms']:8.1f} us  {100 * row['ms'] / total:5.1f}%")
+    print(f"  {'sum of kernels':<28}{len(p['kernels']):>4} launches {1e3 * total:13.1f} us")
+    print(f"graph replay ({p['graph_replay']}): {1e3 * p['graph_ms_per_token']:.1f} us per token as generate() "
+          f"runs it (programmatic dependent launch {p['pdl']}, L2 prefetch hints on); "
+          f"{1e3 * p['graph_ms_per_token_without_prefetch']:.1f} us without the prefetch hints"
+          + (f", {1e3 * p['graph_ms_per_token_without_pdl']:.1f} us with plain launches"
+             if p["graph_ms_per_token_without_pdl"] is not None else ""))
+    if p.get("persistent_stages"):
+        print(f"persistent step: {1e3 * p['persistent_ms_per_token']:.1f} us per token as generate() runs it; its "
+              "stages (second of two steps; from the previous stage's last start to this one's, the slowest "
+              "block's work, the median block's wait for the next stage's inputs):")
+        for row in p["persistent_stages"]:
+            n = row["stages"]
+            print(f"  {row['kind']:<28}{n:>4} x {1e3 * row['ms'] / n:7.2f} us  (work {1e3 * row['work_ms'] / n:6.2f}, "
+                  f"wait {1e3 * row['wait_ms'] / n:5.2f})")
+    else:
+        print(f"persistent step: {p.get('persistent')}")
