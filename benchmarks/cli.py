@@ -9,6 +9,7 @@ from pathlib import Path
 
 import kernels
 
+from . import results
 from .cases import DTYPES
 from .device import CannotRun
 from .e2e import PROMPT, cmd_e2e
@@ -16,7 +17,6 @@ from .features import FEATURE_PARTS, cmd_features
 from .peers import DEFAULT_PEERS, PEERS
 from .readme import README, RESULTS_DOC, cmd_readme
 from .resources import cmd_resources
-from .results import RESULTS, SCRATCH
 from .rungs import cmd_kernels
 from .sweep import cmd_sweep
 
@@ -108,13 +108,13 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
 
     def results_option(p):
         where = p.add_mutually_exclusive_group()
-        where.add_argument("--save", dest="results", action="store_const", const=RESULTS,
+        where.add_argument("--save", dest="results", action="store_const", const=results.RESULTS,
                            help="write the result into results/, beside the files the docs cite (default: "
                                 "results/scratch/, git-ignored)")
         where.add_argument("--results", type=Path, metavar="DIR",
                            help="write the result into DIR instead (default: results/scratch/, git-ignored; "
                                 "--save: results/)")
-        p.set_defaults(results=SCRATCH)
+        p.set_defaults(results=results.SCRATCH)  # read when the parser is built, so a test can move it
 
     def shape_options(p, budget_ms):
         p.add_argument("--kernels", type=kernel_list, default=None, metavar="LIST",
@@ -221,7 +221,7 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     m.add_argument("--readme", type=Path, default=README, help="default: README.md beside bench.py")
     m.add_argument("--results-doc", type=Path, default=RESULTS_DOC,
                    help="the full tables' page (default: docs/results.md beside bench.py)")
-    m.add_argument("--results", type=Path, default=RESULTS, metavar="DIR",
+    m.add_argument("--results", type=Path, default=results.RESULTS, metavar="DIR",
                    help="where to read the result files (default: results/ beside bench.py)")
     m.add_argument("--replot", action="store_true",
                    help="also redraw the newest sweep and e2e plots from their JSON (after a change to the plotting)")

@@ -121,7 +121,7 @@ def readme_blocks(found: dict[str, list[Path]], base: Path) -> dict[str, str]:
         decode = next(((p, r) for p in found["e2e"] if (r := load_result(p)).get("decode")), None)
         summary = render_e2e_summary(no_cache, decode, base)
         if summary:
-            used = list(dict.fromkeys(p for p, _ in (no_cache, decode) if p is not None))
+            used = list(dict.fromkeys(entry[0] for entry in (no_cache, decode) if entry is not None))
             blocks["e2e-summary"] = source(*used) + "\n" + summary
     if found["resources"]:
         p = found["resources"][0]

@@ -71,10 +71,11 @@ def render_class(path: Path, result: dict, base: Path) -> str | None:
             else:
                 cells += [peer["status"] if peer is not None else "-", "-"]
         body.append(cells)
-    header = ["B x T", f"`{name}` ms", "TFLOP/s", *[h for p in peers for h in (f"{PEERS[p].label} ms", "vs it")]]
+    labels = [PEERS[p].label for p in peers]
+    header = ["B x T", f"`{name}` ms", "TFLOP/s", *[h for label in labels for h in (f"{label} ms", f"vs {label}")]]
     caption = (f"**{result['dtype']}**: `{name}`, the fastest rung correct at all five GPT-2 shapes (geometric mean "
-               f"{fmt_ms(mean)} ms), against its peers; \"vs it\" is the peer's time over the rung's (above 1x: the rung "
-               f"is faster). NH=12, d=64, causal. {short_setup(result)}. Results file: {link(path, base)}.")
+               f"{fmt_ms(mean)} ms), against its peers; \"vs\" is the peer's time over the rung's (above 1x: the rung is "
+               f"faster). NH=12, d=64, causal. {short_setup(result)}. Results file: {link(path, base)}.")
     return "\n".join([caption, ""] + table(header, body, "lrr" + "rr" * len(peers)))
 
 
