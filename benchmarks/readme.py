@@ -13,7 +13,7 @@ from pathlib import Path
 from . import plots
 from .device import ROOT, CannotRun, progress
 from .results import SECTIONS, load_result, newest_results
-from .summary import has_gpt2_shapes, link, render_e2e_summary, render_summary
+from .summary import gpt2_shapes_in, has_gpt2_shapes, link, render_e2e_summary, render_summary
 from .tables import render_e2e, render_features, render_kernels, render_resources, render_sweep
 
 README = ROOT / "README.md"
@@ -84,7 +84,7 @@ def e2e_entries(paths: list[Path]) -> list[tuple[Path, dict, set]]:
 def readme_blocks(found: dict[str, list[Path]], base: Path) -> dict[str, str]:
     """The generated text of each section that has results, for a page in the folder `base`: the full
     tables from the newest file of their kind (kernels: of each dtype; e2e: of each mode), the summaries
-    from the newest kernels result of each dtype at the GPT-2 shapes, the newest sweep of each dtype, the
+    from the newest kernels result of each dtype at the five GPT-2 shapes (failing that, at some of them), the newest sweep of each dtype, the
     newest e2e result of each mode and the newest with a decode table. Each names its files twice: in an
     HTML comment, and as links a reader can follow."""
     blocks = {}
@@ -103,7 +103,8 @@ def readme_blocks(found: dict[str, list[Path]], base: Path) -> dict[str, str]:
         per_dtype = newest_per_dtype(found["kernels"])
         blocks["kernels"] = source(*[p for p, _ in per_dtype]) + "\n" + "\n\n".join(
             from_file(p, render_kernels(result)) for p, result in per_dtype)
-        at_gpt2 = newest_per_dtype(found["kernels"], has_gpt2_shapes)
+        all_five = {r["dtype"]: (p, r) for p, r in newest_per_dtype(found["kernels"], has_gpt2_shapes)}
+        at_gpt2 = [all_five.get(r["dtype"], (p, r)) for p, r in newest_per_dtype(found["kernels"], gpt2_shapes_in)]
         sweeps = newest_per_dtype(found["sweep"], lambda result: bool(result.get("plot")))
         summary = render_summary(at_gpt2, sweeps, base)
         if summary:

@@ -22,20 +22,25 @@ def gpt2_shape(B: int, T: int) -> dict:
     return {"B": B, "T": T, "NH": 12, "d": 64}
 
 
+def gpt2_shapes_in(result: dict) -> list[tuple[int, int]]:
+    """The GPT-2 shapes (B, T) a kernels result measured, in GPT2_SHAPES order."""
+    return [(B, T) for B, T in GPT2_SHAPES if gpt2_shape(B, T) in result["shapes"]]
+
+
 def has_gpt2_shapes(result: dict) -> bool:
-    return all(gpt2_shape(B, T) in result["shapes"] for B, T in GPT2_SHAPES)
+    return len(gpt2_shapes_in(result)) == len(GPT2_SHAPES)
 
 
 def best_rung(result: dict) -> tuple[str, float] | None:
-    """The fastest rung correct at all five GPT-2 shapes, by the geometric mean of its median times
-    there, with that mean in ms; None if no rung was timed at all five."""
-    wanted = [gpt2_shape(B, T) for B, T in GPT2_SHAPES]
+    """The fastest rung correct at every GPT-2 shape the result measured (all five, in a default run), by
+    the geometric mean of its median times there, with that mean in ms; None if no rung was timed at all."""
+    wanted = [gpt2_shape(B, T) for B, T in gpt2_shapes_in(result)]
     times: dict[str, list[float]] = {}
     for r in result["rows"]:
         if r["kind"] == "rung" and r["shape"] in wanted:
             times.setdefault(r["name"], []).append(r["timing"]["median_ms"] if r["status"] == "ok" else math.nan)
     means = [(math.exp(sum(map(math.log, ms)) / len(ms)), name) for name, ms in times.items()
-             if len(ms) == len(wanted) and not any(math.isnan(t) for t in ms)]
+             if wanted and len(ms) == len(wanted) and not any(math.isnan(t) for t in ms)]
     if not means:
         return None
     mean, name = min(means)
@@ -50,8 +55,8 @@ def short_setup(result: dict) -> str:
 
 
 def render_class(path: Path, result: dict, base: Path) -> str | None:
-    """One precision class: its best rung's ms and TFLOP/s at each GPT-2 shape, each peer's ms and the
-    peer's time over the rung's; None if no rung is correct at every shape."""
+    """One precision class: its best rung's ms and TFLOP/s at each GPT-2 shape the result measured, each
+    peer's ms and the peer's time over the rung's; None if no rung is correct at every one of them."""
     best = best_rung(result)
     if best is None:
         return None
@@ -59,8 +64,9 @@ def render_class(path: Path, result: dict, base: Path) -> str | None:
     peers = result["peers"]
     rows = {(r["name"], r["shape"]["B"], r["shape"]["T"]): r for r in result["rows"] if r["shape"]["NH"] == 12
             and r["shape"]["d"] == 64}
+    shapes = gpt2_shapes_in(result)
     body = []
-    for B, T in GPT2_SHAPES:
+    for B, T in shapes:
         rung = rows[(name, B, T)]
         ms = rung["timing"]["median_ms"]
         cells = [f"{B}x{T}", fmt_ms(ms), fmt_tflops(attention_flops(B, 12, T, 64) / (ms * 1e-3) / 1e12)]
@@ -73,7 +79,10 @@ def render_class(path: Path, result: dict, base: Path) -> str | None:
         body.append(cells)
     labels = [PEERS[p].label for p in peers]
     header = ["B x T", f"`{name}` ms", "TFLOP/s", *[h for label in labels for h in (f"{label} ms", f"vs {label}")]]
-    caption = (f"**{result['dtype']}**: `{name}`, the fastest rung correct at all five GPT-2 shapes (geometric mean "
+    where = "all five GPT-2 shapes" if len(shapes) == len(GPT2_SHAPES) else (
+        f"the {len(shapes)} GPT-2 shapes this run measured (not " +
+        ", ".join(f"{B}x{T}" for B, T in GPT2_SHAPES if (B, T) not in shapes) + ")")
+    caption = (f"**{result['dtype']}**: `{name}`, the fastest rung correct at {where} (geometric mean "
                f"{fmt_ms(mean)} ms), against its peers; \"vs\" is the peer's time over the rung's (above 1x: the rung is "
                f"faster). NH=12, d=64, causal. {short_setup(result)}. Results file: {link(path, base)}.")
     return "\n".join([caption, ""] + table(header, body, "lrr" + "rr" * len(peers)))

@@ -169,7 +169,8 @@ def test_best_rung_is_the_fastest_correct_one_by_geometric_mean():
     assert name == "v04_spiky"  # v03_fast by the arithmetic mean; v05_once_wrong is wrong at 6x4096
     assert mean == pytest.approx((0.1**4 * 100) ** 0.2)
     assert has_gpt2_shapes(result) and not has_gpt2_shapes(kernels_result())
-    assert best_rung(kernels_result()) is None  # not timed at the five shapes
+    assert best_rung(kernels_result()) == ("v03_fast", pytest.approx(2**0.5))  # at the two GPT-2 shapes it has
+    assert best_rung(kernels_result(shapes=((2, 64),))) is None  # at none
 
 
 def decode_table():
@@ -297,3 +298,21 @@ def test_readme_names_sections_no_page_carries(pages, capsys):
                        capsys)
     assert code == 0
     assert "neither README.md nor results.md has bench:sweep markers; the sweep table is not shown" in err
+
+
+def test_a_class_without_all_five_shapes_is_summarised_at_those_it_has(pages, capsys):
+    """A low-precision run without 1x512 (the only bfloat16 result here) still gets its table, which says so."""
+    readme, doc, results = pages
+    (results / "kernels-fixture-gpu-20260102T030405Z-1.json").unlink()  # the bfloat16 run at all five
+    partial = five_shape_result("bfloat16", date="2026-01-04T00:00:00Z")
+    partial["shapes"] = partial["shapes"][1:]
+    partial["rows"] = [r for r in partial["rows"] if r["shape"]["T"] != 512]
+    write_result(partial, result_path("kernels", partial["setup"], results))
+    code, _, err = run(["readme", "--readme", str(readme), "--results-doc", str(doc), "--results", str(results)],
+                       capsys)
+    assert code == 0, err
+    summary = blocks_of(readme.read_text())["summary"]
+    caption = "**bfloat16**: `v04_spiky`, the fastest rung correct at the 4 GPT-2 shapes this run measured (not 1x512)"
+    assert caption in summary and "(results/kernels-fixture-gpu-20260104T000000Z.json)" in summary
+    assert len(table_rows(summary, "1x512")) == 1  # float32's table only
+    assert "**float32**: `v04_spiky`, the fastest rung correct at all five GPT-2 shapes" in summary
