@@ -80,8 +80,8 @@ def render_class(path: Path, result: dict, base: Path) -> str | None:
     labels = [PEERS[p].label for p in peers]
     header = ["B x T", f"`{name}` ms", "TFLOP/s", *[h for label in labels for h in (f"{label} ms", f"vs {label}")]]
     where = "all five GPT-2 shapes" if len(shapes) == len(GPT2_SHAPES) else (
-        f"the {len(shapes)} GPT-2 shapes this run measured (not " +
-        ", ".join(f"{B}x{T}" for B, T in GPT2_SHAPES if (B, T) not in shapes) + ")")
+        f"the {len(shapes)} GPT-2 shapes this run measured, without " +
+        ", ".join(f"{B}x{T}" for B, T in GPT2_SHAPES if (B, T) not in shapes))
     caption = (f"**{result['dtype']}**: `{name}`, the fastest rung correct at {where} (geometric mean "
                f"{fmt_ms(mean)} ms), against its peers; \"vs\" is the peer's time over the rung's (above 1x: the rung is "
                f"faster). NH=12, d=64, causal. {short_setup(result)}. Results file: {link(path, base)}.")

@@ -312,7 +312,8 @@ def test_a_class_without_all_five_shapes_is_summarised_at_those_it_has(pages, ca
                        capsys)
     assert code == 0, err
     summary = blocks_of(readme.read_text())["summary"]
-    caption = "**bfloat16**: `v04_spiky`, the fastest rung correct at the 4 GPT-2 shapes this run measured (not 1x512)"
+    caption = ("**bfloat16**: `v04_spiky`, the fastest rung correct at the 4 GPT-2 shapes this run measured, "
+               "without 1x512 (")
     assert caption in summary and "(results/kernels-fixture-gpu-20260104T000000Z.json)" in summary
     assert len(table_rows(summary, "1x512")) == 1  # float32's table only
     assert "**float32**: `v04_spiky`, the fastest rung correct at all five GPT-2 shapes" in summary
