@@ -223,13 +223,14 @@ def test_kv_cache_generation_with_the_decode_rung_equals_no_cache():
         return kernels.attention(q, k, v, kernel=decode, causal=True)
 
     prompt, n_new = [464, 3290, 318, 257, 1332, 13], 24
-    original = generate_module.decode_rung_attend
-    generate_module.decode_rung_attend = lambda name: spy if name == decode else original(name)
+    loop_module = importlib.import_module("lm.generate")  # the eager loop both models share looks it up here
+    original = loop_module.decode_rung_attend
+    loop_module.decode_rung_attend = lambda name: spy if name == decode else original(name)
     try:
         cached = gpt2.generate(ckpt.params, config, prompt, n_new, attend=gpt2.reference_attend, kv_cache=True,
                                fast=False)
     finally:
-        generate_module.decode_rung_attend = original
+        loop_module.decode_rung_attend = original
     full = gpt2.generate(ckpt.params, config, prompt, n_new, attend=gpt2.reference_attend, kv_cache=False, fast=False)
     assert len(calls) == (n_new - 1) * config.n_layer
     assert all(qs[2] == 1 and ks[2] >= len(prompt) + 1 for qs, ks in calls)
@@ -251,19 +252,19 @@ def test_lab_kv_cache_no_graph_decodes_with_the_decode_rung(tmp_path, capsys):
 
 # -- timing of the two targets: python3 -m tests.test_decode_gpu ----------------------------------
 #
-# The timing helpers live in bench.py (graph_us, kernel_us, measure_copy), which also measures these
-# targets beside torch SDPA and writes them to docs/results.md: python3 bench.py features --parts decode,long
+# The timing helpers live in benchmarks/timing.py (graph_us, kernel_us, measure_copy); bench.py also measures
+# these targets beside torch SDPA and writes them to docs/results.md: python3 bench.py features --parts decode,long
 
 
 def main():
     import cupy as cp
     import ml_dtypes  # noqa: F401
 
-    import bench
+    from benchmarks import timing
 
     limits = kernels.device_limits()
     print(f"{limits.name}, {limits.sm_count} SMs, CuPy {cp.__version__}, driver {cp.cuda.runtime.driverGetVersion()}")
-    ceiling = 1e12 * bench.measure_copy(bench.Method())["copy_tbps"]
+    ceiling = 1e12 * timing.measure_copy(timing.Method())["copy_tbps"]
     print(f"copy ceiling: {ceiling / 1e12:.2f} TB/s")
     for name in [n for n in DECODE_RUNGS if kernels.load(n).runs_on(limits.arch)]:
         # GPT-2 decode: B=1, NH=12, d=64, one query, float32. 24 caches in turn (151 MB at T_k = 1024), so
@@ -274,15 +275,15 @@ def main():
                 q, k, v = random_qkv(cp, 1, 12, 12, 1, T_k, 64, seed=None)
                 runs.append(kernels.prepare(q, k, v, kernel=name))
             splits = runs[0].instance.splits(1, 12, 1, T_k)
-            device = bench.kernel_us(runs, name="attention_forward")
-            print(f"{name} GPT-2 decode, T_k {T_k:4d}, {splits:2d} splits: {bench.graph_us(runs):6.2f} us per call "
+            device = timing.kernel_us(runs, name="attention_forward")
+            print(f"{name} GPT-2 decode, T_k {T_k:4d}, {splits:2d} splits: {timing.graph_us(runs):6.2f} us per call "
                   "in a graph, kernel " + (f"{device:6.2f} us (CUPTI)" if device else "n/a") + "; target <= 5 us")
         # Long context: B=16, NH=32, d=128, one query over 4096 keys; bandwidth = bytes of K and V / time,
         # against the device-to-device copy measured above (bytes read + written).
         for dtype in kernels.load(name).dtypes:
             q, k, v = random_qkv(cp, 16, 32, 32, 1, 4096, 128, dtype=dtype)
             run = kernels.prepare(q, k, v, kernel=name)
-            seconds = 1e-6 * bench.graph_us([run])
+            seconds = 1e-6 * timing.graph_us([run])
             rate = (k.nbytes + v.nbytes) / seconds
             print(f"{name} long context, {dtype:8s}: {1e6 * seconds:7.1f} us, K+V {rate / 1e12:.2f} TB/s = "
                   f"{100 * rate / ceiling:.0f}% of the copy ceiling; target >= 75%")

@@ -1,0 +1,28 @@
+"""Benchmarks of the attention ladder, beside its peers, and of GPT-2 generation; the README's tables.
+bench.py is the command line; this package is what it runs.
+
+    device.py     what ran where (device, driver, versions); CuPy and torch, imported lazily; GPU memory
+    results.py    result files: results/<subcommand>-<device>-<UTC time>.json, where they go, which is newest
+    timing.py     CUDA-event timing, L2 flush, CUPTI kernel time, CUDA graphs; the FFMA and copy ceilings
+    cases.py      shapes, FLOP conventions, random inputs, the correctness gate against float64
+    peers.py      the CuPy reference and torch SDPA backends, run on the rungs' inputs and mask
+    rungs.py      `kernels`: every rung x shapes, checked then timed beside the peers (also sweep's, features')
+    sweep.py      `sweep`: TFLOP/s against sequence length, with a plot
+    features.py   `features`: decode, long-context decode, non-causal, cross lengths, GQA, head sizes
+    e2e.py        `e2e`: GPT-2 generation per rung, without and with a KV cache, beside HF transformers
+    resources.py  `resources`: registers, shared memory, spills per rung and config (NVRTC, no GPU needed)
+    tables.py     the Markdown tables (terminal and docs alike); plots.py: the PNG plots
+    summary.py    the README's short tables: the best rung per precision, the end-to-end summary
+    readme.py     `readme`: rewrite what lies between the bench markers of README.md and docs/results.md
+    cli.py        the argument parser and main()
+
+Modules reach device, timing and plots through the module (device.get_cupy(), timing.time_gpu), so a
+test stands in for the GPU, the clock or matplotlib in one place.
+
+How it measures: bench.py's docstring (python3 bench.py --help).
+"""
+
+import os
+
+CUPY_TF32_GIVEN = os.environ.get("CUPY_TF32")
+os.environ["CUPY_TF32"] = "0"  # CuPy reads this at its first float32 matmul: plain fp32 FFMA, no TF32

@@ -1,0 +1,252 @@
+"""The command line: bench.py's subcommands, their flags, and main()."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import kernels
+
+from . import results
+from .cases import DTYPES
+from .device import CannotRun
+from .e2e import PROMPT, cmd_e2e
+from .features import FEATURE_PARTS, cmd_features
+from .peers import DEFAULT_PEERS, PEERS
+from .readme import README, RESULTS_DOC, cmd_readme
+from .resources import cmd_resources
+from .rungs import cmd_kernels
+from .sweep import cmd_sweep
+
+
+def fail(message: str) -> int:
+    """One line on stderr; exit status 2 (the user's to fix: a missing GPU, a bad file)."""
+    print(f"bench.py: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """'8x1024' -> (8, 1024): batch x sequence length."""
+    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
+    if not m or int(m[1]) < 1 or int(m[2]) < 1:
+        raise argparse.ArgumentTypeError(f"shape must be BxT with positive integers, e.g. 8x1024; got {text!r}")
+    return int(m[1]), int(m[2])
+
+
+def kernel_list(text: str) -> list[Path]:
+    """'v01,v2,v03_x' or 'all' -> rung files (kernels.resolve: v8, v08, v08_name, or a .cu path)."""
+    if text.strip() == "all":
+        return [kernels.resolve(n) for n in kernels.names()]
+    try:
+        return [kernels.resolve(s.strip()) for s in text.split(",") if s.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def peer_list(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if names == ["none"]:
+        return []
+    unknown = [n for n in names if n not in PEERS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown peer(s) {', '.join(unknown)}: choose from {', '.join(PEERS)} "
+                                         "(or none)")
+    return names
+
+
+def _choices(text: str, allowed, what: str, extra: str = "") -> list[str]:
+    """'a,b' -> the names given, each once, in order; an argparse error names the unknown ones."""
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [n for n in names if n not in allowed]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown {what}(s) {', '.join(unknown) or repr(text)}: choose from "
+                                         f"{', '.join(allowed)}{extra}")
+    return list(dict.fromkeys(names))
+
+
+def part_list(text: str) -> list[str]:
+    """'decode,gqa' -> the features parts, in the order given; 'all' for every part."""
+    return list(FEATURE_PARTS) if text.strip() == "all" else _choices(text, FEATURE_PARTS, "part", " (or all)")
+
+
+def dtype_list(text: str) -> list[str]:
+    return _choices(text, DTYPES, "dtype")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def power_of_two(text: str) -> int:
+    value = positive_int(text)
+    if value & (value - 1):
+        raise argparse.ArgumentTypeError(f"expected a power of two, got {text!r}")
+    return value
+
+
+def arch_name(text: str) -> str:
+    if not re.fullmatch(r"sm_\d{2,3}[a-z]?", text):
+        raise argparse.ArgumentTypeError(f"architecture must look like sm_90 (or sm_80, sm_90a), got {text!r}")
+    return text
+
+
+def build_parser(doc: str) -> argparse.ArgumentParser:
+    """The parser; `doc` (bench.py's docstring) gives its description and epilog."""
+    parser = argparse.ArgumentParser(prog="bench.py", description=doc.split("\n\n")[0],
+                                     epilog="\n\n".join(doc.split("\n\n")[1:]),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{kernels,sweep,e2e,resources,features,readme}")
+
+    def results_option(p):
+        where = p.add_mutually_exclusive_group()
+        where.add_argument("--save", dest="results", action="store_const", const=results.RESULTS,
+                           help="write the result into results/, beside the files the docs cite (default: "
+                                "results/scratch/, git-ignored)")
+        where.add_argument("--results", type=Path, metavar="DIR",
+                           help="write the result into DIR instead (default: results/scratch/, git-ignored; "
+                                "--save: results/)")
+        p.set_defaults(results=results.SCRATCH)  # read when the parser is built, so a test can move it
+
+    def shape_options(p, budget_ms):
+        p.add_argument("--kernels", type=kernel_list, default=None, metavar="LIST",
+                       help="rungs, comma-separated (v05,v12 or a .cu path); default: every rung")
+        p.add_argument("--peers", type=peer_list, default=None, metavar="LIST",
+                       help=f"peers from {', '.join(PEERS)} or none; default float32: "
+                            f"{','.join(DEFAULT_PEERS['float32'])}; bfloat16/float16: {','.join(DEFAULT_PEERS['bfloat16'])}")
+        p.add_argument("--nh", type=positive_int, default=12, help="heads (default 12)")
+        p.add_argument("--d", type=positive_int, default=64, help="head size (default 64)")
+        p.add_argument("--dtype", choices=DTYPES, default="float32",
+                       help="input dtype; rungs that do not take it are reported unsupported (default float32)")
+        p.add_argument("--budget-ms", type=float, default=budget_ms,
+                       help=f"GPU time to spend on the timed runs of each entry (default {budget_ms:g}; 10-200 runs)")
+        p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+        results_option(p)
+
+    k = sub.add_parser("kernels", help="every rung x shapes beside the peers: ms, TFLOP/s, %% of FFMA, speed-ups",
+                       description="Every rung x shapes (default the five GPT-2 shapes, NH=12, d=64), each checked "
+                                   "against a float64 reference, then timed beside the CuPy reference and torch SDPA.")
+    k.add_argument("--shape", type=parse_shape, action="append", metavar="BxT",
+                   help="batch x sequence length, repeatable (default: 1x512 8x1024 16x2048 6x4096 1x8192)")
+    shape_options(k, 300.0)
+
+    s = sub.add_parser("sweep", help="TFLOP/s against sequence length, with a PNG plot",
+                       description="TFLOP/s against T (powers of two from --t-min to --t-max) with B = --tokens // T, "
+                                   "for chosen rungs and peers; a PNG plot (matplotlib) beside the JSON.")
+    s.add_argument("--t-min", type=power_of_two, default=128, help="shortest T, a power of two (default 128)")
+    s.add_argument("--t-max", type=power_of_two, default=16384, help="longest T, a power of two (default 16384)")
+    s.add_argument("--tokens", type=positive_int, default=16384, help="B x T per point: B = tokens // T (default 16384)")
+    shape_options(s, 150.0)
+
+    e = sub.add_parser("e2e", help="seconds for GPT-2 small to generate 512 tokens, per rung, beside HF transformers",
+                       description="Seconds to generate --tokens tokens greedily from the prompt with GPT-2 small "
+                                   "(random weights, float32), with the CuPy reference and each rung as the attention, "
+                                   "without and with a KV cache; HF transformers generate() on the same weights.")
+    e.add_argument("--kernels", type=kernel_list, default=None, metavar="LIST",
+                   help="rungs, comma-separated; default: every rung (the CuPy reference always runs)")
+    e.add_argument("--tokens", type=positive_int, default=512, help="new tokens (default 512)")
+    e.add_argument("--prompt", default=PROMPT, help=f"default {PROMPT!r}")
+    mode = e.add_mutually_exclusive_group()
+    mode.add_argument("--kv-cache", dest="mode", action="store_const", const="kv-cache",
+                      help="only the KV-cache mode (default: both modes)")
+    mode.add_argument("--no-cache", dest="mode", action="store_const", const="no-cache",
+                      help="only the no-cache mode, the seed's setup (default: both modes)")
+    e.set_defaults(mode="both")
+    e.add_argument("--no-hf", action="store_true", help="leave out the HF transformers peer")
+    e.add_argument("--no-decode", action="store_true",
+                   help="leave out the decode table (gpt2.fast in float32 and bfloat16 with each decode step)")
+    e.add_argument("--hf-attn", choices=("sdpa", "eager"), default="sdpa",
+                   help="the HF model's attn_implementation (default sdpa)")
+    e.add_argument("--warmup", type=positive_int, default=64,
+                   help="tokens of the warm-up generation (default 64: two of the persistent step's windows)")
+    e.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    results_option(e)
+
+    r = sub.add_parser("resources", help="registers, shared memory, spills, blocks per SM of every rung and config",
+                       description="Every rung and configuration: registers, shared memory, stack, spills (ptxas "
+                                   "through NVRTC), and resident blocks per SM on a device. Without a GPU, or with "
+                                   "--arch, compiles for that architecture (default sm_90) with no device.")
+    r.add_argument("--kernels", type=kernel_list, default=None, metavar="LIST", help="default: every rung")
+    r.add_argument("--arch", type=arch_name, default=None, help="compile for this architecture (sm_90) with NVRTC")
+    results_option(r)
+
+    f = sub.add_parser("features", help="decode, long-context decode, non-causal, cross lengths, GQA and head "
+                                        "sizes on the rungs that declare them, beside torch SDPA",
+                       description="The attention features past causal self-attention, each case checked against "
+                                   "a float64 reference, then timed beside torch SDPA (float32 against SDPA "
+                                   "efficient, bfloat16/float16 against SDPA flash): GPT-2 decode (B=1, NH=12, d=64, "
+                                   "one query over T_k = 1, 128, 512, 1024 keys; CUPTI kernel time per call with "
+                                   "independent caches in rotation, and per call in a CUDA graph; target <= 5 us), "
+                                   "long-context decode (B=16, NH=32, d=128, T_k=4096; TB/s of K+V against the copy "
+                                   "ceiling; target >= 75%), non-causal (B=4, NH=12, T=2048, d=64), cross lengths "
+                                   "(T_q=256 over T_k=4096, causal bottom-right), grouped-query heads (B=4, NH=32, "
+                                   "NH_kv=8, T=2048, d=128) and head sizes 32/64/96/128 (B=8, NH=12, T=1024). "
+                                   "The defaults are sized for about 3 minutes of GPU time, compilation aside; "
+                                   "--parts, --dtypes and --budget-ms trim it.")
+    f.add_argument("--parts", type=part_list, default=list(FEATURE_PARTS), metavar="LIST",
+                   help=f"parts to run, comma-separated, from {', '.join(FEATURE_PARTS)} (default: all)")
+    f.add_argument("--kernels", type=kernel_list, default=None, metavar="LIST",
+                   help="rungs to try in every case (those that do not take a case are reported unsupported); "
+                        "default: the rungs declaring lab.supports or lab.split_kv, each in the cases it declares "
+                        "(decode: the split-KV rungs and the newest other rung; long context: the split-KV rungs)")
+    f.add_argument("--dtypes", type=dtype_list, default=["float32", "bfloat16"], metavar="LIST",
+                   help="dtypes of decode and of the general features (default float32,bfloat16); long context "
+                        "runs bfloat16 and whichever of float32, float16 its rungs declare")
+    f.add_argument("--budget-ms", type=float, default=100.0,
+                   help="GPU time for the timed runs of each event-timed entry (default 100; 10-200 runs)")
+    f.add_argument("--caches", type=positive_int, default=24,
+                   help="decode: independent caches the calls rotate through, so that L2 does not hold K/V "
+                        "(default 24)")
+    f.add_argument("--reps", type=positive_int, default=10,
+                   help="decode: passes through the caches, profiled and captured as one graph (default 10)")
+    f.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    results_option(f)
+
+    m = sub.add_parser("readme", help="rewrite the tables of README.md and docs/results.md between their markers",
+                       description="Rewrite what lies between <!-- bench:<section>:start --> and "
+                                   "<!-- bench:<section>:end --> in README.md (sections summary, e2e-summary: the "
+                                   "best rung per precision against its peers, the end-to-end summary) and in "
+                                   "docs/results.md (sections kernels, sweep, e2e, resources, features: the full "
+                                   "tables), each from the newest result file of its kind in --results; nothing "
+                                   "outside the markers changes. Exits 2, rewriting neither, if a file is missing "
+                                   "or has no markers.")
+    m.add_argument("--readme", type=Path, default=README, help="default: README.md beside bench.py")
+    m.add_argument("--results-doc", type=Path, default=RESULTS_DOC,
+                   help="the full tables' page (default: docs/results.md beside bench.py)")
+    m.add_argument("--results", type=Path, default=results.RESULTS, metavar="DIR",
+                   help="where to read the result files (default: results/ beside bench.py)")
+    m.add_argument("--replot", action="store_true",
+                   help="also redraw the newest sweep and e2e plots from their JSON (after a change to the plotting)")
+    return parser
+
+
+COMMANDS = {"kernels": cmd_kernels, "sweep": cmd_sweep, "e2e": cmd_e2e, "resources": cmd_resources,
+            "features": cmd_features, "readme": cmd_readme}
+
+
+def main(argv: list[str] | None, doc: str) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(doc)
+    args = parser.parse_args(argv)
+    args.argv = argv
+    if getattr(args, "kernels", False) is None and args.command != "features":  # features picks per case
+        # decode rungs (split-KV) are made for a few query rows over a long cache, not whole sequences:
+        # they are timed only when named (and by tests/test_decode_gpu.py's timing on decode shapes)
+        whole = args.command == "resources"
+        dtype = getattr(args, "dtype", "float32")  # e2e runs float32
+        args.kernels = [kernels.resolve(n) for n in kernels.names()
+                        if whole or (not kernels.load(n).split_kv and dtype in kernels.load(n).dtypes)]
+    if args.command == "sweep" and args.t_min > args.t_max:
+        parser.error(f"--t-min {args.t_min} is larger than --t-max {args.t_max}")
+    try:
+        return COMMANDS[args.command](args)
+    except CannotRun as exc:
+        return fail(f"{args.command}: {exc}")

@@ -1,0 +1,84 @@
+"""The PNG plots beside the sweep and e2e result files (matplotlib is optional: the `plot` extra)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .device import progress
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_or_none(plot, result: dict, path: Path) -> str | None:
+    """Draw the plot beside the result file; its name, or None (saying why) without matplotlib."""
+    plt = _pyplot()
+    if plt is None:
+        progress("matplotlib is not installed (pip install -e '.[plot]'): no plot written; the JSON has the data")
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig = plot(plt, result)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path.name
+
+
+def _device_title(result: dict) -> str:
+    dev = result["setup"].get("device") or {}
+    return f"{dev.get('name', 'no GPU')}, {result['setup']['date'][:10]}"
+
+
+def _colors(plt, names: list[str]) -> dict[str, tuple]:
+    """One distinct colour per name (tab20, then tab20b), stable across both plots."""
+    palette = [plt.get_cmap("tab20")(i) for i in range(20)] + [plt.get_cmap("tab20b")(i) for i in range(20)]
+    return {n: palette[i % len(palette)] for i, n in enumerate(names)}
+
+
+def plot_sweep(plt, result: dict):
+    fig, ax = plt.subplots(figsize=(11, 5.5))
+    names = result["kernels"] + result["peers"]
+    color = _colors(plt, names)
+    for name in names:
+        points = [(r["shape"]["T"], r["tflops"]) for r in result["rows"] if r["name"] == name and r["status"] == "ok"]
+        if points:
+            label = next(r["label"] for r in result["rows"] if r["name"] == name)
+            ax.plot(*zip(*points, strict=True), marker="o", label=label, color=color[name],
+                    linestyle="-" if name in result["kernels"] else "--")
+    ffma = result["ceilings"]["ffma_tflops"]
+    ax.axhline(ffma, color="gray", linestyle=":", label=f"fp32 FFMA ceiling ({ffma:.0f})")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(f"sequence length T (B = {result['tokens']} // T, NH = {result['shapes'][0]['NH']}, "
+                  f"d = {result['shapes'][0]['d']})")
+    ax.set_ylabel("TFLOP/s (causal: 4 B NH T^2 d / 2)")
+    ax.set_title(f"causal attention forward, {result['dtype']}: {_device_title(result)}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return fig
+
+
+def plot_e2e(plt, result: dict):
+    """Elapsed time against tokens generated, one panel per mode, one colour per attention."""
+    modes = [m for m in ("no-cache", "kv-cache") if any(r["mode"] == m and r["status"] == "ok" for r in result["rows"])]
+    fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes) + 3, 5.5), squeeze=False)
+    labels = list(dict.fromkeys(r["label"] for r in result["rows"]))
+    color = _colors(plt, labels)
+    for ax, mode in zip(axes[0], modes, strict=True):
+        for r in result["rows"]:
+            if r["status"] == "ok" and r["mode"] == mode:
+                ax.plot(range(1, len(r["elapsed"]) + 1), r["elapsed"], label=r["label"], color=color[r["label"]],
+                        linestyle="--" if r["kind"] != "rung" else "-")
+        ax.set_xlabel("tokens generated")
+        ax.set_ylabel("elapsed seconds")
+        ax.set_title("no KV cache (the seed's mode)" if mode == "no-cache" else "KV cache")
+        ax.grid(True, alpha=0.3)
+    axes[0][-1].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.suptitle(f"GPT-2 small, greedy, float32, prompt {result['prompt']!r}: {_device_title(result)}")
+    return fig

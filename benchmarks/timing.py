@@ -1,0 +1,243 @@
+"""Timing on the GPU: CUDA events with warm-up, L2 flush, median and spread; CUPTI kernel time and CUDA
+graphs for calls too short for events; and the ceilings a run measures (fp32 FFMA, device copy)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import device
+from .cases import TOLERANCE_FACTOR
+
+
+class L2Flush:
+    """Writes a buffer twice the size of L2 (read from the device) so no run finds the last one's data."""
+
+    def __init__(self):
+        cupy = device.get_cupy()
+        dev = cupy.cuda.Device()
+        self.nbytes = 2 * int(cupy.cuda.runtime.getDeviceProperties(dev.id)["l2CacheSize"])
+        self.buffer = cupy.empty(self.nbytes, dtype=cupy.uint8)
+
+    def __call__(self):
+        self.buffer.fill(0)  # a memset on CuPy's current stream
+
+
+def no_flush():
+    pass
+
+
+@dataclass
+class Method:
+    budget_ms: float = 300.0  # timed runs: as many as fit in this, within [min_runs, max_runs]
+    min_runs: int = 10
+    max_runs: int = 200
+    warmup: int = 3
+
+    def describe(self, flush_bytes: int) -> dict:
+        return {
+            "timer": "cupy.cuda.Event pairs on the stream the work runs on (torch peers: torch's current "
+                     "stream, which is CuPy's legacy default stream), read after the last run",
+            "warmup_runs": self.warmup,
+            "budget_ms": self.budget_ms,
+            "min_runs": self.min_runs,
+            "max_runs": self.max_runs,
+            "statistic": "median; spread as p20-p80 and min-max",
+            "l2_flush_bytes": flush_bytes,
+            "l2_flush": "a buffer of twice the L2 size is written before every timed run, outside the events",
+            "compilation": "before warm-up (kernels.prepare), never timed",
+            "tolerance": f"max |out - ref64| <= {TOLERANCE_FACTOR:g} x max(max |plain32 - ref64|, eps(dtype) x max |ref64|)",
+        }
+
+
+def time_gpu(fn, *, stream, flush, method: Method) -> dict:
+    """Median and spread, in ms, of `fn()` over many runs, timed with CUDA events on `stream`."""
+    cupy = device.get_cupy()
+    Event = cupy.cuda.Event
+    cupy.cuda.Device().synchronize()  # whatever another framework queued is done before the clock starts
+    with stream:
+        for _ in range(method.warmup):
+            fn()
+        start, end = Event(), Event()
+        flush()
+        start.record(stream)
+        fn()
+        end.record(stream)
+        end.synchronize()
+        estimate = cupy.cuda.get_elapsed_time(start, end)
+        runs = int(min(method.max_runs, max(method.min_runs, method.budget_ms / max(estimate, 1e-3))))
+        events = [(Event(), Event()) for _ in range(runs)]
+        for s, e in events:
+            flush()
+            s.record(stream)
+            fn()
+            e.record(stream)
+        events[-1][1].synchronize()
+    times = np.array([cupy.cuda.get_elapsed_time(s, e) for s, e in events])
+    return {
+        "median_ms": float(np.median(times)),
+        "p20_ms": float(np.percentile(times, 20)),
+        "p80_ms": float(np.percentile(times, 80)),
+        "min_ms": float(times.min()),
+        "max_ms": float(times.max()),
+        "runs": runs,
+    }
+
+
+def per_call_us(records: list[tuple[float, float, str]], calls: int) -> dict | None:
+    """Device time per call from the kernel records (start, duration in us, name) of `calls` identical
+    calls made one after another: with k records per call, each run of k consecutive records (in start
+    order) is one call, summed; the median and spread over the calls. Records that do not divide evenly
+    among the calls give their total over the calls instead (the mean, and `statistic` says so)."""
+    if not records or calls < 1:
+        return None
+    records = sorted(records)
+    names = sorted({name[:160] for *_, name in records})
+    if len(records) % calls:
+        return {"us": sum(d for _, d, _ in records) / calls, "statistic": "mean (records do not divide among calls)",
+                "calls": calls, "kernels_per_call": len(records) / calls, "kernels": names}
+    k = len(records) // calls
+    per_call = np.array([sum(d for _, d, _ in records[i:i + k]) for i in range(0, len(records), k)])
+    return {"us": float(np.median(per_call)), "statistic": "median", "p20_us": float(np.percentile(per_call, 20)),
+            "p80_us": float(np.percentile(per_call, 80)), "min_us": float(per_call.min()),
+            "max_us": float(per_call.max()), "calls": calls, "kernels_per_call": k, "kernels": names}
+
+
+def kernel_timing(runs, reps: int = 10, name: str | None = None) -> dict | None:
+    """Device time per call, from CUPTI's kernel records (torch's profiler sees CuPy's launches too),
+    over `reps` passes through `runs`: the kernels each call launched, summed (per_call_us); only
+    those whose name contains `name` if given. None without torch."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return None
+    cupy = device.get_cupy()
+    for run in runs:  # compiled and warm before the profile
+        run()
+    cupy.cuda.Device().synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            for run in runs:
+                run()
+        cupy.cuda.Device().synchronize()
+    records = [(e.time_range.start, e.time_range.elapsed_us(), e.name) for e in prof.events()
+               if (name in e.name if name else str(getattr(e, "device_type", "")).endswith("CUDA"))]
+    return per_call_us(records, reps * len(runs))
+
+
+def kernel_us(runs, reps: int = 10, name: str | None = None) -> float | None:
+    """kernel_timing's median microseconds per call, or None without torch."""
+    timing = kernel_timing(runs, reps, name)
+    return timing["us"] if timing else None
+
+
+def graph_us(runs, reps: int = 10) -> float:
+    """Microseconds per call: the calls captured once as a CUDA graph on a CuPy stream (no Python
+    between launches), replayed, timed with events. For launches that go through CuPy (the rungs)."""
+    cupy = device.get_cupy()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        for run in runs:  # compiled and warm before the capture
+            run()
+        stream.begin_capture()
+        for _ in range(reps):
+            for run in runs:
+                run()
+        graph = stream.end_capture()
+        graph.launch()
+        stream.synchronize()
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        graph.launch()
+        end.record(stream)
+        end.synchronize()
+    return 1e3 * cupy.cuda.get_elapsed_time(start, end) / (reps * len(runs))
+
+
+def torch_graph_us(runs, reps: int = 10) -> float:
+    """graph_us for calls that launch through torch (SDPA): captured with torch.cuda.graph, whose
+    private memory pool serves the calls' allocations during the capture."""
+    torch = device.get_torch()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm, off the capture, as torch.cuda.graph asks
+        for run in runs:
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            for run in runs:
+                run()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    us = 1e3 * start.elapsed_time(end) / (reps * len(runs))
+    del graph
+    return us
+
+
+# ---------------------------------------------------------------------------------------------
+# Ceilings: what the device can do, measured here
+# ---------------------------------------------------------------------------------------------
+
+
+def fp32_matmul_mode() -> str:
+    """CuPy's compute type for float32 matmul: must not be TF32 for an FFMA ceiling."""
+    from cupy._core import _routines_linalg as linalg
+
+    mode = linalg.get_compute_type(np.dtype(np.float32))
+    if mode == linalg.COMPUTE_TYPE_TF32:  # CUPY_TF32 was read before bench.py could set it
+        linalg.set_compute_type(np.dtype(np.float32), linalg.COMPUTE_TYPE_DEFAULT)
+        mode = linalg.get_compute_type(np.dtype(np.float32))
+    return linalg.compute_type_to_str(mode)
+
+
+def measure_ceilings(method: Method, n: int = 8192, copy_bytes: int = 1 << 30) -> dict:
+    """fp32 FFMA ceiling (cupy.matmul of n^3 float32, TF32 off) and device-to-device copy bandwidth."""
+    cupy = device.get_cupy()
+    rng = cupy.random.default_rng(1234)
+    mode = fp32_matmul_mode()
+    stream = cupy.cuda.get_current_stream()
+    quick = Method(budget_ms=min(method.budget_ms, 300.0), min_runs=5, max_runs=50, warmup=2)
+
+    def time_gemm():
+        a, b = (rng.standard_normal((n, n), dtype=cupy.float32) for _ in range(2))
+        c = cupy.empty((n, n), dtype=cupy.float32)
+        return time_gpu(lambda: cupy.matmul(a, b, out=c), stream=stream, flush=no_flush, method=quick)
+
+    gemm = time_gemm()
+    device.release_memory()
+    return {
+        "ffma_tflops": 2 * n**3 / (gemm["median_ms"] * 1e-3) / 1e12,
+        "ffma_what": f"cupy.matmul float32 {n}^3 (cuBLAS, compute type {mode}, CUPY_TF32=0)",
+        "ffma_timing": gemm,
+        **measure_copy(method, copy_bytes),
+    }
+
+
+def measure_copy(method: Method, copy_bytes: int = 1 << 30) -> dict:
+    """Device-to-device copy bandwidth, bytes read + written over the median time: the ceiling a
+    bandwidth-bound kernel (decode) is held against."""
+    cupy = device.get_cupy()
+    stream = cupy.cuda.get_current_stream()
+    quick = Method(budget_ms=min(method.budget_ms, 300.0), min_runs=5, max_runs=50, warmup=2)
+
+    def time_copy():
+        src = cupy.random.default_rng(1234).random(copy_bytes // 4, dtype=cupy.float32)
+        dst = cupy.empty_like(src)
+        return time_gpu(lambda: dst.data.copy_from_device_async(src.data, src.nbytes, stream), stream=stream,
+                        flush=no_flush, method=quick)
+
+    copy = time_copy()
+    device.release_memory()  # the two buffers are gone with time_copy's frame
+    return {
+        "copy_tbps": 2 * copy_bytes / (copy["median_ms"] * 1e-3) / 1e12,
+        "copy_what": f"device-to-device copy of {copy_bytes >> 20} MiB; bytes read + written",
+        "copy_timing": copy,
+    }
