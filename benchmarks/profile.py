@@ -338,7 +338,7 @@ def skip_reason(path: Path, dtype: str, arch: str) -> str | None:
     if dtype not in rung.dtypes:
         return f"does not take {dtype} (lab.dtypes {', '.join(rung.dtypes)})"
     if not rung.runs_on(arch):
-        return f"needs {rung.arch_needed}; this device is {arch}"
+        return f"needs {rung.arch_needed()}; this device is {arch}"
     return None
 
 

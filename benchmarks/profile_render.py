@@ -8,6 +8,7 @@ roof is the ceilings measured in the same run: each compute ceiling flat, the co
 
 from __future__ import annotations
 
+import math
 import statistics
 
 # --- from bench.py: retarget these when bench.py's package lands --------------------------------------
@@ -47,10 +48,10 @@ def _num(x, digits: int = 1) -> str:
 
 
 def _sig(x: float | None) -> str:
-    """Four significant figures (364.3, 48.86, 1203)."""
+    """Four significant figures, zeros kept (364.3, 48.86, 203.0, 1203)."""
     if x is None:
         return "-"
-    return f"{x:.0f}" if x >= 1000 else f"{x:.4g}" if x >= 1 else f"{x:.3f}"
+    return f"{x:.{max(0, 3 - math.floor(math.log10(x))) if x > 0 else 1}f}"
 
 
 def _pair(a, b, fmt) -> str:
@@ -125,7 +126,7 @@ def table_rows(result: dict) -> list[list[str]]:
         if several:
             total = [f"all {len(r['kernels'])} kernels", _us(r["duration_s"]), _num(r.get("tflops"), 2), "-", "-", "-",
                      _pair(r.get("dram_read_bytes"), r.get("dram_write_bytes"), _mb)]
-            body.append([label, *total] + ["-"] * (len(COLUMNS) - 2 - len(total)))
+            body.append([label, *total] + ["-"] * (len(COLUMNS) - 1 - len(total)))
     return body
 
 
@@ -178,6 +179,8 @@ def roofline_points(result: dict) -> list[tuple[str, float, float]]:
 def plot_roofline(plt, points: list[tuple[str, float, float]], roofs: dict[str, float], copy_tbps: float | None,
                   title: str):
     """Log-log: the points, each compute roof (TFLOP/s) flat from where the copy bandwidth's slant meets it."""
+    from matplotlib.ticker import FuncFormatter  # matplotlib is there: plt came from it
+
     fig, ax = plt.subplots(figsize=(9, 6))
     ridges = [p / copy_tbps for p in roofs.values()] if copy_tbps else []
     xs = [x for _, x, _ in points] + ridges
@@ -185,8 +188,8 @@ def plot_roofline(plt, points: list[tuple[str, float, float]], roofs: dict[str, 
     if copy_tbps:
         top = max(ridges) if ridges else hi
         ax.plot([lo, top], [copy_tbps * lo, copy_tbps * top], color="gray", linestyle="-")
-        ax.text(lo * 1.2, copy_tbps * lo * 1.35, f"copy {copy_tbps:.2f} TB/s", color="gray", fontsize="small",
-                rotation=0)
+        ax.text(lo * 1.6, copy_tbps * lo * 1.1, f"copy {copy_tbps:.2f} TB/s", color="gray", fontsize="small",
+                ha="left", va="top")
     for (name, tflops), ridge in zip(roofs.items(), ridges or [lo] * len(roofs)):
         ax.plot([ridge, hi], [tflops, tflops], linestyle="--")
         ax.text(hi / 1.1, tflops * 1.05, f"{name} {tflops:.0f} TFLOP/s", ha="right", va="bottom", fontsize="small")
@@ -195,6 +198,10 @@ def plot_roofline(plt, points: list[tuple[str, float, float]], roofs: dict[str, 
         ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize="x-small")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    ax.xaxis.set_major_formatter(plain)
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
     ax.set_xlim(lo, hi)
     ax.set_xlabel("arithmetic intensity: FLOPs / DRAM bytes read + written (ncu)")
     ax.set_ylabel("achieved TFLOP/s (FLOPs / ncu's duration)")
