@@ -434,3 +434,32 @@ def test_roofline_plot(tmp_path):
     lo, hi = ax.get_xlim()
     assert lo < 51.0 / 4.27 < hi and not math.isnan(lo)
     plt.close(fig)
+
+
+def test_cmd_profile_end_to_end_with_a_fake_ncu(tmp_path, monkeypatch, capsys):
+    """The whole command on a fake ncu (which answers every target with v13's report) and a fake device:
+    a skipped rung, a profiled one, the decode step, the result file, the table."""
+    result = make_result()
+    monkeypatch.setattr(profile, "require_gpu", lambda: None)
+    monkeypatch.setattr(profile, "setup_info", lambda argv: copy.deepcopy(result["setup"]))
+    monkeypatch.setattr(profile, "measure_ceilings", lambda method: {"ffma_tflops": 51.0, "copy_tbps": 4.27})
+    monkeypatch.setattr(profile, "plot_or_none", lambda plot, r, path: None)
+    ncu = fake_ncu(tmp_path, f"cat '{FIXTURES / 'ncu-v13-float32.csv'}'")
+    args = parse(["profile", "--kernels", "v13,v18", "--ncu", ncu, "--results", str(tmp_path / "results")])
+    assert profile.cmd_profile(args) == 0
+    written = list((tmp_path / "results").glob("profile-nvidia-h200-*.json"))
+    assert len(written) == 1
+    saved = bench._load(written[0])
+    assert saved["kind"] == "profile" and saved["schema"] == bench.SCHEMA and saved["plot"] is None
+    assert [(r["name"], r["status"]) for r in saved["rows"]] == [
+        ("v13_fa2_partitioning", "ok"), ("v18_wgmma", "skipped"), ("decode step", "ok")]
+    assert saved["rows"][0]["tflops"] == pytest.approx(35.367, rel=1e-4)
+    assert saved["rows"][2]["flops"] is None and saved["rows"][2]["tflops"] is None
+    assert saved["roofs"] == {"fp32 FFMA": 51.0} and saved["sm_clock_hz"] == pytest.approx(1_966_285_477.05)
+    out = capsys.readouterr().out
+    assert "SM clock 1.97 GHz" in out and f"wrote {written[0]}" in out
+
+
+def test_decode_step_dtypes():
+    assert profile.decode_skip_reason("bfloat16") is None and profile.decode_skip_reason("float32") is None
+    assert "float32 and bfloat16" in profile.decode_skip_reason("float16")
