@@ -114,7 +114,9 @@ _TIME = {"ns": 1e-9, "nsecond": 1e-9, "us": 1e-6, "usecond": 1e-6, "ms": 1e-3, "
          "s": 1.0, "second": 1.0}
 _PREFIX = {"": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
            "Ki": 2.0**10, "Mi": 2.0**20, "Gi": 2.0**30, "Ti": 2.0**40}
-_SCALED = re.compile(r"^(?P<prefix>[KMGTP]i?)?(?P<base>[a-z][a-z_ ]*)$")
+_SCALED = re.compile(r"^(?P<prefix>[KMGTP]i?)?(?P<base>[A-Za-z]+)$")
+_BASES = {"byte", "hz", "cycle", "inst", "sector", "request", "warp", "block", "thread", "register", "wavefront",
+          "sm", "cluster", "pass"}
 
 
 def unit_scale(unit: str) -> float:
@@ -130,8 +132,10 @@ def unit_scale(unit: str) -> float:
         scale /= _TIME[denominator]
     if numerator in _TIME:
         return scale * _TIME[numerator]
+    if numerator == "%":  # %/byte, %/register
+        return scale
     m = _SCALED.match(numerator)
-    if not m:
+    if not m or m["base"].lower() not in _BASES:
         raise ValueError(f"unknown unit {unit!r} in ncu's output")
     return scale * _PREFIX[m["prefix"] or ""]
 
@@ -307,12 +311,12 @@ def run_ncu(command: list[str], timeout: float = NCU_TIMEOUT_S) -> list[dict]:
     rows = parse_csv(done.stdout)
     if rows:
         return rows
-    errors = [line for line in output.splitlines() if line.startswith("==ERROR==")]
     said = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith("==")]
+    errors = [line for line in output.splitlines() if line.startswith("==ERROR==")]
+    if said:  # the target's own last words (its error line, a traceback's exception) say why
+        raise RuntimeError(said[-1].strip())
     if errors:
         raise RuntimeError(errors[0].removeprefix("==ERROR==").strip())
-    if said:
-        raise RuntimeError(said[-1].strip())
     if "No kernels were profiled" in output:
         raise RuntimeError("ncu profiled no kernel (nothing launched between cudaProfilerStart and Stop)")
     raise RuntimeError(f"ncu exited with status {done.returncode} and no CSV")
@@ -322,10 +326,9 @@ def profile_row(ncu: str, name: str, kind: str, target: list[str], flops: int | 
     """One rung (or the decode step) under ncu: its kernels' fields, the totals, the roofline point."""
     row = {"name": name, "kind": kind, "flops": flops}
     try:
-        raw = run_ncu(ncu_command(ncu, target))
-    except RuntimeError as exc:
+        row["kernels"] = [kernel_fields(r) for r in run_ncu(ncu_command(ncu, target))]
+    except (RuntimeError, ValueError) as exc:  # ValueError: a unit this parser does not know
         return {**row, "status": "error", "reason": str(exc)}
-    row["kernels"] = [kernel_fields(r) for r in raw]
     row.update(rung_totals(row["kernels"]))
     row.update(profile_render.roofline_point(flops, row["dram_read_bytes"], row["dram_write_bytes"],
                                              row["duration_s"]))

@@ -66,6 +66,14 @@ def test_units_convert_to_base(text, unit, expected):
     assert profile.parse_value(text, unit) == pytest.approx(expected, rel=1e-12)
 
 
+def test_every_unit_of_the_recorded_reports_parses():
+    units = {unit for name in ("v13-float32", "v16-float32", "v18-bfloat16")
+             for row in profile.parse_csv(fixture_text(name)) for _, unit in row.values()}
+    assert {"ns", "%", "byte", "byte/s", "hz", "SM", "%/byte"} <= units
+    for unit in units:
+        assert profile.unit_scale(unit) > 0, unit
+
+
 def test_empty_and_text_cells_are_none():
     assert profile.parse_value("", "ns") is None
     assert profile.parse_value("n/a", "%") is None
@@ -205,6 +213,13 @@ def test_a_failing_rung_is_an_error_row(tmp_path):
     ncu = fake_ncu(tmp_path, "echo '==ERROR== The application returned an error code (1).'; exit 1")
     assert profile.profile_row(ncu, "v1", "rung", ["python"], 10)["reason"] == \
         "The application returned an error code (1)."
+    ncu = fake_ncu(tmp_path, "echo '==ERROR== The application returned an error code (1).'; "
+                             "echo 'Traceback (most recent call last):' >&2; echo 'RuntimeError: CUDA out of memory' >&2")
+    assert profile.profile_row(ncu, "v1", "rung", ["python"], 10)["reason"] == "RuntimeError: CUDA out of memory"
+    broken = fixture_text("v13-float32").replace('"ns"', '"fortnight"')
+    (tmp_path / "broken.csv").write_text(broken)
+    ncu = fake_ncu(tmp_path, f"cat '{tmp_path / 'broken.csv'}'")
+    assert profile.profile_row(ncu, "v1", "rung", ["python"], 10)["reason"] == "unknown unit 'fortnight' in ncu's output"
     ncu = fake_ncu(tmp_path, "echo '==WARNING== No kernels were profiled.'")
     assert "no kernel" in profile.profile_row(ncu, "v1", "rung", ["python"], 10)["reason"]
 
