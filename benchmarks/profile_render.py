@@ -172,8 +172,8 @@ def progress_line(r: dict) -> str:
 def roofline_points(result: dict) -> list[tuple[str, float, float]]:
     """(label, FLOP per DRAM byte, TFLOP/s) of every profiled rung with both."""
     shapes = len(result["shapes"])
-    return [(_label(r, shapes).strip("`").replace("` ", " "), r["intensity"], r["tflops"]) for r in result["rows"]
-            if r["status"] == "ok" and r.get("intensity") and r.get("tflops")]
+    return [(r["name"] + (f" {r['shape']['B']}x{r['shape']['T']}" if shapes > 1 else ""), r["intensity"], r["tflops"])
+            for r in result["rows"] if r["status"] == "ok" and r.get("intensity") and r.get("tflops")]
 
 
 def plot_roofline(plt, points: list[tuple[str, float, float]], roofs: dict[str, float], copy_tbps: float | None,
