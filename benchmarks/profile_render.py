@@ -1,0 +1,229 @@
+"""`bench.py profile`'s table, roofline plot and docs section, from its result dict (benchmarks/profile.py).
+
+The roofline: x = arithmetic intensity, the FLOPs of the launch (bench's attention_flops convention) over
+the DRAM bytes ncu counted (read + written); y = achieved TFLOP/s, those FLOPs over ncu's duration; the
+roof is the ceilings measured in the same run: each compute ceiling flat, the copy bandwidth slanted
+(TFLOP/s = TB/s x FLOP/byte), log-log.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+# --- from bench.py: retarget these when bench.py's package lands --------------------------------------
+from bench import setup_header, table
+
+# --- end of the imports from bench.py -----------------------------------------------------------------
+
+COLUMNS = ["rung", "kernel (grid x block)", "us", "TFLOP/s", "occupancy % achieved / theoretical (limit)", "SM %",
+           "memory %", "DRAM read / write MB", "DRAM TB/s (% peak)", "L2 hit %", "shared ld / st TB/s",
+           "bank conflicts ld / st", "global ld / st TB/s", "tensor pipe % (kind)", "issue slots %",
+           "top warp stalls (share of stall cycles)"]
+ALIGN = "llrrlrrrrrrrrlrl"
+
+
+def roofline_point(flops: int | None, read_bytes: int | None, write_bytes: int | None,
+                   duration_s: float | None) -> dict:
+    """FLOPs per DRAM byte and achieved TFLOP/s; None where an input is missing (or no DRAM byte moved)."""
+    dram = None if read_bytes is None or write_bytes is None else read_bytes + write_bytes
+    return {"dram_bytes": dram,
+            "intensity": flops / dram if flops and dram else None,
+            "tflops": flops / duration_s / 1e12 if flops and duration_s else None}
+
+
+def median_clock(rows: list[dict]) -> float | None:
+    """The SM clock (Hz) ncu saw, the median over every profiled kernel."""
+    clocks = [k["sm_clock_hz"] for r in rows if r.get("status") == "ok" for k in r["kernels"] if k.get("sm_clock_hz")]
+    return statistics.median(clocks) if clocks else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Cells
+# ---------------------------------------------------------------------------------------------
+
+
+def _num(x, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _sig(x: float | None) -> str:
+    """Four significant figures, zeros kept (364.3, 48.86, 203.0, 1203)."""
+    if x is None:
+        return "-"
+    return f"{x:.{max(0, 3 - math.floor(math.log10(x))) if x > 0 else 1}f}"
+
+
+def _pair(a, b, fmt) -> str:
+    return "-" if a is None and b is None else f"{fmt(a)} / {fmt(b)}"
+
+
+def _mb(n) -> str:
+    return "-" if n is None else f"{n / 1e6:.1f}"
+
+
+def _tbps(x) -> str:
+    return "-" if x is None else f"{x / 1e12:.2f}"
+
+
+def _count(n) -> str:
+    return "-" if n is None else f"{n:,}"
+
+
+def _us(seconds) -> str:
+    return "-" if seconds is None else _sig(seconds * 1e6)
+
+
+def occupancy_cell(k: dict) -> str:
+    cell = _pair(k.get("occupancy_achieved_pct"), k.get("occupancy_theoretical_pct"), _num)
+    return f"{cell} ({' = '.join(k['occupancy_limiter'])})" if k.get("occupancy_limiter") else cell
+
+
+def dram_cell(k: dict) -> str:
+    if k.get("dram_bytes_per_s") is None:
+        return "-" if k.get("dram_pct") is None else f"- ({k['dram_pct']:.1f}%)"
+    return f"{_tbps(k['dram_bytes_per_s'])} ({_num(k.get('dram_pct'))}%)"
+
+
+def tensor_cell(k: dict) -> str:
+    if k.get("tensor_pct") is None:
+        return "-"
+    kind = k.get("tensor_kind")
+    return f"{k['tensor_pct']:.1f}" + (f" ({kind})" if kind else "")
+
+
+def stalls_cell(k: dict) -> str:
+    return ", ".join(f"{reason} {share:.0%}" for reason, share in k.get("stalls_top") or ()) or "-"
+
+
+def _label(r: dict, shapes: int) -> str:
+    label = f"`{r['name']}`" if r["kind"] == "rung" else r["name"]
+    return f"{label} {r['shape']['B']}x{r['shape']['T']}" if shapes > 1 and r.get("shape") else label
+
+
+def kernel_cells(k: dict) -> list[str]:
+    """The columns after the rung's label and TFLOP/s that one kernel fills."""
+    return [occupancy_cell(k), _num(k.get("sm_pct")), _num(k.get("memory_pct")),
+            _pair(k.get("dram_read_bytes"), k.get("dram_write_bytes"), _mb), dram_cell(k), _num(k.get("l2_hit_pct")),
+            _pair(k.get("shared_ld_bytes_per_s"), k.get("shared_st_bytes_per_s"), _tbps),
+            _pair(k.get("bank_conflicts_ld"), k.get("bank_conflicts_st"), _count),
+            _pair(k.get("global_ld_bytes_per_s"), k.get("global_st_bytes_per_s"), _tbps),
+            tensor_cell(k), _num(k.get("issue_pct")), stalls_cell(k)]
+
+
+def table_rows(result: dict) -> list[list[str]]:
+    """One row per kernel; a rung of several kernels adds a row of its total."""
+    shapes, body = len(result["shapes"]), []
+    for r in result["rows"]:
+        label = _label(r, shapes)
+        if r["status"] != "ok":
+            body.append([label, f"**{r['status']}**: {r.get('reason', '')}"] + ["-"] * (len(COLUMNS) - 2))
+            continue
+        several = len(r["kernels"]) > 1
+        for k in r["kernels"]:
+            body.append([label, f"`{k['kernel']}` {k['grid']}x{k['block']}", _us(k["duration_s"]),
+                         "-" if several else _num(r.get("tflops"), 2), *kernel_cells(k)])
+        if several:
+            total = [f"all {len(r['kernels'])} kernels", _us(r["duration_s"]), _num(r.get("tflops"), 2), "-", "-", "-",
+                     _pair(r.get("dram_read_bytes"), r.get("dram_write_bytes"), _mb)]
+            body.append([label, *total] + ["-"] * (len(COLUMNS) - 1 - len(total)))
+    return body
+
+
+def render_profile(result: dict) -> str:
+    """The profile table, headed by the setup, the clock ncu saw and the run's ceilings."""
+    clock = result.get("sm_clock_hz")
+    ncu = result.get("ncu") or {}
+    shapes = ", ".join(f"{s['B']}x{s['T']}" for s in result["shapes"])
+    nh, d = (result["shapes"][0]["NH"], result["shapes"][0]["d"]) if result["shapes"] else ("?", "?")
+    roofs = "; ".join(f"{name} {v:.1f} TFLOP/s" for name, v in (result.get("roofs") or {}).items())
+    copy = (result.get("ceilings") or {}).get("copy_tbps")
+    lines = setup_header(result) + [
+        "",
+        f"{result['dtype']}, B x T {shapes}, NH={nh}, d={d}: one launch per rung after warm-up under Nsight Compute "
+        f"{ncu.get('version') or '?'}, clocks not locked (--clock-control {ncu.get('clock_control', 'none')}): "
+        f"**SM clock {clock / 1e9:.2f} GHz** (gpc__cycles_elapsed.avg.per_second, median over the kernels)."
+        if clock else f"{result['dtype']}, B x T {shapes}, NH={nh}, d={d}: no kernel was profiled.",
+        "",
+        f"Ceilings of this run: {roofs or 'none'}; copy {_num(copy, 2)} TB/s. TFLOP/s count {result['flop_convention']}. "
+        "Throughputs are % of the peak sustained over the elapsed cycles, occupancy of the active cycles; the "
+        "limit is the smallest of ncu's blocks-per-SM limits; stall shares leave out the issuing warp's own cycle.",
+        "",
+    ]
+    return "\n".join(lines + table(COLUMNS, table_rows(result), ALIGN))
+
+
+def progress_line(r: dict) -> str:
+    """One line per profiled rung, as it finishes."""
+    where = f"{r['shape']['B']}x{r['shape']['T']}" if r.get("shape") else ""
+    if r["status"] != "ok":
+        return f"{r['name']} {where}: {r['status']}: {r.get('reason', '')}"
+    k = r["kernels"][0]
+    more = f" ({len(r['kernels'])} kernels)" if len(r["kernels"]) > 1 else ""
+    return (f"{r['name']} {where}: {_us(r['duration_s'])} us{more}, {_num(r.get('tflops'), 2)} TFLOP/s, "
+            f"occupancy {occupancy_cell(k)}, SM {_num(k.get('sm_pct'))}%, stalls {stalls_cell(k)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The roofline
+# ---------------------------------------------------------------------------------------------
+
+
+def roofline_points(result: dict) -> list[tuple[str, float, float]]:
+    """(label, FLOP per DRAM byte, TFLOP/s) of every profiled rung with both."""
+    shapes = len(result["shapes"])
+    return [(r["name"] + (f" {r['shape']['B']}x{r['shape']['T']}" if shapes > 1 else ""), r["intensity"], r["tflops"])
+            for r in result["rows"] if r["status"] == "ok" and r.get("intensity") and r.get("tflops")]
+
+
+def plot_roofline(plt, points: list[tuple[str, float, float]], roofs: dict[str, float], copy_tbps: float | None,
+                  title: str):
+    """Log-log: the points, each compute roof (TFLOP/s) flat from where the copy bandwidth's slant meets it."""
+    from matplotlib.ticker import FuncFormatter  # matplotlib is there: plt came from it
+
+    fig, ax = plt.subplots(figsize=(9, 6))
+    ridges = [p / copy_tbps for p in roofs.values()] if copy_tbps else []
+    xs = [x for _, x, _ in points] + ridges
+    lo, hi = (min(xs) / 4, max(xs) * 4) if xs else (0.1, 1000.0)
+    if copy_tbps:
+        top = max(ridges) if ridges else hi
+        ax.plot([lo, top], [copy_tbps * lo, copy_tbps * top], color="gray", linestyle="-")
+        ax.text(lo * 1.6, copy_tbps * lo * 1.1, f"copy {copy_tbps:.2f} TB/s", color="gray", fontsize="small",
+                ha="left", va="top")
+    for (name, tflops), ridge in zip(roofs.items(), ridges or [lo] * len(roofs)):
+        ax.plot([ridge, hi], [tflops, tflops], linestyle="--")
+        ax.text(hi / 1.1, tflops * 1.05, f"{name} {tflops:.0f} TFLOP/s", ha="right", va="bottom", fontsize="small")
+    for label, x, y in points:
+        ax.plot([x], [y], marker="o", color="C0")
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize="x-small")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    ax.xaxis.set_major_formatter(plain)
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
+    ax.set_xlim(lo, hi)
+    ax.set_xlabel("arithmetic intensity: FLOPs / DRAM bytes read + written (ncu)")
+    ax.set_ylabel("achieved TFLOP/s (FLOPs / ncu's duration)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    return fig
+
+
+def plot_result(plt, result: dict):
+    """The roofline of one profile result (bench's plot_or_none calls this)."""
+    dev = result["setup"].get("device") or {}
+    title = f"roofline, causal attention forward, {result['dtype']}: {dev.get('name', 'no GPU')}, {result['setup']['date'][:10]}"
+    return plot_roofline(plt, roofline_points(result), result.get("roofs") or {},
+                         (result.get("ceilings") or {}).get("copy_tbps"), title)
+
+
+def render_profile_doc(result: dict, source: str, image: str | None) -> str:
+    """docs/profile.md's generated section: the table (its header names the SM clock) and the roofline;
+    `source` and `image` are the result file and its PNG, relative to the docs page."""
+    parts = [f"<!-- generated by `python3 bench.py profile` from `{source}`; rerun bench.py rather than editing -->",
+             render_profile(result)]
+    if image:
+        parts.append(f"![roofline of the {result['dtype']} rungs: FLOPs per DRAM byte against TFLOP/s, under the "
+                     f"ceilings of the same run]({image})")
+    return "\n\n".join(parts)

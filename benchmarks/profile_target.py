@@ -1,0 +1,112 @@
+"""What `bench.py profile` runs under ncu: one launch between cudaProfilerStart and cudaProfilerStop.
+
+    python -m benchmarks.profile_target --kernel v13 --shape 8x1024 --dtype float32
+    python -m benchmarks.profile_target --decode --dtype bfloat16
+
+A rung: random q, k, v (B, 12, T, 64), prepared and compiled (kernels.prepare), three warm-up launches,
+then one launch profiled. --decode: GPT-2 small with random weights on gpt2.fast's engine, a warm-up
+generation of WARMUP tokens, then one decode step profiled. ncu (--profile-from-start off) sees only
+the profiled launch. Nothing goes to stdout, where ncu writes its CSV; errors are one line on stderr,
+exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+NH, D_HEAD = 12, 64
+WARMUP = 64  # decode: tokens generated before the profiled step (two of the persistent step's windows)
+PROMPT = [15496, 11, 314, 1101, 257, 3303, 2746, 11]  # "Hello, I'm a language model," in GPT-2's BPE
+
+
+class TargetError(Exception):
+    """Bad arguments or a rung that cannot run: one line on stderr."""
+
+
+def shape_arg(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
+    if not m or int(m[1]) < 1 or int(m[2]) < 1:
+        raise argparse.ArgumentTypeError(f"shape must be BxT with positive integers, e.g. 8x1024; got {text!r}")
+    return int(m[1]), int(m[2])
+
+
+def array_dtype(name: str):
+    import numpy as np
+
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
+
+
+def rung_launch(kernel: str, B: int, T: int, dtype: str):
+    """The rung prepared on random inputs, warm: the function that launches it once."""
+    import cupy
+
+    import kernels
+
+    try:
+        path = kernels.resolve(kernel)
+    except ValueError as exc:
+        raise TargetError(str(exc)) from None
+    rng = cupy.random.default_rng(0)
+    q, k, v = (rng.standard_normal((B, NH, T, D_HEAD), dtype=cupy.float32).astype(array_dtype(dtype))
+               for _ in range(3))
+    try:
+        run = kernels.prepare(q, k, v, kernel=path)
+    except (ValueError, kernels.KernelCompileError) as exc:
+        raise TargetError(f"{path.stem}: {str(exc).splitlines()[0]}") from None
+    for _ in range(3):
+        run()
+    return run
+
+
+def decode_launch(dtype: str):
+    """gpt2.fast's engine on GPT-2 small (random weights) after a warm-up generation: one decode step."""
+    import cupy
+
+    import gpt2
+    from gpt2 import fast
+
+    ckpt = gpt2.random_weights("gpt2", xp=cupy)
+    try:
+        engine = fast.engine_for(ckpt.params, ckpt.config, dtype=dtype)
+    except gpt2.LabError as exc:
+        raise TargetError(str(exc).splitlines()[0]) from None
+    engine.generate(PROMPT, WARMUP, attend=gpt2.reference_attend, kv_cache=True)
+    return lambda: engine.decode(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_target", description=__doc__.split("\n\n")[0])
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--kernel", help="the rung (v13, v13_fa2_partitioning or a .cu path)")
+    what.add_argument("--decode", action="store_true", help="one decode step of gpt2.fast's engine")
+    parser.add_argument("--shape", type=shape_arg, default=(8, 1024), metavar="BxT", help="default 8x1024")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    args = parser.parse_args(argv)
+    try:
+        import cupy
+        from cupy.cuda import profiler
+
+        launch = decode_launch(args.dtype) if args.decode else rung_launch(args.kernel, *args.shape, args.dtype)
+        cupy.cuda.Device().synchronize()
+        profiler.start()
+        launch()
+        cupy.cuda.Device().synchronize()
+        profiler.stop()
+    except TargetError as exc:
+        print(f"profile_target: {exc}", file=sys.stderr)
+        return 2
+    except ImportError as exc:
+        print(f"profile_target: {exc}; the target needs CuPy and the lab's packages (run from the checkout)",
+              file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
