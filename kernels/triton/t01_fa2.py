@@ -41,7 +41,6 @@ lab.supports    noncausal, cross, gqa
 
 import math
 
-import torch
 import triton
 import triton.language as tl
 
@@ -120,7 +119,7 @@ def attention_forward(Q, K, V, O, T_q, T_k, kv_group, qk_scale, T_TUNE,
 def fits_shared_memory(configs, named_args, **kwargs):
     """The configs whose Q_i tile and num_stages K_j, V_j tiles fit the device's shared memory."""
     d, item = kwargs["HEAD_DIM"], named_args["Q"].element_size()
-    limit = torch.cuda.get_device_properties(named_args["Q"].device).shared_memory_per_block_optin
+    limit = triton.runtime.driver.active.utils.get_device_properties(named_args["Q"].device.index)["max_shared_mem"]
     fit = [c for c in configs if (c.kwargs["BLOCK_M"] + 2 * c.num_stages * c.kwargs["BLOCK_N"]) * d * item <= limit]
     return fit or configs[-1:]
 
