@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +36,7 @@ _DECL = re.compile(r"^\s*lab\.(\w+)\s+(.*?)\s*$")
 _KEYS = {"dtypes", "head_sizes", "precisions", "tolerance", "supports"}
 HALF = ("bfloat16", "float16")  # 16-bit inputs: one arithmetic, named by the dtype
 INSTALL = "pip install -e '.[triton]' (and PyTorch with CUDA)"
+compile_seconds = 0.0  # first launches of prepared rungs in this process: Triton's compilation and autotuning
 
 
 def rung_files() -> list[Path]:
@@ -234,10 +236,17 @@ def prepare(rung: TritonRung, q, k, v, out, *, causal: bool, scale: float, confi
     tq, tk, tv, to = (_as_torch(torch, x) for x in (q, k, v, out))
     arithmetic = precision if precision in rung.precisions else "tf32"  # 16-bit inputs: the compiler's default
     inst = Instance(rung, precision, tiles)
+    first = True
 
     def run():
+        nonlocal first
+        start = time.perf_counter()
         with torch.cuda.stream(_current_stream(torch, device)):
             inst.tiles = mod.forward(tq, tk, tv, to, scale=scale, causal=causal, precision=arithmetic, config=tiles)
+        if first:  # compiled and autotuned on the host, synchronously, unless an earlier launch did
+            global compile_seconds
+            compile_seconds += time.perf_counter() - start
+            first = False
         return out
 
     run.instance = inst

@@ -84,7 +84,7 @@ def attention_forward(Q, K, V, O, T_q, T_k, kv_group, qk_scale, T_TUNE,
                       HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # T_TUNE is the autotuner's key only: the kernel never reads it
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest causal tile first
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # a head's heaviest causal tile first
     head, batch = tl.program_id(1), tl.program_id(2).to(tl.int64)  # 64-bit offsets past 2^31 elements
     kv_head = (head // kv_group).to(tl.int64)  # grouped-query attention: NH / NH_kv query heads per K/V head
     Q += batch * stride_qb + head.to(tl.int64) * stride_qh
