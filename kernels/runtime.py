@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from . import driver, ladder, nvrtc
+from . import triton as triton_rungs
 
 COMMON_OPTIONS = ("-ftz=true",)  # CuPy adds -ftz=true to every compile; the NVRTC path matches it
 MAX_GRID_YZ = 65535
@@ -342,6 +343,8 @@ def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, ou
     """Validate and compile once; return a function that launches the rung (for timing loops);
     its `instance` attribute is the compiled configuration chosen for these inputs."""
     cupy = _cupy()
+    if triton_rungs.owns(kernel):
+        return _prepare_triton(q, k, v, kernel, causal, scale, config, out)
     rung = ladder.load(kernel)
     validate(q, k, v, rung, causal, scale)
     B, NH, T, d = q.shape
@@ -356,11 +359,7 @@ def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, ou
         q, k, v = (x if _aligned(x) else cupy.ascontiguousarray(x) for x in (q, k, v))
         if k.strides != v.strides:  # the kernel reads K and V through one set of strides
             k, v = cupy.ascontiguousarray(k), cupy.ascontiguousarray(v)
-    if out is None:
-        out = cupy.empty((B, NH, T, d), dtype=q.dtype)
-    elif not (isinstance(out, cupy.ndarray) and out.dtype == q.dtype and out.shape == (B, NH, T, d)
-              and out.flags.c_contiguous):
-        raise ValueError(f"out must be a C-contiguous {q.dtype} CuPy array of shape {(B, NH, T, d)}")
+    out = _output(q, out)
     floats = max(1, inst.workspace_floats(B, NH, T, k.shape[2]))
     if rung.split_kv:
         # the counters must start at zero and every launch leaves them there: zero once, reuse
@@ -381,6 +380,25 @@ def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, ou
     return run
 
 
+def _output(q, out):
+    """`out` checked, or a new array: C-contiguous, q's dtype and shape."""
+    cupy = _cupy()
+    if out is None:
+        return cupy.empty(q.shape, dtype=q.dtype)
+    if not (isinstance(out, cupy.ndarray) and out.dtype == q.dtype and out.shape == q.shape and out.flags.c_contiguous):
+        raise ValueError(f"out must be a C-contiguous {q.dtype} CuPy array of shape {q.shape}")
+    return out
+
+
+def _prepare_triton(q, k, v, kernel, causal, scale, config, out):
+    """prepare() for a Triton rung (kernels/triton/): the same validation and output, its own launch."""
+    rung = triton_rungs.load(kernel)
+    triton_rungs.module(rung)  # without Triton, say how to install it before anything else
+    validate(q, k, v, rung, causal, scale)
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
+    return triton_rungs.prepare(rung, q, k, v, _output(q, out), causal=bool(causal), scale=scale, config=config)
+
+
 class Attend:
     """A rung as the attention function gpt2.forward takes: attend(q, k, v) is kernels.attention with
     the rung (resolved once) and causal fixed. attend.prepare(q, k, v) returns run() -> o for callers
@@ -389,7 +407,8 @@ class Attend:
     Where the rung needs copies of its inputs (contiguous, or 16-byte aligned), run() makes them anew."""
 
     def __init__(self, kernel, causal: bool = True):
-        self.path = str(ladder.resolve(kernel))  # resolving a name scans kernels/
+        # resolving a name scans kernels/ (or kernels/triton/)
+        self.path = str(triton_rungs.resolve(kernel) if triton_rungs.owns(kernel) else ladder.resolve(kernel))
         self.causal = causal
 
     def __call__(self, q, k, v):
@@ -402,7 +421,7 @@ class Attend:
 
 def attention(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, out=None):
     """Attention of q (B, NH, T_q, d) over k, v (B, NH_kv, T_k, d), CuPy arrays (float32, or a dtype
-    the rung declares), with the named rung; a new contiguous (B, NH, T_q, d) array of the input
+    the rung declares), with the named rung (a .cu rung, or a Triton rung: "t01"); a new contiguous (B, NH, T_q, d) array of the input
     dtype (or `out`, filled). Causal by default, the mask aligned bottom-right when T_q != T_k;
     `scale` defaults to 1/sqrt(d). Non-causal, T_q != T_k and NH_kv < NH need a rung declaring them."""
     return prepare(q, k, v, kernel=kernel, causal=causal, scale=scale, config=config, out=out)()

@@ -229,16 +229,17 @@ def test_config_needing_more_shared_memory_than_the_device_has():
         kernels.attention(x, x, x, kernel="v01", config=(128, 256, 64))
 
 
-def check_nan_reaches(name, where, *, T_q, T_k, row, config=None):
+def check_nan_reaches(name, where, *, T_q, T_k, row, config=None, dtype=None):
     """A NaN at q[0, 1, row, 3] (where = "q") or at k/v[0, 1, row, 3], causal, the mask aligned
     bottom-right: every output row of head 1 that sees it must be NaN; a NaN query row must stay in
     its row; head 0 must stay clean. Rows that cannot see a NaN key may turn NaN too in a tiled rung
     (0 x NaN is NaN when a tile's masked products are summed; docs/ladder.md says so)."""
     import cupy as cp
 
-    rung = kernels.load(name)
-    d = config[0] if config else 64
-    dtype = (rung.dtype_of(config) if config else None) or rung.dtypes[0]
+    if dtype is None:  # a .cu rung's first dtype, or its config's
+        rung = kernels.load(name)
+        dtype = (rung.dtype_of(config) if config else None) or rung.dtypes[0]
+    d = config[0] if isinstance(config, tuple) else 64
     q = (cp.random.standard_normal((1, 2, T_q, d), dtype=cp.float32)).astype(dtype)
     k, v = ((cp.random.standard_normal((1, 2, T_k, d), dtype=cp.float32)).astype(dtype) for _ in range(2))
     {"q": q, "k": k, "v": v}[where][0, 1, row, 3] = cp.nan
