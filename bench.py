@@ -8,8 +8,10 @@
     python3 bench.py resources [--arch sm_90]   registers, shared memory, spills, resident blocks per SM
     python3 bench.py features                   decode, long-context decode, non-causal, cross lengths, GQA and
                                                 head sizes on the rungs that declare them, beside torch SDPA
-    python3 bench.py readme                     rewrite README.md's summary and docs/results.md's tables from
-                                                the newest results/*.json
+    python3 bench.py profile                    Nsight Compute's counters for every rung (one launch each, 8x1024)
+                                                and the decode step, with a roofline plot
+    python3 bench.py readme                     rewrite README.md's summary and the tables of docs/results.md and
+                                                docs/profile.md from the newest results/*.json
 
 Where results go: every number it prints is also written to <folder>/<subcommand>-<device>-<UTC time>.json,
 with the device, driver, CUDA, CuPy and torch versions, the date and the command. The folder is

@@ -14,7 +14,9 @@ from .cases import DTYPES
 from .device import CannotRun
 from .e2e import PROMPT, cmd_e2e
 from .features import FEATURE_PARTS, cmd_features
+from .options import kernel_list, parse_shape, results_option
 from .peers import DEFAULT_PEERS, PEERS
+from .profile import add_profile_parser, cmd_profile
 from .readme import README, RESULTS_DOC, cmd_readme
 from .resources import cmd_resources
 from .rungs import cmd_kernels
@@ -25,24 +27,6 @@ def fail(message: str) -> int:
     """One line on stderr; exit status 2 (the user's to fix: a missing GPU, a bad file)."""
     print(f"bench.py: {message}", file=sys.stderr, flush=True)
     return 2
-
-
-def parse_shape(text: str) -> tuple[int, int]:
-    """'8x1024' -> (8, 1024): batch x sequence length."""
-    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
-    if not m or int(m[1]) < 1 or int(m[2]) < 1:
-        raise argparse.ArgumentTypeError(f"shape must be BxT with positive integers, e.g. 8x1024; got {text!r}")
-    return int(m[1]), int(m[2])
-
-
-def kernel_list(text: str) -> list[Path]:
-    """'v01,v2,v03_x' or 'all' -> rung files (kernels.resolve: v8, v08, v08_name, or a .cu path)."""
-    if text.strip() == "all":
-        return [kernels.resolve(n) for n in kernels.names()]
-    try:
-        return [kernels.resolve(s.strip()) for s in text.split(",") if s.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def peer_list(text: str) -> list[str]:
@@ -104,17 +88,7 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                                      epilog="\n\n".join(doc.split("\n\n")[1:]),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True,
-                                metavar="{kernels,sweep,e2e,resources,features,readme}")
-
-    def results_option(p):
-        where = p.add_mutually_exclusive_group()
-        where.add_argument("--save", dest="results", action="store_const", const=results.RESULTS,
-                           help="write the result into results/, beside the files the docs cite (default: "
-                                "results/scratch/, git-ignored)")
-        where.add_argument("--results", type=Path, metavar="DIR",
-                           help="write the result into DIR instead (default: results/scratch/, git-ignored; "
-                                "--save: results/)")
-        p.set_defaults(results=results.SCRATCH)  # read when the parser is built, so a test can move it
+                                metavar="{kernels,sweep,e2e,resources,features,profile,readme}")
 
     def shape_options(p, budget_ms):
         p.add_argument("--kernels", type=kernel_list, default=None, metavar="LIST",
@@ -210,6 +184,8 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     f.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     results_option(f)
 
+    add_profile_parser(sub)
+
     m = sub.add_parser("readme", help="rewrite the tables of README.md and docs/results.md between their markers",
                        description="Rewrite what lies between <!-- bench:<section>:start --> and "
                                    "<!-- bench:<section>:end --> in README.md (sections summary, e2e-summary: the "
@@ -229,7 +205,7 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
 
 
 COMMANDS = {"kernels": cmd_kernels, "sweep": cmd_sweep, "e2e": cmd_e2e, "resources": cmd_resources,
-            "features": cmd_features, "readme": cmd_readme}
+            "features": cmd_features, "profile": cmd_profile, "readme": cmd_readme}
 
 
 def main(argv: list[str] | None, doc: str) -> int:
@@ -237,7 +213,8 @@ def main(argv: list[str] | None, doc: str) -> int:
     parser = build_parser(doc)
     args = parser.parse_args(argv)
     args.argv = argv
-    if getattr(args, "kernels", False) is None and args.command != "features":  # features picks per case
+    if getattr(args, "kernels", False) is None and args.command not in ("features", "profile"):
+        # features picks per case; profile takes every rung and reports those it cannot run as skipped
         # decode rungs (split-KV) are made for a few query rows over a long cache, not whole sequences:
         # they are timed only when named (and by tests/test_decode_gpu.py's timing on decode shapes)
         whole = args.command == "resources"

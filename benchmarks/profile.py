@@ -30,30 +30,12 @@ from pathlib import Path
 
 import kernels
 
-# --- from bench.py: retarget these when bench.py's package lands --------------------------------------
-from bench import (
-    DTYPES,
-    FLOP_CONVENTION,
-    RESULTS,
-    SCHEMA,
-    CannotRun,
-    Method,
-    attention_flops,
-    kernel_list,
-    measure_ceilings,
-    parse_shape,
-    plot_or_none,
-    progress,
-    require_gpu,
-    result_path,
-    setup_info,
-    write_result,
-)
+from . import device, plots, profile_render, timing
+from .cases import DTYPES, FLOP_CONVENTION, attention_flops
+from .device import ROOT, CannotRun, progress
+from .options import kernel_list, parse_shape, results_option
+from .results import SCHEMA, result_path, write_result, wrote
 
-# --- end of the imports from bench.py -----------------------------------------------------------------
-from . import profile_render
-
-ROOT = Path(__file__).resolve().parent.parent
 NH, D_HEAD = 12, 64  # GPT-2's heads and head size
 DEFAULT_SHAPE = (8, 1024)
 NCU_FALLBACK = Path("/usr/local/cuda/bin/ncu")
@@ -360,17 +342,10 @@ def roofs_of(ceilings: dict) -> dict[str, float]:
     return {label: ceilings[key] for key, label in ROOFS if ceilings.get(key)}
 
 
-def results_folder(args) -> Path:
-    """--results, else results/ with --save, else results/scratch/ (git-ignored)."""
-    if args.results is not None:
-        return args.results
-    return RESULTS if args.save else RESULTS / "scratch"
-
-
 def cmd_profile(args) -> int:
     ncu = find_ncu(args.ncu)
-    require_gpu()
-    setup = setup_info(args.argv)
+    device.require_gpu()
+    setup = device.setup_info(args.argv)
     dev = setup["device"]
     shapes = args.shape or [DEFAULT_SHAPE]
     rungs = args.kernels if args.kernels is not None else [kernels.resolve(n) for n in kernels.names()]
@@ -378,7 +353,7 @@ def cmd_profile(args) -> int:
     progress(f"{dev['name']} ({dev['arch']}, {dev['sm_count']} SMs), driver {dev['driver']}, CUDA "
              f"{dev['cuda_runtime']}; ncu {version or '?'} at {ncu}")
     progress("measuring the ceilings (fp32 SGEMM 8192^3 without TF32; device copy) ...")
-    ceilings = measure_ceilings(Method())
+    ceilings = timing.measure_ceilings(timing.Method())
     roofs = roofs_of(ceilings)
     progress(", ".join(f"{k} {v:.1f} TFLOP/s" for k, v in roofs.items()) + f"; copy {ceilings['copy_tbps']:.2f} TB/s")
 
@@ -412,11 +387,11 @@ def cmd_profile(args) -> int:
                 "command": " ".join(ncu_command("ncu", ["<target>"]))},
         "sm_clock_hz": profile_render.median_clock(rows), "rows": rows,
     }
-    path = result_path("profile", setup, results_folder(args))
-    result["plot"] = plot_or_none(profile_render.plot_result, result, path.with_suffix(".png"))
+    path = result_path("profile", setup, args.results)
+    result["plot"] = plots.plot_or_none(profile_render.plot_result, result, path.with_suffix(".png"))
     write_result(result, path)
     print("\n" + profile_render.render_profile(result))
-    progress(f"wrote {path}" + (f" and {result['plot']}" if result["plot"] else ""))
+    progress(wrote(path, result["plot"]))
     return 0
 
 
@@ -439,7 +414,5 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
                    help="also the decode step's kernels (gpt2.fast's engine, GPT-2 small, one step; default on)")
     p.add_argument("--ncu", default=None, metavar="PATH",
                    help=f"Nsight Compute's ncu (default: ncu on PATH, else {NCU_FALLBACK})")
-    p.add_argument("--results", type=Path, default=None,
-                   help="folder for the result files (default: results/scratch/, git-ignored; results/ with --save)")
-    p.add_argument("--save", action="store_true", help="write the result into results/ (to be committed)")
+    results_option(p)
     return p

@@ -11,10 +11,7 @@ from __future__ import annotations
 import math
 import statistics
 
-# --- from bench.py: retarget these when bench.py's package lands --------------------------------------
-from bench import setup_header, table
-
-# --- end of the imports from bench.py -----------------------------------------------------------------
+from .tables import setup_header, table
 
 COLUMNS = ["rung", "kernel (grid x block)", "us", "TFLOP/s", "occupancy % achieved / theoretical (limit)", "SM %",
            "memory %", "DRAM read / write MB", "DRAM TB/s (% peak)", "L2 hit %", "shared ld / st TB/s",

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-import bench
 import kernels
-from benchmarks import profile, profile_render, profile_target
+from benchmarks import device, plots, profile, profile_render, profile_target, results, timing
+from benchmarks.cases import FLOP_CONVENTION, attention_flops
+from benchmarks.device import CannotRun
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "ncu"
 
@@ -198,7 +199,7 @@ def test_run_ncu_reads_the_report_among_other_output(tmp_path):
 def test_permission_error_says_how_to_fix_it(tmp_path):
     ncu = fake_ncu(tmp_path, 'echo "==ERROR== ERR_NVGPUCTRPERM - The user does not have permission to access '
                              'NVIDIA GPU Performance Counters on the target device 0."; exit 1')
-    with pytest.raises(bench.CannotRun) as info:
+    with pytest.raises(CannotRun) as info:
         profile.run_ncu([ncu])
     message = str(info.value)
     assert "ERR_NVGPUCTRPERM" in message and "root" in message
@@ -226,7 +227,7 @@ def test_a_failing_rung_is_an_error_row(tmp_path):
 
 def test_profile_row_from_a_fake_ncu(tmp_path):
     ncu = fake_ncu(tmp_path, f"cat '{FIXTURES / 'ncu-v13-float32.csv'}'")
-    flops = bench.attention_flops(8, 12, 1024, 64)
+    flops = attention_flops(8, 12, 1024, 64)
     row = profile.profile_row(ncu, "v13_fa2_partitioning", "rung", ["python"], flops)
     assert row["status"] == "ok" and len(row["kernels"]) == 1
     assert row["dram_bytes"] == 121_219_072 + 14_125_056
@@ -235,11 +236,11 @@ def test_profile_row_from_a_fake_ncu(tmp_path):
 
 
 def test_missing_ncu(tmp_path, monkeypatch):
-    with pytest.raises(bench.CannotRun, match=r"--ncu .*nope: no such executable"):
+    with pytest.raises(CannotRun, match=r"--ncu .*nope: no such executable"):
         profile.find_ncu(str(tmp_path / "nope"))
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setattr(profile, "NCU_FALLBACK", tmp_path / "cuda" / "bin" / "ncu")
-    with pytest.raises(bench.CannotRun) as info:
+    with pytest.raises(CannotRun) as info:
         profile.find_ncu(None)
     assert "not on PATH" in str(info.value) and "--ncu PATH" in str(info.value)
     ncu = fake_ncu(tmp_path, "exit 0")
@@ -249,7 +250,7 @@ def test_missing_ncu(tmp_path, monkeypatch):
 
 def test_cmd_profile_without_ncu_exits_before_the_gpu(tmp_path):
     args = parse(["profile", "--ncu", str(tmp_path / "nope")])
-    with pytest.raises(bench.CannotRun, match="no such executable"):
+    with pytest.raises(CannotRun, match="no such executable"):
         profile.cmd_profile(args)
 
 
@@ -296,16 +297,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def test_flags_and_defaults():
     args = parse(["profile"])
-    assert (args.kernels, args.shape, args.dtype, args.decode, args.ncu, args.results, args.save) == \
-        (None, None, "float32", True, None, None, False)
-    assert profile.results_folder(args) == bench.RESULTS / "scratch"
+    assert (args.kernels, args.shape, args.dtype, args.decode, args.ncu, args.results) == \
+        (None, None, "float32", True, None, results.SCRATCH)  # the shared --save / --results of every subcommand
     args = parse(["profile", "--kernels", "v13,v18", "--shape", "1x512", "--shape", "8x1024", "--dtype", "bfloat16",
                   "--no-decode", "--ncu", "/opt/ncu", "--save"])
     assert [p.stem for p in args.kernels] == ["v13_fa2_partitioning", "v18_wgmma"]
     assert args.shape == [(1, 512), (8, 1024)]
     assert (args.dtype, args.decode, args.ncu) == ("bfloat16", False, "/opt/ncu")
-    assert profile.results_folder(args) == bench.RESULTS
-    assert profile.results_folder(parse(["profile", "--results", "/tmp/r"])) == Path("/tmp/r")
+    assert args.results == results.RESULTS
+    assert parse(["profile", "--results", "/tmp/r"]).results == Path("/tmp/r")
 
 
 def test_bad_flags_are_refused(capsys):
@@ -351,7 +351,7 @@ def ok_row(name: str, fixtures: list[str], flops: int) -> dict:
 
 
 def make_result() -> dict:
-    flops = bench.attention_flops(8, 12, 1024, 64)
+    flops = attention_flops(8, 12, 1024, 64)
     rows = [ok_row("v13_fa2_partitioning", ["v13-float32"], flops),
             ok_row("v16_decode_split_kv", ["v16-float32", "v16-float32"], flops),  # as a split and a combine
             {"name": "v18_wgmma", "kind": "rung", "shape": {"B": 8, "T": 1024, "NH": 12, "d": 64},
@@ -361,7 +361,7 @@ def make_result() -> dict:
              "torch": "2.11", "device": {"name": "NVIDIA H200", "arch": "sm_90", "sm_count": 132,
                                          "memory_bytes": 150 * 2**30, "driver": "580.65.06", "driver_cuda": "13.0",
                                          "cuda_runtime": "13.0"}}
-    return {"schema": bench.SCHEMA, "kind": "profile", "setup": setup, "flop_convention": bench.FLOP_CONVENTION,
+    return {"schema": results.SCHEMA, "kind": "profile", "setup": setup, "flop_convention": FLOP_CONVENTION,
             "ceilings": {"ffma_tflops": 51.0, "copy_tbps": 4.27}, "roofs": {"fp32 FFMA": 51.0, "TF32 tensor": 349.0},
             "dtype": "float32", "shapes": [{"B": 8, "T": 1024, "NH": 12, "d": 64}], "decode": True,
             "ncu": {"version": "2025.3.1.0", "clock_control": "none"}, "sm_clock_hz": profile_render.median_clock(rows),
@@ -374,7 +374,7 @@ def test_median_clock():
 
 
 def test_roofline_arithmetic():
-    flops = bench.attention_flops(8, 12, 1024, 64)
+    flops = attention_flops(8, 12, 1024, 64)
     assert flops == 4 * 8 * 12 * 1024 * 1024 * 64 // 2
     point = profile_render.roofline_point(flops, 121_219_072, 14_125_056, 364.32e-6)
     assert point["dram_bytes"] == 135_344_128
@@ -431,7 +431,7 @@ def test_docs_section():
 
 def test_result_is_strict_json(tmp_path):
     result = copy.deepcopy(make_result())
-    path = bench.write_result(result, bench.result_path("profile", result["setup"], tmp_path))
+    path = results.write_result(result, results.result_path("profile", result["setup"], tmp_path))
     assert path.name == "profile-nvidia-h200-20261126T100000Z.json"
     assert '"stalls_top"' in path.read_text()
 
@@ -439,10 +439,10 @@ def test_result_is_strict_json(tmp_path):
 def test_roofline_plot(tmp_path):
     pytest.importorskip("matplotlib")
     result = make_result()
-    name = bench.plot_or_none(profile_render.plot_result, result, tmp_path / "roofline.png")
+    name = plots.plot_or_none(profile_render.plot_result, result, tmp_path / "roofline.png")
     png = (tmp_path / name).read_bytes()
     assert name == "roofline.png" and len(png) > 10_000 and png.startswith(b"\x89PNG")
-    plt = bench._pyplot()
+    plt = plots._pyplot()
     fig = profile_render.plot_roofline(plt, [], {"fp32 FFMA": 51.0}, 4.27, "no points")  # roofs only
     ax = fig.axes[0]
     assert ax.get_xscale() == ax.get_yscale() == "log"
@@ -455,17 +455,17 @@ def test_cmd_profile_end_to_end_with_a_fake_ncu(tmp_path, monkeypatch, capsys):
     """The whole command on a fake ncu (which answers every target with v13's report) and a fake device:
     a skipped rung, a profiled one, the decode step, the result file, the table."""
     result = make_result()
-    monkeypatch.setattr(profile, "require_gpu", lambda: None)
-    monkeypatch.setattr(profile, "setup_info", lambda argv: copy.deepcopy(result["setup"]))
-    monkeypatch.setattr(profile, "measure_ceilings", lambda method: {"ffma_tflops": 51.0, "copy_tbps": 4.27})
-    monkeypatch.setattr(profile, "plot_or_none", lambda plot, r, path: None)
+    monkeypatch.setattr(device, "require_gpu", lambda: None)
+    monkeypatch.setattr(device, "setup_info", lambda argv: copy.deepcopy(result["setup"]))
+    monkeypatch.setattr(timing, "measure_ceilings", lambda method: {"ffma_tflops": 51.0, "copy_tbps": 4.27})
+    monkeypatch.setattr(plots, "plot_or_none", lambda plot, r, path: None)
     ncu = fake_ncu(tmp_path, f"cat '{FIXTURES / 'ncu-v13-float32.csv'}'")
     args = parse(["profile", "--kernels", "v13,v18", "--ncu", ncu, "--results", str(tmp_path / "results")])
     assert profile.cmd_profile(args) == 0
     written = list((tmp_path / "results").glob("profile-nvidia-h200-*.json"))
     assert len(written) == 1
-    saved = bench._load(written[0])
-    assert saved["kind"] == "profile" and saved["schema"] == bench.SCHEMA and saved["plot"] is None
+    saved = results.load_result(written[0])
+    assert saved["kind"] == "profile" and saved["schema"] == results.SCHEMA and saved["plot"] is None
     assert [(r["name"], r["status"]) for r in saved["rows"]] == [
         ("v13_fa2_partitioning", "ok"), ("v18_wgmma", "skipped"), ("decode step", "ok")]
     assert saved["rows"][0]["tflops"] == pytest.approx(35.367, rel=1e-4)
