@@ -30,6 +30,7 @@ from pathlib import Path
 
 import kernels
 
+from . import ceilings as precision
 from . import device, plots, profile_render, timing
 from .cases import DTYPES, FLOP_CONVENTION, attention_flops
 from .device import ROOT, CannotRun, progress
@@ -333,13 +334,10 @@ def decode_skip_reason(dtype: str) -> str | None:
     return None if dtype in fast.DTYPES else f"gpt2.fast's decode step runs {' and '.join(fast.DTYPES)}"
 
 
-ROOFS = (("ffma_tflops", "fp32 FFMA"), ("tf32_tflops", "TF32 tensor"), ("bf16_tflops", "bf16 tensor"),
-         ("fp16_tflops", "fp16 tensor"), ("fp8_tflops", "FP8 tensor"))  # ceilings' keys -> the roofs' names
-
-
 def roofs_of(ceilings: dict) -> dict[str, float]:
-    """The compute roofs among a run's ceilings (TFLOP/s), those it measured."""
-    return {label: ceilings[key] for key, label in ROOFS if ceilings.get(key)}
+    """The compute roofs among a run's ceilings (TFLOP/s), those it measured: fp32 FFMA, TF32, bf16 and
+    fp16 tensor GEMM (benchmarks/ceilings.py names them)."""
+    return {label: ceilings[key] for key, label in precision.MATHS.values() if ceilings.get(key)}
 
 
 def cmd_profile(args) -> int:
@@ -352,7 +350,7 @@ def cmd_profile(args) -> int:
     version = ncu_version(ncu)
     progress(f"{dev['name']} ({dev['arch']}, {dev['sm_count']} SMs), driver {dev['driver']}, CUDA "
              f"{dev['cuda_runtime']}; ncu {version or '?'} at {ncu}")
-    progress("measuring the ceilings (fp32 SGEMM 8192^3 without TF32; device copy) ...")
+    progress("measuring the ceilings (fp32 SGEMM 8192^3 without TF32; TF32, bf16, fp16 GEMM 8192^3; device copy) ...")
     ceilings = timing.measure_ceilings(timing.Method())
     roofs = roofs_of(ceilings)
     progress(", ".join(f"{k} {v:.1f} TFLOP/s" for k, v in roofs.items()) + f"; copy {ceilings['copy_tbps']:.2f} TB/s")

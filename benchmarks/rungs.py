@@ -12,6 +12,7 @@ import numpy as np
 
 import kernels
 
+from . import ceilings as precision
 from . import device, timing
 from .cases import (
     FLOP_CONVENTION,
@@ -136,9 +137,9 @@ def announce_and_measure_ceilings(setup: dict, method) -> dict:
     dev = setup["device"]
     progress(f"{dev['name']} ({dev['arch']}, {dev['sm_count']} SMs), driver {dev['driver']}, CUDA {dev['cuda_runtime']}, "
              f"CuPy {setup['cupy']}, torch {setup['torch']}")
-    progress("measuring the ceilings (fp32 SGEMM 8192^3 without TF32; device copy) ...")
+    progress("measuring the ceilings (fp32 SGEMM 8192^3 without TF32; TF32, bf16, fp16 GEMM 8192^3; device copy) ...")
     ceilings = timing.measure_ceilings(method)
-    progress(f"fp32 FFMA ceiling {ceilings['ffma_tflops']:.1f} TFLOP/s; copy {ceilings['copy_tbps']:.2f} TB/s")
+    progress(f"{precision.measured(ceilings)}; copy {ceilings['copy_tbps']:.2f} TB/s")
     return ceilings
 
 
@@ -156,6 +157,7 @@ def run_shapes(kind: str, args, shapes: list[Shape]) -> dict:
     for i, shape in enumerate(shapes):
         rows += bench_shape(shape, args.dtype, args.kernels, peers, flush=flush, method=method,
                             ffma_tflops=ceilings["ffma_tflops"], seed=args.seed + i, counter=counter, total=total)
+    precision.annotate(rows, ceilings, args.kernels)
     return {
         "schema": SCHEMA,
         "kind": kind,

@@ -8,6 +8,7 @@ import math
 import os
 from pathlib import Path
 
+from . import ceilings
 from .cases import Case, attention_flops, attention_flops_qk
 from .peers import PEERS
 
@@ -62,14 +63,15 @@ def _label(r: dict) -> str:
 
 def render_rows_table(result: dict, rows: list[dict]) -> list[str]:
     compare = result["compare_to"]
-    header = ["kernel", "ms", "p20-p80", "TFLOP/s", "% FFMA", "vs previous",
+    header = ["kernel", "ms", "p20-p80", "TFLOP/s", "% of ceiling", "vs previous",
               *[f"vs {PEERS[c].label}" for c in compare], "max error", "note"]
     body = []
     for r in rows:
         if r["status"] == "ok":
             t = r["timing"]
+            pct = ceilings.pct_of_ceiling(r, result["ceilings"])
             body.append([_label(r), fmt_ms(t["median_ms"]), f"{fmt_ms(t['p20_ms'])}-{fmt_ms(t['p80_ms'])}", fmt_tflops(r["tflops"]),
-                         f"{r['pct_ffma']:.1f}%" if r.get("pct_ffma") is not None else "-",
+                         "-" if pct is None else f"{pct:.1f}%",
                          fmt_x(r["speedup"].get("previous")), *[fmt_x(r["speedup"].get(c)) for c in compare],
                          f"{r['max_err']:.1e}" if r.get("max_err") is not None else "-", r.get("config", "")])
         else:
@@ -83,8 +85,10 @@ def render_kernels(result: dict) -> str:
     c, m = result["ceilings"], result["method"]
     lines = setup_header(result) + [
         "",
-        f"FLOP convention: {result['flop_convention']}. Ceilings measured in the same run: fp32 FFMA "
-        f"{c['ffma_tflops']:.1f} TFLOP/s ({c['ffma_what']}); device copy {c['copy_tbps']:.2f} TB/s ({c['copy_what']}).",
+        f"FLOP convention: {result['flop_convention']}. Ceilings measured in the same run: {ceilings.measured(c)}; "
+        f"device copy {c['copy_tbps']:.2f} TB/s ({c['copy_what']}).",
+        "",
+        ceilings.describe([r for r in result["rows"] if r["status"] != "unsupported"], c),
         "",
         f"Times: median of {m['min_runs']}-{m['max_runs']} runs (as many as fit in {m['budget_ms']:g} ms) after "
         f"{m['warmup_runs']} warm-up runs, CUDA events, L2 flushed before each run; spread p20-p80. Speed-ups are the other's median over this "
@@ -108,8 +112,8 @@ def render_sweep(result: dict, image: str | None = None) -> str:
     lines = setup_header(result) + [
         "",
         f"TFLOP/s ({result['flop_convention']}) against T, with B = {result['tokens']} // T (at least 1), "
-        f"NH={result['shapes'][0]['NH']}, d={result['shapes'][0]['d']}, {result['dtype']}; fp32 FFMA ceiling "
-        f"{c['ffma_tflops']:.1f} TFLOP/s measured in the same run. Median of many runs, CUDA events, L2 flushed.",
+        f"NH={result['shapes'][0]['NH']}, d={result['shapes'][0]['d']}, {result['dtype']}. Ceilings measured in the "
+        f"same run: {ceilings.measured(c)}. Median of many runs, CUDA events, L2 flushed.",
     ]
     if image:
         lines += ["", f"![TFLOP/s against sequence length]({image})"]

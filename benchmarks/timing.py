@@ -1,8 +1,10 @@
 """Timing on the GPU: CUDA events with warm-up, L2 flush, median and spread; CUPTI kernel time and CUDA
-graphs for calls too short for events; and the ceilings a run measures (fp32 FFMA, device copy)."""
+graphs for calls too short for events; and the ceilings a run measures (fp32 FFMA; TF32, bf16 and fp16
+tensor GEMM; device copy)."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -199,7 +201,8 @@ def fp32_matmul_mode() -> str:
 
 
 def measure_ceilings(method: Method, n: int = 8192, copy_bytes: int = 1 << 30) -> dict:
-    """fp32 FFMA ceiling (cupy.matmul of n^3 float32, TF32 off) and device-to-device copy bandwidth."""
+    """fp32 FFMA ceiling (cupy.matmul of n^3 float32, TF32 off), the tensor GEMM ceilings of TF32, bf16 and
+    fp16 (measure_tensor_ceilings) and device-to-device copy bandwidth."""
     cupy = device.get_cupy()
     rng = cupy.random.default_rng(1234)
     mode = fp32_matmul_mode()
@@ -217,8 +220,67 @@ def measure_ceilings(method: Method, n: int = 8192, copy_bytes: int = 1 << 30) -
         "ffma_tflops": 2 * n**3 / (gemm["median_ms"] * 1e-3) / 1e12,
         "ffma_what": f"cupy.matmul float32 {n}^3 (cuBLAS, compute type {mode}, CUPY_TF32=0)",
         "ffma_timing": gemm,
+        **measure_tensor_ceilings(method, n),
         **measure_copy(method, copy_bytes),
     }
+
+
+TENSOR_GEMMS = (("tf32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16"))  # ceilings' keys, torch dtypes
+
+
+@contextlib.contextmanager
+def cublas_math(torch, tf32: bool):
+    """torch's cuBLAS settings for a ceiling, restored after: TF32 allowed or not for float32, and the
+    16-bit GEMMs' reductions kept in float32 (no reduced-precision split-K)."""
+    matmul = torch.backends.cuda.matmul
+    names = [n for n in ("allow_tf32", "allow_fp16_reduced_precision_reduction",
+                         "allow_bf16_reduced_precision_reduction") if hasattr(matmul, n)]
+    saved = {n: getattr(matmul, n) for n in names}
+    try:
+        for n in names:
+            setattr(matmul, n, tf32 if n == "allow_tf32" else False)
+        yield
+    finally:
+        for n, value in saved.items():
+            setattr(matmul, n, value)
+
+
+def time_torch_gemm(torch, dtype: str, n: int, stream, method: Method) -> dict:
+    """time_gpu of torch.matmul on two random n x n matrices of `dtype` (freed on return)."""
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    a, b = (torch.randn((n, n), device="cuda", generator=gen).to(getattr(torch, dtype)) for _ in range(2))
+    c = torch.empty((n, n), device="cuda", dtype=getattr(torch, dtype))
+    return time_gpu(lambda: torch.matmul(a, b, out=c), stream=stream, flush=no_flush, method=method)
+
+
+def measure_tensor_ceilings(method: Method, n: int = 8192) -> dict:
+    """The tensor-core GEMM ceilings, torch.matmul of n^3 (cuBLAS, float32 accumulate): float32 with TF32
+    allowed (tf32_tflops), bfloat16 (bf16_tflops), float16 (fp16_tflops); each None, its `_what` saying
+    why, where torch or the GEMM is unavailable."""
+    quick = Method(budget_ms=min(method.budget_ms, 300.0), min_runs=5, max_runs=50, warmup=2)
+    try:
+        torch = device.get_torch()
+    except device.Unavailable as exc:
+        return {f"{key}_{field}": value for key, _ in TENSOR_GEMMS
+                for field, value in (("tflops", None), ("what", f"unavailable: {exc}"))}
+    cupy = device.get_cupy()
+    ptr = torch.cuda.current_stream().cuda_stream
+    stream = cupy.cuda.get_current_stream()
+    if ptr != stream.ptr:  # time torch where it runs
+        stream = cupy.cuda.ExternalStream(ptr)
+    out = {}
+    for key, dtype in TENSOR_GEMMS:
+        what = (f"torch.matmul {dtype} {n}^3 (cuBLAS" + (", allow_tf32=True" if key == "tf32" else "")
+                + ", float32 accumulate, reduced-precision reductions off)")
+        try:
+            with cublas_math(torch, tf32=key == "tf32"):
+                gemm = time_torch_gemm(torch, dtype, n, stream, quick)
+            out |= {f"{key}_tflops": 2 * n**3 / (gemm["median_ms"] * 1e-3) / 1e12, f"{key}_what": what,
+                    f"{key}_timing": gemm}
+        except Exception as exc:  # out of memory, a dtype cuBLAS refuses here
+            out |= {f"{key}_tflops": None, f"{key}_what": f"unavailable: {what}: {device.first_line(exc)}"}
+        device.release_memory()
+    return out
 
 
 def measure_copy(method: Method, copy_bytes: int = 1 << 30) -> dict:

@@ -23,6 +23,10 @@ A rung declares what the launcher needs in its header comment, one `lab.<key>` l
     lab.cluster    CLUSTER                    the kernel is compiled with __cluster_dims__(CLUSTER, 1, 1):
                                               with lab.split_kv, the splits of a tile are one cluster,
                                               so a tile always has CLUSTER splits (default: none)
+    lab.tf32_products 1 + 2 * split           float32 inputs multiplied on the TF32 tensor cores: TF32 products
+                                              per product, an expression (3xTF32: 3; plain TF32: 1); the
+                                              benchmarks hold the rung to the TF32 ceiling over it (default 0:
+                                              FFMA, held to the fp32 FFMA ceiling)
     lab.min_arch   sm_90                      the oldest architecture the rung compiles for (clusters,
                                               DSMEM); older devices are refused (default: any). With
                                               lab.options -arch=sm_90a (wgmma) it runs on sm_90 only
@@ -46,7 +50,7 @@ _RUNG_FILE = re.compile(r"^v(\d+)_([a-z0-9_]+)\.cu$")
 _DECL = re.compile(r"^\s*(?:\*|//)\s*lab\.(\w+)\s+(.*?)\s*$")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 _KEYS = {"template", "configs", "threads", "smem", "workspace", "strided", "options", "stack", "tolerance", "dtypes",
-         "dtype_param", "supports", "split_kv", "cluster", "min_arch"}
+         "dtype_param", "supports", "split_kv", "cluster", "min_arch", "tf32_products"}
 FEATURES = ("noncausal", "cross", "gqa")
 
 
@@ -69,6 +73,7 @@ class Rung:
     split_kv: bool = False
     cluster: str | None = None  # blocks per cluster along x, an expression of the template parameters
     min_arch: int = 0  # 90 for sm_90: the oldest architecture it compiles for
+    tf32_products: str = "0"  # TF32 tensor-core products per product of float32 inputs (0: FFMA)
     source: str = field(default="", repr=False, compare=False)
     files: tuple = field(default=(), repr=False, compare=False)  # (path, stamp) of the file and its includes
 
@@ -108,6 +113,11 @@ class Rung:
 
     def tolerance_factor(self, config) -> int:
         return evaluate(self.tolerance, self.params(config))
+
+    def tf32_products_of(self, config) -> int:
+        """TF32 products per product a config's float32 arithmetic issues: 3 for 3xTF32, 1 for plain TF32,
+        0 for FFMA (lab.tf32_products)."""
+        return evaluate(self.tf32_products, self.params(config))
 
     def cluster_size(self, config) -> int | None:
         """Blocks per cluster (lab.cluster) of a config, or None for a rung launched without clusters."""
@@ -240,6 +250,7 @@ def parse(path: Path) -> Rung:
         split_kv=decl.get("split_kv", "false").lower() == "true",
         cluster=decl.get("cluster"),
         min_arch=arch_number(decl["min_arch"], f"{path}: lab.min_arch") if "min_arch" in decl else 0,
+        tf32_products=decl.get("tf32_products", "0"),
         source=source,
         files=tuple((p, _stamp(p)) for p in files),
     )
@@ -253,6 +264,7 @@ def parse(path: Path) -> Rung:
         raise ValueError(f"{path}: lab.supports {', '.join(sorted(unknown))} not among {', '.join(FEATURES)}")
     for c in configs:  # fail at load, not at launch, on a bad expression
         rung.block(c), rung.shared_bytes(c), rung.workspace_per_row(c), rung.tolerance_factor(c)
+        rung.tf32_products_of(c)
         if rung.cluster is not None and not 1 <= rung.cluster_size(c) <= 16:
             raise ValueError(f"{path}: lab.cluster {rung.cluster} is {rung.cluster_size(c)} for config {c}; "
                              "a cluster holds 1 to 16 blocks")

@@ -104,6 +104,7 @@
  * lab.strided    true
  * lab.tolerance  8 + 8192 * (1 - split)
  * lab.supports   noncausal, cross, gqa
+ * lab.tf32_products 1 + 2 * split
  */
 
 #ifndef INFINITY

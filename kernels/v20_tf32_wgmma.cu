@@ -70,6 +70,7 @@
  * lab.strided     true
  * lab.tolerance   8
  * lab.supports    noncausal, cross, gqa
+ * lab.tf32_products 3
  * lab.min_arch    sm_90
  * lab.options     -arch=sm_90a
  */

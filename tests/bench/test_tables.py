@@ -26,7 +26,7 @@ def test_kernels_table_has_setup_convention_and_a_row_per_entry():
     assert "Command: `python3 bench.py kernels`" in text
     assert cases.FLOP_CONVENTION in text and "50.0 TFLOP/s" in text
     assert "**B=1, T=512** (NH=12, d=64, float32, 0.4 GFLOP)" in text
-    assert "| kernel | ms | p20-p80 | TFLOP/s | % FFMA | vs previous | vs SDPA efficient | vs CuPy reference |" in text
+    assert "| kernel | ms | p20-p80 | TFLOP/s | % of ceiling | vs previous | vs SDPA efficient | vs CuPy reference |" in text
     v03 = table_rows(text, "`v03_fast`")
     assert len(v03) == 2  # one per shape
     cells = [c.strip() for c in v03[0].split("|")[1:-1]]
