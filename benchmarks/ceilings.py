@@ -29,11 +29,12 @@ def config_params(text: str | None) -> dict[str, int]:
 
 def rung_math(rung, dtype: str, params: dict[str, int]) -> str | None:
     """"ffma", "tf32", "tf32x3" (3xTF32) for float32; the dtype's ("bf16", "fp16") for 16-bit inputs. The
-    TF32 products come from the configs matching `params` (the row's config); None if they disagree."""
+    TF32 products come from the configs matching `params` (the row's config; every config where none
+    matches); None if they disagree."""
     if dtype != "float32":
         return DTYPE_MATH.get(dtype)
     configs = [c for c in rung.configs if all(params.get(k, v) == v for k, v in rung.params(c).items())]
-    products = {rung.tf32_products_of(c) for c in configs}
+    products = {rung.tf32_products_of(c) for c in configs or rung.configs}
     if len(products) != 1:
         return None
     n = products.pop()
