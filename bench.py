@@ -29,7 +29,10 @@ How it measures:
   implementation (kernels.reference_attention in float32), floored at the dtype's epsilon x max|ref|.
   A rung over that bound is reported wrong, with its error, and not timed.
 - FLOPs: causal forward counts 4 * B * NH * T^2 * d / 2 (attention_flops); TFLOP/s are also given as
-  a percentage of the fp32 FFMA ceiling this run measures (cuBLAS SGEMM 8192^3, TF32 off). `features`
+  a percentage of the ceiling of the precision each row computes at, measured in the same run
+  (benchmarks/ceilings.py): fp32 FFMA (cuBLAS SGEMM 8192^3, TF32 off) for float32 rungs without tensor
+  cores and float32 peers; TF32 (torch.matmul 8192^3, TF32 allowed) over the TF32 products per product
+  (lab.tf32_products: 3xTF32 against a third of it); bf16 and fp16 tensor GEMM for 16-bit inputs. `features`
   counts 4 * d per (query, key) pair the mask lets through (attention_flops_qk): all T_q x T_k without
   the mask, the same T^2 / 2 for causal self-attention, the exact bottom-right count otherwise.
 - Decode (`features`): kernel time per call from CUPTI's kernel records through torch.profiler, the

@@ -105,7 +105,7 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
         p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
         results_option(p)
 
-    k = sub.add_parser("kernels", help="every rung x shapes beside the peers: ms, TFLOP/s, %% of FFMA, speed-ups",
+    k = sub.add_parser("kernels", help="every rung x shapes beside the peers: ms, TFLOP/s, %% of ceiling, speed-ups",
                        description="Every rung x shapes (default the five GPT-2 shapes, NH=12, d=64), each checked "
                                    "against a float64 reference, then timed beside the CuPy reference and torch SDPA.")
     k.add_argument("--shape", type=parse_shape, action="append", metavar="BxT",
@@ -191,12 +191,15 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                                    "<!-- bench:<section>:end --> in README.md (sections summary, e2e-summary: the "
                                    "best rung per precision against its peers, the end-to-end summary) and in "
                                    "docs/results.md (sections kernels, sweep, e2e, resources, features: the full "
-                                   "tables), each from the newest result file of its kind in --results; nothing "
-                                   "outside the markers changes. Exits 2, rewriting neither, if a file is missing "
-                                   "or has no markers.")
+                                   "tables) and in docs/profile.md (section profile: the newest profile of each "
+                                   "dtype, with its roofline), each from the newest result file of its kind in "
+                                   "--results; nothing outside the markers changes. Exits 2, rewriting none, if a "
+                                   "file is missing or has no markers.")
     m.add_argument("--readme", type=Path, default=README, help="default: README.md beside bench.py")
     m.add_argument("--results-doc", type=Path, default=RESULTS_DOC,
                    help="the full tables' page (default: docs/results.md beside bench.py)")
+    m.add_argument("--profile-doc", type=Path, default=None,
+                   help="the profile page (default: profile.md beside --results-doc, docs/profile.md)")
     m.add_argument("--results", type=Path, default=results.RESULTS, metavar="DIR",
                    help="where to read the result files (default: results/ beside bench.py)")
     m.add_argument("--replot", action="store_true",

@@ -1,7 +1,8 @@
 """`bench.py readme`: rewrite what lies between <!-- bench:<section>:start --> and <!-- bench:<section>:end -->
-in README.md (summary, e2e-summary: the short tables) and docs/results.md (kernels, sweep, e2e, resources,
-features: the full tables), each section from the newest result file of its kind. Either page may carry
-any section; every block links the result files behind it, relative to the page."""
+in README.md (summary, e2e-summary: the short tables), docs/results.md (kernels, sweep, e2e, resources,
+features: the full tables) and docs/profile.md (profile: the counters and the roofline), each section from
+the newest result file of its kind. Any page may carry any section; every block links the result files
+behind it, relative to the page."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import re
 import sys
 from pathlib import Path
 
-from . import plots
+from . import plots, profile_render
 from .device import ROOT, CannotRun, progress
 from .results import SECTIONS, load_result, newest_results
 from .summary import gpt2_shapes_in, has_gpt2_shapes, link, render_e2e_summary, render_summary
@@ -19,7 +20,8 @@ from .tables import render_e2e, render_features, render_kernels, render_resource
 README = ROOT / "README.md"
 RESULTS_DOC = ROOT / "docs" / "results.md"
 SUMMARIES = ("summary", "e2e-summary")  # the README's short tables
-KNOWN = SUMMARIES + SECTIONS
+PROFILE = ("profile",)  # docs/profile.md's section
+KNOWN = SUMMARIES + SECTIONS + PROFILE
 
 _MARKER = re.compile(r"<!--\s*bench:([A-Za-z0-9_-]+):(start|end)\s*-->")
 
@@ -130,6 +132,11 @@ def readme_blocks(found: dict[str, list[Path]], base: Path) -> dict[str, str]:
     if found["features"]:
         p = found["features"][0]
         blocks["features"] = source(p) + "\n" + from_file(p, render_features(load_result(p)))
+    if found["profile"]:  # the newest profile of each dtype, each with its roofline
+        blocks["profile"] = "\n\n".join(
+            from_file(p, profile_render.render_profile_doc(result, rel(p), rel(p.parent / result["plot"])
+                                                           if result.get("plot") else None))
+            for p, result in newest_per_dtype(found["profile"]))
     return blocks
 
 
@@ -151,9 +158,12 @@ def read_page(path: Path, expected: tuple[str, ...]) -> tuple[str, dict[str, tup
 
 def cmd_readme(args) -> int:
     results = args.results
-    pages = {args.readme: SUMMARIES, args.results_doc: SECTIONS}  # each page, and the sections it should carry
-    read = {path: read_page(path, expected) for path, expected in pages.items()}  # both checked before one is written
     found = newest_results(results)
+    pages = {args.readme: SUMMARIES, args.results_doc: SECTIONS}  # each page, and the sections it should carry
+    profile_doc = args.profile_doc or args.results_doc.parent / "profile.md"
+    if profile_doc.exists() or found["profile"]:  # a checkout without profile results needs no such page
+        pages[profile_doc] = PROFILE
+    read = {path: read_page(path, expected) for path, expected in pages.items()}  # all checked before one is written
     if getattr(args, "replot", False):
         for kind, plot in (("sweep", plots.plot_sweep), ("e2e", plots.plot_e2e)):
             for p in found[kind][:1]:
@@ -172,6 +182,6 @@ def cmd_readme(args) -> int:
         written |= dict.fromkeys(done)
         progress(f"{path}: {'rewrote' if new != text else 'already current:'} {', '.join(done) or 'nothing'}")
     for name in (n for n in KNOWN if n in available and n not in written):
-        print(f"bench.py readme: neither {args.readme.name} nor {args.results_doc.name} has bench:{name} markers; "
+        print(f"bench.py readme: none of {', '.join(p.name for p in pages)} has bench:{name} markers; "
               f"the {name} table is not shown", file=sys.stderr)
     return 0

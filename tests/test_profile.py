@@ -478,3 +478,44 @@ def test_cmd_profile_end_to_end_with_a_fake_ncu(tmp_path, monkeypatch, capsys):
 def test_decode_step_dtypes():
     assert profile.decode_skip_reason("bfloat16") is None and profile.decode_skip_reason("float32") is None
     assert "float32 and bfloat16" in profile.decode_skip_reason("float16")
+
+
+def test_readme_writes_the_newest_profile_of_each_dtype_into_docs_profile(tmp_path, capsys):
+    from benchmarks import cli
+    from tests.bench.helpers import FIXTURES as BENCH_FIXTURES
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (tmp_path / "README.md").write_text((BENCH_FIXTURES / "bench_readme.md").read_text())
+    (docs / "results.md").write_text((BENCH_FIXTURES / "bench_results_doc.md").read_text())
+    page = docs / "profile.md"
+    page.write_text("# Profile\n\nIntro.\n\n<!-- bench:profile:start -->\nold\n<!-- bench:profile:end -->\n\nEnd.\n")
+    store = tmp_path / "results"
+    older = make_result()
+    older["setup"]["date"] = "2026-11-25T10:00:00Z"
+    bf16 = make_result() | {"dtype": "bfloat16", "plot": "profile-bf16.png"}
+    for result in (older, make_result(), bf16):
+        results.write_result(result, results.result_path("profile", result["setup"], store))
+    argv = ["readme", "--readme", str(tmp_path / "README.md"), "--results-doc", str(docs / "results.md"),
+            "--results", str(store)]
+    assert cli.main(argv, "doc") == 0
+    text = page.read_text()
+    assert text.startswith("# Profile\n\nIntro.\n\n<!-- bench:profile:start -->\n") and text.endswith("End.\n")
+    assert "old" not in text and text.count("Results file: [profile-nvidia-h200-") == 2
+    assert "(../results/profile-nvidia-h200-20261126T100000Z.json)" in text  # the newer float32 one
+    assert "20261125T100000Z" not in text
+    assert text.index("float32, B x T") < text.index("bfloat16, B x T")
+    assert "![roofline of the bfloat16 rungs" in text and "(../results/profile-bf16.png)" in text
+    assert "SM clock 1.96 GHz" in text
+    page.unlink()  # without profile results, a docs folder needs no profile page
+    capsys.readouterr()
+    assert cli.main(argv[:-2] + ["--results", str(tmp_path / "none")], "doc") == 0
+    assert not page.exists() and "profile.md" not in capsys.readouterr().out
+
+
+def test_bench_py_lists_profile():
+    from benchmarks import cli
+
+    assert cli.COMMANDS["profile"] is profile.cmd_profile
+    args = cli.build_parser("doc\n\nmore").parse_args(["profile"])
+    assert args.kernels is None and args.results == results.SCRATCH  # cmd_profile takes every rung
