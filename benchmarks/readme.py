@@ -21,7 +21,8 @@ README = ROOT / "README.md"
 RESULTS_DOC = ROOT / "docs" / "results.md"
 SUMMARIES = ("summary", "e2e-summary")  # the README's short tables
 PROFILE = ("profile",)  # docs/profile.md's section
-KNOWN = SUMMARIES + SECTIONS + PROFILE
+FULL_TABLES = tuple(s for s in SECTIONS if s not in PROFILE)  # docs/results.md's
+KNOWN = SUMMARIES + SECTIONS
 
 _MARKER = re.compile(r"<!--\s*bench:([A-Za-z0-9_-]+):(start|end)\s*-->")
 
@@ -159,7 +160,7 @@ def read_page(path: Path, expected: tuple[str, ...]) -> tuple[str, dict[str, tup
 def cmd_readme(args) -> int:
     results = args.results
     found = newest_results(results)
-    pages = {args.readme: SUMMARIES, args.results_doc: SECTIONS}  # each page, and the sections it should carry
+    pages = {args.readme: SUMMARIES, args.results_doc: FULL_TABLES}  # each page, and the sections it should carry
     profile_doc = args.profile_doc or args.results_doc.parent / "profile.md"
     if profile_doc.exists() or found["profile"]:  # a checkout without profile results needs no such page
         pages[profile_doc] = PROFILE
@@ -182,6 +183,7 @@ def cmd_readme(args) -> int:
         written |= dict.fromkeys(done)
         progress(f"{path}: {'rewrote' if new != text else 'already current:'} {', '.join(done) or 'nothing'}")
     for name in (n for n in KNOWN if n in available and n not in written):
-        print(f"bench.py readme: none of {', '.join(p.name for p in pages)} has bench:{name} markers; "
-              f"the {name} table is not shown", file=sys.stderr)
+        names = [p.name for p in pages]
+        where = f"neither {names[0]} nor {names[1]}" if len(names) == 2 else f"none of {', '.join(names)}"
+        print(f"bench.py readme: {where} has bench:{name} markers; the {name} table is not shown", file=sys.stderr)
     return 0
