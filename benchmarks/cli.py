@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import kernels
+from kernels import triton as triton_rungs
 
 from . import results
 from .cases import DTYPES
@@ -43,6 +44,23 @@ def kernel_list(text: str) -> list[Path]:
         return [kernels.resolve(s.strip()) for s in text.split(",") if s.strip()]
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def rung_list(text: str) -> list[Path]:
+    """kernel_list's names, items of a comma-separated list, plus the Triton rungs: t01 (kernels.triton.resolve:
+    t1, t01, t01_fa2, or a .py path); 'all' is the .cu ladder, 'triton' the Triton family: 'v18,v19,t01', 'all,triton'."""
+    paths = []
+    try:
+        for item in (s.strip() for s in text.split(",") if s.strip()):
+            if item == "all":
+                paths += [kernels.resolve(n) for n in kernels.names()]
+            elif item == "triton":
+                paths += [triton_rungs.resolve(n) for n in kernels.triton_names()]
+            else:
+                paths.append(triton_rungs.resolve(item) if triton_rungs.owns(item) else kernels.resolve(item))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return paths
 
 
 def peer_list(text: str) -> list[str]:
@@ -117,8 +135,9 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
         p.set_defaults(results=results.SCRATCH)  # read when the parser is built, so a test can move it
 
     def shape_options(p, budget_ms):
-        p.add_argument("--kernels", type=kernel_list, default=None, metavar="LIST",
-                       help="rungs, comma-separated (v05,v12 or a .cu path); default: every rung")
+        p.add_argument("--kernels", type=rung_list, default=None, metavar="LIST",
+                       help="rungs, comma-separated (v05,v12 or a .cu path; Triton rungs: t01, or 'triton' for all "
+                            "of them; 'all': the .cu ladder); default: every .cu rung")
         p.add_argument("--peers", type=peer_list, default=None, metavar="LIST",
                        help=f"peers from {', '.join(PEERS)} or none; default float32: "
                             f"{','.join(DEFAULT_PEERS['float32'])}; bfloat16/float16: {','.join(DEFAULT_PEERS['bfloat16'])}")
