@@ -15,8 +15,9 @@ from .cases import DTYPES
 from .device import CannotRun
 from .e2e import PROMPT, cmd_e2e
 from .features import FEATURE_PARTS, cmd_features
+from .levels import LEVELS, SHAPE_SETS, cmd_levels
 from .peers import DEFAULT_PEERS, PEERS
-from .readme import README, RESULTS_DOC, cmd_readme
+from .readme import LEVELS_DOC, README, RESULTS_DOC, cmd_readme
 from .resources import cmd_resources
 from .rungs import cmd_kernels
 from .sweep import cmd_sweep
@@ -122,7 +123,7 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                                      epilog="\n\n".join(doc.split("\n\n")[1:]),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True,
-                                metavar="{kernels,sweep,e2e,resources,features,readme}")
+                                metavar="{kernels,sweep,e2e,resources,features,levels,readme}")
 
     def results_option(p):
         where = p.add_mutually_exclusive_group()
@@ -229,6 +230,26 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     f.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     results_option(f)
 
+    lv = sub.add_parser("levels", help="seed 004's four levels on one problem: plain PyTorch, torch.compile, "
+                                       "Triton, CUDA, beside SDPA; TFLOP/s and lines of code",
+                        description="The plain PyTorch attention (eager; torch.compile default and "
+                                    "max-autotune-no-cudagraphs), the newest Triton rung, the fastest CUDA rung "
+                                    "that takes the case, and SDPA's kernels, at the five GPT-2 shapes and two d=128 "
+                                    "shapes, each checked against float64 then timed as `kernels` times; lines of "
+                                    "code per level counted from the sources; a table per dtype and a PNG plot. "
+                                    "torch.compile's max-autotune compiles for minutes: --dtypes, --shapes and "
+                                    "--levels split or trim the run.")
+    lv.add_argument("--dtypes", type=dtype_list, default=["float32", "bfloat16"], metavar="LIST",
+                    help="default float32,bfloat16")
+    lv.add_argument("--shapes", type=lambda t: _choices(t, SHAPE_SETS, "shape set"), default=list(SHAPE_SETS),
+                    metavar="LIST", help=f"from {', '.join(SHAPE_SETS)} (default: both)")
+    lv.add_argument("--levels", type=lambda t: _choices(t, LEVELS, "level"), default=list(LEVELS), metavar="LIST",
+                    help=f"from {', '.join(LEVELS)} (default: all)")
+    lv.add_argument("--budget-ms", type=float, default=100.0,
+                    help="GPU time for the timed runs of each entry (default 100; 10-200 runs)")
+    lv.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    results_option(lv)
+
     m = sub.add_parser("readme", help="rewrite the tables of README.md and docs/results.md between their markers",
                        description="Rewrite what lies between <!-- bench:<section>:start --> and "
                                    "<!-- bench:<section>:end --> in README.md (sections summary, e2e-summary: the "
@@ -242,13 +263,15 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                    help="the full tables' page (default: docs/results.md beside bench.py)")
     m.add_argument("--results", type=Path, default=results.RESULTS, metavar="DIR",
                    help="where to read the result files (default: results/ beside bench.py)")
+    m.add_argument("--levels-doc", type=Path, default=LEVELS_DOC,
+                   help="the four levels' page, rewritten when there are levels results (default: docs/levels.md)")
     m.add_argument("--replot", action="store_true",
                    help="also redraw the newest sweep and e2e plots from their JSON (after a change to the plotting)")
     return parser
 
 
 COMMANDS = {"kernels": cmd_kernels, "sweep": cmd_sweep, "e2e": cmd_e2e, "resources": cmd_resources,
-            "features": cmd_features, "readme": cmd_readme}
+            "features": cmd_features, "levels": cmd_levels, "readme": cmd_readme}
 
 
 def main(argv: list[str] | None, doc: str) -> int:

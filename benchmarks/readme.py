@@ -12,14 +12,17 @@ from pathlib import Path
 
 from . import plots
 from .device import ROOT, CannotRun, progress
-from .results import SECTIONS, load_result, newest_results
+from .levels import newest_per_dtype as newest_levels
+from .levels import render_levels
+from .results import LEVELS, SECTIONS, load_result, newest_results
 from .summary import gpt2_shapes_in, has_gpt2_shapes, link, render_e2e_summary, render_summary
 from .tables import render_e2e, render_features, render_kernels, render_resources, render_sweep
 
 README = ROOT / "README.md"
 RESULTS_DOC = ROOT / "docs" / "results.md"
+LEVELS_DOC = ROOT / "docs" / "levels.md"  # seed 004's four levels: rewritten when there are levels results
 SUMMARIES = ("summary", "e2e-summary")  # the README's short tables
-KNOWN = SUMMARIES + SECTIONS
+KNOWN = SUMMARIES + SECTIONS + LEVELS
 
 _MARKER = re.compile(r"<!--\s*bench:([A-Za-z0-9_-]+):(start|end)\s*-->")
 
@@ -130,6 +133,11 @@ def readme_blocks(found: dict[str, list[Path]], base: Path) -> dict[str, str]:
     if found["features"]:
         p = found["features"][0]
         blocks["features"] = source(p) + "\n" + from_file(p, render_features(load_result(p)))
+    if found.get("levels"):  # each dtype from the newest levels file that measured it
+        chosen = newest_levels(found["levels"], load_result)
+        blocks["levels"] = source(*[p for p, *_ in chosen]) + "\n" + "\n\n".join(
+            from_file(p, render_levels(result, rel(p.parent / result["plot"]) if result.get("plot") else None, dtypes))
+            for p, result, dtypes in chosen)
     return blocks
 
 
@@ -151,9 +159,11 @@ def read_page(path: Path, expected: tuple[str, ...]) -> tuple[str, dict[str, tup
 
 def cmd_readme(args) -> int:
     results = args.results
-    pages = {args.readme: SUMMARIES, args.results_doc: SECTIONS}  # each page, and the sections it should carry
-    read = {path: read_page(path, expected) for path, expected in pages.items()}  # both checked before one is written
     found = newest_results(results)
+    pages = {args.readme: SUMMARIES, args.results_doc: SECTIONS}  # each page, and the sections it should carry
+    if found["levels"]:
+        pages[getattr(args, "levels_doc", LEVELS_DOC)] = LEVELS
+    read = {path: read_page(path, expected) for path, expected in pages.items()}  # all checked before one is written
     if getattr(args, "replot", False):
         for kind, plot in (("sweep", plots.plot_sweep), ("e2e", plots.plot_e2e)):
             for p in found[kind][:1]:
