@@ -14,7 +14,7 @@ from . import plots
 from .device import ROOT, CannotRun, progress
 from .levels import newest_per_dtype as newest_levels
 from .levels import render_levels
-from .results import LEVELS, SECTIONS, load_result, newest_results
+from .results import SECTIONS, load_result, newest_results
 from .summary import gpt2_shapes_in, has_gpt2_shapes, link, render_e2e_summary, render_summary
 from .tables import render_e2e, render_features, render_kernels, render_resources, render_sweep
 
@@ -22,7 +22,7 @@ README = ROOT / "README.md"
 RESULTS_DOC = ROOT / "docs" / "results.md"
 LEVELS_DOC = ROOT / "docs" / "levels.md"  # seed 004's four levels: rewritten when there are levels results
 SUMMARIES = ("summary", "e2e-summary")  # the README's short tables
-KNOWN = SUMMARIES + SECTIONS + LEVELS
+KNOWN = SUMMARIES + SECTIONS
 
 _MARKER = re.compile(r"<!--\s*bench:([A-Za-z0-9_-]+):(start|end)\s*-->")
 
@@ -133,7 +133,7 @@ def readme_blocks(found: dict[str, list[Path]], base: Path) -> dict[str, str]:
     if found["features"]:
         p = found["features"][0]
         blocks["features"] = source(p) + "\n" + from_file(p, render_features(load_result(p)))
-    if found.get("levels"):  # each dtype from the newest levels file that measured it
+    if found["levels"]:  # each dtype from the newest levels file that measured it
         chosen = newest_levels(found["levels"], load_result)
         blocks["levels"] = source(*[p for p, *_ in chosen]) + "\n" + "\n\n".join(
             from_file(p, render_levels(result, rel(p.parent / result["plot"]) if result.get("plot") else None, dtypes))
@@ -160,9 +160,10 @@ def read_page(path: Path, expected: tuple[str, ...]) -> tuple[str, dict[str, tup
 def cmd_readme(args) -> int:
     results = args.results
     found = newest_results(results)
-    pages = {args.readme: SUMMARIES, args.results_doc: SECTIONS}  # each page, and the sections it should carry
+    # each page, and the sections it should carry (docs/levels.md only when there are levels results)
+    pages = {args.readme: SUMMARIES, args.results_doc: tuple(s for s in SECTIONS if s != "levels")}
     if found["levels"]:
-        pages[getattr(args, "levels_doc", LEVELS_DOC)] = LEVELS
+        pages[getattr(args, "levels_doc", LEVELS_DOC)] = ("levels",)
     read = {path: read_page(path, expected) for path, expected in pages.items()}  # all checked before one is written
     if getattr(args, "replot", False):
         for kind, plot in (("sweep", plots.plot_sweep), ("e2e", plots.plot_e2e)):

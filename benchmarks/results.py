@@ -16,8 +16,7 @@ from .device import ROOT, device_slug
 RESULTS = ROOT / "results"  # the results the docs cite: written only with --save
 SCRATCH = RESULTS / "scratch"  # every other run's (git-ignored)
 SCHEMA = 1
-SECTIONS = ("kernels", "sweep", "e2e", "resources", "features")  # result kinds, and the docs' marked sections
-LEVELS = ("levels",)  # docs/levels.md's section and result kind
+SECTIONS = ("kernels", "sweep", "e2e", "resources", "features", "levels")  # result kinds, the docs' marked sections
 
 _RESULT_NAME = re.compile(r"^(?P<kind>[a-z0-9]+)-(?P<device>[a-z0-9-]+)-(?P<stamp>\d{8}T\d{6}Z)(?:-(?P<n>\d+))?\.json$")
 
@@ -66,7 +65,7 @@ def wrote(path: Path, *others: str | None) -> str:
 
 def newest_results(folder: Path) -> dict[str, list[Path]]:
     """Result files of each kind, newest first (by the UTC stamp in the name)."""
-    found: dict[str, list[tuple]] = {k: [] for k in SECTIONS + LEVELS}
+    found: dict[str, list[tuple]] = {k: [] for k in SECTIONS}
     for p in folder.glob("*.json") if folder.is_dir() else []:
         m = _RESULT_NAME.match(p.name)
         if m and m["kind"] in found:
