@@ -8,10 +8,13 @@
     python3 bench.py resources [--arch sm_90]   registers, shared memory, spills, resident blocks per SM
     python3 bench.py features                   decode, long-context decode, non-causal, cross lengths, GQA and
                                                 head sizes on the rungs that declare them, beside torch SDPA
+    python3 bench.py kernels --kernels v19,t01 --dtype bfloat16   CUDA and Triton rungs side by side
     python3 bench.py profile                    Nsight Compute's counters for every rung (one launch each, 8x1024)
                                                 and the decode step, with a roofline plot
-    python3 bench.py readme                     rewrite README.md's summary and the tables of docs/results.md and
-                                                docs/profile.md from the newest results/*.json
+    python3 bench.py levels                     seed 004's four levels: PyTorch, torch.compile, Triton, CUDA
+                                                (and SDPA) at the GPT-2 and two d=128 shapes, with lines of code
+    python3 bench.py readme                     rewrite README.md's summary and the tables of docs/results.md,
+                                                docs/profile.md and docs/levels.md from the newest results/*.json
 
 Where results go: every number it prints is also written to <folder>/<subcommand>-<device>-<UTC time>.json,
 with the device, driver, CUDA, CuPy and torch versions, the date and the command. The folder is

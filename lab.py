@@ -41,6 +41,7 @@ from gpt2 import LabError, Sampler, StreamDecoder, reference_attend
 from gpt2.generate import decode_attention_name
 from gpt2.load import load_folder as gpt2_load_folder
 from gpt2.model import cast_params
+from kernels import triton as triton_rungs
 from lm import checkpoint
 from lm.summary import WARMUP_TOKENS, compare_with_reference, phase_times, print_summary
 
@@ -59,7 +60,8 @@ class Parser(argparse.ArgumentParser):
 def parse_args(argv=None) -> argparse.Namespace:
     p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                epilog="\n".join(__doc__.split("\n\n")[1:2]))
-    p.add_argument("--kernel", help="attention rung (v02, v02_pad_k, a .cu path) or 'reference'; "
+    p.add_argument("--kernel", help="attention rung (v02, v02_pad_k, a .cu path; a Triton rung: t01, a .py path) "
+                                    "or 'reference'; "
                                     "default: the newest rung that takes --dtype, the head size and (Llama) grouped-query "
                                     "attention on the GPU, the reference on the CPU")
     p.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto",
@@ -153,17 +155,41 @@ def pick_kernel(name: str | None, device: str, asked: str = "auto", dtype: str =
         return prefill[-1] if device == "gpu" and prefill else REFERENCE
     if name.lower() in (REFERENCE, "ref"):
         return REFERENCE
+    triton = triton_rungs.owns(name)
     try:
-        path = kernels.resolve(name)
+        path = triton_rungs.resolve(name) if triton else kernels.resolve(name)
     except ValueError as exc:
         raise LabError(f"{exc}, or 'reference'") from None
-    if dtype not in kernels.load(path).dtypes:
-        raise LabError(f"kernel {path.stem} takes {', '.join(kernels.load(path).dtypes)}, not --dtype {dtype}; "
+    if dtype not in load_rung(path).dtypes:
+        raise LabError(f"kernel {path.stem} takes {', '.join(load_rung(path).dtypes)}, not --dtype {dtype}; "
                        f"{', '.join(able) + ' or ' if able else ''}the reference do")
     if device == "cpu":
         why = "--device cpu runs" if asked == "cpu" else "there is no CUDA device here, and the CPU runs"
         raise LabError(f"--kernel {name} runs on the GPU; {why} the reference attention only")
-    return path.stem if path.parent == Path(kernels.__file__).parent else str(path)
+    if triton and kernels.triton_unavailable():
+        raise LabError(f"--kernel {name}: {kernels.triton_unavailable()}")
+    return path.stem if path.parent in (Path(kernels.__file__).parent, triton_rungs.TRITON_DIR) else str(path)
+
+
+def load_rung(kernel):
+    """A rung's declarations (dtypes, head sizes, supports): a .cu rung's, or a Triton rung's (t01)."""
+    return triton_rungs.load(kernel) if triton_rungs.owns(kernel) else kernels.load(kernel)
+
+
+def tune_length_buckets(attend, config, longest: int) -> None:
+    """A Triton rung autotunes on its first call in each power-of-two length bucket: call it once in
+    every bucket up to `longest` positions now, so that no tuning lands in the timed run."""
+    import cupy
+
+    T = 1
+    while True:
+        q = cupy.zeros((1, config.n_head, T, config.head_size), dtype=cupy.float32)  # attend casts to the run's dtype
+        kv = cupy.zeros((1, config.kv_heads, T, config.head_size), dtype=cupy.float32)
+        attend(q, kv, kv)
+        if T >= longest:
+            break
+        T = min(2 * T, longest)
+    cupy.cuda.Device().synchronize()
 
 
 def make_attend(kernel: str, dtype: str = "float32"):
@@ -221,7 +247,7 @@ def fit_kernel(kernel: str, asked: str | None, config, dtype: str, device: str, 
         return prefill[-1] if prefill else REFERENCE
     if kernel == REFERENCE:
         return kernel
-    rung = kernels.load(kernel)
+    rung = load_rung(kernel)
     others = f"; {', '.join(able)} take it in {dtype}" if able else f"; no rung takes it in {dtype}"
     if config.head_size not in rung.head_sizes():
         sizes = ", ".join(map(str, rung.head_sizes()))
@@ -320,6 +346,8 @@ def run(args) -> int:
     compile_start = kernels.runtime.compile_seconds
     start = time.perf_counter()
     run_once(attend, min(WARMUP_TOKENS, args.tokens))
+    if triton_rungs.owns(kernel):
+        tune_length_buckets(attend, config, len(prompt) + args.tokens)
     sync()
     warmup_seconds = time.perf_counter() - start
     pool = xp.get_default_memory_pool() if device == "gpu" else None

@@ -5,10 +5,12 @@ bench.py is the command line; this package is what it runs.
     results.py    result files: results/<subcommand>-<device>-<UTC time>.json, where they go, which is newest
     timing.py     CUDA-event timing, L2 flush, CUPTI kernel time, CUDA graphs; the FFMA and copy ceilings
     cases.py      shapes, FLOP conventions, random inputs, the correctness gate against float64
-    peers.py      the CuPy reference and torch SDPA backends, run on the rungs' inputs and mask
+    peers.py      the CuPy reference, torch SDPA backends, plain PyTorch (eager, torch.compile) on the rungs' inputs
     rungs.py      `kernels`: every rung x shapes, checked then timed beside the peers (also sweep's, features')
     sweep.py      `sweep`: TFLOP/s against sequence length, with a plot
     features.py   `features`: decode, long-context decode, non-causal, cross lengths, GQA, head sizes
+    levels.py     `levels`: seed 004's four levels (PyTorch, torch.compile, Triton, CUDA) beside SDPA, lines of code
+    torch_attention.py  the plain PyTorch attention: the eager and torch.compile peers' function
     e2e.py        `e2e`: GPT-2 generation per rung, without and with a KV cache, beside HF transformers
     resources.py  `resources`: registers, shared memory, spills per rung and config (NVRTC, no GPU needed)
     profile.py    `profile`: Nsight Compute's counters per rung, one launch each (profile_target.py is what

@@ -8,16 +8,18 @@ import sys
 from pathlib import Path
 
 import kernels
+from kernels import triton as triton_rungs
 
 from . import results
 from .cases import DTYPES
 from .device import CannotRun
 from .e2e import PROMPT, cmd_e2e
 from .features import FEATURE_PARTS, cmd_features
+from .levels import LEVELS, SHAPE_SETS, cmd_levels
 from .options import kernel_list, parse_shape, results_option
 from .peers import DEFAULT_PEERS, PEERS
 from .profile import add_profile_parser, cmd_profile
-from .readme import README, RESULTS_DOC, cmd_readme
+from .readme import LEVELS_DOC, README, RESULTS_DOC, cmd_readme
 from .resources import cmd_resources
 from .rungs import cmd_kernels
 from .sweep import cmd_sweep
@@ -27,6 +29,23 @@ def fail(message: str) -> int:
     """One line on stderr; exit status 2 (the user's to fix: a missing GPU, a bad file)."""
     print(f"bench.py: {message}", file=sys.stderr, flush=True)
     return 2
+
+
+def rung_list(text: str) -> list[Path]:
+    """kernel_list's names, items of a comma-separated list, plus the Triton rungs: t01 (kernels.triton.resolve:
+    t1, t01, t01_fa2, or a .py path); 'all' is the .cu ladder, 'triton' the Triton family: 'v18,v19,t01', 'all,triton'."""
+    paths = []
+    try:
+        for item in (s.strip() for s in text.split(",") if s.strip()):
+            if item == "all":
+                paths += [kernels.resolve(n) for n in kernels.names()]
+            elif item == "triton":
+                paths += [triton_rungs.resolve(n) for n in kernels.triton_names()]
+            else:
+                paths.append(triton_rungs.resolve(item) if triton_rungs.owns(item) else kernels.resolve(item))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return paths
 
 
 def peer_list(text: str) -> list[str]:
@@ -88,11 +107,12 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                                      epilog="\n\n".join(doc.split("\n\n")[1:]),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True,
-                                metavar="{kernels,sweep,e2e,resources,features,profile,readme}")
+                                metavar="{kernels,sweep,e2e,resources,features,profile,levels,readme}")
 
     def shape_options(p, budget_ms):
-        p.add_argument("--kernels", type=kernel_list, default=None, metavar="LIST",
-                       help="rungs, comma-separated (v05,v12 or a .cu path); default: every rung")
+        p.add_argument("--kernels", type=rung_list, default=None, metavar="LIST",
+                       help="rungs, comma-separated (v05,v12 or a .cu path; Triton rungs: t01, or 'triton' for all "
+                            "of them; 'all': the .cu ladder); default: every .cu rung")
         p.add_argument("--peers", type=peer_list, default=None, metavar="LIST",
                        help=f"peers from {', '.join(PEERS)} or none; default float32: "
                             f"{','.join(DEFAULT_PEERS['float32'])}; bfloat16/float16: {','.join(DEFAULT_PEERS['bfloat16'])}")
@@ -186,6 +206,26 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
 
     add_profile_parser(sub)
 
+    lv = sub.add_parser("levels", help="seed 004's four levels on one problem: plain PyTorch, torch.compile, "
+                                       "Triton, CUDA, beside SDPA; TFLOP/s and lines of code",
+                        description="The plain PyTorch attention (eager; torch.compile default and "
+                                    "max-autotune-no-cudagraphs), the newest Triton rung, the fastest CUDA rung "
+                                    "that takes the case, and SDPA's kernels, at the five GPT-2 shapes and two d=128 "
+                                    "shapes, each checked against float64 then timed as `kernels` times; lines of "
+                                    "code per level counted from the sources; a table per dtype and a PNG plot. "
+                                    "torch.compile's max-autotune compiles for minutes: --dtypes, --shapes and "
+                                    "--levels split or trim the run.")
+    lv.add_argument("--dtypes", type=dtype_list, default=["float32", "bfloat16"], metavar="LIST",
+                    help="default float32,bfloat16")
+    lv.add_argument("--shapes", type=lambda t: _choices(t, SHAPE_SETS, "shape set"), default=list(SHAPE_SETS),
+                    metavar="LIST", help=f"from {', '.join(SHAPE_SETS)} (default: both)")
+    lv.add_argument("--levels", type=lambda t: _choices(t, LEVELS, "level"), default=list(LEVELS), metavar="LIST",
+                    help=f"from {', '.join(LEVELS)} (default: all)")
+    lv.add_argument("--budget-ms", type=float, default=100.0,
+                    help="GPU time for the timed runs of each entry (default 100; 10-200 runs)")
+    lv.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    results_option(lv)
+
     m = sub.add_parser("readme", help="rewrite the tables of README.md and docs/results.md between their markers",
                        description="Rewrite what lies between <!-- bench:<section>:start --> and "
                                    "<!-- bench:<section>:end --> in README.md (sections summary, e2e-summary: the "
@@ -202,13 +242,15 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                    help="the profile page (default: profile.md beside --results-doc, docs/profile.md)")
     m.add_argument("--results", type=Path, default=results.RESULTS, metavar="DIR",
                    help="where to read the result files (default: results/ beside bench.py)")
+    m.add_argument("--levels-doc", type=Path, default=LEVELS_DOC,
+                   help="the four levels' page, rewritten when there are levels results (default: docs/levels.md)")
     m.add_argument("--replot", action="store_true",
                    help="also redraw the newest sweep and e2e plots from their JSON (after a change to the plotting)")
     return parser
 
 
 COMMANDS = {"kernels": cmd_kernels, "sweep": cmd_sweep, "e2e": cmd_e2e, "resources": cmd_resources,
-            "features": cmd_features, "profile": cmd_profile, "readme": cmd_readme}
+            "features": cmd_features, "profile": cmd_profile, "levels": cmd_levels, "readme": cmd_readme}
 
 
 def main(argv: list[str] | None, doc: str) -> int:

@@ -1,16 +1,18 @@
-"""The peers every rung is timed beside: the CuPy reference (kernels.reference_attention) and torch's
+"""The peers every rung is timed beside: the CuPy reference (kernels.reference_attention), torch's
 scaled_dot_product_attention with one backend enabled at a time (math, memory-efficient, flash, cuDNN),
-run on the rungs' own inputs with the rungs' mask."""
+and the plain PyTorch attention (torch_attention.py) run eagerly or compiled with torch.compile (two
+modes; opt-in: --peers), run on the rungs' own inputs with the rungs' mask."""
 
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from dataclasses import dataclass
 
 import kernels
 
-from . import device
+from . import device, timing
 from .cases import Case, Inputs, Shape
 from .device import NotComparable, Unavailable, first_line
 
@@ -21,6 +23,7 @@ class Peer:
     label: str
     backend: str | None  # torch.nn.attention.SDPBackend member; None for the CuPy reference
     materialises: bool  # builds the T x T score matrix: memory grows with T^2
+    plain: str | None = None  # the plain PyTorch attention: "eager", or the torch.compile mode it is compiled in
 
     def memory_needed(self, shape: Shape | Case) -> int:
         """A generous estimate for the materialising peers: three (B, NH, T_q, T_k) float32 temporaries."""
@@ -33,7 +36,11 @@ PEERS = {p.name: p for p in (
     Peer("sdpa_efficient", "SDPA efficient", "EFFICIENT_ATTENTION", False),
     Peer("sdpa_flash", "SDPA flash", "FLASH_ATTENTION", False),
     Peer("sdpa_cudnn", "SDPA cuDNN", "CUDNN_ATTENTION", False),
+    Peer("torch_naive", "PyTorch (plain)", None, True, plain="eager"),
+    Peer("torch_compile", "torch.compile", None, True, plain="default"),
+    Peer("torch_compile_max", "torch.compile max-autotune", None, True, plain="max-autotune-no-cudagraphs"),
 )}
+COMPILED = ("torch_compile", "torch_compile_max")  # compiled on first use per shape and dtype: minutes at worst
 DEFAULT_PEERS = {"float32": ("reference", "sdpa_math", "sdpa_efficient"),
                  "bfloat16": ("sdpa_efficient", "sdpa_flash", "sdpa_cudnn"),
                  "float16": ("sdpa_efficient", "sdpa_flash", "sdpa_cudnn")}
@@ -122,6 +129,10 @@ def peer_sessions(peer: Peer, inputs_list: list[Inputs]):
         need, have = peer.memory_needed(shape), device.free_memory()
         if need > have:
             raise Unavailable(f"does not fit: needs about {need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB free")
+    if peer.plain is not None:
+        torch = device.get_torch()
+        yield [plain_launch(torch, peer, x) for x in inputs_list], torch_stream(cupy, torch)
+        return
     if peer.backend is None:
         def reference(inputs):
             q, k, v = inputs.q32, inputs.k32, inputs.v32
@@ -132,12 +143,70 @@ def peer_sessions(peer: Peer, inputs_list: list[Inputs]):
     torch = device.get_torch()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    with sdpa_kernel([getattr(SDPBackend, peer.backend)]):
+        yield [sdpa_launch(torch, peer, *x.torch_qkv(), shape) for x in inputs_list], torch_stream(cupy, torch)
+
+
+def torch_stream(cupy, torch):
+    """torch's current stream as a CuPy stream: torch peers are timed where they run."""
     ptr = torch.cuda.current_stream().cuda_stream
     stream = cupy.cuda.get_current_stream()
-    if ptr != stream.ptr:  # time torch where it runs
-        stream = cupy.cuda.ExternalStream(ptr)
-    with sdpa_kernel([getattr(SDPBackend, peer.backend)]):
-        yield [sdpa_launch(torch, peer, *x.torch_qkv(), shape) for x in inputs_list], stream
+    return stream if ptr == stream.ptr else cupy.cuda.ExternalStream(ptr)
+
+
+_compiled_functions: dict[str, object] = {}  # torch.compile mode -> plain_attention compiled in it
+compile_log: dict[tuple, dict] = {}  # (peer, B, NH, T_q, T_k, d, dtype) -> compile seconds, kernels one call ran
+
+
+def plain_launch(torch, peer: Peer, inputs: Inputs):
+    """The plain PyTorch attention on these inputs, eager or compiled. A compiled peer is compiled (and
+    autotuned) by its first call at each shape and dtype, here, outside any timing: `compile_seconds`
+    says how long that took, and `note` which kernels one call runs (Inductor may fuse the pattern into
+    an attention kernel of its own choosing)."""
+    from . import torch_attention
+
+    shape = inputs.shape
+    if shape.NH_kv != shape.NH:
+        raise NotComparable("n/a: the plain PyTorch attention is written for one K/V head per query head")
+    q, k, v = inputs.torch_qkv()
+    if peer.plain == "eager":
+        fn = torch_attention.plain_attention
+    else:
+        if peer.plain not in _compiled_functions:
+            _compiled_functions[peer.plain] = torch_attention.compiled(peer.plain)
+        fn = _compiled_functions[peer.plain]
+
+    def launch():
+        return fn(q, k, v, shape.causal)
+
+    if peer.plain == "eager":
+        return launch
+    key = (peer.name, shape.B, shape.NH, shape.T_q, shape.T_k, shape.d, inputs.dtype)
+    if key not in compile_log:
+        device.progress(f"  {peer.label}: compiling for {shape.label}, {inputs.dtype} ({peer.plain}) ...")
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        launch()
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        compile_log[key] = {"seconds": seconds, "kernels": ran_kernels(launch)}
+        device.progress(f"  {peer.label}: compiled in {seconds:.1f} s")
+    entry = compile_log[key]
+    launch.compile_seconds = entry["seconds"]
+    launch.note = f"mode {peer.plain}; compiled in {entry['seconds']:.1f} s; {entry['kernels']}"
+    return launch
+
+
+def ran_kernels(launch) -> str:
+    """The CUDA kernels one call launches (CUPTI through torch's profiler), in a few words."""
+    try:
+        found = timing.kernel_timing([launch], reps=1)
+    except Exception as exc:  # a profiler that will not start here
+        return f"kernels not profiled ({first_line(exc)})"
+    if not found:
+        return "kernels not profiled"
+    names = [n if len(n) <= 48 else n[:45] + "..." for n in found["kernels"]]
+    return f"{found['kernels_per_call']:g} kernels per call: " + ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
 
 
 @contextlib.contextmanager
@@ -157,6 +226,8 @@ def run_peer_once(r: dict, peer: Peer, inputs: Inputs, outputs: dict) -> bool:
                 stream.synchronize()
                 if getattr(launch, "note", ""):
                     r["note"] = launch.note
+                if hasattr(launch, "compile_seconds"):  # a torch.compile peer: compiled before this call
+                    r["compile_seconds"] = launch.compile_seconds
             outputs[r["name"]] = out
             return True
         except Unavailable as exc:

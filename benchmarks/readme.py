@@ -13,15 +13,18 @@ from pathlib import Path
 
 from . import plots, profile_render
 from .device import ROOT, CannotRun, progress
+from .levels import newest_per_dtype as newest_levels
+from .levels import render_levels
 from .results import SECTIONS, load_result, newest_results
 from .summary import gpt2_shapes_in, has_gpt2_shapes, link, render_e2e_summary, render_summary
 from .tables import render_e2e, render_features, render_kernels, render_resources, render_sweep
 
 README = ROOT / "README.md"
 RESULTS_DOC = ROOT / "docs" / "results.md"
+LEVELS_DOC = ROOT / "docs" / "levels.md"  # seed 004's four levels: rewritten when there are levels results
 SUMMARIES = ("summary", "e2e-summary")  # the README's short tables
 PROFILE = ("profile",)  # docs/profile.md's section
-FULL_TABLES = tuple(s for s in SECTIONS if s not in PROFILE)  # docs/results.md's
+FULL_TABLES = tuple(s for s in SECTIONS if s not in PROFILE + ("levels",))  # docs/results.md's
 KNOWN = SUMMARIES + SECTIONS
 
 _MARKER = re.compile(r"<!--\s*bench:([A-Za-z0-9_-]+):(start|end)\s*-->")
@@ -138,6 +141,11 @@ def readme_blocks(found: dict[str, list[Path]], base: Path) -> dict[str, str]:
             from_file(p, profile_render.render_profile_doc(result, rel(p), rel(p.parent / result["plot"])
                                                            if result.get("plot") else None))
             for p, result in newest_per_dtype(found["profile"]))
+    if found["levels"]:  # each dtype from the newest levels file that measured it
+        chosen = newest_levels(found["levels"], load_result)
+        blocks["levels"] = source(*[p for p, *_ in chosen]) + "\n" + "\n\n".join(
+            from_file(p, render_levels(result, rel(p.parent / result["plot"]) if result.get("plot") else None, dtypes))
+            for p, result, dtypes in chosen)
     return blocks
 
 
@@ -160,10 +168,13 @@ def read_page(path: Path, expected: tuple[str, ...]) -> tuple[str, dict[str, tup
 def cmd_readme(args) -> int:
     results = args.results
     found = newest_results(results)
-    pages = {args.readme: SUMMARIES, args.results_doc: FULL_TABLES}  # each page, and the sections it should carry
+    # each page, and the sections it should carry; docs/profile.md and docs/levels.md where there are such results
+    pages = {args.readme: SUMMARIES, args.results_doc: FULL_TABLES}
     profile_doc = args.profile_doc or args.results_doc.parent / "profile.md"
     if profile_doc.exists() or found["profile"]:  # a checkout without profile results needs no such page
         pages[profile_doc] = PROFILE
+    if found["levels"]:
+        pages[getattr(args, "levels_doc", LEVELS_DOC)] = ("levels",)
     read = {path: read_page(path, expected) for path, expected in pages.items()}  # all checked before one is written
     if getattr(args, "replot", False):
         for kind, plot in (("sweep", plots.plot_sweep), ("e2e", plots.plot_e2e)):

@@ -16,7 +16,7 @@ from .device import ROOT, device_slug
 RESULTS = ROOT / "results"  # the results the docs cite: written only with --save
 SCRATCH = RESULTS / "scratch"  # every other run's (git-ignored)
 SCHEMA = 1
-SECTIONS = ("kernels", "sweep", "e2e", "resources", "features", "profile")  # result kinds, and the docs' sections
+SECTIONS = ("kernels", "sweep", "e2e", "resources", "features", "profile", "levels")  # result kinds, and the docs' sections
 
 _RESULT_NAME = re.compile(r"^(?P<kind>[a-z0-9]+)-(?P<device>[a-z0-9-]+)-(?P<stamp>\d{8}T\d{6}Z)(?:-(?P<n>\d+))?\.json$")
 

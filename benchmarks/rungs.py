@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 import kernels
+from kernels import triton as triton_rungs
 
 from . import ceilings as precision
 from . import device, timing
@@ -57,19 +58,25 @@ def bench_shape(shape: Shape | Case, dtype: str, rungs: list[Path], peers: list[
         else:
             progress(f"{where} {r['status']}: {r.get('reason', '')}")
 
-    # 1. Run each rung once on NaN-poisoned output, keeping its output for the check.
+    # 1. Run each rung once on NaN-poisoned output, keeping its output for the check. A Triton rung
+    #    autotunes on its first call at a new length bucket: that call is here too, never timed.
     for path in rungs:
         r = row(path.stem, path.stem, "rung")
+        if triton_rungs.owns(path):
+            r["family"] = "triton"
+            if kernels.triton_unavailable():
+                r["status"], r["reason"] = "unavailable", kernels.triton_unavailable()
+                continue
         try:
             if inputs.qkv is None:
                 raise TypeError(inputs.rung_inputs_problem)
             q, k, v = inputs.qkv
             launch = kernels.prepare(q, k, v, kernel=path, causal=shape.causal)  # validates, compiles: never timed
-            r["config"] = describe_launch(launch, shape)
             out = launch()
             out.fill(np.nan)  # poison: an element the rung does not write fails the check
             out = launch()
             cupy.cuda.Device().synchronize()
+            r["config"] = describe_launch(launch, shape)  # after a run: a Triton rung's tiles are the autotuner's
             launches[r["name"]], outputs[r["name"]] = (launch, cupy.cuda.get_current_stream()), out
         except (TypeError, ValueError) as exc:  # this rung does not take these inputs
             r["status"], r["reason"] = "unsupported", first_line(exc)
@@ -123,7 +130,7 @@ def add_speedups(rows: list[dict]) -> None:
         if r["status"] != "ok":
             continue
         ms = r["timing"]["median_ms"]
-        if r["kind"] == "rung":
+        if r["kind"] == "rung" and r.get("family") != "triton":  # the ladder's neighbours only
             if previous is not None:
                 r["speedup"]["previous"] = timed[previous] / ms
             previous = r["name"]
@@ -150,7 +157,7 @@ def run_shapes(kind: str, args, shapes: list[Shape]) -> dict:
     peers = list(DEFAULT_PEERS[args.dtype] if args.peers is None else args.peers)
     ceilings = announce_and_measure_ceilings(setup, method)
     flush = timing.L2Flush()
-    compile_before = kernels.runtime.compile_seconds
+    compile_before, triton_before = kernels.runtime.compile_seconds, triton_rungs.compile_seconds
     rows, counter = [], [0]
     total = len(shapes) * (len(args.kernels) + len(peers))
     started = time.perf_counter()
@@ -172,6 +179,7 @@ def run_shapes(kind: str, args, shapes: list[Shape]) -> dict:
         "compare_to": list(COMPARE_TO[args.dtype]),
         "seed": args.seed,
         "compile_seconds": kernels.runtime.compile_seconds - compile_before,
+        "triton_compile_seconds": triton_rungs.compile_seconds - triton_before,  # compilation and autotuning
         "wall_seconds": time.perf_counter() - started,
         "rows": rows,
     }

@@ -11,7 +11,7 @@ import numpy as np
 
 import bench
 import kernels
-from benchmarks import e2e, features, peers, results, rungs
+from benchmarks import device, e2e, features, peers, results, rungs, timing
 from benchmarks.cases import FEATURE_FLOP_CONVENTION, FLOP_CONVENTION, Case, Shape, attention_flops, shape_flops
 from benchmarks.timing import Method
 
@@ -275,3 +275,15 @@ def features_result():
 
 def cells_of(line):
     return [c.strip() for c in line.split("|")[1:-1]]
+
+
+def install_stand_ins(monkeypatch):
+    """bench.py with NumPy for CuPy, a stand-in device and ceilings, no torch, and fake_prepare for the rungs."""
+    monkeypatch.setattr(device, "get_cupy", fake_cupy)
+    monkeypatch.setattr(device, "gpu_problem", lambda: None)
+    monkeypatch.setattr(device, "device_info", lambda: dict(FAKE_DEVICE))
+    monkeypatch.setattr(timing, "measure_ceilings", lambda method: {
+        "ffma_tflops": 50.0, "ffma_what": "stand-in", "copy_tbps": 3.0, "copy_what": "stand-in"})
+    monkeypatch.setattr(timing, "L2Flush", StandInFlush)
+    monkeypatch.setattr(device, "get_torch", lambda: (_ for _ in ()).throw(device.Unavailable("torch is not importable")))
+    monkeypatch.setattr(kernels, "prepare", fake_prepare)

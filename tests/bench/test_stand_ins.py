@@ -18,7 +18,7 @@ import pytest
 import kernels
 from benchmarks import device, e2e, features, peers, plots, results, rungs, timing
 from benchmarks.cases import FEATURE_FLOP_CONVENTION, Case, Shape, attention_flops, attention_flops_qk
-from tests.bench.helpers import FAKE_DEVICE, RUNGS, FakePyplot, StandInFlush, fake_cupy, fake_prepare, run
+from tests.bench.helpers import RUNGS, FakePyplot, install_stand_ins, run
 
 
 def test_resources_for_sm90_through_nvrtc_without_a_gpu(tmp_path, capsys):
@@ -65,14 +65,7 @@ def test_gpt2_seam_offers_what_e2e_calls():
 @pytest.fixture
 def stand_in(monkeypatch, tmp_path):
     """bench.py with NumPy for CuPy, no torch, and four stand-in rung files."""
-    monkeypatch.setattr(device, "get_cupy", fake_cupy)
-    monkeypatch.setattr(device, "gpu_problem", lambda: None)
-    monkeypatch.setattr(device, "device_info", lambda: dict(FAKE_DEVICE))
-    monkeypatch.setattr(timing, "measure_ceilings", lambda method: {
-        "ffma_tflops": 50.0, "ffma_what": "stand-in", "copy_tbps": 3.0, "copy_what": "stand-in"})
-    monkeypatch.setattr(timing, "L2Flush", StandInFlush)
-    monkeypatch.setattr(device, "get_torch", lambda: (_ for _ in ()).throw(device.Unavailable("torch is not importable")))
-    monkeypatch.setattr(kernels, "prepare", fake_prepare)
+    install_stand_ins(monkeypatch)
     rung_dir = tmp_path / "rungs"
     rung_dir.mkdir()
     paths = []
