@@ -232,7 +232,8 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                                    "best rung per precision against its peers, the end-to-end summary) and in "
                                    "docs/results.md (sections kernels, sweep, e2e, resources, features: the full "
                                    "tables) and in docs/profile.md (section profile: the newest profile of each "
-                                   "dtype, with its roofline), each from the newest result file of its kind in "
+                                   "dtype, with its roofline) and in docs/ladder.md (section counters: a short row of "
+                                   "the profile's counters per rung), each from the newest result file of its kind in "
                                    "--results; nothing outside the markers changes. Exits 2, rewriting none, if a "
                                    "file is missing or has no markers.")
     m.add_argument("--readme", type=Path, default=README, help="default: README.md beside bench.py")
@@ -240,6 +241,9 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                    help="the full tables' page (default: docs/results.md beside bench.py)")
     m.add_argument("--profile-doc", type=Path, default=None,
                    help="the profile page (default: profile.md beside --results-doc, docs/profile.md)")
+    m.add_argument("--ladder-doc", type=Path, default=None,
+                   help="the ladder's page, whose counters section the profile results fill when it exists "
+                        "(default: ladder.md beside --results-doc, docs/ladder.md)")
     m.add_argument("--results", type=Path, default=results.RESULTS, metavar="DIR",
                    help="where to read the result files (default: results/ beside bench.py)")
     m.add_argument("--levels-doc", type=Path, default=LEVELS_DOC,

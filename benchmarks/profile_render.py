@@ -9,7 +9,10 @@ roof is the ceilings measured in the same run: each compute ceiling flat, the co
 from __future__ import annotations
 
 import math
+import re
 import statistics
+
+import kernels
 
 from .tables import setup_header, table
 
@@ -224,3 +227,76 @@ def render_profile_doc(result: dict, source: str, image: str | None) -> str:
         parts.append(f"![roofline of the {result['dtype']} rungs: FLOPs per DRAM byte against TFLOP/s, under the "
                      f"ceilings of the same run]({image})")
     return "\n\n".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/ladder.md's counters: one short row per rung
+# ---------------------------------------------------------------------------------------------
+
+COUNTER_COLUMNS = ["rung", "us", "vs previous", "occupancy % achieved / theoretical (limit)", "bank conflicts ld / st",
+                   "shared ld / st TB/s", "tensor pipe % (kind)", "issue slots %", "DRAM read MB", "top warp stall"]
+COUNTER_ALIGN = "lrrlrrrrrl"
+
+
+def splits_keys(name: str) -> bool:
+    """Whether a rung splits the keys across blocks (lab.split_kv); False for a name the ladder no longer has."""
+    try:
+        return kernels.load(name).split_kv
+    except ValueError:
+        return False
+
+
+def _rung_link(name: str) -> str:
+    """The rung's name, linked to its story on the ladder page (#v02)."""
+    m = re.match(r"v\d+", name)
+    return f"[`{name}`](#{m.group(0)})" if m else f"`{name}`"
+
+
+def counter_rows(result: dict, line=splits_keys) -> list[list[str]]:
+    """One row per profiled rung, in ladder order. "vs previous" is the speed-up over the rung before that ran
+    at the same shape and on the same line (`line(name)`: the split-KV rungs are a line of their own); the
+    time is the rung's (every kernel's), the other counters its longest kernel's."""
+    shapes, before, body = len(result["shapes"]), {}, []
+    for r in result["rows"]:
+        if r["kind"] != "rung" or r["status"] != "ok":
+            continue
+        key = (tuple(sorted((r.get("shape") or {}).items())), line(r["name"]))
+        previous = before.get(key)
+        before[key] = r
+        speedup = (f"{previous['duration_s'] / r['duration_s']:.2f}x ({previous['name'].split('_')[0]})"
+                   if previous and previous.get("duration_s") and r.get("duration_s") else "-")
+        k = max(r["kernels"], key=lambda k: k.get("duration_s") or 0)
+        label = _rung_link(r["name"]) + (f" {r['shape']['B']}x{r['shape']['T']}" if shapes > 1 else "")
+        if len(r["kernels"]) > 1:
+            label += f" ({len(r['kernels'])} kernels)"
+        top = (k.get("stalls_top") or [None])[0]
+        body.append([label, _us(r.get("duration_s")), speedup, occupancy_cell(k),
+                     _pair(k.get("bank_conflicts_ld"), k.get("bank_conflicts_st"), _count),
+                     _pair(k.get("shared_ld_bytes_per_s"), k.get("shared_st_bytes_per_s"), _tbps),
+                     tensor_cell(k), _num(k.get("issue_pct")), _mb(r.get("dram_read_bytes")),
+                     f"{top[0]} {top[1]:.0%}" if top else "-"])
+    return body
+
+
+def left_out(result: dict) -> str:
+    """The rungs a counters table leaves out, grouped by why: '`v15_bf16_mma`, `v18_wgmma`: skipped, does not ...'."""
+    why: dict[str, list[str]] = {}
+    for r in result["rows"]:
+        if r["kind"] == "rung" and r["status"] != "ok":
+            why.setdefault(f"{r['status']}, {r.get('reason') or 'no reason given'}", []).append(f"`{r['name']}`")
+    if not why:
+        return ""
+    return f"Not in this table: {'; '.join(', '.join(names) + ': ' + reason for reason, names in why.items())}."
+
+
+def render_counters(result: dict, line=splits_keys) -> str:
+    """One dtype's counters for docs/ladder.md: a line of setup, the table, the rungs left out."""
+    dev = (result["setup"].get("device") or {}).get("name", "no GPU")
+    clock = result.get("sm_clock_hz")
+    shapes = ", ".join(f"{s['B']}x{s['T']}" for s in result["shapes"])
+    nh, d = (result["shapes"][0]["NH"], result["shapes"][0]["d"]) if result["shapes"] else ("?", "?")
+    lines = [f"**{result['dtype']}**, B x T {shapes}, NH={nh}, d={d}: {dev}, {result['setup']['date'][:10]}, "
+             f"SM clock {_num(clock and clock / 1e9, 2)} GHz, one launch per rung under Nsight Compute.", ""]
+    lines += table(COUNTER_COLUMNS, counter_rows(result, line), COUNTER_ALIGN)
+    rest = left_out(result)
+    return "\n".join(lines + (["", rest] if rest else []))

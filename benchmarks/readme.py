@@ -1,7 +1,7 @@
 """`bench.py readme`: rewrite what lies between <!-- bench:<section>:start --> and <!-- bench:<section>:end -->
 in README.md (summary, e2e-summary: the short tables), docs/results.md (kernels, sweep, e2e, resources,
-features: the full tables) and docs/profile.md (profile: the counters and the roofline), each section from
-the newest result file of its kind. Any page may carry any section; every block links the result files
+features: the full tables), docs/profile.md (profile: the counters and the roofline) and docs/ladder.md
+(counters: a short row of them per rung), each section from the newest result file of its kind. Any page may carry any section; every block links the result files
 behind it, relative to the page."""
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ RESULTS_DOC = ROOT / "docs" / "results.md"
 LEVELS_DOC = ROOT / "docs" / "levels.md"  # seed 004's four levels: rewritten when there are levels results
 SUMMARIES = ("summary", "e2e-summary")  # the README's short tables
 PROFILE = ("profile",)  # docs/profile.md's section
+COUNTERS = ("counters",)  # docs/ladder.md's: the profile's counters, one short row per rung
 FULL_TABLES = tuple(s for s in SECTIONS if s not in PROFILE + ("levels",))  # docs/results.md's
-KNOWN = SUMMARIES + SECTIONS
+KNOWN = SUMMARIES + SECTIONS + COUNTERS
 
 _MARKER = re.compile(r"<!--\s*bench:([A-Za-z0-9_-]+):(start|end)\s*-->")
 
@@ -141,6 +142,9 @@ def readme_blocks(found: dict[str, list[Path]], base: Path) -> dict[str, str]:
             from_file(p, profile_render.render_profile_doc(result, rel(p), rel(p.parent / result["plot"])
                                                            if result.get("plot") else None))
             for p, result in newest_per_dtype(found["profile"]))
+        per_dtype = newest_per_dtype(found["profile"])  # and the same files, a short row per rung
+        blocks["counters"] = source(*[p for p, _ in per_dtype]) + "\n" + "\n\n".join(
+            from_file(p, profile_render.render_counters(result)) for p, result in per_dtype)
     if found["levels"]:  # each dtype from the newest levels file that measured it
         chosen = newest_levels(found["levels"], load_result)
         blocks["levels"] = source(*[p for p, *_ in chosen]) + "\n" + "\n\n".join(
@@ -168,11 +172,15 @@ def read_page(path: Path, expected: tuple[str, ...]) -> tuple[str, dict[str, tup
 def cmd_readme(args) -> int:
     results = args.results
     found = newest_results(results)
-    # each page, and the sections it should carry; docs/profile.md and docs/levels.md where there are such results
+    # each page, and the sections it should carry; docs/profile.md, docs/ladder.md and docs/levels.md where there
+    # are such results
     pages = {args.readme: SUMMARIES, args.results_doc: FULL_TABLES}
     profile_doc = args.profile_doc or args.results_doc.parent / "profile.md"
     if profile_doc.exists() or found["profile"]:  # a checkout without profile results needs no such page
         pages[profile_doc] = PROFILE
+    ladder_doc = getattr(args, "ladder_doc", None) or args.results_doc.parent / "ladder.md"
+    if found["profile"] and ladder_doc.exists():  # a hand-written page: never created here
+        pages[ladder_doc] = COUNTERS
     if found["levels"]:
         pages[getattr(args, "levels_doc", LEVELS_DOC)] = ("levels",)
     read = {path: read_page(path, expected) for path, expected in pages.items()}  # all checked before one is written
