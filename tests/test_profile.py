@@ -519,3 +519,113 @@ def test_bench_py_lists_profile():
     assert cli.COMMANDS["profile"] is profile.cmd_profile
     args = cli.build_parser("doc\n\nmore").parse_args(["profile"])
     assert args.kernels is None and args.results == results.SCRATCH  # cmd_profile takes every rung
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/ladder.md's counters: a short row per rung
+# ---------------------------------------------------------------------------------------------
+
+
+def ladder_result() -> dict:
+    """v12 and v14 around a skipped v13, the split-KV v16 (two kernels) and v17, an errored v18, the decode step."""
+    flops = attention_flops(8, 12, 1024, 64)
+    result = make_result()
+    result["rows"] = [
+        ok_row("v12_o_in_registers", ["v13-float32"], flops),  # 364.32 us
+        {"name": "v13_fa2_partitioning", "kind": "rung", "shape": {"B": 8, "T": 1024, "NH": 12, "d": 64},
+         "status": "skipped", "reason": "does not take float32"},
+        ok_row("v14_tf32_mma", ["v16-float32"], flops),  # 202.976 us
+        ok_row("v16_decode_split_kv", ["v16-float32", "v13-float32"], flops),  # 567.296 us: v13's kernel the longest
+        ok_row("v17_decode_cluster", ["v13-float32"], flops),
+        {"name": "v18_wgmma", "kind": "rung", "shape": {"B": 8, "T": 1024, "NH": 12, "d": 64},
+         "status": "error", "reason": "ncu timed out"},
+        ok_row("decode step", ["v13-float32"], None) | {"kind": "decode", "shape": None}]
+    return result
+
+
+def test_counter_rows_compare_each_rung_with_the_one_before_it_that_ran():
+    rows = profile_render.counter_rows(ladder_result())
+    assert [r[0] for r in rows] == ["[`v12_o_in_registers`](#v12)", "[`v14_tf32_mma`](#v14)",
+                                    "[`v16_decode_split_kv`](#v16) (2 kernels)", "[`v17_decode_cluster`](#v17)"]
+    v12, v14, v16, v17 = rows
+    assert v12[1:3] == ["364.3", "-"]
+    assert v14[1:3] == ["203.0", f"{364.32 / 202.976:.2f}x (v12)"]  # past the skipped v13
+    assert v16[1:3] == ["567.3", "-"]  # the split-KV rungs are a line of their own: none before v16
+    assert v17[2] == f"{567.296 / 364.32:.2f}x (v16)"
+    assert v12[3:] == ["12.2 / 12.5 (registers = shared memory)", "81,866 / 33,650", "3.52 / 0.66", "0.2", "72.0",
+                       "121.2", "not_selected 41%"]
+    assert v16[3] == v12[3] and v16[4] == "81,866 / 33,650"  # the longest kernel's counters
+    assert v16[8] == "130.7"  # DRAM reads: the rung's, both kernels' (121.2 + 9.5 MB)
+    one_line = profile_render.counter_rows(ladder_result(), line=lambda name: False)
+    assert one_line[2][2] == f"{202.976 / 567.296:.2f}x (v14)"
+
+
+def test_counter_rows_compare_at_the_same_shape():
+    flops = attention_flops(8, 12, 1024, 64)
+    result = make_result()
+    result["shapes"] = [{"B": 8, "T": 1024, "NH": 12, "d": 64}, {"B": 1, "T": 512, "NH": 12, "d": 64}]
+    small = {"B": 1, "T": 512, "NH": 12, "d": 64}
+    result["rows"] = [ok_row("v12_o_in_registers", ["v13-float32"], flops),
+                      ok_row("v12_o_in_registers", ["v16-float32"], flops) | {"shape": small},
+                      ok_row("v14_tf32_mma", ["v16-float32"], flops),
+                      ok_row("v14_tf32_mma", ["v13-float32"], flops) | {"shape": small}]
+    rows = profile_render.counter_rows(result)
+    assert [r[0] for r in rows] == ["[`v12_o_in_registers`](#v12) 8x1024", "[`v12_o_in_registers`](#v12) 1x512",
+                                    "[`v14_tf32_mma`](#v14) 8x1024", "[`v14_tf32_mma`](#v14) 1x512"]
+    assert [r[2] for r in rows] == ["-", "-", f"{364.32 / 202.976:.2f}x (v12)", f"{202.976 / 364.32:.2f}x (v12)"]
+
+
+def test_split_kv_rungs_come_from_the_ladder():
+    assert profile_render.splits_keys("v16_decode_split_kv") and profile_render.splits_keys("v17_decode_cluster")
+    assert not profile_render.splits_keys("v13_fa2_partitioning")
+    assert not profile_render.splits_keys("v99_no_longer_there")
+
+
+def test_render_counters():
+    text = profile_render.render_counters(ladder_result())
+    assert text.startswith("**float32**, B x T 8x1024, NH=12, d=64: NVIDIA H200, 2026-11-26, SM clock 1.96 GHz")
+    lines = [line for line in text.splitlines() if line.startswith("|")]
+    assert len(lines) == 2 + 4 and {line.count("|") for line in lines} == {len(profile_render.COUNTER_COLUMNS) + 1}
+    assert text.endswith("Not in this table: `v13_fa2_partitioning`: skipped, does not take float32; "
+                         "`v18_wgmma`: error, ncu timed out.")
+    assert "decode step" not in text  # the decode step is a model's kernel, not a rung: profile.md has it
+    assert "Not in this table" not in profile_render.render_counters(make_result() | {"rows": make_result()["rows"][:2]})
+
+
+def test_readme_writes_the_counters_into_the_ladder_page(tmp_path, capsys):
+    from benchmarks import cli
+    from tests.bench.helpers import FIXTURES as BENCH_FIXTURES
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (tmp_path / "README.md").write_text((BENCH_FIXTURES / "bench_readme.md").read_text())
+    (docs / "results.md").write_text((BENCH_FIXTURES / "bench_results_doc.md").read_text())
+    ladder = docs / "ladder.md"
+    before = ("# The ladder\n\n<a id=\"v12\"></a>\n\n## v12\n\nSee [its row](#counters).\n\n<a id=\"counters\"></a>\n\n"
+              "## Counters\n\n<!-- bench:counters:start -->\nold\n<!-- bench:counters:end -->\n\nEnd.\n")
+    ladder.write_text(before)
+    (docs / "profile.md").write_text("<!-- bench:profile:start -->\n<!-- bench:profile:end -->\n")
+    argv = ["readme", "--readme", str(tmp_path / "README.md"), "--results-doc", str(docs / "results.md")]
+    assert cli.main(argv + ["--results", str(tmp_path / "none")], "doc") == 0  # no profile: the page is left alone
+    assert ladder.read_text() == before
+    store = tmp_path / "results"
+    bf16 = ladder_result() | {"dtype": "bfloat16"}
+    bf16["setup"] = bf16["setup"] | {"date": "2026-11-26T10:05:00Z"}
+    for result in (ladder_result(), bf16):
+        results.write_result(result, results.result_path("profile", result["setup"], store))
+    capsys.readouterr()
+    assert cli.main(argv + ["--results", str(store)], "doc") == 0
+    assert "ladder.md: rewrote counters" in capsys.readouterr().out
+    text = ladder.read_text()
+    head, _, rest = text.partition("<!-- bench:counters:start -->\n")
+    block, _, tail = rest.partition("<!-- bench:counters:end -->")
+    assert head == before.partition("<!-- bench:counters:start -->\n")[0] and tail == "\n\nEnd.\n"
+    assert "old" not in block and block.count("Results file: [profile-nvidia-h200-") == 2
+    assert "(../results/profile-nvidia-h200-20261126T100000Z.json)" in block
+    assert "(../results/profile-nvidia-h200-20261126T100500Z.json)" in block
+    assert block.index("**float32**") < block.index("**bfloat16**") and "[`v12_o_in_registers`](#v12)" in block
+    assert "| occupancy" in block and "bench:profile" not in text  # the ladder page gets the counters only
+    elsewhere = tmp_path / "elsewhere.md"  # --ladder-doc names another page
+    elsewhere.write_text("<!-- bench:counters:start -->\n<!-- bench:counters:end -->\n")
+    assert cli.main(argv + ["--results", str(store), "--ladder-doc", str(elsewhere)], "doc") == 0
+    assert "**bfloat16**" in elsewhere.read_text()
