@@ -1,4 +1,5 @@
-"""`bench.py profile`'s table, roofline plot and docs section, from its result dict (benchmarks/profile.py).
+"""`bench.py profile`'s table, roofline plot and docs sections (docs/profile.md's; docs/ladder.md's short row per rung)
+from its result dict (benchmarks/profile.py).
 
 The roofline: x = arithmetic intensity, the FLOPs of the launch (bench's attention_flops convention) over
 the DRAM bytes ncu counted (read + written); y = achieved TFLOP/s, those FLOPs over ncu's duration; the
