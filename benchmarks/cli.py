@@ -14,6 +14,7 @@ from . import results
 from .cases import DTYPES
 from .device import CannotRun
 from .e2e import PROMPT, cmd_e2e
+from .e2e_llama import cmd_e2e_llama
 from .features import FEATURE_PARTS, cmd_features
 from .levels import LEVELS, SHAPE_SETS, cmd_levels
 from .options import kernel_list, parse_shape, results_option
@@ -21,6 +22,7 @@ from .peers import DEFAULT_PEERS, PEERS
 from .profile import add_profile_parser, cmd_profile
 from .readme import LEVELS_DOC, README, RESULTS_DOC, cmd_readme
 from .resources import cmd_resources
+from .results import E2E_MODELS
 from .rungs import cmd_kernels
 from .sweep import cmd_sweep
 
@@ -140,14 +142,22 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     s.add_argument("--tokens", type=positive_int, default=16384, help="B x T per point: B = tokens // T (default 16384)")
     shape_options(s, 150.0)
 
-    e = sub.add_parser("e2e", help="seconds for GPT-2 small to generate 512 tokens, per rung, beside HF transformers",
+    e = sub.add_parser("e2e", help="seconds for GPT-2 small (or Llama) to generate 512 tokens, per rung, beside HF "
+                                   "transformers",
                        description="Seconds to generate --tokens tokens greedily from the prompt with GPT-2 small "
                                    "(random weights, float32), with the CuPy reference and each rung as the attention, "
-                                   "without and with a KV cache; HF transformers generate() on the same weights.")
+                                   "without and with a KV cache; HF transformers generate() on the same weights. "
+                                   "--model llama-3.2-1b: Llama-shaped random weights in bfloat16, a prompt of token "
+                                   "ids, the newest rung that takes the model (and any --kernels), beside HF's "
+                                   "LlamaForCausalLM with a static cache.")
+    e.add_argument("--model", choices=list(E2E_MODELS), default="gpt2",
+                   help="gpt2 (GPT-2 small, float32) or a Llama size (random weights, bfloat16); default gpt2")
     e.add_argument("--kernels", type=kernel_list, default=None, metavar="LIST",
-                   help="rungs, comma-separated; default: every rung (the CuPy reference always runs)")
+                   help="rungs, comma-separated; default: every rung (Llama: the newest that takes the model; "
+                        "the CuPy reference always runs)")
     e.add_argument("--tokens", type=positive_int, default=512, help="new tokens (default 512)")
-    e.add_argument("--prompt", default=PROMPT, help=f"default {PROMPT!r}")
+    e.add_argument("--prompt", default=None, help=f"GPT-2's prompt, default {PROMPT!r} (Llama's random weights have "
+                                                  "no tokenizer: their prompt is fixed token ids)")
     mode = e.add_mutually_exclusive_group()
     mode.add_argument("--kv-cache", dest="mode", action="store_const", const="kv-cache",
                       help="only the KV-cache mode (default: both modes)")
@@ -156,7 +166,8 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     e.set_defaults(mode="both")
     e.add_argument("--no-hf", action="store_true", help="leave out the HF transformers peer")
     e.add_argument("--no-decode", action="store_true",
-                   help="leave out the decode table (gpt2.fast in float32 and bfloat16 with each decode step)")
+                   help="leave out the decode table (gpt2.fast in float32 and bfloat16 with each decode step; "
+                        "GPT-2 only)")
     e.add_argument("--hf-attn", choices=("sdpa", "eager"), default="sdpa",
                    help="the HF model's attn_implementation (default sdpa)")
     e.add_argument("--warmup", type=positive_int, default=64,
@@ -253,7 +264,11 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     return parser
 
 
-COMMANDS = {"kernels": cmd_kernels, "sweep": cmd_sweep, "e2e": cmd_e2e, "resources": cmd_resources,
+def cmd_e2e_model(args) -> int:
+    return cmd_e2e(args) if args.model == "gpt2" else cmd_e2e_llama(args)
+
+
+COMMANDS = {"kernels": cmd_kernels, "sweep": cmd_sweep, "e2e": cmd_e2e_model, "resources": cmd_resources,
             "features": cmd_features, "profile": cmd_profile, "levels": cmd_levels, "readme": cmd_readme}
 
 
@@ -262,6 +277,12 @@ def main(argv: list[str] | None, doc: str) -> int:
     parser = build_parser(doc)
     args = parser.parse_args(argv)
     args.argv = argv
+    llama_e2e = args.command == "e2e" and args.model != "gpt2"
+    if llama_e2e and args.prompt is not None:
+        parser.error(f"--prompt is text for GPT-2's tokenizer; {args.model}'s random weights have none (the prompt "
+                     "is fixed token ids)")
+    if llama_e2e and args.kernels is None:
+        args.kernels = []  # e2e_llama runs the newest rung that takes the model
     if getattr(args, "kernels", False) is None and args.command not in ("features", "profile"):
         # features picks per case; profile takes every rung and reports those it cannot run as skipped
         # decode rungs (split-KV) are made for a few query rows over a long cache, not whole sequences:

@@ -37,19 +37,19 @@ def attend_with(gpt2, path: Path | None):
     return kernels.Attend(path)
 
 
-def time_generation(gpt2, ckpt, prompt: list[int], n_new: int, attend, kv_cache: bool, warmup: int) -> dict:
-    """Wall-clock seconds for n_new greedy tokens, a timestamp per token (on_token runs after the
-    token is on the host, so each stamp follows that step's GPU work), and the CuPy pool's size."""
+def time_generation(generate, n_new: int, warmup: int) -> dict:
+    """Wall-clock seconds for n_new greedy tokens of generate(n, on_token) (a model's generate with its
+    attention and mode bound), a timestamp per token (on_token runs after the token is on the host, so
+    each stamp follows that step's GPU work), and the CuPy pool's size."""
     cupy = device.get_cupy()
     pool = cupy.get_default_memory_pool()
-    gpt2.generate(ckpt.params, ckpt.config, prompt, warmup, attend=attend, kv_cache=kv_cache)  # compile, warm up
+    generate(warmup, None)  # compile, warm up
     cupy.cuda.Device().synchronize()
     pool.free_all_blocks()
     stamps = []
     compile_before = kernels.runtime.compile_seconds
     start = time.perf_counter()
-    out = gpt2.generate(ckpt.params, ckpt.config, prompt, n_new, attend=attend, kv_cache=kv_cache,
-                        on_token=lambda token: stamps.append(time.perf_counter()))
+    out = generate(n_new, lambda token: stamps.append(time.perf_counter()))
     cupy.cuda.Device().synchronize()
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "elapsed": [t - start for t in stamps], "tokens": list(out.tokens),
@@ -59,8 +59,11 @@ def time_generation(gpt2, ckpt, prompt: list[int], n_new: int, attend, kv_cache:
 
 
 def time_hf_generation(folder: Path, prompt: list[int], n_new: int, kv_cache: bool, warmup: int,
-                       attn_implementation: str) -> dict:
-    """HF transformers' GPT2LMHeadModel on the same weights (saved by gpt2.save), fp32, greedy."""
+                       attn_implementation: str, model_class: str = "GPT2LMHeadModel", dtype: str = "float32",
+                       static_cache: bool = False) -> dict:
+    """HF transformers' model_class on the same weights (saved by the model's save) in dtype, greedy;
+    with static_cache, the KV-cache mode's cache is generate's static one, and the warm-up generates
+    all n_new tokens so that the cache (and anything compiled for it) has the timed run's shape."""
     torch = device.get_torch()
     try:
         import transformers
@@ -85,11 +88,17 @@ def time_hf_generation(folder: Path, prompt: list[int], n_new: int, kv_cache: bo
         def end(self):
             pass
 
-    model = transformers.GPT2LMHeadModel.from_pretrained(str(folder), attn_implementation=attn_implementation)
-    model = model.to("cuda", dtype=torch.float32).eval()
+    # dtype at load (not .to(dtype) after it), so that buffers such as Llama's RoPE frequencies stay float32
+    model = getattr(transformers, model_class).from_pretrained(str(folder), attn_implementation=attn_implementation,
+                                                               dtype=getattr(torch, dtype))
+    model = model.to("cuda").eval()
     ids = torch.tensor([prompt], device="cuda")
+    eos = model.config.eos_token_id
     options = dict(attention_mask=torch.ones_like(ids), do_sample=False, use_cache=kv_cache,
-                   pad_token_id=model.config.eos_token_id)
+                   pad_token_id=eos[0] if isinstance(eos, list) else eos)
+    if kv_cache and static_cache:
+        options["cache_implementation"] = "static"
+        warmup = n_new
     with torch.inference_mode():
         model.generate(ids, max_new_tokens=warmup, min_new_tokens=warmup, **options)
         torch.cuda.synchronize()
@@ -183,6 +192,43 @@ def add_generation_comparisons(rows: list[dict]) -> None:
                 r["same_tokens_as_reference"] = same
 
 
+def generation_rows(modes: list[bool], impls: list[tuple], generate, hf, args) -> list[dict]:
+    """Per mode (kv_cache False, True): each attention of impls (name, label, kind, attend; attend a str:
+    the reason the model cannot take it, reported unsupported), timed through generate(attend, kv_cache,
+    n, on_token); then HF transformers, hf(kv_cache) -> its timings (None: left out)."""
+    rows, count = [], 0
+    total = len(modes) * (len(impls) + (hf is not None))
+    for kv in modes:
+        mode = "kv-cache" if kv else "no-cache"
+        for name, label, kind, attend in impls:
+            count += 1
+            row = {"name": name, "label": label, "kind": kind, "mode": mode, "kv_cache": kv}
+            if isinstance(attend, str):
+                row |= {"status": "unsupported", "reason": attend}
+            else:
+                try:
+                    row |= time_generation(lambda n, on_token, a=attend, kv=kv: generate(a, kv, n, on_token), args.tokens,
+                                           args.warmup)
+                    row["status"] = "ok"
+                except Exception as exc:
+                    row |= {"status": "error", "reason": first_line(exc)}
+            device.release_memory()
+            rows.append(row)
+            report_generation(count, total, row)
+        if hf is not None:
+            count += 1
+            row = {"name": "hf", "label": f"HF transformers ({args.hf_attn})", "kind": "peer", "mode": mode,
+                   "kv_cache": kv}
+            try:
+                row |= hf(kv)
+                row["status"] = "ok"
+            except Exception as exc:  # Unavailable, or transformers refusing something
+                row |= {"status": "unavailable", "reason": first_line(exc)}
+            rows.append(row)
+            report_generation(count, total, row)
+    return rows
+
+
 def measure_decode(gpt2, ckpt, prompt: list[int], args, rows: list[dict]) -> dict:
     """The KV-cache decode table: the fast engine in float32 and bfloat16 with each decode step, and
     HF transformers' float32 kv-cache row measured above, each with its time to first token, decode
@@ -227,50 +273,36 @@ def cmd_e2e(args) -> int:
     device.require_gpu()
     gpt2 = gpt2_seam()
     cupy = device.get_cupy()
-    setup = device.setup_info(args.argv)
+    setup = device.setup_info(args.argv) | {"model": "gpt2"}
     modes = [False, True] if args.mode == "both" else [args.mode == "kv-cache"]
     ckpt = gpt2.random_weights("gpt2", seed=args.seed, xp=cupy)
+    text = PROMPT if args.prompt is None else args.prompt
     try:
-        prompt = gpt2.load_tokenizer(None).encode(args.prompt, allowed_special="all")
+        prompt = gpt2.load_tokenizer(None).encode(text, allowed_special="all")
     except Exception as exc:  # gpt2.LabError: no tiktoken files and no network
         raise CannotRun(str(exc)) from None
-    impls = [("reference", "CuPy reference", None)] + [(p.stem, p.stem, p) for p in args.kernels]
-    total = len(modes) * (len(impls) + (0 if args.no_hf else 1))
     progress(f"{setup['device']['name']}: GPT-2 small, {ckpt.name}, {len(prompt)} prompt tokens, "
              f"{args.tokens} new tokens, greedy, float32")
-    rows, count = [], 0
+    impls = [("reference", "CuPy reference", "peer", gpt2.reference_attend)]
+    impls += [(p.stem, p.stem, "rung", attend_with(gpt2, p)) for p in args.kernels]
+
+    def generate(attend, kv, n, on_token):
+        return gpt2.generate(ckpt.params, ckpt.config, prompt, n, attend=attend, kv_cache=kv, on_token=on_token)
+
     with tempfile.TemporaryDirectory(prefix="bench-e2e-") as scratch:  # the weights as HF reads them
-        hf_folder = None
-        for kv in modes:
-            mode = "kv-cache" if kv else "no-cache"
-            for name, label, path in impls:
-                count += 1
-                row = {"name": name, "label": label, "kind": "rung" if path else "peer", "mode": mode, "kv_cache": kv}
-                try:
-                    row |= time_generation(gpt2, ckpt, prompt, args.tokens, attend_with(gpt2, path), kv, args.warmup)
-                    row["status"] = "ok"
-                except Exception as exc:
-                    row |= {"status": "error", "reason": first_line(exc)}
-                device.release_memory()
-                rows.append(row)
-                report_generation(count, total, row)
-            if not args.no_hf:
-                count += 1
-                row = {"name": "hf", "label": f"HF transformers ({args.hf_attn})", "kind": "peer", "mode": mode,
-                       "kv_cache": kv}
-                try:
-                    hf_folder = hf_folder or gpt2.save(ckpt, Path(scratch) / "gpt2")
-                    row |= time_hf_generation(hf_folder, prompt, args.tokens, kv, args.warmup, args.hf_attn)
-                    row["status"] = "ok"
-                except Exception as exc:  # Unavailable, or transformers refusing something
-                    row |= {"status": "unavailable", "reason": first_line(exc)}
-                rows.append(row)
-                report_generation(count, total, row)
+        folder = Path(scratch) / "gpt2"
+
+        def hf(kv):
+            if not folder.exists():
+                gpt2.save(ckpt, folder)
+            return time_hf_generation(folder, prompt, args.tokens, kv, args.warmup, args.hf_attn)
+
+        rows = generation_rows(modes, impls, generate, None if args.no_hf else hf, args)
     add_generation_comparisons(rows)
     decode = measure_decode(gpt2, ckpt, prompt, args, rows) if True in modes and not args.no_decode else None
     result = {
         "schema": SCHEMA, "kind": "e2e", "setup": setup,
-        "model": ckpt.name, "prompt": args.prompt, "prompt_tokens": len(prompt), "new_tokens": args.tokens,
+        "model": ckpt.name, "prompt": text, "prompt_tokens": len(prompt), "new_tokens": args.tokens,
         "sampling": "greedy", "dtype": "float32", "modes": ["kv-cache" if kv else "no-cache" for kv in modes],
         "method": {
             "clock": "time.perf_counter around gpt2.generate (device synchronized before and after), after a "

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .device import progress
+from .results import E2E_MODELS, e2e_model
 
 
 def _pyplot():
@@ -80,5 +81,6 @@ def plot_e2e(plt, result: dict):
         ax.set_title("no KV cache (the seed's mode)" if mode == "no-cache" else "KV cache")
         ax.grid(True, alpha=0.3)
     axes[0][-1].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.suptitle(f"GPT-2 small, greedy, float32, prompt {result['prompt']!r}: {_device_title(result)}")
+    prompt = repr(result["prompt"]) if isinstance(result["prompt"], str) else f"{result['prompt_tokens']} token ids"
+    fig.suptitle(f"{E2E_MODELS[e2e_model(result)]}, greedy, {result['dtype']}, prompt {prompt}: {_device_title(result)}")
     return fig

@@ -15,8 +15,8 @@ from . import plots, profile_render
 from .device import ROOT, CannotRun, progress
 from .levels import newest_per_dtype as newest_levels
 from .levels import render_levels
-from .results import SECTIONS, load_result, newest_results
-from .summary import gpt2_shapes_in, has_gpt2_shapes, link, render_e2e_summary, render_summary
+from .results import SECTIONS, e2e_model, load_result, newest_results
+from .summary import gpt2_shapes_in, has_gpt2_shapes, link, render_e2e_summary, render_models_summary, render_summary
 from .tables import render_e2e, render_features, render_kernels, render_resources, render_sweep
 
 README = ROOT / "README.md"
@@ -75,17 +75,17 @@ def newest_per_dtype(paths: list[Path], keep=lambda result: True) -> list[tuple[
 
 
 def e2e_entries(paths: list[Path]) -> list[tuple[Path, dict, set]]:
-    """The newest e2e result of each mode (one file may serve both), with the modes it serves."""
-    entries, wanted = [], ["no-cache", "kv-cache"]
+    """The newest e2e result of each model and mode (one file may serve both modes), with the modes it
+    serves; GPT-2's first."""
+    entries, wanted = [], {}
     for p in paths:
         result = load_result(p)
-        modes = {m for m in result["modes"] if m in wanted}
+        left = wanted.setdefault(e2e_model(result), ["no-cache", "kv-cache"])
+        modes = {m for m in result["modes"] if m in left}
         if modes:
             entries.append((p, result, modes))
-            wanted = [m for m in wanted if m not in modes]
-        if not wanted:
-            break
-    return entries
+            wanted[e2e_model(result)] = [m for m in left if m not in modes]
+    return sorted(entries, key=lambda entry: e2e_model(entry[1]) != "gpt2")  # stable: newest first within a model
 
 
 def readme_blocks(found: dict[str, list[Path]], base: Path) -> dict[str, str]:
@@ -125,12 +125,15 @@ def readme_blocks(found: dict[str, list[Path]], base: Path) -> dict[str, str]:
         entries = e2e_entries(found["e2e"])
         blocks["e2e"] = source(*[p for p, *_ in entries]) + "\n" + "\n\n".join(
             from_file(p, render_e2e([(p, result, modes)], base)) for p, result, modes in entries)
-        no_cache = next(((p, r) for p, r, modes in entries if "no-cache" in modes), None)
+        gpt2 = [(p, r, modes) for p, r, modes in entries if e2e_model(r) == "gpt2"]
+        no_cache = next(((p, r) for p, r, modes in gpt2 if "no-cache" in modes), None)
         decode = next(((p, r) for p in found["e2e"] if (r := load_result(p)).get("decode")), None)
-        summary = render_e2e_summary(no_cache, decode, base)
+        others = [entry for entry in entries if e2e_model(entry[1]) != "gpt2"]
+        summary = "\n\n".join(text for text in (render_e2e_summary(no_cache, decode, base),
+                                                 render_models_summary(others, base)) if text)
         if summary:
-            used = list(dict.fromkeys(entry[0] for entry in (no_cache, decode) if entry is not None))
-            blocks["e2e-summary"] = source(*used) + "\n" + summary
+            used = [entry[0] for entry in (no_cache, decode) if entry is not None] + [p for p, *_ in others]
+            blocks["e2e-summary"] = source(*dict.fromkeys(used)) + "\n" + summary
     if found["resources"]:
         p = found["resources"][0]
         blocks["resources"] = source(p) + "\n" + from_file(p, render_resources(load_result(p)))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .cases import GPT2_SHAPES, attention_flops
 from .peers import PEERS
+from .results import E2E_MODELS, e2e_model
 from .tables import fmt_ms, fmt_tflops, fmt_x, table
 
 
@@ -139,3 +140,33 @@ def render_e2e_summary(no_cache: tuple[Path, dict] | None, decode: tuple[Path, d
                + "; ".join(dict.fromkeys(short_setup(r) for _, r in results)) + ".")
     return "\n".join([caption, ""] + table(["GPT-2 small", "this lab", "HF transformers", "speed-up", "target",
                                             "results file"], body, "lrrrll"))
+
+
+def render_models_summary(entries: list[tuple[Path, dict, set]], base: Path) -> str:
+    """The models past GPT-2 end to end (e2e --model): per model and mode, the fastest rung's seconds
+    against HF transformers', from the newest result of that mode."""
+    parts = []
+    for model in dict.fromkeys(e2e_model(result) for _, result, _ in entries):
+        body, shown = [], []
+        for path, result, modes in (e for e in entries if e2e_model(e[1]) == model):
+            for mode in (m for m in ("no-cache", "kv-cache") if m in modes):
+                ok = [r for r in result["rows"] if r["mode"] == mode and r["status"] == "ok"]
+                rungs = sorted((r for r in ok if r["kind"] == "rung"), key=lambda r: r["seconds"])
+                hf = next((r for r in ok if r["name"] == "hf"), None)
+                if not rungs:
+                    continue
+                best = rungs[0]
+                body.append([f"{'no cache' if mode == 'no-cache' else 'KV cache'}, {result['dtype']}: seconds for "
+                             f"{result['new_tokens']} tokens, `{best['name']}`", f"{best['seconds']:.2f}",
+                             f"{hf['seconds']:.2f}" if hf else "-", fmt_x(hf["seconds"] / best["seconds"]) if hf else "-",
+                             link(path, base)])
+                shown.append(result)
+        if not body:
+            continue
+        caption = (f"{E2E_MODELS[model]}, random weights in {shown[0]['dtype']}, greedy, from a "
+                   f"{shown[0]['prompt_tokens']}-token prompt of token ids; HF transformers generate() on the same "
+                   "weights (with the KV cache: its static cache). Speed-up: HF's time over ours. "
+                   + "; ".join(dict.fromkeys(short_setup(r) for r in shown)) + ".")
+        parts.append("\n".join([caption, ""] + table([E2E_MODELS[model], "this lab", "HF transformers", "speed-up",
+                                                      "results file"], body, "lrrrl")))
+    return "\n\n".join(parts)

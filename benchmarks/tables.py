@@ -11,6 +11,7 @@ from pathlib import Path
 from . import ceilings
 from .cases import Case, attention_flops, attention_flops_qk
 from .peers import PEERS
+from .results import E2E_MODELS, e2e_model
 
 
 def fmt_ms(x: float) -> str:
@@ -138,10 +139,10 @@ def render_e2e(entries: list[tuple[Path, dict, set]], base: Path) -> str:
     for path, result, modes in entries:
         lines = setup_header(result) + [
             "",
-            f"{result['new_tokens']} new tokens after the {result['prompt_tokens']}-token prompt {result['prompt']!r}; "
-            f"GPT-2 small with {result['model']}, float32, greedy. No cache: {result['method']['no-cache']}. "
-            f"KV cache: {result['method']['kv-cache']}. HF peer: {result['method']['hf']}. Peak memory: what each "
-            "framework's allocator held at most, weights included.",
+            f"{result['new_tokens']} new tokens after the {result['prompt_tokens']}-token prompt {_prompt(result)}; "
+            f"{E2E_MODELS[e2e_model(result)]} with {result['model']}, {result['dtype']}, greedy. No cache: "
+            f"{result['method']['no-cache']}. KV cache: {result['method']['kv-cache']}. HF peer: "
+            f"{result['method']['hf']}. Peak memory: what each framework's allocator held at most, weights included.",
         ]
         if result.get("plot"):
             image = os.path.relpath(path.parent / result["plot"], base)
@@ -162,6 +163,13 @@ def render_e2e(entries: list[tuple[Path, dict, set]], base: Path) -> str:
             lines += ["", render_decode(result["decode"])]
         out.append("\n".join(lines))
     return "\n\n".join(out)
+
+
+def _prompt(result: dict) -> str:
+    """The prompt as text (GPT-2), or as token ids with why (random Llama weights have no tokenizer)."""
+    if isinstance(result["prompt"], str):
+        return repr(result["prompt"])
+    return f"of token ids {','.join(map(str, result['prompt']))} ({result['method']['prompt']})"
 
 
 def render_decode(d: dict) -> str:
