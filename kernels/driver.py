@@ -5,6 +5,7 @@
     driver.launch_cooperative(fn, grid, block, args, shared_mem=n, stream=s)      all blocks resident
     driver.blocks_per_sm(fn, threads, shared_mem)                                 occupancy
     driver.required_cluster_width(fn), driver.allow_non_portable_clusters(fn)      cluster attributes
+    driver.tensor_map(x, box, name="K")                                           TMA descriptor of x
 
 CuPy launches a kernel with cuLaunchKernel (or cuLaunchCooperativeKernel): no launch attributes.
 cuLaunchKernelEx takes a CUlaunchConfig with a list of CUlaunchAttribute, each an id and a 64-byte
@@ -14,13 +15,20 @@ structures also carry cooperative launch and cluster dimensions. The layouts are
 12+), checked by tests/test_driver.py without a GPU. The decode step's cooperative launch and the
 occupancy and function-attribute queries use CuPy's driver bindings, called from here only.
 Everything here that calls into libcuda.so.1 goes through library(), which declares each entry
-point's argument types once: tensor maps (cuTensorMapEncodeTiled, a 64-byte aligned 128-byte
-CUtensorMap) belong here too when a rung needs TMA descriptors.
+point's argument types once.
+
+A TMA descriptor (CUtensorMap, 128 opaque bytes) tells the tensor memory accelerator a global
+array's address, extents and strides and the box one `cp.async.bulk.tensor` copies into shared
+memory. tensor_map_arguments() turns an array and a box into cuTensorMapEncodeTiled's arguments and
+checks what the hardware requires, without the driver; tensor_map() encodes them. A kernel takes the
+descriptor by value (`const __grid_constant__ CUtensorMap`), so it travels as a kernel argument
+through PackedLaunch.
 """
 
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -54,6 +62,21 @@ class LaunchConfig(ctypes.Structure):  # CUlaunchConfig
                 ("attrs", ctypes.POINTER(LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
 
 
+class TensorMap(ctypes.Structure):
+    """CUtensorMap: 16 opaque 64-bit words. Make one with TensorMap.aligned(): ctypes aligns a structure
+    to at most 8 bytes, and cuTensorMapEncodeTiled writes only to a 64-byte aligned one."""
+
+    _fields_ = [("opaque", ctypes.c_uint64 * 16)]  # cuda.h: CU_TENSOR_MAP_NUM_QWORDS 16
+    ALIGNMENT = 128  # the encode call needs 64 (its documentation); CUDA 13's cuda.h declares alignas(128)
+
+    @classmethod
+    def aligned(cls) -> TensorMap:
+        """A zeroed TensorMap at an ALIGNMENT boundary inside a buffer it keeps alive."""
+        buffer = (ctypes.c_char * (ctypes.sizeof(cls) + cls.ALIGNMENT - 1))()
+        offset = -ctypes.addressof(buffer) % cls.ALIGNMENT
+        return cls.from_buffer(buffer, offset)
+
+
 _library = None
 
 
@@ -70,6 +93,11 @@ def library() -> ctypes.CDLL:
         lib.cuLaunchKernelEx.restype = ctypes.c_int
         lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         lib.cuGetErrorString.restype = ctypes.c_int
+        u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+        lib.cuTensorMapEncodeTiled.argtypes = [ctypes.POINTER(TensorMap), ctypes.c_int, ctypes.c_uint32,
+                                               ctypes.c_void_p, u64p, u64p, u32p, u32p, ctypes.c_int,
+                                               ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        lib.cuTensorMapEncodeTiled.restype = ctypes.c_int
         _library = lib
     return _library
 
@@ -94,15 +122,19 @@ _SCALARS = {np.int32: ctypes.c_int32, np.uint32: ctypes.c_uint32, np.int64: ctyp
 
 def argument(value, kernel: str = "kernel"):
     """One kernel argument as the ctypes value the kernel's parameter holds: a NumPy scalar as its
-    own type, a CuPy array (anything with .data.ptr) as its device pointer. A Python int or float
+    own type, a CuPy array (anything with .data.ptr) as its device pointer, a TensorMap as itself
+    (a `const __grid_constant__ CUtensorMap` parameter). A Python int or float
     is refused: its width on the device would be a guess."""
+    if isinstance(value, TensorMap):  # by value: the driver copies its 128 bytes into the parameter
+        return value
     ctype = _SCALARS.get(type(value))
     if ctype is not None:
         return ctype(value.item())
     if hasattr(value, "data") and hasattr(value.data, "ptr"):
         return ctypes.c_void_p(value.data.ptr)
     known = ", ".join(t.__name__ for t in _SCALARS)
-    raise TypeError(f"{kernel}: cannot pass {type(value).__name__} to a kernel (NumPy {known}, or a CuPy array)")
+    raise TypeError(f"{kernel}: cannot pass {type(value).__name__} to a kernel (NumPy {known}, a CuPy array, "
+                    "or a TensorMap)")
 
 
 def pack_arguments(args, kernel: str = "kernel"):
@@ -203,3 +235,101 @@ def allow_non_portable_clusters(fn) -> None:
     import cupy
 
     cupy.cuda.driver.funcSetAttribute(function_handle(fn), CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+
+
+# -- TMA descriptors -------------------------------------------------------------------------------
+
+# cuda.h's CUtensorMapDataType, for the dtypes a NumPy or CuPy array can have
+TENSOR_MAP_DTYPES = {"uint8": 0, "uint16": 1, "uint32": 2, "int32": 3, "uint64": 4, "int64": 5,
+                     "float16": 6, "float32": 7, "float64": 8, "bfloat16": 9}
+CU_TENSOR_MAP_INTERLEAVE_NONE = 0  # CUtensorMapInterleave
+CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_SWIZZLE_32B, CU_TENSOR_MAP_SWIZZLE_64B, CU_TENSOR_MAP_SWIZZLE_128B = 0, 1, 2, 3
+SWIZZLE_SPAN = {CU_TENSOR_MAP_SWIZZLE_32B: 32, CU_TENSOR_MAP_SWIZZLE_64B: 64, CU_TENSOR_MAP_SWIZZLE_128B: 128}
+CU_TENSOR_MAP_L2_PROMOTION_L2_256B = 3  # CUtensorMapL2promotion
+CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE = 0  # CUtensorMapFloatOOBfill: out-of-bounds elements read as zero
+
+
+@dataclass(frozen=True)
+class TensorMapArguments:
+    """cuTensorMapEncodeTiled's arguments after the map, innermost dimension first (the driver's order,
+    the reverse of a NumPy shape): strides in bytes for every dimension but the innermost."""
+
+    dtype: int
+    rank: int
+    address: int
+    dims: tuple[int, ...]
+    strides: tuple[int, ...]
+    box: tuple[int, ...]
+    element_strides: tuple[int, ...]
+    interleave: int
+    swizzle: int
+    l2_promotion: int
+    oob_fill: int
+
+
+def tensor_map_arguments(x, box, *, name: str = "array", swizzle: int = CU_TENSOR_MAP_SWIZZLE_128B) -> TensorMapArguments:
+    """The descriptor of `x` (anything with shape, strides in bytes, dtype and .data.ptr: a CuPy array
+    or a view of one) copying boxes of `box` elements, given in x's own order, outermost first; a box
+    shorter than x's rank covers one element of each leading dimension. Checks what
+    cuTensorMapEncodeTiled requires (cuda.h's documentation of it) and says which rule a view breaks."""
+    shape, strides, item = tuple(x.shape), tuple(x.strides), x.dtype.itemsize
+    box = tuple(int(b) for b in box)
+    where = f"{name} {x.dtype.name} {shape} strides {strides}"
+    if x.dtype.name not in TENSOR_MAP_DTYPES:
+        raise ValueError(f"{where}: a TMA descriptor has no {x.dtype.name} (it takes {', '.join(TENSOR_MAP_DTYPES)})")
+    if not 1 <= len(shape) <= 5:
+        raise ValueError(f"{where}: a TMA descriptor describes 1 to 5 dimensions, not {len(shape)}")
+    if not 1 <= len(box) <= len(shape):
+        raise ValueError(f"{where}: box {box} must have 1 to {len(shape)} dimensions, one per array dimension")
+    box = (1,) * (len(shape) - len(box)) + box
+    address = int(x.data.ptr)
+    if address % 16:
+        raise ValueError(f"{where}: address {address:#x} is not 16-byte aligned; copy it contiguous first")
+    if strides[-1] != item and shape[-1] > 1:
+        raise ValueError(f"{where}: the innermost dimension must be contiguous; copy it contiguous first")
+    for s in strides[:-1]:
+        if s <= 0 or s % 16 or s >= 2**40:
+            raise ValueError(f"{where}: every stride but the innermost must be a positive multiple of 16 bytes "
+                             f"below 2^40, not {s}; copy it contiguous first")
+    if any(not 1 <= n <= 2**32 for n in shape):
+        raise ValueError(f"{where}: every dimension must hold 1 to 2^32 elements")
+    if any(not 1 <= b <= 256 for b in box):
+        raise ValueError(f"{name}: box {box} must be 1 to 256 elements in every dimension")
+    inner = box[-1] * item
+    if inner % 16:
+        raise ValueError(f"{name}: the box's inner dimension is {inner} bytes ({box[-1]} x {item}); "
+                         "it must be a multiple of 16")
+    if swizzle not in (CU_TENSOR_MAP_SWIZZLE_NONE, *SWIZZLE_SPAN):
+        raise ValueError(f"{name}: swizzle {swizzle} is not one of CU_TENSOR_MAP_SWIZZLE_NONE/32B/64B/128B (0 to 3)")
+    if swizzle in SWIZZLE_SPAN and inner > SWIZZLE_SPAN[swizzle]:
+        raise ValueError(f"{name}: the box's inner dimension is {inner} bytes ({box[-1]} x {item}), wider than "
+                         f"the {SWIZZLE_SPAN[swizzle]}-byte swizzle span; split it into boxes of "
+                         f"{SWIZZLE_SPAN[swizzle] // item} elements")
+    return TensorMapArguments(
+        dtype=TENSOR_MAP_DTYPES[x.dtype.name], rank=len(shape), address=address, dims=shape[::-1],
+        strides=strides[-2::-1], box=box[::-1], element_strides=(1,) * len(shape),
+        interleave=CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle=swizzle,
+        l2_promotion=CU_TENSOR_MAP_L2_PROMOTION_L2_256B, oob_fill=CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+
+
+def encode_tensor_map(args: TensorMapArguments, name: str = "array") -> TensorMap:
+    """cuTensorMapEncodeTiled on checked arguments: the descriptor, ready to pass to a kernel."""
+    tensor_map = TensorMap.aligned()
+
+    def u64(values):
+        return (ctypes.c_uint64 * len(values))(*values)
+
+    def u32(values):
+        return (ctypes.c_uint32 * len(values))(*values)
+
+    status = library().cuTensorMapEncodeTiled(
+        ctypes.byref(tensor_map), args.dtype, args.rank, ctypes.c_void_p(args.address), u64(args.dims),
+        u64(args.strides), u32(args.box), u32(args.element_strides), args.interleave, args.swizzle,
+        args.l2_promotion, args.oob_fill)
+    check(status, f"cuTensorMapEncodeTiled({name}: dims {args.dims}, box {args.box}, strides {args.strides})")
+    return tensor_map
+
+
+def tensor_map(x, box, *, name: str = "array", swizzle: int = CU_TENSOR_MAP_SWIZZLE_128B) -> TensorMap:
+    """The TMA descriptor of a CuPy array (or view) for boxes of `box` elements (x's order)."""
+    return encode_tensor_map(tensor_map_arguments(x, box, name=name, swizzle=swizzle), name)

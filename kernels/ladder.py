@@ -30,9 +30,15 @@ A rung declares what the launcher needs in its header comment, one `lab.<key>` l
     lab.min_arch   sm_90                      the oldest architecture the rung compiles for (clusters,
                                               DSMEM); older devices are refused (default: any). With
                                               lab.options -arch=sm_90a (wgmma) it runs on sm_90 only
+    lab.tma        Q: (B_r, d_head), K: (B_c, d_head)  TMA descriptors of these tensors (Q, K, V, O), each
+                                              for a box of these extents (expressions), in the array's
+                                              order (B, NH, T, d), the leading ones 1 if left out
 
 Every rung exports the same entry point, `attention_forward<...>`, with one signature, launched on a
 grid of (ceil(T_q / B_r), n_heads, batch) blocks: one block per tile of B_r query rows of one head.
+A rung with lab.tma takes one more parameter per declared tensor, in the declaration's order, after
+the others: `const __grid_constant__ CUtensorMap`, the tensor's descriptor with 128-byte swizzle
+(driver.tensor_map_arguments), so a box's inner extent is at most 128 bytes.
 """
 
 from __future__ import annotations
@@ -50,8 +56,9 @@ _RUNG_FILE = re.compile(r"^v(\d+)_([a-z0-9_]+)\.cu$")
 _DECL = re.compile(r"^\s*(?:\*|//)\s*lab\.(\w+)\s+(.*?)\s*$")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 _KEYS = {"template", "configs", "threads", "smem", "workspace", "strided", "options", "stack", "tolerance", "dtypes",
-         "dtype_param", "supports", "split_kv", "cluster", "min_arch", "tf32_products"}
+         "dtype_param", "supports", "split_kv", "cluster", "min_arch", "tf32_products", "tma"}
 FEATURES = ("noncausal", "cross", "gqa")
+TMA_TENSORS = ("Q", "K", "V", "O")
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,7 @@ class Rung:
     cluster: str | None = None  # blocks per cluster along x, an expression of the template parameters
     min_arch: int = 0  # 90 for sm_90: the oldest architecture it compiles for
     tf32_products: str = "0"  # TF32 tensor-core products per product of float32 inputs (0: FFMA)
+    tma: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (tensor, box extents as expressions), declared order
     source: str = field(default="", repr=False, compare=False)
     files: tuple = field(default=(), repr=False, compare=False)  # (path, stamp) of the file and its includes
 
@@ -118,6 +126,10 @@ class Rung:
         """TF32 products per product a config's float32 arithmetic issues: 3 for 3xTF32, 1 for plain TF32,
         0 for FFMA (lab.tf32_products)."""
         return evaluate(self.tf32_products, self.params(config))
+
+    def tma_boxes(self, config) -> dict[str, tuple[int, ...]]:
+        """{"Q": (64, 64), ...}: each lab.tma tensor's box for a config, in the declaration's order."""
+        return {t: tuple(evaluate(e, self.params(config)) for e in box) for t, box in self.tma}
 
     def cluster_size(self, config) -> int | None:
         """Blocks per cluster (lab.cluster) of a config, or None for a rung launched without clusters."""
@@ -251,6 +263,7 @@ def parse(path: Path) -> Rung:
         cluster=decl.get("cluster"),
         min_arch=arch_number(decl["min_arch"], f"{path}: lab.min_arch") if "min_arch" in decl else 0,
         tf32_products=decl.get("tf32_products", "0"),
+        tma=parse_tma(decl["tma"], f"{path}: lab.tma") if "tma" in decl else (),
         source=source,
         files=tuple((p, _stamp(p)) for p in files),
     )
@@ -265,10 +278,34 @@ def parse(path: Path) -> Rung:
     for c in configs:  # fail at load, not at launch, on a bad expression
         rung.block(c), rung.shared_bytes(c), rung.workspace_per_row(c), rung.tolerance_factor(c)
         rung.tf32_products_of(c)
+        for t, box in rung.tma_boxes(c).items():
+            if not all(1 <= b <= 256 for b in box):
+                raise ValueError(f"{path}: lab.tma {t} box is {box} for config {c}; a TMA box is 1 to 256 elements a side")
         if rung.cluster is not None and not 1 <= rung.cluster_size(c) <= 16:
             raise ValueError(f"{path}: lab.cluster {rung.cluster} is {rung.cluster_size(c)} for config {c}; "
                              "a cluster holds 1 to 16 blocks")
     return rung
+
+
+def parse_tma(text: str, where: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """`Q: (B_r, d_head), K: (B_c, d_head)` -> (("Q", ("B_r", "d_head")), ("K", ("B_c", "d_head")))."""
+    form = f"{where} must read like `Q: (B_r, d_head), K: (B_c, d_head)` (tensors {', '.join(TMA_TENSORS)})"
+    try:
+        tree = ast.parse("{" + text + "}", mode="eval").body
+    except SyntaxError:
+        raise ValueError(f"{form}, got {text!r}") from None
+    if not isinstance(tree, ast.Dict) or not tree.keys:
+        raise ValueError(f"{form}, got {text!r}")
+    declared = []
+    for key, value in zip(tree.keys, tree.values):
+        if not (isinstance(key, ast.Name) and key.id in TMA_TENSORS and isinstance(value, ast.Tuple) and value.elts):
+            raise ValueError(f"{form}, got {text!r}")
+        if key.id in dict(declared):
+            raise ValueError(f"{where} declares {key.id} twice")
+        if len(value.elts) > 4:
+            raise ValueError(f"{where}: {key.id}'s box has {len(value.elts)} extents; the tensors have 4 dimensions")
+        declared.append((key.id, tuple(ast.unparse(e) for e in value.elts)))
+    return tuple(declared)
 
 
 def arch_number(arch: str, where: str = "architecture") -> int:

@@ -162,7 +162,8 @@ class Instance:
         tiles = B * NH * ((T_q + self.B_r - 1) // self.B_r)
         return B * NH * T_q * splits * (d_head + 2) + tiles  # partials, then one counter per tile
 
-    def launch(self, q, k, v, out, workspace, scale: float, causal: bool):
+    def launch(self, q, k, v, out, workspace, scale: float, causal: bool, tensor_maps=()):
+        """One launch; `tensor_maps`, a lab.tma rung's descriptors, are its last parameters."""
         B, NH, T_q, _ = q.shape
         NH_kv, T_k = k.shape[1], k.shape[2]
         item = q.itemsize
@@ -170,11 +171,13 @@ class Instance:
         kv_strides = [np.int64(s // item) for s in k.strides[:3]]
         grid = ((T_q + self.B_r - 1) // self.B_r * self.splits(B, NH, T_q, T_k), NH, B)
         sizes = (np.int32(T_q), np.int32(T_k), np.int32(NH // NH_kv), np.int32(causal))
-        self.function(
-            grid, self.block,
-            (q, k, v, out, workspace, *sizes, np.float32(scale), *q_strides, *kv_strides),
-            shared_mem=self.smem,
-        )
+        args = (q, k, v, out, workspace, *sizes, np.float32(scale), *q_strides, *kv_strides)
+        if tensor_maps:  # a CUtensorMap goes by value: packed as 128 bytes for cuLaunchKernelEx
+            stream = _cupy().cuda.get_current_stream().ptr
+            driver.PackedLaunch(self.function, grid, self.block, args + tuple(tensor_maps), shared_mem=self.smem,
+                                stream=stream, name=self.rung.name)()
+        else:
+            self.function(grid, self.block, args, shared_mem=self.smem)
 
 
 def _log_of(exc) -> str:
@@ -335,6 +338,12 @@ def check_layout(q, k, v, rung: ladder.Rung, causal: bool, scale):
 _split_workspaces: dict[tuple, object] = {}  # one per device, rung instance and size; launches on one stream
 
 
+def tensor_map_arguments(rung: ladder.Rung, config, tensors: dict) -> list[driver.TensorMapArguments]:
+    """The descriptors' arguments of a lab.tma rung, in its declaration's order; `tensors` maps Q, K, V
+    and O to the arrays the kernel reads and writes."""
+    return [driver.tensor_map_arguments(tensors[t], box, name=t) for t, box in rung.tma_boxes(config).items()]
+
+
 def _aligned(x, boundary: int = 16) -> bool:
     return x.data.ptr % boundary == 0 and all(st % boundary == 0 for st in x.strides[:3])
 
@@ -355,7 +364,8 @@ def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, ou
     if not rung.strided:
         q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))
     else:
-        # strided rungs load 16-byte vectors: rows must start on 16-byte boundaries
+        # strided rungs load 16-byte vectors: rows must start on 16-byte boundaries (a TMA
+        # descriptor asks the same of the address and the outer strides)
         q, k, v = (x if _aligned(x) else cupy.ascontiguousarray(x) for x in (q, k, v))
         if k.strides != v.strides:  # the kernel reads K and V through one set of strides
             k, v = cupy.ascontiguousarray(k), cupy.ascontiguousarray(v)
@@ -370,8 +380,12 @@ def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, ou
     else:  # written before it is read
         workspace = cupy.empty(floats, dtype=np.float32)
 
+    tensors = {"Q": q, "K": k, "V": v, "O": out}
+    tensor_maps = [driver.encode_tensor_map(a, t) for t, a in
+                   zip(dict(rung.tma), tensor_map_arguments(rung, inst.config, tensors), strict=True)]
+
     def run():
-        inst.launch(q, k, v, out, workspace, scale, causal)
+        inst.launch(q, k, v, out, workspace, scale, causal, tensor_maps)
         return out
 
     run.instance = inst  # the configuration chosen for these inputs
