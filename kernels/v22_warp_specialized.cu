@@ -27,12 +27,13 @@
  * producer issues K_j, V_j, K_j+1, ... so a load waits only for the release it needs.
  *
  * Registers: `setmaxnreg` (sm_90a) resizes a warpgroup's registers per thread at run time, from a
- * pool the block owns. The block launches with 65536 / threads each (ptxas compiles the whole
- * kernel to that count: 168 at 384 threads, 128 at 512), then the producer drops to 24 and the
+ * pool the block owns. The block launches with 65536 / threads each, rounded down to 8s (168 at 384
+ * threads, 128 at 512: ptxas reports that count, and compiles each role's code to the count it
+ * sets, up to 177 registers live in a consumer at d = 128), then the producer drops to 24 and the
  * consumers take what it gave: 240 with two consumer warpgroups (24 x 128 + 240 x 256 = 64,512 of
  * 65,536), 160 with three (24 x 128 + 160 x 384 = 64,512). A consumer holds S_ij (B_c / 2), P_i,j-1
- * (B_c / 4) and O_i (d / 2), so B_c = 128 fits beside d = 128, where v21's 256-thread blocks had
- * room only for B_c = 64.
+ * (B_c / 4) and O_i (d / 2): 160 registers at d = 128 and B_c = 128, a tile v21 does not declare
+ * and v22 takes.
  *
  * What to watch: the producer leaves early, so nothing after the role split may count on it: no
  * __syncthreads, and the consumers' barriers are mbarriers (or named barriers of 128 threads, for a
