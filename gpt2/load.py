@@ -146,6 +146,15 @@ def random_weights(config: GPT2Config | str = "gpt2", *, seed: int = 0, xp=np, d
     return Checkpoint(name=f"random {label} (seed {seed})", config=config, params=params)
 
 
+def to_json(c: GPT2Config) -> dict:
+    """config.json as transformers' save_pretrained writes it for GPT2LMHeadModel."""
+    return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "activation_function": "gelu_new",
+            "n_layer": c.n_layer, "n_head": c.n_head, "n_embd": c.n_embd, "vocab_size": c.vocab_size,
+            "n_positions": c.n_positions, "n_ctx": c.n_positions, "n_inner": c.n_inner,
+            "layer_norm_epsilon": c.layer_norm_epsilon, "bos_token_id": c.eos_token_id,
+            "eos_token_id": c.eos_token_id, "tie_word_embeddings": True}
+
+
 def save(checkpoint: Checkpoint, folder: str | os.PathLike, *, prefix: str = "transformer.") -> Path:
     """Write config.json and model.safetensors as transformers' save_pretrained does (prefix
     "transformer.", no lm_head), or as the hub's original file (prefix "")."""
@@ -153,13 +162,7 @@ def save(checkpoint: Checkpoint, folder: str | os.PathLike, *, prefix: str = "tr
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    c = checkpoint.config
-    config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "activation_function": "gelu_new",
-              "n_layer": c.n_layer, "n_head": c.n_head, "n_embd": c.n_embd, "vocab_size": c.vocab_size,
-              "n_positions": c.n_positions, "n_ctx": c.n_positions, "n_inner": c.n_inner,
-              "layer_norm_epsilon": c.layer_norm_epsilon, "bos_token_id": c.eos_token_id,
-              "eos_token_id": c.eos_token_id, "tie_word_embeddings": True}
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (folder / "config.json").write_text(json.dumps(to_json(checkpoint.config), indent=2) + "\n")
     tensors = {prefix + k: np.ascontiguousarray(v.get() if hasattr(v, "get") else v, dtype=np.float32)
                for k, v in checkpoint.params.items()}
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})

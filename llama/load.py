@@ -16,6 +16,7 @@ disk reaches a bfloat16 run unconverted). The quirks:
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -63,6 +64,15 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, C)
     return shapes
+
+
+def weight_bytes_per_token(config: LlamaConfig, dtype) -> int:
+    """Bytes of weights one decode step reads, every tensor in dtype: each once, the embedding table
+    whole where it is the (tied) head, else one row of it and lm_head whole. The KV cache is not counted."""
+    elements = sum(math.prod(shape) for shape in expected_shapes(config).values())
+    if not config.tie_word_embeddings:  # only the token's row of embed_tokens
+        elements -= (config.vocab_size - 1) * config.hidden_size
+    return elements * run_dtype(dtype).itemsize
 
 
 def load(source: str | os.PathLike, *, xp=np, dtype=np.float32) -> Checkpoint:
