@@ -134,15 +134,17 @@ def random_weights(config: GPT2Config | str = "gpt2", *, seed: int = 0, xp=np, d
     else:
         label = f"{config.n_layer}-layer, {config.n_embd}-wide"
     rng = xp.random.default_rng(seed)
-    params = {}
-    for name, shape in expected_shapes(config).items():
+
+    def draw(name, shape):  # float32
         if name.endswith(".bias"):
-            params[name] = xp.zeros(shape, dtype=dtype)
-        elif ".ln_" in name or name.startswith("ln_"):
-            params[name] = xp.ones(shape, dtype=dtype)
-        else:
-            std = 0.02 / math.sqrt(2 * config.n_layer) if name.endswith("c_proj.weight") else 0.02
-            params[name] = (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(dtype, copy=False)
+            return xp.zeros(shape, dtype=np.float32)
+        if ".ln_" in name or name.startswith("ln_"):
+            return xp.ones(shape, dtype=np.float32)
+        std = 0.02 / math.sqrt(2 * config.n_layer) if name.endswith("c_proj.weight") else 0.02
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+
+    # each draw cast before the next: one float32 tensor at a time
+    params = {name: draw(name, shape).astype(dtype, copy=False) for name, shape in expected_shapes(config).items()}
     return Checkpoint(name=f"random {label} (seed {seed})", config=config, params=params)
 
 

@@ -138,12 +138,14 @@ def random_weights(config: LlamaConfig | str = "llama-3.2-1b", *, seed: int = 0,
     else:
         label = f"{config.num_hidden_layers}-layer, {config.hidden_size}-wide Llama"
     rng = xp.random.default_rng(seed)
-    params = {}
-    for name, shape in expected_shapes(config).items():
+
+    def draw(name, shape):  # float32
         if name.endswith("norm.weight"):
-            params[name] = xp.ones(shape, dtype=dtype)
-        else:
-            params[name] = (rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)).astype(dtype, copy=False)
+            return xp.ones(shape, dtype=np.float32)
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+
+    # each draw cast before the next: one float32 tensor at a time
+    params = {name: draw(name, shape).astype(dtype, copy=False) for name, shape in expected_shapes(config).items()}
     return Checkpoint(name=f"random {label} (seed {seed})", config=config, params=params)
 
 

@@ -108,7 +108,7 @@ class Engine:
             w = decode_weights(cp, params, config, self.dtype)
             self.wte, self.wpe, self.layers, self.vectors = w.wte, w.wpe, w.layers, w.vectors
             self.weights = w
-            self.params = params  # what the views view: kept alive with them
+            self.params = dict(params)  # the arrays the views view, as they are now: kept alive with them
 
             # state = {token, pos}: the decode step's input; history: every token id, by position
             self.state = cp.zeros(2, dtype=cp.int32)
