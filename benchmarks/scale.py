@@ -173,7 +173,8 @@ def measure_hf(size: str, args, copy_bps: float) -> dict:
     torch.set_default_dtype(torch.bfloat16)  # initialised in bfloat16, on the device: no float32 copy anywhere
     try:
         with torch.device("cuda"):
-            hf = cls(hf_config(**to_json(config), attn_implementation=args.hf_attn)).eval()
+            settings = {k: v for k, v in to_json(config).items() if k != "model_type"}  # the class's own
+            hf = cls(hf_config(**settings, attn_implementation=args.hf_attn)).eval()
     finally:
         torch.set_default_dtype(saved)
     out = time_hf_model(hf, PROMPTS[family(size)], args.tokens, True, args.warmup, static_cache=True)
