@@ -29,11 +29,14 @@ def test_16_bit_products_accumulate_in_float32_without_a_float32_copy(cp, dtype)
     """A (4096, 4096) 16-bit weight (32 MiB; 64 MiB in float32): the pool grows by the output and the
     cast input alone, and the product is the float64 product of the rounded operands within the
     output's rounding (float32 accumulation over 4096 terms)."""
-    import ml_dtypes  # noqa: F401
+    import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy, and so with CuPy)
 
+    dtype = np.dtype(dtype)
     rng = cp.random.default_rng(0)
     w = rng.standard_normal((4096, 4096), dtype=cp.float32).astype(dtype)  # (out, in)
     x = rng.standard_normal((3, 4096), dtype=cp.float32)
+    matmul(x[:, :64], w[:8, :64].T)  # the cuBLAS handle and its workspace, before the count
+    matmul(x[:, :64], w[:8, :64].T, np.float32)
     pool = cp.get_default_memory_pool()
     cp.cuda.Device().synchronize()
     pool.free_all_blocks()
@@ -44,7 +47,7 @@ def test_16_bit_products_accumulate_in_float32_without_a_float32_copy(cp, dtype)
     assert pool.total_bytes() - before < w.nbytes // 4, "a copy of the weight was made"
     ref = x.astype(dtype).astype(cp.float64) @ w.astype(cp.float64).T
     scale = float(cp.abs(ref).max())
-    assert y.dtype.name == dtype and logits.dtype == cp.float32
+    assert y.dtype == dtype and logits.dtype == cp.float32
     assert float(cp.abs(y.astype(cp.float64) - ref).max()) <= 2.0**-7 * scale
     assert float(cp.abs(logits.astype(cp.float64) - ref).max()) <= 1e-5 * scale
 
