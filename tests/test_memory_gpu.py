@@ -35,8 +35,9 @@ def test_16_bit_products_accumulate_in_float32_without_a_float32_copy(cp, dtype)
     rng = cp.random.default_rng(0)
     w = rng.standard_normal((4096, 4096), dtype=cp.float32).astype(dtype)  # (out, in)
     x = rng.standard_normal((3, 4096), dtype=cp.float32)
-    matmul(x[:, :64], w[:8, :64].T)  # the cuBLAS handle and its workspace, before the count
-    matmul(x[:, :64], w[:8, :64].T, np.float32)
+    small = cp.ascontiguousarray(w[:8, :64])
+    matmul(x[:, :64], small.T)  # the cuBLAS handle and its workspace, before the count
+    matmul(x[:, :64], small.T, np.float32)
     pool = cp.get_default_memory_pool()
     cp.cuda.Device().synchronize()
     pool.free_all_blocks()
