@@ -43,9 +43,14 @@ def cast_params(params: dict, dtype) -> dict:
     return {name: a.astype(dtype, copy=False) for name, a in params.items()}
 
 
+def address(a) -> int:
+    """Where a NumPy or CuPy array's first element lies (host or device)."""
+    return a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr
+
+
 def byte_span(a) -> tuple[int, int]:
     """The addresses [first, last + 1) of a NumPy or CuPy array's elements (whatever its strides)."""
-    ptr = a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr
+    ptr = address(a)
     if a.size == 0:
         return ptr, ptr
     low = sum((n - 1) * s for n, s in zip(a.shape, a.strides, strict=True) if s < 0)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .arrays import array_module
+from .arrays import address, array_module
 
 _blas = {}  # device id -> Blas
 
@@ -45,14 +45,15 @@ class Blas:
     a and out, b row-major or the transpose of a row-major (N, K) array. float32 operands through
     SGEMM (the handle's default math mode: no TF32); float16 and bfloat16 ones (bfloat16 also as
     uint16 bits, as the fused kernels hold it: pass dtype="bfloat16") through gemmEx, products
-    accumulated in float32, the output float32 or the operands' dtype."""
+    accumulated in float32, the output float32 or the operands' dtype. `cublas`: CuPy's binding,
+    unless a test stands in for it."""
 
-    def __init__(self, cp):
-        from cupy_backends.cuda.api import runtime
-        from cupy_backends.cuda.libs import cublas
+    TYPES = {"float32": 0, "float16": 2, "bfloat16": 14}  # cudaDataType: CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF
 
+    def __init__(self, cp, cublas=None):
+        if cublas is None:
+            from cupy_backends.cuda.libs import cublas
         self.cp, self.cublas, self.handle = cp, cublas, cp.cuda.device.get_cublas_handle()
-        self.types = {"float32": runtime.CUDA_R_32F, "float16": runtime.CUDA_R_16F, "bfloat16": runtime.CUDA_R_16BF}
         self.one, self.zero = np.ones(1, np.float32), np.zeros(1, np.float32)
 
     def gemm(self, a, b, out, dtype: str | None = None) -> None:
@@ -77,10 +78,10 @@ class Blas:
         c.setStream(self.handle, self.cp.cuda.get_current_stream().ptr)
         # column-major view of row-major: out^T (N, M) = b^T (N, K) @ a^T (K, M)
         if dtype == "float32" and out.dtype == np.float32:
-            c.sgemm(self.handle, op_b, c.CUBLAS_OP_N, N, M, K, self.one.ctypes.data, b.data.ptr, ld_b,
-                    a.data.ptr, K, self.zero.ctypes.data, out.data.ptr, N)
+            c.sgemm(self.handle, op_b, c.CUBLAS_OP_N, N, M, K, self.one.ctypes.data, address(b), ld_b,
+                    address(a), K, self.zero.ctypes.data, address(out), N)
             return
-        out_type = self.types["float32" if out.dtype == np.float32 else dtype]
-        c.gemmEx(self.handle, op_b, c.CUBLAS_OP_N, N, M, K, self.one.ctypes.data, b.data.ptr, self.types[dtype], ld_b,
-                 a.data.ptr, self.types[dtype], K, self.zero.ctypes.data, out.data.ptr, out_type, N,
+        out_type = self.TYPES["float32" if out.dtype == np.float32 else dtype]
+        c.gemmEx(self.handle, op_b, c.CUBLAS_OP_N, N, M, K, self.one.ctypes.data, address(b), self.TYPES[dtype], ld_b,
+                 address(a), self.TYPES[dtype], K, self.zero.ctypes.data, address(out), out_type, N,
                  c.CUBLAS_COMPUTE_32F, c.CUBLAS_GEMM_DEFAULT)

@@ -204,3 +204,81 @@ def test_memory_figures_hold_the_peak_to_the_bound():
     assert rows["device memory"].startswith("900.0 MiB in use at the end (cudaMemGetInfo")
     assert rows["fast engine"].startswith("50.0 MiB beside the weights")
     assert memory_rows({"peak_gpu_memory_bytes": None}) == [("peak GPU memory", "n/a (cpu)")]
+
+
+# -- cuBLAS's operands, with NumPy standing in for the device ---------------------------------------
+
+
+class FakeCublas:
+    """cuBLAS's column-major GEMM on host memory at the addresses Blas passes: the layout arithmetic
+    (transposes, leading dimensions, data types) is what is under test."""
+
+    CUBLAS_OP_N, CUBLAS_OP_T, CUBLAS_POINTER_MODE_HOST, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT = 0, 1, 0, 68, -1
+    TYPES = {0: np.dtype(np.float32), 2: np.dtype(np.float16), 14: BF16}
+
+    def __init__(self):
+        self.calls = []
+
+    def setPointerMode(self, handle, mode):
+        pass
+
+    def setStream(self, handle, stream):
+        pass
+
+    def sgemm(self, handle, ta, tb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc):
+        self.calls.append(("sgemm", ta, lda))
+        self.gemm(ta, tb, m, n, k, A, 0, lda, B, 0, ldb, C, 0, ldc)
+
+    def gemmEx(self, handle, ta, tb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc, compute, algo):
+        assert compute == self.CUBLAS_COMPUTE_32F and Atype == Btype
+        self.calls.append(("gemmEx", ta, lda, Atype, Ctype))
+        self.gemm(ta, tb, m, n, k, A, Atype, lda, B, Btype, ldb, C, Ctype, ldc)
+
+    def gemm(self, ta, tb, m, n, k, A, Atype, lda, B, Btype, ldb, C, Ctype, ldc):
+        import ctypes
+
+        def view(ptr, rows, cols, ld, dtype):  # column-major, leading dimension ld
+            dtype = self.TYPES[dtype]
+            assert ld >= rows
+            buf = (ctypes.c_char * (((cols - 1) * ld + rows) * dtype.itemsize)).from_address(ptr)
+            return np.ndarray((rows, cols), np.uint16 if dtype == BF16 else dtype, buffer=buf,
+                              strides=(dtype.itemsize, ld * dtype.itemsize)).view(dtype)
+
+        a = view(A, m, k, lda, Atype) if ta == self.CUBLAS_OP_N else view(A, k, m, lda, Atype).T
+        assert tb == self.CUBLAS_OP_N
+        c = view(C, m, n, ldc, Ctype)
+        c[...] = (a.astype(np.float64) @ view(B, k, n, ldb, Btype).astype(np.float64)).astype(c.dtype)
+
+
+@pytest.mark.parametrize("out_dtype", [None, np.float32])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("stored", ["(K, N)", "(N, K) read transposed"])
+def test_blas_passes_cublas_each_operand_as_it_lies(dtype, stored, out_dtype):
+    from types import SimpleNamespace
+
+    from lm.products import Blas
+
+    cp = SimpleNamespace(cuda=SimpleNamespace(device=SimpleNamespace(get_cublas_handle=lambda: 0),
+                                              get_current_stream=lambda: SimpleNamespace(ptr=0)))
+    blas = Blas(cp, cublas=FakeCublas())
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((5, 24)).astype(dtype)
+    w = rng.standard_normal((24, 9) if stored == "(K, N)" else (9, 24)).astype(dtype)
+    b = w if stored == "(K, N)" else w.T  # (K, N) either way
+    out = np.full((5, 9), np.nan, dtype=out_dtype or dtype)
+    blas.gemm(a, b, out)
+    want = (a.astype(np.float64) @ b.astype(np.float64)).astype(out.dtype)
+    np.testing.assert_array_equal(out, want)
+    (call,) = blas.cublas.calls
+    assert call[:3] == ("sgemm" if dtype == "float32" and out.dtype == np.float32 else "gemmEx",
+                        0 if stored == "(K, N)" else 1, 9 if stored == "(K, N)" else 24)
+    if dtype == "bfloat16":  # the fused kernels' bits (uint16), named bfloat16
+        bits = np.zeros((5, 9), dtype=np.float32)
+        blas.gemm(a.view(np.uint16), b.view(np.uint16), bits, dtype="bfloat16")
+        np.testing.assert_array_equal(bits, (a.astype(np.float64) @ b.astype(np.float64)).astype(np.float32))
+    with pytest.raises(ValueError, match="neither row- nor column-major"):
+        blas.gemm(a, np.zeros((24, 18), dtype=b.dtype)[:, ::2], out)  # (K, N), a stride of 2 along N
+    with pytest.raises(ValueError, match="a and out must be row-major"):
+        blas.gemm(np.asfortranarray(a), b, out)
+    with pytest.raises(ValueError, match="do not chain"):
+        blas.gemm(a, b[:10], out)
