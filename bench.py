@@ -5,6 +5,9 @@
     python3 bench.py kernels --kernels v01,v02 --shape 8x1024 --shape 1x8192
     python3 bench.py sweep                      TFLOP/s against T = 128 .. 16384, with a PNG plot
     python3 bench.py e2e                        seconds to generate 512 tokens, per rung, without and with a KV cache
+    python3 bench.py e2e --sizes all            decode at scale: every GPT-2 and Llama size, tokens/s against the
+                                                bandwidth floor, peak memory against its bound, the first token
+                                                of a 1,000-token prompt, beside HF transformers
     python3 bench.py resources [--arch sm_90]   registers, shared memory, spills, resident blocks per SM
     python3 bench.py features                   decode, long-context decode, non-causal, cross lengths, GQA and
                                                 head sizes on the rungs that declare them, beside torch SDPA
@@ -14,7 +17,8 @@
     python3 bench.py levels                     seed 004's four levels: PyTorch, torch.compile, Triton, CUDA
                                                 (and SDPA) at the GPT-2 and two d=128 shapes, with lines of code
     python3 bench.py readme                     rewrite README.md's summary and the tables of docs/results.md,
-                                                docs/profile.md and docs/levels.md from the newest results/*.json
+                                                docs/profile.md, docs/levels.md and docs/decode.md from the newest
+                                                results/*.json
 
 Where results go: every number it prints is also written to <folder>/<subcommand>-<device>-<UTC time>.json,
 with the device, driver, CUDA, CuPy and torch versions, the date and the command. The folder is

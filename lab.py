@@ -13,7 +13,8 @@
 Prints the text as it is generated, then a summary: model, attention, mode, token counts, seconds
 and tokens/s (warm-up and compilation excluded), time to first token and decode tokens/s, weight
 bytes per token and the bandwidth they imply against a measured copy ceiling (KV cache on the GPU),
-compile time, peak GPU memory, device. Greedy runs on the GPU use the fast path (gpt2/fast: fused
+compile time, peak GPU memory against the weights and KV cache the run holds (bound: 1.15 x their sum
++ 256 MiB), device. Weights are loaded in --dtype. Greedy runs on the GPU use the fast path (gpt2/fast: fused
 kernels, a static KV cache, the decode step as one persistent kernel where the device runs it, else
 replayed as CUDA graphs); --no-graph runs the eager code. Llama runs the eager code (llama/model.py),
 its grouped-query attention through the rung (docs/llama.md).
@@ -43,7 +44,9 @@ from gpt2.load import load_folder as gpt2_load_folder
 from gpt2.model import cast_params
 from kernels import triton as triton_rungs
 from lm import checkpoint
-from lm.summary import WARMUP_TOKENS, compare_with_reference, phase_times, print_summary
+from lm.arrays import held_bytes
+from lm.kv_cache import kv_cache_bytes
+from lm.summary import PEAK_MEASURE, WARMUP_TOKENS, compare_with_reference, memory_figures, phase_times, print_summary
 
 REFERENCE = "reference"
 DEFAULT_PROMPT = "Hello, I'm a language model,"
@@ -222,10 +225,12 @@ def locate_model(args) -> tuple[str, Path | None, Path | None]:
 
 
 def load_checkpoint(args, family: str, folder: Path | None, file: Path | None, xp):
+    """The weights in --dtype, each tensor cast as it is drawn or read (no float32 copy of a 16-bit run's
+    weights on the device)."""
     if args.random_weights:
-        return FAMILIES[family].random_weights(args.size or "gpt2", seed=args.seed, xp=xp)
+        return FAMILIES[family].random_weights(args.size or "gpt2", seed=args.seed, xp=xp, dtype=args.dtype)
     load_folder = gpt2_load_folder if family == "gpt2" else llama.load_folder
-    return load_folder(folder, xp=xp, name=args.model or gpt2.DEFAULT_MODEL, file=file)
+    return load_folder(folder, xp=xp, name=args.model or gpt2.DEFAULT_MODEL, file=file, dtype=args.dtype)
 
 
 def rungs_taking(config, dtype: str) -> list[str]:
@@ -317,10 +322,16 @@ def run(args) -> int:
                        else "--profile-step times GPT-2's fast decode step; Llama runs the eager model")
     encoding = gpt2.load_tokenizer(folder) if family == "gpt2" else llama.load_tokenizer(folder)
     prompt = encode_prompt(args, family, encoding)
+    free_before = xp.cuda.runtime.memGetInfo()[0] if device == "gpu" else None
     ckpt = load_checkpoint(args, family, folder, file, xp)
     config = ckpt.config
     kernel = fit_kernel(kernel, args.kernel, config, args.dtype, device, arch)
-    ckpt.params = cast_params(ckpt.params, args.dtype)  # once; float32: the arrays as loaded
+    ckpt.params = cast_params(ckpt.params, args.dtype)  # loaded in it: the arrays as they are
+    if family == "gpt2" and device == "gpu":  # the layout the fast engine reads without a copy
+        gpt2.fast.decode_layout(ckpt.params)
+    pool = xp.get_default_memory_pool() if device == "gpu" else None
+    if pool is not None:
+        pool.free_all_blocks()  # the load's transients; from here the pool only grows: it ends at its peak
     if len(prompt) + args.tokens > config.n_positions:
         raise LabError(f"{len(prompt)} prompt tokens + --tokens {args.tokens} = {len(prompt) + args.tokens} "
                        f"positions, but the model has {config.n_positions}")
@@ -350,9 +361,6 @@ def run(args) -> int:
         tune_length_buckets(attend, config, len(prompt) + args.tokens)
     sync()
     warmup_seconds = time.perf_counter() - start
-    pool = xp.get_default_memory_pool() if device == "gpu" else None
-    if pool is not None:
-        pool.free_all_blocks()  # from here the pool only grows: what it holds at the end is its peak
 
     # without a tokenizer (random Llama weights) the prompt and the new tokens are shown as ids
     stream = StreamDecoder(encoding) if encoding is not None else lambda token: f" {token}"
@@ -378,6 +386,9 @@ def run(args) -> int:
     seconds = time.perf_counter() - start - (kernels.runtime.compile_seconds - compile_before)
     sys.stdout.write((stream.flush() if encoding is not None else "") + "\n")
     peak = pool.total_bytes() if pool is not None else None
+    memory = (memory_figures(peak, free_before - xp.cuda.runtime.memGetInfo()[0], held_bytes(ckpt.params.values()),
+                             *held_by_run(ckpt, config, args, fast_why, len(prompt)))
+              if pool is not None else {})
 
     check = compare_with_reference(run_once, attend, result, args.tokens, xp) if args.check else None
     n_new = len(result.tokens)
@@ -418,8 +429,8 @@ def run(args) -> int:
         "compile_seconds": kernels.runtime.compile_seconds - compile_start,
         "warmup_seconds": warmup_seconds,
         "peak_gpu_memory_bytes": peak,
-        "peak_gpu_memory_measure": "CuPy memory pool high-water mark (total_bytes), weights included"
-        if peak is not None else None,
+        "peak_gpu_memory_measure": PEAK_MEASURE if peak is not None else None,
+        **memory,
         "temperature": args.temperature,
         "top_k": args.top_k,
         "seed": args.seed,
@@ -432,6 +443,17 @@ def run(args) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
     return 1 if check is not None and not check["identical"] else 0
+
+
+def held_by_run(ckpt, config, args, fast_why: str | None, n_prompt: int) -> tuple[int, int | None]:
+    """The KV cache's bytes in this run (the fast engine's static one, n_positions long; the eager path's,
+    prompt + new tokens; none without --kv-cache on the eager path) and what the fast engine holds beside
+    the weights (None on the eager path)."""
+    if fast_why is None:
+        engine = gpt2.fast.engine_for(ckpt.params, config)
+        return engine.k_cache.nbytes + engine.v_cache.nbytes, engine.added_bytes()
+    positions = n_prompt + args.tokens - 1 if args.kv_cache else 0
+    return kv_cache_bytes(config, positions, args.dtype), None
 
 
 def bandwidth(config, dtype: str, decode_tokens_per_second) -> dict:

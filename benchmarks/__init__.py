@@ -12,12 +12,13 @@ bench.py is the command line; this package is what it runs.
     levels.py     `levels`: seed 004's four levels (PyTorch, torch.compile, Triton, CUDA) beside SDPA, lines of code
     torch_attention.py  the plain PyTorch attention: the eager and torch.compile peers' function
     e2e.py        `e2e`: GPT-2 generation per rung, without and with a KV cache, beside HF transformers
+                  (e2e_llama.py: Llama's; scale.py: `e2e --sizes`, decode at scale, every model size)
     resources.py  `resources`: registers, shared memory, spills per rung and config (NVRTC, no GPU needed)
     profile.py    `profile`: Nsight Compute's counters per rung, one launch each (profile_target.py is what
                   ncu runs; profile_render.py the table, the roofline plot and docs/profile.md's section)
     tables.py     the Markdown tables (terminal and docs alike); plots.py: the PNG plots
     summary.py    the README's short tables: the best rung per precision, the end-to-end summary
-    readme.py     `readme`: rewrite what lies between the bench markers of README.md and docs/results.md
+    readme.py     `readme`: rewrite what lies between the bench markers of README.md and docs/*.md
     options.py    flags several subcommands share: a shape, a list of rungs, --save / --results
     cli.py        the argument parser and main()
 

@@ -20,10 +20,12 @@ from .levels import LEVELS, SHAPE_SETS, cmd_levels
 from .options import kernel_list, parse_shape, results_option
 from .peers import DEFAULT_PEERS, PEERS
 from .profile import add_profile_parser, cmd_profile
-from .readme import LEVELS_DOC, README, RESULTS_DOC, cmd_readme
+from .readme import DECODE_DOC, LEVELS_DOC, README, RESULTS_DOC, cmd_readme
 from .resources import cmd_resources
 from .results import E2E_MODELS
 from .rungs import cmd_kernels
+from .scale import PREFILL_TOKENS, cmd_scale
+from .scale import SIZES as SCALE_SIZES
 from .sweep import cmd_sweep
 
 
@@ -173,6 +175,17 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     e.add_argument("--warmup", type=positive_int, default=64,
                    help="tokens of the warm-up generation (default 64: two of the persistent step's windows)")
     e.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    e.add_argument("--sizes", type=size_list, default=None, metavar="LIST",
+                   help=f"decode at scale: these model sizes ({', '.join(SCALE_SIZES)}, or all), each loaded as "
+                        "lab.py --random-weights loads it, one KV-cache generation per size and dtype (decode "
+                        "tokens/s against the bandwidth floor, peak memory against its bound, time to first token "
+                        "of a --prefill-tokens prompt) beside HF transformers (bf16, static cache); writes a scale "
+                        "result (docs/decode.md)")
+    e.add_argument("--dtypes", type=lambda t: _choices(t, ("bfloat16", "float32"), "dtype"), default=None,
+                   metavar="LIST", help="with --sizes: the dtypes of every size (default: bfloat16,float32 for "
+                                        "GPT-2, bfloat16 for Llama)")
+    e.add_argument("--prefill-tokens", type=positive_int, default=PREFILL_TOKENS,
+                   help=f"with --sizes: the prompt whose first token is timed (default {PREFILL_TOKENS})")
     results_option(e)
 
     r = sub.add_parser("resources", help="registers, shared memory, spills, blocks per SM of every rung and config",
@@ -259,12 +272,22 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                    help="where to read the result files (default: results/ beside bench.py)")
     m.add_argument("--levels-doc", type=Path, default=LEVELS_DOC,
                    help="the four levels' page, rewritten when there are levels results (default: docs/levels.md)")
+    m.add_argument("--decode-doc", type=Path, default=DECODE_DOC,
+                   help="the decode page, whose scale section is rewritten when there are scale results (bench.py "
+                        "e2e --sizes; default: docs/decode.md)")
     m.add_argument("--replot", action="store_true",
                    help="also redraw the newest sweep and e2e plots from their JSON (after a change to the plotting)")
     return parser
 
 
+def size_list(text: str) -> list[str]:
+    """'gpt2,llama-3.2-1b' -> the sizes, in the order given; 'all' for every size."""
+    return list(SCALE_SIZES) if text.strip() == "all" else _choices(text, SCALE_SIZES, "size", " (or all)")
+
+
 def cmd_e2e_model(args) -> int:
+    if args.sizes:
+        return cmd_scale(args)
     return cmd_e2e(args) if args.model == "gpt2" else cmd_e2e_llama(args)
 
 
@@ -277,6 +300,12 @@ def main(argv: list[str] | None, doc: str) -> int:
     parser = build_parser(doc)
     args = parser.parse_args(argv)
     args.argv = argv
+    if args.command == "e2e" and args.sizes and (args.model != "gpt2" or args.kernels is not None
+                                                 or args.mode != "both" or args.prompt is not None):
+        parser.error("--sizes runs each size with the newest rung that takes it, a KV cache and fixed prompts: "
+                     "leave out --model, --kernels, --kv-cache, --no-cache and --prompt")
+    if args.command == "e2e" and not args.sizes and (args.dtypes or args.prefill_tokens != PREFILL_TOKENS):
+        parser.error("--dtypes and --prefill-tokens go with --sizes")
     llama_e2e = args.command == "e2e" and args.model != "gpt2"
     if llama_e2e and args.prompt is not None:
         parser.error(f"--prompt is text for GPT-2's tokenizer; {args.model}'s random weights have none (the prompt "

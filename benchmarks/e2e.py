@@ -58,17 +58,40 @@ def time_generation(generate, n_new: int, warmup: int) -> dict:
             "peak_what": "CuPy memory pool after the run (its high-water mark: blocks are cached, not freed), weights included"}
 
 
-def time_hf_generation(folder: Path, prompt: list[int], n_new: int, kv_cache: bool, warmup: int,
-                       attn_implementation: str, model_class: str = "GPT2LMHeadModel", dtype: str = "float32",
-                       static_cache: bool = False) -> dict:
-    """HF transformers' model_class on the same weights (saved by the model's save) in dtype, greedy;
-    with static_cache, the KV-cache mode's cache is generate's static one, and the warm-up generates
-    all n_new tokens so that the cache (and anything compiled for it) has the timed run's shape."""
+def hf_transformers():
+    """(torch, transformers), or Unavailable saying which is missing."""
     torch = device.get_torch()
     try:
         import transformers
     except Exception as exc:
         raise Unavailable(f"transformers is not importable ({type(exc).__name__}: {exc})") from None
+    return torch, transformers
+
+
+def time_hf_generation(folder: Path, prompt: list[int], n_new: int, kv_cache: bool, warmup: int,
+                       attn_implementation: str, model_class: str = "GPT2LMHeadModel", dtype: str = "float32",
+                       static_cache: bool = False) -> dict:
+    """HF transformers' model_class on the same weights (saved by the model's save) in dtype, greedy;
+    with static_cache, the KV-cache mode's cache is generate's static one (time_hf_model)."""
+    torch, transformers = hf_transformers()
+    # dtype at load (not .to(dtype) after it), so that buffers such as Llama's RoPE frequencies stay float32
+    model = getattr(transformers, model_class).from_pretrained(str(folder), attn_implementation=attn_implementation,
+                                                               dtype=getattr(torch, dtype))
+    model = model.to("cuda").eval()
+    try:
+        out = time_hf_model(model, prompt, n_new, kv_cache, warmup, static_cache)
+    finally:
+        del model
+        device.release_memory()
+    return out | {"attn_implementation": attn_implementation, "transformers": transformers.__version__}
+
+
+def time_hf_model(model, prompt: list[int], n_new: int, kv_cache: bool, warmup: int, static_cache: bool = False) -> dict:
+    """An HF model on the device generating n_new tokens greedily after prompt: seconds, a host stamp per
+    token, the tokens and torch's peak reserved memory. With static_cache, the KV-cache mode's cache is
+    generate's static one, and the warm-up generates all n_new tokens so that the cache (and anything
+    compiled for it) has the timed run's shape."""
+    torch = device.get_torch()
     try:
         from transformers.generation.streamers import BaseStreamer
     except ImportError:  # generate() only calls put() and end()
@@ -88,10 +111,6 @@ def time_hf_generation(folder: Path, prompt: list[int], n_new: int, kv_cache: bo
         def end(self):
             pass
 
-    # dtype at load (not .to(dtype) after it), so that buffers such as Llama's RoPE frequencies stay float32
-    model = getattr(transformers, model_class).from_pretrained(str(folder), attn_implementation=attn_implementation,
-                                                               dtype=getattr(torch, dtype))
-    model = model.to("cuda").eval()
     ids = torch.tensor([prompt], device="cuda")
     eos = model.config.eos_token_id
     options = dict(attention_mask=torch.ones_like(ids), do_sample=False, use_cache=kv_cache,
@@ -109,12 +128,8 @@ def time_hf_generation(folder: Path, prompt: list[int], n_new: int, kv_cache: bo
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
     peak = torch.cuda.max_memory_reserved()
-    tokens = out[0, len(prompt):].tolist()
-    del model, out
-    device.release_memory()
-    return {"seconds": seconds, "elapsed": [t - start for t in clock.stamps], "tokens": tokens, "peak_bytes": peak,
-            "peak_what": "torch.cuda.max_memory_reserved() during the run, weights included",
-            "attn_implementation": attn_implementation, "transformers": transformers.__version__}
+    return {"seconds": seconds, "elapsed": [t - start for t in clock.stamps], "tokens": out[0, len(prompt):].tolist(),
+            "peak_bytes": peak, "peak_what": "torch.cuda.max_memory_reserved() during the run, weights included"}
 
 
 DECODE_TARGETS = {"float32": 4000.0, "bfloat16": 7000.0}  # decode tokens/s with the KV cache, GPT-2 small

@@ -1,4 +1,4 @@
-"""The PNG plots beside the sweep and e2e result files (matplotlib is optional: the `plot` extra)."""
+"""The PNG plots beside the sweep, e2e and scale result files (matplotlib is optional: the `plot` extra)."""
 
 from __future__ import annotations
 
@@ -83,4 +83,33 @@ def plot_e2e(plt, result: dict):
     axes[0][-1].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     prompt = repr(result["prompt"]) if isinstance(result["prompt"], str) else f"{result['prompt_tokens']} token ids"
     fig.suptitle(f"{E2E_MODELS[e2e_model(result)]}, greedy, {result['dtype']}, prompt {prompt}: {_device_title(result)}")
+    return fig
+
+
+def plot_scale(plt, result: dict):
+    """Decode tokens/s per model (log scale), one line per dtype, beside its bandwidth floor (the copy
+    ceiling over the weight bytes a token reads, dashed) and the HF peer's points."""
+    fig, ax = plt.subplots(figsize=(10, 5.5))
+    models = list(dict.fromkeys(r["model"] for r in result["rows"]))
+    ok = [r for r in result["rows"] if r["status"] == "ok"]
+    series = list(dict.fromkeys((r["kind"], r["dtype"]) for r in ok))
+    color = _colors(plt, [f"{kind} {dtype}" for kind, dtype in series])
+    for kind, dtype in series:
+        rows = [r for r in ok if (r["kind"], r["dtype"]) == (kind, dtype)]
+        xs = [models.index(r["model"]) for r in rows]
+        c = color[f"{kind} {dtype}"]
+        if kind == "hf":
+            ax.plot(xs, [r["decode_tokens_per_s"] for r in rows], marker="s", linestyle="none", color=c,
+                    label=f"HF transformers, {dtype}, static cache")
+            continue
+        ax.plot(xs, [r["decode_tokens_per_s"] for r in rows], marker="o", color=c, label=f"lab, {dtype}")
+        ax.plot(xs, [r["floor_tokens_per_s"] for r in rows], marker="_", linestyle="--", color=c,
+                label=f"bandwidth floor, {dtype} ({result['ceilings']['copy_tbps']:.2f} TB/s copy)")
+    ax.set_xticks(range(len(models)))
+    ax.set_xticklabels(models, rotation=20)
+    ax.set_yscale("log")
+    ax.set_ylabel("decode tokens/s (greedy, batch 1, KV cache)")
+    ax.set_title(f"decode at scale: {_device_title(result)}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return fig

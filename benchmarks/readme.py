@@ -1,7 +1,8 @@
 """`bench.py readme`: rewrite what lies between <!-- bench:<section>:start --> and <!-- bench:<section>:end -->
 in README.md (summary, e2e-summary: the short tables), docs/results.md (kernels, sweep, e2e, resources,
-features: the full tables), docs/profile.md (profile: the counters and the roofline) and docs/ladder.md
-(counters: a short row of them per rung), each section from the newest result file of its kind. Any page may carry any section; every block links the result files
+features: the full tables), docs/profile.md (profile: the counters and the roofline), docs/ladder.md
+(counters: a short row of them per rung) and docs/decode.md (scale: decode at scale, bench.py e2e
+--sizes), each section from the newest result file of its kind. Any page may carry any section; every block links the result files
 behind it, relative to the page."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from .device import ROOT, CannotRun, progress
 from .levels import newest_per_dtype as newest_levels
 from .levels import render_levels
 from .results import SECTIONS, e2e_model, load_result, newest_results
+from .scale import render_scale
 from .summary import gpt2_shapes_in, has_gpt2_shapes, link, render_e2e_summary, render_models_summary, render_summary
 from .tables import render_e2e, render_features, render_kernels, render_resources, render_sweep
 
@@ -25,7 +27,8 @@ LEVELS_DOC = ROOT / "docs" / "levels.md"  # seed 004's four levels: rewritten wh
 SUMMARIES = ("summary", "e2e-summary")  # the README's short tables
 PROFILE = ("profile",)  # docs/profile.md's section
 COUNTERS = ("counters",)  # docs/ladder.md's: the profile's counters, one short row per rung
-FULL_TABLES = tuple(s for s in SECTIONS if s not in PROFILE + ("levels",))  # docs/results.md's
+DECODE_DOC = ROOT / "docs" / "decode.md"  # decode at scale (bench.py e2e --sizes): rewritten when there are results
+FULL_TABLES = tuple(s for s in SECTIONS if s not in PROFILE + ("levels", "scale"))  # docs/results.md's
 KNOWN = SUMMARIES + SECTIONS + COUNTERS
 
 _MARKER = re.compile(r"<!--\s*bench:([A-Za-z0-9_-]+):(start|end)\s*-->")
@@ -148,6 +151,11 @@ def readme_blocks(found: dict[str, list[Path]], base: Path) -> dict[str, str]:
         per_dtype = newest_per_dtype(found["profile"])  # and the same files, a short row per rung
         blocks["counters"] = source(*[p for p, _ in per_dtype]) + "\n" + "\n\n".join(
             from_file(p, profile_render.render_counters(result)) for p, result in per_dtype)
+    if found["scale"]:  # the newest decode-at-scale run, with its plot
+        p = found["scale"][0]
+        result = load_result(p)
+        image = rel(p.parent / result["plot"]) if result.get("plot") else None
+        blocks["scale"] = source(p) + "\n" + from_file(p, render_scale(result, image))
     if found["levels"]:  # each dtype from the newest levels file that measured it
         chosen = newest_levels(found["levels"], load_result)
         blocks["levels"] = source(*[p for p, *_ in chosen]) + "\n" + "\n\n".join(
@@ -186,9 +194,11 @@ def cmd_readme(args) -> int:
         pages[ladder_doc] = COUNTERS
     if found["levels"]:
         pages[getattr(args, "levels_doc", LEVELS_DOC)] = ("levels",)
+    if found["scale"]:
+        pages[getattr(args, "decode_doc", None) or DECODE_DOC] = ("scale",)
     read = {path: read_page(path, expected) for path, expected in pages.items()}  # all checked before one is written
     if getattr(args, "replot", False):
-        for kind, plot in (("sweep", plots.plot_sweep), ("e2e", plots.plot_e2e)):
+        for kind, plot in (("sweep", plots.plot_sweep), ("e2e", plots.plot_e2e), ("scale", plots.plot_scale)):
             for p in found[kind][:1]:
                 plots.plot_or_none(plot, load_result(p), p.with_suffix(".png"))  # the JSON already names this PNG
     written, available = {}, set()

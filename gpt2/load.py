@@ -1,7 +1,9 @@
 """GPT-2 weights: from the Hugging Face hub, a local folder, or a seed.
 
 Every checkpoint quirk lives here, so model.py sees one flat dict of checkpoint-native names
-(`wte.weight`, `h.0.attn.c_attn.weight`, `ln_f.bias`, ...) holding float32 arrays:
+(`wte.weight`, `h.0.attn.c_attn.weight`, `ln_f.bias`, ...) holding arrays in the run's dtype (float32
+unless asked: each tensor is cast as it is loaded or drawn, so a 16-bit run's weights never exist
+on the device in float32):
 
 - The hub's `openai-community/gpt2` `model.safetensors` names tensors without a prefix;
   transformers' `save_pretrained` writes `transformer.wte.weight`, ... Both are read.
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lm.arrays import run_dtype, to_device
 from lm.checkpoint import HUB_FILES, download, listed, locate, read_checkpoint  # noqa: F401 (gpt2.load names them)
 
 from . import config as config_mod
@@ -37,7 +40,7 @@ _BUFFER = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
 class Checkpoint:
     name: str  # what to call it in a summary: the hub id, the folder, or "random gpt2 (seed 0)"
     config: GPT2Config
-    params: dict  # checkpoint-native name -> float32 array (NumPy or CuPy)
+    params: dict  # checkpoint-native name -> array in the run's dtype (NumPy or CuPy)
     folder: Path | None = None  # where config.json, vocab.json and merges.txt would be
 
     @property
@@ -63,23 +66,25 @@ def expected_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def load(source: str | os.PathLike | None = None, *, xp=np) -> Checkpoint:
+def load(source: str | os.PathLike | None = None, *, xp=np, dtype=np.float32) -> Checkpoint:
     """A hub id (default openai-community/gpt2) or a local folder (or .safetensors file)."""
     source = str(source or DEFAULT_MODEL)
     folder, file = locate(source)
-    return load_folder(folder, xp=xp, name=source, file=file)
+    return load_folder(folder, xp=xp, name=source, file=file, dtype=dtype)
 
 
-def load_folder(folder: str | os.PathLike, *, xp=np, name: str | None = None, file: Path | None = None) -> Checkpoint:
-    """config.json (if present) and model.safetensors (or its shards) from one folder."""
+def load_folder(folder: str | os.PathLike, *, xp=np, name: str | None = None, file: Path | None = None,
+                dtype=np.float32) -> Checkpoint:
+    """config.json (if present) and model.safetensors (or its shards) from one folder, in dtype."""
     folder = Path(folder)
-    tensors = read_checkpoint(folder, file, skip=lambda key: _BUFFER.match(key.removeprefix("transformer.")))
+    tensors = read_checkpoint(folder, file, skip=lambda key: _BUFFER.match(key.removeprefix("transformer.")),
+                              dtype=dtype)
     params = normalize(tensors)
     config_path = folder / "config.json"
     config = config_mod.from_json(config_path) if config_path.is_file() else config_mod.from_shapes(
         {k: v.shape for k, v in params.items()})
     check_shapes(params, config)
-    params = {k: xp.asarray(v) for k, v in params.items()}
+    params = {k: to_device(xp, v) for k, v in params.items()}
     return Checkpoint(name=name or str(folder), config=config, params=params, folder=folder)
 
 
@@ -116,10 +121,12 @@ def check_shapes(params: dict, config: GPT2Config) -> None:
             raise CheckpointError(f"{name}: shape {tuple(params[name].shape)} but the config says {shape}")
 
 
-def random_weights(config: GPT2Config | str = "gpt2", *, seed: int = 0, xp=np) -> Checkpoint:
+def random_weights(config: GPT2Config | str = "gpt2", *, seed: int = 0, xp=np, dtype=np.float32) -> Checkpoint:
     """GPT-2-shaped weights from a seed, initialised as GPT-2 was: normal with std 0.02 (the residual
     projections c_proj scaled by 1/sqrt(2 n_layer)), biases 0, LayerNorm weights 1. Drawn with the
-    array module's own generator, so NumPy and CuPy give different weights for one seed."""
+    array module's own generator, so NumPy and CuPy give different weights for one seed; drawn in
+    float32 and cast to dtype tensor by tensor (the values cast_params would give)."""
+    dtype = run_dtype(dtype)
     if isinstance(config, str):
         if config not in SIZES:
             raise CheckpointError(f"unknown size {config!r}: choose from {', '.join(SIZES)}")
@@ -127,16 +134,27 @@ def random_weights(config: GPT2Config | str = "gpt2", *, seed: int = 0, xp=np) -
     else:
         label = f"{config.n_layer}-layer, {config.n_embd}-wide"
     rng = xp.random.default_rng(seed)
-    params = {}
-    for name, shape in expected_shapes(config).items():
+
+    def draw(name, shape):  # float32
         if name.endswith(".bias"):
-            params[name] = xp.zeros(shape, dtype=np.float32)
-        elif ".ln_" in name or name.startswith("ln_"):
-            params[name] = xp.ones(shape, dtype=np.float32)
-        else:
-            std = 0.02 / math.sqrt(2 * config.n_layer) if name.endswith("c_proj.weight") else 0.02
-            params[name] = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+            return xp.zeros(shape, dtype=np.float32)
+        if ".ln_" in name or name.startswith("ln_"):
+            return xp.ones(shape, dtype=np.float32)
+        std = 0.02 / math.sqrt(2 * config.n_layer) if name.endswith("c_proj.weight") else 0.02
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+
+    # each draw cast before the next: one float32 tensor at a time
+    params = {name: draw(name, shape).astype(dtype, copy=False) for name, shape in expected_shapes(config).items()}
     return Checkpoint(name=f"random {label} (seed {seed})", config=config, params=params)
+
+
+def to_json(c: GPT2Config) -> dict:
+    """config.json as transformers' save_pretrained writes it for GPT2LMHeadModel."""
+    return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "activation_function": "gelu_new",
+            "n_layer": c.n_layer, "n_head": c.n_head, "n_embd": c.n_embd, "vocab_size": c.vocab_size,
+            "n_positions": c.n_positions, "n_ctx": c.n_positions, "n_inner": c.n_inner,
+            "layer_norm_epsilon": c.layer_norm_epsilon, "bos_token_id": c.eos_token_id,
+            "eos_token_id": c.eos_token_id, "tie_word_embeddings": True}
 
 
 def save(checkpoint: Checkpoint, folder: str | os.PathLike, *, prefix: str = "transformer.") -> Path:
@@ -146,14 +164,8 @@ def save(checkpoint: Checkpoint, folder: str | os.PathLike, *, prefix: str = "tr
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    c = checkpoint.config
-    config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "activation_function": "gelu_new",
-              "n_layer": c.n_layer, "n_head": c.n_head, "n_embd": c.n_embd, "vocab_size": c.vocab_size,
-              "n_positions": c.n_positions, "n_ctx": c.n_positions, "n_inner": c.n_inner,
-              "layer_norm_epsilon": c.layer_norm_epsilon, "bos_token_id": c.eos_token_id,
-              "eos_token_id": c.eos_token_id, "tie_word_embeddings": True}
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    tensors = {prefix + k: (v.get() if hasattr(v, "get") else np.ascontiguousarray(v))
+    (folder / "config.json").write_text(json.dumps(to_json(checkpoint.config), indent=2) + "\n")
+    tensors = {prefix + k: np.ascontiguousarray(v.get() if hasattr(v, "get") else v, dtype=np.float32)
                for k, v in checkpoint.params.items()}
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder

@@ -10,8 +10,9 @@ kernels.reference_attention. With a KVCache, k and v span the whole past (T_k >=
 causal mask is aligned bottom-right, as reference_attention does.
 
 Precision: float32 weights give float32 everywhere. With 16-bit weights each product takes its
-operands in the weights' dtype (cuBLAS accumulates in float32), and so do q, k, v, the attention
-and the KV cache; the residual stream, LayerNorm statistics, GELU and the logits stay float32.
+operands in the weights' dtype and accumulates in float32 (lm/products.py: cuBLAS gemmEx on CuPy,
+with no float32 copy of a weight), and so do q, k, v, the attention and the KV cache; the residual
+stream, LayerNorm statistics, GELU and the logits stay float32.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 
 from lm.arrays import array_module, cast_params  # noqa: F401 (gpt2.model names them)
 from lm.kv_cache import KVCache
+from lm.products import matmul
 
 from .config import GPT2Config
 
@@ -49,11 +51,9 @@ def layer_norm(x, w, name: str, eps: float):
 
 def linear(x, w, name: str):
     weight = w[name + ".weight"]  # Conv1D: stored (in, out)
-    x = x.astype(weight.dtype, copy=False)  # the product in the weights' dtype
-    if weight.dtype.name == "bfloat16" and not isinstance(weight, np.ndarray):
-        # CuPy has no bfloat16 matrix product: bfloat16 operands, products accumulated in float32
-        return (x.astype(np.float32) @ weight.astype(np.float32)).astype(weight.dtype) + w[name + ".bias"]
-    return x @ weight + w[name + ".bias"]
+    *lead, K = x.shape
+    y = matmul(x.reshape(-1, K), weight)  # (B * T, out) in the weights' dtype, accumulated in float32
+    return y.reshape(*lead, weight.shape[1]) + w[name + ".bias"]  # (B, T, out)
 
 
 def attention(x, w, name: str, config: GPT2Config, attend, cache: KVCache | None, layer: int):
@@ -98,8 +98,7 @@ def forward(params: dict, config: GPT2Config, idx, attend, *, cache: KVCache | N
     if last_only:
         x = x[:, -1:]  # (B, 1, C)
     x = layer_norm(x, w, "ln_f", config.layer_norm_epsilon)
-    # lm_head is tied to wte. A 2-D product, because CuPy's matmul copies a transposed operand into
-    # a contiguous one when either side has more than 2 dimensions (all of wte, every step). In
-    # float32: a 16-bit wte is widened for it, so that no logit is rounded to 16 bits.
-    logits = x.reshape(-1, config.n_embd) @ w["wte.weight"].astype(np.float32, copy=False).T  # (B * T, vocab)
+    # lm_head is tied to wte, read through its transpose where it lies; a product like the others
+    # (operands in the weights' dtype), its output float32, so that no logit is rounded to 16 bits
+    logits = matmul(x.reshape(-1, config.n_embd), w["wte.weight"].T, np.float32)  # (B * T, vocab)
     return logits.reshape(B, -1, config.vocab_size)  # (B, T, vocab), or (B, 1, vocab) if last_only

@@ -1,8 +1,9 @@
 """Llama 3 weights: from the Hugging Face hub, a local folder, or a seed.
 
 model.py sees one flat dict of checkpoint-native names (`model.embed_tokens.weight`,
-`model.layers.0.self_attn.q_proj.weight`, `model.norm.weight`, `lm_head.weight`) holding float32
-arrays (bfloat16 on disk is widened once here; lab.py casts to the run's dtype). The quirks:
+`model.layers.0.self_attn.q_proj.weight`, `model.norm.weight`, `lm_head.weight`) holding arrays in
+the run's dtype (float32 unless asked; each tensor cast on the host as it is read, so bfloat16 on
+disk reaches a bfloat16 run unconverted). The quirks:
 
 - nn.Linear weights are stored (out, in): a projection is `x @ weight.T`; used as stored.
 - q_proj and k_proj rows are stored permuted for HF's rotate_half RoPE (element i of a head paired
@@ -15,6 +16,7 @@ arrays (bfloat16 on disk is widened once here; lab.py casts to the run's dtype).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lm.arrays import run_dtype, to_device
 from lm.checkpoint import INDEX, listed, locate, read_checkpoint
 from lm.errors import CheckpointError
 
@@ -35,7 +38,7 @@ _BUFFER = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 class Checkpoint:
     name: str  # what to call it in a summary: the hub id, the folder, or "random llama-3.2-1b (seed 0)"
     config: LlamaConfig
-    params: dict  # checkpoint-native name -> float32 array (NumPy or CuPy)
+    params: dict  # checkpoint-native name -> array in the run's dtype (NumPy or CuPy)
     folder: Path | None = None  # where config.json and tokenizer.model would be
 
     @property
@@ -63,14 +66,24 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def load(source: str | os.PathLike, *, xp=np) -> Checkpoint:
+def weight_bytes_per_token(config: LlamaConfig, dtype) -> int:
+    """Bytes of weights one decode step reads, every tensor in dtype: each once, the embedding table
+    whole where it is the (tied) head, else one row of it and lm_head whole. The KV cache is not counted."""
+    elements = sum(math.prod(shape) for shape in expected_shapes(config).values())
+    if not config.tie_word_embeddings:  # only the token's row of embed_tokens
+        elements -= (config.vocab_size - 1) * config.hidden_size
+    return elements * run_dtype(dtype).itemsize
+
+
+def load(source: str | os.PathLike, *, xp=np, dtype=np.float32) -> Checkpoint:
     """A hub id or a local folder (or .safetensors file, with config.json beside it)."""
     folder, file = locate(str(source))
-    return load_folder(folder, xp=xp, name=str(source), file=file)
+    return load_folder(folder, xp=xp, name=str(source), file=file, dtype=dtype)
 
 
-def load_folder(folder: str | os.PathLike, *, xp=np, name: str | None = None, file: Path | None = None) -> Checkpoint:
-    """config.json and model.safetensors (or the shards its index names) from one folder."""
+def load_folder(folder: str | os.PathLike, *, xp=np, name: str | None = None, file: Path | None = None,
+                dtype=np.float32) -> Checkpoint:
+    """config.json and model.safetensors (or the shards its index names) from one folder, in dtype."""
     folder = Path(folder)
     config_path = folder / "config.json"
     if not config_path.is_file():
@@ -80,9 +93,9 @@ def load_folder(folder: str | os.PathLike, *, xp=np, name: str | None = None, fi
         shards = sorted(p.name for p in folder.glob("model-*.safetensors"))
         if shards:
             raise CheckpointError(f"{folder}: shards {listed(shards)} but no {INDEX} to say what is in them")
-    params = normalize(read_checkpoint(folder, file, skip=_BUFFER.match), config)
+    params = normalize(read_checkpoint(folder, file, skip=_BUFFER.match, dtype=dtype), config)
     check_shapes(params, config)
-    params = {k: xp.asarray(v) for k, v in params.items()}
+    params = {k: to_device(xp, v) for k, v in params.items()}
     return Checkpoint(name=name or str(folder), config=config, params=params, folder=folder)
 
 
@@ -112,9 +125,12 @@ def check_shapes(params: dict, config: LlamaConfig) -> None:
             raise CheckpointError(f"{name}: shape {tuple(params[name].shape)} but the config says {shape}")
 
 
-def random_weights(config: LlamaConfig | str = "llama-3.2-1b", *, seed: int = 0, xp=np) -> Checkpoint:
+def random_weights(config: LlamaConfig | str = "llama-3.2-1b", *, seed: int = 0, xp=np,
+                   dtype=np.float32) -> Checkpoint:
     """Llama-shaped weights from a seed: normal with std 0.02 (transformers' initializer_range), the
-    RMSNorm weights 1. Drawn with the array module's own generator, so NumPy and CuPy differ."""
+    RMSNorm weights 1. Drawn with the array module's own generator, so NumPy and CuPy differ; drawn
+    in float32 and cast to dtype tensor by tensor (the values cast_params would give)."""
+    dtype = run_dtype(dtype)
     if isinstance(config, str):
         if config not in SIZES:
             raise CheckpointError(f"unknown size {config!r}: choose from {', '.join(SIZES)}")
@@ -122,12 +138,14 @@ def random_weights(config: LlamaConfig | str = "llama-3.2-1b", *, seed: int = 0,
     else:
         label = f"{config.num_hidden_layers}-layer, {config.hidden_size}-wide Llama"
     rng = xp.random.default_rng(seed)
-    params = {}
-    for name, shape in expected_shapes(config).items():
+
+    def draw(name, shape):  # float32
         if name.endswith("norm.weight"):
-            params[name] = xp.ones(shape, dtype=np.float32)
-        else:
-            params[name] = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+            return xp.ones(shape, dtype=np.float32)
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+
+    # each draw cast before the next: one float32 tensor at a time
+    params = {name: draw(name, shape).astype(dtype, copy=False) for name, shape in expected_shapes(config).items()}
     return Checkpoint(name=f"random {label} (seed {seed})", config=config, params=params)
 
 

@@ -11,8 +11,9 @@ attention): a rung that declares gqa, or kernels.reference_attention. With a KVC
 key/value heads are kept, and the causal mask is aligned bottom-right.
 
 Precision, as gpt2/model.py: float32 weights give float32 everywhere. With 16-bit weights each
-product takes its operands in the weights' dtype (accumulating in float32), and so do q, k, v, the
-attention and the KV cache; the residual stream, RMSNorm statistics, RoPE, SiLU and the logits stay float32.
+product takes its operands in the weights' dtype (accumulating in float32, lm/products.py: no
+float32 copy of a weight), and so do q, k, v, the attention and the KV cache; the residual stream,
+RMSNorm statistics, RoPE, SiLU and the logits stay float32.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 
 from lm.arrays import array_module
 from lm.kv_cache import KVCache
+from lm.products import matmul
 
 from .config import LlamaConfig, rope_inv_freq
 
@@ -42,15 +44,10 @@ def silu(x):
 
 
 def linear(x, weight):
-    """x (..., in) @ weight.T for weight (out, in), in the weights' dtype. A 2-D product: CuPy copies a
-    transposed operand when either side has more than 2 dimensions."""
+    """x (..., in) @ weight.T for weight (out, in), in the weights' dtype, accumulated in float32; a
+    2-D product on the weight's transposed view (lm/products.py: no copy of it, whatever the dtype)."""
     shape = x.shape
-    x = x.reshape(-1, shape[-1]).astype(weight.dtype, copy=False)  # (N, in)
-    if weight.dtype.name == "bfloat16" and not isinstance(weight, np.ndarray):
-        # CuPy has no bfloat16 matrix product: bfloat16 operands, products accumulated in float32
-        y = (x.astype(np.float32) @ weight.astype(np.float32).T).astype(weight.dtype)
-    else:
-        y = (x @ weight.T).astype(weight.dtype, copy=False)  # (N, out); NumPy's bfloat16 product gives float32
+    y = matmul(x.reshape(-1, shape[-1]), weight.T)  # (N, out)
     return y.reshape(*shape[:-1], weight.shape[0])  # (..., out)
 
 
@@ -120,6 +117,7 @@ def forward(params: dict, config: LlamaConfig, idx, attend, *, cache: KVCache | 
         x = x[:, -1:]  # (B, 1, C)
     x = rms_norm(x, w["model.norm.weight"], eps)
     head = w["model.embed_tokens.weight"] if config.tie_word_embeddings else w["lm_head.weight"]  # (vocab, C)
-    # the logits in float32: a 16-bit head is widened for it, so that no logit is rounded to 16 bits
-    logits = x.reshape(-1, config.hidden_size) @ head.astype(np.float32, copy=False).T  # (B * T, vocab)
+    # a product like the others (operands in the weights' dtype), its output float32, so that no
+    # logit is rounded to 16 bits
+    logits = matmul(x.reshape(-1, config.hidden_size), head.T, np.float32)  # (B * T, vocab)
     return logits.reshape(B, -1, config.vocab_size)  # (B, T, vocab), or (B, 1, vocab) if last_only

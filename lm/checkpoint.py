@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .arrays import run_dtype
 from .errors import CheckpointError, ModelSourceError
 
 # what a download fetches, for either model: weights, config, GPT-2's and Llama's tokenizer files
@@ -105,11 +106,12 @@ def safetensors_files(folder: Path, file: Path | None = None) -> tuple[list[Path
     raise CheckpointError(f"{folder}: no model.safetensors{hint}")
 
 
-def read_checkpoint(folder: Path, file: Path | None = None, *, skip=None) -> dict[str, np.ndarray]:
-    """Every tensor of a folder's checkpoint (or of one named file) as float32 NumPy arrays; a
-    sharded one is checked against its index: every file it names present, every tensor where it says."""
+def read_checkpoint(folder: Path, file: Path | None = None, *, skip=None, dtype=np.float32) -> dict[str, np.ndarray]:
+    """Every tensor of a folder's checkpoint (or of one named file) as NumPy arrays in dtype (float32,
+    float16 or bfloat16); a sharded one is checked against its index: every file it names present,
+    every tensor where it says."""
     files, weight_map = safetensors_files(folder, file)
-    tensors = read_safetensors(files, skip=skip, index=folder / INDEX if weight_map else None)
+    tensors = read_safetensors(files, skip=skip, index=folder / INDEX if weight_map else None, dtype=dtype)
     if weight_map is not None:
         placed = {}
         for path in files:
@@ -121,8 +123,11 @@ def read_checkpoint(folder: Path, file: Path | None = None, *, skip=None) -> dic
     return tensors
 
 
-def read_safetensors(files: list[Path], *, skip=None, index: Path | None = None) -> dict[str, np.ndarray]:
-    """Every tensor, as stored, into NumPy arrays (float32); skip(name) -> True leaves a tensor unread."""
+def read_safetensors(files: list[Path], *, skip=None, index: Path | None = None,
+                     dtype=np.float32) -> dict[str, np.ndarray]:
+    """Every tensor into NumPy arrays in dtype (float32 unless asked; stored in it, none is converted);
+    skip(name) -> True leaves a tensor unread."""
+    dtype = run_dtype(dtype)
     tensors = {}
     for path in files:
         if not path.is_file():
@@ -130,10 +135,10 @@ def read_safetensors(files: list[Path], *, skip=None, index: Path | None = None)
             raise CheckpointError(f"{path}: missing ({named})")
         tensors |= read_file(path, skip)
     for key, t in tensors.items():
-        if t.dtype != np.float32:
+        if t.dtype != dtype:
             if not np.issubdtype(t.dtype, np.floating) and t.dtype.name != "bfloat16":
                 raise CheckpointError(f"{key}: dtype {t.dtype}, expected floating point")
-            tensors[key] = t.astype(np.float32)
+            tensors[key] = t.astype(dtype)
     return tensors
 
 

@@ -25,3 +25,8 @@ class KVCache:
         self.k[layer, :, :, start:end] = k
         self.v[layer, :, :, start:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # each (B, NH_kv, end, hs)
+
+
+def kv_cache_bytes(config, positions: int, dtype) -> int:
+    """Bytes of the keys and values of `positions` positions, every layer's key/value heads, in dtype."""
+    return 2 * config.n_layer * config.kv_heads * config.head_size * positions * np.dtype(dtype).itemsize

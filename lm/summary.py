@@ -7,6 +7,40 @@ from __future__ import annotations
 from .generate import reference_attend
 
 WARMUP_TOKENS = 2  # one full step and, with the KV cache, one decode step: every kernel compiled
+# The memory a run may hold: MEMORY_FACTOR x (weights in the run's dtype + its KV cache) + MEMORY_HEADROOM
+MEMORY_FACTOR, MEMORY_HEADROOM = 1.15, 256 * 2**20
+PEAK_MEASURE = ("CuPy memory pool high-water mark (total_bytes: the pool never returns a block unasked), from the "
+                "weights in place (the load's transient float32 draws returned first) to the end of the timed run")
+USED_MEASURE = ("device memory in use at the end, cudaMemGetInfo against before the weights: the pool, plus "
+                "cuBLAS's workspace, loaded modules and captured graphs")
+
+
+def memory_figures(peak: int, used: int, weight_bytes: int, kv_bytes: int, engine_bytes: int | None = None) -> dict:
+    """The run's memory against its bound: peak (the pool's high-water mark) and used (cudaMemGetInfo's
+    delta) beside the weights and the KV cache it holds, and what the fast engine holds beside the weights."""
+    bound = MEMORY_FACTOR * (weight_bytes + kv_bytes) + MEMORY_HEADROOM
+    return {"weight_bytes": weight_bytes, "kv_cache_bytes": kv_bytes, "memory_bound_bytes": int(bound),
+            "within_memory_bound": peak <= bound, "gpu_memory_used_bytes": used,
+            "gpu_memory_used_measure": USED_MEASURE, "engine_added_bytes": engine_bytes}
+
+
+def memory_rows(s: dict) -> list[tuple[str, str]]:
+    """The summary's memory rows: the peak against weights + KV cache and the bound; the device's view."""
+    if s["peak_gpu_memory_bytes"] is None:
+        return [("peak GPU memory", "n/a (cpu)")]
+    mib = 2**20
+    peak, w, kv = s["peak_gpu_memory_bytes"], s["weight_bytes"], s["kv_cache_bytes"]
+    verdict = "within" if s["within_memory_bound"] else "OVER"
+    rows = [("peak GPU memory", f"{peak / mib:.1f} MiB = {peak / (w + kv):.2f} x (weights {w / mib:.1f} + KV cache "
+                                f"{kv / mib:.1f} MiB); bound {MEMORY_FACTOR} x that + {MEMORY_HEADROOM // mib} MiB = "
+                                f"{s['memory_bound_bytes'] / mib:.1f} MiB: {verdict} (CuPy pool high-water mark, from "
+                                "the weights in place)"),
+            ("device memory", f"{s['gpu_memory_used_bytes'] / mib:.1f} MiB in use at the end (cudaMemGetInfo, against "
+                              "before the weights: the pool, cuBLAS's workspace, modules, graphs)")]
+    if s.get("engine_added_bytes") is not None:
+        rows.append(("fast engine", f"{s['engine_added_bytes'] / mib:.1f} MiB beside the weights (KV cache, "
+                                    "activations, the decode step's buffers, folds and copies)"))
+    return rows
 
 
 def phase_times(stamps: list[float], start: float, n_new: int) -> dict:
@@ -43,8 +77,6 @@ def print_summary(s: dict) -> None:
         mode = f"KV cache: prefill with {s['kernel']}, decode attention: {s['decode_attention']}"
     else:
         mode = f"no KV cache: every step recomputes the whole sequence with {s['kernel']}"
-    peak = (f"{s['peak_gpu_memory_bytes'] / 2**20:.1f} MiB (CuPy memory pool high-water mark, weights included)"
-            if s["peak_gpu_memory_bytes"] is not None else "n/a (cpu)")
     rows = [
         ("model", f"{s['model']}, {s['n_params'] / 1e6:.1f}M parameters"),
         ("attention", s["kernel"]),
@@ -73,7 +105,7 @@ def print_summary(s: dict) -> None:
     rows += [
         ("compile time", f"{s['compile_seconds']:.3f} s (rungs and fused kernels; not in the timing)"),
         ("warm-up", f"{s['warmup_seconds']:.3f} s ({WARMUP_TOKENS} tokens before the timed run; not in the timing)"),
-        ("peak GPU memory", peak),
+        *memory_rows(s),
         ("device", s["device_name"]),
     ]
     if s["check"] is not None:

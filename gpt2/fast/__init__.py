@@ -9,8 +9,8 @@ persistent kernel (or CUDA graphs of per-operation kernels).
 gpt2/model.py stays the readable definition of GPT-2; this package runs the same network with fewer,
 larger kernels (kernels/fused/*.cu, each tested against the CuPy code it replaces). Its rooms: plan.py
 (when the fast path runs, the kernels it compiles, launch shapes, the persistent step's plan),
-weights.py (the engine's copies of the weights, bytes per token), launch.py (Launch, gemm.cu's
-launcher, cuBLAS SGEMM), engine.py (Engine); driver-level launches live in kernels/driver.py.
+weights.py (the weights as the engine reads them, bytes per token), launch.py (Launch, gemm.cu's
+launcher), engine.py (Engine); driver-level launches live in kernels/driver.py.
 
 
 - Decode (KV cache, one token per step): a step is a fixed sequence of launches on fixed buffers,
@@ -33,11 +33,13 @@ launcher, cuBLAS SGEMM), engine.py (Engine); driver-level launches live in kerne
   with plain L1 loads PDL graphs parted from plain launches after a few dozen tokens. On by default
   where the device has it (compute capability 9.0) and one replayed step matches plain launches
   bit for bit; pdl=False keeps plain launches.
-  The linear layers read transposed copies of the Conv1D weights, (out, in), made once here, so that
-  a warp reads one output's weights contiguously: on the fast path the linear weights are held
-  twice (the (in, out) originals stay for the prefill's matrix products). In bfloat16 the matrices
-  (wte, wpe and the linear weights) are rounded once to bfloat16 and the KV cache is bfloat16;
-  LayerNorm parameters, biases, activations and every accumulation stay float32.
+  The linear layers read the Conv1D weights as (out, in), so that a warp reads one output's weights
+  contiguously. decode_layout lays each (in, out) weight out column-major once, at load (the same
+  values and shape, so the eager model reads it as before): its transpose is that (out, in) matrix,
+  and the engine holds views of the caller's weights, no copies (weights.decode_weights; weights in
+  another dtype or layout are copied once). In bfloat16 the matrices (wte, wpe and the linear weights)
+  are bfloat16 and so is the KV cache; LayerNorm parameters, biases, activations and every
+  accumulation stay float32. Engine.added_bytes() counts what it holds beside the weights.
 - The persistent step (the default where it runs: compute capability 9.0 with cooperative launch, a
   head size that is a multiple of 32, shapes that fit shared memory; step_plan says why not):
   kernels/fused/decode_step.cu runs the same operations for a whole window of steps in one
@@ -45,19 +47,25 @@ launcher, cuBLAS SGEMM), engine.py (Engine); driver-level launches live in kerne
   of words that carry their step (the reader waits for the words it needs; one grid barrier per
   token, after the argmax), and each block's share of the weights copied into shared
   memory ahead of its use. Four stages per layer (STEP_STAGES): attn.c_proj is done per head inside
-  the attention stage, from a head-major copy of its weight made here. One launch per window of
-  STEPS_PER_LAUNCH tokens; persistent=False keeps the graphs.
+  the attention stage, from a head-major copy of its weight made here (the one second layout the
+  engine keeps: n_layer * n_embd^2 weights, a twelfth of the layers', beside the (out, in) matrix the
+  per-operation step reads). One launch per window of STEPS_PER_LAUNCH tokens; persistent=False
+  keeps the graphs.
 - Prefill, and every step of the no-cache mode: the whole sequence eagerly, the attention under test,
-  and fused kernels around it (residual add + LayerNorm, head merge, KV store). The products run on
-  kernels/fused/gemm.cu where the device is sm_90 (products="3xtf32", the default there): float32 at
-  float32 accuracy on TF32 wgmma, with the bias or bias + GELU in its epilogue and K split across
-  blocks where the output tiles are fewer than the SMs; its weights are split and tiled once here
-  (gemm_weight: two float32 copies of every linear weight). Elsewhere, or with products="cublas",
-  cuBLAS SGEMM (through CuPy's handle, no TF32) and bias_act.cu. Only the last position reaches the
-  logits, so the last layer runs its attention over every position and everything after it on the
-  last position alone; then the same ln_f + lm_head + argmax kernel. The attention under test is
-  validated once per pass (kernels.Attend.prepare): every layer reads the same qkv views. In bfloat16
-  the prefill computes in float32 on the bfloat16-rounded weights, so both phases see the same weights.
+  and fused kernels around it (residual add + LayerNorm, head merge, KV store), on activations sized
+  for the longest pass the run asks for (the prompt; the no-cache mode's last step). The prefill's
+  products run on cuBLAS (lm/products.py's Blas) on the (out, in) matrices the decode step reads:
+  float32 through SGEMM (no TF32), bfloat16 through gemmEx on inputs rounded to bfloat16 with float32
+  accumulation, as the eager model's products; then bias_act.cu. The no-cache mode's float32 passes
+  run on kernels/fused/gemm.cu where the device is sm_90 (products="3xtf32", the default there):
+  float32 at float32 accuracy on TF32 wgmma, with the bias or bias + GELU in its epilogue and K split
+  across blocks where the output tiles are fewer than the SMs; its weights are split and tiled on that
+  mode's first pass (gemm_weight: two float32 copies of every linear weight, which that mode trades
+  for its speed and a KV-cache run never makes); products="cublas" keeps cuBLAS there too. Only the
+  last position reaches the logits, so the last layer runs its attention over every position and
+  everything after it on the last position alone; then the same ln_f + lm_head + argmax kernel. The
+  attention under test is validated once per pass (kernels.Attend.prepare): every layer reads the
+  same qkv views.
 - Greedy only: tokens stay on the device (`history`), copied back in windows (STEPS_PER_LAUNCH tokens,
   STEPS_PER_GRAPH with graphs) through pinned memory while the GPU runs the next window, so on_token
   still streams.
@@ -104,8 +112,12 @@ from .plan import (
     unsupported_reason,
 )
 from .weights import (
+    LINEAR,
+    DecodeWeights,
     as_bfloat16,
     bf16_bits,
+    decode_layout,
+    decode_weights,
     gemm_weight,
     is_matrix,
     kv_bytes_per_token,
@@ -114,7 +126,7 @@ from .weights import (
     weight_bytes_per_token,
 )
 
-CACHE_SIZE = 2  # engines kept (each holds its own weight copies and a KV cache of n_positions)
+CACHE_SIZE = 2  # engines kept (each holds a KV cache of n_positions, and views or copies of the weights)
 
 
 def generate(params: dict, config: GPT2Config, prompt: list[int], n_new: int, *, attend, kv_cache: bool,
@@ -129,7 +141,7 @@ _engines: OrderedDict = OrderedDict()
 
 def engine_for(params: dict, config: GPT2Config, dtype: str | None = None, **options) -> Engine:
     """The engine for these weights (by the arrays' addresses), built once and kept (CACHE_SIZE most
-    recent). The engine copies the weights: after editing params in place, call clear_cache()."""
+    recent). The engine views or copies the weights: after editing params in place, call clear_cache()."""
     dtype = dtype or param_dtype(params)
     key = (config, dtype, tuple(sorted(options.items())),
            tuple((name, a.data.ptr, a.dtype.str, a.shape) for name, a in sorted(params.items())))
@@ -184,7 +196,7 @@ def copy_ceiling(nbytes: int = 1 << 30, repeats: int = 10) -> float:
 
 
 __all__ = [
-    "CACHE_SIZE", "DTYPES", "EPI_BIAS", "EPI_GELU", "EPI_RESIDUAL", "GEMM_BIAS", "GEMM_BIAS_GELU", "GEMM_NONE",
+    "CACHE_SIZE", "DTYPES", "LINEAR", "DecodeWeights", "decode_layout", "decode_weights", "EPI_BIAS", "EPI_GELU", "EPI_RESIDUAL", "GEMM_BIAS", "GEMM_BIAS_GELU", "GEMM_NONE",
     "GEMM_OPTIONS", "GEMM_SMEM", "LAYER_POINTERS", "STEPS_PER_GRAPH", "STEPS_PER_LAUNCH", "STEP_SPLITS",
     "STEP_STAGES", "STEP_STATIC_SMEM", "Engine", "Generation", "Launch", "StepPlan", "as_bfloat16",
     "attention_staging", "bf16_bits", "by_kind", "clear_cache", "copy_ceiling", "engine_for", "gemm",

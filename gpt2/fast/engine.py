@@ -12,11 +12,13 @@ from collections import deque
 import numpy as np
 
 from kernels import driver, fused
+from lm.arrays import held_bytes
 from lm.generate import Generation
+from lm.products import Blas
 
 from ..config import GPT2Config
 from ..errors import LabError
-from .launch import Launch, Sgemm, gemm
+from .launch import Launch, gemm
 from .plan import (
     FOLDS,
     GEMM_BIAS,
@@ -44,7 +46,7 @@ from .plan import (
     step_plan,
     unsupported_reason,
 )
-from .weights import bf16_bits, gemm_weight, is_matrix, layernorm_fold, round_to_bf16, to_float32
+from .weights import ROUND_BF16, bf16_bits, decode_weights, gemm_weight, layernorm_fold
 
 
 def _ptr(a) -> np.uint64:
@@ -63,8 +65,9 @@ def _switch(asked: bool | None, check, what: str) -> tuple[bool, str]:
 
 
 class Engine:
-    """Everything the fast path needs for one set of weights, allocated once: weight copies, the
-    static KV cache (n_positions long), activations, the decode step's launches and its graphs."""
+    """Everything the fast path needs for one set of weights, allocated once: the weights as its kernels
+    read them (views of params laid out by decode_layout, else copies), the static KV cache (n_positions
+    long), activations, the decode step's launches and its graphs."""
 
     def __init__(self, params: dict, config: GPT2Config, *, dtype: str | None = None, max_len: int | None = None,
                  prefetch: bool = True, pdl: bool | None = None, steps_per_graph: int = STEPS_PER_GRAPH,
@@ -89,7 +92,8 @@ class Engine:
         eps = np.float32(config.layer_norm_epsilon)
         self.eps = eps
         self.sm_count = kernels.device_limits().sm_count
-        # the whole-sequence products: gemm.cu (3xTF32 on wgmma, sm_90a) or cuBLAS SGEMM
+        # the no-cache mode's float32 products: gemm.cu (3xTF32 on wgmma, sm_90a) or cuBLAS SGEMM (the
+        # prefill's always run on cuBLAS, on the weights the decode step reads: no copy of them)
         able = int(cp.cuda.Device().compute_capability) == 90
         if products not in (None, "3xtf32", "cublas"):
             raise ValueError(f"products must be '3xtf32' or 'cublas', got {products!r}")
@@ -99,23 +103,12 @@ class Engine:
         self.stream.wait_event(cp.cuda.get_current_stream().record())  # the weights are written first
 
         with self.stream:
-            # float32 weights for the eager products (prefill, no-cache), bfloat16-rounded in bfloat16 mode
-            self.params32 = {}
-            for name, a in params.items():
-                a32 = to_float32(cp, a)
-                self.params32[name] = round_to_bf16(cp, a32) if bf16 and is_matrix(name) else cp.ascontiguousarray(a32)
-            p = self.params32
-            decode = (lambda a: bf16_bits(cp, a)) if bf16 else cp.ascontiguousarray
-            # the decode step's copies: (out, in) linear weights, wte and wpe in the decode dtype
-            self.wte = decode(p["wte.weight"])  # (V, C): already one row per output
-            self.wpe = decode(p["wpe.weight"])  # (n_positions, C)
-            self.layers = []
-            for i in range(config.n_layer):
-                h = f"h.{i}."
-                self.layers.append({
-                    name: decode(cp.ascontiguousarray(p[h + name + ".weight"].T))
-                    for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
-                })
+            # the weights as the kernels read them: views of params where they are in the run's dtype and
+            # laid out by decode_layout, else one copy each (weights.decode_weights)
+            w = decode_weights(cp, params, config, self.dtype)
+            self.wte, self.wpe, self.layers, self.vectors = w.wte, w.wpe, w.layers, w.vectors
+            self.weights = w
+            self.params = dict(params)  # the arrays the views view, as they are now: kept alive with them
 
             # state = {token, pos}: the decode step's input; history: every token id, by position
             self.state = cp.zeros(2, dtype=cp.int32)
@@ -142,25 +135,17 @@ class Engine:
             self.lm_warps, self.lm_rows = lm_head_shape(config, self.dtype)
             self.lm_blocks = lm_head_blocks(fused.function(*lm_exprs["lm_head"]), self.lm_warps, self.lm_rows, V,
                                             self.sm_count)
-            self.lm32_warps, self.lm32_rows = lm_head_shape(config, "float32")  # the eager path's lm_head
-            self.lm32_blocks = lm_head_blocks(fused.function(*lm_exprs["lm_head32"]), self.lm32_warps, self.lm32_rows,
-                                              V, self.sm_count)
-            self.block_max = cp.zeros(max(self.lm_blocks, self.lm32_blocks), dtype=cp.float32)
-            self.block_arg = cp.zeros(max(self.lm_blocks, self.lm32_blocks), dtype=cp.int32)
+            self.block_max = cp.zeros(self.lm_blocks, dtype=cp.float32)
+            self.block_arg = cp.zeros(self.lm_blocks, dtype=cp.int32)
             self.lm_counter = cp.zeros(1, dtype=cp.uint32)
             self.logits = cp.full(V, cp.nan, dtype=cp.float32) if keep_logits else None
-            # eager (whole-sequence) activations, max_len rows
-            T = self.max_len
-            self.xs = cp.zeros((T, C), dtype=cp.float32)
-            self.hs = cp.zeros((T, C), dtype=cp.float32)
-            self.qkvs = cp.zeros((T, 3 * C), dtype=cp.float32)
-            self.merged = cp.zeros((T, C), dtype=cp.float32)
-            self.ys = cp.zeros((T, C), dtype=cp.float32)
-            self.fs = cp.zeros((T, config.mlp_width), dtype=cp.float32)
-            self.sgemm = Sgemm(cp)
-            # gemm.cu's weights: every linear weight split and tiled once (gemm_weight)
-            self.gemm_weights = {name: gemm_weight(cp, a) for name, a in self.params32.items()
-                                 if self.products == "3xtf32" and is_matrix(name) and name.startswith("h.")}
+            # whole-sequence activations: allocated for the longest pass a run asks for (reserve)
+            self.rows, self.work = 0, {}
+            self.blas = Blas(cp)
+            self.round_bf16 = cp.ElementwiseKernel("float32 x", "uint16 y", ROUND_BF16, "round_bf16") if bf16 else None
+            # gemm.cu's weights, split and tiled on the no-cache mode's first pass (gemm_weight: two float32
+            # copies of every linear weight, which a KV-cache run never makes)
+            self.gemm_weights = None
             # split K: the splits' sums (fewer than 2 x SMs tiles of 64 x 64) and a ticket per output tile
             self.gemm_partials = cp.zeros(2 * self.sm_count * GEMM_TILE * GEMM_TILE, dtype=cp.float32)
             self.gemm_tickets = cp.zeros(self.sm_count, dtype=cp.uint32)
@@ -227,16 +212,16 @@ class Engine:
             # attn.c_proj head-major, (NH, C, HS): [h, n, d] = W[n, h * HS + d] of the (out, in) copy
             self.proj_heads = [cp.ascontiguousarray(layer["attn.c_proj"].reshape(c.n_embd, c.n_head, c.head_size)
                                                     .transpose(1, 0, 2)) for layer in self.layers]
+            p = self.vectors
             for i, layer in enumerate(self.layers):
                 arrays = {"k_cache": self.k_cache[i], "v_cache": self.v_cache[i]}
-                p = self.params32  # bfloat16-rounded matrices in bfloat16: the weights decode_step reads
                 for name in LAYER_POINTERS[:10]:  # (out, in) matrices in the decode dtype; float32 vectors
                     if name in LAYER_POINTERS[:4]:
                         arrays[name] = layer[name.removesuffix(".weight")]
                     elif name.endswith(".fold"):
-                        linear = f"h.{i}.{name.removesuffix('.fold')}"
-                        ln = f"h.{i}.{FOLDS[name.removesuffix('.fold')]}"
-                        arrays[name] = layernorm_fold(cp, p[linear + ".weight"].T, p[linear + ".bias"],
+                        linear = name.removesuffix(".fold")
+                        ln = f"h.{i}.{FOLDS[linear]}"
+                        arrays[name] = layernorm_fold(cp, layer[linear], p[f"h.{i}.{linear}.bias"],
                                                       p[ln + ".weight"], p[ln + ".bias"])
                     else:
                         arrays[name] = p[f"h.{i}.{name}"]
@@ -246,7 +231,7 @@ class Engine:
             self.layer_table = cp.asarray(np.asarray(table, dtype=np.uint64))
             # LN_f folded into the rows of wte (no bias), one pair more where V is odd (whole 16-byte copies)
             V = c.vocab_size
-            fold = layernorm_fold(cp, p["wte.weight"], cp.zeros(V, dtype=cp.float32), p["ln_f.weight"], p["ln_f.bias"])
+            fold = layernorm_fold(cp, self.wte, cp.zeros(V, dtype=cp.float32), p["ln_f.weight"], p["ln_f.bias"])
             self.lnf_fold = cp.concatenate([fold, cp.zeros((V % 2, 2), dtype=cp.float32)])
             # what blocks hand each other, per layer (decode_step.cu's handoffs): (value, epoch) words for
             # q, k, v and the key splits' partials, parity words for x, g and the heads' terms of attn.c_proj
@@ -268,7 +253,7 @@ class Engine:
         """Queue n decode steps as one launch of decode_step.cu (cooperative: all blocks resident).
         trace: (n, stages, blocks, 2) uint64 for the global timer at each block's end of a stage and its
         start of the next, inputs in hand (profile_persistent)."""
-        c, p, plan = self.config, self.params32, self.plan
+        c, p, plan = self.config, self.vectors, self.plan
         args = (self.layer_table, np.int32(c.n_layer), self.wte, self.wpe, p["ln_f.weight"], self.lnf_fold, self.eps,
                 np.int32(c.vocab_size), np.int32(self.max_len), np.int32(plan.splits),
                 np.float32(1.0 / math.sqrt(c.head_size)), self.x, *self.step_ll.values(),
@@ -291,7 +276,7 @@ class Engine:
     def _decode_launches(self, prefetch: bool, pdl: bool) -> list[Launch]:
         """The decode step as a list of launches on fixed buffers. Each kernel that reads a matrix
         also asks L2 to prefetch the next one (the last wraps to the first layer's c_attn)."""
-        c, p = self.config, self.params32
+        c, p = self.config, self.vectors
         C, NH, HS = c.n_embd, c.n_head, c.head_size
         eps = self.eps
         plan = [("embed", None)]  # (name, matrix read)
@@ -414,39 +399,68 @@ class Engine:
 
     # -- whole sequences: prefill and the no-cache mode --------------------------------------------
 
-    def product(self, a, name: str, out, epi: int) -> None:
-        """out = a @ params32[name + ".weight"], then + bias (GEMM_BIAS) or gelu(. + bias)
-        (GEMM_BIAS_GELU): gemm.cu, or cuBLAS SGEMM and bias_act.cu (products="cublas")."""
-        p, M, N = self.params32, a.shape[0], out.shape[1]
-        w, b = p[name + ".weight"], p[name + ".bias"]
-        if self.products == "cublas":
-            self.sgemm(a, w, out)
-            if epi != GEMM_NONE:
-                self.fn["bias_gelu" if epi == GEMM_BIAS_GELU else "bias"](
-                    (min(-(-M * N // 1024), 4 * self.sm_count),), (256,), (out, b, np.int32(M), np.int32(N)))
+    def reserve(self, T: int) -> None:
+        """Whole-sequence activations for passes of up to T positions: allocated for the longest pass a
+        run asks for (the prompt's, or the no-cache mode's last), kept, and regrown only for a longer one."""
+        if T <= self.rows:
             return
-        gemm(self.fn[f"gemm_{epi}"], a, self.gemm_weights[name + ".weight"], b, out, self.gemm_partials,
-             self.gemm_tickets, self.sm_count)
+        cp, C, F = self.cp, self.config.n_embd, self.config.mlp_width
+        self.work = {}  # the shorter buffers go back to the pool first
+        with self.stream:
+            self.work = {name: cp.zeros((T, width), dtype=cp.float32)
+                         for name, width in (("x", C), ("h", C), ("qkv", 3 * C), ("merged", C), ("y", C), ("f", F))}
+            if self.dtype == "bfloat16":  # a product's input rounded to bfloat16, (rows, K) for any K
+                self.work["a16"] = cp.zeros(T * max(C, F), dtype=cp.uint16)
+        self.rows = T
+
+    def tiles(self) -> list[dict]:
+        """gemm.cu's split and tiled copies of every layer's linear weights (gemm_weight), made on the
+        first pass that uses them and kept."""
+        if self.gemm_weights is None:
+            with self.stream:
+                self.gemm_weights = [{name: gemm_weight(self.cp, W.T) for name, W in layer.items()}
+                                     for layer in self.layers]
+        return self.gemm_weights
+
+    def product(self, a, layer: int, linear: str, out, epi: int, *, tiled: bool) -> None:
+        """out = a @ W, then + bias (GEMM_BIAS) or gelu(. + bias) (GEMM_BIAS_GELU), W the layer's linear
+        weight: gemm.cu's 3xTF32 on its tiles (tiled), else cuBLAS on the (out, in) matrix the decode
+        step reads (float32: SGEMM; bfloat16: gemmEx on `a` rounded to bfloat16, accumulated in float32)
+        and bias_act.cu."""
+        M, N = a.shape[0], out.shape[1]
+        W, b = self.layers[layer][linear], self.vectors[f"h.{layer}.{linear}.bias"]
+        if tiled:
+            gemm(self.fn[f"gemm_{epi}"], a, self.tiles()[layer][linear], b, out, self.gemm_partials,
+                 self.gemm_tickets, self.sm_count)
+            return
+        if self.dtype == "bfloat16":  # the operands in the weights' dtype, as the eager model's products
+            a16 = self.work["a16"][:a.size].reshape(a.shape)
+            self.round_bf16(a, a16)
+            a = a16
+        self.blas.gemm(a, W.T, out, dtype=self.dtype)
+        if epi != GEMM_NONE:
+            self.fn["bias_gelu" if epi == GEMM_BIAS_GELU else "bias"](
+                (min(-(-M * N // 1024), 4 * self.sm_count),), (256,), (out, b, np.int32(M), np.int32(N)))
 
     def sequence(self, T: int, attend, *, store_kv: bool) -> None:
         """The forward pass over history[0:T] (eager launches), then ln_f + lm_head + argmax on
         position T - 1, which writes the next token into history[T] and state. With store_kv, every
         layer's keys and values go into the cache (the prefill). Only position T - 1 reaches the
         logits, so the last layer runs its keys and values (and the attention) over every position,
-        and everything after the attention on position T - 1 alone."""
-        cp, c, p, fn = self.cp, self.config, self.params32, self.fn
+        and everything after the attention on position T - 1 alone. The products run on gemm.cu in the
+        no-cache mode's float32 passes where products="3xtf32", else on cuBLAS."""
+        cp, c, p, fn = self.cp, self.config, self.vectors, self.fn
         C, NH, HS = c.n_embd, c.n_head, c.head_size
         eps = self.eps
-        x, h, qkv, merged, y, f = (a[:T] for a in (self.xs, self.hs, self.qkvs, self.merged, self.ys, self.fs))
+        tiled = not store_kv and self.products == "3xtf32" and self.dtype == "float32"
+        self.reserve(T)
+        x, h, qkv, merged, y, f = (self.work[k][:T] for k in ("x", "h", "qkv", "merged", "y", "f"))
         views = qkv.reshape(1, T, 3, NH, HS)  # (B, T, 3, NH, hs): columns [q | k | v]
         q, k, v = (views[:, :, i].transpose(0, 2, 1, 3) for i in range(3))  # each (B, NH, T, hs), a view
         # every layer reads the same views: a rung is validated once per pass (kernels.Attend.prepare)
         run_attention = attend.prepare(q, k, v) if hasattr(attend, "prepare") else (lambda: attend(q, k, v))
         grid = (min(-(-T * C // 256), 4 * self.sm_count),)
-        if self.products == "cublas":
-            self.sgemm.begin()
-        fn["embed32"]((T,), (256,), (p["wte.weight"], p["wpe.weight"], self.history, NULL, np.int32(C), x, NULL,
-                                     np.uint64(0)))
+        fn["embed"]((T,), (256,), (self.wte, self.wpe, self.history, NULL, np.int32(C), x, NULL, np.uint64(0)))
         for i in range(c.n_layer):
             pre = f"h.{i}."
             if i == 0:  # h = ln_1(x)
@@ -455,7 +469,7 @@ class Engine:
                 residual = (y, p[f"h.{i - 1}.mlp.c_proj.bias"])
             fn["add_layernorm"]((T,), (256,), (x, *residual, p[pre + "ln_1.weight"], p[pre + "ln_1.bias"], eps, h,
                                                np.int32(C)), shared_mem=4 * C)
-            self.product(h, pre + "attn.c_attn", qkv, GEMM_BIAS)
+            self.product(h, i, "attn.c_attn", qkv, GEMM_BIAS, tiled=tiled)
             if store_kv:
                 fn["kv_store"](grid, (256,), (qkv, self.k_cache[i], self.v_cache[i], np.int32(T), np.int32(NH),
                                               np.int32(HS), np.int32(self.max_len)))
@@ -467,18 +481,18 @@ class Engine:
             if i == c.n_layer - 1:  # from here on, position T - 1 alone
                 x, h, merged, y, f = (a[T - 1:] for a in (x, h, merged, y, f))
             rows = x.shape[0]
-            self.product(merged, pre + "attn.c_proj", y, GEMM_NONE)
+            self.product(merged, i, "attn.c_proj", y, GEMM_NONE, tiled=tiled)
             # x += attn.c_proj output + bias; h = ln_2(x)
             fn["add_layernorm"]((rows,), (256,), (x, y, p[pre + "attn.c_proj.bias"], p[pre + "ln_2.weight"],
                                                   p[pre + "ln_2.bias"], eps, h, np.int32(C)), shared_mem=4 * C)
-            self.product(h, pre + "mlp.c_fc", f, GEMM_BIAS_GELU)
-            self.product(f, pre + "mlp.c_proj", y, GEMM_NONE)
+            self.product(h, i, "mlp.c_fc", f, GEMM_BIAS_GELU, tiled=tiled)
+            self.product(f, i, "mlp.c_proj", y, GEMM_NONE, tiled=tiled)
         # the last position: ln_f(x + mlp.c_proj output + bias), the logits, their argmax
         last = f"h.{c.n_layer - 1}.mlp.c_proj.bias"
-        fn["lm_head32"]((self.lm32_blocks,), (self.lm32_warps * 32,),
-                        (p["wte.weight"], x[-1], y[-1], p[last], p["ln_f.weight"], p["ln_f.bias"], eps,
-                         np.int32(c.vocab_size), self.logits if self.logits is not None else NULL, self.block_max,
-                         self.block_arg, self.lm_counter, self.state, self.history, NULL, np.uint64(0)))
+        fn["lm_head"]((self.lm_blocks,), (self.lm_warps * 32,),
+                      (self.wte, x[-1], y[-1], p[last], p["ln_f.weight"], p["ln_f.bias"], eps,
+                       np.int32(c.vocab_size), self.logits if self.logits is not None else NULL, self.block_max,
+                       self.block_arg, self.lm_counter, self.state, self.history, NULL, np.uint64(0)))
 
     # -- generation --------------------------------------------------------------------------------
 
@@ -512,6 +526,8 @@ class Engine:
             raise LabError(f"{T0} prompt tokens + {n_new} new tokens exceed the engine's {self.max_len} positions")
         self.stream.wait_event(cp.cuda.get_current_stream().record())  # after whatever the caller queued
         out = Generation(tokens=[])
+        if not kv_cache:  # every step a pass over the whole sequence: activations for the longest, once
+            self.reserve(T0 + n_new - 1)
         with self.stream:
             self.start(prompt, attend, kv_cache=kv_cache)
             pending = deque([self._copy_back(T0, 1)])
@@ -541,6 +557,29 @@ class Engine:
         return out
 
     # -- measuring -----------------------------------------------------------------------------------
+
+    def arrays(self) -> list:
+        """Every device array the engine holds, found through its attributes (and the lists, dicts and
+        DecodeWeights in them), the caller's params aside: views of params among them."""
+        found, todo = [], [value for name, value in vars(self).items() if name != "params"]
+        while todo:
+            value = todo.pop()
+            if isinstance(value, self.cp.ndarray):
+                found.append(value)
+            elif isinstance(value, dict):
+                todo += value.values()
+            elif isinstance(value, (list, tuple)):
+                todo += value
+            elif value is self.weights:
+                todo.append(value.arrays())
+        return found
+
+    def added_bytes(self) -> int:
+        """Device bytes the engine holds beside its params (each byte once): with params in the run's
+        dtype and decode_layout's layout, none of them a copy of a weight but the persistent step's
+        head-major attn.c_proj."""
+        return held_bytes(self.arrays(), besides=list(self.params.values()))
+
 
     def profile_step(self, position: int, repeats: int = 20) -> list[tuple[str, float]]:
         """Milliseconds of each kernel of one decode step at `position` (median of `repeats`), timed

@@ -1,5 +1,5 @@
 """How the engine launches: Launch (one kernel with fixed arguments, plainly or as a programmatic
-dependent launch through kernels/driver.py), gemm.cu's launcher, and cuBLAS SGEMM on CuPy's handle."""
+dependent launch through kernels/driver.py) and gemm.cu's launcher (cuBLAS: lm/products.py's Blas)."""
 
 from __future__ import annotations
 
@@ -47,36 +47,3 @@ def gemm(fn, a, w_parts: tuple, bias, out, partials, tickets, sm_count: int, spl
         raise ValueError(f"{splits} splits of a ({M}, {N}) output need more partial sums or tickets than the buffers hold")
     fn((N // GEMM_TILE, -(-M // GEMM_TILE), splits), (128,),
        (a, *w_parts, bias, out, np.int32(M), np.int32(N), np.int32(K), partials, tickets), shared_mem=GEMM_SMEM)
-
-
-class Sgemm:
-    """out (M, N) = a (M, K) @ b (K, N), row-major float32, through cuBLAS SGEMM on CuPy's handle:
-    a few microseconds of Python instead of cupy.matmul's tens. Plain float32 (the handle's default
-    math mode: no TF32). Falls back to cupy.matmul where the low-level binding is missing."""
-
-    def __init__(self, cp):
-        self.cp = cp
-        try:
-            from cupy_backends.cuda.libs import cublas
-
-            self.cublas, self.handle = cublas, cp.cuda.device.get_cublas_handle()
-        except Exception:  # pragma: no cover - depends on the CuPy build
-            self.cublas = None
-        self.one, self.zero = np.ones(1, np.float32), np.zeros(1, np.float32)
-
-    def begin(self):
-        """Before a run of products: host pointer mode, and the handle on the current stream (CuPy sets
-        its handle's stream before each of its own calls, so another stream may be left on it)."""
-        if self.cublas is not None:
-            self.cublas.setPointerMode(self.handle, self.cublas.CUBLAS_POINTER_MODE_HOST)
-            self.cublas.setStream(self.handle, self.cp.cuda.get_current_stream().ptr)
-
-    def __call__(self, a, b, out):
-        if self.cublas is None:
-            self.cp.matmul(a, b, out=out)
-            return
-        M, K = a.shape
-        N = b.shape[1]
-        # column-major view of row-major: out^T (N, M) = b^T (N, K) @ a^T (K, M)
-        self.cublas.sgemm(self.handle, self.cublas.CUBLAS_OP_N, self.cublas.CUBLAS_OP_N, N, M, K,
-                          self.one.ctypes.data, b.data.ptr, N, a.data.ptr, K, self.zero.ctypes.data, out.data.ptr, N)

@@ -97,7 +97,6 @@ def kernel_expressions(config: GPT2Config, dtype: str) -> dict[str, tuple[str, s
         return "gemv", f"gemv<{wt}, {K}, {warps}, {rows}, {'true' if ln else 'false'}, {epi}>"
 
     lm_warps, lm_rows = lm_head_shape(config, dtype)
-    lm32_warps, lm32_rows = lm_head_shape(config, "float32")
     return {
         "c_attn": gemv(3 * C, C, True, EPI_BIAS),
         "c_proj": gemv(C, C, False, EPI_RESIDUAL),
@@ -106,9 +105,6 @@ def kernel_expressions(config: GPT2Config, dtype: str) -> dict[str, tuple[str, s
         "attention": ("decode_attention", f"decode_attention<{wt}, {HS}, {attention_warps(config)}>"),
         "embed": ("embed", f"embed<{wt}>"),
         "lm_head": ("lm_head_argmax", f"lm_head_argmax<{wt}, {C}, {lm_warps}, {lm_rows}>"),
-        # the eager path (prefill, no-cache) computes in float32
-        "embed32": ("embed", "embed<float>"),
-        "lm_head32": ("lm_head_argmax", f"lm_head_argmax<float, {C}, {lm32_warps}, {lm32_rows}>"),
         "add_layernorm": ("layernorm", "add_layernorm<256>"),
         "bias": ("bias_act", "bias_act<false>"),
         "bias_gelu": ("bias_act", "bias_act<true>"),

@@ -1,17 +1,28 @@
-"""The engine's copies of the weights, and the bytes a decode step reads: bfloat16 rounding (as
+"""The weights as the engine reads them, and the bytes a decode step reads: the layout chosen once at
+load (decode_layout) and the engine's views of it (decode_weights), bfloat16 rounding (as
 kernels/fused/common.cuh rounds), gemm.cu's split and tiled float32 copies, decode_step.cu's folds
-of a LayerNorm into the rows after it. The engine makes each copy once, when it is built."""
+of a LayerNorm into the rows after it. Every function takes the array module (`cp`: CuPy, or NumPy
+in the CPU tests)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from lm.arrays import array_module
 
 from ..config import GPT2Config
 from ..errors import LabError
 from .plan import GEMM_BK, GEMM_TILE
 
+LINEAR = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # a layer's Conv1D weights, in step order
+
 
 def to_float32(cp, a):
-    """float32 from float32 or bfloat16 (widened through its bits: no CuPy bfloat16 arithmetic needed)."""
-    if a.dtype.name == "bfloat16":
+    """float32 from float32, float16, bfloat16 or bfloat16 bits (uint16; widened through the bits: no
+    CuPy bfloat16 arithmetic needed)."""
+    if a.dtype.name in ("bfloat16", "uint16"):
         return (a.view(cp.uint16).astype(cp.uint32) << 16).view(cp.float32)
     return cp.ascontiguousarray(a, dtype=cp.float32)
 
@@ -20,6 +31,10 @@ def bf16_bits(cp, a32):
     """float32 -> bfloat16 bits in uint16, rounded to nearest even (as kernels/fused/common.cuh does)."""
     bits = cp.ascontiguousarray(a32, dtype=cp.float32).view(cp.uint32)
     return ((bits + cp.uint32(0x7FFF) + ((bits >> 16) & cp.uint32(1))) >> 16).astype(cp.uint16)
+
+
+# bf16_bits as one CuPy elementwise kernel (float32 x -> uint16 y): what the bfloat16 prefill's products take
+ROUND_BF16 = "unsigned int b = __float_as_uint(x); y = (unsigned short)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);"
 
 
 def round_to_bf16(cp, a32):
@@ -87,10 +102,70 @@ def gemm_weight(cp, w) -> tuple:
     return tiles(big), tiles(small)
 
 
+FOLD_BYTES = 8 << 20  # the float64 rows layernorm_fold widens at once (a transient: kept small)
+
+
 def layernorm_fold(cp, W, bias, ln_w, ln_b):
     """decode_step.cu's fold of a LayerNorm into the rows after it: (N, 2) float32 pairs, per row n of
     W (out, in) the sum_k W_nk ln_w_k and bias_n + sum_k W_nk ln_b_k, computed in float64, so that
-    LN(x) . W_n + bias_n = r (sum_k W_nk ln_w_k x_k - mean * fold[n, 0]) + fold[n, 1], r = 1 / std."""
-    W64 = W.astype(cp.float64)
-    return cp.stack([W64 @ ln_w.astype(cp.float64), bias.astype(cp.float64) + W64 @ ln_b.astype(cp.float64)],
-                    axis=1).astype(cp.float32)
+    LN(x) . W_n + bias_n = r (sum_k W_nk ln_w_k x_k - mean * fold[n, 0]) + fold[n, 1], r = 1 / std.
+    W may be float32 or bfloat16 (bits); it is widened FOLD_BYTES of float64 rows at a time."""
+    N, K = W.shape
+    step = max(1, FOLD_BYTES // (8 * K))  # rows at a time
+    ln_w64, ln_b64 = ln_w.astype(cp.float64), ln_b.astype(cp.float64)
+    out = cp.empty((N, 2), dtype=cp.float32)
+    for n in range(0, N, step):
+        W64 = to_float32(cp, W[n:n + step]).astype(cp.float64)
+        out[n:n + step] = cp.stack([W64 @ ln_w64, bias[n:n + step].astype(cp.float64) + W64 @ ln_b64], axis=1)
+    return out
+
+
+def decode_layout(params: dict) -> dict:
+    """In place, the layout the engine reads without a copy: each Conv1D weight (in, out) re-laid
+    column-major (the same values and shape, so the eager model reads it as before), so that its
+    transpose is the row-major (out, in) matrix of the decode kernels, each output's weights
+    contiguous. One weight at a time: at most one matrix more exists at once. Returns params."""
+    for name, a in params.items():
+        if name.endswith(tuple(f"{linear}.weight" for linear in LINEAR)) and not a.T.flags.c_contiguous:
+            xp = array_module(a)
+            bits = a.view(xp.uint16) if a.dtype.name == "bfloat16" else a  # a plain copy, whatever the dtype
+            params[name] = xp.asfortranarray(bits).view(a.dtype)
+    return params
+
+
+def kernel_type(cp, a, dtype: str):
+    """a in the kernels' element type for a run in dtype: float32, or bfloat16 as its bits (uint16).
+    A view where a holds that already, else a converted copy."""
+    if dtype == "bfloat16":
+        return a.view(cp.uint16) if a.dtype.name == "bfloat16" else bf16_bits(cp, to_float32(cp, a))
+    return a if a.dtype == np.float32 else to_float32(cp, a)
+
+
+@dataclass
+class DecodeWeights:
+    """The weights as the engine's kernels read them: the matrices in the run's element type (float32
+    or bfloat16 bits), each row contiguous; the vectors (biases, LayerNorm) in float32."""
+
+    wte: object  # (V, C)
+    wpe: object  # (n_positions, C)
+    layers: list  # per layer, LINEAR name -> (out, in)
+    vectors: dict  # checkpoint-native name -> (n,) float32
+
+    def arrays(self) -> dict:
+        """Every array, by name (the layers' as h.N.<linear>)."""
+        return {"wte": self.wte, "wpe": self.wpe, **self.vectors,
+                **{f"h.{i}.{name}": a for i, layer in enumerate(self.layers) for name, a in layer.items()}}
+
+
+def decode_weights(cp, params: dict, config: GPT2Config, dtype: str) -> DecodeWeights:
+    """The engine's weights from params: views of them where params already hold what the kernels read
+    (the run's dtype; the Conv1D weights as decode_layout lays them out), else one copy each."""
+
+    def matrix(a):
+        a = kernel_type(cp, a, dtype)
+        return a if a.flags.c_contiguous else cp.ascontiguousarray(a)
+
+    return DecodeWeights(
+        wte=matrix(params["wte.weight"]), wpe=matrix(params["wpe.weight"]),
+        layers=[{name: matrix(params[f"h.{i}.{name}.weight"].T) for name in LINEAR} for i in range(config.n_layer)],
+        vectors={name: to_float32(cp, a) for name, a in params.items() if a.ndim == 1})

@@ -87,6 +87,44 @@ def e2e_result(modes=("no-cache", "kv-cache"), date="2026-01-02T03:04:05Z"):
             "rows": rows, "plot": None}
 
 
+def scale_row(size, dtype, rate, kind="lab", peak_gib=1.0, bpt=0.5e9):
+    """A row of `bench.py e2e --sizes` as scale.measure (kind lab) or measure_hf (kind hf) writes it."""
+    from benchmarks import scale
+    from lm.summary import memory_figures
+
+    row = {"size": size, "model": scale.SIZES[size], "family": scale.family(size), "dtype": dtype, "kind": kind,
+           "status": "ok", "engine": "fast: persistent step" if kind == "lab" else "HF transformers 5.17 (sdpa, static cache)",
+           "decode_tokens_per_s": rate, "us_per_token": 1e6 / rate, "weight_bytes_per_token": bpt,
+           "weight_tbps": bpt * rate / 1e12, "pct_copy": 100 * bpt * rate / 4e12, "floor_tokens_per_s": 4e12 / bpt,
+           "peak_bytes": int(peak_gib * 2**30)}
+    if kind == "hf":
+        return row
+    row |= {"attention": "v18_wgmma", "n_params": int(bpt / 2), "new_tokens": 512, "prefill_tokens": 1000,
+            "ttft_ms": 12.5, "prefill_tflops": 250.0, "pct_bf16_gemm": 250.0 / 6.0,
+            **memory_figures(row["peak_bytes"], row["peak_bytes"] + 2**28, int(bpt), 2**26, 2**25)}
+    return row | scale.targets(row)
+
+
+def scale_result(date="2026-01-02T03:04:05Z"):
+    from benchmarks import scale
+
+    rows = [scale_row("gpt2", "bfloat16", 11000.0, peak_gib=0.3, bpt=0.25e9),
+            scale_row("gpt2", "float32", 5000.0, peak_gib=2.5, bpt=0.5e9),  # over its bound
+            scale_row("gpt2", "bfloat16", 200.0, kind="hf", peak_gib=0.5, bpt=0.25e9),
+            {"size": "gpt2-xl", "model": "GPT-2 XL", "family": "gpt2", "dtype": "bfloat16", "kind": "lab",
+             "status": "error", "reason": "OutOfMemoryError: out of memory"},
+            scale_row("llama-3.1-8b", "bfloat16", 230.0, peak_gib=16.0, bpt=15e9)]
+    return {"schema": results.SCHEMA, "kind": "scale", "setup": fixture_setup("python3 bench.py e2e --sizes all", date),
+            "sizes": ["gpt2", "gpt2-xl", "llama-3.1-8b"], "new_tokens": 512, "prefill_tokens": 1000,
+            "warmup_tokens": 64, "seed": 0,
+            "ceilings": {"copy_tbps": 4.0, "copy_what": "fixture copy", "bf16_tflops": 600.0, "bf16_what": "fixture"},
+            "targets": {"copy_pct": scale.COPY_TARGETS,
+                        "tokens_per_s": {f"{s} {d}": v for (s, d), v in scale.RATE_TARGETS.items()},
+                        "prefill_pct_bf16_gemm": scale.PREFILL_TARGET, "prefill_sizes": list(scale.PREFILL_TARGET_SIZES),
+                        "memory": "peak <= 1.15 x (weights + KV cache) + 256 MiB"},
+            "method": scale.METHOD, "rows": rows, "plot": None}
+
+
 def resources_result():
     rows = [r.as_dict() for r in kernels.compile_report(RUNGS[0], "sm_90")]
     setup = fixture_setup("python3 bench.py resources --arch sm_90") | {"device": None}  # compiled, no device

@@ -1,0 +1,332 @@
+"""`bench.py e2e --sizes LIST`: decode at scale. Every model size named (GPT-2's four, Llama's three),
+from random weights of the real shapes loaded as lab.py loads them (in the run's dtype, one copy, GPT-2's
+Conv1D weights laid out for the fast engine), one KV-cache generation per size and dtype with the
+newest rung that takes the model as lab.py picks it:
+
+- decode tokens/s after the first token, and the weight bytes one step reads over the time per token
+  against the device-to-device copy ceiling measured in the same run (the bandwidth floor: the tokens/s
+  at which the weights would stream at the ceiling), held to the issue's targets;
+- peak GPU memory (the CuPy pool's high-water mark from the weights in place) against 1.15 x (weights
+  + KV cache) + 256 MiB, beside cudaMemGetInfo's count;
+- time to first token of a --prefill-tokens prompt (1,000 by default), and the rate of the prefill's
+  matrix products over that whole time against the bf16 GEMM ceiling measured in the same run;
+- HF transformers beside each size (bfloat16, static cache; its own random weights of the same config:
+  decode speed does not depend on the values).
+
+gpt2/ and llama/ are imported only when the subcommand runs."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from . import device, plots, timing
+from .device import CannotRun, first_line, progress
+from .results import SCHEMA, result_path, write_result, wrote
+
+SIZES = {"gpt2": "GPT-2 small", "gpt2-medium": "GPT-2 medium", "gpt2-large": "GPT-2 large", "gpt2-xl": "GPT-2 XL",
+         "llama-3.2-1b": "Llama 3.2 1B", "llama-3.2-3b": "Llama 3.2 3B", "llama-3.1-8b": "Llama 3.1 8B"}
+FAMILY_DTYPES = {"gpt2": ("bfloat16", "float32"), "llama": ("bfloat16",)}  # without --dtypes
+PREFILL_TOKENS = 1000
+PROMPTS = {"gpt2": [15496, 11, 314, 1101, 257, 3303, 2746, 11],  # "Hello, I'm a language model,"
+           "llama": [128000, 791, 4062, 14198, 39935, 35308, 927, 279, 16053, 5679, 13]}  # e2e_llama's ids
+COPY_TARGETS = {"bfloat16": 80.0, "float32": 70.0}  # decode: % of the copy ceiling (weight bytes per second)
+RATE_TARGETS = {("gpt2", "bfloat16"): 10_000.0, ("gpt2", "float32"): 6_000.0}  # tokens/s, by (size, dtype)
+PREFILL_TARGET = 50.0  # the prefill's products: % of the bf16 GEMM ceiling (gpt2-xl and Llama shapes)
+PREFILL_TARGET_SIZES = ("gpt2-xl", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b")
+
+
+def family(size: str) -> str:
+    return "llama" if size.startswith("llama") else "gpt2"
+
+
+def model(size: str):
+    """The package that runs `size` (gpt2 or llama), imported now."""
+    if family(size) == "llama":
+        import llama
+
+        return llama
+    import gpt2
+    import gpt2.fast  # noqa: F401
+
+    return gpt2
+
+
+def weight_bytes_per_token(size: str, config, dtype: str) -> int:
+    """Bytes of weights one decode step reads (every matrix once, the head whole)."""
+    if family(size) == "llama":
+        from llama.load import weight_bytes_per_token as llama_bytes
+
+        return llama_bytes(config, dtype)
+    return model(size).fast.weight_bytes_per_token(config, dtype)
+
+
+def prefill_ids(size: str, config, n: int) -> list[int]:
+    """n token ids from a fixed generator (Llama: after <|begin_of_text|>): any ids do on random weights."""
+    ids = np.random.default_rng(25).integers(0, min(config.vocab_size, 50000), n).tolist()
+    return [128000, *ids[1:]] if family(size) == "llama" else ids
+
+
+def measure(size: str, dtype: str, args, copy_bps: float, bf16_tflops: float | None) -> dict:
+    """One size in one dtype, as lab.py --random-weights --kv-cache runs it (see the module's docstring)."""
+    import kernels
+    import lab
+    from lm.arrays import held_bytes
+    from lm.kv_cache import kv_cache_bytes
+    from lm.summary import memory_figures
+
+    cupy = device.get_cupy()
+    pool = cupy.get_default_memory_pool()
+    module = model(size)
+    device.release_memory()
+    free_before = cupy.cuda.runtime.memGetInfo()[0]
+    ckpt = module.random_weights(size, seed=args.seed, xp=cupy, dtype=dtype)
+    config, params = ckpt.config, ckpt.params
+    if family(size) == "gpt2":
+        module.fast.decode_layout(params)
+    cupy.cuda.Device().synchronize()
+    pool.free_all_blocks()  # the draws' float32 transients: the peak counts from the weights in place
+    kernel = lab.fit_kernel(lab.REFERENCE, None, config, dtype, "gpu", kernels.device_limits().arch)
+    attend = lab.make_attend(kernel, dtype)
+    prompt, long_prompt = PROMPTS[family(size)], prefill_ids(size, config, args.prefill_tokens)
+
+    def generate(ids, n, on_token=None):
+        return module.generate(params, config, ids, n, attend=attend, kv_cache=True, on_token=on_token)
+
+    def sync():
+        cupy.cuda.Device().synchronize()
+
+    generate(prompt, args.warmup)  # compiles every kernel, warms up
+    generate(long_prompt, 1)  # and at the long prompt's length (a rung validated, the prefill's workspace)
+    sync()
+    stamps = []
+    generate(prompt, args.tokens, lambda token: stamps.append(time.perf_counter()))
+    sync()
+    ttft = []
+    for _ in range(3):
+        sync()
+        start = time.perf_counter()
+        generate(long_prompt, 1)
+        sync()
+        ttft.append(time.perf_counter() - start)
+    peak, used = pool.total_bytes(), free_before - cupy.cuda.runtime.memGetInfo()[0]
+    why = module.fast.unsupported_reason(params, config, kv_cache=True) if family(size) == "gpt2" else "Llama"
+    if why is None:
+        engine = module.fast.engine_for(params, config)
+        kv, added = engine.k_cache.nbytes + engine.v_cache.nbytes, engine.added_bytes()
+        step = "persistent step" if engine.persistent else f"CUDA graphs (persistent step {engine.persistent_note})"
+        path = f"fast: {step}"
+    else:
+        positions = max(len(prompt) + args.tokens - 1, len(long_prompt))
+        kv, added, path = kv_cache_bytes(config, positions, dtype), None, "eager"
+    rate = (len(stamps) - 1) / (stamps[-1] - stamps[0])
+    bpt = weight_bytes_per_token(size, config, dtype)
+    matrices = sum(int(a.size) for name, a in params.items() if a.ndim == 2 and name.startswith(("h.", "model.layers.")))
+    seconds = float(np.median(ttft))
+    row = {"size": size, "model": SIZES[size], "family": family(size), "dtype": dtype, "kind": "lab", "status": "ok",
+           "engine": path, "attention": kernel, "n_params": ckpt.n_params, "new_tokens": len(stamps),
+           "decode_tokens_per_s": rate, "us_per_token": 1e6 / rate, "weight_bytes_per_token": bpt,
+           "weight_tbps": bpt * rate / 1e12, "pct_copy": 100 * bpt * rate / copy_bps,
+           "floor_tokens_per_s": copy_bps / bpt, "prefill_tokens": len(long_prompt), "ttft_ms": 1e3 * seconds,
+           "prefill_tflops": 2 * matrices * len(long_prompt) / seconds / 1e12, "peak_bytes": peak,
+           **memory_figures(peak, used, held_bytes(params.values()), kv, added)}
+    row["pct_bf16_gemm"] = 100 * row["prefill_tflops"] / bf16_tflops if bf16_tflops else None
+    return row | targets(row)
+
+
+def release() -> None:
+    """The last size's weights back to the device: the fast engines that view them, then the pools."""
+    import sys
+
+    if "gpt2.fast" in sys.modules:
+        sys.modules["gpt2.fast"].clear_cache()
+    device.release_memory()
+
+
+def targets(row: dict) -> dict:
+    """The issue's targets for this row: None where none applies."""
+    rate = RATE_TARGETS.get((row["size"], row["dtype"]))
+    prefill = row["size"] in PREFILL_TARGET_SIZES and row.get("pct_bf16_gemm") is not None
+    return {"copy_target_pct": COPY_TARGETS.get(row["dtype"]),
+            "copy_target_met": row["pct_copy"] >= COPY_TARGETS[row["dtype"]] if row["dtype"] in COPY_TARGETS else None,
+            "rate_target": rate, "rate_target_met": row["decode_tokens_per_s"] >= rate if rate else None,
+            "prefill_target_met": row["pct_bf16_gemm"] >= PREFILL_TARGET if prefill else None}
+
+
+def measure_hf(size: str, args, copy_bps: float) -> dict:
+    """HF transformers on the same config in bfloat16 with a static cache (its own random weights), decode
+    tokens/s after the first token as e2e's HF peer measures them."""
+    from .e2e import hf_transformers, time_hf_model
+
+    torch, transformers = hf_transformers()
+    config = model(size).SIZES[size]
+    if family(size) == "llama":
+        from llama.config import to_json
+
+        cls, hf_config = transformers.LlamaForCausalLM, transformers.LlamaConfig
+    else:
+        from gpt2.load import to_json
+
+        cls, hf_config = transformers.GPT2LMHeadModel, transformers.GPT2Config
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # initialised in bfloat16, on the device: no float32 copy anywhere
+    try:
+        with torch.device("cuda"):
+            settings = {k: v for k, v in to_json(config).items() if k != "model_type"}  # the class's own
+            hf = cls(hf_config(**settings, attn_implementation=args.hf_attn)).eval()
+    finally:
+        torch.set_default_dtype(saved)
+    out = time_hf_model(hf, PROMPTS[family(size)], args.tokens, True, args.warmup, static_cache=True)
+    t = out["elapsed"]
+    rate = (len(t) - 1) / (t[-1] - t[0])
+    bpt = weight_bytes_per_token(size, config, "bfloat16")
+    return {"size": size, "model": SIZES[size], "family": family(size), "dtype": "bfloat16", "kind": "hf",
+            "status": "ok", "engine": f"HF transformers {transformers.__version__} ({args.hf_attn}, static cache)",
+            "decode_tokens_per_s": rate, "us_per_token": 1e6 / rate, "weight_bytes_per_token": bpt,
+            "weight_tbps": bpt * rate / 1e12, "pct_copy": 100 * bpt * rate / copy_bps,
+            "floor_tokens_per_s": copy_bps / bpt, "peak_bytes": out["peak_bytes"]}
+
+
+def cmd_scale(args) -> int:
+    device.require_gpu()
+    try:
+        for size in args.sizes:
+            model(size)  # now, not after the first sizes' minutes
+    except ImportError as exc:
+        raise CannotRun(f"needs the packages gpt2/ and llama/ ({first_line(exc)})") from None
+    setup = device.setup_info(args.argv) | {"model": "sizes"}
+    method = timing.Method()
+    copy = timing.measure_copy(method)
+    tensor = timing.measure_tensor_ceilings(method)
+    copy_bps = copy["copy_tbps"] * 1e12
+    progress(f"{setup['device']['name']}: copy ceiling {copy['copy_tbps']:.2f} TB/s, bf16 GEMM "
+             f"{tensor['bf16_tflops'] or 0:.0f} TFLOP/s; sizes {', '.join(args.sizes)}")
+    rows = []
+    for size in args.sizes:
+        for dtype in args.dtypes or FAMILY_DTYPES[family(size)]:
+            row = {"size": size, "model": SIZES[size], "family": family(size), "dtype": dtype, "kind": "lab"}
+            try:
+                row = measure(size, dtype, args, copy_bps, tensor["bf16_tflops"])
+            except Exception as exc:  # out of memory, a LabError (too many tokens), a kernel that fails
+                row |= {"status": "error", "reason": first_line(exc)}
+            release()
+            rows.append(row)
+            progress(progress_line(row))
+        if not args.no_hf:
+            row = {"size": size, "model": SIZES[size], "family": family(size), "dtype": "bfloat16", "kind": "hf"}
+            try:
+                row = measure_hf(size, args, copy_bps)
+            except Exception as exc:  # Unavailable (no torch or transformers), out of memory
+                row |= {"status": "unavailable", "reason": first_line(exc)}
+            release()
+            rows.append(row)
+            progress(progress_line(row))
+    result = {"schema": SCHEMA, "kind": "scale", "setup": setup, "sizes": args.sizes, "new_tokens": args.tokens,
+              "prefill_tokens": args.prefill_tokens, "warmup_tokens": args.warmup, "seed": args.seed,
+              "ceilings": {"copy_tbps": copy["copy_tbps"], "copy_what": copy["copy_what"],
+                           "bf16_tflops": tensor["bf16_tflops"], "bf16_what": tensor["bf16_what"]},
+              "targets": {"copy_pct": COPY_TARGETS, "tokens_per_s": {f"{s} {d}": v for (s, d), v in RATE_TARGETS.items()},
+                          "prefill_pct_bf16_gemm": PREFILL_TARGET, "prefill_sizes": list(PREFILL_TARGET_SIZES),
+                          "memory": "peak <= 1.15 x (weights + KV cache) + 256 MiB"},
+              "method": METHOD, "rows": rows}
+    path = result_path("scale", setup, args.results)
+    result["plot"] = plots.plot_or_none(plots.plot_scale, result, path.with_suffix(".png"))
+    write_result(result, path)
+    print("\n" + render_scale(result, result["plot"]))
+    progress(wrote(path, result["plot"]))
+    return 0
+
+
+METHOD = {
+    "weights": "random weights of the real shapes, drawn in the run's dtype as lab.py --random-weights loads them "
+               "(GPT-2's Conv1D weights laid out once by gpt2.fast.decode_layout)",
+    "decode": "the prompt's ids, then --tokens greedy tokens over the KV cache (gpt2.generate: the fast engine; "
+              "llama.generate: the eager model), after a --warmup-token generation; tokens/s from the first "
+              "token's arrival on the host to the last's",
+    "bandwidth": "weight bytes one decode step reads (every matrix once, the head whole) x tokens/s, against a "
+                 "device-to-device copy (bytes read + written) measured in the same run; the floor is the tokens/s "
+                 "at which the weights would stream at that ceiling",
+    "prefill": "median of 3 generations of one token after a --prefill-tokens prompt (compiled before); the "
+               "products' rate is 2 x the layers' matrix weights x the prompt's tokens over that whole time (a "
+               "lower bound on the products' own rate), against torch.matmul bf16 8192^3 measured in the same run",
+    "memory": "the CuPy pool's high-water mark (total_bytes; the pool keeps every block it has handed out) from "
+              "the weights in place to the end of the size's runs, against 1.15 x (weights + KV cache) + 256 MiB: "
+              "the fast engine's static cache (n_positions), or the eager path's longest; cudaMemGetInfo's "
+              "count beside it",
+    "hf": "transformers' model of the same config, initialised on the device in bfloat16 (its own random "
+          "weights), generate(do_sample=False, cache_implementation='static') after a warm-up of all --tokens "
+          "tokens; peak: torch.cuda.max_memory_reserved()",
+}
+
+
+def progress_line(row: dict) -> str:
+    where = f"{row['model']:<13} {row['dtype']:<8} {'HF' if row['kind'] == 'hf' else 'lab':<3}"
+    if row["status"] != "ok":
+        return f"{where} {row['status']}: {row['reason']}"
+    line = (f"{where} {row['decode_tokens_per_s']:9.1f} tokens/s ({row['pct_copy']:4.0f}% of copy), peak "
+            f"{row['peak_bytes'] / 2**30:6.2f} GiB")
+    if row["kind"] == "lab":
+        line += f" (bound {row['memory_bound_bytes'] / 2**30:.2f}), first token {row['ttft_ms']:.1f} ms"
+    return line
+
+
+# -- rendering ----------------------------------------------------------------------------------------
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f}"
+
+
+def _met(value) -> str:
+    return "-" if value is None else ("met" if value else "missed")
+
+
+def render_scale(result: dict, image: str | None = None) -> str:
+    """Two tables (decode; memory and prefill), one row per size and dtype, the HF peer beside each size."""
+    from .tables import setup_header, table
+
+    c, t = result["ceilings"], result["targets"]
+    bf16 = f"{c['bf16_tflops']:.0f} TFLOP/s" if c.get("bf16_tflops") else f"not measured ({c.get('bf16_what')})"
+    lines = setup_header(result) + [
+        "",
+        f"Decode at scale: {result['new_tokens']} new tokens after a short prompt, greedy, KV cache; first token "
+        f"after a {result['prefill_tokens']:,}-token prompt. Ceilings measured in the same run: copy "
+        f"{c['copy_tbps']:.2f} TB/s ({c['copy_what']}), bf16 GEMM {bf16}. Targets: decode at least "
+        + ", ".join(f"{p:.0f}% of the copy ceiling in {d}" for d, p in t["copy_pct"].items())
+        + "; GPT-2 small " + ", ".join(f"{v:,.0f} tokens/s in {k.split()[1]}" for k, v in t["tokens_per_s"].items())
+        + f"; {t['memory']}; the prefill's products at least {t['prefill_pct_bf16_gemm']:.0f}% of the bf16 GEMM "
+        f"ceiling ({', '.join(t['prefill_sizes'])}). "
+        + " ".join(f"{'HF' if k == 'hf' else k.capitalize()}: {v}." for k, v in result["method"].items()),
+    ]
+    if image:
+        lines += ["", f"![decode tokens/s per model against its bandwidth floor]({image})"]
+    decode, memory = [], []
+    for r in result["rows"]:
+        who = r["engine"] if r["status"] == "ok" else ("HF transformers" if r["kind"] == "hf" else "lab")
+        if r["status"] != "ok":
+            decode.append([r["model"], r["dtype"], who, f"**{r['status']}**", "-", "-", "-", "-", "-", r.get("reason", "")])
+            continue
+        target = r.get("copy_target_pct")
+        met = ("-" if r["kind"] == "hf" else f"{target:.0f}%: {_met(r['copy_target_met'])}"
+               + (f"; {r['rate_target']:,.0f}/s: {_met(r['rate_target_met'])}" if r.get("rate_target") else ""))
+        decode.append([r["model"], r["dtype"], who, f"{r['decode_tokens_per_s']:,.1f}", f"{r['us_per_token']:,.0f}",
+                       _gb(r["weight_bytes_per_token"]), f"{r['weight_tbps']:.2f} ({r['pct_copy']:.0f}%)",
+                       f"{r['floor_tokens_per_s']:,.0f}", met, r.get("attention", "")])
+        if r["kind"] == "lab":
+            pct = f" ({r['pct_bf16_gemm']:.0f}%)" if r.get("pct_bf16_gemm") is not None else ""
+            memory.append([r["model"], r["dtype"], _gb(r["weight_bytes"]), _gb(r["kv_cache_bytes"]),
+                           _gb(r["peak_bytes"]), f"{r['peak_bytes'] / (r['weight_bytes'] + r['kv_cache_bytes']):.2f}x",
+                           _gb(r["memory_bound_bytes"]), "within" if r["within_memory_bound"] else "**over**",
+                           _gb(r["gpu_memory_used_bytes"]), f"{r['ttft_ms']:,.1f}",
+                           f"{r['prefill_tflops']:.0f}{pct}" + (f": {_met(r['prefill_target_met'])}"
+                                                                if r.get("prefill_target_met") is not None else "")])
+        else:
+            memory.append([r["model"], r["dtype"] + " (HF)", "-", "-", _gb(r["peak_bytes"]), "-", "-", "-", "-", "-", "-"])
+    lines += ["", "**Decode**", ""] + table(
+        ["model", "dtype", "engine", "decode tokens/s", "us/token", "weights GB/token", "weights TB/s (% of copy)",
+         "floor tokens/s", "target", "attention"], decode, "lllrrrrrll")
+    lines += ["", f"**Memory and the first token** (GB; first token after {result['prefill_tokens']:,} tokens)", ""] + table(
+        ["model", "dtype", "weights", "KV cache", "peak", "peak / (weights + KV)", "bound", "memory",
+         "device in use", "first token ms", "prefill TFLOP/s (% of bf16 GEMM)"], memory, "llrrrrrlrrl")
+    return "\n".join(lines)
