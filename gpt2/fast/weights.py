@@ -115,7 +115,8 @@ def layernorm_fold(cp, W, bias, ln_w, ln_b):
     ln_w64, ln_b64 = ln_w.astype(cp.float64), ln_b.astype(cp.float64)
     out = cp.empty((N, 2), dtype=cp.float32)
     for n in range(0, N, step):
-        W64 = to_float32(cp, W[n:n + step]).astype(cp.float64)
+        rows = W[n:n + step]
+        W64 = (to_float32(cp, rows) if rows.dtype.name in ("bfloat16", "uint16") else rows).astype(cp.float64)
         out[n:n + step] = cp.stack([W64 @ ln_w64, bias[n:n + step].astype(cp.float64) + W64 @ ln_b64], axis=1)
     return out
 
