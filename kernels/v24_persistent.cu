@@ -493,8 +493,9 @@ attention_forward(const element* __restrict__ /* Q */, const element* __restrict
         const int wg_first = tile.row_start + wg_row;  // first row of this warpgroup as a query index
         const int my_row = wg_first + 16 * warp + g;   // this thread's rows: my_row and my_row + 8
         // The warps' release of Q_i, once the last product that reads it has landed, so that the
-        // producer loads Q_i+1 under this tile's last steps and epilogue. The warp's lanes have all
-        // read the tile before lane 0 arrives.
+        // producer loads Q_i+1 under this tile's last steps and epilogue. It also hands back the
+        // other slot, which the producer fills next: its lanes read it last in the previous tile's
+        // epilogue, so they sync before lane 0 arrives.
         auto release_Q = [&]() {
             __syncwarp();
             release(Q_empty);
