@@ -33,12 +33,21 @@ A rung declares what the launcher needs in its header comment, one `lab.<key>` l
     lab.tma        Q: (B_r, d_head), K: (B_c, d_head)  TMA descriptors of these tensors (Q, K, V, O), each
                                               for a box of these extents (expressions), in the array's
                                               order (B, NH, T, d), the leading ones 1 if left out
+    lab.persistent true                       a persistent grid: one block per resident slot (SMs x
+                                              blocks per SM, at most one per tile); the kernel walks
+                                              the tiles itself (default: one block per tile)
 
 Every rung exports the same entry point, `attention_forward<...>`, with one signature, launched on a
 grid of (ceil(T_q / B_r), n_heads, batch) blocks: one block per tile of B_r query rows of one head.
 A rung with lab.tma takes one more parameter per declared tensor, in the declaration's order, after
 the others: `const __grid_constant__ CUtensorMap`, the tensor's descriptor with 128-byte swizzle
 (driver.tensor_map_arguments), so a box's inner extent is at most 128 bytes.
+
+A rung with lab.persistent is launched on a grid of (min(tiles, SMs x blocks per SM), 1, 1) blocks,
+tiles = ceil(T_q / B_r) x n_heads x batch, and takes two more parameters after the strides (before
+any descriptors): `int n_heads, int batch`. Its workspace starts with one 32-bit word, a tile
+counter, that is zero at every launch: the launcher zeroes the workspace once per prepared call and
+the kernel must leave the counter at zero when it ends (then come its lab.workspace floats per row).
 """
 
 from __future__ import annotations
@@ -56,7 +65,7 @@ _RUNG_FILE = re.compile(r"^v(\d+)_([a-z0-9_]+)\.cu$")
 _DECL = re.compile(r"^\s*(?:\*|//)\s*lab\.(\w+)\s+(.*?)\s*$")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 _KEYS = {"template", "configs", "threads", "smem", "workspace", "strided", "options", "stack", "tolerance", "dtypes",
-         "dtype_param", "supports", "split_kv", "cluster", "min_arch", "tf32_products", "tma"}
+         "dtype_param", "supports", "split_kv", "cluster", "min_arch", "tf32_products", "tma", "persistent"}
 FEATURES = ("noncausal", "cross", "gqa")
 TMA_TENSORS = ("Q", "K", "V", "O")
 
@@ -82,6 +91,7 @@ class Rung:
     min_arch: int = 0  # 90 for sm_90: the oldest architecture it compiles for
     tf32_products: str = "0"  # TF32 tensor-core products per product of float32 inputs (0: FFMA)
     tma: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (tensor, box extents as expressions), declared order
+    persistent: bool = False  # a grid of the resident blocks, the kernel walking the tiles (lab.persistent)
     source: str = field(default="", repr=False, compare=False)
     files: tuple = field(default=(), repr=False, compare=False)  # (path, stamp) of the file and its includes
 
@@ -264,6 +274,7 @@ def parse(path: Path) -> Rung:
         min_arch=arch_number(decl["min_arch"], f"{path}: lab.min_arch") if "min_arch" in decl else 0,
         tf32_products=decl.get("tf32_products", "0"),
         tma=parse_tma(decl["tma"], f"{path}: lab.tma") if "tma" in decl else (),
+        persistent=decl.get("persistent", "false").lower() == "true",
         source=source,
         files=tuple((p, _stamp(p)) for p in files),
     )
@@ -272,6 +283,9 @@ def parse(path: Path) -> Rung:
         raise ValueError(f"{path}: lab.dtypes {', '.join(sorted(unknown))} not among {', '.join(DTYPES)}")
     if rung.dtype_param is not None:
         check_dtype_param(rung)
+    if rung.persistent and (rung.split_kv or rung.cluster is not None):
+        raise ValueError(f"{path}: lab.persistent sizes the grid by the device; it cannot go with "
+                         f"lab.{'split_kv' if rung.split_kv else 'cluster'}, which size it by the tiles")
     unknown = set(rung.supports) - set(FEATURES)
     if unknown:
         raise ValueError(f"{path}: lab.supports {', '.join(sorted(unknown))} not among {', '.join(FEATURES)}")

@@ -20,6 +20,7 @@ from . import triton as triton_rungs
 
 COMMON_OPTIONS = ("-ftz=true",)  # CuPy adds -ftz=true to every compile; the NVRTC path matches it
 MAX_GRID_YZ = 65535
+MAX_PERSISTENT_TILES = 2**31 - 1  # a persistent rung counts its tiles in a 32-bit int
 
 compile_seconds = 0.0  # total time spent compiling in this process (lab.py reports it apart)
 
@@ -134,7 +135,24 @@ class Instance:
         return ", ".join(f"{k}={v}" for k, v in self.rung.params(self.config).items())
 
     def blocks_per_sm(self) -> int:
-        return driver.blocks_per_sm(self.function, math.prod(self.block), self.smem)
+        if not hasattr(self, "_blocks_per_sm"):
+            self._blocks_per_sm = driver.blocks_per_sm(self.function, math.prod(self.block), self.smem)
+        return self._blocks_per_sm
+
+    def grid(self, B: int, NH: int, T_q: int, T_k: int) -> tuple[int, int, int]:
+        """The launch grid: (T_r x splits, NH, B), a block per tile (and split); for a lab.persistent
+        rung (min(tiles, SMs x blocks per SM), 1, 1), the blocks that run at once, each walking tiles."""
+        T_r = (T_q + self.B_r - 1) // self.B_r
+        if not self.rung.persistent:
+            return T_r * self.splits(B, NH, T_q, T_k), NH, B
+        tiles = T_r * NH * B
+        if tiles > MAX_PERSISTENT_TILES:
+            raise ValueError(f"kernel {self.rung.name}: {tiles} tiles of {self.B_r} rows; a persistent rung "
+                             f"takes at most {MAX_PERSISTENT_TILES}")
+        resident = device_limits().sm_count * self.blocks_per_sm()
+        if resident < 1:
+            raise ValueError(f"kernel {self.rung.name} config {self.describe()}: no block fits on an SM")
+        return min(tiles, resident), 1, 1
 
     def splits(self, B: int, NH: int, T_q: int, T_k: int) -> int:
         """Key blocks per query tile for a split-KV rung: enough blocks to fill every SM twice,
@@ -153,6 +171,8 @@ class Instance:
         return max(1, min(wanted, -(-T_k // B_c), 128))
 
     def workspace_floats(self, B: int, NH: int, T_q: int, T_k: int) -> int:
+        if self.rung.persistent:  # the tile counter, then the rows' scratch
+            return 1 + B * NH * T_q * self.workspace_per_row
         if not self.rung.split_kv:
             return B * NH * T_q * self.workspace_per_row
         if self.cluster is not None:  # partials in the cluster's shared memory
@@ -163,15 +183,18 @@ class Instance:
         return B * NH * T_q * splits * (d_head + 2) + tiles  # partials, then one counter per tile
 
     def launch(self, q, k, v, out, workspace, scale: float, causal: bool, tensor_maps=()):
-        """One launch; `tensor_maps`, a lab.tma rung's descriptors, are its last parameters."""
+        """One launch; `tensor_maps`, a lab.tma rung's descriptors, are its last parameters, after a
+        lab.persistent rung's head and batch counts."""
         B, NH, T_q, _ = q.shape
         NH_kv, T_k = k.shape[1], k.shape[2]
         item = q.itemsize
         q_strides = [np.int64(s // item) for s in q.strides[:3]]
         kv_strides = [np.int64(s // item) for s in k.strides[:3]]
-        grid = ((T_q + self.B_r - 1) // self.B_r * self.splits(B, NH, T_q, T_k), NH, B)
+        grid = self.grid(B, NH, T_q, T_k)
         sizes = (np.int32(T_q), np.int32(T_k), np.int32(NH // NH_kv), np.int32(causal))
         args = (q, k, v, out, workspace, *sizes, np.float32(scale), *q_strides, *kv_strides)
+        if self.rung.persistent:
+            args += (np.int32(NH), np.int32(B))
         if tensor_maps:  # a CUtensorMap goes by value: packed as 128 bytes for cuLaunchKernelEx
             stream = _cupy().cuda.get_current_stream().ptr
             driver.PackedLaunch(self.function, grid, self.block, args + tuple(tensor_maps), shared_mem=self.smem,
@@ -371,7 +394,11 @@ def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, ou
             k, v = cupy.ascontiguousarray(k), cupy.ascontiguousarray(v)
     out = _output(q, out)
     floats = max(1, inst.workspace_floats(B, NH, T, k.shape[2]))
-    if rung.split_kv:
+    if rung.persistent:
+        # the tile counter starts at zero and every launch leaves it there; a workspace of this
+        # call's own, so that calls prepared apart may run on different streams at once
+        workspace = cupy.zeros(floats, dtype=np.float32)
+    elif rung.split_kv:
         # the counters must start at zero and every launch leaves them there: zero once, reuse
         key = (cupy.cuda.runtime.getDevice(), id(inst), floats)
         if key not in _split_workspaces:

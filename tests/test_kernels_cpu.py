@@ -132,6 +132,66 @@ def test_cluster_and_min_arch_declarations(tmp_path):
             kernels.load(write(tmp_path, "bad.cu", edit(CLUSTERED)))
 
 
+PERSISTENT = MINIMAL.replace(" * lab.workspace  2\n", " * lab.persistent true\n")
+
+
+class Recorder:
+    """Stands in for a compiled kernel: keeps the grid and arguments of each launch."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        self.launches.append((grid, args))
+
+
+def stand_in_instance(rung, config, per_sm):
+    """An Instance without a GPU: what grid(), workspace_floats() and launch() read."""
+    inst = object.__new__(runtime.Instance)
+    inst.rung, inst.config, inst.B_r, inst.workspace_per_row = rung, config, rung.params(config)["B_r"], 0
+    inst.cluster, inst.block, inst.smem, inst.function = None, rung.block(config), 0, Recorder()
+    inst._blocks_per_sm = per_sm
+    return inst
+
+
+def test_a_persistent_rung_gets_the_resident_blocks_and_its_head_and_batch_counts(monkeypatch, tmp_path):
+    """lab.persistent: a grid of min(tiles, SMs x blocks per SM) blocks along x, the head and batch
+    counts after the strides, and a workspace of the tile counter and the rows' scratch."""
+    monkeypatch.setattr(runtime, "device_limits", lambda: runtime.DeviceLimits("stand-in", "sm_90", 132, 1024, 0))
+    rung = kernels.load(write(tmp_path, "persistent.cu", PERSISTENT))
+    assert rung.persistent and not kernels.load(write(tmp_path, "plain.cu", MINIMAL)).persistent
+    inst = stand_in_instance(rung, (64, 32, 32), per_sm=2)
+    assert inst.grid(8, 12, 1024, 1024) == (264, 1, 1)  # 32 x 12 x 8 = 3072 tiles, 132 x 2 resident
+    assert inst.grid(1, 2, 100, 100) == (8, 1, 1)  # 4 x 2 tiles: one block each
+    assert inst.grid(1, 1, 1, 1) == (1, 1, 1)
+    assert inst.workspace_floats(8, 12, 1024, 1024) == 1
+    inst.workspace_per_row = 2
+    assert inst.workspace_floats(8, 12, 1024, 1024) == 1 + 2 * 8 * 12 * 1024
+    q = np.zeros((3, 4, 100, 64), np.float32)
+    k = np.zeros((3, 2, 90, 64), np.float32)
+    inst.launch(q, k, k, q, q, 0.125, True)
+    (grid, args), = inst.function.launches
+    assert grid == (3 * 4 * 4, 1, 1)
+    assert [type(a) for a in args[-8:]] == [np.int64] * 6 + [np.int32] * 2
+    assert [int(a) for a in args[-2:]] == [4, 3]  # n_heads, batch
+    assert [int(a) for a in args[5:9]] == [100, 90, 2, 1]  # T_q, T_k, kv_group, causal as for any rung
+    plain = stand_in_instance(kernels.load(write(tmp_path, "plain.cu", MINIMAL)), (64, 32, 32), per_sm=2)
+    assert plain.grid(8, 12, 1024, 1024) == (32, 12, 8)
+    plain.launch(q, k, k, q, q, 0.125, True)
+    (grid, args), = plain.function.launches
+    assert grid == (4, 4, 3) and len(args) == len(inst.function.launches[0][1]) - 2
+    with pytest.raises(ValueError, match="at most 2147483647"):
+        inst.grid(65535, 65535, 1024, 1024)
+    with pytest.raises(ValueError, match="no block fits on an SM"):
+        stand_in_instance(rung, (64, 32, 32), per_sm=0).grid(1, 1, 1024, 1024)
+
+
+@pytest.mark.parametrize("other", [" * lab.split_kv   true\n", " * lab.cluster    2\n"])
+def test_persistent_excludes_split_kv_and_clusters(tmp_path, other):
+    with pytest.raises(ValueError, match="lab.persistent sizes the grid by the device; it cannot go with lab.(split_kv|cluster)"):
+        kernels.load(write(tmp_path, "bad.cu", PERSISTENT.replace(" * lab.persistent true\n", " * lab.persistent true\n" + other)))
+
+
 TWO_DTYPES = MINIMAL.replace("lab.template   d_head, B_r, B_c\n", "lab.template   d_head, B_r, B_c, dtype_id\n").replace(
     "lab.configs    (64, 32, 32), (32, 16, 16)\n",
     "lab.configs    (64, 32, 32, 0), (64, 32, 32, 1), (64, 16, 16, 1), (32, 16, 16, 0), (32, 16, 16, 1)\n"

@@ -288,3 +288,41 @@ def test_nan_reaches_every_row_that_sees_it_every_config(name, config, shape, wh
         check_nan_reaches(name, where, T_q=100, T_k=100, row=40, config=config)
     else:
         check_nan_reaches(name, where, T_q=300, T_k=97, row=250 if where == "q" else 40, config=config)
+
+
+PERSISTENT = [name for name in RUNGS if kernels.load(name).persistent]
+
+
+@pytest.mark.parametrize("name", PERSISTENT)
+@pytest.mark.parametrize("B,NH,NH_kv,T_q,T_k,d,causal,dtype", [
+    (1, 10, 10, 8192, 8192, 128, True, "bfloat16"),  # K and V past L2_ALL: tiles in chunks of 4 heads, the last of 2
+    (3, 12, 4, 1024, 1024, 64, True, "float16"),     # more tiles than SMs, grouped K/V heads
+    (2, 12, 12, 1000, 1500, 64, False, "bfloat16"),  # non-causal, cross
+    (2, 8, 8, 1500, 700, 128, True, "bfloat16"),     # causal cross: the first 800 rows' tiles see no key
+])
+def test_persistent_rung_matches_its_one_block_per_tile_parent(name, B, NH, NH_kv, T_q, T_k, d, causal, dtype):
+    """A persistent rung does its parent's arithmetic per tile (the rung before it, launched a block
+    per tile), so its output is the parent's bit for bit, launch after launch and replayed from a
+    CUDA graph: a launch that left its tile counter off zero would leave the next one's poisoned
+    output partly unwritten."""
+    import cupy as cp
+
+    parent = RUNGS[RUNGS.index(name) - 1]
+    rng = cp.random.default_rng(0)
+    q = rng.standard_normal((B, NH, T_q, d), dtype=cp.float32).astype(dtype)
+    k, v = (rng.standard_normal((B, NH_kv, T_k, d), dtype=cp.float32).astype(dtype) for _ in range(2))
+    want = kernels.attention(q, k, v, kernel=parent, causal=causal)
+    out = cp.empty_like(q)
+    run = kernels.prepare(q, k, v, kernel=name, causal=causal, out=out)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        run()
+        graph = stream.end_capture()
+    for launch in [run, run, graph.launch, graph.launch, run]:
+        out.fill(cp.nan)
+        with stream:
+            launch()
+        stream.synchronize()
+        bad = int(cp.count_nonzero(out.view(cp.uint16) != want.view(cp.uint16)))
+        assert bad == 0, f"{name} {q.shape} k {k.shape} causal={causal}: {bad} elements differ from {parent}'s"

@@ -1,0 +1,274 @@
+"""A model check of v24_persistent's protocol across tiles (the kernel itself runs only on the GPU): random interleavings of the producer thread, the consumer
+warpgroups (one agent each) and the copy engine, for several blocks sharing the tile counter.
+Checks: no deadlock; every parity wait returns for the phase it means (never two phases behind);
+no wgmma reads a buffer before its copy landed or after it was refilled; no copy is issued into a
+buffer a product still reads; each tile slot read holds the tile it should; turns alternate; every
+named barrier generation is one wait and one pass, none left half arrived; the counter ends at
+zero and every tile is done once; the producer leaves with no copy in flight.
+
+The model follows kernels/v24_persistent.cu step by step: an edit to its barriers, turns, ring
+counter, tile slots or draws belongs here too. Breaking any one of them here (no Q empty barrier,
+Q released a step early, one tile slot, the ring restarting per tile, no first or last turn pass,
+the counter reset one draw early, the producer leaving without waiting) fails this test."""
+import random
+
+import pytest
+
+
+class Fail(Exception):
+    pass
+
+
+class MBarrier:
+    def __init__(self, name, count):
+        self.name, self.count, self.pending, self.tx, self.phase = name, count, count, 0, 0
+
+    def arrive(self, tx=0):
+        self.pending -= 1
+        self.tx += tx
+        if self.pending < 0:
+            raise Fail(f"{self.name}: more arrivals than its count")
+        self._complete()
+
+    def complete_tx(self, tx):
+        self.tx -= tx
+        self._complete()
+
+    def _complete(self):
+        if self.pending == 0 and self.tx == 0:
+            self.phase += 1
+            self.pending = self.count
+
+    def ready(self, parity, meant):
+        """try_wait.parity: true once the phase of this parity has completed; `meant` is the phase
+        the code means: completed phases beyond meant + 1 mean the waiter fell two phases behind."""
+        done = (self.phase & 1) != parity
+        if self.phase >= meant + 2:
+            raise Fail(f"{self.name}: waiter for phase {meant} is two phases behind (phase {self.phase})")
+        if done and self.phase != meant + 1:
+            raise Fail(f"{self.name}: wait for phase {meant} returned at phase {self.phase}")
+        return done
+
+
+class Named:
+    """bar.sync / bar.arrive of 256 threads: two warpgroup arrivals complete a generation."""
+
+    def __init__(self, name):
+        self.name, self.arrivals, self.waiters, self.generation = name, [], [], 0
+
+    def arrive(self, who, waits):
+        self.arrivals.append((who, waits))
+        if len(self.arrivals) == 2:
+            kinds = sorted(w for _, w in self.arrivals)
+            if kinds != [False, True]:
+                raise Fail(f"named barrier {self.name}: a generation of {self.arrivals}, not one wait and one pass")
+            self.arrivals = []
+            self.generation += 1
+        return self.generation
+
+
+def run(tiles_Tc, G, C, S, seed):
+    rnd = random.Random(seed)
+    N = len(tiles_Tc)
+    counter = [0]
+    done_tiles = []
+    copies = []  # (block, buffer key, tag, barrier, tx)
+    agents = []
+
+    def block(b):
+        Q_full, Q_empty = MBarrier(f"b{b} Q_full", 1), MBarrier(f"b{b} Q_empty", C)
+        K_full = [MBarrier(f"b{b} K_full{s}", 1) for s in range(S)]
+        V_full = [MBarrier(f"b{b} V_full{s}", 1) for s in range(S)]
+        K_empty = [MBarrier(f"b{b} K_empty{s}", C) for s in range(S)]
+        V_empty = [MBarrier(f"b{b} V_empty{s}", C) for s in range(S)]
+        turns = [Named(f"b{b} turn{c}") for c in range(C)]
+        content = {}  # buffer -> (tag, landed)
+        readers = {}  # buffer -> set of consumers reading it
+        slot = [None, None]
+        issues = []
+
+        def copy(key, tag, bar):
+            if readers.get(key):
+                raise Fail(f"block {b}: copy of {tag} into {key} while {readers[key]} read it")
+            content[key] = (tag, False)
+            bar.arrive(tx=1)
+
+            def land():
+                if content[key] != (tag, False):
+                    raise Fail(f"block {b}: {key} changed under copy {tag}")
+                content[key] = (tag, True)
+                bar.complete_tx(1)
+            copies.append((b, land))
+
+        def issue(c, *buffers):  # consumer c's products, reading (buffer, tag) pairs, in its turn
+            issues.append(c)
+            for key, tag in buffers:
+                if content.get(key) != (tag, True):
+                    raise Fail(f"block {b} consumer {c}: reads {key} for {tag}, holds {content.get(key)}")
+                readers.setdefault(key, set()).add(c)
+
+        def landed(c, *buffers):  # wgmma.wait_group: these products are done reading
+            for key, tag in buffers:
+                if content.get(key) != (tag, True):
+                    raise Fail(f"block {b} consumer {c}: {key} refilled while {tag} was read: {content.get(key)}")
+                readers[key].discard(c)
+
+        def producer():
+            n, k, u = 0, b, 0
+            while True:
+                if n > 0:
+                    yield lambda n=n: Q_empty.ready((n - 1) & 1, n - 1)
+                tile = (k, tiles_Tc[k]) if k < N else (k, -1)
+                slot[n % 2] = (n, tile)
+                yield None
+                if tile[1] < 0:
+                    Q_full.arrive()
+                    break
+                copy("Q", n, Q_full)
+                for _ in range(tile[1]):
+                    if u >= S:
+                        yield lambda u=u: K_empty[u % S].ready(((u // S) & 1) ^ 1, u // S - 1)
+                    copy(f"K{u % S}", u, K_full[u % S])
+                    yield None
+                    if u >= S:
+                        yield lambda u=u: V_empty[u % S].ready(((u // S) & 1) ^ 1, u // S - 1)
+                    copy(f"V{u % S}", u, V_full[u % S])
+                    yield None
+                    u += 1
+                ticket = counter[0]
+                counter[0] += 1
+                yield None
+                if ticket == N - 1:
+                    counter[0] = 0
+                    yield None
+                k = G + ticket
+                n += 1
+            for v in range(max(0, u - S), u):
+                yield lambda v=v: K_full[v % S].ready((v // S) & 1, v // S)
+                yield lambda v=v: V_full[v % S].ready((v // S) & 1, v // S)
+            if any(cb == b for cb, _ in copies):
+                raise Fail(f"block {b}: producer leaves with copies in flight")
+
+        def consumer(c):
+            def sync_turn():
+                g = turns[c].generation
+                turns[c].arrive(("c", c), True)
+                return lambda: turns[c].generation > g
+
+            def pass_turn():
+                turns[(c + 1) % C].arrive(("c", c), False)
+
+            if c == C - 1:
+                pass_turn()
+            u0, n = 0, 0
+            while True:
+                yield lambda n=n: Q_full.ready(n & 1, n)
+                tag, tile = slot[n % 2]
+                if tag != n:
+                    raise Fail(f"block {b} consumer {c}: slot {n % 2} holds tile #{tag}, wants #{n}")
+                if tile[1] < 0:
+                    break
+                T_c = tile[1]
+                if T_c == 0:
+                    Q_empty.arrive()
+                else:
+                    yield lambda u=u0: K_full[u % S].ready((u // S) & 1, u // S)
+                    yield sync_turn()
+                    issue(c, ("Q", n), (f"K{u0 % S}", u0))
+                    pass_turn()
+                    yield None
+                    landed(c, ("Q", n), (f"K{u0 % S}", u0))
+                    K_empty[u0 % S].arrive()
+                    if T_c == 1:
+                        Q_empty.arrive()
+                    yield None
+                    for j in range(1, T_c):
+                        u = u0 + j
+                        yield lambda u=u: K_full[u % S].ready((u // S) & 1, u // S)
+                        yield lambda u=u: V_full[(u - 1) % S].ready(((u - 1) // S) & 1, (u - 1) // S)
+                        yield sync_turn()
+                        issue(c, ("Q", n), (f"K{u % S}", u), (f"V{(u - 1) % S}", u - 1))
+                        pass_turn()
+                        yield None
+                        landed(c, ("Q", n), (f"K{u % S}", u))
+                        K_empty[u % S].arrive()
+                        if j == T_c - 1:
+                            Q_empty.arrive()
+                        yield None
+                        landed(c, (f"V{(u - 1) % S}", u - 1))
+                        V_empty[(u - 1) % S].arrive()
+                        yield None
+                    last = u0 + T_c - 1
+                    yield lambda u=last: V_full[u % S].ready((u // S) & 1, u // S)
+                    yield sync_turn()
+                    issue(c, (f"V{last % S}", last))
+                    pass_turn()
+                    yield None
+                    landed(c, (f"V{last % S}", last))
+                    V_empty[last % S].arrive()
+                u0 += T_c
+                yield None
+                if slot[n % 2] != (n, tile):  # the epilogue reads the tile again
+                    raise Fail(f"block {b} consumer {c}: slot {n % 2} rewritten before tile #{n}'s epilogue")
+                if c == 0:
+                    done_tiles.append(tile[0])
+                n += 1
+            if c == 0:
+                yield sync_turn()
+
+        def check_end():
+            for t in turns:
+                if t.arrivals:
+                    raise Fail(f"{t.name} left half arrived: {t.arrivals}")
+            if issues != [i % C for i in range(len(issues))]:
+                raise Fail(f"block {b}: turns out of order {issues}")
+
+        return [producer()] + [consumer(c) for c in range(C)], check_end
+
+    checks = []
+    for b in range(G):
+        gens, check = block(b)
+        agents.extend(gens)
+        checks.append(check)
+    blocked = {i: None for i in range(len(agents))}  # agent -> condition it waits on
+    alive = set(range(len(agents)))
+    steps = 0
+    while alive or copies:
+        steps += 1
+        if steps > 100_000:
+            raise Fail("no end: the blocks keep drawing tiles")
+        ready = [i for i in alive if blocked[i] is None or blocked[i]()]
+        choices = ready + (["copy"] if copies else [])
+        if not choices:
+            raise Fail(f"deadlock: {len(alive)} agents blocked")
+        pick = rnd.choice(choices)
+        if pick == "copy":
+            _, land = copies.pop(rnd.randrange(len(copies)))
+            land()
+            continue
+        try:
+            blocked[pick] = next(agents[pick])
+        except StopIteration:
+            alive.discard(pick)
+            blocked[pick] = None
+    for check in checks:
+        check()
+    if counter[0] != 0:
+        raise Fail(f"counter ends at {counter[0]}")
+    if sorted(done_tiles) != list(range(N)):
+        raise Fail(f"tiles done {sorted(done_tiles)}")
+
+
+
+CASES = [(C, S, G) for C in (2, 3) for S in (2, 3) for G in (1, 2, 3)]
+
+
+@pytest.mark.parametrize("C,S,G", CASES)
+def test_random_interleavings_keep_the_protocol(C, S, G):
+    rnd = random.Random(C * 100 + S * 10 + G)
+    for i in range(150):
+        tiles = [rnd.choice([0, 1, 1, 2, 3, 4, 5]) for _ in range(rnd.randint(G, 9))]
+        try:
+            run(tiles, G, C, S, seed=i)
+        except Fail as exc:
+            pytest.fail(f"run {i}: {C} consumers, {S} stages, {G} blocks, tiles with T_c {tiles}: {exc}")
