@@ -1,14 +1,17 @@
 """The README's short tables, from the same result files as docs/results.md: per precision class, the
-best rung against its peers at the five GPT-2 shapes, with the sweep plots; and the end-to-end summary.
+best rung against its peers at the five GPT-2 shapes, the frontier's verdict, with the sweep plots; and
+the end-to-end summary.
 Every table names the result file behind its numbers as a link relative to the page it is written to."""
 
 from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 from pathlib import Path
 
 from .cases import GPT2_SHAPES, attention_flops
+from .frontier import verdicts
 from .peers import PEERS
 from .results import E2E_MODELS, e2e_model
 from .tables import fmt_ms, fmt_tflops, fmt_x, table
@@ -89,14 +92,36 @@ def render_class(path: Path, result: dict, base: Path) -> str | None:
     return "\n".join([caption, ""] + table(header, body, "lrr" + "rr" * len(peers)))
 
 
-def render_summary(kernel_results: list[tuple[Path, dict]], sweeps: list[tuple[Path, dict]], base: Path) -> str:
-    """The README's summary: one table per precision class (float32 first), then the sweep plots."""
+def render_frontier_line(path: Path, result: dict, base: Path) -> str:
+    """The frontier in one paragraph: at how many shapes the best rung reached its speed-up over cuDNN,
+    the TFLOP/s targets, and which rung was fastest where."""
+    t, cases = result["targets"], verdicts(result)
+    judged = [v["vs_cudnn_met"] for _, _, v in cases if v["vs_cudnn_met"] is not None]
+    ratios = [v["vs_cudnn"] for _, _, v in cases if v["vs_cudnn"] is not None]
+    spread = f" ({fmt_x(min(ratios))}-{fmt_x(max(ratios))})" if ratios else ""
+    parts = [f"the best rung at least {t['vs_cudnn']:g}x SDPA cuDNN at {sum(judged)} of {len(judged)} shapes{spread}"]
+    for case, _, v in cases:
+        if v["tflops_target"] is not None:
+            got = "no rung correct" if v["best_tflops"] is None else f"{fmt_tflops(v['best_tflops'])} TFLOP/s"
+            parts.append(f"{got} at {case['id']} (target {v['tflops_target']:g}: {'met' if v['tflops_met'] else 'missed'})")
+    fastest = Counter(v["best"] for _, _, v in cases if v["best"])
+    parts.append("fastest: " + ", ".join(f"`{name}` at {n}" for name, n in fastest.most_common()))
+    return (f"**bfloat16 frontier** ({len(cases)} shapes, beside SDPA flash and cuDNN): " + "; ".join(parts)
+            + f". {short_setup(result)}. Results file: {link(path, base)}.")
+
+
+def render_summary(kernel_results: list[tuple[Path, dict]], sweeps: list[tuple[Path, dict]], base: Path,
+                   frontier: tuple[Path, dict] | None = None) -> str:
+    """The README's summary: one table per precision class (float32 first), the frontier's verdict, then
+    the sweep plots."""
     parts = [text for path, result in kernel_results if (text := render_class(path, result, base))]
+    if frontier is not None:
+        parts.append(render_frontier_line(*frontier, base))
     for path, result in sweeps:
         image = Path(os.path.relpath(path.parent / result["plot"], base)).as_posix()
         parts.append(f"![TFLOP/s against sequence length, {result['dtype']}]({image})\n\n"
-                     f"TFLOP/s against sequence length, {result['dtype']}: {short_setup(result)}. "
-                     f"Results file: {link(path, base)}.")
+                     f"TFLOP/s against sequence length, {result['dtype']}, d={result['shapes'][0]['d']}: "
+                     f"{short_setup(result)}. Results file: {link(path, base)}.")
     return "\n\n".join(parts)
 
 
