@@ -54,7 +54,8 @@ def case_title(shape: dict) -> str:
     return f"{shape['B']}x{shape['NH']}x{shape['T_q']}, d{shape['d']}, {mask}{gqa}"
 
 
-CASE_IDS = tuple(case_id(c) for c in CASES)
+def case_ids() -> list[str]:
+    return [case_id(c) for c in CASES]
 
 
 def default_rungs() -> list[Path]:
@@ -128,7 +129,8 @@ def render_frontier(result: dict) -> str:
         "",
         f"Targets: the best rung at least {t['vs_cudnn']:g}x SDPA cuDNN (cuDNN's time over the rung's) at every "
         f"shape with T >= {t['vs_cudnn_from_T']}"
-        + "".join(f"; at least {v:g} TFLOP/s at {k}" for k, v in t["tflops"].items()) + ".",
+        + "".join(f"; at least {v:g} TFLOP/s at {k}" for k, v in t["tflops"].items())
+        + ". \"-\": the target does not apply to the shape; n/a: not judged, SDPA cuDNN did not run.",
         "",
     ]
     header = ["shape", *[labels[n] for n in names], "best rung", "vs SDPA cuDNN", f">= {t['vs_cudnn']:g}x cuDNN",
@@ -168,7 +170,7 @@ def cmd_frontier(args) -> int:
     method = timing.Method(budget_ms=args.budget_ms)
     named = args.kernels is not None
     candidates = args.kernels if named else default_rungs()
-    plan = frontier_plan(args.shapes, candidates, named)
+    plan = frontier_plan(args.shapes or case_ids(), candidates, named)
     peers = list(PEER_NAMES)
     ceilings = announce_and_measure_ceilings(setup, method)
     progress(f"FLOPs: {FLOPS}")
