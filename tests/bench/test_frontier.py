@@ -326,9 +326,9 @@ def test_readme_writes_the_frontier_section_and_the_summary_line(pages_with_fron
     assert f"from `../results/{newest}`" in block and f"Results file: [{newest}](../results/{newest})." in block
     assert "stale" not in block and "Older GPU" not in block and "Targets met: 2 of 3." in block
     line = next(p for p in front["summary"].split("\n\n") if p.startswith("**bfloat16 frontier**"))
-    assert line.startswith("**bfloat16 frontier** (4 shapes, beside SDPA flash and cuDNN): the best rung at least "
+    assert line.startswith("**bfloat16 frontier**: the best rung >= "
                            "1.1x SDPA cuDNN at 1 of 2 shapes (0.50x-1.25x); 620.0 TFLOP/s at 1x16x16384-d128 "
-                           f"(target 600: met); fastest: `{V24}` at 2, `{V19}` at 2. Fixture GPU (sm_90)")
+                           f"(target 600: met); fastest: `{V24}` at 2 of 4. Fixture GPU, 2026-01-02. Results file: ")
     assert line.endswith(f"Results file: [{newest}](results/{newest}).") and f"`results/{newest}`" in front["summary"]
     code, out, _ = run(argv, capsys)  # once more: nothing to change
     assert code == 0 and out.count("already current") == 2
@@ -349,7 +349,7 @@ def test_readme_shows_the_newest_sweep_of_each_dtype_and_head_size(pages_with_fr
     summary = blocks_of(readme.read_text())["summary"]
     assert re.findall(r"!\[TFLOP/s against sequence length, (\w+)\]\(results/([^)]+)\)", summary) == [
         ("float32", "sweep-fixture-gpu-20260101T000000Z.png"), ("bfloat16", "sweep-fixture-gpu-20260103T000000Z.png")]
-    assert "TFLOP/s against sequence length, bfloat16, d=64: Fixture GPU" in summary
+    assert "TFLOP/s against sequence length, bfloat16, d=64: Fixture GPU, 2026-01-03." in summary
     (found / "sweep-fixture-gpu-20260103T000000Z.json").unlink()
     (found / "sweep-fixture-gpu-20260102T000000Z.json").unlink()  # no bfloat16 sweep at d=64 left: d=128's
     code, _, err = run(["readme", "--readme", str(readme), "--results-doc", str(doc), "--results", str(found)], capsys)
