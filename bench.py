@@ -4,6 +4,9 @@
     python3 bench.py kernels                    every rung x the five GPT-2 shapes, beside CuPy and torch SDPA
     python3 bench.py kernels --kernels v01,v02 --shape 8x1024 --shape 1x8192
     python3 bench.py sweep                      TFLOP/s against T = 128 .. 16384, with a PNG plot
+    python3 bench.py sweep --dtype bfloat16 --d 128 --nh 16 --kernels v24 --peers sdpa_flash,sdpa_cudnn
+                                                the same in bfloat16 at d=128 beside FA2 and cuDNN (and at d=64:
+                                                --d 64 --nh 12); `readme` shows the newest of each dtype and d
     python3 bench.py e2e                        seconds to generate 512 tokens, per rung, without and with a KV cache
     python3 bench.py e2e --sizes all            decode at scale: every GPT-2 and Llama size, tokens/s against the
                                                 bandwidth floor, peak memory against its bound, the first token
@@ -12,6 +15,9 @@
     python3 bench.py features                   decode, long-context decode, non-causal, cross lengths, GQA and
                                                 head sizes on the rungs that declare them, beside torch SDPA
     python3 bench.py kernels --kernels v19,t01 --dtype bfloat16   CUDA and Triton rungs side by side
+    python3 bench.py frontier                   bfloat16 at the frontier's shapes (GPT-2, d=128, GQA, non-causal):
+                                                v19 and the TMA rungs beside SDPA flash and cuDNN, against the
+                                                targets (>= 1.1x cuDNN; 600 TFLOP/s at 1x16x16384, d=128)
     python3 bench.py profile                    Nsight Compute's counters for every rung (one launch each, 8x1024)
                                                 and the decode step, with a roofline plot
     python3 bench.py levels                     seed 004's four levels: PyTorch, torch.compile, Triton, CUDA

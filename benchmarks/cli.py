@@ -10,7 +10,7 @@ from pathlib import Path
 import kernels
 from kernels import triton as triton_rungs
 
-from . import results
+from . import frontier, results
 from .cases import DTYPES
 from .device import CannotRun
 from .e2e import PROMPT, cmd_e2e
@@ -111,7 +111,7 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                                      epilog="\n\n".join(doc.split("\n\n")[1:]),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True,
-                                metavar="{kernels,sweep,e2e,resources,features,profile,levels,readme}")
+                                metavar="{kernels,sweep,e2e,resources,features,frontier,profile,levels,readme}")
 
     def shape_options(p, budget_ms):
         p.add_argument("--kernels", type=rung_list, default=None, metavar="LIST",
@@ -228,6 +228,28 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     f.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     results_option(f)
 
+    ids, t = frontier.case_ids(), frontier
+    fr = sub.add_parser("frontier", help="bfloat16 at the frontier's shapes: the newest rungs beside SDPA flash and "
+                                         "SDPA cuDNN, against the targets",
+                        description="The Hopper frontier in bfloat16: the GPT-2 shapes, d=128 (with grouped-query "
+                                    "heads) and non-causal, each checked against float64 then timed as `kernels` "
+                                    "times, the chosen rungs beside SDPA flash (FlashAttention-2) and SDPA cuDNN in "
+                                    "the same run; per shape the best rung's speed-up over cuDNN, marked met or "
+                                    f"missed against the targets (>= {t.VS_CUDNN:g}x cuDNN at T >= {t.VS_CUDNN_FROM_T}"
+                                    + "".join(f"; >= {v:g} TFLOP/s at {k}" for k, v in t.TFLOPS_TARGETS.items())
+                                    + f"). Shapes (B x NH x T, d): {', '.join(ids)}.")
+    fr.add_argument("--kernels", type=rung_list, default=None, metavar="LIST",
+                    help="rungs, comma-separated, each tried at every shape (those that do not take one are "
+                         "reported unsupported); default: the rungs on TMA (lab.tma) and the newest bfloat16 rung "
+                         "before them, each at the shapes it declares")
+    fr.add_argument("--shapes", type=lambda text: ids if text.strip() == "all" else _choices(text, ids, "shape",
+                                                                                              " (or all)"),
+                    default=None, metavar="LIST", help="shapes to run, comma-separated, by name (default: all)")
+    fr.add_argument("--budget-ms", type=float, default=300.0,
+                    help="GPU time to spend on the timed runs of each entry (default 300; 10-200 runs)")
+    fr.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    results_option(fr)
+
     add_profile_parser(sub)
 
     lv = sub.add_parser("levels", help="seed 004's four levels on one problem: plain PyTorch, torch.compile, "
@@ -253,9 +275,10 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     m = sub.add_parser("readme", help="rewrite the tables of README.md and docs/results.md between their markers",
                        description="Rewrite what lies between <!-- bench:<section>:start --> and "
                                    "<!-- bench:<section>:end --> in README.md (sections summary, e2e-summary: the "
-                                   "best rung per precision against its peers, the end-to-end summary) and in "
-                                   "docs/results.md (sections kernels, sweep, e2e, resources, features: the full "
-                                   "tables) and in docs/profile.md (section profile: the newest profile of each "
+                                   "best rung per precision against its peers, the frontier's verdict, the sweep "
+                                   "plots, the end-to-end summary) and in docs/results.md (sections kernels, sweep: "
+                                   "the newest of each dtype and head size, e2e, resources, features, frontier: the "
+                                   "full tables) and in docs/profile.md (section profile: the newest profile of each "
                                    "dtype, with its roofline) and in docs/ladder.md (section counters: a short row of "
                                    "the profile's counters per rung), each from the newest result file of its kind in "
                                    "--results; nothing outside the markers changes. Exits 2, rewriting none, if a "
@@ -292,7 +315,8 @@ def cmd_e2e_model(args) -> int:
 
 
 COMMANDS = {"kernels": cmd_kernels, "sweep": cmd_sweep, "e2e": cmd_e2e_model, "resources": cmd_resources,
-            "features": cmd_features, "profile": cmd_profile, "levels": cmd_levels, "readme": cmd_readme}
+            "features": cmd_features, "frontier": frontier.cmd_frontier, "profile": cmd_profile, "levels": cmd_levels,
+            "readme": cmd_readme}
 
 
 def main(argv: list[str] | None, doc: str) -> int:
@@ -312,8 +336,8 @@ def main(argv: list[str] | None, doc: str) -> int:
                      "is fixed token ids)")
     if llama_e2e and args.kernels is None:
         args.kernels = []  # e2e_llama runs the newest rung that takes the model
-    if getattr(args, "kernels", False) is None and args.command not in ("features", "profile"):
-        # features picks per case; profile takes every rung and reports those it cannot run as skipped
+    if getattr(args, "kernels", False) is None and args.command not in ("features", "frontier", "profile"):
+        # features and frontier pick per case; profile takes every rung and reports those it cannot run as skipped
         # decode rungs (split-KV) are made for a few query rows over a long cache, not whole sequences:
         # they are timed only when named (and by tests/test_decode_gpu.py's timing on decode shapes)
         whole = args.command == "resources"

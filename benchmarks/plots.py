@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from . import ceilings
 from .device import progress
 from .results import E2E_MODELS, e2e_model
 
@@ -44,6 +45,8 @@ def _colors(plt, names: list[str]) -> dict[str, tuple]:
 
 
 def plot_sweep(plt, result: dict):
+    """TFLOP/s against T, one line per rung (solid) and peer (dashed: SDPA flash is FlashAttention-2), with
+    the ceiling of the dtype's arithmetic measured in the same run (fp32 FFMA; bf16 or fp16 tensor GEMM)."""
     fig, ax = plt.subplots(figsize=(11, 5.5))
     names = result["kernels"] + result["peers"]
     color = _colors(plt, names)
@@ -53,8 +56,9 @@ def plot_sweep(plt, result: dict):
             label = next(r["label"] for r in result["rows"] if r["name"] == name)
             ax.plot(*zip(*points, strict=True), marker="o", label=label, color=color[name],
                     linestyle="-" if name in result["kernels"] else "--")
-    ffma = result["ceilings"]["ffma_tflops"]
-    ax.axhline(ffma, color="gray", linestyle=":", label=f"fp32 FFMA ceiling ({ffma:.0f})")
+    top, what = ceilings.ceiling(ceilings.DTYPE_MATH[result["dtype"]], result["ceilings"])  # the dtype's own
+    if top:
+        ax.axhline(top, color="gray", linestyle=":", label=f"{what} ceiling ({top:.0f})")
     ax.set_xscale("log", base=2)
     ax.set_xlabel(f"sequence length T (B = {result['tokens']} // T, NH = {result['shapes'][0]['NH']}, "
                   f"d = {result['shapes'][0]['d']})")

@@ -1,6 +1,6 @@
 """`bench.py readme`: rewrite what lies between <!-- bench:<section>:start --> and <!-- bench:<section>:end -->
 in README.md (summary, e2e-summary: the short tables), docs/results.md (kernels, sweep, e2e, resources,
-features: the full tables), docs/profile.md (profile: the counters and the roofline), docs/ladder.md
+features, frontier: the full tables), docs/profile.md (profile: the counters and the roofline), docs/ladder.md
 (counters: a short row of them per rung) and docs/decode.md (scale: decode at scale, bench.py e2e
 --sizes), each section from the newest result file of its kind. Any page may carry any section; every block links the result files
 behind it, relative to the page."""
@@ -14,6 +14,7 @@ from pathlib import Path
 
 from . import plots, profile_render
 from .device import ROOT, CannotRun, progress
+from .frontier import render_frontier
 from .levels import newest_per_dtype as newest_levels
 from .levels import render_levels
 from .results import SECTIONS, e2e_model, load_result, newest_results
@@ -77,6 +78,28 @@ def newest_per_dtype(paths: list[Path], keep=lambda result: True) -> list[tuple[
     return [newest[t] for t in sorted(newest, key=lambda t: (t != "float32", t))]
 
 
+def newest_sweeps(paths: list[Path]) -> list[tuple[Path, dict]]:
+    """The newest sweep of each dtype and head size among `paths` (newest first): float32 first, then by
+    dtype and head size (a bfloat16 sweep at d=64 and one at d=128 are both shown)."""
+    newest: dict[tuple[str, int], tuple[Path, dict]] = {}
+    for p in paths:
+        result = load_result(p)
+        newest.setdefault((result["dtype"], result["shapes"][0]["d"]), (p, result))
+    return [newest[k] for k in sorted(newest, key=lambda k: (k[0] != "float32", k))]
+
+
+def summary_sweeps(paths: list[Path]) -> list[tuple[Path, dict]]:
+    """The README's plots: per dtype, the newest sweep with a plot at GPT-2's head size (d=64, that of the
+    summary's tables), else the newest with a plot; float32 first."""
+    newest: dict[str, tuple[Path, dict]] = {}
+    for p in paths:
+        result = load_result(p)
+        held = newest.get(result["dtype"])
+        if result.get("plot") and (held is None or (result["shapes"][0]["d"] == 64 != held[1]["shapes"][0]["d"])):
+            newest[result["dtype"]] = (p, result)  # the newest, unless it is not at d=64 and this one is
+    return [newest[t] for t in sorted(newest, key=lambda t: (t != "float32", t))]
+
+
 def e2e_entries(paths: list[Path]) -> list[tuple[Path, dict, set]]:
     """The newest e2e result of each model and mode (one file may serve both modes), with the modes it
     serves; GPT-2's first."""
@@ -94,8 +117,9 @@ def e2e_entries(paths: list[Path]) -> list[tuple[Path, dict, set]]:
 def readme_blocks(found: dict[str, list[Path]], base: Path) -> dict[str, str]:
     """The generated text of each section that has results, for a page in the folder `base`: the full
     tables from the newest file of their kind (kernels: of each dtype; e2e: of each mode), the summaries
-    from the newest kernels result of each dtype at the five GPT-2 shapes (failing that, at some of them), the newest sweep of each dtype, the
-    newest e2e result of each mode and the newest with a decode table. Each names its files twice: in an
+    from the newest kernels result of each dtype at the five GPT-2 shapes (failing that, at some of them), a
+    sweep plot per dtype (summary_sweeps) and the newest frontier result's verdict; the sweeps: the newest of
+    each dtype and head size; the newest e2e result of each mode and the newest with a decode table. Each names its files twice: in an
     HTML comment, and as links a reader can follow."""
     blocks = {}
 
@@ -115,15 +139,19 @@ def readme_blocks(found: dict[str, list[Path]], base: Path) -> dict[str, str]:
             from_file(p, render_kernels(result)) for p, result in per_dtype)
         all_five = {r["dtype"]: (p, r) for p, r in newest_per_dtype(found["kernels"], has_gpt2_shapes)}
         at_gpt2 = [all_five.get(r["dtype"], (p, r)) for p, r in newest_per_dtype(found["kernels"], gpt2_shapes_in)]
-        sweeps = newest_per_dtype(found["sweep"], lambda result: bool(result.get("plot")))
-        summary = render_summary(at_gpt2, sweeps, base)
+        sweeps = summary_sweeps(found["sweep"])
+        frontier = [(p, load_result(p)) for p in found["frontier"][:1]]
+        summary = render_summary(at_gpt2, sweeps, base, frontier[0] if frontier else None)
         if summary:
-            blocks["summary"] = source(*[p for p, _ in at_gpt2 + sweeps]) + "\n" + summary
-    if found["sweep"]:
-        p = found["sweep"][0]
-        result = load_result(p)
-        image = rel(p.parent / result["plot"]) if result.get("plot") else None
-        blocks["sweep"] = source(p) + "\n" + from_file(p, render_sweep(result, image))
+            blocks["summary"] = source(*[p for p, _ in at_gpt2 + sweeps + frontier]) + "\n" + summary
+    if found["sweep"]:  # the newest of each dtype and head size, each with its plot
+        sweeps = newest_sweeps(found["sweep"])
+        blocks["sweep"] = source(*[p for p, _ in sweeps]) + "\n" + "\n\n".join(
+            f"**{result['dtype']}, d={result['shapes'][0]['d']}**\n\n" + from_file(p, render_sweep(
+                result, rel(p.parent / result["plot"]) if result.get("plot") else None)) for p, result in sweeps)
+    if found["frontier"]:
+        p = found["frontier"][0]
+        blocks["frontier"] = source(p) + "\n" + from_file(p, render_frontier(load_result(p)))
     if found["e2e"]:
         entries = e2e_entries(found["e2e"])
         blocks["e2e"] = source(*[p for p, *_ in entries]) + "\n" + "\n\n".join(
@@ -199,7 +227,8 @@ def cmd_readme(args) -> int:
     read = {path: read_page(path, expected) for path, expected in pages.items()}  # all checked before one is written
     if getattr(args, "replot", False):
         for kind, plot in (("sweep", plots.plot_sweep), ("e2e", plots.plot_e2e), ("scale", plots.plot_scale)):
-            for p in found[kind][:1]:
+            shown = [p for p, _ in newest_sweeps(found[kind])] if kind == "sweep" else found[kind][:1]
+            for p in shown:
                 plots.plot_or_none(plot, load_result(p), p.with_suffix(".png"))  # the JSON already names this PNG
     written, available = {}, set()
     for path, (text, spans) in read.items():

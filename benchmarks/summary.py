@@ -1,14 +1,17 @@
 """The README's short tables, from the same result files as docs/results.md: per precision class, the
-best rung against its peers at the five GPT-2 shapes, with the sweep plots; and the end-to-end summary.
+best rung against its peers at the five GPT-2 shapes, the frontier's verdict, with the sweep plots; and
+the end-to-end summary.
 Every table names the result file behind its numbers as a link relative to the page it is written to."""
 
 from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 from pathlib import Path
 
 from .cases import GPT2_SHAPES, attention_flops
+from .frontier import verdicts
 from .peers import PEERS
 from .results import E2E_MODELS, e2e_model
 from .tables import fmt_ms, fmt_tflops, fmt_x, table
@@ -55,6 +58,11 @@ def short_setup(result: dict) -> str:
     return f"{where}, CuPy {s['cupy'] or '-'}, torch {s['torch'] or '-'}; {s['date'][:10]}, commit {s['git'] or '?'}"
 
 
+def device_date(result: dict) -> str:
+    """The device and the date alone, where the plot's title or docs/results.md gives the rest."""
+    return f"{(result['setup'].get('device') or {}).get('name', 'no device')}, {result['setup']['date'][:10]}"
+
+
 def render_class(path: Path, result: dict, base: Path) -> str | None:
     """One precision class: its best rung's ms and TFLOP/s at each GPT-2 shape the result measured, each
     peer's ms and the peer's time over the rung's; None if no rung is correct at every one of them."""
@@ -89,14 +97,35 @@ def render_class(path: Path, result: dict, base: Path) -> str | None:
     return "\n".join([caption, ""] + table(header, body, "lrr" + "rr" * len(peers)))
 
 
-def render_summary(kernel_results: list[tuple[Path, dict]], sweeps: list[tuple[Path, dict]], base: Path) -> str:
-    """The README's summary: one table per precision class (float32 first), then the sweep plots."""
+def render_frontier_line(path: Path, result: dict, base: Path) -> str:
+    """The frontier in one paragraph: at how many shapes the best rung reached its speed-up over cuDNN,
+    the TFLOP/s targets, and the rung fastest at the most shapes."""
+    t, cases = result["targets"], verdicts(result)
+    judged = [v["vs_cudnn_met"] for _, _, v in cases if v["vs_cudnn_met"] is not None]
+    ratios = [v["vs_cudnn"] for _, _, v in cases if v["vs_cudnn"] is not None]
+    spread = f" ({fmt_x(min(ratios))}-{fmt_x(max(ratios))})" if ratios else ""
+    parts = [f"the best rung >= {t['vs_cudnn']:g}x SDPA cuDNN at {sum(judged)} of {len(judged)} shapes{spread}"]
+    for case, _, v in cases:
+        if v["tflops_target"] is not None:
+            got = "no rung correct" if v["best_tflops"] is None else f"{fmt_tflops(v['best_tflops'])} TFLOP/s"
+            parts.append(f"{got} at {case['id']} (target {v['tflops_target']:g}: {'met' if v['tflops_met'] else 'missed'})")
+    fastest = Counter(v["best"] for _, _, v in cases if v["best"]).most_common(1)
+    parts += [f"fastest: `{name}` at {n} of {len(cases)}" for name, n in fastest]  # the first of a tie
+    return f"**bfloat16 frontier**: {'; '.join(parts)}. {device_date(result)}. Results file: {link(path, base)}."
+
+
+def render_summary(kernel_results: list[tuple[Path, dict]], sweeps: list[tuple[Path, dict]], base: Path,
+                   frontier: tuple[Path, dict] | None = None) -> str:
+    """The README's summary: one table per precision class (float32 first), the frontier's verdict, then
+    the sweep plots (their JSON is linked beside their tables in docs/results.md)."""
     parts = [text for path, result in kernel_results if (text := render_class(path, result, base))]
+    if frontier is not None:
+        parts.append(render_frontier_line(*frontier, base))
     for path, result in sweeps:
         image = Path(os.path.relpath(path.parent / result["plot"], base)).as_posix()
         parts.append(f"![TFLOP/s against sequence length, {result['dtype']}]({image})\n\n"
-                     f"TFLOP/s against sequence length, {result['dtype']}: {short_setup(result)}. "
-                     f"Results file: {link(path, base)}.")
+                     f"TFLOP/s against sequence length, {result['dtype']}, d={result['shapes'][0]['d']}: "
+                     f"{device_date(result)}.")
     return "\n\n".join(parts)
 
 
