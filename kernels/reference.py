@@ -30,9 +30,12 @@ def causal_mask(xp, T_q: int, T_k: int):
     return j <= i + (T_k - T_q)
 
 
-def reference_attention(q, k, v, *, causal: bool = True, scale: float | None = None):
+def reference_attention(q, k, v, *, causal: bool = True, scale: float | None = None, return_lse: bool = False):
     """softmax(scale * Q K^T + mask) V for q (B, NH, T_q, d) and k, v (B, NH_kv, T_k, d), NH a
-    multiple of NH_kv (grouped-query attention); returns the input's array type.
+    multiple of NH_kv (grouped-query attention); returns the input's array type. With return_lse,
+    (O, lse): lse (B, NH, T_q) the log-sum-exp of each row's scaled scores in natural log, +inf for a
+    row that sees no key (the convention of the rungs' lab.lse), in the arithmetic's dtype (float32
+    for the low-precision recipe).
 
     float64 in, float64 arithmetic; float32 in, float32 arithmetic. float16 or bfloat16 in: the
     plain recipe of a low-precision kernel, products accumulated in float32 and the probabilities
@@ -57,15 +60,18 @@ def reference_attention(q, k, v, *, causal: bool = True, scale: float | None = N
         if len({q.dtype, k.dtype, v.dtype}) != 1:
             raise TypeError(f"q, k and v must share one low-precision dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
         f32 = (x.astype(np.float32) for x in (q, k, v))
-        return _attention(xp, *f32, causal, scale, round_p=q.dtype).astype(q.dtype)
+        O, lse = _attention(xp, *f32, causal, scale, round_p=q.dtype)
+        return (O.astype(q.dtype), lse) if return_lse else O.astype(q.dtype)
     dtype = np.result_type(q.dtype, k.dtype, v.dtype)
     if dtype not in (np.float32, np.float64):
         dtype = np.dtype(np.float32)
     q, k, v = (x.astype(dtype, copy=False) for x in (q, k, v))
-    return _attention(xp, q, k, v, causal, scale)
+    O, lse = _attention(xp, q, k, v, causal, scale)
+    return (O, lse) if return_lse else O
 
 
 def _attention(xp, q, k, v, causal, scale, round_p=None):
+    """(O, lse) in q's dtype."""
     dtype = q.dtype
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -77,6 +83,7 @@ def _attention(xp, q, k, v, causal, scale, round_p=None):
     m = xp.where(xp.isneginf(m), 0, m)  # a row with no visible key: exp(-inf) = 0 everywhere
     P = xp.exp(S - m)
     l = P.sum(axis=-1, keepdims=True)
+    lse = xp.where(l == 0, xp.inf, m + xp.log(xp.where(l == 0, 1, l)))[..., 0]  # no key seen: +inf
     if round_p is not None:
         P = P.astype(round_p).astype(dtype)
     finite = xp.isfinite(v)
@@ -88,4 +95,4 @@ def _attention(xp, q, k, v, causal, scale, round_p=None):
         O = xp.where(bad, xp.nan, (P @ xp.where(finite, v, 0)) / xp.where(l == 0, 1, l))
     else:
         O = (P @ v) / xp.where(l == 0, 1, l)
-    return O.astype(dtype, copy=False)
+    return O.astype(dtype, copy=False), lse.astype(dtype, copy=False)

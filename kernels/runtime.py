@@ -162,8 +162,9 @@ class Instance:
         tiles = B * NH * ((T_q + self.B_r - 1) // self.B_r)
         return B * NH * T_q * splits * (d_head + 2) + tiles  # partials, then one counter per tile
 
-    def launch(self, q, k, v, out, workspace, scale: float, causal: bool, tensor_maps=()):
-        """One launch; `tensor_maps`, a lab.tma rung's descriptors, are its last parameters."""
+    def launch(self, q, k, v, out, workspace, scale: float, causal: bool, tensor_maps=(), lse=None):
+        """One launch; `tensor_maps`, a lab.tma rung's descriptors, are its last parameters; a lab.lse
+        rung takes `lse` (None: a null pointer, nothing written) after the strides."""
         B, NH, T_q, _ = q.shape
         NH_kv, T_k = k.shape[1], k.shape[2]
         item = q.itemsize
@@ -172,6 +173,8 @@ class Instance:
         grid = ((T_q + self.B_r - 1) // self.B_r * self.splits(B, NH, T_q, T_k), NH, B)
         sizes = (np.int32(T_q), np.int32(T_k), np.int32(NH // NH_kv), np.int32(causal))
         args = (q, k, v, out, workspace, *sizes, np.float32(scale), *q_strides, *kv_strides)
+        if self.rung.lse:
+            args += (np.uint64(0) if lse is None else lse,)
         if tensor_maps:  # a CUtensorMap goes by value: packed as 128 bytes for cuLaunchKernelEx
             stream = _cupy().cuda.get_current_stream().ptr
             driver.PackedLaunch(self.function, grid, self.block, args + tuple(tensor_maps), shared_mem=self.smem,
@@ -348,13 +351,18 @@ def _aligned(x, boundary: int = 16) -> bool:
     return x.data.ptr % boundary == 0 and all(st % boundary == 0 for st in x.strides[:3])
 
 
-def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, out=None):
+def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, out=None, return_lse: bool = False):
     """Validate and compile once; return a function that launches the rung (for timing loops);
-    its `instance` attribute is the compiled configuration chosen for these inputs."""
+    its `instance` attribute is the compiled configuration chosen for these inputs. With return_lse
+    (a lab.lse rung) the function returns (out, lse), lse the float32 (B, NH, T_q) log-sum-exp."""
     cupy = _cupy()
     if triton_rungs.owns(kernel):
+        if return_lse:
+            raise ValueError(f"return_lse: the Triton rung {kernel} does not write the log-sum-exp; {lse_writers()} do")
         return _prepare_triton(q, k, v, kernel, causal, scale, config, out)
     rung = ladder.load(kernel)
+    if return_lse and not rung.lse:
+        raise ValueError(f"return_lse: kernel {rung.name} does not write the log-sum-exp (lab.lse); {lse_writers()} do")
     validate(q, k, v, rung, causal, scale)
     B, NH, T, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -384,14 +392,21 @@ def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, ou
     tensor_maps = [driver.encode_tensor_map(a, t) for t, a in
                    zip(dict(rung.tma), tensor_map_arguments(rung, inst.config, tensors), strict=True)]
 
+    lse = cupy.empty((B, NH, T), dtype=np.float32) if return_lse else None
+
     def run():
-        inst.launch(q, k, v, out, workspace, scale, causal, tensor_maps)
-        return out
+        inst.launch(q, k, v, out, workspace, scale, causal, tensor_maps, lse)
+        return (out, lse) if return_lse else out
 
     run.instance = inst  # the configuration chosen for these inputs
     # whether run() reads the caller's arrays themselves (else copies made here, once)
     run.reads_inputs = all(a is b for a, b in zip((q, k, v), given, strict=True))
     return run
+
+
+def lse_writers() -> str:
+    """The rungs that declare lab.lse, in words: "v13_fa2_partitioning, v14_tf32_mma" or "no rung"."""
+    return ", ".join(n for n in ladder.names() if ladder.load(n).lse) or "no rung"
 
 
 def _output(q, out):
@@ -433,12 +448,15 @@ class Attend:
         return run if run.reads_inputs else (lambda: self(q, k, v))
 
 
-def attention(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, out=None):
+def attention(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, out=None, return_lse: bool = False):
     """Attention of q (B, NH, T_q, d) over k, v (B, NH_kv, T_k, d), CuPy arrays (float32, or a dtype
     the rung declares), with the named rung (a .cu rung, or a Triton rung: "t01"); a new contiguous (B, NH, T_q, d) array of the input
     dtype (or `out`, filled). Causal by default, the mask aligned bottom-right when T_q != T_k;
-    `scale` defaults to 1/sqrt(d). Non-causal, T_q != T_k and NH_kv < NH need a rung declaring them."""
-    return prepare(q, k, v, kernel=kernel, causal=causal, scale=scale, config=config, out=out)()
+    `scale` defaults to 1/sqrt(d). Non-causal, T_q != T_k and NH_kv < NH need a rung declaring them.
+    return_lse=True (a rung declaring lab.lse) returns (out, lse): lse (B, NH, T_q) float32, each query
+    row's log-sum-exp of its scaled scores in natural log (+inf for a row that sees no key), what
+    kernels.attention_backward takes."""
+    return prepare(q, k, v, kernel=kernel, causal=causal, scale=scale, config=config, out=out, return_lse=return_lse)()
 
 
 @dataclass
