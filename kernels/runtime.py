@@ -106,19 +106,7 @@ class Instance:
             self._allow_cluster()
 
     def _fit(self, limits: DeviceLimits):
-        threads = math.prod(self.block)
-        cap = min(limits.max_threads_per_block, self.function.max_threads_per_block)
-        static = self.function.shared_size_bytes
-        where = f"kernel {self.rung.name} config {self.describe()}"
-        if threads > cap:
-            raise ValueError(f"{where}: {threads} threads per block, but {limits.name} allows {cap} for it")
-        if self.smem + static > limits.max_shared_per_block:
-            raise ValueError(
-                f"{where}: needs {self.smem + static} bytes of shared memory per block, "
-                f"{limits.name} has {limits.max_shared_per_block}"
-            )
-        if self.smem > 48 * 1024:  # beyond the default, the kernel must opt in
-            self.function.max_dynamic_shared_size_bytes = self.smem
+        fit(self.function, math.prod(self.block), self.smem, limits, f"kernel {self.rung.name} config {self.describe()}")
 
     def _allow_cluster(self):
         """The cluster size is compiled in (__cluster_dims__), so an ordinary launch forms the clusters
@@ -181,6 +169,20 @@ class Instance:
                                 stream=stream, name=self.rung.name)()
         else:
             self.function(grid, self.block, args, shared_mem=self.smem)
+
+
+def fit(function, threads: int, smem: int, limits: DeviceLimits, where: str) -> None:
+    """A compiled kernel's block and dynamic shared memory checked against the device (ValueError, naming
+    `where`), and the shared-memory limit raised past the 48 KiB default where it needs more."""
+    cap = min(limits.max_threads_per_block, function.max_threads_per_block)
+    static = function.shared_size_bytes
+    if threads > cap:
+        raise ValueError(f"{where}: {threads} threads per block, but {limits.name} allows {cap} for it")
+    if smem + static > limits.max_shared_per_block:
+        raise ValueError(f"{where}: needs {smem + static} bytes of shared memory per block, "
+                         f"{limits.name} has {limits.max_shared_per_block}")
+    if smem > 48 * 1024:  # beyond the default, the kernel must opt in
+        function.max_dynamic_shared_size_bytes = smem
 
 
 def _log_of(exc) -> str:
@@ -299,8 +301,9 @@ def validate(q, k, v, rung: ladder.Rung, causal: bool, scale):
     check_layout(q, k, v, rung, causal, scale)
 
 
-def check_layout(q, k, v, rung: ladder.Rung, causal: bool, scale):
-    """The checks that need only shapes, dtypes and strides (so they run on NumPy arrays too)."""
+def check_layout(q, k, v, rung: ladder.Rung, causal: bool, scale, family=ladder):
+    """The checks that need only shapes, dtypes and strides (so they run on NumPy arrays too). `family`
+    (names() and load()) is where the rungs that do support a missing feature are looked up."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dtype.name not in rung.dtypes:
             raise TypeError(f"{name} has dtype {x.dtype}; kernel {rung.name} supports {', '.join(rung.dtypes)}")
@@ -331,7 +334,7 @@ def check_layout(q, k, v, rung: ladder.Rung, causal: bool, scale):
             "gqa": f"{NH_kv} key/value heads for {NH} query heads"}
     for feature, needed in needs.items():
         if needed and feature not in rung.supports:
-            able = [n for n in ladder.names() if feature in ladder.load(n).supports]
+            able = [n for n in family.names() if feature in family.load(n).supports]
             raise ValueError(f"kernel {rung.name} does not support {what[feature]}"
                              + (f"; {', '.join(able)} do" if able else "; no rung does yet"))
     if scale is not None and not math.isfinite(scale):
@@ -501,26 +504,32 @@ def performance_warnings(log: str) -> tuple[str, ...]:
 def compile_report(kernel, arch: str, configs=None) -> list[Resources]:
     """Compile every declared configuration (or `configs`) with NVRTC for `arch`, no GPU needed,
     and read ptxas's report: registers, static shared memory, stack and spill bytes, performance
-    warnings (a serialized wgmma pipeline, C7520). Each
-    configuration is its own program: ptxas may interleave the reports of several entry points."""
+    warnings (a serialized wgmma pipeline, C7520)."""
     rung = ladder.load(kernel)
     configs = [_as_config(rung, c) for c in configs] if configs else list(rung.configs)
+    reports = ptxas_reports(rung, arch, [rung.name_expression(c) for c in configs])
+    return [Resources(kernel=rung.name, config=rung.params(c), arch=arch, threads=math.prod(rung.block(c)),
+                      dynamic_smem=rung.shared_bytes(c), **values) for c, values in zip(configs, reports)]
+
+
+def ptxas_reports(rung: ladder.Rung, arch: str, expressions: list[str]) -> list[dict]:
+    """Each name expression of a rung compiled with NVRTC for `arch`, its own program (ptxas may
+    interleave the reports of several entry points), and what ptxas reports of it: the fields of
+    Resources from registers to performance_warnings."""
     if not rung.runs_on(arch):
         raise KernelCompileError(f"{rung.path}: needs {rung.arch_needed()}, not {arch}")
     options = [f"-arch={arch}", "-Xptxas=-v", *COMMON_OPTIONS, *rung.options]
     try:
-        results = nvrtc.compile_isolated(rung.source, str(rung.path), options, [rung.name_expression(c) for c in configs])
+        results = nvrtc.compile_isolated(rung.source, str(rung.path), options, expressions)
     except nvrtc.NvrtcError as exc:
         raise KernelCompileError(f"{rung.path}: failed to compile for {arch}:\n{exc.log}") from None
     reports = []
-    for c, result in zip(configs, results):
+    for result in results:
         log = result["log"]
         if not _PTXAS["registers"].search(log):
             raise RuntimeError(f"{rung.path}: no register count in ptxas's report for {arch}:\n{log}")
         values = {k: int(m.group(1)) if (m := rx.search(log)) else 0 for k, rx in _PTXAS.items()}
-        reports.append(Resources(kernel=rung.name, config=rung.params(c), arch=arch,
-                                 threads=math.prod(rung.block(c)), dynamic_smem=rung.shared_bytes(c),
-                                 performance_warnings=performance_warnings(log), **values))
+        reports.append(values | {"performance_warnings": performance_warnings(log)})
     return reports
 
 
