@@ -136,7 +136,7 @@ def prepare_backward(q, k, v, o, lse, do, *, kernel, causal: bool = True, scale=
     B, NH, T_q, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     inst = instance(rung.path, d, q.dtype.name, deterministic, config)
-    q, k, v, o, lse, do = (cupy.ascontiguousarray(x) for x in (q, k, v, o, lse, do))
+    q, k, v, o, lse, do = (_contiguous(cupy, x) for x in (q, k, v, o, lse, do))
     dq, dk, dv = cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)
     D = cupy.empty((B, NH, T_q), dtype=np.float32)
     dq_accum = dq_turns = None
@@ -151,6 +151,14 @@ def prepare_backward(q, k, v, o, lse, do, *, kernel, causal: bool = True, scale=
 
     run.instance = inst
     return run
+
+
+def _contiguous(cupy, x):
+    """x itself if C-contiguous and on a 16-byte boundary (the rungs read rows 16 bytes at a time), else
+    a copy that is (a new allocation is 256-byte aligned)."""
+    if x.flags.c_contiguous and x.data.ptr % 16 == 0:
+        return x
+    return cupy.array(x, order="C", copy=True)
 
 
 def attention_backward(q, k, v, o, lse, do, *, kernel, causal: bool = True, scale=None, deterministic: bool = False,
