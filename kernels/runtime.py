@@ -170,10 +170,10 @@ class Instance:
         tiles = B * NH * ((T_q + self.B_r - 1) // self.B_r)
         return B * NH * T_q * splits * (d_head + 2) + tiles  # partials, then one counter per tile
 
-        if self.rung.lse:
-            args += (np.uint64(0) if lse is None else lse,)
-        if self.rung.persistent:
-            args += (np.int32(NH), np.int32(B))
+    def launch(self, q, k, v, out, workspace, scale: float, causal: bool, tensor_maps=(), lse=None):
+        """One launch; `tensor_maps`, a lab.tma rung's descriptors, are its last parameters, after a
+        lab.persistent rung's head and batch counts; a lab.lse rung takes `lse` (None: a null pointer,
+        nothing written) after the strides."""
         B, NH, T_q, _ = q.shape
         NH_kv, T_k = k.shape[1], k.shape[2]
         item = q.itemsize
