@@ -8,13 +8,21 @@
     kernels.triton_names()                            the Triton rungs (kernels/triton/tNN_*.py), run by the
                                                       same attention/prepare/Attend: kernel="t01"
     kernels.triton_unavailable()                      None, or one line: why they cannot run here
+    o, lse = kernels.attention(q, k, v, kernel="v15", return_lse=True)   and each row's log-sum-exp
+    dq, dk, dv = kernels.attention_backward(q, k, v, o, lse, do, kernel="b04")   the backward ladder
+                                                      (kernels/backward/bNN_*.cu): the gradients
+    kernels.reference_attention_backward(q, k, v, o, lse, do)   the same in plain array code
+    kernels.backward_names()                          the backward rungs in ladder order
 
 names(), load(), resolve() and resources() are the .cu ladder's (NVRTC); kernels.triton has the
-Triton family's own (names, resolve, load, configs).
+Triton family's own (names, resolve, load, configs), kernels.backward the backward ladder's (names,
+resolve, load; kernels.backward.launcher: prepare_backward, compile_report).
 """
 
+from .backward import names as backward_names
+from .backward.launcher import attention_backward
 from .ladder import load, names, resolve
-from .reference import reference_attention
+from .reference import reference_attention, reference_attention_backward
 from .runtime import (
     Attend,
     KernelCompileError,
@@ -35,6 +43,8 @@ __all__ = [
     "KernelCompileError",
     "Resources",
     "attention",
+    "attention_backward",
+    "backward_names",
     "compile_report",
     "device_limits",
     "gpu_available",
@@ -43,6 +53,7 @@ __all__ = [
     "names",
     "prepare",
     "reference_attention",
+    "reference_attention_backward",
     "resolve",
     "resources",
     "triton_names",

@@ -33,6 +33,8 @@ A rung declares what the launcher needs in its header comment, one `lab.<key>` l
     lab.tma        Q: (B_r, d_head), K: (B_c, d_head)  TMA descriptors of these tensors (Q, K, V, O), each
                                               for a box of these extents (expressions), in the array's
                                               order (B, NH, T, d), the leading ones 1 if left out
+    lab.lse        true                       also writes each query row's log-sum-exp, what the backward
+                                              pass needs (default false; see below)
     lab.persistent true                       a persistent grid: one block per resident slot (SMs x
                                               blocks per SM, at most one per tile); the kernel walks
                                               the tiles itself (default: one block per tile)
@@ -43,8 +45,15 @@ A rung with lab.tma takes one more parameter per declared tensor, in the declara
 the others: `const __grid_constant__ CUtensorMap`, the tensor's descriptor with 128-byte swizzle
 (driver.tensor_map_arguments), so a box's inner extent is at most 128 bytes.
 
+A rung with lab.lse takes `float* __restrict__ lse` after the strides (before any descriptor): null,
+or a float32 (B, NH, T_q) array into which each query row's log-sum-exp goes, in natural log:
+lse_i = log(sum_j exp(scale * q_i . k_j)) over the keys the row sees, +inf for a row that sees none
+(so that exp(s - lse) is 0 there, as FlashAttention stores it); the rungs take the logarithm of the
+row sum on the special-function unit (lg2.approx, within 2 units in float32's last place: log2f's
+slow path cost registers that some configurations do not have). kernels.attention(..., return_lse=True)
+passes the array and returns (out, lse); the backward ladder (kernels/backward/) reads it.
 A rung with lab.persistent is launched on a grid of (min(tiles, SMs x blocks per SM), 1, 1) blocks,
-tiles = ceil(T_q / B_r) x n_heads x batch, and takes two more parameters after the strides (before
+tiles = ceil(T_q / B_r) x n_heads x batch, and takes two more parameters after the strides and any lse (before
 any descriptors): `int n_heads, int batch`. Its workspace starts with one 32-bit word, a tile
 counter, that is zero at every launch: the launcher zeroes the workspace once per prepared call and
 the kernel must leave the counter at zero when it ends (then come its lab.workspace floats per row).
@@ -65,7 +74,7 @@ _RUNG_FILE = re.compile(r"^v(\d+)_([a-z0-9_]+)\.cu$")
 _DECL = re.compile(r"^\s*(?:\*|//)\s*lab\.(\w+)\s+(.*?)\s*$")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 _KEYS = {"template", "configs", "threads", "smem", "workspace", "strided", "options", "stack", "tolerance", "dtypes",
-         "dtype_param", "supports", "split_kv", "cluster", "min_arch", "tf32_products", "tma", "persistent"}
+         "dtype_param", "supports", "split_kv", "cluster", "min_arch", "tf32_products", "tma", "persistent", "lse"}
 FEATURES = ("noncausal", "cross", "gqa")
 TMA_TENSORS = ("Q", "K", "V", "O")
 
@@ -91,6 +100,7 @@ class Rung:
     min_arch: int = 0  # 90 for sm_90: the oldest architecture it compiles for
     tf32_products: str = "0"  # TF32 tensor-core products per product of float32 inputs (0: FFMA)
     tma: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (tensor, box extents as expressions), declared order
+    lse: bool = False  # takes a float* lse after the strides: each query row's log-sum-exp (null: not wanted)
     persistent: bool = False  # a grid of the resident blocks, the kernel walking the tiles (lab.persistent)
     source: str = field(default="", repr=False, compare=False)
     files: tuple = field(default=(), repr=False, compare=False)  # (path, stamp) of the file and its includes
@@ -229,17 +239,30 @@ def load(kernel: str | Path) -> Rung:
 
 
 def parse(path: Path) -> Rung:
-    files: list[Path] = []
-    source = assemble(path, files=files)
-    text = path.read_text()
-    decl: dict[str, str] = {}
-    for lineno, line in enumerate(text.splitlines(), 1):
+    return build(path, declarations(path, _KEYS))
+
+
+def declarations(path: Path, keys, repeated=()) -> dict:
+    """{key: value} of a file's `lab.<key> value` lines, each key one of `keys`; a key in `repeated` may
+    have several lines, its values a list in the file's order."""
+    decl: dict = {key: [] for key in repeated}
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
         m = _DECL.match(line)
         if m:
             key, value = m.groups()
-            if key not in _KEYS:
-                raise ValueError(f"{path}:{lineno}: unknown declaration lab.{key} (known: {', '.join(sorted(_KEYS))})")
-            decl[key] = value
+            if key not in keys:
+                raise ValueError(f"{path}:{lineno}: unknown declaration lab.{key} (known: {', '.join(sorted(keys))})")
+            if key in repeated:
+                decl[key].append(value)
+            else:
+                decl[key] = value
+    return decl
+
+
+def build(path: Path, decl: dict, cls=Rung, **extra) -> Rung:
+    """A rung (a `cls`, given `extra` fields beyond Rung's) from its file's declarations, checked."""
+    files: list[Path] = []
+    source = assemble(path, files=files)
     missing = [k for k in ("template", "configs", "threads", "smem") if k not in decl]
     if missing:
         raise ValueError(f"{path}: missing declaration(s) {', '.join('lab.' + k for k in missing)}")
@@ -254,7 +277,7 @@ def parse(path: Path) -> Rung:
     for c in configs:
         if len(c) != len(template):
             raise ValueError(f"{path}: config {c} does not match lab.template ({', '.join(template)})")
-    rung = Rung(
+    rung = cls(
         name=path.stem,
         path=path,
         template=template,
@@ -274,9 +297,11 @@ def parse(path: Path) -> Rung:
         min_arch=arch_number(decl["min_arch"], f"{path}: lab.min_arch") if "min_arch" in decl else 0,
         tf32_products=decl.get("tf32_products", "0"),
         tma=parse_tma(decl["tma"], f"{path}: lab.tma") if "tma" in decl else (),
+        lse=decl.get("lse", "false").lower() == "true",
         persistent=decl.get("persistent", "false").lower() == "true",
         source=source,
         files=tuple((p, _stamp(p)) for p in files),
+        **extra,
     )
     unknown = set(rung.dtypes) - set(DTYPES)
     if unknown:

@@ -107,19 +107,7 @@ class Instance:
             self._allow_cluster()
 
     def _fit(self, limits: DeviceLimits):
-        threads = math.prod(self.block)
-        cap = min(limits.max_threads_per_block, self.function.max_threads_per_block)
-        static = self.function.shared_size_bytes
-        where = f"kernel {self.rung.name} config {self.describe()}"
-        if threads > cap:
-            raise ValueError(f"{where}: {threads} threads per block, but {limits.name} allows {cap} for it")
-        if self.smem + static > limits.max_shared_per_block:
-            raise ValueError(
-                f"{where}: needs {self.smem + static} bytes of shared memory per block, "
-                f"{limits.name} has {limits.max_shared_per_block}"
-            )
-        if self.smem > 48 * 1024:  # beyond the default, the kernel must opt in
-            self.function.max_dynamic_shared_size_bytes = self.smem
+        fit(self.function, math.prod(self.block), self.smem, limits, f"kernel {self.rung.name} config {self.describe()}")
 
     def _allow_cluster(self):
         """The cluster size is compiled in (__cluster_dims__), so an ordinary launch forms the clusters
@@ -182,9 +170,10 @@ class Instance:
         tiles = B * NH * ((T_q + self.B_r - 1) // self.B_r)
         return B * NH * T_q * splits * (d_head + 2) + tiles  # partials, then one counter per tile
 
-    def launch(self, q, k, v, out, workspace, scale: float, causal: bool, tensor_maps=()):
+    def launch(self, q, k, v, out, workspace, scale: float, causal: bool, tensor_maps=(), lse=None):
         """One launch; `tensor_maps`, a lab.tma rung's descriptors, are its last parameters, after a
-        lab.persistent rung's head and batch counts."""
+        lab.persistent rung's head and batch counts; a lab.lse rung takes `lse` (None: a null pointer,
+        nothing written) after the strides."""
         B, NH, T_q, _ = q.shape
         NH_kv, T_k = k.shape[1], k.shape[2]
         item = q.itemsize
@@ -193,6 +182,8 @@ class Instance:
         grid = self.grid(B, NH, T_q, T_k)
         sizes = (np.int32(T_q), np.int32(T_k), np.int32(NH // NH_kv), np.int32(causal))
         args = (q, k, v, out, workspace, *sizes, np.float32(scale), *q_strides, *kv_strides)
+        if self.rung.lse:
+            args += (np.uint64(0) if lse is None else lse,)
         if self.rung.persistent:
             args += (np.int32(NH), np.int32(B))
         if tensor_maps:  # a CUtensorMap goes by value: packed as 128 bytes for cuLaunchKernelEx
@@ -201,6 +192,20 @@ class Instance:
                                 stream=stream, name=self.rung.name)()
         else:
             self.function(grid, self.block, args, shared_mem=self.smem)
+
+
+def fit(function, threads: int, smem: int, limits: DeviceLimits, where: str) -> None:
+    """A compiled kernel's block and dynamic shared memory checked against the device (ValueError, naming
+    `where`), and the shared-memory limit raised past the 48 KiB default where it needs more."""
+    cap = min(limits.max_threads_per_block, function.max_threads_per_block)
+    static = function.shared_size_bytes
+    if threads > cap:
+        raise ValueError(f"{where}: {threads} threads per block, but {limits.name} allows {cap} for it")
+    if smem + static > limits.max_shared_per_block:
+        raise ValueError(f"{where}: needs {smem + static} bytes of shared memory per block, "
+                         f"{limits.name} has {limits.max_shared_per_block}")
+    if smem > 48 * 1024:  # beyond the default, the kernel must opt in
+        function.max_dynamic_shared_size_bytes = smem
 
 
 def _log_of(exc) -> str:
@@ -319,8 +324,9 @@ def validate(q, k, v, rung: ladder.Rung, causal: bool, scale):
     check_layout(q, k, v, rung, causal, scale)
 
 
-def check_layout(q, k, v, rung: ladder.Rung, causal: bool, scale):
-    """The checks that need only shapes, dtypes and strides (so they run on NumPy arrays too)."""
+def check_layout(q, k, v, rung: ladder.Rung, causal: bool, scale, family=ladder):
+    """The checks that need only shapes, dtypes and strides (so they run on NumPy arrays too). `family`
+    (names() and load()) is where the rungs that do support a missing feature are looked up."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dtype.name not in rung.dtypes:
             raise TypeError(f"{name} has dtype {x.dtype}; kernel {rung.name} supports {', '.join(rung.dtypes)}")
@@ -351,7 +357,7 @@ def check_layout(q, k, v, rung: ladder.Rung, causal: bool, scale):
             "gqa": f"{NH_kv} key/value heads for {NH} query heads"}
     for feature, needed in needs.items():
         if needed and feature not in rung.supports:
-            able = [n for n in ladder.names() if feature in ladder.load(n).supports]
+            able = [n for n in family.names() if feature in family.load(n).supports]
             raise ValueError(f"kernel {rung.name} does not support {what[feature]}"
                              + (f"; {', '.join(able)} do" if able else "; no rung does yet"))
     if scale is not None and not math.isfinite(scale):
@@ -371,13 +377,18 @@ def _aligned(x, boundary: int = 16) -> bool:
     return x.data.ptr % boundary == 0 and all(st % boundary == 0 for st in x.strides[:3])
 
 
-def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, out=None):
+def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, out=None, return_lse: bool = False):
     """Validate and compile once; return a function that launches the rung (for timing loops);
-    its `instance` attribute is the compiled configuration chosen for these inputs."""
+    its `instance` attribute is the compiled configuration chosen for these inputs. With return_lse
+    (a lab.lse rung) the function returns (out, lse), lse the float32 (B, NH, T_q) log-sum-exp."""
     cupy = _cupy()
     if triton_rungs.owns(kernel):
+        if return_lse:
+            raise ValueError(f"return_lse: the Triton rung {kernel} does not write the log-sum-exp; {lse_writers()} do")
         return _prepare_triton(q, k, v, kernel, causal, scale, config, out)
     rung = ladder.load(kernel)
+    if return_lse and not rung.lse:
+        raise ValueError(f"return_lse: kernel {rung.name} does not write the log-sum-exp (lab.lse); {lse_writers()} do")
     validate(q, k, v, rung, causal, scale)
     B, NH, T, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -411,14 +422,21 @@ def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, ou
     tensor_maps = [driver.encode_tensor_map(a, t) for t, a in
                    zip(dict(rung.tma), tensor_map_arguments(rung, inst.config, tensors), strict=True)]
 
+    lse = cupy.empty((B, NH, T), dtype=np.float32) if return_lse else None
+
     def run():
-        inst.launch(q, k, v, out, workspace, scale, causal, tensor_maps)
-        return out
+        inst.launch(q, k, v, out, workspace, scale, causal, tensor_maps, lse)
+        return (out, lse) if return_lse else out
 
     run.instance = inst  # the configuration chosen for these inputs
     # whether run() reads the caller's arrays themselves (else copies made here, once)
     run.reads_inputs = all(a is b for a, b in zip((q, k, v), given, strict=True))
     return run
+
+
+def lse_writers() -> str:
+    """The rungs that declare lab.lse, in words: "v13_fa2_partitioning, v14_tf32_mma" or "no rung"."""
+    return ", ".join(n for n in ladder.names() if ladder.load(n).lse) or "no rung"
 
 
 def _output(q, out):
@@ -460,12 +478,15 @@ class Attend:
         return run if run.reads_inputs else (lambda: self(q, k, v))
 
 
-def attention(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, out=None):
+def attention(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, out=None, return_lse: bool = False):
     """Attention of q (B, NH, T_q, d) over k, v (B, NH_kv, T_k, d), CuPy arrays (float32, or a dtype
     the rung declares), with the named rung (a .cu rung, or a Triton rung: "t01"); a new contiguous (B, NH, T_q, d) array of the input
     dtype (or `out`, filled). Causal by default, the mask aligned bottom-right when T_q != T_k;
-    `scale` defaults to 1/sqrt(d). Non-causal, T_q != T_k and NH_kv < NH need a rung declaring them."""
-    return prepare(q, k, v, kernel=kernel, causal=causal, scale=scale, config=config, out=out)()
+    `scale` defaults to 1/sqrt(d). Non-causal, T_q != T_k and NH_kv < NH need a rung declaring them.
+    return_lse=True (a rung declaring lab.lse) returns (out, lse): lse (B, NH, T_q) float32, each query
+    row's log-sum-exp of its scaled scores in natural log (+inf for a row that sees no key), what
+    kernels.attention_backward takes."""
+    return prepare(q, k, v, kernel=kernel, causal=causal, scale=scale, config=config, out=out, return_lse=return_lse)()
 
 
 @dataclass
@@ -510,26 +531,32 @@ def performance_warnings(log: str) -> tuple[str, ...]:
 def compile_report(kernel, arch: str, configs=None) -> list[Resources]:
     """Compile every declared configuration (or `configs`) with NVRTC for `arch`, no GPU needed,
     and read ptxas's report: registers, static shared memory, stack and spill bytes, performance
-    warnings (a serialized wgmma pipeline, C7520). Each
-    configuration is its own program: ptxas may interleave the reports of several entry points."""
+    warnings (a serialized wgmma pipeline, C7520)."""
     rung = ladder.load(kernel)
     configs = [_as_config(rung, c) for c in configs] if configs else list(rung.configs)
+    reports = ptxas_reports(rung, arch, [rung.name_expression(c) for c in configs])
+    return [Resources(kernel=rung.name, config=rung.params(c), arch=arch, threads=math.prod(rung.block(c)),
+                      dynamic_smem=rung.shared_bytes(c), **values) for c, values in zip(configs, reports)]
+
+
+def ptxas_reports(rung: ladder.Rung, arch: str, expressions: list[str]) -> list[dict]:
+    """Each name expression of a rung compiled with NVRTC for `arch`, its own program (ptxas may
+    interleave the reports of several entry points), and what ptxas reports of it: the fields of
+    Resources from registers to performance_warnings."""
     if not rung.runs_on(arch):
         raise KernelCompileError(f"{rung.path}: needs {rung.arch_needed()}, not {arch}")
     options = [f"-arch={arch}", "-Xptxas=-v", *COMMON_OPTIONS, *rung.options]
     try:
-        results = nvrtc.compile_isolated(rung.source, str(rung.path), options, [rung.name_expression(c) for c in configs])
+        results = nvrtc.compile_isolated(rung.source, str(rung.path), options, expressions)
     except nvrtc.NvrtcError as exc:
         raise KernelCompileError(f"{rung.path}: failed to compile for {arch}:\n{exc.log}") from None
     reports = []
-    for c, result in zip(configs, results):
+    for result in results:
         log = result["log"]
         if not _PTXAS["registers"].search(log):
             raise RuntimeError(f"{rung.path}: no register count in ptxas's report for {arch}:\n{log}")
         values = {k: int(m.group(1)) if (m := rx.search(log)) else 0 for k, rx in _PTXAS.items()}
-        reports.append(Resources(kernel=rung.name, config=rung.params(c), arch=arch,
-                                 threads=math.prod(rung.block(c)), dynamic_smem=rung.shared_bytes(c),
-                                 performance_warnings=performance_warnings(log), **values))
+        reports.append(values | {"performance_warnings": performance_warnings(log)})
     return reports
 
 

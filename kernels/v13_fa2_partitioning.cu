@@ -74,6 +74,10 @@
  *   every lcm(128, 24) = 384 chunks = 16 rows: each thread has 3 (row, chunk) starting points among
  *   the first 16 rows and steps 16 rows from each (B_c, a multiple of 32, is whole periods).
  *
+ * The log-sum-exp (lab.lse): given an lse array, the lanes with cg = 0 also write each row's
+ * log-sum-exp, (m_i + log2 l_i) ln 2 (m_i and the scores are in log2 units), or +inf for a row that
+ * sees no key (l_i = 0): the statistic the backward pass recomputes P_ij from.
+ *
  * Limits: d_head a multiple of 32 (32, 64, 96, 128 declared); B_r a multiple of 16, B_c a multiple
  * of 32. Rows of Q, K and V 16-byte aligned (the launcher copies views whose rows are not), K and V
  * with the same strides. Keys past T_k are zero-filled, so no garbage reaches P_ij V_j; but a NaN or
@@ -85,6 +89,7 @@
  * lab.smem       4 * (B_r * (d_head + 4) + B_c * (d_head + 4) + B_c * d_head + B_r * (B_c + 8))
  * lab.strided    true
  * lab.supports   noncausal, cross, gqa
+ * lab.lse        true
  */
 
 #ifndef INFINITY
@@ -92,6 +97,7 @@
 #endif
 
 constexpr float LOG2_E = 1.4426950408889634f;
+constexpr float LN_2 = 0.6931471805599453f;
 constexpr int THREADS = 128;
 
 // 2^x on the special-function unit; ex2.approx.ftz(-inf) = +0, which the masked scores rely on.
@@ -148,7 +154,8 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
                   float* __restrict__ O, float* __restrict__ /* workspace */, int T_q, int T_k, int kv_group,
                   int causal, float scale,
                   long long q_batch_stride, long long q_head_stride, long long q_row_stride,
-                  long long kv_batch_stride, long long kv_head_stride, long long kv_row_stride)
+                  long long kv_batch_stride, long long kv_head_stride, long long kv_row_stride,
+                  float* __restrict__ lse)
 {
     static_assert(d_head % 32 == 0, "8 lanes of a row group store 32 consecutive floats of O_i");
     static_assert(B_r % 16 == 0, "4 warps x 4 row groups x TM rows");
@@ -367,7 +374,7 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
     }
 
     // O_i = O_i / l_i, once; l_i is the sum of the 8 lanes' shares, 0 for a row that sees no key,
-    // whose output is 0.
+    // whose output is 0 and log-sum-exp +inf.
     #pragma unroll
     for (int i = 0; i < TM; ++i) {
         float l = l_i[i];
@@ -377,6 +384,8 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
         const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;
         const int row = warp_first + rg + 4 * i;
         if (row < T_q) {
+            if (lse != nullptr && cg == 0)
+                lse[bh * T_q + row] = l == 0.0f ? INFINITY : (m_i[i] + __log2f(l)) * LN_2;
             #pragma unroll
             for (int q = 0; q < TD; ++q) {
                 float* dst = O_head + (long long)row * d_head + 32 * q + 4 * cg;

@@ -68,6 +68,9 @@
  * every warp skips it: the first tile's copies stay unconditional, so ptxas keeps hoisting the
  * copies' addresses out of the loop over tiles.
  *
+ * The log-sum-exp (lab.lse): given an lse array, lane t = 0 of each quad also writes its two rows'
+ * log-sum-exp, (m_i + log2 l_i) ln 2 in the scores' log2 units, or +inf for a row that sees no key.
+ *
  * Geometry: grid (T_r = ceil(T_q / B_r), n_heads, batch), block 2 B_r threads = B_r / 16 warps;
  * warp w owns rows 16 w .. 16 w + 15 of Q_i, lane (g, t) rows 16 w + g and 16 w + g + 8.
  * K_j and V_j are double-buffered: the copies of tile j + 1 start right after the one barrier of
@@ -105,6 +108,7 @@
  * lab.tolerance  8 + 8192 * (1 - split)
  * lab.supports   noncausal, cross, gqa
  * lab.tf32_products 1 + 2 * split
+ * lab.lse        true
  */
 
 #ifndef INFINITY
@@ -112,6 +116,7 @@
 #endif
 
 constexpr float LOG2_E = 1.4426950408889634f;
+constexpr float LN_2 = 0.6931471805599453f;
 
 // 2^x on the special-function unit; ex2.approx.ftz(-inf) = +0, which the masked scores rely on.
 __device__ __forceinline__ float exp2_approx(float x)
@@ -195,7 +200,8 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
                   float* __restrict__ O, float* __restrict__ workspace,
                   int T_q, int T_k, int kv_group, int causal, float scale,
                   long long q_batch_stride, long long q_head_stride, long long q_row_stride,
-                  long long kv_batch_stride, long long kv_head_stride, long long kv_row_stride)
+                  long long kv_batch_stride, long long kv_head_stride, long long kv_row_stride,
+                  float* __restrict__ lse)
 {
     constexpr int THREADS = 2 * B_r;
     constexpr int WARPS = B_r / 16;
@@ -223,7 +229,6 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
     const float* K_head = K + batch * kv_batch_stride + kv_head * kv_head_stride;
     const float* V_head = V + batch * kv_batch_stride + kv_head * kv_head_stride;
     float* O_head = O + bh * T_q * d_head;  // O is contiguous (B, NH, T_q, d)
-    const bool o_vec = (reinterpret_cast<unsigned long long>(O_head) & 15) == 0;
 
     const int row_start = q_tile * B_r;
     const int rows = min(B_r, T_q - row_start);
@@ -469,6 +474,8 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
         }
     }
 
+    // Decided here, not before the loop over tiles: one register fewer across it.
+    const bool o_vec = (reinterpret_cast<unsigned long long>(O_head) & 15) == 0;
     // O_i = O_i / l_i, once; l_i is the sum of the quad's 4 shares. Lane t writes columns
     // 32 w + 8 t .. 32 w + 8 t + 7 of its two rows. A row that sees no key is zeros, as in the
     // reference: selected, not scaled, since its l_i is 0 (tiles skipped) or NaN.
@@ -498,6 +505,8 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
                     dst[4] = hi.x, dst[5] = hi.y, dst[6] = hi.z, dst[7] = hi.w;
                 }
             }
+            if (lse != nullptr && t == 0)
+                lse[bh * T_q + row] = sees_key ? (m_i[h] + __log2f(l)) * LN_2 : INFINITY;
         }
     }
 }

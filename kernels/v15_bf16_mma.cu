@@ -45,6 +45,11 @@
  *   - O_i is staged through the warp's own rows of Q_i's shared memory, so that it leaves in 16-byte
  *     coalesced stores.
  *
+ * The log-sum-exp (lab.lse): given an lse array, lane t = 0 of each quad also writes its rows'
+ * log-sum-exp, (m_i scale log2(e) + log2 l_i) ln 2 (m_i is a raw score here), or +inf for a row that
+ * sees no key (m_i = -inf), from l_i summed before P_ij is rounded; last, once O_i's registers are
+ * free (written beside O_i, ptxas spilled at d = 32 and 96).
+ *
  * Geometry: grid (T_r = ceil(T_q / B_r), n_heads, batch), read heavy tiles first; block 128 threads =
  * 4 warps. Warp w owns query rows w * B_r / 4 .. (w + 1) * B_r / 4 - 1 of Q_i as M_TILES = B_r / 64
  * tiles of 16 rows. Per K_j tile a warp issues M_TILES * (d / 16) * (B_c / 8) mma for S_ij and as
@@ -80,6 +85,7 @@
  * lab.dtypes      bfloat16, float16
  * lab.dtype_param dtype_id
  * lab.supports    noncausal, cross, gqa
+ * lab.lse         true
  */
 
 #ifndef INFINITY
@@ -87,6 +93,7 @@
 #endif
 
 constexpr float LOG2_E = 1.4426950408889634f;
+constexpr float LN_2 = 0.6931471805599453f;
 constexpr float FLT_MIN_NORMAL = 1.17549435e-38f;
 constexpr int THREADS = 128;
 constexpr int WARPS = THREADS / 32;
@@ -221,7 +228,8 @@ attention_forward(const element* __restrict__ Q, const element* __restrict__ K, 
                   element* __restrict__ O, float* __restrict__ /* workspace */, int T_q, int T_k, int kv_group,
                   int causal, float scale,
                   long long q_batch_stride, long long q_head_stride, long long q_row_stride,
-                  long long kv_batch_stride, long long kv_head_stride, long long kv_row_stride)
+                  long long kv_batch_stride, long long kv_head_stride, long long kv_row_stride,
+                  float* __restrict__ lse)
 {
     static_assert(dtype_id == 0 || dtype_id == 1, "dtype_id: 0 = bfloat16, 1 = float16");
     static_assert(B_r == 64 || B_r == 128, "4 warps of one or two m16 tiles each");
@@ -449,6 +457,7 @@ attention_forward(const element* __restrict__ Q, const element* __restrict__ K, 
             float l = l_i[mt][h];
             l += __shfl_xor_sync(FULL_WARP, l, 1);
             l += __shfl_xor_sync(FULL_WARP, l, 2);
+            l_i[mt][h] = l;  // the row's, for its log-sum-exp
             const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;
             const int r = warp_row + 16 * mt + g + 8 * h;
             #pragma unroll
@@ -475,5 +484,17 @@ attention_forward(const element* __restrict__ Q, const element* __restrict__ K, 
                     dst[e] = (element)(w[e / 2] >> (16 * (e % 2)));
             }
         }
+    }
+
+    // The log-sum-exp of the thread's rows, once O_i is out (its registers free), by lane t = 0.
+    if (lse != nullptr && t == 0) {
+        #pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = warp_first + 16 * mt + g + 8 * h;
+                if (row < T_q)
+                    lse[bh * T_q + row] = m_i[mt][h] == -INFINITY ? INFINITY : (m_i[mt][h] * scale_log2 + __log2f(l_i[mt][h])) * LN_2;
+            }
     }
 }

@@ -37,6 +37,8 @@
  * Everything else - shared-memory layout, descriptors, the 128-byte swizzle, softmax on the
  * accumulator fragments, masking, heavy-first order, features - is v18's (see its header).
  *
+ * The log-sum-exp (lab.lse): as v18's, written with O_i.
+ *
  * Geometry: grid (T_r = ceil(T_q / B_r), n_heads, batch), heavy tiles first; block B_r * 2 threads,
  * B_r / 64 warpgroups of 64 query rows each. Registers per thread: S_ij B_c / 2, P_i,j-1 B_c / 4,
  * O_i d / 2. Shared memory, 2-byte elements: Q_i (B_r x d) + 2 stages of K_j + 2 of V_j + 1024.
@@ -53,6 +55,7 @@
  * lab.dtypes      bfloat16, float16
  * lab.dtype_param dtype_id
  * lab.supports    noncausal, cross, gqa
+ * lab.lse         true
  * lab.min_arch    sm_90
  * lab.options     -arch=sm_90a
  */
@@ -62,6 +65,7 @@
 #endif
 
 constexpr float LOG2_E = 1.4426950408889634f;
+constexpr float LN_2 = 0.6931471805599453f;
 constexpr long long L2_ALL = 32ll << 20, L2_CHUNK = 16ll << 20;  // block order (measured on an H200's 60 MB L2)
 constexpr float FLT_MIN_NORMAL = 1.17549435e-38f;
 constexpr unsigned FULL_WARP = 0xffffffffu;
@@ -219,7 +223,8 @@ attention_forward(const element* __restrict__ Q, const element* __restrict__ K, 
                   element* __restrict__ O, float* __restrict__ /* workspace */, int T_q, int T_k, int kv_group,
                   int causal, float scale,
                   long long q_batch_stride, long long q_head_stride, long long q_row_stride,
-                  long long kv_batch_stride, long long kv_head_stride, long long kv_row_stride)
+                  long long kv_batch_stride, long long kv_head_stride, long long kv_row_stride,
+                  float* __restrict__ lse)
 {
     static_assert(dtype_id == 0 || dtype_id == 1, "dtype_id: 0 = bfloat16, 1 = float16");
     static_assert(d_head == 64 || d_head == 128, "whole 64-column halves of 128 bytes");
@@ -426,6 +431,8 @@ attention_forward(const element* __restrict__ Q, const element* __restrict__ K, 
         l += __shfl_xor_sync(FULL_WARP, l, 2);
         const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;
         const int r = wg_row + 16 * warp + g + 8 * h;
+        if (lse != nullptr && t == 0 && row_start + r < T_q)
+            lse[bh * T_q + row_start + r] = m_i[h] == -INFINITY ? INFINITY : (m_i[h] * scale_log2 + __log2f(l)) * LN_2;
 #pragma unroll
         for (int n = 0; n < D_TILES; ++n) {
             const unsigned o = pack_rounded<dtype_id>(O_acc[4 * n + 2 * h] * inv_l, O_acc[4 * n + 2 * h + 1] * inv_l);

@@ -51,6 +51,10 @@
  *   d = 64, B_r = 192, B_c = 32: 4 * (2 * 192 * 64 + 6 * 32 * 64) + 1024 = 148,480 bytes
  *   d = 64, B_r = 128, B_c = 32: 4 * (2 * 128 * 64 + 6 * 32 * 64) + 1024 = 115,712 bytes
  *
+ * The log-sum-exp (lab.lse): given an lse array, lane t = 0 of each quad also writes its rows'
+ * log-sum-exp, (m_i + log2 l_i) ln 2 in the scores' log2 units, or +inf for a row that sees no key
+ * (m_i = -inf).
+ *
  * Geometry: grid (T_r = ceil(T_q / B_r), n_heads, batch), heavy tiles first; block B_r * 2 threads,
  * B_r / 64 warpgroups of 64 query rows. A warpgroup skips a tile none of its rows sees (no wgmma is
  * in flight across the branch). Registers per thread: S_ij 3 x B_c / 2, P_ij V_j and O_i d / 2 each,
@@ -70,6 +74,7 @@
  * lab.strided     true
  * lab.tolerance   8
  * lab.supports    noncausal, cross, gqa
+ * lab.lse         true
  * lab.tf32_products 3
  * lab.min_arch    sm_90
  * lab.options     -arch=sm_90a
@@ -80,6 +85,7 @@
 #endif
 
 constexpr float LOG2_E = 1.4426950408889634f;
+constexpr float LN_2 = 0.6931471805599453f;
 constexpr unsigned FULL_WARP = 0xffffffffu;
 
 // 2^x on the special-function unit; ex2.approx.ftz(-inf) = +0, which the masked scores rely on.
@@ -195,7 +201,8 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
                   float* __restrict__ O, float* __restrict__ /* workspace */, int T_q, int T_k, int kv_group,
                   int causal, float scale,
                   long long q_batch_stride, long long q_head_stride, long long q_row_stride,
-                  long long kv_batch_stride, long long kv_head_stride, long long kv_row_stride)
+                  long long kv_batch_stride, long long kv_head_stride, long long kv_row_stride,
+                  float* __restrict__ lse)
 {
     static_assert(d_head == 64, "two 32-float halves per row; k8 steps in groups of 4");
     static_assert(B_r % 64 == 0, "warpgroups of 64 rows");
@@ -417,6 +424,8 @@ attention_forward(const float* __restrict__ Q, const float* __restrict__ K, cons
         const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;
         const int row = my_row + 8 * h;
         if (row < T_q) {
+            if (lse != nullptr && t == 0)
+                lse[bh * T_q + row] = m_i[h] == -INFINITY ? INFINITY : (m_i[h] + __log2f(l)) * LN_2;
 #pragma unroll
             for (int n = 0; n < d_head / 8; ++n)
                 *reinterpret_cast<float2*>(O_head + (long long)row * d_head + 8 * n + 2 * t) =

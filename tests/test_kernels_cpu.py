@@ -558,3 +558,71 @@ def test_reference_grouped_query_heads_share_key_value_heads():
     np.testing.assert_array_equal(got, expected)
     with pytest.raises(ValueError, match="multiple"):
         kernels.reference_attention(q, k[:, :1].repeat(4, axis=1), v[:, :1].repeat(4, axis=1))
+
+
+# -- the log-sum-exp (lab.lse) -------------------------------------------------------------------
+
+
+def direct_lse(q, k, causal, scale):
+    """Each row's log-sum-exp of its scaled scores, as loops in float64; +inf for a row that sees no key."""
+    B, NH, Tq, _ = q.shape
+    Tk = k.shape[2]
+    out = np.full((B, NH, Tq), np.inf)
+    for b, h, i in itertools.product(range(B), range(NH), range(Tq)):
+        s = [scale * float(np.dot(q[b, h, i], k[b, h, j])) for j in range(Tk) if not causal or j <= i + (Tk - Tq)]
+        if s:
+            out[b, h, i] = max(s) + math.log(sum(math.exp(x - max(s)) for x in s))
+    return out
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("Tq,Tk", [(1, 1), (17, 17), (5, 12), (12, 5)])
+def test_reference_lse_matches_the_formula(causal, Tq, Tk):
+    rng = np.random.default_rng()
+    q = rng.standard_normal((2, 3, Tq, 8))
+    k, v = rng.standard_normal((2, 2, 3, Tk, 8))
+    out, lse = kernels.reference_attention(q, k, v, causal=causal, scale=0.3, return_lse=True)
+    np.testing.assert_array_equal(out, kernels.reference_attention(q, k, v, causal=causal, scale=0.3))
+    assert lse.shape == (2, 3, Tq) and lse.dtype == np.float64
+    np.testing.assert_allclose(lse, direct_lse(q, k, causal, 0.3), rtol=1e-13)
+    if causal and Tq > Tk:  # the first Tq - Tk rows see no key
+        assert np.isposinf(lse[..., : Tq - Tk]).all() and np.isfinite(lse[..., Tq - Tk:]).all()
+
+
+def test_reference_lse_of_low_precision_inputs_is_float32():
+    import ml_dtypes
+
+    q, k, v = (np.random.default_rng().standard_normal((1, 2, 9, 16)).astype(ml_dtypes.bfloat16) for _ in range(3))
+    out, lse = kernels.reference_attention(q, k, v, return_lse=True)
+    assert out.dtype == q.dtype and lse.dtype == np.float32
+    exact = direct_lse(*(x.astype(np.float64) for x in (q, k)), True, 0.25)
+    np.testing.assert_allclose(lse, exact, rtol=1e-6)
+
+
+LSE_RUNGS = [n for n in kernels.names() if kernels.load(n).lse]
+
+
+def test_the_lse_writers_include_the_fa2_and_tensor_core_rungs():
+    assert {"v13_fa2_partitioning", "v14_tf32_mma", "v15_bf16_mma"} <= set(LSE_RUNGS)
+
+
+@pytest.mark.parametrize("name", LSE_RUNGS)
+def test_lse_rungs_take_the_lse_parameter_last(name):
+    """lab.lse promises a `float* lse` after the strides: a rung declaring it without the parameter
+    would read a missing argument as a pointer and write through it."""
+    source = kernels.resolve(name).read_text()
+    signature = re.search(r"attention_forward\((.*?)\)\s*\{", source, re.S).group(1)
+    assert re.search(r"float\s*\*\s*__restrict__\s+lse\s*$", signature.strip()), signature[-120:]
+
+
+def test_return_lse_needs_a_rung_that_writes_it():
+    with pytest.raises(ValueError, match=r"kernel v12_o_in_registers does not write the log-sum-exp \(lab.lse\); "
+                                         r"v13_fa2_partitioning, v14_tf32_mma"):
+        kernels.attention(*qkv(), kernel="v12", return_lse=True)
+    with pytest.raises(ValueError, match="Triton rung t01 does not write the log-sum-exp"):
+        kernels.attention(*qkv(), kernel="t01", return_lse=True)
+
+
+def test_lse_declaration(tmp_path):
+    assert not kernels.load(write(tmp_path, "plain.cu", MINIMAL)).lse
+    assert kernels.load(write(tmp_path, "lse.cu", MINIMAL.replace(" * lab.workspace  2\n", " * lab.lse        true\n"))).lse

@@ -326,3 +326,44 @@ def test_persistent_rung_matches_its_one_block_per_tile_parent(name, B, NH, NH_k
         stream.synchronize()
         bad = int(cp.count_nonzero(out.view(cp.uint16) != want.view(cp.uint16)))
         assert bad == 0, f"{name} {q.shape} k {k.shape} causal={causal}: {bad} elements differ from {parent}'s"
+
+
+# every rung declaring lab.lse x head size x dtype, each over lengths that leave rows seeing no key
+LSE_CASES = [(name, d, dtype) for name in RUNGS if kernels.load(name).lse
+             for d in kernels.load(name).head_sizes() for dtype in kernels.load(name).dtypes]
+
+
+@pytest.mark.parametrize("name,d,dtype", LSE_CASES)
+@pytest.mark.parametrize("T_q,T_k,causal", [(1, 1, True), (97, 97, True), (257, 257, False), (300, 97, True),
+                                            (64, 1000, True)])
+def test_rung_writes_the_log_sum_exp(name, d, dtype, T_q, T_k, causal):
+    """return_lse: each row's log-sum-exp (natural log of its scaled scores' exp sum) against float64,
+    within 8 x the plain implementation's error in the same dtype (floored at float32 epsilon x
+    max(1, max |lse|)); +inf exactly for the rows that see no key; every element written (poisoned
+    first); the output the same bits as without return_lse."""
+    import cupy as cp
+
+    rung = kernels.load(name)
+    if (T_q != T_k and "cross" not in rung.supports) or (not causal and "noncausal" not in rung.supports):
+        pytest.skip(f"{name} does not declare the case")
+    rng = cp.random.default_rng()
+    q = rng.standard_normal((2, 3, T_q, d), dtype=cp.float32).astype(dtype)
+    k, v = (rng.standard_normal((2, 3, T_k, d), dtype=cp.float32).astype(dtype) for _ in range(2))
+    run = kernels.prepare(q, k, v, kernel=name, causal=causal, return_lse=True)
+    out, lse = run()
+    lse.fill(cp.nan)  # poison: an unwritten row fails
+    out, lse = run()
+    assert lse.shape == (2, 3, T_q) and lse.dtype == cp.float32
+    plain_out = kernels.attention(q, k, v, kernel=name, causal=causal)
+    assert bool((out.view(cp.uint8) == plain_out.view(cp.uint8)).all()), f"{name}: return_lse changed the output"
+    _, ref = kernels.reference_attention(*(x.astype(cp.float64) for x in (q, k, v)), causal=causal, return_lse=True)
+    _, plain = kernels.reference_attention(q, k, v, causal=causal, return_lse=True)
+    none_seen = cp.isposinf(ref)
+    assert bool((cp.isposinf(lse) == none_seen).all()), f"{name}: +inf rows differ from the reference's"
+    seen = ~none_seen
+    if not bool(seen.any()):
+        return
+    err = float(cp.abs(lse.astype(cp.float64) - ref)[seen].max())
+    plain_err = float(cp.abs(plain.astype(cp.float64) - ref)[seen].max())
+    bound = 8 * max(plain_err, EPS["float32"] * max(1.0, float(cp.abs(ref[seen]).max())))
+    assert err <= bound, f"{name} d={d} {dtype} T_q={T_q} T_k={T_k}: lse error {err:.3e} > {bound:.3e} (plain {plain_err:.3e})"
