@@ -417,6 +417,10 @@ def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, ou
         workspace = _split_workspaces[key]
     else:  # written before it is read
         workspace = cupy.empty(floats, dtype=np.float32)
+    if rung.persistent or rung.split_kv:
+        # the zeros are written on this stream: wait for them, so that run() may launch on any stream
+        # (a non-blocking stream does not wait for this one, and would read the pool's old bytes)
+        cupy.cuda.get_current_stream().synchronize()
 
     tensors = {"Q": q, "K": k, "V": v, "O": out}
     tensor_maps = [driver.encode_tensor_map(a, t) for t, a in
