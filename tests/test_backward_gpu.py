@@ -92,10 +92,15 @@ def gradient_errors(got, truth, plain, dtype, scales):
 
 
 def check_gradients(name, q, k, v, do, *, causal=True, scale=None, config=None, deterministic=False):
-    """The rung's gradients, poisoned first, against float64 on the plain forward's o and lse."""
+    """The rung's gradients, poisoned first, against float64, from the exact forward's o and lse rounded to
+    the inputs' dtype and float32: the rung and the plain implementation get the same o and lse, neither
+    of them the rounding of its own scores (a plain forward's lse agrees with the plain backward's scores
+    to the last bit, and would hold a rung to the plain one's summation order)."""
     import cupy as cp
 
-    o, lse = kernels.reference_attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+    o64, lse64 = kernels.reference_attention(*(x.astype(cp.float64) for x in (q, k, v)), causal=causal, scale=scale,
+                                             return_lse=True)
+    o, lse = o64.astype(cp.float32).astype(q.dtype), lse64.astype(cp.float32)
     run = launcher.prepare_backward(q, k, v, o, lse, do, kernel=name, causal=causal, scale=scale, config=config,
                                     deterministic=deterministic)
     for g in run():
