@@ -10,6 +10,7 @@ bench.py is the command line; this package is what it runs.
     sweep.py      `sweep`: TFLOP/s against sequence length, with a plot
     features.py   `features`: decode, long-context decode, non-causal, cross lengths, GQA, head sizes
     levels.py     `levels`: seed 004's four levels (PyTorch, torch.compile, Triton, CUDA) beside SDPA, lines of code
+    backward.py   `backward`: every backward rung beside SDPA's backward, gradients checked against float64; its table
     torch_attention.py  the plain PyTorch attention: the eager and torch.compile peers' function
     e2e.py        `e2e`: GPT-2 generation per rung, without and with a KV cache, beside HF transformers
     resources.py  `resources`: registers, shared memory, spills per rung and config (NVRTC, no GPU needed)

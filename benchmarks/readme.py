@@ -1,6 +1,6 @@
 """`bench.py readme`: rewrite what lies between <!-- bench:<section>:start --> and <!-- bench:<section>:end -->
 in README.md (summary, e2e-summary: the short tables), docs/results.md (kernels, sweep, e2e, resources,
-features: the full tables), docs/profile.md (profile: the counters and the roofline) and docs/ladder.md
+features, backward: the full tables), docs/profile.md (profile: the counters and the roofline) and docs/ladder.md
 (counters: a short row of them per rung), each section from the newest result file of its kind. Any page may carry any section; every block links the result files
 behind it, relative to the page."""
 
@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 from . import plots, profile_render
+from .backward import newest_per_dtype as newest_backward
+from .backward import render_backward
 from .device import ROOT, CannotRun, progress
 from .levels import newest_per_dtype as newest_levels
 from .levels import render_levels
@@ -148,6 +150,10 @@ def readme_blocks(found: dict[str, list[Path]], base: Path) -> dict[str, str]:
         per_dtype = newest_per_dtype(found["profile"])  # and the same files, a short row per rung
         blocks["counters"] = source(*[p for p, _ in per_dtype]) + "\n" + "\n\n".join(
             from_file(p, profile_render.render_counters(result)) for p, result in per_dtype)
+    if found["backward"]:  # the newest backward result of each dtype
+        per_dtype = newest_backward(found["backward"], load_result)
+        blocks["backward"] = source(*[p for p, _ in per_dtype]) + "\n" + "\n\n".join(
+            from_file(p, render_backward(result)) for p, result in per_dtype)
     if found["levels"]:  # each dtype from the newest levels file that measured it
         chosen = newest_levels(found["levels"], load_result)
         blocks["levels"] = source(*[p for p, *_ in chosen]) + "\n" + "\n\n".join(
