@@ -22,6 +22,8 @@
                                                 and the decode step, with a roofline plot
     python3 bench.py levels                     seed 004's four levels: PyTorch, torch.compile, Triton, CUDA
                                                 (and SDPA) at the GPT-2 and two d=128 shapes, with lines of code
+    python3 bench.py backward --dtype bfloat16  every backward rung beside SDPA's backward (GPT-2 shapes, d=128,
+                                                non-causal), gradients checked against float64 first
     python3 bench.py readme                     rewrite README.md's summary and the tables of docs/results.md,
                                                 docs/profile.md, docs/levels.md and docs/decode.md from the newest
                                                 results/*.json
@@ -47,7 +49,9 @@ How it measures:
   cores and float32 peers; TF32 (torch.matmul 8192^3, TF32 allowed) over the TF32 products per product
   (lab.tf32_products: 3xTF32 against a third of it); bf16 and fp16 tensor GEMM for 16-bit inputs. `features`
   counts 4 * d per (query, key) pair the mask lets through (attention_flops_qk): all T_q x T_k without
-  the mask, the same T^2 / 2 for causal self-attention, the exact bottom-right count otherwise.
+  the mask, the same T^2 / 2 for causal self-attention, the exact bottom-right count otherwise. `backward`
+  counts 2.5 x the forward's FLOPs (five T x T x d products to the forward's two) and holds each gradient
+  to 3 x the plain implementation's error in the same dtype (FlashAttention's rule).
 - Decode (`features`): kernel time per call from CUPTI's kernel records through torch.profiler, the
   median over calls that rotate through 24 independent caches so that L2 does not hold K and V,
   and the time per call of the same calls replayed as one CUDA graph.

@@ -11,6 +11,7 @@ bench.py is the command line; this package is what it runs.
     features.py   `features`: decode, long-context decode, non-causal, cross lengths, GQA, head sizes
     frontier.py   `frontier`: bfloat16 at the frontier's shapes beside SDPA flash and cuDNN, against the targets
     levels.py     `levels`: seed 004's four levels (PyTorch, torch.compile, Triton, CUDA) beside SDPA, lines of code
+    backward.py   `backward`: every backward rung beside SDPA's backward, gradients checked against float64; its table
     torch_attention.py  the plain PyTorch attention: the eager and torch.compile peers' function
     e2e.py        `e2e`: GPT-2 generation per rung, without and with a KV cache, beside HF transformers
                   (e2e_llama.py: Llama's; scale.py: `e2e --sizes`, decode at scale, every model size)

@@ -8,9 +8,12 @@ import sys
 from pathlib import Path
 
 import kernels
+from kernels import backward as backward_rungs
 from kernels import triton as triton_rungs
 
 from . import frontier, results
+from .backward import CASE_SETS as BACKWARD_CASES
+from .backward import cmd_backward
 from .cases import DTYPES
 from .device import CannotRun
 from .e2e import PROMPT, cmd_e2e
@@ -52,6 +55,16 @@ def rung_list(text: str) -> list[Path]:
     return paths
 
 
+def backward_list(text: str) -> list[str]:
+    """'b01,b3' -> backward rungs (kernels.backward.resolve: b1, b01, b01_naive, or a .cu path): the ladder's
+    by name, others by path."""
+    try:
+        paths = [backward_rungs.resolve(s.strip()) for s in text.split(",") if s.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return [p.stem if p.parent == backward_rungs.BACKWARD_DIR else str(p) for p in paths]
+
+
 def peer_list(text: str) -> list[str]:
     names = [s.strip() for s in text.split(",") if s.strip()]
     if names == ["none"]:
@@ -61,6 +74,13 @@ def peer_list(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(f"unknown peer(s) {', '.join(unknown)}: choose from {', '.join(PEERS)} "
                                          "(or none)")
     return names
+
+
+def sdpa_peer_list(text: str) -> list[str]:
+    """'sdpa_flash,sdpa_cudnn' -> SDPA's backends, each once (`backward` times their backward); 'none'."""
+    if text.strip() == "none":
+        return []
+    return _choices(text, [p for p in PEERS if PEERS[p].backend], "SDPA peer", " (or none)")
 
 
 def _choices(text: str, allowed, what: str, extra: str = "") -> list[str]:
@@ -111,7 +131,7 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                                      epilog="\n\n".join(doc.split("\n\n")[1:]),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True,
-                                metavar="{kernels,sweep,e2e,resources,features,frontier,profile,levels,readme}")
+                                metavar="{kernels,sweep,e2e,resources,features,frontier,profile,levels,backward,readme}")
 
     def shape_options(p, budget_ms):
         p.add_argument("--kernels", type=rung_list, default=None, metavar="LIST",
@@ -272,6 +292,28 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     lv.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     results_option(lv)
 
+    bw = sub.add_parser("backward", help="every backward rung beside SDPA's backward: ms, TFLOP/s (2.5 x the "
+                                         "forward's FLOPs), speed-ups, errors",
+                        description="Every backward rung (kernels/backward/) beside SDPA's backward (float32: "
+                                    "efficient; bfloat16/float16: flash and cuDNN) in the same run, at the five GPT-2 "
+                                    "shapes (causal, NH=12, d=64), at d=128 and without the mask. Each case runs the "
+                                    "newest forward rung that writes the log-sum-exp, checks every backward's "
+                                    "gradients against float64 (FlashAttention's rule), then times what is right. "
+                                    "FLOPs: 2.5 x the forward's.")
+    bw.add_argument("--kernels", type=backward_list, default=None, metavar="LIST",
+                    help="backward rungs, comma-separated (b01,b03 or a .cu path); default: every backward rung "
+                         "that declares --dtype")
+    bw.add_argument("--peers", type=sdpa_peer_list, default=None, metavar="LIST",
+                    help="SDPA backends from sdpa_math, sdpa_efficient, sdpa_flash, sdpa_cudnn or none; default "
+                         "float32: sdpa_efficient; bfloat16/float16: sdpa_flash,sdpa_cudnn")
+    bw.add_argument("--dtype", choices=DTYPES, default="float32", help="input dtype (default float32)")
+    bw.add_argument("--cases", type=lambda t: _choices(t, BACKWARD_CASES, "case set"), default=list(BACKWARD_CASES),
+                    metavar="LIST", help=f"case sets from {', '.join(BACKWARD_CASES)} (default: all)")
+    bw.add_argument("--budget-ms", type=float, default=200.0,
+                    help="GPU time to spend on the timed runs of each entry (default 200; 10-200 runs)")
+    bw.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    results_option(bw)
+
     m = sub.add_parser("readme", help="rewrite the tables of README.md and docs/results.md between their markers",
                        description="Rewrite what lies between <!-- bench:<section>:start --> and "
                                    "<!-- bench:<section>:end --> in README.md (sections summary, e2e-summary: the "
@@ -316,6 +358,7 @@ def cmd_e2e_model(args) -> int:
 
 COMMANDS = {"kernels": cmd_kernels, "sweep": cmd_sweep, "e2e": cmd_e2e_model, "resources": cmd_resources,
             "features": cmd_features, "frontier": frontier.cmd_frontier, "profile": cmd_profile, "levels": cmd_levels,
+            "backward": cmd_backward,
             "readme": cmd_readme}
 
 
@@ -336,8 +379,9 @@ def main(argv: list[str] | None, doc: str) -> int:
                      "is fixed token ids)")
     if llama_e2e and args.kernels is None:
         args.kernels = []  # e2e_llama runs the newest rung that takes the model
-    if getattr(args, "kernels", False) is None and args.command not in ("features", "frontier", "profile"):
-        # features and frontier pick per case; profile takes every rung and reports those it cannot run as skipped
+    if getattr(args, "kernels", False) is None and args.command not in ("features", "frontier", "profile", "backward"):
+        # features and frontier pick per case; profile takes every rung and reports those it cannot run as skipped;
+        # backward runs the backward ladder (benchmarks/backward.py picks those that take the dtype)
         # decode rungs (split-KV) are made for a few query rows over a long cache, not whole sequences:
         # they are timed only when named (and by tests/test_decode_gpu.py's timing on decode shapes)
         whole = args.command == "resources"

@@ -1,8 +1,8 @@
 """`bench.py readme`: rewrite what lies between <!-- bench:<section>:start --> and <!-- bench:<section>:end -->
 in README.md (summary, e2e-summary: the short tables), docs/results.md (kernels, sweep, e2e, resources,
-features, frontier: the full tables), docs/profile.md (profile: the counters and the roofline), docs/ladder.md
-(counters: a short row of them per rung) and docs/decode.md (scale: decode at scale, bench.py e2e
---sizes), each section from the newest result file of its kind. Any page may carry any section; every block links the result files
+features, frontier, backward: the full tables), docs/profile.md (profile: the counters and the roofline),
+docs/ladder.md (counters: a short row of them per rung) and docs/decode.md (scale: decode at scale,
+bench.py e2e --sizes), each section from the newest result file of its kind. Any page may carry any section; every block links the result files
 behind it, relative to the page."""
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 
 from . import plots, profile_render
+from .backward import newest_per_dtype as newest_backward
+from .backward import render_backward
 from .device import ROOT, CannotRun, progress
 from .frontier import render_frontier
 from .levels import newest_per_dtype as newest_levels
@@ -184,6 +186,10 @@ def readme_blocks(found: dict[str, list[Path]], base: Path) -> dict[str, str]:
         result = load_result(p)
         image = rel(p.parent / result["plot"]) if result.get("plot") else None
         blocks["scale"] = source(p) + "\n" + from_file(p, render_scale(result, image))
+    if found["backward"]:  # the newest backward result of each dtype
+        per_dtype = newest_backward(found["backward"], load_result)
+        blocks["backward"] = source(*[p for p, _ in per_dtype]) + "\n" + "\n\n".join(
+            from_file(p, render_backward(result)) for p, result in per_dtype)
     if found["levels"]:  # each dtype from the newest levels file that measured it
         chosen = newest_levels(found["levels"], load_result)
         blocks["levels"] = source(*[p for p, *_ in chosen]) + "\n" + "\n\n".join(

@@ -40,9 +40,11 @@
  * time from dS^T (a broadcast). P^T and dS^T go through shared memory with a pitch of B_r + 16 floats,
  * so that the two rows a warp stores fall 16 banks apart. Shared memory, in floats:
  *   K_j, V_j (B_c x (d + 4) each) + Q_i, dO_i (B_r x (d + 4) each) + P^T, dS^T (B_c x (B_r + 16) each)
- *   + lse_i, D_i (B_r each): d = 64, B_r = B_c = 64: 111,104 bytes, two blocks per SM;
+ *   + lse_i, D_i (B_r each): d = 64, B_r = B_c = 64: 111,104 bytes;
  *   d = 128, B_r = 32, B_c = 64: 4 * (2 * 64 * 132 + 2 * 32 * 132 + 2 * 64 * 48 + 64) = 126,208 bytes.
- * Registers per thread: dK_j and dV_j 8 B_c d / 256 each (32 at d = 64, 64 at d = 128, B_c = 64).
+ * Registers per thread: dK_j and dV_j B_c d / 256 each (16 at d = 64, 32 at d = 128, B_c = 64); with
+ * the score tiles, each summed in two partial sums (product_over_d), about 220 in all: one block of 8
+ * warps per SM. (Held to 128 registers for two blocks, ptxas spilled.)
  *
  * Limits: float32; d a multiple of 64 (64 and 128 declared); B_r and B_c multiples of 16. The
  * preprocessing and conversion kernels take one tile of B_r query rows per block.

@@ -1,0 +1,155 @@
+"""bench.py backward without a GPU: the cases, the FLOP convention, which rungs, forward rung and peers
+run, the table and its targets from a synthetic result, docs/results.md's backward section written by
+bench.py readme, and the command line."""
+
+import re
+import shutil
+
+import pytest
+
+from benchmarks import backward, cli
+from benchmarks.cases import Case, attention_flops
+from benchmarks.results import SCHEMA, result_path, write_result
+from benchmarks.rungs import add_speedups
+from benchmarks.timing import Method
+from tests.bench.helpers import FIXTURES, cells_of, fixture_setup, outside_markers, run, table_rows
+
+
+def test_cases_are_the_gpt2_shapes_d128_and_noncausal():
+    gpt2 = backward.CASE_SETS["gpt2"]
+    assert [(c.B, c.T_q) for c in gpt2] == [(1, 512), (8, 1024), (16, 2048), (6, 4096), (1, 8192)]
+    assert all(c.NH == 12 and c.d == 64 and c.causal and c.T_k == c.T_q for c in gpt2)
+    assert {c.d for c in backward.CASE_SETS["d128"]} == {128}
+    assert not any(c.causal for c in backward.CASE_SETS["noncausal"])
+    assert {c.d for c in backward.CASE_SETS["noncausal"]} == {64, 128}
+
+
+def test_backward_flops_are_two_and_a_half_forwards():
+    case = Case("gpt2", 8, 12, 12, 1024, 1024, 64)
+    assert backward.backward_flops(case) == 2.5 * attention_flops(8, 12, 1024, 64)
+    noncausal = Case("noncausal", 4, 12, 12, 2048, 2048, 64, causal=False)
+    assert backward.backward_flops(noncausal) == 2.5 * 4 * 4 * 12 * 2048 * 2048 * 64
+
+
+def test_the_rungs_forward_rung_and_peers_of_each_dtype():
+    assert backward.rungs_for("float32") == ["b01_naive", "b02_fa2", "b03_tf32_mma"]
+    assert backward.rungs_for("bfloat16") == backward.rungs_for("float16") == ["b04_bf16_mma"]
+    assert backward.rungs_for("float32", ["b03_tf32_mma"]) == ["b03_tf32_mma"]
+    gpt2 = backward.CASE_SETS["gpt2"][1]
+    assert backward.forward_rung(gpt2, "float32", "sm_90") == "v20_tf32_wgmma"
+    assert backward.forward_rung(gpt2, "float32", "sm_80") == "v14_tf32_mma"  # v20 is wgmma: sm_90 only
+    d128 = backward.CASE_SETS["d128"][0]
+    assert backward.forward_rung(d128, "float32", "sm_90") == "v14_tf32_mma"  # v20 declares d=64 only
+    assert backward.forward_rung(d128, "bfloat16", "sm_90") == "v19_wgmma_overlap"
+    assert backward.forward_rung(Case("x", 1, 1, 1, 8, 8, 48), "float32", "sm_90") is None
+    assert backward.PEERS_OF["float32"] == ("sdpa_efficient",)
+    assert backward.PEERS_OF["bfloat16"] == ("sdpa_flash", "sdpa_cudnn")
+
+
+def timed(case, name, kind, ms, err=1e-6, status="ok"):
+    r = {"shape": case.as_dict(), "dtype": "float32", "name": name, "kind": kind, "status": status,
+         "label": {"sdpa_efficient": "SDPA efficient", "sdpa_cudnn": "SDPA cuDNN"}.get(name, name),
+         "flops": backward.backward_flops(case), "max_err": {"dq": err, "dk": 2 * err, "dv": 3 * err}}
+    if status == "ok":
+        r |= {"timing": {"median_ms": ms, "p20_ms": ms * 0.98, "p80_ms": ms * 1.02, "min_ms": ms, "max_ms": ms,
+                         "runs": 20},
+              "tflops": backward.backward_flops(case) / (ms * 1e-3) / 1e12}
+    if kind == "rung":
+        r |= {"config": "d_head=64, B_r=32, B_c=64, deterministic=0", "forward": "v20_tf32_wgmma"}
+    return r
+
+
+def backward_result(dtype="float32", date="2026-01-02T03:04:05Z"):
+    """Two GPT-2 cases: b01 slow, b02 wrong, b03 faster than SDPA efficient (2x at 8x1024, 1.2x at 1x512),
+    b04 not taking float32."""
+    small, big = backward.CASE_SETS["gpt2"][:2]
+    rows = []
+    for case, scale in ((small, 1.0), (big, 4.0)):
+        part = [timed(case, "b01_naive", "rung", 10 * scale),
+                timed(case, "b02_fa2", "rung", 0, err=0.5, status="wrong") | {"reason": "dq max error 5.00e-01 > bound"},
+                timed(case, "b03_tf32_mma", "rung", (0.5 if case is big else 1.0) * scale),
+                {"shape": case.as_dict(), "dtype": dtype, "name": "b04_bf16_mma", "kind": "rung", "label": "b04_bf16_mma",
+                 "status": "unsupported", "reason": "TypeError: q has dtype float32; kernel b04_bf16_mma supports "
+                                                    "bfloat16, float16"},
+                timed(case, "sdpa_efficient", "peer", 1.2 * scale)]
+        add_speedups(part)
+        rows += part
+    return {"schema": SCHEMA, "kind": "backward", "setup": fixture_setup("python3 bench.py backward", date),
+            "flop_convention": backward.FLOP_CONVENTION,
+            "method": Method().describe(100 * 2**20) | {"tolerance": backward.TOLERANCE, "timed": "all its kernels"},
+            "dtype": dtype, "cases": [small.as_dict(), big.as_dict()],
+            "kernels": ["b01_naive", "b02_fa2", "b03_tf32_mma", "b04_bf16_mma"], "peers": ["sdpa_efficient"],
+            "seed": 0, "rows": rows}
+
+
+def test_the_table_of_a_backward_result():
+    text = backward.render_backward(backward_result())
+    assert "Fixture GPU" in text and "2.5 x the forward's FLOPs" in text
+    assert "**B=1, T=512** (NH=12, d=64, causal, float32," in text and "**B=8, T=1024**" in text
+    rows = table_rows(text, "`b03_tf32_mma`")
+    assert len(rows) == 2
+    cells = cells_of(rows[1])  # 8x1024: 2 ms against SDPA's 4.8 ms
+    assert cells[1] == "2.000" and cells[5] == "2.40x" and cells[6] == "1.0e-06 / 2.0e-06 / 3.0e-06"
+    assert "forward v20_tf32_wgmma" in cells[7] and cells[4] == "20.00x"  # vs b01, the previous timed rung
+    wrong = cells_of(table_rows(text, "`b02_fa2`")[0])
+    assert wrong[1] == "**wrong**" and "dq max error" in wrong[-1]
+    assert not table_rows(text, "`b04_bf16_mma`")
+    assert "Not run: `b04_bf16_mma` (TypeError: q has dtype float32" in text
+    # the fp32 target applies to GPT-2 shapes with T >= 1024: only 8x1024 here, where b03 is 2.4x
+    assert "at least 1.5x SDPA efficient's backward at every GPT-2 shape with T >= 1024: `b03_tf32_mma`, at " \
+           "worst 2.40x: met." in text
+
+
+def test_targets_say_missed_and_skip_dtypes_without_one():
+    result = backward_result()
+    for r in result["rows"]:
+        if r["name"] == "b03_tf32_mma" and r["shape"]["T_q"] == 1024:
+            r["speedup"]["sdpa_efficient"] = 1.3
+    assert backward.targets(result)[0].endswith("`b03_tf32_mma`, at worst 1.30x: missed.")
+    assert backward.targets(backward_result(dtype="float16")) == []
+
+
+def test_readme_writes_the_backward_section(tmp_path, capsys):
+    readme = tmp_path / "README.md"
+    shutil.copy(FIXTURES / "bench_readme.md", readme)
+    page = tmp_path / "docs" / "results.md"
+    page.parent.mkdir()
+    page.write_text("# Results\n\nBefore.\n\n<!-- bench:backward:start -->\nstale\n<!-- bench:backward:end -->\n\nAfter.\n")
+    results = tmp_path / "results"
+    older = backward_result(date="2025-12-01T00:00:00Z")
+    older["setup"]["device"]["name"] = "Older GPU"
+    bf16 = backward_result(dtype="bfloat16", date="2026-01-03T00:00:00Z")
+    for result in (older, backward_result(), bf16):
+        write_result(result, result_path("backward", result["setup"], results))
+    before = page.read_text()
+    code, out, err = run(["readme", "--readme", str(readme), "--results", str(results), "--results-doc", str(page)],
+                         capsys)
+    assert code == 0, err
+    text = page.read_text()
+    assert outside_markers(text) == outside_markers(before) and "stale" not in text
+    section = re.search(r"<!-- bench:backward:start -->(.*)<!-- bench:backward:end -->", text, re.S).group(1)
+    assert "Older GPU" not in section  # the newest float32 result, and the bfloat16 one after it
+    assert section.index("backward-fixture-gpu-20260102T030405Z.json") < section.index(
+        "backward-fixture-gpu-20260103T000000Z.json")
+    assert "[backward-fixture-gpu-20260102T030405Z.json](../results/backward-fixture-gpu-20260102T030405Z.json)" in section
+
+
+def test_the_command_line(monkeypatch):
+    seen = {}
+    monkeypatch.setitem(cli.COMMANDS, "backward", lambda args: seen.update(vars(args)) or 0)
+    assert cli.main(["backward", "--kernels", "b01,b3", "--dtype", "bfloat16", "--cases", "d128,noncausal",
+                     "--peers", "sdpa_cudnn"], "doc") == 0
+    assert seen["kernels"] == ["b01_naive", "b03_tf32_mma"] and seen["dtype"] == "bfloat16"
+    assert seen["cases"] == ["d128", "noncausal"] and seen["peers"] == ["sdpa_cudnn"]
+    assert cli.main(["backward"], "doc") == 0
+    assert seen["kernels"] is None and seen["cases"] == ["gpt2", "d128", "noncausal"] and seen["peers"] is None
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["backward", "--kernels", "b99"], "unknown backward kernel 'b99'"),
+    (["backward", "--cases", "gpt3"], "unknown case set"),
+    (["backward", "--peers", "reference"], "unknown SDPA peer"),
+])
+def test_bad_backward_arguments_are_clear(argv, message, capsys):
+    code, _, err = run(argv, capsys)
+    assert code == 2 and message in err
