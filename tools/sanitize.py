@@ -1,11 +1,13 @@
 """Run every rung under compute-sanitizer (memcheck, racecheck, initcheck, synccheck).
 
-    python tools/sanitize.py                 # all rungs, all four tools
-    python tools/sanitize.py --kernels v01,v12 --tools memcheck
+    python tools/sanitize.py                 # all rungs, forward and backward, all four tools
+    python tools/sanitize.py --kernels v01,v12,b02 --tools memcheck
 
 Each tool runs one child process that launches every rung at a small shape and an awkward one
-(T not a multiple of any tile), checking each result against the reference. Prints one summary
-line per tool and exits non-zero if any tool reported an error.
+(T not a multiple of any tile), checking each result against the reference: a forward rung's
+output, a backward rung's dq, dk and dv (from the reference forward's o and lse; a rung with a
+deterministic configuration runs in both modes). Prints one summary line per tool and exits
+non-zero if any tool reported an error.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ def child(kernel_names: list[str]) -> int:
 
     failures = 0
     for name in kernel_names:
+        if kernels.backward.owns(name):
+            failures += backward_child(cp, kernels, name)
+            continue
         dtype = kernels.load(name).dtypes[0]  # float32, or the first dtype a low-precision rung takes
         for B, NH, T, d in SHAPES:
             q, k, v = (cp.random.standard_normal((B, NH, T, d), dtype=cp.float32).astype(dtype) for _ in range(3))
@@ -45,16 +50,39 @@ def child(kernel_names: list[str]) -> int:
     return 1 if failures else 0
 
 
+def backward_child(cp, kernels, name: str) -> int:
+    """A backward rung at SHAPES, in each mode it declares; the number of wrong results."""
+    rung = kernels.backward.load(name)
+    dtype = rung.dtypes[0]
+    modes = [False] + ([True] if any(rung.is_deterministic(c) for c in rung.configs) else [])
+    failures = 0
+    for deterministic in modes:
+        for B, NH, T, d in SHAPES:
+            q, k, v, do = (cp.random.standard_normal((B, NH, T, d), dtype=cp.float32).astype(dtype) for _ in range(4))
+            o, lse = kernels.reference_attention(q, k, v, return_lse=True)
+            got = kernels.attention_backward(q, k, v, o, lse, do, kernel=name, deterministic=deterministic)
+            want = kernels.reference_attention_backward(q, k, v, o, lse, do)
+            err = max(float(cp.abs(g.astype(cp.float32) - w.astype(cp.float32)).max()) for g, w in zip(got, want))
+            ok = err < (1e-3 if dtype == "float32" else 1e-1)
+            failures += not ok
+            print(f"  {name:28s} {dtype:8s} B={B} NH={NH} T={T:4d} d={d}{' deterministic' if deterministic else ''}: "
+                  f"max |grad - ref| = {err:.2e}{'' if ok else '  WRONG'}", flush=True)
+    return failures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kernels", help="comma-separated rungs (default: all)")
+    parser.add_argument("--kernels", help="comma-separated rungs, forward or backward (default: all)")
     parser.add_argument("--tools", default=",".join(TOOLS), help="comma-separated sanitizer tools")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     import kernels
 
-    names = [kernels.resolve(n).stem for n in args.kernels.split(",")] if args.kernels else kernels.names()
+    def stem(n: str) -> str:
+        return (kernels.backward.resolve(n) if kernels.backward.owns(n) else kernels.resolve(n)).stem
+
+    names = [stem(n) for n in args.kernels.split(",")] if args.kernels else kernels.names() + kernels.backward_names()
     if args.child:
         return child(names)
 
