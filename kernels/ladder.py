@@ -206,19 +206,25 @@ def resolve(kernel: str | Path) -> Path:
 
 
 def _resolve(text: str) -> Path:
-    if text.endswith(".cu"):
+    return find_rung(text, rung_files(), _RUNG_FILE, letter="v", ext=".cu", family="kernel")
+
+
+def find_rung(text: str, files: list[Path], file_re: re.Pattern, *, letter: str, ext: str, family: str) -> Path:
+    """A family's name lookup: `text` is a path ending in `ext` (which must exist), or the family's
+    letter and a number, with or without the change (v8, v08, v08_o_in_smem), matched against `files`
+    through `file_re` (number, change); otherwise ValueError naming the family's known rungs."""
+    if text.endswith(ext):
         path = Path(text).expanduser().resolve()
         if not path.is_file():
             raise ValueError(f"kernel file {text!r} does not exist")
         return path
-    files = rung_files()
-    m = re.fullmatch(r"v(\d+)(?:_([a-z0-9_]+))?", text)
+    m = re.fullmatch(rf"{letter}(\d+)(?:_([a-z0-9_]+))?", text)
     for p in files:
-        number, change = _RUNG_FILE.match(p.name).groups()
+        number, change = file_re.match(p.name).groups()
         if m and int(m.group(1)) == int(number) and m.group(2) in (None, change):
             return p
     known = ", ".join(p.stem for p in files) or "none"
-    raise ValueError(f"unknown kernel {text!r}: known kernels are {known}, or give a path to a .cu file")
+    raise ValueError(f"unknown {family} {text!r}: known {family}s are {known}, or give a path to a {ext} file")
 
 
 _cache: dict[Path, Rung] = {}

@@ -114,20 +114,7 @@ def owns(kernel) -> bool:
 
 def resolve(kernel: str | Path) -> Path:
     """`b1`, `b01`, `b01_naive` or a path to a .cu file -> the rung's file."""
-    text = str(kernel)
-    if text.endswith(".cu"):
-        path = Path(text).expanduser().resolve()
-        if not path.is_file():
-            raise ValueError(f"kernel file {text!r} does not exist")
-        return path
-    m = re.fullmatch(r"b(\d+)(?:_([a-z0-9_]+))?", text)
-    files = rung_files()
-    for p in files:
-        number, change = _RUNG_FILE.match(p.name).groups()
-        if m and int(m.group(1)) == int(number) and m.group(2) in (None, change):
-            return p
-    known = ", ".join(p.stem for p in files) or "none"
-    raise ValueError(f"unknown backward kernel {text!r}: known backward kernels are {known}, or give a path to a .cu file")
+    return ladder.find_rung(str(kernel), rung_files(), _RUNG_FILE, letter="b", ext=".cu", family="backward kernel")
 
 
 _cache: dict[Path, BackwardRung] = {}

@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import ladder
+
 TRITON_DIR = Path(__file__).resolve().parent
 _RUNG_FILE = re.compile(r"^t(\d+)_([a-z0-9_]+)\.py$")
 _NAME = re.compile(r"t(\d+)(?:_([a-z0-9_]+))?")
@@ -65,20 +67,7 @@ def owns(kernel) -> bool:
 
 def resolve(kernel) -> Path:
     """`t1`, `t01`, `t01_fa2` or a path to a .py file -> the rung's file."""
-    text = str(kernel)
-    if text.endswith(".py"):
-        path = Path(text).expanduser().resolve()
-        if not path.is_file():
-            raise ValueError(f"kernel file {text!r} does not exist")
-        return path
-    m = _NAME.fullmatch(text)
-    files = rung_files()
-    for p in files:
-        number, change = _RUNG_FILE.match(p.name).groups()
-        if m and int(m.group(1)) == int(number) and m.group(2) in (None, change):
-            return p
-    known = ", ".join(p.stem for p in files) or "none"
-    raise ValueError(f"unknown Triton kernel {text!r}: known Triton kernels are {known}, or give a path to a .py file")
+    return ladder.find_rung(str(kernel), rung_files(), _RUNG_FILE, letter="t", ext=".py", family="Triton kernel")
 
 
 @dataclass(frozen=True)
