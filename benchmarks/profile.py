@@ -3,6 +3,7 @@
     python3 bench.py profile                              every rung at 8x1024 float32, and the decode step
     python3 bench.py profile --kernels v13,v18 --dtype bfloat16 --no-decode
     python3 bench.py profile --ncu /usr/local/cuda/bin/ncu --save
+    python3 bench.py profile --kernels v21,v22,v23,v24 --dtype bfloat16 --cases 16x12x2048-d64,2x32x4096-d128 --no-decode
 
 Each rung runs in a child process under ncu (benchmarks/profile_target.py): prepared and compiled, warmed
 up, then one launch between cudaProfilerStart and cudaProfilerStop, which ncu (--profile-from-start off)
@@ -31,8 +32,8 @@ from pathlib import Path
 import kernels
 
 from . import ceilings as precision
-from . import device, plots, profile_render, timing
-from .cases import DTYPES, FLOP_CONVENTION, attention_flops
+from . import device, frontier, plots, profile_render, timing
+from .cases import DTYPES, FLOP_CONVENTION, attention_flops, shape_flops
 from .device import ROOT, CannotRun, progress
 from .options import kernel_list, parse_shape, results_option
 from .results import SCHEMA, result_path, write_result, wrote
@@ -254,12 +255,34 @@ def find_ncu(given: str | None) -> str:
     return path
 
 
-def target_args(kernel: str | None, shape: tuple[int, int] | None, dtype: str) -> list[str]:
-    """The child ncu profiles: one rung at one shape, or (kernel None) one decode step."""
+def target_args(kernel: str | None, shape: tuple[int, int] | str | None, dtype: str) -> list[str]:
+    """The child ncu profiles: one rung at one shape (B x T, or a frontier case's id), or (kernel None) one
+    decode step."""
     base = [sys.executable, "-m", "benchmarks.profile_target", "--dtype", dtype]
     if kernel is None:
         return base + ["--decode"]
-    return base + ["--kernel", kernel, "--shape", f"{shape[0]}x{shape[1]}"]
+    where = ["--case", shape] if isinstance(shape, str) else ["--shape", f"{shape[0]}x{shape[1]}"]
+    return base + ["--kernel", kernel, *where]
+
+
+def case_list(text: str) -> list:
+    """'16x12x2048-d64,2x32x4096-d128' or 'all' -> the frontier's cases (bench.py frontier's ids)."""
+    cases = {frontier.case_id(c): c for c in frontier.CASES}
+    ids = list(cases) if text.strip() == "all" else [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [i for i in ids if i not in cases]
+    if unknown or not ids:
+        raise argparse.ArgumentTypeError(f"unknown frontier case {', '.join(unknown) or text!r}; the cases: "
+                                         f"{', '.join(cases)}")
+    return [cases[i] for i in ids]
+
+
+def profiled_shapes(args) -> list[tuple[dict, tuple[int, int] | str, int]]:
+    """(the rows' shape, what the target is told, FLOPs) for each shape: GPT-2's B x T, or frontier cases."""
+    if args.cases:
+        return [({"B": c.B, "NH": c.NH, "NH_kv": c.NH_kv, "T_q": c.T_q, "T_k": c.T_k, "d": c.d, "causal": c.causal,
+                  "case": frontier.case_id(c)}, frontier.case_id(c), shape_flops(c)) for c in args.cases]
+    return [({"B": B, "T": T, "NH": NH, "d": D_HEAD}, (B, T), attention_flops(B, NH, T, D_HEAD))
+            for B, T in args.shape or [DEFAULT_SHAPE]]
 
 
 def ncu_command(ncu: str, target: list[str]) -> list[str]:
@@ -341,11 +364,13 @@ def roofs_of(ceilings: dict) -> dict[str, float]:
 
 
 def cmd_profile(args) -> int:
+    if args.cases and args.shape:
+        raise CannotRun("--shape and --cases: name the shapes one way (B x T at GPT-2's heads, or frontier cases)")
     ncu = find_ncu(args.ncu)
     device.require_gpu()
     setup = device.setup_info(args.argv)
     dev = setup["device"]
-    shapes = args.shape or [DEFAULT_SHAPE]
+    shapes = profiled_shapes(args)
     rungs = args.kernels if args.kernels is not None else [kernels.resolve(n) for n in kernels.names()]
     version = ncu_version(ncu)
     progress(f"{dev['name']} ({dev['arch']}, {dev['sm_count']} SMs), driver {dev['driver']}, CUDA "
@@ -356,16 +381,16 @@ def cmd_profile(args) -> int:
     progress(", ".join(f"{k} {v:.1f} TFLOP/s" for k, v in roofs.items()) + f"; copy {ceilings['copy_tbps']:.2f} TB/s")
 
     rows = []
-    for B, T in shapes:
+    for shape, told, flops in shapes:
         for path in rungs:
-            name, shape = path.stem, {"B": B, "T": T, "NH": NH, "d": D_HEAD}
+            name = path.stem
             why = skip_reason(path, args.dtype, dev["arch"])
             if why:
                 rows.append({"name": name, "kind": "rung", "shape": shape, "status": "skipped", "reason": why})
-                progress(f"{name} {B}x{T}: skipped: {why}")
+                progress(f"{name} {profile_render.shape_text(shape)}: skipped: {why}")
                 continue
-            target = target_args(str(path), (B, T), args.dtype)
-            row = profile_row(ncu, name, "rung", target, attention_flops(B, NH, T, D_HEAD))
+            target = target_args(str(path), told, args.dtype)
+            row = profile_row(ncu, name, "rung", target, flops)
             rows.append({**row, "shape": shape})
             progress(profile_render.progress_line(rows[-1]))
     if args.decode and (why := decode_skip_reason(args.dtype)):
@@ -379,7 +404,7 @@ def cmd_profile(args) -> int:
     result = {
         "schema": SCHEMA, "kind": "profile", "setup": setup, "flop_convention": FLOP_CONVENTION,
         "ceilings": ceilings, "roofs": roofs, "dtype": args.dtype,
-        "shapes": [{"B": B, "T": T, "NH": NH, "d": D_HEAD} for B, T in shapes],
+        "shapes": [shape for shape, _, _ in shapes],
         "kernels": [p.stem for p in rungs], "decode": args.decode,
         "ncu": {"path": ncu, "version": version, "clock_control": "none",
                 "command": " ".join(ncu_command("ncu", ["<target>"]))},
@@ -407,6 +432,9 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
                         "take the dtype or this device are reported skipped)")
     p.add_argument("--shape", type=parse_shape, action="append", metavar="BxT",
                    help="batch x sequence length, repeatable (default: 8x1024)")
+    p.add_argument("--cases", type=case_list, default=None, metavar="LIST",
+                   help="shapes of bench.py frontier in place of --shape (their heads, head size, K/V heads, "
+                        "mask), comma-separated ids such as 16x12x2048-d64,2x32x4096-d128-gqa8, or all")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="input dtype (default float32)")
     p.add_argument("--decode", action=argparse.BooleanOptionalAction, default=True,
                    help="also the decode step's kernels (gpt2.fast's engine, GPT-2 small, one step; default on)")

@@ -97,9 +97,23 @@ def stalls_cell(k: dict) -> str:
     return ", ".join(f"{reason} {share:.0%}" for reason, share in k.get("stalls_top") or ()) or "-"
 
 
+def shape_text(shape: dict) -> str:
+    """'8x1024' (B x T at GPT-2's heads), or a frontier case's id ('2x32x4096-d128-gqa8')."""
+    return shape.get("case") or f"{shape['B']}x{shape['T']}"
+
+
+def shapes_header(result: dict) -> str:
+    """'B x T 8x1024, 4x2048, NH=12, d=64', or 'frontier shapes 16x12x2048-d64, ...'."""
+    shapes = ", ".join(shape_text(s) for s in result["shapes"])
+    if any("case" in s for s in result["shapes"]):
+        return f"frontier shapes (B x NH x T-d) {shapes}"
+    nh, d = (result["shapes"][0]["NH"], result["shapes"][0]["d"]) if result["shapes"] else ("?", "?")
+    return f"B x T {shapes}, NH={nh}, d={d}"
+
+
 def _label(r: dict, shapes: int) -> str:
     label = f"`{r['name']}`" if r["kind"] == "rung" else r["name"]
-    return f"{label} {r['shape']['B']}x{r['shape']['T']}" if shapes > 1 and r.get("shape") else label
+    return f"{label} {shape_text(r['shape'])}" if shapes > 1 and r.get("shape") else label
 
 
 def kernel_cells(k: dict) -> list[str]:
@@ -135,16 +149,15 @@ def render_profile(result: dict) -> str:
     """The profile table, headed by the setup, the clock ncu saw and the run's ceilings."""
     clock = result.get("sm_clock_hz")
     ncu = result.get("ncu") or {}
-    shapes = ", ".join(f"{s['B']}x{s['T']}" for s in result["shapes"])
-    nh, d = (result["shapes"][0]["NH"], result["shapes"][0]["d"]) if result["shapes"] else ("?", "?")
+    shapes = shapes_header(result)
     roofs = "; ".join(f"{name} {v:.1f} TFLOP/s" for name, v in (result.get("roofs") or {}).items())
     copy = (result.get("ceilings") or {}).get("copy_tbps")
     lines = setup_header(result) + [
         "",
-        f"{result['dtype']}, B x T {shapes}, NH={nh}, d={d}: one launch per rung after warm-up under Nsight Compute "
+        f"{result['dtype']}, {shapes}: one launch per rung after warm-up under Nsight Compute "
         f"{ncu.get('version') or '?'}, clocks not locked (--clock-control {ncu.get('clock_control', 'none')}): "
         f"**SM clock {clock / 1e9:.2f} GHz** (gpc__cycles_elapsed.avg.per_second, median over the kernels)."
-        if clock else f"{result['dtype']}, B x T {shapes}, NH={nh}, d={d}: no kernel was profiled.",
+        if clock else f"{result['dtype']}, {shapes}: no kernel was profiled.",
         "",
         f"Ceilings of this run: {roofs or 'none'}; copy {_num(copy, 2)} TB/s. TFLOP/s count {result['flop_convention']}. "
         "Throughputs are % of the peak sustained over the elapsed cycles, occupancy of the active cycles; the "
@@ -156,7 +169,7 @@ def render_profile(result: dict) -> str:
 
 def progress_line(r: dict) -> str:
     """One line per profiled rung, as it finishes."""
-    where = f"{r['shape']['B']}x{r['shape']['T']}" if r.get("shape") else ""
+    where = shape_text(r["shape"]) if r.get("shape") else ""
     if r["status"] != "ok":
         return f"{r['name']} {where}: {r['status']}: {r.get('reason', '')}"
     k = r["kernels"][0]
@@ -173,7 +186,7 @@ def progress_line(r: dict) -> str:
 def roofline_points(result: dict) -> list[tuple[str, float, float]]:
     """(label, FLOP per DRAM byte, TFLOP/s) of every profiled rung with both."""
     shapes = len(result["shapes"])
-    return [(r["name"] + (f" {r['shape']['B']}x{r['shape']['T']}" if shapes > 1 else ""), r["intensity"], r["tflops"])
+    return [(r["name"] + (f" {shape_text(r['shape'])}" if shapes > 1 else ""), r["intensity"], r["tflops"])
             for r in result["rows"] if r["status"] == "ok" and r.get("intensity") and r.get("tflops")]
 
 
@@ -267,7 +280,7 @@ def counter_rows(result: dict, line=splits_keys) -> list[list[str]]:
         speedup = (f"{previous['duration_s'] / r['duration_s']:.2f}x ({previous['name'].split('_')[0]})"
                    if previous and previous.get("duration_s") and r.get("duration_s") else "-")
         k = max(r["kernels"], key=lambda k: k.get("duration_s") or 0)
-        label = _rung_link(r["name"]) + (f" {r['shape']['B']}x{r['shape']['T']}" if shapes > 1 else "")
+        label = _rung_link(r["name"]) + (f" {shape_text(r['shape'])}" if shapes > 1 else "")
         if len(r["kernels"]) > 1:
             label += f" ({len(r['kernels'])} kernels)"
         top = (k.get("stalls_top") or [None])[0]
@@ -294,9 +307,7 @@ def render_counters(result: dict, line=splits_keys) -> str:
     """One dtype's counters for docs/ladder.md: a line of setup, the table, the rungs left out."""
     dev = (result["setup"].get("device") or {}).get("name", "no GPU")
     clock = result.get("sm_clock_hz")
-    shapes = ", ".join(f"{s['B']}x{s['T']}" for s in result["shapes"])
-    nh, d = (result["shapes"][0]["NH"], result["shapes"][0]["d"]) if result["shapes"] else ("?", "?")
-    lines = [f"**{result['dtype']}**, B x T {shapes}, NH={nh}, d={d}: {dev}, {result['setup']['date'][:10]}, "
+    lines = [f"**{result['dtype']}**, {shapes_header(result)}: {dev}, {result['setup']['date'][:10]}, "
              f"SM clock {_num(clock and clock / 1e9, 2)} GHz, one launch per rung under Nsight Compute.", ""]
     lines += table(COUNTER_COLUMNS, counter_rows(result, line), COUNTER_ALIGN)
     rest = left_out(result)

@@ -1,9 +1,11 @@
 """What `bench.py profile` runs under ncu: one launch between cudaProfilerStart and cudaProfilerStop.
 
     python -m benchmarks.profile_target --kernel v13 --shape 8x1024 --dtype float32
+    python -m benchmarks.profile_target --kernel v24 --case 2x32x4096-d128-gqa8 --dtype bfloat16
     python -m benchmarks.profile_target --decode --dtype bfloat16
 
-A rung: random q, k, v (B, 12, T, 64), prepared and compiled (kernels.prepare), three warm-up launches,
+A rung: random q, k, v (B, 12, T, 64), or a shape of `bench.py frontier` (--case: its heads, head size,
+grouped K/V heads and mask), prepared and compiled (kernels.prepare), three warm-up launches,
 then one launch profiled. --decode: GPT-2 small with random weights on gpt2.fast's engine, a warm-up
 generation of WARMUP tokens, then one decode step profiled. ncu (--profile-from-start off) sees only
 the profiled launch. Nothing goes to stdout, where ncu writes its CSV; errors are one line on stderr,
@@ -42,8 +44,20 @@ def array_dtype(name: str):
     return np.dtype(name)
 
 
-def rung_launch(kernel: str, B: int, T: int, dtype: str):
-    """The rung prepared on random inputs, warm: the function that launches it once."""
+def frontier_case(case_id: str):
+    """A shape of `bench.py frontier` by its id ('2x32x4096-d128-gqa8')."""
+    from benchmarks.frontier import CASES
+    from benchmarks.frontier import case_id as id_of
+
+    cases = {id_of(c): c for c in CASES}
+    if case_id not in cases:
+        raise TargetError(f"no frontier case {case_id!r}; the cases: {', '.join(cases)}")
+    return cases[case_id]
+
+
+def rung_launch(kernel: str, B: int, T: int, dtype: str, case=None):
+    """The rung prepared on random inputs (B, NH, T, D_HEAD), or a frontier case's, warm: the function
+    that launches it once."""
     import cupy
 
     import kernels
@@ -53,10 +67,14 @@ def rung_launch(kernel: str, B: int, T: int, dtype: str):
     except ValueError as exc:
         raise TargetError(str(exc)) from None
     rng = cupy.random.default_rng(0)
-    q, k, v = (rng.standard_normal((B, NH, T, D_HEAD), dtype=cupy.float32).astype(array_dtype(dtype))
-               for _ in range(3))
+    q_shape, kv_shape, causal = (B, NH, T, D_HEAD), (B, NH, T, D_HEAD), True
+    if case is not None:
+        q_shape, kv_shape = (case.B, case.NH, case.T_q, case.d), (case.B, case.NH_kv, case.T_k, case.d)
+        causal = case.causal
+    q, k, v = (rng.standard_normal(shape, dtype=cupy.float32).astype(array_dtype(dtype))
+               for shape in (q_shape, kv_shape, kv_shape))
     try:
-        run = kernels.prepare(q, k, v, kernel=path)
+        run = kernels.prepare(q, k, v, kernel=path, causal=causal)
     except (ValueError, kernels.KernelCompileError) as exc:
         raise TargetError(f"{path.stem}: {str(exc).splitlines()[0]}") from None
     for _ in range(3):
@@ -86,13 +104,17 @@ def main(argv: list[str] | None = None) -> int:
     what.add_argument("--kernel", help="the rung (v13, v13_fa2_partitioning or a .cu path)")
     what.add_argument("--decode", action="store_true", help="one decode step of gpt2.fast's engine")
     parser.add_argument("--shape", type=shape_arg, default=(8, 1024), metavar="BxT", help="default 8x1024")
+    parser.add_argument("--case", default=None, metavar="ID",
+                        help="a shape of bench.py frontier in place of --shape, e.g. 2x32x4096-d128-gqa8")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     args = parser.parse_args(argv)
     try:
         import cupy
         from cupy.cuda import profiler
 
-        launch = decode_launch(args.dtype) if args.decode else rung_launch(args.kernel, *args.shape, args.dtype)
+        case = frontier_case(args.case) if args.case else None
+        launch = (decode_launch(args.dtype) if args.decode
+                  else rung_launch(args.kernel, *args.shape, args.dtype, case))
         cupy.cuda.Device().synchronize()
         profiler.start()
         launch()

@@ -30,9 +30,10 @@ LEVELS_DOC = ROOT / "docs" / "levels.md"  # seed 004's four levels: rewritten wh
 SUMMARIES = ("summary", "e2e-summary")  # the README's short tables
 PROFILE = ("profile",)  # docs/profile.md's section
 COUNTERS = ("counters",)  # docs/ladder.md's: the profile's counters, one short row per rung
+FRONTIER_COUNTERS = ("frontier-counters",)  # docs/results.md's: the counters at the frontier's shapes
 DECODE_DOC = ROOT / "docs" / "decode.md"  # decode at scale (bench.py e2e --sizes): rewritten when there are results
 FULL_TABLES = tuple(s for s in SECTIONS if s not in PROFILE + ("levels", "scale"))  # docs/results.md's
-KNOWN = SUMMARIES + SECTIONS + COUNTERS
+KNOWN = SUMMARIES + SECTIONS + COUNTERS + FRONTIER_COUNTERS
 
 _MARKER = re.compile(r"<!--\s*bench:([A-Za-z0-9_-]+):(start|end)\s*-->")
 
@@ -78,6 +79,11 @@ def newest_per_dtype(paths: list[Path], keep=lambda result: True) -> list[tuple[
         if keep(result):
             newest.setdefault(result["dtype"], (p, result))
     return [newest[t] for t in sorted(newest, key=lambda t: (t != "float32", t))]
+
+
+def at_frontier(result: dict) -> bool:
+    """Whether a profile ran at bench.py frontier's shapes (--cases) rather than GPT-2's B x T."""
+    return any("case" in shape for shape in result["shapes"])
 
 
 def newest_sweeps(paths: list[Path]) -> list[tuple[Path, dict]]:
@@ -173,14 +179,17 @@ def readme_blocks(found: dict[str, list[Path]], base: Path) -> dict[str, str]:
     if found["features"]:
         p = found["features"][0]
         blocks["features"] = source(p) + "\n" + from_file(p, render_features(load_result(p)))
-    if found["profile"]:  # the newest profile of each dtype, each with its roofline
+    per_dtype = newest_per_dtype(found["profile"], lambda r: not at_frontier(r))
+    if per_dtype:  # the newest profile of each dtype at GPT-2's shapes, each with its roofline
         blocks["profile"] = "\n\n".join(
             from_file(p, profile_render.render_profile_doc(result, rel(p), rel(p.parent / result["plot"])
                                                            if result.get("plot") else None))
-            for p, result in newest_per_dtype(found["profile"]))
-        per_dtype = newest_per_dtype(found["profile"])  # and the same files, a short row per rung
-        blocks["counters"] = source(*[p for p, _ in per_dtype]) + "\n" + "\n\n".join(
+            for p, result in per_dtype)
+        blocks["counters"] = source(*[p for p, _ in per_dtype]) + "\n" + "\n\n".join(  # a short row per rung
             from_file(p, profile_render.render_counters(result)) for p, result in per_dtype)
+    if at_cases := newest_per_dtype(found["profile"], at_frontier):  # the counters at the frontier's shapes
+        blocks["frontier-counters"] = source(*[p for p, _ in at_cases]) + "\n" + "\n\n".join(
+            from_file(p, profile_render.render_counters(result)) for p, result in at_cases)
     if found["scale"]:  # the newest decode-at-scale run, with its plot
         p = found["scale"][0]
         result = load_result(p)
