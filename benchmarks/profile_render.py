@@ -260,13 +260,13 @@ def splits_keys(name: str) -> bool:
         return False
 
 
-def _rung_link(name: str) -> str:
-    """The rung's name, linked to its story on the ladder page (#v02)."""
+def _rung_link(name: str, ladder: str = "") -> str:
+    """The rung's name, linked to its story on the ladder page (#v02; `ladder` the page's path from another)."""
     m = re.match(r"v\d+", name)
-    return f"[`{name}`](#{m.group(0)})" if m else f"`{name}`"
+    return f"[`{name}`]({ladder}#{m.group(0)})" if m else f"`{name}`"
 
 
-def counter_rows(result: dict, line=splits_keys) -> list[list[str]]:
+def counter_rows(result: dict, line=splits_keys, ladder: str = "") -> list[list[str]]:
     """One row per profiled rung, in ladder order. "vs previous" is the speed-up over the rung before that ran
     at the same shape and on the same line (`line(name)`: the split-KV rungs are a line of their own); the
     time is the rung's (every kernel's), the other counters its longest kernel's."""
@@ -280,7 +280,7 @@ def counter_rows(result: dict, line=splits_keys) -> list[list[str]]:
         speedup = (f"{previous['duration_s'] / r['duration_s']:.2f}x ({previous['name'].split('_')[0]})"
                    if previous and previous.get("duration_s") and r.get("duration_s") else "-")
         k = max(r["kernels"], key=lambda k: k.get("duration_s") or 0)
-        label = _rung_link(r["name"]) + (f" {shape_text(r['shape'])}" if shapes > 1 else "")
+        label = _rung_link(r["name"], ladder) + (f" {shape_text(r['shape'])}" if shapes > 1 else "")
         if len(r["kernels"]) > 1:
             label += f" ({len(r['kernels'])} kernels)"
         top = (k.get("stalls_top") or [None])[0]
@@ -303,12 +303,12 @@ def left_out(result: dict) -> str:
     return f"Not in this table: {'; '.join(', '.join(names) + ': ' + reason for reason, names in why.items())}."
 
 
-def render_counters(result: dict, line=splits_keys) -> str:
+def render_counters(result: dict, line=splits_keys, ladder: str = "") -> str:
     """One dtype's counters for docs/ladder.md: a line of setup, the table, the rungs left out."""
     dev = (result["setup"].get("device") or {}).get("name", "no GPU")
     clock = result.get("sm_clock_hz")
     lines = [f"**{result['dtype']}**, {shapes_header(result)}: {dev}, {result['setup']['date'][:10]}, "
              f"SM clock {_num(clock and clock / 1e9, 2)} GHz, one launch per rung under Nsight Compute.", ""]
-    lines += table(COUNTER_COLUMNS, counter_rows(result, line), COUNTER_ALIGN)
+    lines += table(COUNTER_COLUMNS, counter_rows(result, line, ladder), COUNTER_ALIGN)
     rest = left_out(result)
     return "\n".join(lines + (["", rest] if rest else []))

@@ -189,7 +189,10 @@ def readme_blocks(found: dict[str, list[Path]], base: Path) -> dict[str, str]:
             from_file(p, profile_render.render_counters(result)) for p, result in per_dtype)
     if at_cases := newest_per_dtype(found["profile"], at_frontier):  # the counters at the frontier's shapes
         blocks["frontier-counters"] = source(*[p for p, _ in at_cases]) + "\n" + "\n\n".join(
-            from_file(p, profile_render.render_counters(result)) for p, result in at_cases)
+            from_file(p, profile_render.render_counters(result, ladder="ladder.md")
+                      + (f"\n\n![roofline of the rungs at the frontier's shapes, under the ceilings of the same run]"
+                         f"({rel(p.parent / result['plot'])})" if result.get("plot") else ""))
+            for p, result in at_cases)
     if found["scale"]:  # the newest decode-at-scale run, with its plot
         p = found["scale"][0]
         result = load_result(p)

@@ -87,6 +87,7 @@ def test_counters_at_the_cases_go_to_their_own_section(tmp_path):
     at_cases["shapes"] = [case]
     at_cases["rows"] = [r | {"shape": case} if r.get("shape") else r for r in at_cases["rows"]]
     at_cases["setup"] = at_cases["setup"] | {"date": "2026-11-26T11:00:00Z"}
+    at_cases["plot"] = "roofline-cases.png"
     for r in (gpt2, at_cases):
         results.write_result(r, results.result_path("profile", r["setup"], store))
     argv = ["readme", "--readme", str(tmp_path / "README.md"), "--results-doc", str(docs / "results.md"),
@@ -95,6 +96,8 @@ def test_counters_at_the_cases_go_to_their_own_section(tmp_path):
     block = (docs / "results.md").read_text().partition("<!-- bench:frontier-counters:start -->")[2]
     assert "old" not in block and "**bfloat16**, frontier shapes (B x NH x T-d) 16x12x2048-d64" in block
     assert "20261126T110000Z" in block and "20261126T100000Z" not in block
+    assert "[`v12_o_in_registers`](ladder.md#v12)" in block  # the rung's story is on another page
+    assert "(../results/roofline-cases.png)" in block
     page = (docs / "profile.md").read_text()  # the GPT-2 shapes' profile stays the profile page's
     assert "20261126T100000Z" in page and "20261126T110000Z" not in page
     assert profile_render.shapes_header(gpt2) == "B x T 8x1024, NH=12, d=64"
