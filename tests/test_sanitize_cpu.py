@@ -1,6 +1,6 @@
 """tools/sanitize.py without a GPU: its arguments, its reading of compute-sanitizer's output (samples in
 the tool's format), the table, the child processes it restarts (a stand-in for compute-sanitizer), and
-what its targets cover."""
+what its targets cover; tools/synccheck_cluster.py's kernel compiled for sm_90."""
 
 import argparse
 import stat
@@ -8,16 +8,18 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import gpt2
-from kernels import fused
+from kernels import fused, nvrtc
 
 TOOLS_DIR = Path(__file__).resolve().parent.parent / "tools"
 sys.path.insert(0, str(TOOLS_DIR))
 
 import sanitize  # noqa: E402
 import sanitize_targets as targets  # noqa: E402
+import synccheck_cluster  # noqa: E402
 
 GEMV = "gemv<float, 768, 8, 1, true, 0>"
 
@@ -249,3 +251,28 @@ def test_run_tool_goes_on_after_a_child_that_dies_or_hangs(tmp_path, capsys):
     assert children[1].status["hang"] == "timed out after 3 s"
     assert children[2].status == {"c": "ok"} and children[2].summary == 0
     assert "[memcheck] c: ok" in capsys.readouterr().out
+
+
+def test_the_reproducer_kernel_compiles_for_sm_90():
+    source = (TOOLS_DIR / "synccheck_cluster.cu").read_text()
+    for cluster in (8, 16):
+        (result,) = nvrtc.compile_isolated(source, "synccheck_cluster.cu", ["-arch=sm_90", "-Xptxas=-v"],
+                                           [f"cluster_skeleton<{cluster}>"])
+        assert "registers" in result["log"]
+
+
+def test_the_reproducer_expects_every_push_and_nothing_else():
+    case = synccheck_cluster.Skeleton("", cluster=16, clusters=26, small_every=13)
+    want = synccheck_cluster.skeleton_expected(case)
+    assert want.shape == (26, 128)
+    assert want[0, 5] == 16 * 5 + 120 and not (want != want)[0].any()  # a full cluster: no NaN
+    assert (want[12, :16] == 16 * np.arange(16) + 120).all()  # cluster 12 pushes 16 items
+    assert (want[12, 16:] != want[12, 16:]).all() and (want[25, 16:] != want[25, 16:]).all()  # NaN above 16 items
+
+
+def test_the_reproducer_verdict():
+    rows = [{"case": "skeleton-waves", "errors": 0}, {"case": "v17-97", "errors": 4}]
+    assert synccheck_cluster.verdict(rows).startswith("Only v17 draws the report (v17-97)")
+    rows[0]["errors"] = 2
+    assert "the report is the tool's" in synccheck_cluster.verdict(rows)
+    assert synccheck_cluster.verdict([{"case": "v17-97", "errors": 0}]) == "No case draws the report."
