@@ -5,6 +5,8 @@
  *
  * Every thread of every block executes every barrier, in v17's order:
  *   barrier.cluster.arrive.relaxed          "this block is running", at the start
+ *   (rank 0 only: a wait of late_ns nanoseconds, as v17's split 0 works through the keys while splits
+ *   past the last key tile have none)
  *   __syncthreads()                         inside the open cluster phase (v17: after staging Q_i, and
  *                                           after the warps' merge)
  *   barrier.cluster.wait.acquire            every block of the cluster runs: rank 0's shared memory exists
@@ -26,13 +28,20 @@ constexpr int THREADS = 128;
 
 template <int CLUSTER>
 __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 4)
-cluster_skeleton(float* __restrict__ out, int small_every)
+cluster_skeleton(float* __restrict__ out, int small_every, long long late_ns)
 {
     extern __shared__ __align__(16) float pushed[];  // CLUSTER x THREADS: the ranks' pushes, in rank 0
     const int rank = blockIdx.x % CLUSTER, cluster = blockIdx.x / CLUSTER;
     const int items = small_every > 0 && cluster % small_every == small_every - 1 ? 16 : THREADS;
 
     asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+    if (rank == 0 && late_ns > 0) {  // uniform over the block
+        unsigned long long start, now;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+        do
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+        while ((long long)(now - start) < late_ns);
+    }
     __syncthreads();
     asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
 

@@ -16,6 +16,8 @@ what the report could follow, one property at a time:
   pushes   16 of 128 threads push before the last cluster barrier (v17's one-row tiles: T 97's last tile,
            every decode tile) or all 128 (tiles of 8 rows)
   size     clusters of 16 (non-portable, v17's at d = 64) or of 8
+  timing   rank 0 reaching its block barrier late (v17's split 0 works through the keys while the splits
+           past the last key tile have none)
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class Skeleton:
     cluster: int  # blocks a cluster
     clusters: int  # clusters in the grid
     small_every: int  # every small_every-th cluster pushes 16 items, the others 128 (0: none does)
+    late_ns: int = 0  # rank 0 reaches its block barrier this much later than the other ranks
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,8 @@ CASES = {
     "skeleton-1wave-16": Skeleton("4 clusters of 16, 16 threads push", 16, 4, 1),
     "skeleton-waves": Skeleton("1,024 clusters of 16, every thread pushes", 16, 1024, 0),
     "skeleton-waves-mixed": Skeleton("1,024 clusters of 16, 16 threads push in every 13th (v17 at T 97)", 16, 1024, 13),
+    "skeleton-waves-late": Skeleton("1,024 clusters of 16, every thread pushes, rank 0 20 us late (v17's split 0 "
+                                    "has the keys)", 16, 1024, 0, 20_000),
     "skeleton8-waves-mixed": Skeleton("2,048 clusters of 8, 16 threads push in every 13th", 8, 2048, 13),
     "v17-97": V17("the reported shape: B 2, NH 3, T 97 (its last tile one row)", (2, 3, 97, 97)),
     "v17-97-1wave": V17("B 1, NH 1, T 97", (1, 1, 97, 97)),
@@ -89,7 +94,7 @@ def run_skeleton(cp, driver, case: Skeleton) -> tuple[bool, int, int]:
     grid = case.clusters * case.cluster
     resident = driver.max_active_clusters(fn, grid, THREADS, case.cluster, smem)
     out = cp.full(case.clusters * THREADS, cp.nan, dtype=cp.float32)
-    fn((grid,), (THREADS,), (out, np.int32(case.small_every)), shared_mem=smem)
+    fn((grid,), (THREADS,), (out, np.int32(case.small_every), np.int64(case.late_ns)), shared_mem=smem)
     got = cp.asnumpy(out).reshape(case.clusters, THREADS)
     return bool(np.array_equal(got, skeleton_expected(case), equal_nan=True)), resident, case.clusters
 
