@@ -5,6 +5,7 @@
     driver.launch_cooperative(fn, grid, block, args, shared_mem=n, stream=s)      all blocks resident
     driver.blocks_per_sm(fn, threads, shared_mem)                                 occupancy
     driver.required_cluster_width(fn), driver.allow_non_portable_clusters(fn)      cluster attributes
+    driver.max_active_clusters(fn, grid, block, cluster, shared_mem)              clusters resident at once
     driver.tensor_map(x, box, name="K")                                           TMA descriptor of x
 
 CuPy launches a kernel with cuLaunchKernel (or cuLaunchCooperativeKernel): no launch attributes.
@@ -13,7 +14,8 @@ union; the lab uses programmatic stream serialization (programmatic dependent la
 start while the previous one in the stream finishes, and waits in griddepcontrol.wait), and the
 structures also carry cooperative launch and cluster dimensions. The layouts are cuda.h's (CUDA
 12+), checked by tests/test_driver.py without a GPU. The decode step's cooperative launch and the
-occupancy and function-attribute queries use CuPy's driver bindings, called from here only.
+occupancy and function-attribute queries use CuPy's driver bindings, called from here only (the
+clusters' occupancy, which CuPy does not bind, goes through ctypes).
 Everything here that calls into libcuda.so.1 goes through library(), which declares each entry
 point's argument types once.
 
@@ -91,6 +93,9 @@ def library() -> ctypes.CDLL:
         lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p,
                                          ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
         lib.cuLaunchKernelEx.restype = ctypes.c_int
+        lib.cuOccupancyMaxActiveClusters.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p,
+                                                     ctypes.POINTER(LaunchConfig)]
+        lib.cuOccupancyMaxActiveClusters.restype = ctypes.c_int
         lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         lib.cuGetErrorString.restype = ctypes.c_int
         u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
@@ -235,6 +240,19 @@ def allow_non_portable_clusters(fn) -> None:
     import cupy
 
     cupy.cuda.driver.funcSetAttribute(function_handle(fn), CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+
+
+def max_active_clusters(fn, grid, block, cluster: int, shared_mem: int = 0) -> int:
+    """How many clusters of `cluster` blocks (along x) of a compiled kernel the device holds at once in a
+    launch of `grid` blocks of `block` threads (cuOccupancyMaxActiveClusters): fewer than the grid's
+    clusters means that later clusters start where earlier ones of the same launch have finished."""
+    attributes = launch_attributes(cluster=(cluster, 1, 1))
+    config = LaunchConfig(*_dim3(grid), *_dim3(block), shared_mem, None,
+                          ctypes.cast(attributes, ctypes.POINTER(LaunchAttribute)), len(attributes))
+    count = ctypes.c_int()
+    check(library().cuOccupancyMaxActiveClusters(ctypes.byref(count), ctypes.c_void_p(function_handle(fn)),
+                                                 ctypes.byref(config)), "cuOccupancyMaxActiveClusters")
+    return count.value
 
 
 # -- TMA descriptors -------------------------------------------------------------------------------

@@ -55,13 +55,20 @@
  * at the barrier, and with many tiles (large B * NH, or T_q = T_k) the grid is CLUSTER times
  * larger than the SMs need; the split area grows with CLUSTER x B_r x d. A non-portable cluster of
  * 16 must fit in one GPC: it may fail to launch on a part whose GPCs are smaller.
- * Open: compute-sanitizer's synccheck reports "Barrier error detected. Divergent thread(s) in warp"
- * in this kernel at B = 2, NH = 3, T = 97 (the tool then stops the launch), though not at the
- * decode shapes; memcheck, racecheck and initcheck are clean, every GPU test passes, and a minimal
- * kernel with the same cluster barriers is clean under synccheck. Ruled out on the device: a
- * __syncwarp() before the barrier after Q_i is staged, and the relaxed cluster arrive moved from
- * the kernel's start to just before its wait (so that no __syncthreads runs inside an open cluster
- * barrier phase); both variants report the same error. The divergent barrier is not found yet.
+ * Barriers: every thread of a block reaches each of its barriers, and no thread has exited before
+ * the last cluster barrier. The branches before them are uniform over the block: the early return
+ * of a grouped-query head (taken by whole clusters, whose blocks share a head), the dispatch on
+ * sp.rows, n_steps; the loops that stage Q_i and push the partials end before their barriers, and
+ * the key loop's shuffles run in all 32 lanes. The cluster barriers are the forms without .aligned
+ * (cg::this_cluster().sync()'s), which PTX allows under divergence, and ptxas puts every BAR.SYNC,
+ * UCGABAR_ARV and UCGABAR_WAIT where the warp is converged anyway (the sm_90 cubin, nvdisasm).
+ * Yet compute-sanitizer's synccheck reports "Barrier error detected. Divergent thread(s) in warp"
+ * at B = 2, NH = 3, T = 97 (78 clusters of 16; the tool then stops the launch), not at B = 1,
+ * NH = 2, T = 64 (16 clusters) nor at the decode shapes tried; memcheck, racecheck and initcheck are
+ * clean. A __syncwarp() after Q_i is staged, and the relaxed arrive moved to just before its wait,
+ * changed nothing. tools/synccheck_cluster.py tells this kernel from the tool: v17's barriers alone
+ * (tools/synccheck_cluster.cu) with few clusters and with many, beside v17 at shapes that keep one
+ * property of the reported one each.
  *
  * lab.template    d_head, B_r, B_c, dtype_id, CLUSTER
  * lab.configs     (64, 8, 64, 0, 16), (64, 8, 64, 0, 8), (32, 8, 128, 0, 8), (96, 2, 32, 0, 16), (128, 8, 32, 0, 8), (64, 4, 64, 1, 16), (32, 4, 128, 1, 8), (96, 2, 64, 1, 16), (128, 4, 64, 1, 8), (64, 4, 64, 2, 16), (32, 4, 128, 2, 8), (96, 2, 64, 2, 16), (128, 4, 64, 2, 8)

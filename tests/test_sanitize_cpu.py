@@ -1,0 +1,278 @@
+"""tools/sanitize.py without a GPU: its arguments, its reading of compute-sanitizer's output (samples in
+the tool's format), the table, the child processes it restarts (a stand-in for compute-sanitizer), and
+what its targets cover; tools/synccheck_cluster.py's kernel compiled for sm_90."""
+
+import argparse
+import stat
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gpt2
+from kernels import fused, nvrtc
+
+TOOLS_DIR = Path(__file__).resolve().parent.parent / "tools"
+sys.path.insert(0, str(TOOLS_DIR))
+
+import sanitize  # noqa: E402
+import sanitize_targets as targets  # noqa: E402
+import synccheck_cluster  # noqa: E402
+
+GEMV = "gemv<float, 768, 8, 1, true, 0>"
+
+MEMCHECK = textwrap.dedent(f"""\
+    ========= COMPUTE-SANITIZER
+    @@ sanitize begin v01_naive
+      v01_naive                    float32  B=2 NH=3 T_q=  97 T_k=  97 d=64: max |out - ref| = 2.38e-07
+    @@ sanitize end v01_naive ok
+    @@ sanitize begin fused-float32
+    ========= Invalid __global__ read of size 16 bytes
+    =========     at {GEMV}(const float *, const float *, const float *, const float *, const float *, float, float *, int, const char *, unsigned long long)+0x4d0 in /lab/kernels/fused/gemv.cu:61
+    =========     by thread (31,0,0) in block (287,0,0)
+    =========     Address 0x7f3a2c000000 is out of bounds
+    =========     Saved host backtrace up to driver entry point at kernel launch time
+    =========         Host Frame: [0x2f8b3c] in libcuda.so.1
+    =========
+    ========= Program hit cudaErrorInvalidValue (error 1) due to "invalid argument" on CUDA API call to cudaFuncGetAttributes.
+    =========     Saved host backtrace up to driver entry point at error
+    =========
+      fused-float32: KV-cache tokens [3, 9, 27, 81] (plain per-operation launches)
+    @@ sanitize covers fused-float32 bias_act decode_attention embed gemm gemv kv_store layernorm lm_head_argmax merge_heads spin
+    @@ sanitize end fused-float32 ok
+    ========= ERROR SUMMARY: 2 errors
+    """).splitlines()
+
+SYNCCHECK = textwrap.dedent("""\
+    ========= COMPUTE-SANITIZER
+    @@ sanitize begin v16_decode_split_kv
+    @@ sanitize end v16_decode_split_kv ok
+    @@ sanitize begin v17_decode_cluster
+    ========= Barrier error detected. Divergent thread(s) in warp
+    =========     at 0xcb50 in attention_forward<64, 8, 64, 0, 16>
+    =========     by thread (0,0,0) in block (192,2,1)
+    =========
+    ========= Barrier error detected. Divergent thread(s) in warp
+    =========     at 0xcb50 in attention_forward<64, 8, 64, 0, 16>
+    =========     by thread (32,0,0) in block (192,2,1)
+    =========
+    Traceback (most recent call last):
+    cupy_backends.cuda.api.runtime.CUDARuntimeError: cudaErrorLaunchFailure: unspecified launch failure
+    @@ sanitize end v17_decode_cluster failed: CUDARuntimeError: cudaErrorLaunchFailure: unspecified launch failure
+    ========= Target application returned an error
+    ========= ERROR SUMMARY: 3 errors
+    """).splitlines()
+
+RACECHECK = textwrap.dedent("""\
+    ========= COMPUTE-SANITIZER
+    @@ sanitize begin step-float32
+    ========= Error: Race reported between Write access at decode_step<float, 768, 12, 64, 3072, 320>(const Layer<float> *, int)+0x1a30 in /lab/kernels/fused/decode_step.cu:412
+    =========     and Read access at decode_step<float, 768, 12, 64, 3072, 320>(const Layer<float> *, int)+0x1c80 in /lab/kernels/fused/decode_step.cu:430 [256 hazards]
+    =========
+    ========= Warning: Race reported between Read access at rows_dot(float const *, int)+0x90 in /lab/kernels/fused/decode_step.cu:300
+    =========     and Write access at rows_dot(float const *, int)+0xa0 in /lab/kernels/fused/decode_step.cu:310 [4 hazards]
+    =========     Device Frame: decode_step<float, 768, 12, 64, 3072, 320>(const Layer<float> *, int)+0x2000 in /lab/kernels/fused/decode_step.cu:900
+    =========
+    @@ sanitize covers step-float32 bias_act decode_step embed kv_store layernorm lm_head_argmax merge_heads
+    @@ sanitize end step-float32 ok
+    ========= RACECHECK SUMMARY: 2 hazards displayed (1 error, 1 warning)
+    """).splitlines()
+
+
+def test_function_at_reads_every_location_form():
+    assert sanitize.function_at(f"{GEMV}(const float *, int)+0x4d0 in /lab/gemv.cu:61") == GEMV
+    assert sanitize.function_at("0xcb50 in attention_forward<64, 8, 64, 0, 16>") == "attention_forward<64, 8, 64, 0, 16>"
+    assert sanitize.function_at("stencil.cu:27 in update(float const*, float*)") == "update"
+    assert sanitize.function_at("kernel_name+0x15520") == "kernel_name"
+    assert sanitize.function_at("0x00000058 in test(int*, int*)") == "test"
+    assert sanitize.kernel_of("by thread (0,0,0) in block (0,0,0)") == ""
+    assert sanitize.kernel_of("Invalid __global__ read of size 16 bytes") == ""
+    assert sanitize.base("attention_forward<64, 8, 64, 0, 16>") == "attention_forward"
+
+
+def test_parse_assigns_reports_to_targets_and_kernels():
+    child = sanitize.parse(MEMCHECK)
+    assert child.status == {"v01_naive": "ok", "fused-float32": "ok"}
+    assert child.summary == 2
+    read, api = child.reports
+    assert (read.target, read.kernel, read.error) == ("fused-float32", GEMV, True)
+    assert read.text == "Invalid __global__ read of size 16 bytes"
+    assert (api.target, api.kernel) == ("fused-float32", "")
+    assert api.text.startswith("Program hit cudaErrorInvalidValue")
+    assert child.covers["fused-float32"] == ["bias_act", "decode_attention", "embed", "gemm", "gemv", "kv_store",
+                                             "layernorm", "lm_head_argmax", "merge_heads", "spin"]
+
+
+def test_parse_keeps_the_failure_and_skips_what_is_not_a_report():
+    child = sanitize.parse(SYNCCHECK)
+    assert child.status["v16_decode_split_kv"] == "ok"
+    assert child.status["v17_decode_cluster"].startswith("failed: CUDARuntimeError")
+    assert [(r.target, r.kernel) for r in child.reports] == [("v17_decode_cluster", "attention_forward<64, 8, 64, 0, 16>")] * 2
+    assert all(r.text == "Barrier error detected. Divergent thread(s) in warp" for r in child.reports)
+    assert child.summary == 3  # one more than printed: the summary is the tool's own count
+
+
+def test_parse_racecheck_errors_warnings_and_the_outermost_device_frame():
+    child = sanitize.parse(RACECHECK)
+    error, warning = child.reports
+    assert error.error and error.kernel == "decode_step<float, 768, 12, 64, 3072, 320>"
+    assert not warning.error and warning.kernel == "decode_step<float, 768, 12, 64, 3072, 320>"  # the frame, not rows_dot
+    assert child.summary == 1 and child.status["step-float32"] == "ok"
+
+
+def runs(**outputs):
+    return {tool: [sanitize.parse(lines)] for tool, lines in outputs.items()}
+
+
+def test_summarize_counts_per_kernel_and_tool_and_says_what_failed():
+    fused_names = sanitize.fused_kernels()
+    chosen = ["v01_naive", "v16_decode_split_kv", "v17_decode_cluster", "fused-float32", "step-float32"]
+    rows, problems = sanitize.summarize(["memcheck", "synccheck", "racecheck"],
+                                        runs(memcheck=MEMCHECK, synccheck=SYNCCHECK, racecheck=RACECHECK), chosen,
+                                        fused_names)
+    assert rows["fused/gemv"]["memcheck"] == "1"
+    assert rows["fused-float32"]["memcheck"] == "1"  # the API error: no kernel, the target's
+    assert rows["v01_naive"]["memcheck"] == "0"
+    assert rows["v17_decode_cluster"]["synccheck"] == "2 failed"
+    assert rows["v16_decode_split_kv"]["synccheck"] == "0"
+    assert rows["v01_naive"]["synccheck"] == "0 not run"
+    assert rows["fused/decode_step"]["racecheck"] == "1 +1w"
+    assert rows["fused/gemm"]["racecheck"] == "0 not launched"  # only the step target ran under racecheck
+    assert rows["fused/gemm"]["memcheck"] == "0"
+    assert "memcheck fused/gemv: 1 error" in problems
+    assert "synccheck v17_decode_cluster: 2 errors" in problems
+    assert "synccheck: the tool counted 3 errors and printed 2 (--print-limit)" in problems
+    assert any(p.startswith("synccheck v17_decode_cluster: failed: CUDARuntimeError") for p in problems)
+    assert not any("not launched" in p or "launched it" in p for p in problems)  # not every engine target chosen
+    text = sanitize.table(["memcheck", "synccheck", "racecheck"], rows)
+    assert text.splitlines()[0].split() == ["kernel", "memcheck", "synccheck", "racecheck"]
+
+
+def test_summarize_is_clean_for_clean_runs_and_wants_every_fused_file_launched():
+    clean = [line for line in MEMCHECK if not line.startswith("=========") or "COMPUTE" in line]
+    clean.append("========= ERROR SUMMARY: 0 errors")
+    rows, problems = sanitize.summarize(["memcheck"], runs(memcheck=clean), ["v01_naive"], sanitize.fused_kernels())
+    assert problems == [] and rows == {"v01_naive": {"memcheck": "0"}}
+    every = ["v01_naive", *targets.ENGINE]
+    _, problems = sanitize.summarize(["memcheck"], runs(memcheck=clean), every, sanitize.fused_kernels())
+    assert "memcheck fused/decode_step: no engine target launched it" in problems  # no step target ended here
+    assert "memcheck step-float32: not run" in problems
+
+
+def test_fused_kernels_names_a_kernel_in_every_file():
+    found = sanitize.fused_kernels()
+    assert set(found.values()) == set(fused.names())
+    assert found["add_layernorm"] == "layernorm" and found["gemm_tf32x3"] == "gemm" and found["spin"] == "spin"
+
+
+def test_the_engine_targets_launch_every_fused_file():
+    config = gpt2.GPT2Config(n_layer=2)
+    launched = set()
+    for name in targets.ENGINE:
+        kind, dtype = name.split("-")
+        launched.update(targets.launched_files(kind, config, dtype, gemm=dtype == "float32"))
+    assert launched == set(fused.names())
+    assert "decode_step" not in targets.launched_files("fused", config, "float32", gemm=True)
+
+
+def test_select_takes_groups_names_globs_and_short_names():
+    groups = {"forward": ["v01_naive", "v16_decode_split_kv", "v17_decode_cluster"], "backward": ["b02_fa2"],
+              "fused": ["fused-float32", "fused-bfloat16"]}
+    every = [n for names in groups.values() for n in names]
+    assert sanitize.select(None, groups, targets.resolve) == every
+    assert sanitize.select("fused,v17", groups, targets.resolve) == ["v17_decode_cluster", "fused-float32",
+                                                                      "fused-bfloat16"]
+    assert sanitize.select("v1*, b2", groups, targets.resolve) == ["v16_decode_split_kv", "v17_decode_cluster",
+                                                                   "b02_fa2"]
+    assert sanitize.select("fused-bfloat16", groups, targets.resolve) == ["fused-bfloat16"]
+    with pytest.raises(ValueError, match="matches no target"):
+        sanitize.select("x*", groups, targets.resolve)
+    with pytest.raises(ValueError, match="unknown kernel 'v99'"):
+        sanitize.select("v99", groups, targets.resolve)
+    with pytest.raises(ValueError, match="own rungs"):
+        sanitize.select("my.cu", groups, targets.resolve)
+
+
+def test_every_target_name_resolves_to_itself():
+    for names in targets.groups().values():
+        for name in names:
+            if name not in targets.ENGINE:
+                assert targets.resolve(name) == name
+
+
+def test_arguments():
+    args = sanitize.parse_args([])
+    assert args.tools == list(sanitize.TOOLS) and args.only is None and not args.quick and args.timeout == 540
+    args = sanitize.parse_args(["--kernels", "v01,b02", "--tools", "memcheck, synccheck", "--quick"])
+    assert args.only == "v01,b02" and args.tools == ["memcheck", "synccheck"] and args.quick
+    for bad in (["--tools", "memcheck,helgrind"], ["--tools", ","], ["--timeout", "0"], ["--print-limit", "-3"]):
+        with pytest.raises(SystemExit):
+            sanitize.parse_args(bad)
+    cmd = sanitize.command("/cs", "racecheck", ["v01_naive", "fused-float32"], True, 50)
+    assert cmd[:7] == ["/cs", "--tool", "racecheck", "--error-exitcode", "99", "--print-limit", "50"]
+    assert cmd[-3:] == ["--quick", "v01_naive", "fused-float32"] and cmd[8].endswith("sanitize_targets.py")
+
+
+def test_main_lists_targets_and_refuses_unknown_ones(capsys):
+    assert sanitize.main(["--list", "--only", "v17,step"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["forward   v17_decode_cluster", "step      step-float32 step-bfloat16"]
+    assert sanitize.main(["--only", "nothing*"]) == 2
+    assert "matches no target" in capsys.readouterr().err
+
+
+FAKE_TOOL = """\
+import sys, time
+names = [a for a in sys.argv[sys.argv.index("--print-limit") + 4:] if a != "--quick"]
+print("========= COMPUTE-SANITIZER", flush=True)
+for name in names:
+    print("@@ sanitize begin " + name, flush=True)
+    if name == "crash":
+        sys.exit(3)
+    if name == "hang":
+        time.sleep(60)
+    print("@@ sanitize end " + name + " ok", flush=True)
+print("========= ERROR SUMMARY: 0 errors", flush=True)
+"""
+
+
+def test_run_tool_goes_on_after_a_child_that_dies_or_hangs(tmp_path, capsys):
+    """A stand-in for compute-sanitizer runs the child's protocol itself: a target that kills its process,
+    and one that outlives the timeout; the next child starts after each."""
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text(f"#!{sys.executable}\n" + FAKE_TOOL)
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    args = argparse.Namespace(quick=False, print_limit=10, timeout=3.0)
+    children = sanitize.run_tool(str(fake), "memcheck", ["a", "crash", "b", "hang", "c"], args)
+    assert [list(c.status) for c in children] == [["a", "crash"], ["b", "hang"], ["c"]]
+    assert children[0].status["crash"] == "crashed (exit 3)"
+    assert children[1].status["hang"] == "timed out after 3 s"
+    assert children[2].status == {"c": "ok"} and children[2].summary == 0
+    assert "[memcheck] c: ok" in capsys.readouterr().out
+
+
+def test_the_reproducer_kernel_compiles_for_sm_90():
+    source = (TOOLS_DIR / "synccheck_cluster.cu").read_text()
+    for cluster in (8, 16):
+        (result,) = nvrtc.compile_isolated(source, "synccheck_cluster.cu", ["-arch=sm_90", "-Xptxas=-v"],
+                                           [f"cluster_skeleton<{cluster}>"])
+        assert "registers" in result["log"]
+
+
+def test_the_reproducer_expects_every_push_and_nothing_else():
+    case = synccheck_cluster.Skeleton("", cluster=16, clusters=26, small_every=13)
+    want = synccheck_cluster.skeleton_expected(case)
+    assert want.shape == (26, 128)
+    assert want[0, 5] == 16 * 5 + 120 and not (want != want)[0].any()  # a full cluster: no NaN
+    assert (want[12, :16] == 16 * np.arange(16) + 120).all()  # cluster 12 pushes 16 items
+    assert (want[12, 16:] != want[12, 16:]).all() and (want[25, 16:] != want[25, 16:]).all()  # NaN above 16 items
+
+
+def test_the_reproducer_verdict():
+    rows = [{"case": "skeleton-waves", "errors": 0}, {"case": "v17-97", "errors": 4}]
+    assert synccheck_cluster.verdict(rows).startswith("Only v17 draws the report (v17-97)")
+    rows[0]["errors"] = 2
+    assert "the report is the tool's" in synccheck_cluster.verdict(rows)
+    assert synccheck_cluster.verdict([{"case": "v17-97", "errors": 0}]) == "No case draws the report."
