@@ -276,3 +276,28 @@ def test_the_reproducer_verdict():
     rows[0]["errors"] = 2
     assert "the report is the tool's" in synccheck_cluster.verdict(rows)
     assert synccheck_cluster.verdict([{"case": "v17-97", "errors": 0}]) == "No case draws the report."
+
+
+LIBRARY = textwrap.dedent("""\
+    ========= COMPUTE-SANITIZER
+    @@ sanitize begin fused-bfloat16
+    ========= Error: Race reported between Read access at nvjet_sm90_tss_64x8_64x16_4x1_v_bz_splitK_TNT+0xb30
+    =========     and Write access at nvjet_sm90_tss_64x8_64x16_4x1_v_bz_splitK_TNT+0x2f60 [96 hazards]
+    =========
+    ========= Error: Race reported between Write access at decode_step<float, 768, 12, 64, 3072, 320>(const Layer<float> *, int)+0x1a30 in /lab/kernels/fused/decode_step.cu:412
+    =========     and Read access at decode_step<float, 768, 12, 64, 3072, 320>(const Layer<float> *, int)+0x1c80 in /lab/kernels/fused/decode_step.cu:430 [256 hazards]
+    =========
+    @@ sanitize end fused-bfloat16 ok
+    ========= RACECHECK SUMMARY: 2 hazards displayed (2 errors, 0 warnings)
+    """).splitlines()
+
+
+def test_reports_in_library_kernels_get_rows_of_their_own_and_fail_nothing():
+    """cuBLAS's kernels (the bfloat16 products) are not the lab's: their reports are shown, not failed on."""
+    rows, problems = sanitize.summarize(["racecheck"], runs(racecheck=LIBRARY), ["fused-bfloat16"],
+                                        sanitize.fused_kernels())
+    library = "library/nvjet_sm90_tss_64x8_64x16_4x1_v_bz_splitK_TNT"
+    assert rows[library]["racecheck"] == "1" and rows["fused/decode_step"]["racecheck"].startswith("1")
+    assert rows["fused-bfloat16"]["racecheck"] == "0"
+    assert problems == ["racecheck fused/decode_step: 1 error"]  # the lab's kernel fails the run, cuBLAS's does not
+    assert sanitize.LIBRARY.match("cublasLt") and not sanitize.LIBRARY.match("attention_forward")

@@ -46,6 +46,9 @@ RACE_SUMMARY = re.compile(r"RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) er
 NOT_REPORTS = ("COMPUTE-SANITIZER", "Target application returned an error", "Error: process didn't terminate")
 STATES = ("wrong", "failed", "crashed", "timed out", "not run")  # a target's status, shortened for the table
 GLOBAL = re.compile(r"__global__\s+void\s+(?:__\w+__\s*(?:\([^()]*\))?\s*)*(\w+)\s*\(")
+# Kernels of NVIDIA's libraries (cuBLAS's nvjet and cublasLt kernels, under the lab's bfloat16 products):
+# their reports are shown on a row of their own and do not fail the run (they are not the lab's code).
+LIBRARY = re.compile(r"^(nvjet|cublas|cublasLt|cutlass|cudnn|sm\d+_xmma)")
 
 
 # -- reading the tool's output ---------------------------------------------------------------------
@@ -161,7 +164,9 @@ def summarize(tools, runs: dict[str, list[Child]], chosen: list[str], fused: dic
             for name, files in child.covers.items():
                 covers.setdefault(name, set()).update(files)
             for r in child.reports:
-                row = f"fused/{fused[base(r.kernel)]}" if base(r.kernel) in fused else (r.target or "(no target)")
+                row = (f"fused/{fused[base(r.kernel)]}" if base(r.kernel) in fused
+                       else f"library/{base(r.kernel)}" if LIBRARY.match(base(r.kernel))
+                       else (r.target or "(no target)"))
                 (errors if r.error else warnings)[row] += 1
             printed = sum(r.error for r in child.reports)
             if (child.summary or 0) > printed:
@@ -180,7 +185,7 @@ def summarize(tools, runs: dict[str, list[Child]], chosen: list[str], fused: dic
                 cell += " not launched"
                 if set(targets.ENGINE) <= set(chosen):
                     problems.append(f"{tool} {row}: no engine target launched it")
-            if errors[row]:
+            if errors[row] and not row.startswith("library/"):
                 problems.append(f"{tool} {row}: {errors[row]} error{'s' * (errors[row] != 1)}")
             rows.setdefault(row, {})[tool] = cell
     return rows, problems
