@@ -68,7 +68,11 @@
  * clean. A __syncwarp() after Q_i is staged, and the relaxed arrive moved to just before its wait,
  * changed nothing. tools/synccheck_cluster.py tells this kernel from the tool: v17's barriers alone
  * (tools/synccheck_cluster.cu) with few clusters and with many, beside v17 at shapes that keep one
- * property of the reported one each.
+ * property of the reported one each. Its verdict (H100): the report is the tool's. The skeleton, whose
+ * every thread reaches every barrier, draws the same report whenever its clusters of 16 come in more
+ * than one wave, whether every thread pushes or 16 do, rank 0 late or not, and none with all of them
+ * resident or in clusters of 8; v17 draws it at exactly those shapes (clusters of 16, more than a
+ * wave) and is clean at the reported shape in clusters of 8 and at one wave of 16.
  *
  * lab.template    d_head, B_r, B_c, dtype_id, CLUSTER
  * lab.configs     (64, 8, 64, 0, 16), (64, 8, 64, 0, 8), (32, 8, 128, 0, 8), (96, 2, 32, 0, 16), (128, 8, 32, 0, 8), (64, 4, 64, 1, 16), (32, 4, 128, 1, 8), (96, 2, 64, 1, 16), (128, 4, 64, 1, 8), (64, 4, 64, 2, 16), (32, 4, 128, 2, 8), (96, 2, 64, 2, 16), (128, 4, 64, 2, 8)
