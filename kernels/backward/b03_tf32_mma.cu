@@ -58,7 +58,8 @@
  * Q_i, dO_i (B_r x d each) + P^T, dS^T (B_c x B_r each) + 2 stages of lse_i and D_i (B_r each):
  *   d = 64, B_c = 64, B_r = 32: 4 * (8192 + 4 * 2048 + 2 * 2048 + 128) = 82,432 bytes, two blocks per SM;
  *   d = 128, B_c = 64, B_r = 32: 4 * (16384 + 4 * 4096 + 2 * 2048 + 128) = 147,968 bytes, one.
- * (B_r = 64 at d = 64 spilled.) backward_preprocess and backward_dq are b02's, on 256 threads.
+ * (B_r = 64 at d = 64 spilled.) backward_preprocess (D_i a warp a row: dP's order is the tensor core's,
+ * which no float32 loop repeats) and backward_dq (b02's) run on 256 threads.
  *
  * Limits: float32; d 64 or 128 (a multiple of 32, whose d / 16 m-tiles the warps share evenly);
  * B_c a multiple of 16, B_r of 32; deterministic = 1 takes turns per query tile as b02.
@@ -289,7 +290,7 @@ __device__ __forceinline__ void pass_turn(int* turn, int next)
         asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(turn), "r"(next) : "memory");
 }
 
-// b02's: D_i = rowsum(dO_i o O_i), one warp a row; dQ_accum's rows and the tile's turn zeroed.
+// D_i = rowsum(dO_i o O_i), one warp a row; dQ_accum's rows and the tile's turn zeroed.
 template <int d_head, int B_r, int B_c, int deterministic>
 __global__ void __launch_bounds__(AUX_THREADS)
 backward_preprocess(const float* __restrict__ /* Q */, const float* __restrict__ /* K */, const float* __restrict__ /* V */,
