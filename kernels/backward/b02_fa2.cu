@@ -10,8 +10,8 @@
  *   dV_j += P_ij^T dO_i,  dK_j += dS_ij^T Q_i                     (registers, the whole loop)
  *   dQ_i += dS_ij K_j                                              (atomics into dQ_accum)
  * five products per pair of tiles where b01 had seven, each score computed once. Three kernels:
- *   backward_preprocess (query tiles): D_i = rowsum(dO_i o O_i), a thread a row, in the order of
- *     dP's sums (below); dQ_accum and the turns of the tile cleared;
+ *   backward_preprocess (query tiles): D_i = rowsum(dO_i o O_i), a thread a row in the order of dP's
+ *     sums (below), from O_i and dO_i staged in shared memory; dQ_accum and the tile's turn cleared;
  *   backward_dk_dv (key tiles): the loop above;
  *   backward_dq (query tiles): dQ = scale dQ_accum, in the inputs' dtype.
  *
@@ -67,7 +67,7 @@
  * lab.configs    (64, 64, 64, 0), (128, 32, 64, 0), (64, 64, 64, 1), (128, 32, 64, 1)
  * lab.threads    256
  * lab.smem       0
- * lab.phase      backward_preprocess: query tiles
+ * lab.phase      backward_preprocess: query tiles, smem 8 * B_r * (d_head + 4)
  * lab.phase      backward_dk_dv: key tiles, smem 4 * (2 * (B_c + B_r) * (d_head + 4) + 2 * B_c * (B_r + 16) + 2 * B_r)
  * lab.phase      backward_dq: query tiles
  * lab.dq_accum   true
@@ -190,8 +190,23 @@ __device__ __forceinline__ float dot_over_d(const float* x, const float* y)
     return sum;
 }
 
-// D_i = rowsum(dO_i o O_i), a thread a row, in product_over_d's order; dQ_accum's rows and the tile's
-// turn zeroed (lab.dq_accum).
+// Rows row_start .. row_start + rows - 1 (d_head floats each, contiguous) into a tile of the given
+// pitch, float4 at a time; rows past `limit` zeros.
+template <int d_head, int rows, int pitch>
+__device__ __forceinline__ void load_rows(float* tile, const float* src, int row_start, int limit)
+{
+    for (int idx = threadIdx.x; idx < rows * d_head / 4; idx += THREADS) {
+        const int r = idx / (d_head / 4), c = 4 * (idx % (d_head / 4));
+        float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (row_start + r < limit)
+            x = *(const float4*)&src[(long long)(row_start + r) * d_head + c];
+        *(float4*)&tile[r * pitch + c] = x;
+    }
+}
+
+// D_i = rowsum(dO_i o O_i), a thread a row in product_over_d's order, from O_i and dO_i staged in shared
+// memory (pitch d + 4: a quarter-warp's 8 rows in 8 bank groups); dQ_accum's rows and the tile's turn
+// zeroed (lab.dq_accum).
 template <int d_head, int B_r, int B_c, int deterministic>
 __global__ void __launch_bounds__(THREADS)
 backward_preprocess(const float* __restrict__ /* Q */, const float* __restrict__ /* K */, const float* __restrict__ /* V */,
@@ -200,16 +215,23 @@ backward_preprocess(const float* __restrict__ /* Q */, const float* __restrict__
                     float* __restrict__ D, float* __restrict__ dQ_accum, int* __restrict__ dQ_turns,
                     int T_q, int T_k, int kv_group, int causal, float scale)
 {
+    constexpr int PITCH = d_head + 4;
+    extern __shared__ __align__(16) float smem[];
+    float* O_i = smem;                   // B_r x PITCH
+    float* dO_i = O_i + B_r * PITCH;     // B_r x PITCH
     const long long bh = (long long)blockIdx.z * gridDim.y + blockIdx.y;  // = batch * NH + head
     const int row_start = blockIdx.x * B_r;
     const int rows = min(B_r, T_q - row_start);
+    load_rows<d_head, B_r, PITCH>(O_i, O + bh * T_q * d_head, row_start, T_q);
+    load_rows<d_head, B_r, PITCH>(dO_i, dO + bh * T_q * d_head, row_start, T_q);
     const long long at = (bh * T_q + row_start) * d_head;
-    for (int r = threadIdx.x; r < rows; r += THREADS)
-        D[bh * T_q + row_start + r] = dot_over_d<d_head>(dO + at + (long long)r * d_head, O + at + (long long)r * d_head);
     for (int idx = threadIdx.x; idx < rows * d_head / 4; idx += THREADS)
         *(float4*)&dQ_accum[at + 4 * idx] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if (threadIdx.x == 0)
         dQ_turns[bh * gridDim.x + blockIdx.x] = 0;  // key tile 0 adds first
+    __syncthreads();
+    for (int r = threadIdx.x; r < rows; r += THREADS)
+        D[bh * T_q + row_start + r] = dot_over_d<d_head>(&dO_i[r * PITCH], &O_i[r * PITCH]);
 }
 
 // dQ = scale dQ_accum, float4 at a time.
@@ -228,20 +250,6 @@ backward_dq(const float* __restrict__ /* Q */, const float* __restrict__ /* K */
     for (int idx = threadIdx.x; idx < rows * d_head / 4; idx += THREADS) {
         const float4 a = *(const float4*)&dQ_accum[at + 4 * idx];
         *(float4*)&dQ[at + 4 * idx] = make_float4(a.x * scale, a.y * scale, a.z * scale, a.w * scale);
-    }
-}
-
-// Rows row_start .. row_start + rows - 1 (d_head floats each, contiguous) into a tile of the given
-// pitch, float4 at a time; rows past `limit` zeros.
-template <int d_head, int rows, int pitch>
-__device__ __forceinline__ void load_rows(float* tile, const float* src, int row_start, int limit)
-{
-    for (int idx = threadIdx.x; idx < rows * d_head / 4; idx += THREADS) {
-        const int r = idx / (d_head / 4), c = 4 * (idx % (d_head / 4));
-        float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (row_start + r < limit)
-            x = *(const float4*)&src[(long long)(row_start + r) * d_head + c];
-        *(float4*)&tile[r * pitch + c] = x;
     }
 }
 
