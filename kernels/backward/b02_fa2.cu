@@ -29,7 +29,7 @@
  *     against an lse that is the exact one rounded, and where a row sees few keys P is near 1 and
  *     dV = P^T dO carries it whole. Three adds per 8 fma.
  *   - D_i in the same operations and order as dP_ij: where O_i = V_j (a row that sees one key, as
- *     every causal row 0 does) D_i is dP_ij to the bit and dS_ij = P_ij (dP_ij - D_i) is 0, as exactly.
+ *     every causal row 0 does) D_i is dP_ij to the bit and dS_ij = P_ij (dP_ij - D_i) is exactly 0.
  *   - dV_j and dK_j in two levels: each query tile's share summed from zero (B_r terms), then added
  *     into the total. One register per element summing every query row in sequence rounds T times at
  *     the total's magnitude, an error that grows with T.
