@@ -20,6 +20,12 @@
  * S_ij is computed three times and dP_ij twice: the cost of owning one gradient per kernel. The sums
  * run in a fixed order, so the results are the same bits on every run (lab.deterministic).
  *
+ * Float32 accuracy (FlashAttention's rule holds each gradient to 3x the error of a plain float32
+ * implementation, down to T = 1, where that error is a rounding): the dot products over d, the scores,
+ * dP and D, are summed compensated (dot_compensated), the exponent of P is rounded once (fma), and
+ * the gradients are summed in two levels, each tile's share from zero and then into the total. The
+ * compensation's three adds a term run beside the term's two shared-memory loads.
+ *
  * Geometry: 128 threads. A score tile (B_r x B_c) is dealt out row-major, thread t taking elements
  * t, t + 128, ...: each a dot product of d over a row of Q_i (or dO_i), the same for the 32 lanes of
  * a warp (a broadcast), and a row of K_j (or V_j), 32 different rows, their pitch d + 1 floats so the
@@ -76,6 +82,26 @@ __device__ __forceinline__ Tiles carve(float* smem)
     return t;
 }
 
+// x . y over d_head floats, summed compensated (Kahan): each product goes in by an fma that also takes back
+// the error of the last add, and each add's error is kept for the next. A float32 chain rounds d_head times
+// at the sum's magnitude, a few units of its last place in all; P = exp(scale s - lse) turns that error of
+// scale s into P's relative error, against an lse that is the scores' log-sum-exp rounded once. dP and D
+// take the same function, so that where O_i = V_j (a row that sees one key) D_i is dP_ij to the bit and
+// dS_ij = P_ij (dP_ij - D_i) is exactly 0, as it is in exact arithmetic.
+template <int d_head>
+__device__ __forceinline__ float dot_compensated(const float* x, const float* y)
+{
+    float sum = 0.0f, comp = 0.0f;
+    #pragma unroll 8
+    for (int e = 0; e < d_head; ++e) {
+        const float term = fmaf(x[e], y[e], -comp);
+        const float t = sum + term;
+        comp = (t - sum) - term;
+        sum = t;
+    }
+    return sum;
+}
+
 // Q_i, dO_i, lse_i and D_i = rowsum(dO_i o O_i) of query rows row_start .. row_start + B_r - 1 of one
 // head; rows past T_q are zeros with lse = +inf, so that their P is 0.
 template <int d_head, int B_r>
@@ -90,13 +116,7 @@ __device__ void load_query_tile(const Tiles& t, const float* Q, const float* O, 
     }
     for (int r = threadIdx.x; r < B_r; r += THREADS) {
         const int row = row_start + r;
-        float D = 0.0f;
-        if (row < T_q) {
-            #pragma unroll 8
-            for (int c = 0; c < d_head; ++c)
-                D += dO[(long long)row * d_head + c] * O[(long long)row * d_head + c];
-        }
-        t.D[r] = D;
+        t.D[r] = row < T_q ? dot_compensated<d_head>(dO + (long long)row * d_head, O + (long long)row * d_head) : 0.0f;
         t.lse[r] = row < T_q ? lse[row] : INFINITY;
     }
 }
@@ -124,16 +144,10 @@ __device__ void score_tile(const Tiles& t, int row_start, int col_start, int T_q
         const int row = row_start + r, key = col_start + c;
         float value = 0.0f;
         if (row < T_q && key < T_k && (!causal || key <= row + offset)) {
-            float s = 0.0f;
-            #pragma unroll 8
-            for (int e = 0; e < d_head; ++e)
-                s += t.Q[r * d_head + e] * t.K[c * (d_head + 1) + e];
-            value = expf(s * scale - t.lse[r]);  // P_ij
+            const float s = dot_compensated<d_head>(&t.Q[r * d_head], &t.K[c * (d_head + 1)]);
+            value = expf(fmaf(s, scale, -t.lse[r]));  // P_ij, its exponent rounded once
             if (with_dS) {
-                float dP = 0.0f;
-                #pragma unroll 8
-                for (int e = 0; e < d_head; ++e)
-                    dP += t.dO[r * d_head + e] * t.V[c * (d_head + 1) + e];
+                const float dP = dot_compensated<d_head>(&t.dO[r * d_head], &t.V[c * (d_head + 1)]);
                 value *= dP - t.D[r];  // dS_ij
             }
         }

@@ -10,8 +10,8 @@
  *   dV_j += P_ij^T dO_i,  dK_j += dS_ij^T Q_i                     (registers, the whole loop)
  *   dQ_i += dS_ij K_j                                              (atomics into dQ_accum)
  * five products per pair of tiles where b01 had seven, each score computed once. Three kernels:
- *   backward_preprocess (query tiles): D_i = rowsum(dO_i o O_i), one warp a row; dQ_accum and the
- *     turns of the tile cleared;
+ *   backward_preprocess (query tiles): D_i = rowsum(dO_i o O_i), a thread a row in the order of dP's
+ *     sums (below), from O_i and dO_i staged in shared memory; dQ_accum and the tile's turn cleared;
  *   backward_dk_dv (key tiles): the loop above;
  *   backward_dq (query tiles): dQ = scale dQ_accum, in the inputs' dtype.
  *
@@ -20,6 +20,19 @@
  * leave registers until the end. The price is dQ: every key tile adds its B_r x d share into each
  * query tile it sees, in float32 atomics (red.global.add.f32, performed in L2), in an order that
  * changes from run to run, and so do the last bits of dQ.
+ *
+ * Float32 accuracy, where the order of the sums decides it (FlashAttention's rule holds each gradient
+ * to 3x the error of a plain float32 implementation, down to T = 1, where that error is a rounding):
+ *   - S and dP over d: blocks of 8 columns, each a chain of 8 fma, added into the sum compensated
+ *     (Kahan: the error of each add goes into the next block's chain). One chain over d rounds d times
+ *     at the sum's magnitude; P = exp(scale S - lse) turns scale S's error into P's relative error
+ *     against an lse that is the exact one rounded, and where a row sees few keys P is near 1 and
+ *     dV = P^T dO carries it whole. Three adds per 8 fma.
+ *   - D_i in the same operations and order as dP_ij: where O_i = V_j (a row that sees one key, as
+ *     every causal row 0 does) D_i is dP_ij to the bit and dS_ij = P_ij (dP_ij - D_i) is exactly 0.
+ *   - dV_j and dK_j in two levels: each query tile's share summed from zero (B_r terms), then added
+ *     into the total. One register per element summing every query row in sequence rounds T times at
+ *     the total's magnitude, an error that grows with T.
  *
  * Deterministic (template parameter deterministic = 1, lab.deterministic): the key tiles of a query
  * tile take turns, in the order of j. dQ_turns holds, per query head and query tile, the key tile
@@ -42,9 +55,10 @@
  *   K_j, V_j (B_c x (d + 4) each) + Q_i, dO_i (B_r x (d + 4) each) + P^T, dS^T (B_c x (B_r + 16) each)
  *   + lse_i, D_i (B_r each): d = 64, B_r = B_c = 64: 111,104 bytes;
  *   d = 128, B_r = 32, B_c = 64: 4 * (2 * 64 * 132 + 2 * 32 * 132 + 2 * 64 * 48 + 64) = 126,208 bytes.
- * Registers per thread: dK_j and dV_j B_c d / 256 each (16 at d = 64, 32 at d = 128, B_c = 64); with
- * the score tiles, each summed in two partial sums (product_over_d), about 220 in all: one block of 8
- * warps per SM. (Held to 128 registers for two blocks, ptxas spilled.)
+ * Registers per thread: dK_j and dV_j B_c d / 256 each (16 at d = 64, 32 at d = 128, B_c = 64), twice
+ * over (the totals and a query tile's shares), and the score tiles with their compensations: 189 at
+ * d = 64, 251 at d = 128 (sm_90, as compiled), one block of 8 warps per SM. (Held to 128 registers for
+ * two blocks, ptxas spilled.)
  *
  * Limits: float32; d a multiple of 64 (64 and 128 declared); B_r and B_c multiples of 16. The
  * preprocessing and conversion kernels take one tile of B_r query rows per block.
@@ -53,7 +67,7 @@
  * lab.configs    (64, 64, 64, 0), (128, 32, 64, 0), (64, 64, 64, 1), (128, 32, 64, 1)
  * lab.threads    256
  * lab.smem       0
- * lab.phase      backward_preprocess: query tiles
+ * lab.phase      backward_preprocess: query tiles, smem 8 * B_r * (d_head + 4)
  * lab.phase      backward_dk_dv: key tiles, smem 4 * (2 * (B_c + B_r) * (d_head + 4) + 2 * B_c * (B_r + 16) + 2 * B_r)
  * lab.phase      backward_dq: query tiles
  * lab.dq_accum   true
@@ -67,7 +81,6 @@
 
 constexpr float LOG2_E = 1.4426950408889634f;
 constexpr int THREADS = 256;
-constexpr unsigned FULL_WARP = 0xffffffffu;
 
 // 2^x on the special-function unit; ex2.approx.ftz(-inf) = +0.
 __device__ __forceinline__ float exp2_approx(float x)
@@ -98,7 +111,102 @@ __device__ __forceinline__ void pass_turn(int* turn, int next)
         asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(turn), "r"(next) : "memory");
 }
 
-// D_i = rowsum(dO_i o O_i), one warp a row; with lab.dq_accum, dQ_accum's rows and the tile's turn zeroed.
+__device__ __forceinline__ float dot4(float4 a, float4 b, float acc)
+{
+    return fmaf(a.x, b.x, fmaf(a.y, b.y, fmaf(a.z, b.z, fmaf(a.w, b.w, acc))));
+}
+
+__device__ __forceinline__ void axpy4(float a, float4 x, float (&y)[4])
+{
+    y[0] = fmaf(a, x.x, y[0]), y[1] = fmaf(a, x.y, y[1]), y[2] = fmaf(a, x.z, y[2]), y[3] = fmaf(a, x.w, y[3]);
+}
+
+// sum += block, compensated (Kahan): the block's chain starts from -comp, the error of the last add, and
+// comp becomes this add's error, so that what an add at the sum's magnitude rounds away is not lost.
+__device__ __forceinline__ void add_compensated(float& sum, float& comp, float block)
+{
+    const float t = sum + block;
+    comp = (t - sum) - block;
+    sum = t;
+}
+
+// C += A B^T for a thread's TA x TB tile: rows ra + 16 a of A, rows rb + 16 b of B (both with the given
+// pitch); over d in blocks of 8 columns, two float4 into a chain of 8 fma, each block added into C
+// compensated (the header's float32 accuracy). C starts at zero.
+template <int TA, int TB, int pitch, int d_head>
+__device__ __forceinline__ void product_over_d(float (&C)[TA][TB], const float* A, const float* B, int ra, int rb)
+{
+    float comp[TA][TB];
+    #pragma unroll
+    for (int a = 0; a < TA; ++a)
+        #pragma unroll
+        for (int b = 0; b < TB; ++b)
+            comp[a][b] = 0.0f;
+    #pragma unroll 1
+    for (int k = 0; k < d_head; k += 8) {
+        float block[TA][TB];
+        #pragma unroll
+        for (int a = 0; a < TA; ++a)
+            #pragma unroll
+            for (int b = 0; b < TB; ++b)
+                block[a][b] = -comp[a][b];
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float4 a4[TA];
+            #pragma unroll
+            for (int a = 0; a < TA; ++a)
+                a4[a] = *(const float4*)&A[(ra + 16 * a) * pitch + k + 4 * h];
+            #pragma unroll
+            for (int b = 0; b < TB; ++b) {
+                const float4 b4 = *(const float4*)&B[(rb + 16 * b) * pitch + k + 4 * h];
+                #pragma unroll
+                for (int a = 0; a < TA; ++a)
+                    block[a][b] = dot4(a4[a], b4, block[a][b]);
+            }
+        }
+        #pragma unroll
+        for (int a = 0; a < TA; ++a)
+            #pragma unroll
+            for (int b = 0; b < TB; ++b)
+                add_compensated(C[a][b], comp[a][b], block[a][b]);
+    }
+}
+
+// One element of product_over_d, x . y over d, the same operations in the same order (x and y 16-byte
+// aligned): D_i = dO_i . O_i comes out as dP_ij = dO_i . V_j does, to the bit where O_i = V_j (a row
+// that sees one key), and dS_ij = P_ij (dP_ij - D_i) is then exactly 0, as it is in exact arithmetic.
+template <int d_head>
+__device__ __forceinline__ float dot_over_d(const float* x, const float* y)
+{
+    float sum = 0.0f, comp = 0.0f;
+    #pragma unroll 1
+    for (int k = 0; k < d_head; k += 8) {
+        float block = -comp;
+        #pragma unroll
+        for (int h = 0; h < 2; ++h)
+            block = dot4(*(const float4*)&x[k + 4 * h], *(const float4*)&y[k + 4 * h], block);
+        add_compensated(sum, comp, block);
+    }
+    return sum;
+}
+
+// Rows row_start .. row_start + rows - 1 (d_head floats each, contiguous) into a tile of the given
+// pitch, float4 at a time; rows past `limit` zeros.
+template <int d_head, int rows, int pitch>
+__device__ __forceinline__ void load_rows(float* tile, const float* src, int row_start, int limit)
+{
+    for (int idx = threadIdx.x; idx < rows * d_head / 4; idx += THREADS) {
+        const int r = idx / (d_head / 4), c = 4 * (idx % (d_head / 4));
+        float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (row_start + r < limit)
+            x = *(const float4*)&src[(long long)(row_start + r) * d_head + c];
+        *(float4*)&tile[r * pitch + c] = x;
+    }
+}
+
+// D_i = rowsum(dO_i o O_i), a thread a row in product_over_d's order, from O_i and dO_i staged in shared
+// memory (pitch d + 4: a quarter-warp's 8 rows in 8 bank groups); dQ_accum's rows and the tile's turn
+// zeroed (lab.dq_accum).
 template <int d_head, int B_r, int B_c, int deterministic>
 __global__ void __launch_bounds__(THREADS)
 backward_preprocess(const float* __restrict__ /* Q */, const float* __restrict__ /* K */, const float* __restrict__ /* V */,
@@ -107,27 +215,23 @@ backward_preprocess(const float* __restrict__ /* Q */, const float* __restrict__
                     float* __restrict__ D, float* __restrict__ dQ_accum, int* __restrict__ dQ_turns,
                     int T_q, int T_k, int kv_group, int causal, float scale)
 {
+    constexpr int PITCH = d_head + 4;
+    extern __shared__ __align__(16) float smem[];
+    float* O_i = smem;                   // B_r x PITCH
+    float* dO_i = O_i + B_r * PITCH;     // B_r x PITCH
     const long long bh = (long long)blockIdx.z * gridDim.y + blockIdx.y;  // = batch * NH + head
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int r = warp; r < B_r; r += THREADS / 32) {
-        const int row = blockIdx.x * B_r + r;
-        if (row >= T_q)
-            break;
-        const long long at = (bh * T_q + row) * d_head;
-        float sum = 0.0f;
-        #pragma unroll
-        for (int c = lane; c < d_head; c += 32) {
-            sum = fmaf(dO[at + c], O[at + c], sum);
-            dQ_accum[at + c] = 0.0f;
-        }
-        #pragma unroll
-        for (int m = 16; m > 0; m /= 2)
-            sum += __shfl_xor_sync(FULL_WARP, sum, m);
-        if (lane == 0)
-            D[bh * T_q + row] = sum;
-    }
+    const int row_start = blockIdx.x * B_r;
+    const int rows = min(B_r, T_q - row_start);
+    load_rows<d_head, B_r, PITCH>(O_i, O + bh * T_q * d_head, row_start, T_q);
+    load_rows<d_head, B_r, PITCH>(dO_i, dO + bh * T_q * d_head, row_start, T_q);
+    const long long at = (bh * T_q + row_start) * d_head;
+    for (int idx = threadIdx.x; idx < rows * d_head / 4; idx += THREADS)
+        *(float4*)&dQ_accum[at + 4 * idx] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if (threadIdx.x == 0)
         dQ_turns[bh * gridDim.x + blockIdx.x] = 0;  // key tile 0 adds first
+    __syncthreads();
+    for (int r = threadIdx.x; r < rows; r += THREADS)
+        D[bh * T_q + row_start + r] = dot_over_d<d_head>(&dO_i[r * PITCH], &O_i[r * PITCH]);
 }
 
 // dQ = scale dQ_accum, float4 at a time.
@@ -146,69 +250,6 @@ backward_dq(const float* __restrict__ /* Q */, const float* __restrict__ /* K */
     for (int idx = threadIdx.x; idx < rows * d_head / 4; idx += THREADS) {
         const float4 a = *(const float4*)&dQ_accum[at + 4 * idx];
         *(float4*)&dQ[at + 4 * idx] = make_float4(a.x * scale, a.y * scale, a.z * scale, a.w * scale);
-    }
-}
-
-__device__ __forceinline__ float dot4(float4 a, float4 b, float acc)
-{
-    return fmaf(a.x, b.x, fmaf(a.y, b.y, fmaf(a.z, b.z, fmaf(a.w, b.w, acc))));
-}
-
-__device__ __forceinline__ void axpy4(float a, float4 x, float (&y)[4])
-{
-    y[0] = fmaf(a, x.x, y[0]), y[1] = fmaf(a, x.y, y[1]), y[2] = fmaf(a, x.z, y[2]), y[3] = fmaf(a, x.w, y[3]);
-}
-
-// C += A B^T for a thread's TA x TB tile: rows ra + 16 a of A, rows rb + 16 b of B (both with the given
-// pitch), float4 at a time along d, alternate float4 into two partial sums added at the end: a chain of
-// d / 2 roundings instead of d (its error ~ sqrt(length)), what b02's scores need to stay within three
-// times a plain float32 implementation's error.
-template <int TA, int TB, int pitch, int d_head>
-__device__ __forceinline__ void product_over_d(float (&C)[TA][TB], const float* A, const float* B, int ra, int rb)
-{
-    float C2[TA][TB];
-    #pragma unroll
-    for (int a = 0; a < TA; ++a)
-        #pragma unroll
-        for (int b = 0; b < TB; ++b)
-            C2[a][b] = 0.0f;
-    #pragma unroll 1
-    for (int k = 0; k < d_head; k += 8) {
-        #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float4 a4[TA];
-            #pragma unroll
-            for (int a = 0; a < TA; ++a)
-                a4[a] = *(const float4*)&A[(ra + 16 * a) * pitch + k + 4 * h];
-            #pragma unroll
-            for (int b = 0; b < TB; ++b) {
-                const float4 b4 = *(const float4*)&B[(rb + 16 * b) * pitch + k + 4 * h];
-                #pragma unroll
-                for (int a = 0; a < TA; ++a) {
-                    if (h == 0) C[a][b] = dot4(a4[a], b4, C[a][b]);
-                    else C2[a][b] = dot4(a4[a], b4, C2[a][b]);
-                }
-            }
-        }
-    }
-    #pragma unroll
-    for (int a = 0; a < TA; ++a)
-        #pragma unroll
-        for (int b = 0; b < TB; ++b)
-            C[a][b] += C2[a][b];
-}
-
-// Rows row_start .. row_start + rows - 1 (d_head floats each, contiguous) into a tile of the given
-// pitch, float4 at a time; rows past `limit` zeros.
-template <int d_head, int rows, int pitch>
-__device__ __forceinline__ void load_rows(float* tile, const float* src, int row_start, int limit)
-{
-    for (int idx = threadIdx.x; idx < rows * d_head / 4; idx += THREADS) {
-        const int r = idx / (d_head / 4), c = 4 * (idx % (d_head / 4));
-        float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (row_start + r < limit)
-            x = *(const float4*)&src[(long long)(row_start + r) * d_head + c];
-        *(float4*)&tile[r * pitch + c] = x;
     }
 }
 
@@ -300,7 +341,16 @@ backward_dk_dv(const float* __restrict__ Q, const float* __restrict__ K, const f
                 }
             __syncthreads();
 
-            // dV_j += P_ij^T dO_i and dK_j += dS_ij^T Q_i: keys ty + 16 a, columns 4 (tx + 16 b) + e
+            // dV_j += P_ij^T dO_i and dK_j += dS_ij^T Q_i: keys ty + 16 a, columns 4 (tx + 16 b) + e, the query
+            // tile's share summed from zero and then added into the sum over all query tiles
+            float dK_tile[TK][TD][4], dV_tile[TK][TD][4];
+            #pragma unroll
+            for (int a = 0; a < TK; ++a)
+                #pragma unroll
+                for (int b = 0; b < TD; ++b)
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        dK_tile[a][b][e] = 0.0f, dV_tile[a][b][e] = 0.0f;
             #pragma unroll 2
             for (int r = 0; r < B_r; r += 4) {
                 float4 p4[TK], s4[TK];
@@ -319,11 +369,18 @@ backward_dk_dv(const float* __restrict__ Q, const float* __restrict__ K, const f
                         for (int a = 0; a < TK; ++a) {
                             const float pv = s == 0 ? p4[a].x : s == 1 ? p4[a].y : s == 2 ? p4[a].z : p4[a].w;
                             const float sv = s == 0 ? s4[a].x : s == 1 ? s4[a].y : s == 2 ? s4[a].z : s4[a].w;
-                            axpy4(pv, o4, dV_acc[a][b]);
-                            axpy4(sv, q4, dK_acc[a][b]);
+                            axpy4(pv, o4, dV_tile[a][b]);
+                            axpy4(sv, q4, dK_tile[a][b]);
                         }
                     }
             }
+            #pragma unroll
+            for (int a = 0; a < TK; ++a)
+                #pragma unroll
+                for (int b = 0; b < TD; ++b)
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        dK_acc[a][b][e] += dK_tile[a][b][e], dV_acc[a][b][e] += dV_tile[a][b][e];
 
             // dQ_i's share, dS_ij K_j: queries ty + 16 a, columns 4 (tx + 16 b) + e, one key at a time
             float dQ_part[TQ][TD][4];

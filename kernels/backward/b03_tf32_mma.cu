@@ -39,9 +39,11 @@
  * second the first pattern's 2, and a quarter-warp's 8 loads land in 8 bank groups either way. The XOR
  * touches the 3 low bits of a chunk: a row of d floats is d / 4 chunks, a multiple of 8.
  * Truncation: the tensor core adds into its float32 accumulator toward zero; S^T and dP^T are summed a
- * k-pair at a time (6 mma from zero) and added in float32, and each query tile's share of dV_j, dK_j
- * (and each key tile's of dQ_i) goes into fresh accumulators, big x big and the corrections apart,
- * joined in float32: no accumulator runs a chain longer than a tile.
+ * k-pair at a time (6 mma from zero: the four corrections first, while the sum is below 2^-11 of the
+ * products, then the two big x big, so that only those truncate at the pair's magnitude; S's error is
+ * P's relative error) and added in float32; each query tile's share of dV_j, dK_j (and each key tile's of
+ * dQ_i) goes into fresh accumulators, big x big and the corrections apart, joined in float32: no
+ * accumulator runs a chain longer than a tile.
  *
  * Pipeline: Q_i and dO_i are double-buffered; the copies (cp.async) of the next query tile start after
  * the first barrier of this one and land while it is computed. Two barriers per query tile: the
@@ -51,12 +53,13 @@
  * Geometry: backward_dk_dv on grid (T_c, NH_kv, B), heavy first as b02; block 2 B_c threads, B_c / 16
  * warps. Registers: dK_j and dV_j take d / 2 each per thread, S^T and dP^T B_r / 2 each. Loops whose
  * index picks no register (over d in S^T, over queries in dV_j, dK_j, all of dQ's) are left rolled, so
- * that ptxas does not hoist every tile's loads at once: 209 registers at d = 64, B_r = 32 (two blocks
+ * that ptxas does not hoist every tile's loads at once: 213 registers at d = 64, B_r = 32 (two blocks
  * of 4 warps per SM), 255 at d = 128. Shared memory, in floats: K_j, V_j (B_c x d each) + 2 stages of
  * Q_i, dO_i (B_r x d each) + P^T, dS^T (B_c x B_r each) + 2 stages of lse_i and D_i (B_r each):
  *   d = 64, B_c = 64, B_r = 32: 4 * (8192 + 4 * 2048 + 2 * 2048 + 128) = 82,432 bytes, two blocks per SM;
  *   d = 128, B_c = 64, B_r = 32: 4 * (16384 + 4 * 4096 + 2 * 2048 + 128) = 147,968 bytes, one.
- * (B_r = 64 at d = 64 spilled.) backward_preprocess and backward_dq are b02's, on 256 threads.
+ * (B_r = 64 at d = 64 spilled.) backward_preprocess (D_i a warp a row: dP's order is the tensor core's,
+ * which no float32 loop repeats) and backward_dq (b02's) run on 256 threads.
  *
  * Limits: float32; d 64 or 128 (a multiple of 32, whose d / 16 m-tiles the warps share evenly);
  * B_c a multiple of 16, B_r of 32; deterministic = 1 takes turns per query tile as b02.
@@ -183,13 +186,19 @@ __device__ __forceinline__ void product_over_d(float (&C)[NT][4], const float* A
             const int r = 16 * (p / 2) + 4 * (g / 2) + 2 * (p % 2) + g % 2;
             const float4 x = load4(X, r * d_head + 4 * chunk(r, 4 * kk + t));
             const float b[2][2] = {{x.x, x.y}, {x.z, x.w}};
+            unsigned b_big[2][2], b_small[2][2];
+            split(b[0], b_big[0], b_small[0]);
+            split(b[1], b_big[1], b_small[1]);
+            // The corrections of both k-blocks first, while the sum is small, then big x big: only the last
+            // two mma truncate at the pair's magnitude.
             float pair[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             #pragma unroll
             for (int k = 0; k < 2; ++k) {
-                unsigned b_big[2], b_small[2];
-                split(b[k], b_big, b_small);
-                mma_3xtf32(pair, pair, a_big[k], a_small[k], b_big, b_small);
+                mma_tf32(pair, a_small[k], b_big[k]);
+                mma_tf32(pair, a_big[k], b_small[k]);
             }
+            mma_tf32(pair, a_big[0], b_big[0]);
+            mma_tf32(pair, a_big[1], b_big[1]);
             #pragma unroll
             for (int e = 0; e < 4; ++e)
                 C[p][e] += pair[e];
@@ -281,7 +290,7 @@ __device__ __forceinline__ void pass_turn(int* turn, int next)
         asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(turn), "r"(next) : "memory");
 }
 
-// b02's: D_i = rowsum(dO_i o O_i), one warp a row; dQ_accum's rows and the tile's turn zeroed.
+// D_i = rowsum(dO_i o O_i), one warp a row; dQ_accum's rows and the tile's turn zeroed.
 template <int d_head, int B_r, int B_c, int deterministic>
 __global__ void __launch_bounds__(AUX_THREADS)
 backward_preprocess(const float* __restrict__ /* Q */, const float* __restrict__ /* K */, const float* __restrict__ /* V */,

@@ -36,8 +36,8 @@
  *   d = 64, B_r = 64, B_c = 64: 2 * (2 * 4096 + 4 * 4096 + 4096) + 4 * 256 = 58,368 bytes;
  *   d = 128, B_r = 32, B_c = 128: 2 * (2 * 16384 + 4 * 4096 + 4096) + 4 * 128 = 107,008 bytes;
  *   d = 128, B_r = 32, B_c = 64: 2 * (2 * 8192 + 4 * 4096 + 2048) + 4 * 128 = 70,144 bytes.
- * backward_preprocess (D_i from the 16-bit O and dO, in float32; dQ_accum cleared) and backward_dq
- * (dQ = scale dQ_accum rounded to the dtype) are b02's on 16-bit data, 256 threads.
+ * backward_preprocess (D_i from the 16-bit O and dO, in float32, a warp a row; dQ_accum cleared) and
+ * backward_dq (dQ = scale dQ_accum rounded to the dtype, b02's on 16-bit data) run on 256 threads.
  *
  * Limits: d 64 or 128; B_c a multiple of 16 whose warps share dQ^T's tiles evenly (static_assert),
  * B_r a multiple of 16; rows on 16-byte boundaries (the launcher's copies are). dtype_id 0 is
