@@ -12,6 +12,7 @@
     dq, dk, dv = kernels.attention_backward(q, k, v, o, lse, do, kernel="b04")   the backward ladder
                                                       (kernels/backward/bNN_*.cu): the gradients
     kernels.reference_attention_backward(q, k, v, o, lse, do)   the same in plain array code
+    inputs = kernels.quantize_fp8(q, k, v, block_q=128, block_k=128)   e4m3 codes and per-tile scales (kernels.fp8)
     kernels.backward_names()                          the backward rungs in ladder order
 
 names(), load(), resolve() and resources() are the .cu ladder's (NVRTC); kernels.triton has the
@@ -21,6 +22,7 @@ resolve, load; kernels.backward.launcher: prepare_backward, compile_report).
 
 from .backward import names as backward_names
 from .backward.launcher import attention_backward
+from .fp8 import Fp8Inputs, quantize_fp8
 from .ladder import load, names, resolve
 from .reference import reference_attention, reference_attention_backward
 from .runtime import (
@@ -40,6 +42,7 @@ from .triton import unavailable as triton_unavailable
 
 __all__ = [
     "Attend",
+    "Fp8Inputs",
     "KernelCompileError",
     "Resources",
     "attention",
@@ -52,6 +55,7 @@ __all__ = [
     "load",
     "names",
     "prepare",
+    "quantize_fp8",
     "reference_attention",
     "reference_attention_backward",
     "resolve",
