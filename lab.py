@@ -151,10 +151,12 @@ def pick_device(choice: str) -> str:
 def pick_kernel(name: str | None, device: str, asked: str = "auto", dtype: str = "float32",
                 arch: str | None = None) -> str:
     """The rung's full name (v02_pad_k), a .cu path, or "reference" (which takes every dtype).
-    `arch` (the GPU's, "sm_90") keeps the default to rungs that run there (lab.min_arch)."""
+    `arch` (the GPU's, "sm_90") keeps the default to rungs that run there (lab.min_arch); an FP8 rung
+    (lab.fp8), which quantizes its inputs, is never the default."""
     able = [n for n in kernels.names() if dtype in kernels.load(n).dtypes]  # the rungs that take dtype
-    if name is None:  # the newest that takes dtype, runs on arch, and is made for whole sequences
-        prefill = [n for n in able if not kernels.load(n).split_kv and (arch is None or kernels.load(n).runs_on(arch))]
+    if name is None:  # the newest that takes dtype, runs on arch, and is made for whole sequences in that dtype
+        prefill = [n for n in able if not kernels.load(n).split_kv and not kernels.load(n).fp8
+                   and (arch is None or kernels.load(n).runs_on(arch))]
         return prefill[-1] if device == "gpu" and prefill else REFERENCE
     if name.lower() in (REFERENCE, "ref"):
         return REFERENCE
@@ -243,12 +245,14 @@ def rungs_taking(config, dtype: str) -> list[str]:
 def fit_kernel(kernel: str, asked: str | None, config, dtype: str, device: str, arch: str | None) -> str:
     """The rung for this model: the one asked for, refused (naming the rungs that would do) if it
     lacks the head size or grouped-query attention; by default on the GPU the newest whole-sequence
-    rung that takes the model and runs there, else the reference."""
+    rung that takes the model and runs there (not an FP8 rung: it quantizes, so it runs only when
+    named), else the reference."""
     able = rungs_taking(config, dtype)
     if asked is None:
         if device != "gpu":
             return REFERENCE
-        prefill = [n for n in able if not kernels.load(n).split_kv and kernels.load(n).runs_on(arch)]
+        prefill = [n for n in able if not kernels.load(n).split_kv and not kernels.load(n).fp8
+                   and kernels.load(n).runs_on(arch)]
         return prefill[-1] if prefill else REFERENCE
     if kernel == REFERENCE:
         return kernel

@@ -383,11 +383,13 @@ def main(argv: list[str] | None, doc: str) -> int:
         # features and frontier pick per case; profile takes every rung and reports those it cannot run as skipped;
         # backward runs the backward ladder (benchmarks/backward.py picks those that take the dtype)
         # decode rungs (split-KV) are made for a few query rows over a long cache, not whole sequences:
-        # they are timed only when named (and by tests/test_decode_gpu.py's timing on decode shapes)
+        # they are timed only when named (and by tests/test_decode_gpu.py's timing on decode shapes);
+        # FP8 rungs quantize their inputs, and bench.py fp8 holds them to their own accuracy
         whole = args.command == "resources"
         dtype = getattr(args, "dtype", "float32")  # e2e runs float32
         args.kernels = [kernels.resolve(n) for n in kernels.names()
-                        if whole or (not kernels.load(n).split_kv and dtype in kernels.load(n).dtypes)]
+                        if whole or (not kernels.load(n).split_kv and not kernels.load(n).fp8
+                                     and dtype in kernels.load(n).dtypes)]
     if args.command == "sweep" and args.t_min > args.t_max:
         parser.error(f"--t-min {args.t_min} is larger than --t-max {args.t_max}")
     try:

@@ -22,9 +22,10 @@ random +-1 diagonal (from `seed`) and H the Sylvester Hadamard matrix. R is orth
 (Q R)(K R)^T = Q K^T and the scores are unchanged, while an outlier in one column of a row is spread
 over all d of them, where e4m3's 3 mantissa bits lose less of the row's other values.
 
-V is stored transposed, V^T (B, NH_kv, d, T_pad) with T_pad = T_k rounded up to 16 (zeros past
-T_k): FP8 wgmma reads both operands K-major from shared memory, and for O = P V that is V with the
-keys innermost. Within each group of 16 keys the columns are in KEY_ORDER, the order in which the
+V is stored transposed, V^T (B, NH_kv, d, T_pad) with T_pad = T_k rounded up to whole blocks of
+block_k keys and to 16 (zeros past T_k, so that a tile's copy never reaches past the array): FP8
+wgmma reads both operands K-major from shared memory, and for O = P V that is V with the keys
+innermost. Within each group of 16 keys the columns are in KEY_ORDER, the order in which the
 rung's probabilities sit in its registers (v25's header says why), so that the accumulator becomes
 the next product's operand without moving bytes between threads.
 """
@@ -109,7 +110,7 @@ class Fp8Inputs:
 
     q: object  # uint8 (B, NH, T_q, d): Q (times R when hadamard)
     k: object  # uint8 (B, NH_kv, T_k, d): K (times R when hadamard)
-    v_t: object  # uint8 (B, NH_kv, d, T_pad): V^T, each 16 keys in KEY_ORDER, zeros past T_k
+    v_t: object  # uint8 (B, NH_kv, d, T_pad): V^T, each 16 keys in KEY_ORDER, zeros past T_k to whole blocks
     q_scale: object  # float32 (B, NH, ceil(T_q / block_q))
     k_scale: object  # float32 (B, NH_kv, ceil(T_k / block_k))
     v_scale: object  # float32 (B, NH_kv, ceil(T_k / block_k))
@@ -207,7 +208,7 @@ def quantize_fp8(q, k, v, *, block_q: int, block_k: int, hadamard: bool = True, 
     k8, k_scale = _quantized(k32, block_k, per_tensor)
     v8, v_scale = _quantized(v32, block_k, per_tensor)
     B, NH_kv, T_k, _ = v.shape
-    T_pad = -(-T_k // 16) * 16
+    T_pad = -(-(-(-T_k // block_k) * block_k) // 16) * 16  # whole blocks of keys, then a multiple of 16
     v_t = xp.zeros((B, NH_kv, d, T_pad), dtype=np.uint8)
     v_t[..., :T_k] = v8.swapaxes(-1, -2)
     order = xp.asarray(KEY_ORDER)

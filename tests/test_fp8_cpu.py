@@ -3,6 +3,7 @@ the Hadamard rotation, V^T's key order, and the whole scheme emulated in float64
 outlier distribution, where block scales with the rotation must beat one scale per tensor and stay
 within the issue's 1.0e-2 RMSE against float64."""
 
+import dataclasses
 import math
 
 import ml_dtypes
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 import kernels
-from kernels import fp8
+from kernels import fp8, runtime
 
 E4M3 = ml_dtypes.float8_e4m3fn
 RMSE_TARGET = 1.0e-2  # the issue's, FlashAttention-3's 9.1e-3 beside its per-tensor baseline's 2.4e-2
@@ -106,6 +107,7 @@ def test_quantized_values_are_e4m3_roundings_of_the_input(hadamard):
     inputs = kernels.quantize_fp8(q, k, v, block_q=32, block_k=16, hadamard=hadamard, seed=5)
     assert inputs.q.dtype == inputs.k.dtype == inputs.v_t.dtype == np.uint8
     assert inputs.q.shape == (2, 4, 77, 64) and inputs.k.shape == (2, 2, 45, 64) and inputs.v_t.shape == (2, 2, 64, 48)
+    assert kernels.quantize_fp8(q, k, v, block_q=32, block_k=128).v_t.shape == (2, 2, 64, 128)  # whole blocks of keys
     assert inputs.q_scale.shape == (2, 4, 3) and inputs.k_scale.shape == inputs.v_scale.shape == (2, 2, 3)
     assert inputs.shape == q.shape and inputs.T_k == 45 and inputs.v_t.flags.c_contiguous
     R = fp8.rotation(64, 5).astype(np.float64) if hadamard else np.eye(64)
@@ -127,7 +129,8 @@ def test_v_t_holds_each_16_keys_in_the_registers_order():
     v = np.random.default_rng(4).standard_normal((1, 2, 40, 64)).astype(np.float32)
     inputs = kernels.quantize_fp8(v, v, v, block_q=64, block_k=64, hadamard=False)
     codes = fp8.to_e4m3(v / inputs.v_scale[..., None])  # one block of 64 rows holds all 40
-    for column in range(48):
+    assert inputs.v_t.shape == (1, 2, 64, 64)
+    for column in range(64):
         key = 16 * (column // 16) + int(fp8.KEY_ORDER[column % 16])
         want = codes[..., key, :] if key < 40 else 0
         np.testing.assert_array_equal(inputs.v_t[..., column], want, err_msg=f"column {column}: key {key}")
@@ -199,3 +202,86 @@ def test_block_scales_and_the_rotation_beat_one_scale_per_tensor_on_outliers(cau
                                                               per_tensor=True), causal=causal), ref)
     assert block <= RMSE_TARGET, f"block scales + Hadamard: RMSE {block:.2e} > {RMSE_TARGET:.1e}"
     assert tensor > 1.3 * block, f"per tensor {tensor:.2e} is not clearly worse than block + Hadamard {block:.2e}"
+
+
+# -- the rung's declarations and the launcher, without a GPU --------------------------------------
+
+FP8_RUNGS = [name for name in kernels.names() if kernels.load(name).fp8]
+
+
+def test_the_fp8_rung_declares_what_the_launcher_needs():
+    assert FP8_RUNGS and FP8_RUNGS[0] == "v25_fp8" and runtime.fp8_rung() == FP8_RUNGS[-1]
+    rung = kernels.load("v25")
+    assert rung.dtypes == ("bfloat16",) and set(rung.supports) == {"noncausal", "cross", "gqa"}
+    assert rung.head_sizes() == [64, 128] and not rung.lse and not rung.persistent
+    assert rung.tma_boxes((128, 128, 128)) == {"Q": (128, 128), "K": (128, 128), "V": (128, 128)}
+    assert rung.tma_boxes((64, 192, 128)) == {"Q": (192, 64), "K": (128, 64), "V": (64, 128)}
+
+
+@pytest.mark.parametrize("d,wanted", [(64, (2, 2, 3)), (128, (3, 3, 3))])
+def test_descriptors_of_the_fp8_arrays_swizzle_over_their_rows(d, wanted):
+    """e4m3 rows of 64 bytes take the 64-byte swizzle, of 128 bytes the 128-byte one; V^T's rows are
+    the 128 keys of a tile. The arrays are uint8 (CU_TENSOR_MAP_DATA_TYPE_UINT8 = 0)."""
+    from tests.test_tensor_map import OnDevice
+
+    rung = kernels.load("v25")
+    config = rung.configs_for(d)[0]
+    B, NH, T = 2, 4, 300
+    tensors = {"Q": OnDevice(np.empty((B, NH, T, d), np.uint8)), "K": OnDevice(np.empty((B, 2, T, d), np.uint8)),
+               "V": OnDevice(np.empty((B, 2, d, 304), np.uint8))}
+    maps = runtime.tensor_map_arguments(rung, config, tensors)
+    assert [m.swizzle for m in maps] == list(wanted) and {m.dtype for m in maps} == {0}
+    assert maps[2].dims == (304, d, 2, B) and maps[2].box == (128, d, 1, 1) and maps[2].strides == (304, 304 * d, 2 * 304 * d)
+    assert maps[0].box == (d, rung.params(config)["B_r"], 1, 1)
+
+
+def test_an_fp8_rung_takes_its_scales_after_the_strides(monkeypatch):
+    from tests.test_kernels_cpu import stand_in_instance
+
+    monkeypatch.setattr(runtime, "device_limits", lambda: runtime.DeviceLimits("stand-in", "sm_90", 132, 1024, 0))
+    inst = stand_in_instance(kernels.load("v25"), (128, 128, 128), per_sm=1)
+    q8, k8 = np.zeros((1, 4, 300, 128), np.uint8), np.zeros((1, 2, 300, 128), np.uint8)
+    scales = tuple(np.full((1, n, 3), i, np.float32) for i, n in enumerate((4, 2, 2)))
+    inst.launch(q8, k8, k8, q8, q8, 0.125, True, scales=scales)
+    (grid, args), = inst.function.launches
+    assert grid == (3, 4, 1)
+    assert [int(a) for a in args[5:9]] == [300, 300, 2, 1] and [type(a) for a in args[10:16]] == [np.int64] * 6
+    assert args[16:] == scales  # q_scale, k_scale, v_scale, then (with descriptors) the tensor maps
+
+
+def numpy_inputs(B=1, NH=2, NH_kv=2, T_q=100, T_k=100, d=64, block_q=128, block_k=128):
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((B, NH, T_q, d)).astype(np.float32)
+    k, v = (rng.standard_normal((B, NH_kv, T_k, d)).astype(np.float32) for _ in range(2))
+    return kernels.quantize_fp8(q, k, v, block_q=block_q, block_k=block_k)
+
+
+def test_the_configuration_is_the_one_whose_tiles_are_the_blocks():
+    rung = kernels.load("v25")
+    assert runtime.fp8_config(rung, numpy_inputs(block_q=192)) == (64, 192, 128)
+    assert runtime.fp8_config(rung, numpy_inputs(block_q=128)) == (64, 128, 128)
+    assert runtime.fp8_config(rung, numpy_inputs(d=128)) == (128, 128, 128)
+    with pytest.raises(ValueError, match=r"blocks of 64 x 128 rows .* tiles 192 x 128, 128 x 128 \(B_r x B_c\) at d=64"):
+        runtime.fp8_config(rung, numpy_inputs(block_q=64))
+    with pytest.raises(ValueError, match=r"config \(64, 192, 128\) has tiles \(192, 128\)"):
+        runtime.fp8_config(rung, numpy_inputs(block_q=128), config=(64, 192, 128))
+
+
+def test_fp8_inputs_are_checked_before_the_gpu_is_asked():
+    rung = kernels.load("v25")
+    good = numpy_inputs(NH=4, NH_kv=2, T_q=90, T_k=120)
+    runtime.check_fp8_inputs(good, rung, causal=False, scale=None)
+    with pytest.raises(TypeError, match="must be kernels.Fp8Inputs"):
+        runtime.check_fp8_inputs((good.q, good.k, good.v_t), rung, True, None)
+    with pytest.raises(ValueError, match="v24_persistent does not compute in FP8 .*; v25_fp8 does"):
+        runtime.check_fp8_inputs(good, kernels.load("v24"), True, None)
+    with pytest.raises(TypeError, match=r"inputs.k_scale must be a 3-d float32 array, got float64"):
+        runtime.check_fp8_inputs(dataclasses.replace(good, k_scale=good.k_scale.astype(np.float64)), rung, True, None)
+    with pytest.raises(ValueError, match=r"inputs.v_scale has shape \(1, 2, 2\); .* it must be \(1, 2, 1\)"):
+        runtime.check_fp8_inputs(dataclasses.replace(good, v_scale=np.ones((1, 2, 2), np.float32)), rung, True, None)
+    with pytest.raises(ValueError, match="head sizes 64, 128; got d=32"):
+        runtime.check_fp8_inputs(numpy_inputs(d=32), rung, True, None)
+    with pytest.raises(ValueError, match="finite"):
+        runtime.check_fp8_inputs(good, rung, True, float("inf"))
+    with pytest.raises(TypeError, match="NumPy arrays; kernel v25_fp8 runs on the GPU"):
+        kernels.attention_fp8(good, causal=False)

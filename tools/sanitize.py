@@ -36,11 +36,18 @@ def child(kernel_names: list[str]) -> int:
         if kernels.backward.owns(name):
             failures += backward_child(cp, kernels, name)
             continue
-        dtype = kernels.load(name).dtypes[0]  # float32, or the first dtype a low-precision rung takes
+        rung = kernels.load(name)
+        dtype = rung.dtypes[0]  # float32, or the first dtype a low-precision rung takes
         for B, NH, T, d in SHAPES:
             q, k, v = (cp.random.standard_normal((B, NH, T, d), dtype=cp.float32).astype(dtype) for _ in range(3))
-            out = kernels.attention(q, k, v, kernel=name)
-            ref = kernels.reference_attention(q, k, v)
+            run = kernels.prepare(q, k, v, kernel=name)
+            out = run()
+            if rung.fp8:  # FP8: against its float64 emulation on the same e4m3 inputs
+                tiles = rung.params(run.instance.config)
+                ref = kernels.fp8.emulated_attention(kernels.quantize_fp8(q, k, v, block_q=tiles["B_r"],
+                                                                          block_k=tiles["B_c"]))
+            else:
+                ref = kernels.reference_attention(q, k, v)
             err = float(cp.abs(out.astype(cp.float32) - ref.astype(cp.float32)).max())
             ok = err < (1e-3 if dtype == "float32" else 5e-2)
             failures += not ok
