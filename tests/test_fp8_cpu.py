@@ -285,3 +285,26 @@ def test_fp8_inputs_are_checked_before_the_gpu_is_asked():
         runtime.check_fp8_inputs(good, rung, True, float("inf"))
     with pytest.raises(TypeError, match="NumPy arrays; kernel v25_fp8 runs on the GPU"):
         kernels.attention_fp8(good, causal=False)
+
+
+def test_the_packed_probabilities_meet_the_v_t_columns_of_their_keys():
+    """A model of v25's round_P on the documented fragment layouts (PTX ISA, wgmma register fragments;
+    CUTLASS's CLayout_64xN and ALayout_64x32), per lane of a warp: the accumulator of S holds, at entry
+    4 n + e, row g + 8 (e // 2) and key 8 n + 2 t + e % 2; the e4m3 A operand of key step kk holds in byte
+    b of register r row g + 8 (r % 2) and slot 4 t + b + 16 (r // 2), which the product pairs with column
+    32 kk + slot of V^T_j, i.e. with key KEY_ORDER of that column. Every byte must carry its slot's key."""
+    source = kernels.resolve("v25").read_text()
+    assert "const int n = 4 * kk + 2 * (r / 2), e = 2 * (r % 2);" in source  # the model's mapping is the kernel's
+    assert "pack_e4m3(S[4 * n + e], S[4 * n + e + 1], S[4 * n + 4 + e], S[4 * n + 4 + e + 1])" in source
+    B_c = 128
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for kk in range(B_c // 32):
+            for r in range(4):
+                n, e = 4 * kk + 2 * (r // 2), 2 * (r % 2)
+                for byte, entry in enumerate((4 * n + e, 4 * n + e + 1, 4 * n + 4 + e, 4 * n + 4 + e + 1)):
+                    row, key = g + 8 * (entry % 4 // 2), 8 * (entry // 4) + 2 * t + entry % 2
+                    slot = 4 * t + byte + 16 * (r // 2)
+                    column = 32 * kk + slot
+                    assert row == g + 8 * (r % 2), (lane, kk, r, byte)
+                    assert key == 16 * (column // 16) + fp8.KEY_ORDER[column % 16], (lane, kk, r, byte)
