@@ -80,7 +80,7 @@ def to_e4m3(x):
     xp = array_module(x)
     r = round_e4m3(x)
     code = xp.searchsorted(xp.asarray(_POSITIVE), xp.abs(r)).astype(np.uint8)  # r is one of the values
-    code |= xp.signbit(r).astype(np.uint8) << 7
+    code = code + xp.signbit(r).astype(np.uint8) * np.uint8(0x80)  # the sign bit (code < 0x80)
     return xp.where(xp.isnan(r), np.uint8(E4M3_NAN), code).astype(np.uint8)
 
 

@@ -19,9 +19,9 @@
  * V^T: FP8 wgmma reads both operands K-major from shared memory; the transpose bits exist only for
  * 16-bit types. S = Q K^T is K-major as loaded (d innermost in Q and K). For O += P V the reduction
  * runs over keys, so the B operand must be V^T, the keys innermost. The quantize step writes V^T
- * (B, NH_kv, d, T_k padded to whole tiles) in global memory instead of this kernel transposing V in shared
- * memory after each copy lands (FlashAttention-3's LDSM.T/STSM by the producer warpgroup): that step
- * reads and writes every element of V anyway, so the transpose costs no extra pass, while in here it
+ * (B, NH_kv, d, T_k padded to whole tiles) in global memory instead of this kernel transposing V in
+ * shared memory after each copy lands (FlashAttention-3's LDSM.T/STSM by the producer warpgroup): that
+ * step reads and writes every element of V anyway, so the transpose costs no extra pass, while in here it
  * would cost a second ring of V tiles, a barrier per tile between the transposing warps and the
  * consumers, generic-proxy stores that need fence.proxy.async before wgmma reads them, and registers
  * in the producer warpgroup. The TMA lands V^T_j (d rows x B_c keys, 128 bytes) already K-major.
@@ -30,8 +30,8 @@
  * 8 n + 2 t and 8 n + 2 t + 1 of rows g and g + 8; the e4m3 A fragment of m64nNk32 wants, per 32-key
  * step, 4 consecutive keys in each register: 4 t .. 4 t + 3 and 16 + 4 t .. 16 + 4 t + 3 of rows g and
  * g + 8 (PTX ISA, wgmma register fragments; CUTLASS's ALayout_64x32). Instead of shuffling bytes
- * between the threads of a quad (FlashAttention-3 does, two shuffles and two byte permutes per 64
- * bits), each register packs what the thread holds, keys {2 t, 2 t + 1, 8 + 2 t, 9 + 2 t} of a 16-key
+ * between the threads of a quad into that layout (as FlashAttention-3 does, with byte permutes), each
+ * register packs what the thread holds, keys {2 t, 2 t + 1, 8 + 2 t, 9 + 2 t} of a 16-key
  * half, with two cvt.rn.satfinite.e4m3x2.f32: byte e of thread t's register, the slot of key 4 t + e
  * in the product, carries key 2 t + e % 2 + 8 (e / 2). A product sums over its keys in any order as
  * long as P and V agree, so the quantize step writes each 16 keys of V^T in that order

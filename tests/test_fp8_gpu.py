@@ -15,6 +15,7 @@ NaN, Inf and resources are tested with every rung in tests/test_kernels_gpu.py.
 
 import math
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -42,7 +43,7 @@ def blocks(name, d, config=None):
 def check_against_emulation(cp, inputs, name, *, causal=True, scale=None, config=None):
     """The rung on `inputs` (its output poisoned first) against emulated_attention on the same inputs:
     RMSE within 3% of the emulation's RMS and no element off by more than 15% of its largest value."""
-    out = cp.full(inputs.shape, cp.nan, dtype=cp.float32).astype(kernels.load(name).dtypes[0])
+    out = cp.full(inputs.shape, cp.nan, dtype=cp.float32).astype(ml_dtypes.bfloat16)  # poison: unwritten fails
     got = kernels.attention_fp8(inputs, kernel=name, causal=causal, scale=scale, config=config, out=out)
     assert got is out
     want = fp8.emulated_attention(inputs, causal=causal, scale=scale)
@@ -55,7 +56,7 @@ def check_against_emulation(cp, inputs, name, *, causal=True, scale=None, config
     assert worst <= 0.15 * float(cp.abs(want).max()), f"{what}: max error against the emulation {worst:.3e}"
 
 
-def random_inputs(cp, B, NH, NH_kv, T_q, T_k, d, seed=0, dtype="bfloat16"):
+def random_inputs(cp, B, NH, NH_kv, T_q, T_k, d, seed=0, dtype=ml_dtypes.bfloat16):
     rng = cp.random.default_rng(seed)
     q = rng.standard_normal((B, NH, T_q, d), dtype=cp.float32).astype(dtype)
     k, v = (rng.standard_normal((B, NH_kv, T_k, d), dtype=cp.float32).astype(dtype) for _ in range(2))
@@ -172,8 +173,9 @@ def test_rmse_on_normal_inputs(name, d, causal):
 
     q, k, v = random_inputs(cp, 1, 2, 2, 1024, 1024, d, seed=4)
     ref = kernels.reference_attention(*(x.astype(cp.float64) for x in (q, k, v)), causal=causal)
-    got = rmse(cp, kernels.attention(q, k, v, kernel=name, causal=causal), ref)
-    B_r, B_c = blocks(name, d)
+    run = kernels.prepare(q, k, v, kernel=name, causal=causal)
+    got = rmse(cp, run(), ref)
+    B_r, B_c = blocks(name, d, run.instance.config)  # the tiles the launcher quantized with
     emulated = rmse(cp, fp8.emulated_attention(kernels.quantize_fp8(q, k, v, block_q=B_r, block_k=B_c),
                                                causal=causal), ref)
     assert got <= RMSE_TARGET, f"{name} d={d}: RMSE {got:.3e} > {RMSE_TARGET:.1e}"
@@ -189,7 +191,7 @@ def test_the_gpu_quantizes_as_numpy_does():
     float32 products in another order may move a code one step, rarely."""
     import cupy as cp
 
-    q, k, v = random_inputs(cp, 2, 4, 2, 300, 250, 128, seed=6, dtype="float32")
+    q, k, v = random_inputs(cp, 2, 4, 2, 300, 250, 128, seed=6, dtype=cp.float32)
     for hadamard in (False, True):
         gpu = kernels.quantize_fp8(q, k, v, block_q=128, block_k=128, hadamard=hadamard)
         cpu = kernels.quantize_fp8(*(x.get() for x in (q, k, v)), block_q=128, block_k=128, hadamard=hadamard)
@@ -229,7 +231,7 @@ def test_strided_views_of_a_packed_qkv(name):
     import cupy as cp
 
     B, T, NH, d = 2, 200, 3, 128
-    qkv = cp.random.default_rng(9).standard_normal((B, T, 3, NH, d), dtype=cp.float32).astype("bfloat16")
+    qkv = cp.random.default_rng(9).standard_normal((B, T, 3, NH, d), dtype=cp.float32).astype(ml_dtypes.bfloat16)
     q, k, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
     assert not q.flags.c_contiguous
     got = kernels.attention(q, k, v, kernel=name)
