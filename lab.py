@@ -236,23 +236,23 @@ def load_checkpoint(args, family: str, folder: Path | None, file: Path | None, x
 
 
 def rungs_taking(config, dtype: str) -> list[str]:
-    """The rungs that take the model's head size, grouped-query attention if it has it, and dtype."""
+    """The rungs that take the model's head size, grouped-query attention if it has it, and dtype, computing
+    in it: not an FP8 rung (lab.fp8), which quantizes its inputs and runs only when named."""
     gqa = config.kv_heads != config.n_head
     return [n for n in kernels.names() if config.head_size in kernels.load(n).head_sizes()
-            and dtype in kernels.load(n).dtypes and (not gqa or "gqa" in kernels.load(n).supports)]
+            and dtype in kernels.load(n).dtypes and (not gqa or "gqa" in kernels.load(n).supports)
+            and not kernels.load(n).fp8]
 
 
 def fit_kernel(kernel: str, asked: str | None, config, dtype: str, device: str, arch: str | None) -> str:
     """The rung for this model: the one asked for, refused (naming the rungs that would do) if it
     lacks the head size or grouped-query attention; by default on the GPU the newest whole-sequence
-    rung that takes the model and runs there (not an FP8 rung: it quantizes, so it runs only when
-    named), else the reference."""
+    rung that takes the model and runs there, else the reference."""
     able = rungs_taking(config, dtype)
     if asked is None:
         if device != "gpu":
             return REFERENCE
-        prefill = [n for n in able if not kernels.load(n).split_kv and not kernels.load(n).fp8
-                   and kernels.load(n).runs_on(arch)]
+        prefill = [n for n in able if not kernels.load(n).split_kv and kernels.load(n).runs_on(arch)]
         return prefill[-1] if prefill else REFERENCE
     if kernel == REFERENCE:
         return kernel
