@@ -151,10 +151,12 @@ def pick_device(choice: str) -> str:
 def pick_kernel(name: str | None, device: str, asked: str = "auto", dtype: str = "float32",
                 arch: str | None = None) -> str:
     """The rung's full name (v02_pad_k), a .cu path, or "reference" (which takes every dtype).
-    `arch` (the GPU's, "sm_90") keeps the default to rungs that run there (lab.min_arch)."""
+    `arch` (the GPU's, "sm_90") keeps the default to rungs that run there (lab.min_arch); an FP8 rung
+    (lab.fp8), which quantizes its inputs, is never the default."""
     able = [n for n in kernels.names() if dtype in kernels.load(n).dtypes]  # the rungs that take dtype
-    if name is None:  # the newest that takes dtype, runs on arch, and is made for whole sequences
-        prefill = [n for n in able if not kernels.load(n).split_kv and (arch is None or kernels.load(n).runs_on(arch))]
+    if name is None:  # the newest that takes dtype, runs on arch, and is made for whole sequences in that dtype
+        prefill = [n for n in able if not kernels.load(n).split_kv and not kernels.load(n).fp8
+                   and (arch is None or kernels.load(n).runs_on(arch))]
         return prefill[-1] if device == "gpu" and prefill else REFERENCE
     if name.lower() in (REFERENCE, "ref"):
         return REFERENCE
@@ -234,10 +236,12 @@ def load_checkpoint(args, family: str, folder: Path | None, file: Path | None, x
 
 
 def rungs_taking(config, dtype: str) -> list[str]:
-    """The rungs that take the model's head size, grouped-query attention if it has it, and dtype."""
+    """The rungs that take the model's head size, grouped-query attention if it has it, and dtype, computing
+    in it: not an FP8 rung (lab.fp8), which quantizes its inputs and runs only when named."""
     gqa = config.kv_heads != config.n_head
     return [n for n in kernels.names() if config.head_size in kernels.load(n).head_sizes()
-            and dtype in kernels.load(n).dtypes and (not gqa or "gqa" in kernels.load(n).supports)]
+            and dtype in kernels.load(n).dtypes and (not gqa or "gqa" in kernels.load(n).supports)
+            and not kernels.load(n).fp8]
 
 
 def fit_kernel(kernel: str, asked: str | None, config, dtype: str, device: str, arch: str | None) -> str:

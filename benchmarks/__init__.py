@@ -10,6 +10,7 @@ bench.py is the command line; this package is what it runs.
     sweep.py      `sweep`: TFLOP/s against sequence length, with a plot
     features.py   `features`: decode, long-context decode, non-causal, cross lengths, GQA, head sizes
     frontier.py   `frontier`: bfloat16 at the frontier's shapes beside SDPA flash and cuDNN, against the targets
+    fp8.py        `fp8`: the FP8 rung beside the best bfloat16 rungs and SDPA, and its RMSE on outliers
     levels.py     `levels`: seed 004's four levels (PyTorch, torch.compile, Triton, CUDA) beside SDPA, lines of code
     backward.py   `backward`: every backward rung beside SDPA's backward, gradients checked against float64; its table
     torch_attention.py  the plain PyTorch attention: the eager and torch.compile peers' function

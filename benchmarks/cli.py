@@ -19,6 +19,7 @@ from .device import CannotRun
 from .e2e import PROMPT, cmd_e2e
 from .e2e_llama import cmd_e2e_llama
 from .features import FEATURE_PARTS, cmd_features
+from .fp8 import add_fp8_parser, cmd_fp8
 from .levels import LEVELS, SHAPE_SETS, cmd_levels
 from .options import kernel_list, parse_shape, results_option
 from .peers import DEFAULT_PEERS, PEERS
@@ -131,7 +132,7 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                                      epilog="\n\n".join(doc.split("\n\n")[1:]),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True,
-                                metavar="{kernels,sweep,e2e,resources,features,frontier,profile,levels,backward,readme}")
+                                metavar="{kernels,sweep,e2e,resources,features,frontier,fp8,profile,levels,backward,readme}")
 
     def shape_options(p, budget_ms):
         p.add_argument("--kernels", type=rung_list, default=None, metavar="LIST",
@@ -270,6 +271,7 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     fr.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     results_option(fr)
 
+    add_fp8_parser(sub)
     add_profile_parser(sub)
 
     lv = sub.add_parser("levels", help="seed 004's four levels on one problem: plain PyTorch, torch.compile, "
@@ -319,7 +321,7 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                                    "<!-- bench:<section>:end --> in README.md (sections summary, e2e-summary: the "
                                    "best rung per precision against its peers, the frontier's verdict, the sweep "
                                    "plots, the end-to-end summary) and in docs/results.md (sections kernels, sweep: "
-                                   "the newest of each dtype and head size, e2e, resources, features, frontier: the "
+                                   "the newest of each dtype and head size, e2e, resources, features, frontier, fp8: the "
                                    "full tables) and in docs/profile.md (section profile: the newest profile of each "
                                    "dtype, with its roofline) and in docs/ladder.md (section counters: a short row of "
                                    "the profile's counters per rung), each from the newest result file of its kind in "
@@ -357,7 +359,8 @@ def cmd_e2e_model(args) -> int:
 
 
 COMMANDS = {"kernels": cmd_kernels, "sweep": cmd_sweep, "e2e": cmd_e2e_model, "resources": cmd_resources,
-            "features": cmd_features, "frontier": frontier.cmd_frontier, "profile": cmd_profile, "levels": cmd_levels,
+            "features": cmd_features, "frontier": frontier.cmd_frontier, "fp8": cmd_fp8, "profile": cmd_profile,
+            "levels": cmd_levels,
             "backward": cmd_backward,
             "readme": cmd_readme}
 
@@ -379,15 +382,19 @@ def main(argv: list[str] | None, doc: str) -> int:
                      "is fixed token ids)")
     if llama_e2e and args.kernels is None:
         args.kernels = []  # e2e_llama runs the newest rung that takes the model
-    if getattr(args, "kernels", False) is None and args.command not in ("features", "frontier", "profile", "backward"):
-        # features and frontier pick per case; profile takes every rung and reports those it cannot run as skipped;
+    if getattr(args, "kernels", False) is None and args.command not in ("features", "frontier", "fp8", "profile",
+                                                                          "backward"):
+        # features and frontier pick per case, fp8 takes the FP8 rungs; profile takes every rung and reports those it
+        # cannot run as skipped;
         # backward runs the backward ladder (benchmarks/backward.py picks those that take the dtype)
         # decode rungs (split-KV) are made for a few query rows over a long cache, not whole sequences:
-        # they are timed only when named (and by tests/test_decode_gpu.py's timing on decode shapes)
+        # they are timed only when named (and by tests/test_decode_gpu.py's timing on decode shapes);
+        # FP8 rungs quantize their inputs, and bench.py fp8 holds them to their own accuracy
         whole = args.command == "resources"
         dtype = getattr(args, "dtype", "float32")  # e2e runs float32
         args.kernels = [kernels.resolve(n) for n in kernels.names()
-                        if whole or (not kernels.load(n).split_kv and dtype in kernels.load(n).dtypes)]
+                        if whole or (not kernels.load(n).split_kv and not kernels.load(n).fp8
+                                     and dtype in kernels.load(n).dtypes)]
     if args.command == "sweep" and args.t_min > args.t_max:
         parser.error(f"--t-min {args.t_min} is larger than --t-max {args.t_max}")
     try:

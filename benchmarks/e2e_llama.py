@@ -35,9 +35,9 @@ def llama_seam():
 
 def rungs_taking(config, dtype: str, arch: str) -> list[str]:
     """The whole-sequence rungs that run on arch and take the model: its head size, grouped-query
-    attention (fewer key/value heads than query heads) and dtype."""
+    attention (fewer key/value heads than query heads) and dtype (not an FP8 rung, which quantizes)."""
     gqa = config.kv_heads != config.n_head
-    return [n for n in kernels.names() if not (r := kernels.load(n)).split_kv and r.runs_on(arch)
+    return [n for n in kernels.names() if not (r := kernels.load(n)).split_kv and not r.fp8 and r.runs_on(arch)
             and config.head_size in r.head_sizes() and dtype in r.dtypes and (not gqa or "gqa" in r.supports)]
 
 

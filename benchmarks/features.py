@@ -44,8 +44,10 @@ LONG_TARGET_PCT = 75.0  # long-context decode: K+V bandwidth at least this % of 
 
 
 def default_feature_rungs() -> list[Path]:
-    """The rungs past causal self-attention: those declaring lab.supports or lab.split_kv."""
-    return [kernels.resolve(n) for n in kernels.names() if kernels.load(n).supports or kernels.load(n).split_kv]
+    """The rungs past causal self-attention: those declaring lab.supports or lab.split_kv (not the FP8
+    rungs, held to FP8's accuracy by `bench.py fp8` rather than to their dtype's)."""
+    return [kernels.resolve(n) for n in kernels.names()
+            if (kernels.load(n).supports or kernels.load(n).split_kv) and not kernels.load(n).fp8]
 
 
 def declares(rung, case: Case, dtype: str) -> bool:

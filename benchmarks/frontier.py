@@ -60,9 +60,10 @@ def case_ids() -> list[str]:
 
 def default_rungs() -> list[Path]:
     """The frontier's rungs: those that load through TMA (lab.tma, v21 on) and, as their baseline, the
-    newest bfloat16 rung before them (v19, the fastest of the ladder before TMA)."""
+    newest bfloat16 rung before them (v19, the fastest of the ladder before TMA); not an FP8 rung
+    (lab.fp8), which `bench.py fp8` measures beside them."""
     whole = [(n, kernels.load(n)) for n in kernels.names()]
-    bf16 = [(i, n, r) for i, (n, r) in enumerate(whole) if DTYPE in r.dtypes and not r.split_kv]
+    bf16 = [(i, n, r) for i, (n, r) in enumerate(whole) if DTYPE in r.dtypes and not r.split_kv and not r.fp8]
     tma = [(i, n) for i, n, r in bf16 if r.tma]
     first = tma[0][0] if tma else len(whole)
     baseline = [n for i, n, r in bf16 if not r.tma and i < first][-1:]

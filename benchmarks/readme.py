@@ -1,6 +1,6 @@
 """`bench.py readme`: rewrite what lies between <!-- bench:<section>:start --> and <!-- bench:<section>:end -->
 in README.md (summary, e2e-summary: the short tables), docs/results.md (kernels, sweep, e2e, resources,
-features, frontier, backward: the full tables), docs/profile.md (profile: the counters and the roofline),
+features, frontier, fp8, backward: the full tables), docs/profile.md (profile: the counters and the roofline),
 docs/ladder.md (counters: a short row of them per rung) and docs/decode.md (scale: decode at scale,
 bench.py e2e --sizes), each section from the newest result file of its kind. Any page may carry any section; every block links the result files
 behind it, relative to the page."""
@@ -16,6 +16,7 @@ from . import plots, profile_render
 from .backward import newest_per_dtype as newest_backward
 from .backward import render_backward
 from .device import ROOT, CannotRun, progress
+from .fp8 import render_fp8
 from .frontier import render_frontier
 from .levels import newest_per_dtype as newest_levels
 from .levels import render_levels
@@ -160,6 +161,9 @@ def readme_blocks(found: dict[str, list[Path]], base: Path) -> dict[str, str]:
     if found["frontier"]:
         p = found["frontier"][0]
         blocks["frontier"] = source(p) + "\n" + from_file(p, render_frontier(load_result(p)))
+    if found["fp8"]:
+        p = found["fp8"][0]
+        blocks["fp8"] = source(p) + "\n" + from_file(p, render_fp8(load_result(p)))
     if found["e2e"]:
         entries = e2e_entries(found["e2e"])
         blocks["e2e"] = source(*[p for p, *_ in entries]) + "\n" + "\n\n".join(

@@ -16,7 +16,7 @@ from .device import ROOT, device_slug
 RESULTS = ROOT / "results"  # the results the docs cite: written only with --save
 SCRATCH = RESULTS / "scratch"  # every other run's (git-ignored)
 SCHEMA = 1
-SECTIONS = ("kernels", "sweep", "e2e", "resources", "features", "frontier", "profile", "levels", "scale",
+SECTIONS = ("kernels", "sweep", "e2e", "resources", "features", "frontier", "fp8", "profile", "levels", "scale",
             "backward")  # result kinds, and the docs' sections
 
 # what `bench.py e2e --model` runs: a name -> what the tables call it (random weights, shaped as named)

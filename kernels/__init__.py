@@ -12,6 +12,9 @@
     dq, dk, dv = kernels.attention_backward(q, k, v, o, lse, do, kernel="b04")   the backward ladder
                                                       (kernels/backward/bNN_*.cu): the gradients
     kernels.reference_attention_backward(q, k, v, o, lse, do)   the same in plain array code
+    inputs = kernels.quantize_fp8(q, k, v, block_q=128, block_k=128)   e4m3 codes and per-tile scales (kernels.fp8)
+    o = kernels.attention_fp8(inputs)                 the FP8 rung (v25) on them; kernels.attention(q, k, v,
+                                                      kernel="v25") quantizes bfloat16 inputs itself
     kernels.backward_names()                          the backward rungs in ladder order
 
 names(), load(), resolve() and resources() are the .cu ladder's (NVRTC); kernels.triton has the
@@ -21,6 +24,7 @@ resolve, load; kernels.backward.launcher: prepare_backward, compile_report).
 
 from .backward import names as backward_names
 from .backward.launcher import attention_backward
+from .fp8 import Fp8Inputs, quantize_fp8
 from .ladder import load, names, resolve
 from .reference import reference_attention, reference_attention_backward
 from .runtime import (
@@ -28,11 +32,13 @@ from .runtime import (
     KernelCompileError,
     Resources,
     attention,
+    attention_fp8,
     compile_report,
     device_limits,
     gpu_available,
     instance,
     prepare,
+    prepare_fp8,
     resources,
 )
 from .triton import names as triton_names
@@ -40,10 +46,12 @@ from .triton import unavailable as triton_unavailable
 
 __all__ = [
     "Attend",
+    "Fp8Inputs",
     "KernelCompileError",
     "Resources",
     "attention",
     "attention_backward",
+    "attention_fp8",
     "backward_names",
     "compile_report",
     "device_limits",
@@ -52,6 +60,8 @@ __all__ = [
     "load",
     "names",
     "prepare",
+    "prepare_fp8",
+    "quantize_fp8",
     "reference_attention",
     "reference_attention_backward",
     "resolve",

@@ -7,6 +7,7 @@
     driver.required_cluster_width(fn), driver.allow_non_portable_clusters(fn)      cluster attributes
     driver.max_active_clusters(fn, grid, block, cluster, shared_mem)              clusters resident at once
     driver.tensor_map(x, box, name="K")                                           TMA descriptor of x
+    driver.swizzle_for(inner_bytes)                                               a lab.tma box's swizzle
 
 CuPy launches a kernel with cuLaunchKernel (or cuLaunchCooperativeKernel): no launch attributes.
 cuLaunchKernelEx takes a CUlaunchConfig with a list of CUlaunchAttribute, each an id and a 64-byte
@@ -328,6 +329,13 @@ def tensor_map_arguments(x, box, *, name: str = "array", swizzle: int = CU_TENSO
         strides=strides[-2::-1], box=box[::-1], element_strides=(1,) * len(shape),
         interleave=CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle=swizzle,
         l2_promotion=CU_TENSOR_MAP_L2_PROMOTION_L2_256B, oob_fill=CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+
+
+def swizzle_for(inner_bytes: int) -> int:
+    """The swizzle a lab.tma box gets: the one whose span its inner extent fills, 32 or 64 bytes (a
+    row of 64 e4m3 values: 64), otherwise 128 bytes (every 16-bit rung's 64 columns, and the widest:
+    a box wider than 128 bytes is refused by tensor_map_arguments)."""
+    return {32: CU_TENSOR_MAP_SWIZZLE_32B, 64: CU_TENSOR_MAP_SWIZZLE_64B}.get(inner_bytes, CU_TENSOR_MAP_SWIZZLE_128B)
 
 
 def encode_tensor_map(args: TensorMapArguments, name: str = "array") -> TensorMap:

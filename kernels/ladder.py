@@ -38,12 +38,26 @@ A rung declares what the launcher needs in its header comment, one `lab.<key>` l
     lab.persistent true                       a persistent grid: one block per resident slot (SMs x
                                               blocks per SM, at most one per tile); the kernel walks
                                               the tiles itself (default: one block per tile)
+    lab.fp8        true                       computes on e4m3 copies of its inputs with one scale per
+                                              tile (see below; default false)
 
 Every rung exports the same entry point, `attention_forward<...>`, with one signature, launched on a
 grid of (ceil(T_q / B_r), n_heads, batch) blocks: one block per tile of B_r query rows of one head.
 A rung with lab.tma takes one more parameter per declared tensor, in the declaration's order, after
-the others: `const __grid_constant__ CUtensorMap`, the tensor's descriptor with 128-byte swizzle
-(driver.tensor_map_arguments), so a box's inner extent is at most 128 bytes.
+the others: `const __grid_constant__ CUtensorMap`, the tensor's descriptor (driver.tensor_map_arguments)
+with the swizzle whose span the box's inner extent fills: 64 or 32 bytes for a box 64 or 32 bytes
+wide, otherwise 128 bytes (driver.swizzle_for), so a box's inner extent is at most 128 bytes.
+
+A rung with lab.fp8 computes on e4m3 copies of its inputs: the launcher quantizes bfloat16 inputs
+(kernels.quantize_fp8, with the chosen configuration's B_r and B_c as the blocks, Hadamard on) or
+takes kernels.Fp8Inputs made beforehand (runtime.prepare_fp8), and launches the kernel on uint8
+arrays: Q (B, NH, T_q, d), K (B, NH_kv, T_k, d) and V^T (B, NH_kv, d, T_pad), V transposed (its
+lab.tma box in that array's order), output bfloat16. After the strides (before lse, persistent
+counts and descriptors) it takes three more parameters, `const float* q_scale, const float*
+k_scale, const float* v_scale`: one scale per tile, (B, NH, ceil(T_q / B_r)) and (B, NH_kv,
+ceil(T_k / B_c)) twice. Its accuracy is FP8's, not its dtype's: the ladder's tolerance tests and the
+default choices of a rung for a dtype (lab.py, bench.py) leave it out; tests/test_fp8_gpu.py holds it
+to its float64 emulation (kernels.fp8.emulated_attention) and to RMSE bounds.
 
 A rung with lab.lse takes `float* __restrict__ lse` after the strides (before any descriptor): null,
 or a float32 (B, NH, T_q) array into which each query row's log-sum-exp goes, in natural log:
@@ -74,7 +88,8 @@ _RUNG_FILE = re.compile(r"^v(\d+)_([a-z0-9_]+)\.cu$")
 _DECL = re.compile(r"^\s*(?:\*|//)\s*lab\.(\w+)\s+(.*?)\s*$")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 _KEYS = {"template", "configs", "threads", "smem", "workspace", "strided", "options", "stack", "tolerance", "dtypes",
-         "dtype_param", "supports", "split_kv", "cluster", "min_arch", "tf32_products", "tma", "persistent", "lse"}
+         "dtype_param", "supports", "split_kv", "cluster", "min_arch", "tf32_products", "tma", "persistent", "lse",
+         "fp8"}
 FEATURES = ("noncausal", "cross", "gqa")
 TMA_TENSORS = ("Q", "K", "V", "O")
 
@@ -102,6 +117,7 @@ class Rung:
     tma: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (tensor, box extents as expressions), declared order
     lse: bool = False  # takes a float* lse after the strides: each query row's log-sum-exp (null: not wanted)
     persistent: bool = False  # a grid of the resident blocks, the kernel walking the tiles (lab.persistent)
+    fp8: bool = False  # computes on e4m3 copies of its inputs, one scale per tile (lab.fp8)
     source: str = field(default="", repr=False, compare=False)
     files: tuple = field(default=(), repr=False, compare=False)  # (path, stamp) of the file and its includes
 
@@ -305,6 +321,7 @@ def build(path: Path, decl: dict, cls=Rung, **extra) -> Rung:
         tma=parse_tma(decl["tma"], f"{path}: lab.tma") if "tma" in decl else (),
         lse=decl.get("lse", "false").lower() == "true",
         persistent=decl.get("persistent", "false").lower() == "true",
+        fp8=decl.get("fp8", "false").lower() == "true",
         source=source,
         files=tuple((p, _stamp(p)) for p in files),
         **extra,

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from . import driver, ladder, nvrtc
+from . import driver, fp8, ladder, nvrtc
 from . import triton as triton_rungs
 
 COMMON_OPTIONS = ("-ftz=true",)  # CuPy adds -ftz=true to every compile; the NVRTC path matches it
@@ -170,10 +170,11 @@ class Instance:
         tiles = B * NH * ((T_q + self.B_r - 1) // self.B_r)
         return B * NH * T_q * splits * (d_head + 2) + tiles  # partials, then one counter per tile
 
-    def launch(self, q, k, v, out, workspace, scale: float, causal: bool, tensor_maps=(), lse=None):
+    def launch(self, q, k, v, out, workspace, scale: float, causal: bool, tensor_maps=(), lse=None, scales=()):
         """One launch; `tensor_maps`, a lab.tma rung's descriptors, are its last parameters, after a
         lab.persistent rung's head and batch counts; a lab.lse rung takes `lse` (None: a null pointer,
-        nothing written) after the strides."""
+        nothing written) after the strides, and a lab.fp8 rung its three arrays of tile `scales` (Q's,
+        K's, V's) before that."""
         B, NH, T_q, _ = q.shape
         NH_kv, T_k = k.shape[1], k.shape[2]
         item = q.itemsize
@@ -182,6 +183,8 @@ class Instance:
         grid = self.grid(B, NH, T_q, T_k)
         sizes = (np.int32(T_q), np.int32(T_k), np.int32(NH // NH_kv), np.int32(causal))
         args = (q, k, v, out, workspace, *sizes, np.float32(scale), *q_strides, *kv_strides)
+        if self.rung.fp8:
+            args += tuple(scales)
         if self.rung.lse:
             args += (np.uint64(0) if lse is None else lse,)
         if self.rung.persistent:
@@ -352,6 +355,11 @@ def check_layout(q, k, v, rung: ladder.Rung, causal: bool, scale, family=ladder)
         raise ValueError(f"kernel {rung.name} supports head sizes {sizes}; got d={d}")
     if NH % NH_kv:
         raise ValueError(f"q has {NH} heads, k and v {NH_kv}: the query heads must be a multiple of the key/value heads")
+    check_features(rung, causal, T_q, T_k, NH, NH_kv, scale, family)
+
+
+def check_features(rung: ladder.Rung, causal: bool, T_q: int, T_k: int, NH: int, NH_kv: int, scale, family=ladder):
+    """What a rung must declare (lab.supports) for these lengths, heads and mask, and a finite scale."""
     needs = {"noncausal": not causal, "cross": T_q != T_k, "gqa": NH_kv != NH}
     what = {"noncausal": "causal=False", "cross": f"query length {T_q} != key length {T_k}",
             "gqa": f"{NH_kv} key/value heads for {NH} query heads"}
@@ -370,7 +378,8 @@ _split_workspaces: dict[tuple, object] = {}  # one per device, rung instance and
 def tensor_map_arguments(rung: ladder.Rung, config, tensors: dict) -> list[driver.TensorMapArguments]:
     """The descriptors' arguments of a lab.tma rung, in its declaration's order; `tensors` maps Q, K, V
     and O to the arrays the kernel reads and writes."""
-    return [driver.tensor_map_arguments(tensors[t], box, name=t) for t, box in rung.tma_boxes(config).items()]
+    return [driver.tensor_map_arguments(tensors[t], box, name=t, swizzle=driver.swizzle_for(box[-1] * tensors[t].dtype.itemsize))
+            for t, box in rung.tma_boxes(config).items()]
 
 
 def _aligned(x, boundary: int = 16) -> bool:
@@ -394,6 +403,11 @@ def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, ou
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     causal = bool(causal)
     inst = instance(rung.path, d, config, dtype=q.dtype.name, grid=(B, NH, T))
+    if rung.fp8:  # e4m3 copies, quantized here once with the configuration's tiles as the blocks
+        inputs = fp8.quantize_fp8(q, k, v, block_q=inst.B_r, block_k=rung.params(inst.config)["B_c"])
+        run = _prepare_fp8(inst, inputs, causal, scale, _output(q, out))
+        run.reads_inputs = False
+        return run
     given = q, k, v
     if not rung.strided:
         q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))
@@ -436,6 +450,114 @@ def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, ou
     # whether run() reads the caller's arrays themselves (else copies made here, once)
     run.reads_inputs = all(a is b for a, b in zip((q, k, v), given, strict=True))
     return run
+
+
+def fp8_rung() -> str:
+    """The newest rung declaring lab.fp8 (ValueError if none does)."""
+    able = [n for n in ladder.names() if ladder.load(n).fp8]
+    if not able:
+        raise ValueError("no rung computes in FP8 (lab.fp8)")
+    return able[-1]
+
+
+def check_fp8_inputs(inputs, rung: ladder.Rung, causal: bool, scale) -> None:
+    """Fp8Inputs a lab.fp8 rung can run: codes and scales of agreeing shapes and dtypes, a head size
+    and the features the rung declares (a clear TypeError or ValueError otherwise)."""
+    if not isinstance(inputs, fp8.Fp8Inputs):
+        raise TypeError(f"inputs must be kernels.Fp8Inputs (kernels.quantize_fp8), got {type(inputs).__name__}")
+    if not rung.fp8:
+        raise ValueError(f"kernel {rung.name} does not compute in FP8 (lab.fp8); {fp8_rung()} does")
+    arrays = {"q": inputs.q, "k": inputs.k, "v_t": inputs.v_t, "q_scale": inputs.q_scale,
+              "k_scale": inputs.k_scale, "v_scale": inputs.v_scale}
+    for name, x in arrays.items():
+        want = "float32" if name.endswith("scale") else "uint8"
+        if getattr(x, "dtype", None) != np.dtype(want) or x.ndim != (3 if name.endswith("scale") else 4):
+            raise TypeError(f"inputs.{name} must be a {3 if want == 'float32' else 4}-d {want} array, got "
+                            f"{getattr(x, 'dtype', type(x).__name__)} {getattr(x, 'shape', '')}")
+    B, NH, T_q, d = inputs.q.shape
+    _, NH_kv, T_k, _ = inputs.k.shape
+    T_pad = inputs.v_t.shape[3]
+    shapes = {"k": (B, NH_kv, T_k, d), "v_t": (B, NH_kv, d, T_pad),
+              "q_scale": (B, NH, -(-T_q // inputs.block_q)), "k_scale": (B, NH_kv, -(-T_k // inputs.block_k)),
+              "v_scale": (B, NH_kv, -(-T_k // inputs.block_k))}
+    for name, shape in shapes.items():
+        if tuple(arrays[name].shape) != shape:
+            raise ValueError(f"inputs.{name} has shape {tuple(arrays[name].shape)}; with q {inputs.q.shape}, k "
+                             f"{inputs.k.shape} and blocks of ({inputs.block_q}, {inputs.block_k}) rows it must be {shape}")
+    if T_pad % 16 or T_pad < -(-T_k // inputs.block_k) * inputs.block_k or 0 in (B, NH, T_q, NH_kv, T_k) or NH % NH_kv:
+        raise ValueError(f"inputs: q {inputs.q.shape}, k {inputs.k.shape}, v_t {inputs.v_t.shape}: every dimension at "
+                         "least 1, NH a multiple of NH_kv, v_t's keys T_k rounded up to whole blocks and to 16")
+    if d not in rung.head_sizes():
+        raise ValueError(f"kernel {rung.name} supports head sizes {', '.join(map(str, rung.head_sizes()))}; got d={d}")
+    if B > MAX_GRID_YZ or NH > MAX_GRID_YZ:
+        raise ValueError(f"B and NH must each be at most {MAX_GRID_YZ}; got B={B}, NH={NH}")
+    check_features(rung, causal, T_q, T_k, NH, NH_kv, scale)
+
+
+def fp8_config(rung: ladder.Rung, inputs, config=None) -> tuple[int, ...]:
+    """The configuration whose tiles are the inputs' blocks (B_r = block_q, B_c = block_k): `config`,
+    checked, or the first declared one (ValueError naming the rung's tile shapes if none)."""
+    d = inputs.shape[3]
+    tiles = lambda c: (rung.params(c)["B_r"], rung.params(c)["B_c"])  # noqa: E731
+    if config is not None:
+        candidates = [_as_config(rung, config)]
+    else:
+        candidates = rung.configs_for(d)
+    fitting = [c for c in candidates if c[0] == d and tiles(c) == (inputs.block_q, inputs.block_k)]
+    if not fitting:
+        shapes = ", ".join(f"{r} x {c}" for r, c in dict.fromkeys(tiles(c) for c in rung.configs_for(d)))
+        raise ValueError(f"the inputs are quantized in blocks of {inputs.block_q} x {inputs.block_k} rows (Q x K, V), "
+                         + (f"config {candidates[0]} has tiles {tiles(candidates[0])}" if config is not None else
+                            f"kernel {rung.name} has tiles {shapes} (B_r x B_c) at d={d}")
+                         + ": quantize with block_q=B_r and block_k=B_c of one of them")
+    return fitting[0]
+
+
+def prepare_fp8(inputs, *, kernel=None, causal: bool = True, scale=None, config=None, out=None):
+    """prepare() for kernels.Fp8Inputs (kernels.quantize_fp8 of CuPy arrays): validate and compile once,
+    return run() -> out, the bfloat16 (B, NH, T_q, d) output. `kernel` defaults to the newest rung
+    declaring lab.fp8; its configuration is the one whose tiles are the inputs' blocks."""
+    rung = ladder.load(kernel if kernel is not None else fp8_rung())
+    check_fp8_inputs(inputs, rung, causal, scale)
+    cupy = _cupy()
+    if not all(isinstance(x, cupy.ndarray) for x in (inputs.q, inputs.k, inputs.v_t, inputs.q_scale)):
+        raise TypeError(f"inputs hold NumPy arrays; kernel {rung.name} runs on the GPU: quantize CuPy arrays "
+                        "(or use kernels.fp8.emulated_attention for NumPy)")
+    inst = instance(rung.path, inputs.shape[3], fp8_config(rung, inputs, config))
+    import ml_dtypes
+
+    if out is None:
+        out = cupy.empty(inputs.shape, dtype=ml_dtypes.bfloat16)
+    elif not (isinstance(out, cupy.ndarray) and out.dtype == ml_dtypes.bfloat16 and out.shape == inputs.shape
+              and out.flags.c_contiguous):
+        raise ValueError(f"out must be a C-contiguous bfloat16 CuPy array of shape {inputs.shape}")
+    return _prepare_fp8(inst, inputs, causal, scale, out)
+
+
+def _prepare_fp8(inst: Instance, inputs, causal: bool, scale, out):
+    """run() of a lab.fp8 rung on checked Fp8Inputs, into `out`."""
+    cupy = _cupy()
+    scale = 1.0 / math.sqrt(inputs.shape[3]) if scale is None else float(scale)
+    q, k, v_t = (cupy.ascontiguousarray(x) for x in (inputs.q, inputs.k, inputs.v_t))
+    scales = tuple(cupy.ascontiguousarray(x) for x in (inputs.q_scale, inputs.k_scale, inputs.v_scale))
+    workspace = cupy.empty(1, dtype=np.float32)
+    tensors = {"Q": q, "K": k, "V": v_t, "O": out}
+    tensor_maps = [driver.encode_tensor_map(a, t) for t, a in
+                   zip(dict(inst.rung.tma), tensor_map_arguments(inst.rung, inst.config, tensors), strict=True)]
+
+    def run():
+        inst.launch(q, k, v_t, out, workspace, scale, bool(causal), tensor_maps, scales=scales)
+        return out
+
+    run.instance = inst
+    run.reads_inputs = True
+    return run
+
+
+def attention_fp8(inputs, *, kernel=None, causal: bool = True, scale=None, config=None, out=None):
+    """The FP8 rung on kernels.Fp8Inputs (prepare_fp8, then run): bfloat16 (B, NH, T_q, d). Causal by
+    default, the mask aligned bottom-right when T_q != T_k; `scale` defaults to 1/sqrt(d)."""
+    return prepare_fp8(inputs, kernel=kernel, causal=causal, scale=scale, config=config, out=out)()
 
 
 def lse_writers() -> str:

@@ -7,6 +7,10 @@ that a lucky exact plain result does not demand bit-exactness. It may also reach
 scores in float32 alone can cause (score_floor): on large inputs (magnitude 10, scores in the
 hundreds) every float32 order of the same sums lands there, and the plain implementation's error is
 then a lucky draw, not a bound.
+
+An FP8 rung (lab.fp8) computes on e4m3 copies of its inputs: its error is FP8's, so the tests that hold
+a rung to a bound against float64 (EXACT) leave it out, and tests/test_fp8_gpu.py holds it to its float64
+emulation and to RMSE bounds; the tests of NaN, Inf and resources take every rung.
 """
 
 import math
@@ -20,10 +24,11 @@ pytestmark = pytest.mark.gpu
 
 LENGTHS = [1, 17, 64, 97, 257, 512, 1000, 1024]
 RUNGS = kernels.names()
+EXACT = [name for name in RUNGS if not kernels.load(name).fp8]  # held to a bound against float64
 
 
 # every rung x every head size and dtype it declares
-CASES = [(name, d, dtype) for name in RUNGS for d in kernels.load(name).head_sizes() for dtype in kernels.load(name).dtypes]
+CASES = [(name, d, dtype) for name in EXACT for d in kernels.load(name).head_sizes() for dtype in kernels.load(name).dtypes]
 EPS = {"float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
 
 
@@ -103,7 +108,7 @@ def test_rung_large_scores(name, d, dtype, magnitude):
     check_against_reference(*random_qkv(cp, 1, 2, 300, d, magnitude=magnitude, dtype=dtype), name)
 
 
-@pytest.mark.parametrize("name", RUNGS)
+@pytest.mark.parametrize("name", EXACT)
 def test_rung_custom_scale(name):
     import cupy as cp
 
@@ -111,7 +116,7 @@ def test_rung_custom_scale(name):
     check_against_reference(*random_qkv(cp, 1, 2, 130, 64, dtype=dtype), name, scale=0.5)
 
 
-@pytest.mark.parametrize("name", RUNGS)
+@pytest.mark.parametrize("name", EXACT)
 def test_rung_every_declared_config(name):
     import cupy as cp
 

@@ -123,6 +123,17 @@ def test_boxes_the_hardware_cannot_copy_are_refused():
     rejected(a, (64, 64), match="swizzle 5 is not one of", swizzle=5)
 
 
+def test_a_box_gets_the_swizzle_its_rows_fill():
+    """The launcher's choice per lab.tma box (driver.swizzle_for): 64 e4m3 values (64 bytes) the 64-byte
+    swizzle, 32 bytes the 32-byte one, and 128 bytes (64 bf16 values, 128 e4m3) or anything else 128."""
+    assert driver.swizzle_for(64) == driver.CU_TENSOR_MAP_SWIZZLE_64B
+    assert driver.swizzle_for(32) == driver.CU_TENSOR_MAP_SWIZZLE_32B
+    assert driver.swizzle_for(128) == driver.swizzle_for(96) == driver.swizzle_for(256) == driver.CU_TENSOR_MAP_SWIZZLE_128B
+    q8 = OnDevice(np.empty((1, 2, 100, 64), np.uint8))
+    args = driver.tensor_map_arguments(q8, (128, 64), name="Q", swizzle=driver.swizzle_for(64))
+    assert (args.dtype, args.swizzle, args.box) == (0, driver.CU_TENSOR_MAP_SWIZZLE_64B, (64, 128, 1, 1))
+
+
 def test_a_tensor_map_is_passed_by_value():
     """PackedLaunch hands the driver a pointer to the map's own 128 bytes."""
 

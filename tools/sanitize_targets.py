@@ -74,17 +74,23 @@ def draw(cp, shape, dtype):
     return cp.random.standard_normal(shape, dtype=cp.float32).astype(dtype)
 
 
-def attend_case(cp, name: str, dtype: str, shape: tuple, config=None) -> bool:
+def attend_case(cp, name: str, dtype: str, shape: tuple, config=None, fp8: bool = False) -> bool:
     """One forward launch of rung `name` at shape (B, NH, T_q, T_k, d), output poisoned, against the
-    reference; prints the error and returns whether it is within tolerance."""
+    reference (an FP8 rung: against its float64 emulation on the same e4m3 inputs); prints the error
+    and returns whether it is within tolerance."""
     import kernels
 
     B, NH, T_q, T_k, d = shape
     q = draw(cp, (B, NH, T_q, d), dtype)
     k, v = draw(cp, (B, NH, T_k, d), dtype), draw(cp, (B, NH, T_k, d), dtype)
     out = cp.full(q.shape, cp.nan, dtype=q.dtype)  # an element no block writes stays NaN, and fails
-    kernels.attention(q, k, v, kernel=name, out=out, config=config)
-    ref = kernels.reference_attention(q, k, v)
+    run = kernels.prepare(q, k, v, kernel=name, out=out, config=config)
+    run()
+    if fp8:
+        tiles = kernels.load(name).params(run.instance.config)
+        ref = kernels.fp8.emulated_attention(kernels.quantize_fp8(q, k, v, block_q=tiles["B_r"], block_k=tiles["B_c"]))
+    else:
+        ref = kernels.reference_attention(q, k, v)
     err = float(cp.abs(out.astype(cp.float32) - ref.astype(cp.float32)).max())
     ok = err < (1e-3 if dtype == "float32" else 5e-2)  # NaN fails
     print(f"  {name:28s} {dtype:8s} B={B} NH={NH} T_q={T_q:4d} T_k={T_k:4d} d={d}: max |out - ref| = {err:.2e}"
@@ -106,7 +112,7 @@ def forward_rung(cp, name: str, quick: bool) -> str:
 
     rung = kernels.load(name)
     cases = shapes(quick) + ([DECODE] if rung.split_kv else [])
-    return verdict([attend_case(cp, name, rung.dtypes[0], s) for s in cases], "launches")
+    return verdict([attend_case(cp, name, rung.dtypes[0], s, fp8=rung.fp8) for s in cases], "launches")
 
 
 def triton_rung(cp, name: str, quick: bool) -> str:

@@ -72,18 +72,21 @@ def test_kernel_and_peer_lists_resolve():
 
 
 def test_default_kernels_are_every_whole_sequence_rung(monkeypatch):
-    """Decode (split-KV) rungs are timed on whole sequences only when named; resources lists all."""
+    """Decode (split-KV) rungs are timed on whole sequences only when named, and so are FP8 rungs (they
+    quantize their inputs: bench.py fp8 measures them); resources lists all."""
     seen = {}
     monkeypatch.setitem(cli.COMMANDS, "kernels", lambda args: seen.setdefault("args", args) and 0)
     monkeypatch.setitem(cli.COMMANDS, "resources", lambda args: seen.setdefault("res", args) and 0)
     assert bench.main(["kernels", "--shape", "2x64"]) == 0
     args = seen["args"]
     assert [p.stem for p in args.kernels] == [n for n in RUNGS if not kernels.load(n).split_kv
-                                              and "float32" in kernels.load(n).dtypes]
+                                              and not kernels.load(n).fp8 and "float32" in kernels.load(n).dtypes]
     seen.clear()
     assert bench.main(["kernels", "--dtype", "bfloat16"]) == 0
     bf16 = [p.stem for p in seen["args"].kernels]
-    assert bf16 and bf16 == [n for n in RUNGS if not kernels.load(n).split_kv and "bfloat16" in kernels.load(n).dtypes]
+    assert bf16 and bf16 == [n for n in RUNGS if not kernels.load(n).split_kv and not kernels.load(n).fp8
+                             and "bfloat16" in kernels.load(n).dtypes]
+    assert any(kernels.load(n).fp8 and "bfloat16" in kernels.load(n).dtypes for n in RUNGS)  # one was left out
     assert bench.main(["resources"]) == 0
     assert [p.stem for p in seen["res"].kernels] == RUNGS
     assert args.shape == [(2, 64)] and args.dtype == "float32" and args.peers is None
