@@ -153,7 +153,8 @@ def prepare_backward(q, k, v, o, lse, do, *, kernel, causal: bool = True, scale=
         dq_turns = cupy.empty((B, NH, -(-T_q // rung.params(inst.config)["B_r"])), dtype=np.int32)
     causal = bool(causal)
     tensors = {"Q": q, "K": k, "V": v, "O": o, "dO": do, "dQ_accum": dq_accum}
-    tensor_maps = [driver.tensor_map(tensors[t], box, name=t) for t, box in rung.tma_boxes(inst.config).items()]
+    tensor_maps = [driver.encode_tensor_map(a, t) for t, a in
+                   zip(dict(rung.tma), tensor_map_arguments(rung, inst.config, tensors), strict=True)]
 
     def run():
         inst.launch(q, k, v, o, lse, do, dq, dk, dv, D, dq_accum, dq_turns, scale, causal, tensor_maps)
@@ -161,6 +162,12 @@ def prepare_backward(q, k, v, o, lse, do, *, kernel, causal: bool = True, scale=
 
     run.instance = inst
     return run
+
+
+def tensor_map_arguments(rung: backward.BackwardRung, config, tensors: dict) -> list[driver.TensorMapArguments]:
+    """The descriptors' arguments of a lab.tma rung, in its declaration's order; `tensors` maps Q, K, V,
+    O, dO and dQ_accum to the arrays the phases read and write."""
+    return [driver.tensor_map_arguments(tensors[t], box, name=t) for t, box in rung.tma_boxes(config).items()]
 
 
 def _contiguous(cupy, x):
