@@ -33,13 +33,14 @@
  * A step (one query tile i of one query head), per consumer warpgroup:
  *   wait full(stage); S^T, dP^T (2 x d / 16 wgmma, two groups); wait both;
  *   P^T = 2^(scale log2(e) S^T - lse_i log2(e)), 0 where masked; dS^T = P^T o (dP^T - D_i); both
- *   rounded into A fragments as they are made, dS^T also stored; dV_j, dK_j (2 x B_r / 16 wgmma);
- *   fence.proxy.async; bar.sync of both consumers (dS^T whole; dQ's tile free); dQ (B_c / 16 wgmma);
- *   wait all; arrive empty(stage); dQ's share to shared memory; fence; bar.sync of the warpgroup;
- *   one thread: the bulk reductions. dS^T has two buffers, so this one barrier per step suffices: a
- *   warpgroup rewrites a buffer only two steps later, after the other has waited for its dQ product
- *   of the step that read it and met it at the barrier in between. Before a step's barrier, the
- *   issuing thread waits until its last reduction has read dQ's tile (cp.async.bulk.wait_group.read).
+ *   rounded into A fragments as they are made, dS^T also stored; dV_j (B_r / 16 wgmma);
+ *   fence.proxy.async; bar.sync of both consumers (dS^T whole; dQ's tile free); dQ (B_c / 16 wgmma),
+ *   then dK_j (B_r / 16); wait for all but dK_j's; dQ's share to shared memory; fence; bar.sync of
+ *   the warpgroup; one thread: the bulk reductions; wait for dK_j's; arrive empty(stage). dS^T has two
+ *   buffers, so one barrier of both warpgroups per step suffices: a warpgroup rewrites a buffer only
+ *   two steps later, after the other has waited for its dQ product of the step that read it and met it
+ *   at the barrier in between. Before that barrier, the issuing thread waits until its last reduction
+ *   has read dQ's tile (cp.async.bulk.wait_group.read).
  *
  * The ring: per stage of Q_i and dO_i a full barrier (32 arrivals: the producer warp's lanes, lane 0
  * with expect_tx of both tiles' bytes) and an empty barrier (8 arrivals: lane 0 of every consumer warp
@@ -517,7 +518,7 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
     const float scale_log2 = scale * LOG2_E;
     const unsigned dQ_share = dQ_smem + consumer * DQ_BOXES * B_r * 128;  // DQ_BOXES boxes of B_r x 32 floats
 
-    float dK_acc[d_head / 2], dV_acc[d_head / 2];  // n8 tile n, entry e: key + 8 (e / 2), column 8 n + 2 t + e % 2
+    float dK_acc[d_head / 2], dV_acc[d_head / 2];  // 4 n + e: key warp_key + g + 8 (e / 2), column 8 n + 2 t + e % 2
 #pragma unroll
     for (int i = 0; i < d_head / 2; ++i)
         dK_acc[i] = 0.0f, dV_acc[i] = 0.0f;
@@ -535,7 +536,7 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
 
         // S^T = K_j Q_i^T and dP^T = V_j dO_i^T: this warpgroup's 64 rows of K_j (V_j) by the rows of
         // Q_i (dO_i), both K-major, d / 16 k16 steps 32 bytes apart (the next 64-column half at 4).
-        float S[B_r / 2], dP[B_r / 2];  // n8 tile p, entry e: key g + 8 (e / 2), query 8 p + 2 t + e % 2
+        float S[B_r / 2], dP[B_r / 2];  // 4 p + e: key warp_key + g + 8 (e / 2), query 8 p + 2 t + e % 2
         mbarrier_wait(QdO_full(n), parity(n));
         wgmma_fence();
 #pragma unroll
@@ -555,8 +556,10 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
 
         // P^T = exp(scale S^T - lse_i), 0 where masked; dS^T = P^T o (dP^T - D_i); both rounded to 16
         // bits as they are made: the accumulators of n8 tiles 2 kk and 2 kk + 1 are the A fragment of
-        // k16 step kk (queries 16 kk ..). dS^T also goes to shared memory as it lies, rows of keys, 128
-        // bytes of queries each, swizzled: a 32-bit pair per store (8 rows x 4 lanes: 32 banks).
+        // k16 step kk (queries 16 kk ..), pair h of tile p its register 2 (p % 2) + h. dS^T also goes to
+        // shared memory as it lies, rows of keys, 128 bytes of queries each, swizzled: a 32-bit pair per
+        // store (8 rows x 4 lanes: 32 banks). Both products have landed first: computing P^T in place
+        // while dP^T is in flight needs both tiles and the rounded P^T at once, a spill at d = 128.
         wgmma_wait_all();
         settle(S);
         settle(dP);
@@ -583,27 +586,25 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
             }
         }
 
-        // dV_j += P^T dO_i and dK_j += dS^T Q_i: A from registers, B the rows of dO_i (Q_i) k16 at a
-        // time, MN-major (the next 64-column half B_r * 128 bytes on).
+        // dV_j += P^T dO_i: A from registers, B the rows of dO_i k16 at a time, MN-major (the next
+        // 64-column half B_r * 128 bytes on).
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < Q_STEPS; ++kk)
             wgmma_rs<d_head, dtype_id>(dV_acc, Pa[kk], descriptor(dO_i + kk * 2048, B_r * 128, 1024));
-#pragma unroll
-        for (int kk = 0; kk < Q_STEPS; ++kk)
-            wgmma_rs<d_head, dtype_id>(dK_acc, dSa[kk], descriptor(Q_i + kk * 2048, B_r * 128, 1024));
         wgmma_commit();
 
         // dQ_i's columns DQ_N c .. = dS K_j: A = dS^T of both warpgroups, read transposed (MN-major:
         // its rows are the keys, k); B = K_j's rows, this warpgroup's columns, MN-major. Both warpgroups'
         // dS^T must be written (fenced for the async proxy), and this warpgroup's last reduction must
-        // have read dQ's shared memory, before anyone goes on.
+        // have read dQ's shared memory, before anyone goes on. Then dK_j += dS^T Q_i (as dV_j), which
+        // runs while dQ_i's share goes out.
         fence_async_shared();
         if (!deterministic && thread == 0)
             bulk_wait_read();
         __syncwarp();
         barrier_sync(1, 128 * CONSUMERS);
-        float dQ[DQ_N / 2];  // n8 tile m, entry e: query 16 warp + g + 8 (e / 2), column 8 m + 2 t + e % 2
+        float dQ[DQ_N / 2];  // 4 m + e: query 16 warp + g + 8 (e / 2), column DQ_N c + 8 m + 2 t + e % 2
         const unsigned K_cols = K_smem + (consumer * DQ_N / 64) * B_c * 128 + (consumer * DQ_N % 64) * 2;
         wgmma_fence();
 #pragma unroll
@@ -611,13 +612,12 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
             wgmma_ss<DQ_N, dtype_id, 1, 1>(dQ, descriptor(dS_T + kk * 2048, B_c * 128, 1024),
                                            descriptor(K_cols + kk * 2048, B_c * 128, 1024), kk > 0);
         wgmma_commit();
-        wgmma_wait_all();
-        settle(dV_acc);
-        settle(dK_acc);
+#pragma unroll
+        for (int kk = 0; kk < Q_STEPS; ++kk)
+            wgmma_rs<d_head, dtype_id>(dK_acc, dSa[kk], descriptor(Q_i + kk * 2048, B_r * 128, 1024));
+        wgmma_commit();
+        wgmma_wait_one();  // dV_j's and dQ_i's products done, dK_j's may run on
         settle(dQ);
-        __syncwarp();
-        if (lane == 0)
-            mbarrier_arrive(QdO_empty(n));  // Q_i, dO_i, lse_i and D_i read
 
         // dQ_i's share into shared memory as dQ_accum's boxes lie (B_r rows of 32 floats, 128-byte
         // swizzle), then one thread adds the boxes into dQ_accum through the copy engine.
@@ -643,6 +643,11 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
                 pass_turn(count);
         }
         __syncwarp();
+        wgmma_wait_all();
+        settle(dV_acc);
+        settle(dK_acc);
+        if (lane == 0)
+            mbarrier_arrive(QdO_empty(n));  // Q_i, dO_i, lse_i and D_i read
     }
     if (thread == 0)
         bulk_wait_all();  // no reduction in flight from a block that is gone
