@@ -281,8 +281,9 @@ def declarations(path: Path, keys, repeated=()) -> dict:
     return decl
 
 
-def build(path: Path, decl: dict, cls=Rung, **extra) -> Rung:
-    """A rung (a `cls`, given `extra` fields beyond Rung's) from its file's declarations, checked."""
+def build(path: Path, decl: dict, cls=Rung, tma_tensors=TMA_TENSORS, **extra) -> Rung:
+    """A rung (a `cls`, given `extra` fields beyond Rung's) from its file's declarations, checked; its
+    lab.tma may name the tensors in `tma_tensors`."""
     files: list[Path] = []
     source = assemble(path, files=files)
     missing = [k for k in ("template", "configs", "threads", "smem") if k not in decl]
@@ -318,7 +319,7 @@ def build(path: Path, decl: dict, cls=Rung, **extra) -> Rung:
         cluster=decl.get("cluster"),
         min_arch=arch_number(decl["min_arch"], f"{path}: lab.min_arch") if "min_arch" in decl else 0,
         tf32_products=decl.get("tf32_products", "0"),
-        tma=parse_tma(decl["tma"], f"{path}: lab.tma") if "tma" in decl else (),
+        tma=parse_tma(decl["tma"], f"{path}: lab.tma", tma_tensors) if "tma" in decl else (),
         lse=decl.get("lse", "false").lower() == "true",
         persistent=decl.get("persistent", "false").lower() == "true",
         fp8=decl.get("fp8", "false").lower() == "true",
@@ -349,9 +350,10 @@ def build(path: Path, decl: dict, cls=Rung, **extra) -> Rung:
     return rung
 
 
-def parse_tma(text: str, where: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """`Q: (B_r, d_head), K: (B_c, d_head)` -> (("Q", ("B_r", "d_head")), ("K", ("B_c", "d_head")))."""
-    form = f"{where} must read like `Q: (B_r, d_head), K: (B_c, d_head)` (tensors {', '.join(TMA_TENSORS)})"
+def parse_tma(text: str, where: str, tensors=TMA_TENSORS) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """`Q: (B_r, d_head), K: (B_c, d_head)` -> (("Q", ("B_r", "d_head")), ("K", ("B_c", "d_head")));
+    each key one of `tensors`."""
+    form = f"{where} must read like `Q: (B_r, d_head), K: (B_c, d_head)` (tensors {', '.join(tensors)})"
     try:
         tree = ast.parse("{" + text + "}", mode="eval").body
     except SyntaxError:
@@ -360,7 +362,7 @@ def parse_tma(text: str, where: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
         raise ValueError(f"{form}, got {text!r}")
     declared = []
     for key, value in zip(tree.keys, tree.values):
-        if not (isinstance(key, ast.Name) and key.id in TMA_TENSORS and isinstance(value, ast.Tuple) and value.elts):
+        if not (isinstance(key, ast.Name) and key.id in tensors and isinstance(value, ast.Tuple) and value.elts):
             raise ValueError(f"{form}, got {text!r}")
         if key.id in dict(declared):
             raise ValueError(f"{where} declares {key.id} twice")

@@ -1,12 +1,13 @@
 """The backward pass without a GPU: the reference gradients against central differences in float64,
-grouped-query sums and causal masks; the backward ladder's discovery and declarations; every backward
-rung's phases compiled with NVRTC for sm_80 and sm_90 without spills; input validation."""
+grouped-query sums and causal masks; the backward ladder's discovery and declarations, lab.tma's and the
+descriptors a rung gets; every backward rung's phases compiled with NVRTC for sm_80 and sm_90 without
+spills; input validation."""
 
 import numpy as np
 import pytest
 
 import kernels
-from kernels import backward
+from kernels import backward, driver
 from kernels.backward import launcher
 
 ARCHES = ["sm_80", "sm_90"]
@@ -209,6 +210,65 @@ def test_configurations_are_chosen_by_determinism(tmp_path):
     no_turns = write(tmp_path, "atomic.cu", MINIMAL.replace("(64, 32, 64, 1), (32, 16, 16, 1)", "(32, 16, 16, 0)"))
     with pytest.raises(ValueError, match=r"no deterministic configuration for d=64 \(lab.deterministic\); b01_naive"):
         launcher.candidates(backward.load(no_turns), 64, "float32", True)
+
+
+# -- TMA descriptors (lab.tma) --------------------------------------------------------------------
+
+TMA_LINE = " * lab.tma        Q: (B_r, 64), dO: (B_r, 64), dQ_accum: (B_r, 32)\n"
+
+
+def test_backward_tma_declaration_is_parsed(tmp_path):
+    rung = backward.load(write(tmp_path, "tma.cu", MINIMAL.replace(" * lab.dq_accum", TMA_LINE + " * lab.dq_accum")))
+    assert rung.tma == (("Q", ("B_r", "64")), ("dO", ("B_r", "64")), ("dQ_accum", ("B_r", "32")))
+    assert rung.tma_boxes((64, 32, 64, 0)) == {"Q": (32, 64), "dO": (32, 64), "dQ_accum": (32, 32)}
+    assert backward.load(write(tmp_path, "plain.cu", MINIMAL)).tma == ()
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda s: s.replace("dO: (B_r, 64)", "dX: (B_r, 64)"), r"lab.tma must read like .*tensors Q, K, V, O, dO, dQ_accum"),
+    (lambda s: s.replace(" * lab.dq_accum   true\n", ""), "describes dQ_accum, which exists only with lab.dq_accum"),
+    (lambda s: s.replace("dQ_accum: (B_r, 32)", "dQ_accum: (B_r, 512)"), r"dQ_accum box is \(32, 512\)"),
+])
+def test_bad_backward_tma_declarations_are_clear_errors(tmp_path, edit, message):
+    text = edit(MINIMAL.replace(" * lab.dq_accum", TMA_LINE + " * lab.dq_accum"))
+    with pytest.raises(ValueError, match=message):
+        backward.load(write(tmp_path, "bad.cu", text))
+
+
+class OnDevice:
+    """A NumPy array as the descriptor builder sees a CuPy one: shape, strides, dtype, a device pointer."""
+
+    def __init__(self, array, ptr):
+        self.shape, self.strides, self.dtype = array.shape, array.strides, array.dtype
+        self.data = type("data", (), {"ptr": ptr})
+
+
+TMA_RUNGS = [n for n in RUNGS if backward.load(n).tma]
+
+
+@pytest.mark.parametrize("name", TMA_RUNGS)
+def test_the_backward_launcher_builds_the_declared_descriptors(name):
+    """One descriptor per declared tensor, in order, of the arrays the launcher passes (contiguous, 16-bit
+    inputs, float32 dQ_accum), each box a whole 128-byte row of the 128-byte swizzle, as the rung's
+    shared-memory layouts assume."""
+    import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy)
+
+    rung = backward.load(name)
+    B, NH, NH_kv, T_q, T_k = 2, 6, 2, 97, 203
+    for config in rung.configs:
+        d, dtype = config[0], np.dtype(rung.dtype_of(config) or rung.dtypes[0])
+        shapes = {"Q": (B, NH, T_q, d), "O": (B, NH, T_q, d), "dO": (B, NH, T_q, d), "K": (B, NH_kv, T_k, d),
+                  "V": (B, NH_kv, T_k, d)}
+        tensors = {t: OnDevice(np.empty(shape, dtype), ptr=0x100000 * (i + 1)) for i, (t, shape) in enumerate(shapes.items())}
+        tensors["dQ_accum"] = OnDevice(np.empty((B, NH, T_q, d), np.float32), ptr=0x900000)
+        maps = launcher.tensor_map_arguments(rung, config, tensors)
+        assert len(maps) == len(rung.tma)
+        for (t, _), m in zip(rung.tma, maps):
+            x = tensors[t]
+            assert m.address == x.data.ptr and m.dims == x.shape[::-1], (t, m)
+            assert m.dtype == driver.TENSOR_MAP_DTYPES[x.dtype.name] and m.swizzle == driver.CU_TENSOR_MAP_SWIZZLE_128B
+            assert m.box[0] * x.dtype.itemsize == 128, f"{name} {config}: {t}'s box rows are {m.box[0]} elements"
+            assert m.box[1] in (rung.params(config)["B_r"], rung.params(config)["B_c"]) and m.box[2:] == (1, 1)
 
 
 # -- compilation without a GPU -------------------------------------------------------------------

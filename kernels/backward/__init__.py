@@ -39,6 +39,13 @@ lab.tf32_products (each meaning what it does there):
     lab.tolerance  3                         each gradient's error against float64 at most this times
                                              a plain implementation's in the same dtype (default 3,
                                              FlashAttention's rule)
+    lab.tma        Q: (B_r, 64), dQ_accum: (B_r, 32)
+                                             TMA descriptors (the forward's lab.tma) of any of Q, K, V,
+                                             O, dO and dQ_accum (with lab.dq_accum), 128-byte swizzle
+
+A rung with lab.tma takes one `const __grid_constant__ CUtensorMap` per declared tensor after the
+parameters above, in the declaration's order, in every phase (the phases share one signature); the
+launcher then launches through cuLaunchKernelEx (driver.PackedLaunch), as the forward's TMA rungs.
 """
 
 from __future__ import annotations
@@ -52,7 +59,8 @@ from .. import ladder
 BACKWARD_DIR = Path(__file__).resolve().parent
 _RUNG_FILE = re.compile(r"^b(\d+)_([a-z0-9_]+)\.cu$")
 _KEYS = {"template", "configs", "threads", "smem", "options", "stack", "tolerance", "dtypes", "dtype_param",
-         "supports", "min_arch", "tf32_products", "phase", "dq_accum", "deterministic"}
+         "supports", "min_arch", "tf32_products", "phase", "dq_accum", "deterministic", "tma"}
+TMA_TENSORS = ("Q", "K", "V", "O", "dO", "dQ_accum")  # what a backward rung's lab.tma may describe
 TILES = {"query": "B_r", "key": "B_c"}  # a phase's grid, and the parameter that sizes its tiles
 _PHASE = re.compile(r"(\w+):\s*(query|key) tiles\s*((?:,\s*(?:threads|smem)\s+.+)*)")
 
@@ -167,9 +175,11 @@ def parse(path: Path) -> BackwardRung:
     entries = [p.entry for p in phases]
     if len(set(entries)) != len(entries):
         raise ValueError(f"{where}: an entry point appears twice ({', '.join(entries)})")
-    rung = ladder.build(path, decl, cls=BackwardRung, phases=phases,
+    rung = ladder.build(path, decl, cls=BackwardRung, tma_tensors=TMA_TENSORS, phases=phases,
                         dq_accum=decl.get("dq_accum", "false").lower() == "true",
                         deterministic=decl.get("deterministic", "0"))
+    if "dQ_accum" in dict(rung.tma) and not rung.dq_accum:
+        raise ValueError(f"{path}: lab.tma describes dQ_accum, which exists only with lab.dq_accum true")
     needed = {TILES[p.tiles] for p in phases} | ({"B_r"} if rung.dq_accum else set())
     missing = needed - set(rung.template)
     if missing:

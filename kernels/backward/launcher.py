@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from .. import backward, runtime
+from .. import backward, driver, runtime
 from ..runtime import KernelCompileError, Resources
 
 
@@ -39,16 +39,24 @@ class BackwardInstance:
     def describe(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.rung.params(self.config).items())
 
-    def launch(self, q, k, v, o, lse, do, dq, dk, dv, D, dq_accum, dq_turns, scale: float, causal: bool):
-        """Every phase, in order, on CuPy's current stream; dq_accum and dq_turns None: null pointers."""
+    def launch(self, q, k, v, o, lse, do, dq, dk, dv, D, dq_accum, dq_turns, scale: float, causal: bool,
+               tensor_maps=()):
+        """Every phase, in order, on CuPy's current stream; dq_accum and dq_turns None: null pointers.
+        `tensor_maps`, a lab.tma rung's descriptors, are every phase's last parameters."""
         B, NH, T_q, _ = q.shape
         NH_kv, T_k = k.shape[1], k.shape[2]
         null = np.uint64(0)
         args = (q, k, v, o, do, lse, dq, dk, dv, D, null if dq_accum is None else dq_accum,
                 null if dq_turns is None else dq_turns, np.int32(T_q), np.int32(T_k), np.int32(NH // NH_kv),
                 np.int32(causal), np.float32(scale))
+        stream = runtime._cupy().cuda.get_current_stream().ptr if tensor_maps else 0
         for phase, fn, block, smem in zip(self.rung.phases, self.functions, self.blocks, self.smem):
-            fn(self.rung.grid(phase, self.config, B, NH, NH_kv, T_q, T_k), block, args, shared_mem=smem)
+            grid = self.rung.grid(phase, self.config, B, NH, NH_kv, T_q, T_k)
+            if tensor_maps:  # a CUtensorMap goes by value: packed as 128 bytes for cuLaunchKernelEx
+                driver.PackedLaunch(fn, grid, block, args + tuple(tensor_maps), shared_mem=smem, stream=stream,
+                                    name=f"{self.rung.name}:{phase.entry}")()
+            else:
+                fn(grid, block, args, shared_mem=smem)
 
 
 _instances: dict[tuple, BackwardInstance] = {}
@@ -144,13 +152,22 @@ def prepare_backward(q, k, v, o, lse, do, *, kernel, causal: bool = True, scale=
         dq_accum = cupy.empty(q.shape, dtype=np.float32)
         dq_turns = cupy.empty((B, NH, -(-T_q // rung.params(inst.config)["B_r"])), dtype=np.int32)
     causal = bool(causal)
+    tensors = {"Q": q, "K": k, "V": v, "O": o, "dO": do, "dQ_accum": dq_accum}
+    tensor_maps = [driver.encode_tensor_map(a, t) for t, a in
+                   zip(dict(rung.tma), tensor_map_arguments(rung, inst.config, tensors), strict=True)]
 
     def run():
-        inst.launch(q, k, v, o, lse, do, dq, dk, dv, D, dq_accum, dq_turns, scale, causal)
+        inst.launch(q, k, v, o, lse, do, dq, dk, dv, D, dq_accum, dq_turns, scale, causal, tensor_maps)
         return dq, dk, dv
 
     run.instance = inst
     return run
+
+
+def tensor_map_arguments(rung: backward.BackwardRung, config, tensors: dict) -> list[driver.TensorMapArguments]:
+    """The descriptors' arguments of a lab.tma rung, in its declaration's order; `tensors` maps Q, K, V,
+    O, dO and dQ_accum to the arrays the phases read and write."""
+    return [driver.tensor_map_arguments(tensors[t], box, name=t) for t, box in rung.tma_boxes(config).items()]
 
 
 def _contiguous(cupy, x):

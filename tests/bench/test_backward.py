@@ -33,7 +33,7 @@ def test_backward_flops_are_two_and_a_half_forwards():
 
 def test_the_rungs_forward_rung_and_peers_of_each_dtype():
     assert backward.rungs_for("float32") == ["b01_naive", "b02_fa2", "b03_tf32_mma"]
-    assert backward.rungs_for("bfloat16") == backward.rungs_for("float16") == ["b04_bf16_mma"]
+    assert backward.rungs_for("bfloat16") == backward.rungs_for("float16") == ["b04_bf16_mma", "b05_wgmma"]
     assert backward.rungs_for("float32", ["b03_tf32_mma"]) == ["b03_tf32_mma"]
     gpt2 = backward.CASE_SETS["gpt2"][1]
     assert backward.forward_rung(gpt2, "float32", "sm_90") == "v20_tf32_wgmma"
