@@ -259,7 +259,8 @@ class Engine:
                 np.float32(1.0 / math.sqrt(c.head_size)), self.x, *self.step_ll.values(),
                 self.step_max, self.step_arg, self.logits if self.logits is not None else NULL, self.state,
                 self.history, self.step_barrier, self.step_epoch, np.int32(n), np.int32(plan.slot_bytes),
-                np.int32(plan.slots), np.int32(plan.lm_rows), np.int32(plan.lm_keep), NULL if trace is None else trace)
+                np.int32(plan.slots), *(np.int32(r) for r in plan.item_rows), np.int32(plan.lm_rows),
+                np.int32(plan.lm_keep), NULL if trace is None else trace)
         driver.launch_cooperative(self.fn["decode_step"], plan.blocks, STEP_BLOCK, args, shared_mem=plan.smem,
                                   stream=self.stream)
 
