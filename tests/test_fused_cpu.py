@@ -20,7 +20,7 @@ from kernels import KernelCompileError, fused
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=50257, n_positions=64)  # tests/test_lab.py's
-MODELS = {**{name: gpt2.SIZES[name] for name in ("gpt2", "gpt2-medium", "gpt2-xl")}, "tiny": TINY,
+MODELS = {**{name: gpt2.SIZES[name] for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}, "tiny": TINY,
           "peer": GPT2Config(n_layer=4, n_head=4, n_embd=256, n_positions=256)}  # tests/test_gpt2_gpu.py's
 CASES = sorted({(file, expr) for config in MODELS.values() for dtype in fast.DTYPES
                 for file, expr in fast.kernel_expressions(config, dtype).values()})
@@ -295,21 +295,29 @@ def test_layernorm_fold_gives_the_layernorm_then_the_rows():
 
 
 def test_persistent_step_plan_takes_more_splits_where_fewer_do_not_fit():
-    """8 float32 splits need two 90,112-byte slots; with less shared memory 9 splits (80,384) still fit,
-    and so on up to one split a block; past that, why not."""
-    fixed = 128 + 4 * (3072 + 768) + 12 * 8 * len(fast.LAYER_POINTERS) + fast.STEP_STATIC_SMEM
-    assert fast.step_plan(gpt2.SIZES["gpt2"], "float32", 132, 1024, fixed + 2 * 90_112).splits == 8
+    """8 float32 splits need two 90,112-byte slots (beside them LN_f's weight for stage E, 4 * 768 + 16
+    bytes); with less shared memory 9 splits (80,384) still fit, and so on up to one split a block; past
+    that the shares are split into items (3 slots, else 2), down to one row of mlp.c_proj an item
+    (12,324 bytes with its biases); past that, why not."""
+    fixed = 128 + 4 * (3072 + 768) + 12 * 8 * len(fast.LAYER_POINTERS) + fast.STEP_STATIC_SMEM + 4 * 768 + 16
+    whole = fast.step_plan(gpt2.SIZES["gpt2"], "float32", 132, 1024, fixed + 2 * 90_112)
+    assert (whole.splits, whole.stage_items) == (8, (1, 1, 1, 1))
     assert fast.step_plan(gpt2.SIZES["gpt2"], "float32", 132, 1024, fixed + 2 * 90_112 - 1).splits == 9
     assert fast.step_plan(gpt2.SIZES["gpt2"], "float32", 132, 97, H100_SMEM).splits == 8  # short: as many
-    why = fast.step_plan(gpt2.SIZES["gpt2"], "float32", 132, 1024, fixed + 2 * 77_056 - 1)
-    assert isinstance(why, str) and "needs two slots of 77056 bytes" in why  # 11 splits: c_fc's item
+    split = fast.step_plan(gpt2.SIZES["gpt2"], "float32", 132, 1024, fixed + 2 * 77_056 - 1)  # 11 splits: c_fc's item
+    assert (split.splits, split.slots) == (8, 3) and min(split.stage_items) > 1, split
+    tight = fast.step_plan(gpt2.SIZES["gpt2"], "float32", 132, 1024, fixed + 2 * 12_416)
+    assert (tight.slots, tight.slot_bytes, tight.item_rows[3]) == (2, 12_416, 1), tight
+    why = fast.step_plan(gpt2.SIZES["gpt2"], "float32", 132, 1024, fixed + 2 * 12_416 - 1)
+    assert isinstance(why, str) and "needs two slots of 12416 bytes (one row of 3072 weights" in why
 
 
 @pytest.mark.parametrize("config,sms,smem,reason", [
-    ("gpt2-xl", 132, H100_SMEM, "needs two slots of"),  # 37 rows of 1600 per block
+    ("gpt2-xl", 132, 80_000, "needs two slots of 25728 bytes (one row of 6400 weights"),  # mlp.c_proj's row
     ("tiny", 132, H100_SMEM, "head size 16"),
     ("gpt2", 8, H100_SMEM, "12 heads on 8 SMs"),
-    ("gpt2", 132, 100_000, "needs two slots of"),
+    ("gpt2", 132, 40_000, "needs two slots of"),
+    ("gpt2-xl", 24, H100_SMEM, "25 heads on 24 SMs"),
 ])
 def test_persistent_step_plan_says_why_not(config, sms, smem, reason):
     why = fast.step_plan(MODELS[config], "float32", sms, 1024, smem)

@@ -2,7 +2,10 @@
 small is held to in tests/test_fused_gpu.py: float32 greedy tokens equal the eager model's
 (gpt2/model.py) token for token, here over 512 tokens; bfloat16 (matrices and KV cache) judged by
 teacher forcing over the eager float32 run's sequence: logits within 2e-2 relative per step, the
-argmax agreeing at every clear step (top-two margin at least MARGIN) and at 90% of all."""
+argmax agreeing at every clear step (top-two margin at least MARGIN) and at 90% of all. And the
+persistent step (kernels/fused/decode_step.cu), which runs these sizes with a stage's share split
+into several items of its weight stream, against the per-operation step: float32 tokens equal over
+128 tokens, logits by teacher forcing in both dtypes within summation-order rounding."""
 
 import numpy as np
 import pytest
@@ -10,7 +13,7 @@ import pytest
 import gpt2.fast as fast
 from gpt2 import generate, reference_attend
 from gpt2.load import random_weights
-from tests.test_fused_gpu import MARGIN, PROMPT, first_difference, margins, teacher_forced
+from tests.test_fused_gpu import MARGIN, PROMPT, first_difference, margins, persistent_engine, teacher_forced
 
 pytestmark = pytest.mark.gpu
 
@@ -59,3 +62,47 @@ def test_bfloat16_logits_follow_the_eager_float32_model(cp, model):
     assert max(rel) <= 2e-2, f"{size}: relative logit error per step {np.round(rel, 5).tolist()} (limit 2e-2)"
     assert agree[clear].all(), f"{size}: argmax differs at clear steps {np.flatnonzero(clear & ~agree).tolist()}"
     assert agree.mean() >= 0.9, f"{size}: argmax agrees at {agree.mean():.0%} of steps"
+
+
+def test_the_persistent_step_splits_shares_and_gives_the_per_operation_steps_tokens(cp, model):
+    """float32, 128 tokens: the persistent step (the engine's default here) and the per-operation
+    graphs, token for token; the plan splits some stage's share into several items (every size here
+    in float32 on an H100 or H200)."""
+    size, ckpt = model
+    engine = persistent_engine(cp, ckpt, "float32")
+    assert max(engine.plan.stage_items) > 1, f"{size}: {engine.plan}"
+    graphs = fast.Engine(ckpt.params, ckpt.config, dtype="float32", keep_logits=True, persistent=False)
+    want = graphs.generate(PROMPT, 128, attend=reference_attend, kv_cache=True)
+    got = engine.generate(PROMPT, 128, attend=reference_attend, kv_cache=True)
+    first = first_difference(got.tokens, want.tokens)
+    if first is not None:  # the margin where they part: a near tie, or a fault
+        gap = margins(cp, teacher_forced(cp, graphs, PROMPT, want.tokens[:first + 1])[-1:])[0]
+        pytest.fail(f"{size}: persistent and per-operation tokens part at new token {first} ({engine.plan}); "
+                    f"the per-operation step's top-two margin there is {gap:.2e} (a near tie if below ~1e-4)")
+
+
+@pytest.mark.parametrize("dtype", fast.DTYPES)
+def test_the_persistent_step_follows_the_per_operation_step(cp, model, dtype):
+    """Teacher-forced to the per-operation step's tokens, 40 steps: the logits within summation-order
+    rounding (float32 1e-5 relative, bfloat16 5e-4, as for GPT-2 small in tests/test_fused_gpu.py), the
+    same argmax wherever the top two are 1e-3 apart, the same position."""
+    size, ckpt = model
+    engine = persistent_engine(cp, ckpt, dtype)
+    graphs = fast.Engine(ckpt.params, ckpt.config, dtype=dtype, keep_logits=True, persistent=False)
+    for e in (engine, graphs):
+        e.start(PROMPT, reference_attend, kv_cache=True)
+    limit = 1e-5 if dtype == "float32" else 5e-4
+    for step in range(40):
+        if step:
+            for e in (engine, graphs):
+                e.decode(1)
+        for e in (engine, graphs):
+            e.stream.synchronize()
+        rel = float(cp.linalg.norm(engine.logits - graphs.logits) / cp.linalg.norm(graphs.logits))
+        assert rel <= limit, f"{size} {dtype} step {step}: relative logit difference {rel:.2e} (limit {limit:g})"
+        want = int(graphs.state[0].get())
+        if margins(cp, [graphs.logits])[0] >= 1e-3:
+            assert int(engine.state[0].get()) == want, f"{size} {dtype} step {step}: argmax differs at a clear margin"
+        assert int(engine.state[1].get()) == int(graphs.state[1].get()) == len(PROMPT) + step
+        with engine.stream:  # both go on from the per-operation step's token
+            engine.state[0:1].set(np.asarray([want], dtype=np.int32), stream=engine.stream)

@@ -1,9 +1,10 @@
 """A/B of compile-time variants of the persistent decode step (kernels/fused/decode_step.cu) on a GPU.
 
-    python3 tools/step_variants.py [--position 264] [--dtype float32] -- "" "-DPOLL_SLEEP_NS=0"
+    python3 tools/step_variants.py [--position 264] [--dtype float32] [--size gpt2-xl] [--ring 3] -- "" "-DPOLL_SLEEP_NS=0"
 
 Each argument after `--` is one variant: NVRTC options separated by commas ("" is the file as it is). For each
-dtype: GPT-2 small with random weights, a KV cache filled by a generation; every variant runs 64
+dtype: the model (GPT-2 small unless --size) with random weights, the step planned for --ring slots where given
+(step_plan's ring), a KV cache filled by a generation; every variant runs 64
 steps from the same state and cache, and must leave the same tokens and the same bits of x as the
 first (a variant that changes arithmetic says so); then microseconds per token from `position`
 (Engine.replay_ms, the variants interleaved over 4 rounds, each a median of 5 runs) and each stage
@@ -26,6 +27,8 @@ def main(argv=None) -> int:
     parser.add_argument("variants", nargs="+", help='NVRTC options of a variant, comma-separated ("" for none)')
     parser.add_argument("--position", type=int, default=264)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
+    parser.add_argument("--size", default="gpt2", help="a GPT-2 size: gpt2, gpt2-medium, gpt2-large, gpt2-xl")
+    parser.add_argument("--ring", type=int, default=None, help="the weight stream's slots (step_plan's ring)")
     args = parser.parse_args(argv)
 
     import cupy as cp
@@ -35,10 +38,13 @@ def main(argv=None) -> int:
     from kernels import fused
 
     variants = [tuple(o for o in v.split(",") if o) for v in args.variants]
-    ckpt = gpt2.random_weights("gpt2", seed=0, xp=cp)
+    if args.size not in gpt2.SIZES:
+        parser.error(f"--size must be one of {', '.join(gpt2.SIZES)}")
+    ckpt = gpt2.random_weights(args.size, seed=0, xp=cp)
     for dtype in fast.DTYPES if args.dtype == "both" else (args.dtype,):
         params = ckpt.params if dtype == "float32" else fast.as_bfloat16(ckpt.params)
-        engine = fast.Engine(params, ckpt.config, dtype=dtype, persistent=True)
+        engine = fast.Engine(params, ckpt.config, dtype=dtype, persistent=True, step_ring=args.ring)
+        print(f"{args.size} {dtype}: {engine.plan}")
         engine.generate([1, 2, 3], 300, attend=gpt2.reference_attend, kv_cache=True)  # the cache up to 303
         name, expr = fast.kernel_expressions(ckpt.config, dtype)["decode_step"]
         fns = []

@@ -46,7 +46,7 @@ launcher), engine.py (Engine); driver-level launches live in kernels/driver.py.
   cooperative launch, one block per SM, where the per-operation step has a kernel boundary a handoff
   of words that carry their step (the reader waits for the words it needs; one grid barrier per
   token, after the argmax), and each block's share of the weights copied into shared
-  memory ahead of its use. Four stages per layer (STEP_STAGES): attn.c_proj is done per head inside
+  memory ahead of its use (a share larger than a slot as several items: step_plan's stage_items). Four stages per layer (STEP_STAGES): attn.c_proj is done per head inside
   the attention stage, from a head-major copy of its weight made here (the one second layout the
   engine keeps: n_layer * n_embd^2 weights, a twelfth of the layers', beside the (out, in) matrix the
   per-operation step reads). One launch per window of STEPS_PER_LAUNCH tokens; persistent=False

@@ -72,7 +72,7 @@ class Engine:
     def __init__(self, params: dict, config: GPT2Config, *, dtype: str | None = None, max_len: int | None = None,
                  prefetch: bool = True, pdl: bool | None = None, steps_per_graph: int = STEPS_PER_GRAPH,
                  steps_per_launch: int = STEPS_PER_LAUNCH, keep_logits: bool = False,
-                 persistent: bool | None = None, products: str | None = None):
+                 persistent: bool | None = None, products: str | None = None, step_ring: int | None = None):
         import cupy as cp
 
         import kernels
@@ -83,6 +83,7 @@ class Engine:
         if why is not None:
             raise LabError(f"the fast path cannot run this model: {why}")
         self.max_len = max_len or config.n_positions
+        self.step_ring = step_ring  # the persistent step's slots, where given (step_plan's ring: for measuring)
         self.steps_per_graph, self.steps_per_launch = steps_per_graph, steps_per_launch
         self.stream = cp.cuda.Stream(non_blocking=True)
         C, NH, HS, V = config.n_embd, config.n_head, config.head_size, config.vocab_size
@@ -199,7 +200,8 @@ class Engine:
             return f"head size {c.head_size}: decode_step needs a multiple of 32 dividing {STEP_THREADS}"
         import kernels
 
-        plan = step_plan(c, self.dtype, self.sm_count, self.max_len, kernels.device_limits().max_shared_per_block)
+        plan = step_plan(c, self.dtype, self.sm_count, self.max_len, kernels.device_limits().max_shared_per_block,
+                         ring=self.step_ring)
         if isinstance(plan, str):
             return plan
         fn = fused.function(*exprs["decode_step"])
@@ -259,7 +261,8 @@ class Engine:
                 np.float32(1.0 / math.sqrt(c.head_size)), self.x, *self.step_ll.values(),
                 self.step_max, self.step_arg, self.logits if self.logits is not None else NULL, self.state,
                 self.history, self.step_barrier, self.step_epoch, np.int32(n), np.int32(plan.slot_bytes),
-                np.int32(plan.slots), np.int32(plan.lm_rows), np.int32(plan.lm_keep), NULL if trace is None else trace)
+                np.int32(plan.slots), *(np.int32(r) for r in plan.item_rows), np.int32(plan.lm_rows),
+                np.int32(plan.lm_keep), NULL if trace is None else trace)
         driver.launch_cooperative(self.fn["decode_step"], plan.blocks, STEP_BLOCK, args, shared_mem=plan.smem,
                                   stream=self.stream)
 

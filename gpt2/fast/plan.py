@@ -166,12 +166,18 @@ LAYER_POINTERS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
 FOLDS = {"attn.c_attn": "ln_1", "mlp.c_fc": "ln_2"}  # the linear layers decode_step.cu folds a LayerNorm into
 
 
+STEP_RING = 3  # slots the ring aims for where items as large as the shares allow do not fit two (unmeasured)
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """decode_step.cu's geometry for one model, dtype and device: G blocks (one per SM), `splits` key
     splits per head in stage B, a ring of `slots` shared-memory slots of `slot_bytes` each (the largest
     item of the weight stream), wte streamed `lm_rows` rows per item past the first `lm_keep` of a
-    block's rows, which it keeps in shared memory, `smem` dynamic bytes in all."""
+    block's rows, which it keeps in shared memory, `smem` dynamic bytes in all. A block's share of
+    stages A-D is streamed as `stage_items` items each (every block the same count), of at most
+    `item_rows` rows: rows of the matrix in stages A, C and D; in stage B rows of HS weights of a
+    split's sequence (its staged keys, their values, its rows of W_proj[h])."""
 
     blocks: int
     splits: int
@@ -180,10 +186,17 @@ class StepPlan:
     lm_rows: int
     lm_keep: int
     smem: int
+    item_rows: tuple[int, int, int, int]
+    stage_items: tuple[int, int, int, int]
 
 
-def step_plan(config: GPT2Config, dtype: str, sm_count: int, max_len: int, smem_limit: int) -> StepPlan | str:
-    """The persistent step's geometry (kernels/fused/decode_step.cu), or why it cannot run these shapes."""
+def step_plan(config: GPT2Config, dtype: str, sm_count: int, max_len: int, smem_limit: int,
+              ring: int | None = None) -> StepPlan | str:
+    """The persistent step's geometry (kernels/fused/decode_step.cu), or why it cannot run these shapes.
+    First items as large as the shares allow (one item per stage where a share fits a slot, the slot
+    the largest, as many as fit, at least two), from STEP_SPLITS key splits up; where none fits two,
+    shares split into items small enough for STEP_RING slots, else for two. ring: items sized for that
+    many slots (for measuring)."""
     NH, HS = config.n_head, config.head_size
     item = 2 if dtype == "bfloat16" else 4
     if HS % 32 or STEP_THREADS % HS:
@@ -192,50 +205,94 @@ def step_plan(config: GPT2Config, dtype: str, sm_count: int, max_len: int, smem_
     most = min(G // NH, STEP_MAX_SPLITS)
     if most < 1:
         return f"{NH} heads on {G} SMs: decode_step needs a block per head"
+    if ring is not None and not 2 <= ring <= STEP_SLOTS:
+        raise ValueError(f"ring must be 2..{STEP_SLOTS} slots, got {ring}")
     why = ""
-    for splits in range(min(STEP_SPLITS[dtype], most), most + 1):  # the fewest from STEP_SPLITS that fit
-        plan = _step_plan(config, item, G, splits, max_len, smem_limit)
-        if isinstance(plan, StepPlan):
-            return plan
-        why = plan
+    for slots in (None, *sorted({STEP_RING, 2}, reverse=True)) if ring is None else (ring,):
+        for splits in range(min(STEP_SPLITS[dtype], most), most + 1):  # the fewest from STEP_SPLITS that fit
+            plan = _step_plan(config, item, G, splits, max_len, smem_limit, slots)
+            if isinstance(plan, StepPlan):
+                return plan
+            why = plan
     return why
 
 
-def _step_plan(config: GPT2Config, item: int, G: int, splits: int, max_len: int, smem_limit: int) -> StepPlan | str:
-    """step_plan with `splits` key splits per head."""
+def step_rows_dot_parts(K: int) -> int:
+    """decode_step.cu's rows_dot: a row of K weights in this many parts of at most 768 (a thread's sum each)."""
+    return -(-K // 768)
+
+
+def step_fixed_smem(config: GPT2Config) -> int:
+    """decode_step.cu's dynamic shared memory beside the ring and the kept rows, with the static's headroom:
+    the mbarriers, the input vector (F floats) and x (C floats), the layer table."""
+    table = config.n_layer * 8 * len(LAYER_POINTERS)
+    return 128 + 4 * (config.mlp_width + config.n_embd) + table + STEP_STATIC_SMEM
+
+
+def step_linear_item_bytes(rows: int, K: int, item: int, ln: bool) -> int:
+    """The most bytes of a linear stage's item of `rows` rows of K weights (decode_step.cu's linear_item):
+    LayerNorm's weight (item 0), the rows, then the rows' folds from the 16-byte boundary at or below the
+    first, or with no LayerNorm the rows' biases from theirs."""
+    return rows * K * item + (4 * K + 8 * (rows + 2) if ln else 4 * (rows + 8))
+
+
+def step_sequence_rows(config: GPT2Config, splits: int, max_len: int) -> int:
+    """Stage B's rows of HS weights a split streams at most: its keys and values below the position
+    (ceil(max_len / splits) of each), then its rows of the head's W_proj[h]."""
+    return 2 * -(-max_len // splits) + -(-config.n_embd // splits)
+
+
+def _step_plan(config: GPT2Config, item: int, G: int, splits: int, max_len: int, smem_limit: int,
+               ring: int | None) -> StepPlan | str:
+    """step_plan with `splits` key splits per head, items as large as the shares allow (ring None) or
+    small enough for `ring` slots."""
     C, HS, F = config.n_embd, config.head_size, config.mlp_width
     cap = -(-max_len // splits)  # keys per split, at most
     if cap > F:
         return f"{cap} keys per split: decode_step keeps the scores in {F} floats"
+    fixed = step_fixed_smem(config)
+    room = smem_limit - fixed - 4 * C - 16  # for the ring: the kept rows' LN_f weight and folds' alignment stay
+    budget = None if ring is None else room // ring // 128 * 128  # bytes an item may take
 
     def rows(N):
         return -(-N // G)
 
-    def linear(N, K, ln):  # decode_step.cu's linear_item: rows, then LayerNorm's weight and folds, or biases
-        return rows(N) * K * item + (4 * K + 8 * (rows(N) + 2) if ln else 4 * (rows(N) + 8))
+    def pieces(total, most):  # (rows per item, items): as few items as hold `most` rows, the rows spread evenly
+        items = -(-total // max(1, most))
+        return -(-total // items), items
 
-    biggest = max(linear(3 * C, C, True), linear(F, C, True), linear(C, F, False))
-    attention = (2 * cap + -(-C // splits)) * HS * item  # a split's keys and values, its rows of W_proj[h]
-    slot = -(-max(biggest, attention, 8 * C + C * item) // 128) * 128
-    table = config.n_layer * 8 * len(LAYER_POINTERS)
-    fixed = 128 + 4 * (F + C) + table + STEP_STATIC_SMEM  # mbarriers, the input vector and x, the table
-    slots = min(STEP_SLOTS, (smem_limit - fixed) // slot)
+    # stages A, C, D: items of at most the rows that fit the budget, and at most one row part per thread
+    # (rows_dot's partial sums, one per thread); stage B: rows of HS weights
+    shapes = ((3 * C, C, True), (F, C, True), (C, F, False))
+    linear = []
+    for N, K, ln in shapes:
+        most = min(rows(N), STEP_THREADS // step_rows_dot_parts(K))
+        if budget is not None:
+            most = min(most, (budget - step_linear_item_bytes(0, K, item, ln)) // (K * item + (8 if ln else 4)))
+            if most < 1:
+                row = -(-step_linear_item_bytes(1, K, item, ln) // 128) * 128
+                return (f"decode_step needs {'two' if ring == 2 else ring} slots of {row} bytes (one row of {K} weights with its vectors) and "
+                        f"{smem_limit - room} more of shared memory; the device has {smem_limit}")
+        linear.append(pieces(rows(N), most))
+    sequence = step_sequence_rows(config, splits, max_len)
+    attention = pieces(sequence, sequence if budget is None else budget // (HS * item))
+    (rows_a, items_a), (rows_c, items_c), (rows_d, items_d) = linear
+    biggest = max(step_linear_item_bytes(r, K, item, ln) for (r, _), (_, K, ln) in zip(linear, shapes, strict=True))
+    slot = -(-max(biggest, attention[0] * HS * item, 8 * C + C * item) // 128) * 128
+    slots = min(STEP_SLOTS, room // slot)
     if slots < 2:
-        return f"decode_step needs two slots of {slot} bytes and {fixed} more of shared memory; the device has {smem_limit}"
-    def parts(K):  # decode_step.cu's rows_dot: a row in P parts of at most 768 weights
-        return -(-K // 768)
-
-    for N, K in ((3 * C, C), (F, C), (C, F)):  # stages A, C, D
-        if rows(N) * parts(K) > STEP_THREADS:
-            return f"{rows(N)} rows of {K} per block: more row parts than decode_step's {STEP_THREADS} threads"
+        return (f"decode_step needs two slots of {slot} bytes and {smem_limit - room} more of shared memory; the device "
+                f"has {smem_limit}")
     # stage E: chunks of lm_rows rows of wte with their folds (decode_step.cu's wte_rows), and the rows a
     # block keeps in the shared memory left over (KeptRows: the rows, LN_f's weight, the folds), at
     # least one row less than its share, so that every block streams at least one chunk. Chunks as large
     # as the slot: in bfloat16 (38 rows) 30 rows a chunk, one round of rows_dot's tasks in place of two,
     # was no faster (144.4 against 144.1 us a token, H200, position 264, same run), and 33 slower (146.6).
-    lm_rows = max(1, min(STEP_THREADS // parts(C), (slot - 16) // (C * item + 8)))
+    parts = step_rows_dot_parts(C)
+    lm_rows = max(1, min(STEP_THREADS // parts, (slot - 16) // (C * item + 8)))
     left = smem_limit - fixed - slots * slot - 4 * C - 16
-    lm_keep = max(0, min(STEP_THREADS // parts(C), rows(config.vocab_size) - 1, left // (C * item + 8)))
+    lm_keep = max(0, min(STEP_THREADS // parts, rows(config.vocab_size) - 1, left // (C * item + 8)))
     kept = lm_keep * C * item + 4 * C + 8 * (lm_keep + 2)
     return StepPlan(blocks=G, splits=splits, slot_bytes=slot, slots=slots, lm_rows=lm_rows, lm_keep=lm_keep,
-                    smem=128 + slots * slot + 4 * (F + C) + table + kept)
+                    smem=fixed - STEP_STATIC_SMEM + slots * slot + kept,
+                    item_rows=(rows_a, attention[0], rows_c, rows_d), stage_items=(items_a, attention[1], items_c, items_d))

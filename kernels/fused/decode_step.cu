@@ -76,7 +76,8 @@
  * picks fewer splits than one a block: a head's splits wait for each other), and its item is that
  * split's cached K and V rows below pos and its rows of the head's W_proj[h] (the row at pos comes
  * from stage A's handoff); in stage E its rows of wte past the first lm_keep, in chunks of `lm_rows`
- * rows with their folds (below). Item i of the stream lands in slot i % nslot. A producer warp of its own issues the
+ * rows with their folds (below); a share larger than the slot comes as several items (below).
+ * Item i of the stream lands in slot i % nslot. A producer warp of its own issues the
  * copies: item i once the compute warps are done with item i - nslot (an "empty" mbarrier per slot)
  * and ISSUE_DELAY_NS more have passed (see "When to copy" below), so up to nslot items are in flight
  * or waiting, across stages and steps, and a copy that is slow to issue stalls only the producer; the
@@ -87,6 +88,27 @@
  * copy is fenced into the async proxy. Stage E reads wte at about the copy ceiling already: prefetching
  * its first chunks into L2 during the last layer or two (cp.async.bulk.prefetch.L2, 3 to 10 chunks a
  * block) made the step 0-4% slower.
+ * Items that split a share. From gpt2-medium in float32 and gpt2-large in bfloat16 up, a block's share
+ * of a stage does not fit twice in shared memory (gpt2-xl, bfloat16: mlp.c_fc's 49 rows of 1600 are
+ * 157 KB, stage B's item 93 KB, of 227 KB), and the ring needs two slots. So a stage's share comes as
+ * items: stage s of a layer as items[s] items of at most rows[s] rows (the plan's item_rows; every
+ * count the same in every block, from count_items). A linear stage's rows are independent dot
+ * products, taken a group at a time (linear_items): each item carries its rows' folds or biases, and
+ * item 0 of a LayerNorm stage carries LayerNorm's weight first, at the slot's start, so that the
+ * input is scaled before the rows are needed and the rows' place does not stay in registers through
+ * the input's handoff. Stage B's item is a split's sequence of rows of HS weights, its staged keys,
+ * their values, its rows of W_proj[h], cut every rows[1] rows (ItemRows, in order: the scores over the
+ * key rows, the softmax once they are all in, o over the value rows, the projection over W_proj[h]'s
+ * rows; an item goes back as the next is taken). A block whose share runs out takes empty items, so
+ * that producer and compute warps count the same items per step; the parities follow the item
+ * counter as before, and every stage B item of a step waits for `stepped`. gpt2/fast/plan.py keeps one
+ * item a stage where the shares fit two slots (GPT-2 small, and gpt2-medium in bfloat16: the plans
+ * as before), else sizes the items for STEP_RING slots (3), else 2. With one item a stage the
+ * arithmetic and its order are as before; what changed for GPT-2 small is the loops around the item,
+ * LayerNorm's weight ahead of the rows, and its registers as compiled for sm_90 (float32 146 to 151,
+ * bfloat16 139 to 148; one block of 352 threads an SM either way). Not measured yet: what the larger
+ * sizes' item boundaries cost (a release, a take and rows_dot's two syncs each) and the ring's best
+ * depth there (step_plan's ring: 2, 3 or 4 slots).
  * When to copy. A slot comes free at the end of a stage, in every block at about the same time, and
  * that is when the blocks hand each other the stage's outputs; copies issued at once, a whole grid's
  * burst of loads that miss L2, delayed the handoffs: without any copies (the arithmetic on stale
@@ -146,7 +168,9 @@
  * step_plan): grid G (one block per SM, cooperative), block THREADS + 32 (the compute warps and the
  * producer), dynamic shared memory 128 bytes of mbarriers + nslot * slot_bytes + F floats (the input
  * vector, also stage B's scores) + C floats (the layer's input x) + the layer table (struct Layer,
- * copied from `layers` at the start) + the kept rows of wte (KeptRows). Needs sm_90 (cp.async.bulk, mbarrier transaction counts).
+ * copied from `layers` at the start) + the kept rows of wte (KeptRows). rows_a ... rows_d: the rows
+ * of an item of stages A-D (stage B: rows of HS weights), from which every block counts the same
+ * items (Stream::count_items). Needs sm_90 (cp.async.bulk, mbarrier transaction counts).
  * trace (may be null): the global timer, (steps, 4 * n_layer + 1, G, 2), at each block's end of a
  * stage (0) and at its start of the next with its inputs in hand (1), for Engine.profile_persistent.
  */
@@ -382,6 +406,13 @@ __device__ __forceinline__ Share share(int N, int b, int G)
     return {first, min(N, first + per) - first};
 }
 
+// Item j of a share streamed `rows` rows an item: its rows [j * rows, (j + 1) * rows) of the share, clipped.
+__device__ __forceinline__ Share piece(Share s, int j, int rows)
+{
+    const int a = min(s.count, j * rows), e = min(s.count, (j + 1) * rows);
+    return {s.first + a, e - a};
+}
+
 
 // The dot products of R rows of K weights at W_s with in_s (K floats), from shared memory. A row is
 // cut into P parts of at most 768 weights; a task is U rows' same part, a warp's: each lane loads its
@@ -593,18 +624,20 @@ __device__ __forceinline__ void warp_argmax(float& best, int& arg)
         take_max(best, arg, __shfl_xor_sync(0xffffffffu, best, o), __shfl_xor_sync(0xffffffffu, arg, o));
 }
 
-// A linear stage's item, handed to emit(src, bytes) range by range: the block's rows of W (count x K),
-// then either, for a LayerNorm in front, its weight (K floats) and the rows' folds (pairs of floats),
-// or the rows' biases, from the 16-byte boundary at or below the first (bulk copies move whole
-// 16-byte units): row r's bias is at bias[first % 4 + r], its fold at fold[first % 2 + r] (LinearSlot).
+// Item j of a linear stage (the block's share in items of `rows` rows: piece), handed to emit(src, bytes)
+// range by range: for a LayerNorm in front, in item 0, its weight (K floats: the input is scaled once,
+// before the item's rows are needed), then the item's rows of W (count x K), then either the rows' folds
+// (pairs of floats) or their biases, from the 16-byte boundary at or below the first (bulk copies move
+// whole 16-byte units): row r's bias is at bias[first % 4 + r], its fold at fold[first % 2 + r]
+// (LinearSlot).
 template <typename weight_t, typename Emit>
 __device__ __forceinline__ void linear_item(Emit& emit, const weight_t* W, int K, int N, const float* ln_w,
-                                            const float2* fold, const float* bias)
+                                            const float2* fold, const float* bias, int j, int rows)
 {
-    const Share s = share(N, blockIdx.x, gridDim.x);
+    const Share s = piece(share(N, blockIdx.x, gridDim.x), j, rows);
+    if (ln_w != nullptr && j == 0) emit(ln_w, K * 4u);
     emit(W + (long long)s.first * K, s.count * K * (unsigned int)sizeof(weight_t));
     if (ln_w != nullptr) {
-        emit(ln_w, K * 4u);
         const int a0 = s.first & ~1, a1 = min(N, (s.first + s.count + 1) & ~1);  // N is even
         emit(fold + a0, s.count > 0 ? (a1 - a0) * 8u : 0u);
     } else {
@@ -640,7 +673,9 @@ struct KeptRows : LmRows<weight_t, C> {
           ln_w(reinterpret_cast<float*>(at + (long long)keep * C * sizeof(weight_t))) {}
 };
 
-// What block blockIdx.x reads, item by item: item i is stage i % per_step of step i / per_step.
+// What block blockIdx.x reads, item by item: item i is item i % per_step of step i / per_step. A step
+// is n_layer layers of per_layer items (stage s of a layer: items[s] items of at most rows[s] rows,
+// stages A-D), then lm_chunks chunks of wte.
 template <typename weight_t, int C, int NH, int HS, int F>
 struct Stream {
     const Layer<weight_t>* layers;  // in shared memory
@@ -648,7 +683,36 @@ struct Stream {
     const float2* lnf_fold;  // per row of wte: LN_f folded into it (see the header), V pairs and one more
     unsigned char* slots;
     unsigned long long* full;  // one mbarrier per slot
-    int n_layer, V, max_len, splits, pos0, lm_keep, lm_rows, lm_chunks, per_step, nslot, slot_bytes;
+    int n_layer, V, max_len, splits, pos0, lm_keep, lm_rows, lm_chunks, nslot, slot_bytes;
+    int* rows;   // per stage A-D, rows an item, in shared memory (read where used: not held in registers)
+    int* items;  // per stage A-D, items a layer, in shared memory
+    int per_layer, per_step;
+
+    // rows[s] = per[s] and items[s] (thread 0 writes them), per_layer, per_step. Stage B's rows are a
+    // split's sequence of rows of HS weights: its keys below pos, their values, its rows of W_proj[h]
+    // (at most 2 ceil(max_len / splits) + ceil(C / splits)); the other stages' a block's share of the
+    // matrix's rows.
+    __device__ __forceinline__ void count_items(const int (&per)[4])
+    {
+        const int G = gridDim.x;
+        const int most[4] = {(3 * C + G - 1) / G, 2 * ((max_len + splits - 1) / splits) + (C + splits - 1) / splits,
+                             (F + G - 1) / G, (C + G - 1) / G};
+        per_layer = 0;
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            const int k = (most[s] + per[s] - 1) / per[s];
+            if (threadIdx.x == 0) { rows[s] = per[s]; items[s] = k; }
+            per_layer += k;
+        }
+        per_step = n_layer * per_layer + lm_chunks;
+    }
+
+    // Whether item r of a step (i % per_step) is a stage B item (it reads the cache).
+    __device__ __forceinline__ bool attention(int r) const
+    {
+        const int j = r % per_layer;
+        return r < n_layer * per_layer && j >= items[0] && j < items[0] + items[1];
+    }
 
     // The bytes of the folds of rows [first, first + n), from the 16-byte boundary at or below the first.
     static __device__ __forceinline__ unsigned int folds_bytes(int first, int n)
@@ -671,29 +735,38 @@ struct Stream {
         constexpr int ITEM = (int)sizeof(weight_t);
         const int b = blockIdx.x;
         const int step = (int)(i / per_step), r = (int)(i % per_step);
-        if (r >= 4 * n_layer) {  // chunk k of the block's streamed rows of wte (past the kept ones), lm_rows rows
+        if (r >= n_layer * per_layer) {  // chunk k of the block's streamed rows of wte (past the kept ones)
             const Share s = share(V, b, gridDim.x);
-            const int k = r - 4 * n_layer, n = max(0, min(lm_rows, s.count - lm_keep - k * lm_rows));
+            const int k = r - n_layer * per_layer, n = max(0, min(lm_rows, s.count - lm_keep - k * lm_rows));
             wte_rows(emit, s.first + lm_keep + k * lm_rows, n);
             return;
         }
-        const Layer<weight_t>& L = layers[r / 4];
-        switch (r % 4) {
-        case 0: linear_item(emit, L.w_attn, C, 3 * C, L.ln1_w, L.fold_attn, nullptr); break;
-        case 1:
-            if (b / splits < NH) {  // the split's cached rows below pos (the row at pos is this step's),
-                // then its rows of the head's attn.c_proj columns (W_proj head-major: (NH, C, HS))
+        const Layer<weight_t>& L = layers[r / per_layer];
+        int j = r % per_layer;
+        if (j < items[0]) {
+            linear_item(emit, L.w_attn, C, 3 * C, L.ln1_w, L.fold_attn, nullptr, j, rows[0]);
+        } else if ((j -= items[0]) < items[1]) {
+            if (b / splits < NH) {  // rows [j * rows[1], ...) of the split's sequence: its cached rows below pos
+                // (the row at pos is this step's), their values, its rows of the head's attn.c_proj columns
+                // (W_proj head-major: (NH, C, HS))
                 const int pos = pos0 + step, chunk = (pos + 1 + splits - 1) / splits;
-                const int k0 = min(pos, (b % splits) * chunk), k1 = min(pos, k0 + chunk);
+                const int k0 = min(pos, (b % splits) * chunk), staged = min(pos, k0 + chunk) - k0;
                 const long long at = ((long long)(b / splits) * max_len + k0) * HS;
-                emit(L.k_cache + at, (k1 - k0) * HS * ITEM);
-                emit(L.v_cache + at, (k1 - k0) * HS * ITEM);
-                const Share rows = share(C, b % splits, splits);
-                emit(L.w_proj + ((long long)(b / splits) * C + rows.first) * HS, rows.count * HS * ITEM);
+                const Share proj = share(C, b % splits, splits);
+                const int lo = j * rows[1], hi = lo + rows[1];
+                // the part of the sequence's rows [first, first + count), which sit at src, in this item
+                auto part = [&](const weight_t* src, int first, int count) {
+                    const int a = max(lo, first), e = min(hi, first + count);
+                    if (a < e) emit(src + (long long)(a - first) * HS, (e - a) * HS * ITEM);
+                };
+                part(L.k_cache + at, 0, staged);
+                part(L.v_cache + at, staged, staged);
+                part(L.w_proj + ((long long)(b / splits) * C + proj.first) * HS, 2 * staged, proj.count);
             }
-            break;
-        case 2: linear_item(emit, L.w_fc, C, F, L.ln2_w, L.fold_fc, nullptr); break;
-        case 3: linear_item<weight_t>(emit, L.w_mlp, F, C, nullptr, nullptr, L.b_mlp); break;
+        } else if ((j -= items[1]) < items[2]) {
+            linear_item(emit, L.w_fc, C, F, L.ln2_w, L.fold_fc, nullptr, j, rows[2]);
+        } else {
+            linear_item<weight_t>(emit, L.w_mlp, F, C, nullptr, nullptr, L.b_mlp, j - items[2], rows[3]);
         }
     }
 
@@ -719,8 +792,7 @@ struct Stream {
         auto count = [&](const void*, unsigned int bytes) { total += bytes; };
         ranges(i, count);
         mbar_expect(bar, total);
-        const int r = (int)(i % per_step);
-        if (r < 4 * n_layer && r % 4 == 1)  // cache rows, written by earlier steps' ordinary stores
+        if (attention((int)(i % per_step)))  // cache rows, written by earlier steps' ordinary stores
             asm volatile("fence.proxy.async.global;" ::: "memory");
         unsigned char* dst = slots + (i % nslot) * slot_bytes;
         auto copy = [&](const void* src, unsigned int bytes) { bulk_copy(dst, src, bytes, bar); dst += bytes; };
@@ -728,25 +800,78 @@ struct Stream {
     }
 };
 
-// Where a linear stage's vectors sit in its slot (linear_item): with a LayerNorm in front (ln), its
-// weight and this block's rows' folds, else this block's biases.
+// Where a linear stage's item sits in its slot (linear_item), for the item's rows s: with a LayerNorm in
+// front (ln), its weight first in item 0 (first; at the slot's start: linear_ln_w) and the rows' folds
+// after the rows, else the rows' biases.
 template <typename weight_t>
 struct LinearSlot {
     const weight_t* W;
-    const float* ln_w;
     const float2* fold;
     const float* bias;
-    __device__ __forceinline__ LinearSlot(const unsigned char* slot, Share s, int K, bool ln)
+    __device__ __forceinline__ LinearSlot(const unsigned char* slot, Share s, int K, bool ln, bool first)
     {
-        W = reinterpret_cast<const weight_t*>(slot);
-        ln_w = reinterpret_cast<const float*>(slot + (long long)s.count * K * sizeof(weight_t));
-        fold = reinterpret_cast<const float2*>(ln_w + K) + (s.first & 1);
-        bias = ln_w + (s.first & 3);
+        W = reinterpret_cast<const weight_t*>(slot + (ln && first ? K * 4 : 0));
+        const float* after = reinterpret_cast<const float*>(W + (long long)s.count * K);
+        fold = reinterpret_cast<const float2*>(after) + (s.first & 1);
+        bias = after + (s.first & 3);
     }
     // Row r's LN(x) . W_r from a = W_r . (ln_w * x) and the statistics (mean, 1 / std) in stats.
     __device__ __forceinline__ float folded(int r, float a, const float* stats) const
     {
         return fmaf(stats[1], fmaf(-stats[0], fold[r].x, a), fold[r].y);
+    }
+};
+
+// A LayerNorm's weight, at the start of a linear stage's item 0 (linear_item).
+__device__ __forceinline__ const float* linear_ln_w(const unsigned char* slot) { return reinterpret_cast<const float*>(slot); }
+
+// The block's share sh of a linear stage of K inputs, item by item from `in` (item 0, taken): each item's
+// rows against in_s (rows_dot), then epi(in, r, n, v) in the threads below its row count (row r of the
+// item, n of the matrix, v its dot product); between items the slot goes back (release) and the next
+// comes (take). With one item a stage, one rows_dot and one epilogue, as before items were split.
+template <typename weight_t, int K, int THREADS, typename Take, typename Release, typename Epilogue>
+__device__ __forceinline__ void linear_items(LinearSlot<weight_t> in, Share sh, int rows, int items, bool ln,
+                                             const float* in_s, float* red, Take& take, Release& release, Epilogue epi)
+{
+    for (int j = 0;;) {
+        const Share it = piece(sh, j, rows);
+        const float v = rows_dot<weight_t, K, THREADS>(in.W, in_s, it.count, red);
+        if ((int)threadIdx.x < it.count) epi(in, (int)threadIdx.x, it.first + (int)threadIdx.x, v);
+        if (++j == items) return;
+        release();
+        in = LinearSlot<weight_t>(take(), piece(sh, j, rows), K, ln, false);
+    }
+}
+
+// Stage B's items: a split's sequence of rows of HS weights (its staged keys, their values, its rows of
+// the head's W_proj[h]) in items of `per` rows, one held at a time. rows(lo, hi, f) calls f(at, first,
+// count) for each item's part of rows [lo, hi), taking the items as it reaches them (the one before
+// goes back to the producer: release); calls go up the sequence. With one item a stage (the whole
+// sequence fits a slot) every part is in the item next() took first, as before items were split.
+template <typename weight_t, int HS, typename Take, typename Release>
+struct ItemRows {
+    Take& take;
+    Release& release;
+    int per;
+    int taken = 0;  // the stage's items taken; the last is held
+    const unsigned char* held = nullptr;
+
+    __device__ __forceinline__ void next()
+    {
+        if (taken > 0) release();
+        held = take();
+        ++taken;
+    }
+
+    template <typename Fn>
+    __device__ __forceinline__ void rows(int lo, int hi, Fn f)
+    {
+        while (lo < hi) {
+            const int t = lo / per, end = min(hi, (t + 1) * per);
+            while (taken <= t) next();
+            f(reinterpret_cast<const weight_t*>(held) + (long long)(lo - t * per) * HS, lo, end - lo);
+            lo = end;
+        }
     }
 };
 
@@ -757,7 +882,8 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
             float eps, int V, int max_len, int splits, float scale, float* x, unsigned int* pw_x,
             unsigned long long* ll_qkv, unsigned long long* ll_partial, unsigned int* pw_g, unsigned int* pw_proj,
             float* block_max, int* block_arg, float* logits, int* state, int* history, unsigned int* barrier,
-            unsigned int* ll_epoch, int steps, int slot_bytes, int nslot, int lm_rows, int lm_keep, unsigned long long* trace)
+            unsigned int* ll_epoch, int steps, int slot_bytes, int nslot, int rows_a, int rows_b, int rows_c, int rows_d,
+            int lm_rows, int lm_keep, unsigned long long* trace)
 {
     constexpr int WARPS = THREADS / 32;  // compute warps; warp WARPS is the producer
     static_assert(HS % 32 == 0 && THREADS % HS == 0, "head size: a multiple of 32 dividing THREADS");
@@ -778,6 +904,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
     __shared__ float ln_s[2];  // the LayerNorm's mean and 1 / std (layernorm_stats)
     __shared__ unsigned long long stepped;  // a phase per step: the compute warps have passed its last barrier
     __shared__ unsigned long long kept_bar;  // the kept rows have landed (once)
+    __shared__ unsigned long long* trace_s;  // trace (mark)
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, G = gridDim.x, b = blockIdx.x;
 
     const int head = b / splits, split = b % splits;  // stage B's (head, key split); head >= NH: idle
@@ -786,8 +913,10 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
     const unsigned int epoch0 = *ll_epoch;  // step s hands over its values with epoch epoch0 + s + 1
     // the same in every block, and at least 1: lm_keep < ceil(V / G) (gpt2/fast/plan.py's step_plan)
     const int lm_chunks = ((V + G - 1) / G - lm_keep + lm_rows - 1) / lm_rows;
-    const Stream<weight_t, C, NH, HS, F> stream{layer_s, wte, lnf_fold, slots, full, n_layer, V, max_len, splits, pos0,
-                                                 lm_keep, lm_rows, lm_chunks, 4 * n_layer + lm_chunks, nslot, slot_bytes};
+    __shared__ int stage_rows[4], stage_items[4];
+    Stream<weight_t, C, NH, HS, F> stream{layer_s, wte, lnf_fold, slots, full, n_layer, V, max_len, splits, pos0,
+                                           lm_keep, lm_rows, lm_chunks, nslot, slot_bytes, stage_rows, stage_items};
+    stream.count_items({rows_a, rows_b, rows_c, rows_d});  // the same counts in every block (gpt2/fast/plan.py)
     const long long items = (long long)steps * stream.per_step;
     const int stages = 4 * n_layer + 1;  // per step: the trace's second index
 
@@ -798,6 +927,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
         mbar_init(&stepped);
         mbar_init(&kept_bar);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        trace_s = trace;
     }
     __syncthreads();  // the last barrier of the whole block: from here on the producer goes its own way
 
@@ -811,7 +941,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
             int passed = 0;  // steps whose last barrier the compute warps have passed, as far as seen
             for (long long i = 0; i < items; ++i) {
                 const int step = (int)(i / stream.per_step), r = (int)(i % stream.per_step);
-                for (; passed < step && r < 4 * n_layer && r % 4 == 1; ++passed) mbar_wait(&stepped, passed & 1);
+                for (; passed < step && stream.attention(r); ++passed) mbar_wait(&stepped, passed & 1);
                 if (i >= nslot) {
                     mbar_wait(empty + i % nslot, (unsigned int)((i / nslot - 1) & 1));
                     spin_ns(ISSUE_DELAY_NS);  // out of the way of the handoff that follows the release
@@ -831,9 +961,11 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
     auto release = [&]() { compute_sync<THREADS>(); if (tid == 0) mbar_arrive(empty + item % nslot); ++item; };
     // With a trace, thread 0 records the global timer: at a block's arrival (which 0) when its stage is
     // done, at its departure (which 1) when the next stage has its inputs.
+    // (trace read from shared memory where used, not held in registers through the step: the larger
+    // sizes' kernels sit at 168 registers, and a held trace made gpt2-medium's spill once items were split)
     auto mark = [&](int step, int k, int which) {
-        if (trace != nullptr && tid == 0)
-            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(trace[(((long long)step * stages + k) * G + b) * 2 + which]));
+        if (tid == 0 && trace_s != nullptr)
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(trace_s[(((long long)step * stages + k) * gridDim.x + blockIdx.x) * 2 + which]));
     };
     // Done with the item and the stage; the next stage's inputs come as they are handed over (pw_input).
     auto handoff = [&](int step) { release(); mark(step, stage++, 0); };
@@ -863,13 +995,13 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
             unsigned long long* qkv_l = ll_qkv + (long long)l * 3 * C;
             unsigned int* proj_l = pw_proj + (long long)l * NH * C;
             Share sh;
-            float v;
             // A: qkv = LN_1(x) W_attn + b; the new key and value into the cache (rounded to its dtype)
             // (LayerNorm folded into the rows: the last warp finds its statistics while the others take
             // the rows' dot products with ln_1's weight times x)
             sh = share(3 * C, b, G);
             {
-                const LinearSlot<weight_t> in(take(), sh, C, true);
+                const unsigned char* at = take();
+                const float* ln_w = linear_ln_w(at);
                 if (l == 0) {  // x = wte[token] + wpe[pos], in 16-byte vectors (their loads go out at once)
                     constexpr int VEC = Vec16<weight_t>::N;
                     for (int i = tid; i < C / VEC; i += THREADS) {
@@ -882,26 +1014,26 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                             const float4 v = make_float4(t[4 * e] + p[4 * e], t[4 * e + 1] + p[4 * e + 1],
                                                          t[4 * e + 2] + p[4 * e + 2], t[4 * e + 3] + p[4 * e + 3]);
                             reinterpret_cast<float4*>(x_in)[k] = v;
-                            reinterpret_cast<float4*>(in_s)[k] = times(v, reinterpret_cast<const float4*>(in.ln_w)[k]);
+                            reinterpret_cast<float4*>(in_s)[k] = times(v, reinterpret_cast<const float4*>(ln_w)[k]);
                         }
                     }
                     compute_sync<THREADS>();
                 } else {
-                    pw_input<C, THREADS>(pw_x + (long long)(l - 1) * C, epoch, x_in, nullptr, in_s, in.ln_w);
+                    pw_input<C, THREADS>(pw_x + (long long)(l - 1) * C, epoch, x_in, nullptr, in_s, ln_w);
                     mark(step, stage - 1, 1);
                 }
                 if (warp == WARPS - 1) layernorm_stats<C>(x_in, eps, ln_s);  // read after rows_dot's syncs
-                v = rows_dot<weight_t, C, THREADS>(in.W, in_s, sh.count, red);
-                if (tid < sh.count) {
-                    const int n = sh.first + tid;
-                    v = in.folded(tid, v, ln_s);
-                    ll_store(qkv_l + n, v, epoch);
+                linear_items<weight_t, C, THREADS>(LinearSlot<weight_t>(at, piece(sh, 0, stage_rows[0]), C, true, true), sh,
+                                                   stage_rows[0], stage_items[0], true, in_s, red, take, release,
+                                                   [&](const LinearSlot<weight_t>& it, int r, int n, float a) {
+                    a = it.folded(r, a, ln_s);
+                    ll_store(qkv_l + n, a, epoch);
                     if (n >= C) {  // for later steps (this one's stage B takes it from qkv)
                         const int hd = (n - C) % C;
                         weight_t* cache = n < 2 * C ? L.k_cache : L.v_cache;
-                        store_as(cache + ((long long)(hd / HS) * max_len + pos) * HS + hd % HS, v);
+                        store_as(cache + ((long long)(hd / HS) * max_len + pos) * HS + hd % HS, a);
                     }
-                }
+                });
             }
             handoff(step);
 
@@ -929,8 +1061,8 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                 compute_sync<THREADS>();
                 mark(step, stage - 1, 1);
                 // (waiting for the slot while q's first loads are out was no faster at 264: 143.8 against 143.9)
-                const weight_t* K_s = reinterpret_cast<const weight_t*>(take());
-                const weight_t* V_s = K_s + (long long)max(staged, 0) * HS;
+                ItemRows<weight_t, HS, decltype(take), decltype(release)> seq{take, release, stage_rows[1]};
+                seq.next();
                 if (has_new && warp == 0) {
                     float acc = 0.0f;
 #pragma unroll
@@ -949,27 +1081,30 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                 // the key at pos itself as it combines, so that none waits for them here, was slower:
                 // 148.5 against 143.9 in bfloat16, 209.7 against 204.3 in float32.
                 constexpr int VEC = Vec16<weight_t>::N, KV = HS / VEC;
-                for (int j = tid; j < staged; j += THREADS) {
-                    const uint4* key = reinterpret_cast<const uint4*>(K_s + (long long)j * HS);
-                    float acc[2] = {0.0f, 0.0f};
+                seq.rows(0, staged, [&](const weight_t* K_s, int j0, int count) {
+                    for (int i = tid; i < count; i += THREADS) {
+                        const int j = j0 + i;
+                        const uint4* key = reinterpret_cast<const uint4*>(K_s + (long long)i * HS);
+                        float acc[2] = {0.0f, 0.0f};
 #pragma unroll
-                    for (int c0 = 0; c0 < KV; ++c0) {
-                        const int c = (c0 + j) % KV;
-                        float kv[VEC];
-                        unpack(key[c], kv);
-                        const float4* qv = reinterpret_cast<const float4*>(q_s + c * VEC);
+                        for (int c0 = 0; c0 < KV; ++c0) {
+                            const int c = (c0 + j) % KV;
+                            float kv[VEC];
+                            unpack(key[c], kv);
+                            const float4* qv = reinterpret_cast<const float4*>(q_s + c * VEC);
 #pragma unroll
-                        for (int e = 0; e < VEC / 4; ++e) {
-                            const float4 qe = qv[e];
-                            float& a = acc[(c0 * (VEC / 4) + e) % 2];
-                            a = fmaf(qe.x, kv[4 * e + 0], a);
-                            a = fmaf(qe.y, kv[4 * e + 1], a);
-                            a = fmaf(qe.z, kv[4 * e + 2], a);
-                            a = fmaf(qe.w, kv[4 * e + 3], a);
+                            for (int e = 0; e < VEC / 4; ++e) {
+                                const float4 qe = qv[e];
+                                float& a = acc[(c0 * (VEC / 4) + e) % 2];
+                                a = fmaf(qe.x, kv[4 * e + 0], a);
+                                a = fmaf(qe.y, kv[4 * e + 1], a);
+                                a = fmaf(qe.z, kv[4 * e + 2], a);
+                                a = fmaf(qe.w, kv[4 * e + 3], a);
+                            }
                         }
+                        s_s[j] = (acc[0] + acc[1]) * scale;
                     }
-                    s_s[j] = (acc[0] + acc[1]) * scale;
-                }
+                });
                 compute_sync<THREADS>();
                 // warp 0: the scores' max m, p_j = e^(s_j - m) in place of s_j (once, for every thread's
                 // o below), and their sum (every warp finding m itself, each thread then computing the
@@ -990,7 +1125,10 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                 constexpr int GROUPS = THREADS / HS;
                 const int d = tid % HS, grp = tid / HS;
                 float o = 0.0f;
-                for (int j = grp; j < staged; j += GROUPS) o = fmaf(s_s[j], to_float(V_s[j * HS + d]), o);
+                seq.rows(staged, 2 * staged, [&](const weight_t* V_s, int j0, int count) {
+                    const float* p = s_s + (j0 - staged);
+                    for (int j = grp; j < count; j += GROUPS) o = fmaf(p[j], to_float(V_s[j * HS + d]), o);
+                });
                 red[grp * HS + d] = o;
                 compute_sync<THREADS>();
                 // The head's splits hand their (o, m, l) to each other; each combines all of them in split
@@ -1031,21 +1169,28 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                     compute_sync<THREADS>();
                     // attn.c_proj is a sum over heads: x += sum_h y_h W_proj[h] + b. This split's rows of
                     // the head's term, from the head-major copy W_proj[h] (C, HS) that came with the keys.
-                    head_rows_dot<weight_t, HS, THREADS>(V_s + (long long)staged * HS, q_s, share(C, split, splits),
-                                                         proj_l + (long long)head * C, epoch);
+                    const Share proj = share(C, split, splits);
+                    seq.rows(2 * staged, 2 * staged + proj.count, [&](const weight_t* W_s, int j0, int count) {
+                        head_rows_dot<weight_t, HS, THREADS>(W_s, q_s, Share{proj.first + j0 - 2 * staged, count},
+                                                             proj_l + (long long)head * C, epoch);
+                    });
                 }
+                while (seq.taken < stage_items[1]) seq.next();  // the rest are empty: every block takes as many
             }
             handoff(step);
 
             // C: x += sum_h proj_h + b (the heads in order); g = gelu(LN_2(x) W_fc + b), LayerNorm folded
             sh = share(F, b, G);
             {
-                const LinearSlot<weight_t> in(take(), sh, C, true);
-                proj_input<C, NH, THREADS>(x_in, proj_l, epoch, L.b_proj, x_in, in_s, in.ln_w);
+                const unsigned char* at = take();
+                proj_input<C, NH, THREADS>(x_in, proj_l, epoch, L.b_proj, x_in, in_s, linear_ln_w(at));
                 mark(step, stage - 1, 1);
                 if (warp == WARPS - 1) layernorm_stats<C>(x_in, eps, ln_s);
-                v = rows_dot<weight_t, C, THREADS>(in.W, in_s, sh.count, red);
-                if (tid < sh.count) pw_store(pw_g + (long long)l * F + sh.first + tid, gelu_tanh(in.folded(tid, v, ln_s)), epoch);
+                linear_items<weight_t, C, THREADS>(LinearSlot<weight_t>(at, piece(sh, 0, stage_rows[2]), C, true, true), sh,
+                                                   stage_rows[2], stage_items[2], true, in_s, red, take, release,
+                                                   [&](const LinearSlot<weight_t>& it, int r, int n, float a) {
+                    pw_store(pw_g + (long long)l * F + n, gelu_tanh(it.folded(r, a, ln_s)), epoch);
+                });
             }
             handoff(step);
 
@@ -1054,9 +1199,11 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
             {
                 pw_input<F, THREADS>(pw_g + (long long)l * F, epoch, in_s, nullptr);
                 mark(step, stage - 1, 1);
-                const LinearSlot<weight_t> in(take(), sh, F, false);
-                v = rows_dot<weight_t, F, THREADS>(in.W, in_s, sh.count, red);
-                if (tid < sh.count) pw_store(pw_x + (long long)l * C + sh.first + tid, x_in[sh.first + tid] + (v + in.bias[tid]), epoch);
+                linear_items<weight_t, F, THREADS>(LinearSlot<weight_t>(take(), piece(sh, 0, stage_rows[3]), F, false, true), sh,
+                                                   stage_rows[3], stage_items[3], false, in_s, red, take, release,
+                                                   [&](const LinearSlot<weight_t>& it, int r, int n, float a) {
+                    pw_store(pw_x + (long long)l * C + n, x_in[n] + (a + it.bias[r]), epoch);
+                });
             }
             handoff(step);
         }
