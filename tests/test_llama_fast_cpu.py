@@ -311,3 +311,86 @@ def test_rope_pairs_and_tables_give_the_eager_rotation(config):
         np.testing.assert_array_equal(got[(NH + NKV) * HS:], out[(NH + NKV) * HS:])
         np.testing.assert_array_equal(tables[0][pos], c1[0, :half])
         np.testing.assert_array_equal(c1[0, :half], c1[0, half:])  # both halves share the angle
+
+
+# -- the launches against the kernels' signatures ------------------------------------------------------
+
+C_TYPES = {"float": np.float32, "int": np.int32, "unsigned int": np.uint32, "char": None}  # None: any array
+
+
+def signature(file: str, kernel: str) -> list[tuple[str, bool, str]]:
+    """(base type, is a pointer, name) of each parameter of `kernel` in kernels/fused/<file>.cu."""
+    text = fused.path_of(file).read_text()
+    (params,) = re.findall(rf"\n{kernel}\(([^)]*)\)", text)
+    out = []
+    for p in params.split(","):
+        words = p.replace("*", " * ").replace("__restrict__", "").replace("const", "").split()
+        pointer = "*" in words
+        words = [w for w in words if w != "*"]
+        out.append((" ".join(words[:-1]), pointer, words[-1]))
+    return out
+
+
+def fake_engine(config, dtype):
+    """An Engine with NumPy buffers and kernel names for functions: what _decode_launches reads."""
+    from types import SimpleNamespace
+
+    params = fast.decode_layout(llama.random_weights(config, seed=0, dtype=dtype).params, config)
+    e = fast.Engine.__new__(fast.Engine)
+    wt = np.uint16 if dtype == "bfloat16" else np.float32
+    C, NH, NKV, HS = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_size
+    e.config, e.dtype, e.max_len, e.eps = config, dtype, 64, np.float32(config.rms_norm_eps)
+    e.weights = fast.decode_weights(np, params, config, dtype)
+    e.state, e.history = np.zeros(2, np.int32), np.zeros(64, np.int32)
+    cache = np.zeros((config.n_layer, 1, NKV, 64, HS), wt)
+    e.kv = [(cache[i, 0], cache[i, 0].copy()) for i in range(config.n_layer)]
+    e.rope_cos = e.rope_sin = np.zeros((64, HS // 2), np.float32)
+    e.x, e.q, e.y = np.zeros(C, np.float32), np.zeros(NH * HS, np.float32), np.zeros(NH * HS, np.float32)
+    e.g = np.zeros(config.intermediate_size, np.float32)
+    e.attn = fast.attention_plan(config, 64, 132, 2 if dtype == "bfloat16" else 4)
+    e.attn_partial = np.zeros((NH, e.attn.splits, HS + 2), np.float32)
+    e.attn_counters = np.zeros(NKV, np.uint32)
+    e.block_max, e.block_arg, e.lm_counter = np.zeros(7, np.float32), np.zeros(7, np.int32), np.zeros(1, np.uint32)
+    e.logits = np.zeros(config.vocab_size, np.float32)
+    e.gemv = {key: (m.kernel, 7, 4 * m.K) for key, m in fast.matrices(config).items()}
+    e.fn = {"embed": "embed", "attention": "gqa_decode_attention"}
+    e.stream = SimpleNamespace(ptr=0)
+    return e, wt
+
+
+@pytest.mark.parametrize("config", [TINY, UNTIED], ids=["tied", "untied"])
+@pytest.mark.parametrize("dtype", fast.DTYPES)
+def test_every_launch_passes_what_its_kernel_declares(config, dtype):
+    """Each launch of a decode step, against its kernel's parameters in the .cu file: as many arguments,
+    each pointer an array of the declared element type (weight_t and kv_t: the run's element type) or
+    null, each scalar of the declared width; and the layer's own matrix, norm and cache views."""
+    e, wt = fake_engine(config, dtype)
+    launches = e._decode_launches(prefetch=False, pdl=False)
+    assert len(launches) == 5 * config.n_layer + 2
+    assert [launch.name for launch in launches[1:6]] == [f"h.0.{kind}" for kind in fast.STEP_KINDS]
+    files = {"embed": "embed", "gqa_decode_attention": "gqa_decode_attention"}
+    for launch in launches:
+        params = signature(files.get(launch.fn, "rms_gemv"), launch.fn)
+        assert len(params) == len(launch.args), f"{launch.name}: {len(launch.args)} arguments for {len(params)}"
+        for (ctype, pointer, name), arg in zip(params, launch.args, strict=True):
+            what = f"{launch.name} ({launch.fn}) {name}"
+            if pointer:
+                if isinstance(arg, np.uint64):
+                    assert arg == 0, f"{what}: a pointer must be an array or null"
+                    continue
+                assert isinstance(arg, np.ndarray), what
+                want = wt if ctype in ("weight_t", "kv_t") else C_TYPES[ctype]
+                assert want is None or arg.dtype == want, f"{what}: {arg.dtype}, declared {ctype}"
+            else:
+                want = {"int": np.int32, "float": np.float32, "unsigned long long": np.uint64}[ctype]
+                assert type(arg) is want, f"{what}: {type(arg).__name__}, declared {ctype}"
+    w, norms = e.weights, e.weights.norms
+    for i in range(config.n_layer):
+        qkv, attention, o_proj, gate_up, down = launches[1 + 5 * i:6 + 5 * i]
+        assert qkv.args[0] is w.layers[i]["qkv"] and qkv.args[2] is norms[f"model.layers.{i}.input_layernorm.weight"]
+        assert qkv.args[10] is e.kv[i][0] and qkv.args[11] is e.kv[i][1] and attention.args[1:3] == e.kv[i]
+        assert o_proj.args[0] is w.layers[i]["o_proj"] and down.args[0] is w.layers[i]["down_proj"]
+        assert gate_up.args[2] is norms[f"model.layers.{i}.post_attention_layernorm.weight"]
+        assert attention.grid == (e.attn.splits, config.num_key_value_heads)
+    assert launches[-1].args[0] is w.head and launches[-1].args[2] is norms["model.norm.weight"]
+    assert launches[0].args[0] is w.embed
