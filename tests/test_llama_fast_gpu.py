@@ -24,7 +24,7 @@ import pytest
 import llama
 import llama.fast as fast
 from gpt2.fast import by_kind
-from gpt2.fast.weights import to_float32
+from gpt2.fast.weights import bf16_bits, to_float32
 from kernels import fused, reference_attention
 from lm.arrays import held_bytes
 from lm.generate import reference_attend
@@ -74,7 +74,7 @@ def widen(cp, a, dtype):
 
 def stored(cp, a32, dtype):
     """float32 values as the cache stores them, in the kernels' element type."""
-    return fast.weights.bf16_bits(cp, a32) if dtype == "bfloat16" else a32.astype(cp.float32)
+    return bf16_bits(cp, a32) if dtype == "bfloat16" else a32.astype(cp.float32)
 
 
 # -- rms_gemv_rope: RMSNorm, the qkv projection, RoPE and the cache store ----------------------------
