@@ -6,6 +6,7 @@ engine's weights are views of it, and RoPE's pairing and tables reproduce the ea
 NumPy stands in for CuPy."""
 
 import re
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 import llama
 import llama.fast as fast
 from kernels import fused
+from llama.config import from_json
 from lm.arrays import held_bytes
 from lm.generate import Sampler, reference_attend
 
@@ -29,7 +31,9 @@ PEERS = {  # tests/test_llama_gpu.py's, which the fast path runs there
                                     num_key_value_heads=2, head_dim=128, vocab_size=2048, max_position_embeddings=256,
                                     tie_word_embeddings=False),
 }
-MODELS = {**llama.SIZES, **PEERS, "tiny": TINY, "untied": UNTIED}
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+MODELS = {**llama.SIZES, **PEERS, "tiny": TINY, "untied": UNTIED,  # and the golden fixtures lab.py runs
+          **{name: from_json(FIXTURES / name / "config.json") for name in ("llama-gqa", "llama-untied")}}
 CASES = sorted({(file, expr) for config in MODELS.values() for dtype in fast.DTYPES
                 for file, expr in fast.kernel_expressions(config, dtype).values()})
 

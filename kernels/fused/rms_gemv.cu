@@ -39,7 +39,9 @@
  * row in an item), HS (rope: the head size). Geometry: any grid (the engine's: one wave), block
  * WARPS * 32. Shared memory: K floats dynamic (57 KB at K = 14,336: past 48 KB the host opts in),
  * static one float per warp (and, argmax, a value and an index per warp).
- * Registers: 2 x R x UNROLL x 4 of weights (64 with the engine's R x UNROLL = 8).
+ * Registers: 2 x R x UNROLL x 4 of weights (64 with the engine's R x UNROLL = 8), at most 128 a thread
+ * (__launch_bounds__: two blocks of 8 warps per SM at least; left to itself ptxas spilled some short
+ * rows' residual streams at 40 to 48 registers).
  * After its stream each block asks L2 to prefetch its share of `prefetch` (the next kernel's weights):
  * at the end, so that the rest of a large W streaming through L2 does not evict it first.
  * Limits: K % (16 / sizeof(weight_t)) == 0; the input, the norm's weight and the outputs are float32;
@@ -136,7 +138,7 @@ __device__ __forceinline__ void stage_rms(const float* __restrict__ x, const flo
     for (int i = threadIdx.x; i < K / 4; i += THREADS) {
         const float4 v = fresh(reinterpret_cast<const float4*>(x) + i);
         reinterpret_cast<float4*>(x_s)[i] = v;
-        ss = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, ss))));
+        if (RMS) ss = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, ss))));
     }
     if (RMS) {
         const float r = 1.0f / sqrtf(block_sum<THREADS>(ss, scratch) / K + eps);  // its barriers publish x_s
@@ -276,7 +278,7 @@ struct Argmax {  // each warp's best (value, row) over its rows, ascending: the 
 // -- the kernels -------------------------------------------------------------------------------------
 
 template <typename weight_t, int K, int WARPS, int UNROLL>
-__global__ void __launch_bounds__(WARPS * 32)
+__global__ void __launch_bounds__(WARPS * 32, 2)
 rms_gemv_residual(const weight_t* __restrict__ W, const float* __restrict__ y, int N, float* __restrict__ x,
                   const char* prefetch, unsigned long long prefetch_bytes)
 {
@@ -288,7 +290,7 @@ rms_gemv_residual(const weight_t* __restrict__ W, const float* __restrict__ y, i
 }
 
 template <typename weight_t, int K, int WARPS, int UNROLL>
-__global__ void __launch_bounds__(WARPS * 32)
+__global__ void __launch_bounds__(WARPS * 32, 2)
 rms_gemv_silu(const weight_t* __restrict__ W, const float* __restrict__ x, const float* __restrict__ norm_w, float eps,
               int F, float* __restrict__ g, const char* prefetch, unsigned long long prefetch_bytes)
 {
@@ -300,7 +302,7 @@ rms_gemv_silu(const weight_t* __restrict__ W, const float* __restrict__ x, const
 }
 
 template <typename weight_t, int K, int HS, int WARPS, int UNROLL>
-__global__ void __launch_bounds__(WARPS * 32)
+__global__ void __launch_bounds__(WARPS * 32, 2)
 rms_gemv_rope(const weight_t* __restrict__ W, const float* __restrict__ x, const float* __restrict__ norm_w, float eps,
               int n_head, int kv_heads, const int* __restrict__ state, const float* __restrict__ rope_cos,
               const float* __restrict__ rope_sin, float* __restrict__ q, weight_t* __restrict__ k_cache, weight_t* __restrict__ v_cache, int max_len,
@@ -316,7 +318,7 @@ rms_gemv_rope(const weight_t* __restrict__ W, const float* __restrict__ x, const
 }
 
 template <typename weight_t, int K, int WARPS, int UNROLL>
-__global__ void __launch_bounds__(WARPS * 32)
+__global__ void __launch_bounds__(WARPS * 32, 2)
 rms_gemv_argmax(const weight_t* __restrict__ W, const float* __restrict__ x, const float* __restrict__ norm_w,
                 float eps, int V, float* __restrict__ logits, float* block_max, int* block_arg, unsigned int* counter,
                 int* state, int* history, const char* prefetch, unsigned long long prefetch_bytes)
