@@ -89,7 +89,8 @@ def gemv_unroll(K: int, itemsize: int, rows: int) -> int:
     """rms_gemv.cu's UNROLL for rows of K elements: about ITEM_LOADS 16-byte loads per lane and item
     (rows x UNROLL), in items of equal size, and at least two items per task unless a task is a few
     loads. With one item per task the compiler hoists the next task's loads above the current one's
-    sums: at K = 2048 in bfloat16 a thread then needs ~170 registers (one block per SM), with two 64."""
+    sums: at K = 2048 in bfloat16 a thread then needs ~170 registers (one block per SM, or spills under
+    rms_gemv.cu's cap of 128); with two items, 63 to 106."""
     per_lane = -(-(K // (16 // itemsize)) // 32)  # 16-byte vectors of a row, per lane
     groups = -(-per_lane // max(1, ITEM_LOADS // rows))
     if per_lane * rows > ITEM_LOADS // 2:
