@@ -16,8 +16,9 @@ bytes per token and the bandwidth they imply against a measured copy ceiling (KV
 compile time, peak GPU memory against the weights and KV cache the run holds (bound: 1.15 x their sum
 + 256 MiB), device. Weights are loaded in --dtype. Greedy runs on the GPU use the fast path (gpt2/fast: fused
 kernels, a static KV cache, the decode step as one persistent kernel where the device runs it, else
-replayed as CUDA graphs); --no-graph runs the eager code. Llama runs the eager code (llama/model.py),
-its grouped-query attention through the rung (docs/llama.md).
+replayed as CUDA graphs; llama/fast for Llama's greedy KV-cache runs: the decode step a CUDA graph of
+fused kernels); --no-graph runs the eager code (gpt2/model.py, llama/model.py), Llama's grouped-query
+attention through the rung (docs/llama.md).
 User errors print one line to stderr and exit 2; --check exits 1 when the tokens differ.
 """
 
@@ -38,6 +39,7 @@ import gpt2
 import gpt2.fast
 import kernels
 import llama
+import llama.fast
 from gpt2 import LabError, Sampler, StreamDecoder, reference_attend
 from gpt2.generate import decode_attention_name
 from gpt2.load import load_folder as gpt2_load_folder
@@ -51,7 +53,7 @@ from lm.summary import PEAK_MEASURE, WARMUP_TOKENS, compare_with_reference, memo
 REFERENCE = "reference"
 DEFAULT_PROMPT = "Hello, I'm a language model,"
 DTYPES = ("float32", "float16", "bfloat16")
-FAMILIES = {"gpt2": gpt2, "llama": llama}  # config.json's model_type -> the package
+FAMILIES = {"gpt2": gpt2, "llama": llama}  # config.json's model_type -> the package (its fast path: .fast)
 
 
 class Parser(argparse.ArgumentParser):
@@ -79,7 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=512, help="new tokens to generate (default 512)")
     p.add_argument("--kv-cache", action="store_true",
                    help="prefill with the rung, then decode one token per step over a KV cache "
-                        "(decode attention: kernels/fused/decode_attention.cu on the fast path, v16_decode_split_kv "
+                        "(decode attention: kernels/fused/decode_attention.cu, Llama's gqa_decode_attention.cu, on the "
+                        "fast path, v16_decode_split_kv "
                         "with --no-graph, the reference on the CPU); default: recompute the whole sequence every step")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     p.add_argument("--top-k", type=int, help="sample among the k likeliest tokens (needs --temperature > 0)")
@@ -96,8 +99,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="rerun with the reference attention: identical tokens? largest logit difference?")
     p.add_argument("--json", metavar="PATH", help="write the summary, prompt and token ids as JSON")
     p.add_argument("--no-graph", action="store_true",
-                   help="the readable eager path (gpt2/model.py one step at a time: no fused kernels, no CUDA "
-                        "graph); default on the GPU for greedy runs: the fast path of gpt2/fast")
+                   help="the readable eager path (gpt2/model.py or llama/model.py one step at a time: no fused "
+                        "kernels, no CUDA graph); default on the GPU for greedy runs: the fast path of gpt2/fast "
+                        "(llama/fast: greedy KV-cache runs)")
     p.add_argument("--profile-step", action="store_true",
                    help="after the run, time each kernel of one fast decode step (CUDA events) and the graph "
                         "replay per token, with and without the L2 prefetch hints (GPU, --kv-cache)")
@@ -321,9 +325,8 @@ def run(args) -> int:
         import cupy as xp
     else:
         xp = np
-    if args.profile_step and (device == "cpu" or family != "gpt2"):
-        raise LabError("--profile-step needs the GPU (the fast path)" if device == "cpu"
-                       else "--profile-step times GPT-2's fast decode step; Llama runs the eager model")
+    if args.profile_step and device == "cpu":
+        raise LabError("--profile-step needs the GPU (the fast path)")
     encoding = gpt2.load_tokenizer(folder) if family == "gpt2" else llama.load_tokenizer(folder)
     prompt = encode_prompt(args, family, encoding)
     free_before = xp.cuda.runtime.memGetInfo()[0] if device == "gpu" else None
@@ -331,8 +334,11 @@ def run(args) -> int:
     config = ckpt.config
     kernel = fit_kernel(kernel, args.kernel, config, args.dtype, device, arch)
     ckpt.params = cast_params(ckpt.params, args.dtype)  # loaded in it: the arrays as they are
-    if family == "gpt2" and device == "gpu":  # the layout the fast engine reads without a copy
-        gpt2.fast.decode_layout(ckpt.params)
+    if device == "gpu":  # the layout the fast engine reads without a copy
+        if family == "gpt2":
+            gpt2.fast.decode_layout(ckpt.params)
+        else:
+            llama.fast.decode_layout(ckpt.params, config)
     pool = xp.get_default_memory_pool() if device == "gpu" else None
     if pool is not None:
         pool.free_all_blocks()  # the load's transients; from here the pool only grows: it ends at its peak
@@ -342,8 +348,9 @@ def run(args) -> int:
     attend = make_attend(kernel, args.dtype)
     eos = eos_ids(args, family, config, encoding)
     fast_why = ("--no-graph" if args.no_graph else "NumPy on the CPU" if device == "cpu"
-                else "no fast path for Llama yet" if family != "gpt2" else gpt2.fast.unsupported_reason(
-                    ckpt.params, config, kv_cache=args.kv_cache, sampler=Sampler(args.temperature, args.top_k, args.seed)))
+                else FAMILIES[family].fast.unsupported_reason(ckpt.params, config, kv_cache=args.kv_cache,
+                                                              sampler=Sampler(args.temperature, args.top_k, args.seed)))
+    positions = len(prompt) + args.tokens  # every run of this call, warm-up and check included, on one engine
 
     def sync():
         if device == "gpu":
@@ -355,7 +362,7 @@ def run(args) -> int:
             return gpt2.generate(ckpt.params, config, prompt, n_new, attend=attention, kv_cache=args.kv_cache,
                                  sampler=sampler, eos_id=eos[0] if eos else None, fast=not args.no_graph, **kw)
         return llama.generate(ckpt.params, config, prompt, n_new, attend=attention, kv_cache=args.kv_cache,
-                              sampler=sampler, eos_ids=eos, **kw)
+                              sampler=sampler, eos_ids=eos, fast=not args.no_graph, max_len=positions, **kw)
 
     # Warm-up outside the timing: compiles the rung (NVRTC) and CuPy's own elementwise kernels.
     compile_start = kernels.runtime.compile_seconds
@@ -391,15 +398,17 @@ def run(args) -> int:
     sys.stdout.write((stream.flush() if encoding is not None else "") + "\n")
     peak = pool.total_bytes() if pool is not None else None
     memory = (memory_figures(peak, free_before - xp.cuda.runtime.memGetInfo()[0], held_bytes(ckpt.params.values()),
-                             *held_by_run(ckpt, config, args, fast_why, len(prompt)))
+                             *held_by_run(ckpt, config, args, fast_why, len(prompt), family))
               if pool is not None else {})
 
     check = compare_with_reference(run_once, attend, result, args.tokens, xp) if args.check else None
     n_new = len(result.tokens)
     phases = phase_times(stamps, start, n_new)
-    if family == "gpt2" and args.kv_cache and device == "gpu" and args.dtype in gpt2.fast.DTYPES:  # the dtypes it counts bytes for
-        phases |= bandwidth(config, args.dtype, phases["decode_tokens_per_second"])
-    profile = profile_step(ckpt, config, len(prompt) + n_new - 1) if args.profile_step else None
+    if args.kv_cache and device == "gpu" and args.dtype in FAMILIES[family].fast.DTYPES:  # the dtypes it counts bytes for
+        phases |= bandwidth(family, config, args.dtype, phases["decode_tokens_per_second"])
+    engine = fast_engine(family, ckpt, config, positions) if fast_why is None else None
+    profile = (profile_step(engine or fast_engine(family, ckpt, config, positions), len(prompt) + n_new - 1)
+               if args.profile_step else None)
     summary = {
         "model": ckpt.name,
         "family": family,
@@ -407,14 +416,14 @@ def run(args) -> int:
         "config": asdict(config),
         "kernel": kernel,
         "mode": "kv-cache" if args.kv_cache else "no-kv-cache",
-        "decode_attention": (decode_attention_name(xp, config, args.dtype) if fast_why else "fused decode_attention")
+        "decode_attention": (decode_attention_name(xp, config, args.dtype) if fast_why else
+                             f"fused {'decode_attention' if family == 'gpt2' else 'gqa_decode_attention'}")
         if args.kv_cache else None,
         "engine": "fast" if fast_why is None else "eager",
         "engine_note": fast_why,
-        "pdl": gpt2.fast.engine_for(ckpt.params, config).pdl_note if fast_why is None and args.kv_cache else None,
-        "persistent": gpt2.fast.engine_for(ckpt.params, config).persistent_note
-        if fast_why is None and args.kv_cache else None,
-        "products": gpt2.fast.engine_for(ckpt.params, config).products if fast_why is None else None,
+        "pdl": engine.pdl_note if engine is not None and args.kv_cache else None,
+        "persistent": engine.persistent_note if engine is not None and args.kv_cache else None,
+        "products": getattr(engine, "products", "cublas") if engine is not None else None,
         "dtype": args.dtype,
         "device": device,
         "device_name": device_name(device),
@@ -449,20 +458,27 @@ def run(args) -> int:
     return 1 if check is not None and not check["identical"] else 0
 
 
-def held_by_run(ckpt, config, args, fast_why: str | None, n_prompt: int) -> tuple[int, int | None]:
-    """The KV cache's bytes in this run (the fast engine's static one, n_positions long; the eager path's,
-    prompt + new tokens; none without --kv-cache on the eager path) and what the fast engine holds beside
-    the weights (None on the eager path)."""
+def fast_engine(family: str, ckpt, config, positions: int):
+    """The fast engine generate() ran on: GPT-2's (n_positions long), or Llama's for these positions."""
+    if family == "gpt2":
+        return gpt2.fast.engine_for(ckpt.params, config)
+    return llama.fast.engine_for(ckpt.params, config, positions=positions)
+
+
+def held_by_run(ckpt, config, args, fast_why: str | None, n_prompt: int, family: str) -> tuple[int, int | None]:
+    """The KV cache's bytes in this run (the fast engine's static one: GPT-2's n_positions long, Llama's
+    the run's positions rounded up; the eager path's, prompt + new tokens; none without --kv-cache on the
+    eager path) and what the fast engine holds beside the weights (None on the eager path)."""
     if fast_why is None:
-        engine = gpt2.fast.engine_for(ckpt.params, config)
+        engine = fast_engine(family, ckpt, config, n_prompt + args.tokens)
         return engine.k_cache.nbytes + engine.v_cache.nbytes, engine.added_bytes()
     positions = n_prompt + args.tokens - 1 if args.kv_cache else 0
     return kv_cache_bytes(config, positions, args.dtype), None
 
 
-def bandwidth(config, dtype: str, decode_tokens_per_second) -> dict:
+def bandwidth(family: str, config, dtype: str, decode_tokens_per_second) -> dict:
     """Weight bytes one decode step reads, the rate they imply, and a copy ceiling measured now."""
-    per_token = gpt2.fast.weight_bytes_per_token(config, dtype)
+    per_token = FAMILIES[family].fast.weight_bytes_per_token(config, dtype)
     ceiling = gpt2.fast.copy_ceiling()
     achieved = per_token * decode_tokens_per_second if decode_tokens_per_second else None
     return {"weight_bytes_per_token": per_token, "achieved_weight_bytes_per_second": achieved,
@@ -471,11 +487,11 @@ def bandwidth(config, dtype: str, decode_tokens_per_second) -> dict:
             "fraction_of_copy_ceiling": achieved / ceiling if achieved else None}
 
 
-def profile_step(ckpt, config, position: int) -> dict:
-    """Where a fast decode step's time goes at `position`: the per-operation kernels each timed alone
-    (events), their graph replay per token with and without the L2 prefetch hints and PDL, and, where
-    the persistent step runs, its time per token and its stages (global-timer trace, by kind)."""
-    engine = gpt2.fast.engine_for(ckpt.params, config)
+def profile_step(engine, position: int) -> dict:
+    """Where a fast decode step's time goes at `position` (GPT-2's engine or Llama's): the per-operation
+    kernels each timed alone (events), their graph replay per token with and without the L2 prefetch
+    hints and PDL, and, where the persistent step runs, its time per token and its stages (global-timer
+    trace, by kind)."""
     position = max(0, min(position, engine.max_len - 3))
     kernels_ms = engine.profile_step(position)
     steps = max(1, min(64, engine.max_len - 1 - position) // engine.steps_per_graph) * engine.steps_per_graph

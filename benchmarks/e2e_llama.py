@@ -1,7 +1,8 @@
 """`bench.py e2e --model llama-3.2-1b`: seconds for Llama-shaped random weights in bfloat16 to generate
-tokens greedily with the rung that takes the model (and any --kernels), without and with a KV cache,
-beside HF transformers' LlamaForCausalLM on the same weights with a static cache. Random weights have
-no tokenizer: the prompt is token ids. llama/ is imported only here, when the subcommand runs."""
+tokens greedily with the rung that takes the model (and any --kernels), without and with a KV cache (the
+KV-cache mode on llama/fast's decode step, the rung prefilling), beside HF transformers'
+LlamaForCausalLM on the same weights with a static cache. Random weights have no tokenizer: the prompt
+is token ids. llama/ is imported only here, when the subcommand runs."""
 
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ PROMPT_IDS = [128000, 791, 4062, 14198, 39935, 35308, 927, 279, 16053, 5679, 13]
 
 
 def llama_seam():
-    """The Llama of llama/: SIZES, random_weights, generate, save, and lm/'s cast and reference attention."""
+    """The Llama of llama/: SIZES, random_weights, generate, save, its fast path, and lm/'s cast and reference
+    attention."""
     try:
         import llama
+        import llama.fast  # noqa: F401
         from llama import SIZES, generate, random_weights, save  # noqa: F401  (the names e2e uses)
         from lm.arrays import cast_params  # noqa: F401
     except ImportError as exc:
@@ -65,8 +68,9 @@ def cmd_e2e_llama(args) -> int:
     modes = [False, True] if args.mode == "both" else [args.mode == "kv-cache"]
     ckpt = llama.random_weights(args.model, seed=args.seed, xp=cupy)
     ckpt.params = cast_params(ckpt.params, DTYPE)  # rounded once, as lab.py --dtype bfloat16 does
-    device.release_memory()  # the float32 draw
     config, prompt = ckpt.config, PROMPT_IDS
+    llama.fast.decode_layout(ckpt.params, config)  # as lab.py lays them out: the fast engine holds views
+    device.release_memory()  # the float32 draw, the layout's transients
     able = rungs_taking(config, DTYPE, kernels.device_limits().arch)
     if not able:
         raise CannotRun(f"no rung takes {args.model} (head size {config.head_size}, grouped-query attention, "
@@ -74,12 +78,15 @@ def cmd_e2e_llama(args) -> int:
     paths = list(dict.fromkeys([kernels.resolve(able[-1]), *args.kernels]))  # the newest that takes it, first
     impls = [("reference", "CuPy reference", "peer", reference_attend)]
     impls += [(p.stem, p.stem, "rung", refusal(p, config, DTYPE, able) or kernels.Attend(p)) for p in paths]
-    decoder = decode_attention_name(cupy, config, DTYPE)
+    decoder = ("llama.fast's decode step (fused kernels, a CUDA graph)" if llama.fast.unsupported_reason(
+        ckpt.params, config, kv_cache=True) is None else decode_attention_name(cupy, config, DTYPE))
     progress(f"{setup['device']['name']}: {ckpt.name}, {DTYPE}, {len(prompt)} prompt tokens (ids), "
              f"{args.tokens} new tokens, greedy; KV-cache decode steps with {decoder}")
+    positions = len(prompt) + args.tokens  # the warm-up and the timed run on one engine
 
     def generate(attend, kv, n, on_token):
-        return llama.generate(ckpt.params, config, prompt, n, attend=attend, kv_cache=kv, on_token=on_token)
+        return llama.generate(ckpt.params, config, prompt, n, attend=attend, kv_cache=kv, on_token=on_token,
+                              max_len=positions)
 
     with tempfile.TemporaryDirectory(prefix="bench-e2e-") as scratch:  # the weights as HF reads them
         folder = Path(scratch) / args.model
@@ -103,9 +110,9 @@ def cmd_e2e_llama(args) -> int:
             "no-cache": "every step runs the whole sequence so far through llama/model.py (CuPy, eager; products "
                         "on bfloat16 operands accumulated in float32; past the last layer only the last "
                         "position): the attention under test runs on every token, at every length",
-            "kv-cache": "the prompt is prefilled through the attention under test; each later step is one query "
-                        f"over the cached key/value heads with {decoder} (lm.generate's decode rung), the same "
-                        "for every rung",
+            "kv-cache": "the prompt is prefilled through the attention under test (llama/model.py's forward); "
+                        f"each later step is one query over the cached key/value heads with {decoder}, the "
+                        "same for every rung",
             "hf": "transformers LlamaForCausalLM.from_pretrained on the same weights (llama.save), "
                   f"dtype=bfloat16, generate(do_sample=False, min_new_tokens=max_new_tokens); no cache: "
                   "use_cache=False; KV cache: cache_implementation=\"static\", after a warm-up of all "

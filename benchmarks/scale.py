@@ -1,7 +1,8 @@
 """`bench.py e2e --sizes LIST`: decode at scale. Every model size named (GPT-2's four, Llama's three),
-from random weights of the real shapes loaded as lab.py loads them (in the run's dtype, one copy, GPT-2's
-Conv1D weights laid out for the fast engine), one KV-cache generation per size and dtype with the
-newest rung that takes the model as lab.py picks it:
+from random weights of the real shapes loaded as lab.py loads them (in the run's dtype, one copy, laid out
+once for the fast engine: GPT-2's Conv1D weights column-major, Llama's q/k/v and gate/up stacked), one
+KV-cache generation per size and dtype on the fast engine (gpt2/fast, llama/fast) with the newest rung
+that takes the model for the prefill, as lab.py picks it:
 
 - decode tokens/s after the first token, and the weight bytes one step reads over the time per token
   against the device-to-device copy ceiling measured in the same run (the bandwidth floor: the tokens/s
@@ -45,6 +46,7 @@ def model(size: str):
     """The package that runs `size` (gpt2 or llama), imported now."""
     if family(size) == "llama":
         import llama
+        import llama.fast  # noqa: F401
 
         return llama
     import gpt2
@@ -85,14 +87,19 @@ def measure(size: str, dtype: str, args, copy_bps: float, bf16_tflops: float | N
     config, params = ckpt.config, ckpt.params
     if family(size) == "gpt2":
         module.fast.decode_layout(params)
+    else:
+        module.fast.decode_layout(params, config)
     cupy.cuda.Device().synchronize()
     pool.free_all_blocks()  # the draws' float32 transients: the peak counts from the weights in place
     kernel = lab.fit_kernel(lab.REFERENCE, None, config, dtype, "gpu", kernels.device_limits().arch)
     attend = lab.make_attend(kernel, dtype)
     prompt, long_prompt = PROMPTS[family(size)], prefill_ids(size, config, args.prefill_tokens)
 
+    positions = max(len(prompt) + args.tokens, len(long_prompt) + 1)  # every run below on one engine (Llama's)
+    sized = {"max_len": positions} if family(size) == "llama" else {}
+
     def generate(ids, n, on_token=None):
-        return module.generate(params, config, ids, n, attend=attend, kv_cache=True, on_token=on_token)
+        return module.generate(params, config, ids, n, attend=attend, kv_cache=True, on_token=on_token, **sized)
 
     def sync():
         cupy.cuda.Device().synchronize()
@@ -111,9 +118,10 @@ def measure(size: str, dtype: str, args, copy_bps: float, bf16_tflops: float | N
         sync()
         ttft.append(time.perf_counter() - start)
     peak, used = pool.total_bytes(), free_before - cupy.cuda.runtime.memGetInfo()[0]
-    why = module.fast.unsupported_reason(params, config, kv_cache=True) if family(size) == "gpt2" else "Llama"
+    why = module.fast.unsupported_reason(params, config, kv_cache=True)
     if why is None:
-        engine = module.fast.engine_for(params, config)
+        engine = (module.fast.engine_for(params, config) if family(size) == "gpt2"
+                  else module.fast.engine_for(params, config, positions=positions))
         kv, added = engine.k_cache.nbytes + engine.v_cache.nbytes, engine.added_bytes()
         step = "persistent step" if engine.persistent else f"CUDA graphs (persistent step {engine.persistent_note})"
         path = f"fast: {step}"
@@ -139,8 +147,9 @@ def release() -> None:
     """The last size's weights back to the device: the fast engines that view them, then the pools."""
     import sys
 
-    if "gpt2.fast" in sys.modules:
-        sys.modules["gpt2.fast"].clear_cache()
+    for fast in ("gpt2.fast", "llama.fast"):
+        if fast in sys.modules:
+            sys.modules[fast].clear_cache()
     device.release_memory()
 
 
@@ -240,10 +249,11 @@ def cmd_scale(args) -> int:
 
 METHOD = {
     "weights": "random weights of the real shapes, drawn in the run's dtype as lab.py --random-weights loads them "
-               "(GPT-2's Conv1D weights laid out once by gpt2.fast.decode_layout)",
-    "decode": "the prompt's ids, then --tokens greedy tokens over the KV cache (gpt2.generate: the fast engine; "
-              "llama.generate: the eager model), after a --warmup-token generation; tokens/s from the first "
-              "token's arrival on the host to the last's",
+               "(laid out once: GPT-2's Conv1D weights by gpt2.fast.decode_layout, Llama's q/k/v and gate/up "
+               "stacked by llama.fast.decode_layout)",
+    "decode": "the prompt's ids, then --tokens greedy tokens over the KV cache (gpt2.generate and llama.generate: "
+              "the fast engine, a static cache; Llama's sized to the longest run here), after a --warmup-token "
+              "generation; tokens/s from the first token's arrival on the host to the last's",
     "bandwidth": "weight bytes one decode step reads (every matrix once, the head whole) x tokens/s, against a "
                  "device-to-device copy (bytes read + written) measured in the same run; the floor is the tokens/s "
                  "at which the weights would stream at that ceiling",
@@ -252,8 +262,8 @@ METHOD = {
                "lower bound on the products' own rate), against torch.matmul bf16 8192^3 measured in the same run",
     "memory": "the CuPy pool's high-water mark (total_bytes; the pool keeps every block it has handed out) from "
               "the weights in place to the end of the size's runs, against 1.15 x (weights + KV cache) + 256 MiB: "
-              "the fast engine's static cache (n_positions), or the eager path's longest; cudaMemGetInfo's "
-              "count beside it",
+              "the fast engine's static cache (GPT-2: n_positions; Llama: the longest run's positions rounded up "
+              "to 256), or the eager path's longest; cudaMemGetInfo's count beside it",
     "hf": "transformers' model of the same config, initialised on the device in bfloat16 (its own random "
           "weights), generate(do_sample=False, cache_implementation='static') after a warm-up of all --tokens "
           "tokens; peak: torch.cuda.max_memory_reserved()",

@@ -78,8 +78,13 @@ def test_gemm_splits_fill_the_sms_and_fit_the_partials(K, N):
     assert fast.gemm_splits(16, 768, 3072, sms) == 11 and fast.gemm_splits(519, 768, 3072, sms) == 2
 
 
-def test_the_engine_launches_every_fused_file():
-    used = {file for file, _ in CASES} | {file for file, _ in fast.gemm_expressions().values()}
+def test_the_engines_launch_every_fused_file():
+    import llama
+    import llama.fast
+
+    llama_files = {file for config in llama.SIZES.values() for dtype in llama.fast.DTYPES
+                   for file, _ in llama.fast.kernel_expressions(config, dtype).values()}
+    used = {file for file, _ in CASES} | {file for file, _ in fast.gemm_expressions().values()} | llama_files
     assert used == set(fused.names()), f"fused kernels nothing launches: {set(fused.names()) - used}"
 
 

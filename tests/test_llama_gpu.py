@@ -11,7 +11,8 @@ with a clear margin at every step.
 float32 (the reference and every float32 rung that takes the head size and GQA and runs here):
 logits on a 64-token prompt may be off the peer's float64 run by at most TOLERANCE_FACTOR times
 the peer's own float32 error (floored at float32 epsilon times the largest logit); 64 greedy tokens
-must be the peer's exactly, without and with the KV cache (decode steps on the split-KV rung).
+must be the peer's exactly, without and with the KV cache (decode steps on llama/fast's fused kernels:
+llama.generate's default for greedy KV-cache runs on the GPU).
 bfloat16 (every bfloat16 rung that takes the config): logits at most BF16_FACTOR times the peer's
 own bfloat16 error against float64; greedy tokens those of our reference attention in bfloat16 up
 to a step where that run's top two logits lie within the logits' error bound of each other.
@@ -188,16 +189,20 @@ def lab_run(*args, tmp_path):
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("kv_cache", [False, True])
-def test_lab_runs_llama_3_2_1b_shapes_from_random_weights(tmp_path, kv_cache):
+@pytest.mark.parametrize("mode", ["no-cache", "kv-cache", "kv-cache-eager"])
+def test_lab_runs_llama_3_2_1b_shapes_from_random_weights(tmp_path, mode):
+    flags = {"no-cache": [], "kv-cache": ["--kv-cache"], "kv-cache-eager": ["--kv-cache", "--no-graph"]}[mode]
     s = lab_run("--random-weights", "--size", "llama-3.2-1b", "--prompt-ids", "128000,791,1888", "--tokens", 4,
-                *(["--kv-cache"] if kv_cache else []), tmp_path=tmp_path)
+                *flags, tmp_path=tmp_path)
     config = llama.SIZES["llama-3.2-1b"]
     assert (s["family"], s["dtype"], s["device"], s["n_new_tokens"]) == ("llama", "bfloat16", "gpu", 4)
     prefill = [n for n in rungs(config, "bfloat16") if not kernels.load(n).split_kv]
     assert s["kernel"] == prefill[-1] and s["generated_text"] is None
     assert s["n_params"] == 1_235_814_400 and s["peak_gpu_memory_bytes"] > 0
-    if kv_cache:
+    if mode == "kv-cache":  # greedy KV-cache runs take the fast path
+        assert (s["engine"], s["decode_attention"]) == ("fast", "fused gqa_decode_attention")
+    if mode == "kv-cache-eager":
+        assert s["engine"] == "eager" and s["engine_note"] == "--no-graph"
         assert s["decode_attention"] != "reference" and "gqa" in kernels.load(s["decode_attention"]).supports
 
 

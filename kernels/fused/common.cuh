@@ -1,5 +1,5 @@
 /*
- * Helpers shared by the fused kernels of the GPT-2 decode step (kernels/fused/*.cu).
+ * Helpers shared by the fused kernels of the decode steps, GPT-2's and Llama's (kernels/fused/*.cu).
  *
  * Weights arrive as 16-byte vectors: float (4 per vector) or bfloat16 held as its raw bits in an
  * unsigned short (8 per vector). No cuda_bf16.h: a bfloat16 is the top half of a float, so widening
@@ -91,6 +91,29 @@ __device__ __forceinline__ float block_sum(float v, float* scratch)
     return total;
 }
 
+// The block's best (value, index) in every thread, from each thread's own: the larger value, and of
+// equal values the smaller index. warp_best and warp_arg hold one entry per warp; the barrier at the
+// end lets the caller reuse them at once.
+template <int WARPS>
+__device__ __forceinline__ void block_argmax(float& best, int& arg, float* warp_best, int* warp_arg)
+{
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) {
+        const float v = __shfl_xor_sync(0xffffffffu, best, o);
+        const int a = __shfl_xor_sync(0xffffffffu, arg, o);
+        if (v > best || (v == best && a < arg)) { best = v; arg = a; }
+    }
+    if (lane == 0) { warp_best[warp] = best; warp_arg[warp] = arg; }
+    __syncthreads();
+    best = -INFINITY;
+    arg = 0x7fffffff;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w)
+        if (warp_best[w] > best || (warp_best[w] == best && warp_arg[w] < arg)) { best = warp_best[w]; arg = warp_arg[w]; }
+    __syncthreads();
+}
+
 // -- the block's input vector -----------------------------------------------------------------------
 
 // x_s = LN(x_s) * ln_w + ln_b in place, K floats in shared memory, as GPT-2's LayerNorm: biased
@@ -134,6 +157,16 @@ __device__ __forceinline__ void stage_input(const float* __restrict__ x, const f
     __syncthreads();
     if (LN) layernorm_inplace<K, THREADS>(x_s, ln_w, ln_b, eps, scratch);
 }
+
+// -- copies into shared memory ---------------------------------------------------------------------
+
+// 16 bytes from global to shared memory, through L2 only (cp.async.cg), landing by cp_async_wait_all().
+__device__ __forceinline__ void cp_async16(void* dst, const void* src)
+{
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 // -- epilogues --------------------------------------------------------------------------------------
 

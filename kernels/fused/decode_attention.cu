@@ -77,14 +77,6 @@ __device__ __forceinline__ void load8(const kv_t* staged_row, const kv_t* cache_
     widen8<kv_t>(raw, v);
 }
 
-// 16 bytes from global to shared memory, through L2 only (cp.async.cg), landing by cp_async_wait_all().
-__device__ __forceinline__ void cp_async16(void* dst, const void* src)
-{
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
 template <int THREADS>
 __device__ __forceinline__ float block_max(float v, float* scratch)
 {

@@ -1,7 +1,9 @@
 /*
- * embed - token plus position embedding: x[t] = wte[ids[t]] + wpe[pos0 + t], in float32.
+ * embed - token plus position embedding: x[t] = wte[ids[t]] + wpe[pos0 + t], in float32; the token's
+ * row alone where wpe is null (Llama: positions enter through RoPE).
  *
- * Replaces `w["wte.weight"][idx] + w["wpe.weight"][start:start + T]` of gpt2/model.py forward().
+ * Replaces `w["wte.weight"][idx] + w["wpe.weight"][start:start + T]` of gpt2/model.py forward(), and
+ * `w["model.embed_tokens.weight"][idx]` of llama/model.py's.
  * pos0 is read from device memory (null means 0): the decode step passes ids = state (the token) and
  * pos0 = state + 1 (its position), so the launch needs no host arguments; the eager path passes the
  * token history and null.
@@ -25,5 +27,5 @@ embed(const weight_t* __restrict__ wte, const weight_t* __restrict__ wpe, const 
     const long long token = fresh(ids + t);
     const long long position = (pos0 != nullptr ? fresh(pos0) : 0) + t;
     for (int c = threadIdx.x; c < C; c += blockDim.x)
-        x[(long long)t * C + c] = to_float(wte[token * C + c]) + to_float(wpe[position * C + c]);
+        x[(long long)t * C + c] = to_float(wte[token * C + c]) + (wpe != nullptr ? to_float(wpe[position * C + c]) : 0.0f);
 }

@@ -118,26 +118,6 @@ __device__ __forceinline__ void reduce_group(const uint4 (&w)[ROWS][RowShape<wei
     }
 }
 
-template <int WARPS>
-__device__ __forceinline__ void block_argmax(float& best, int& arg, float* warp_best, int* warp_arg)
-{
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) {
-        const float v = __shfl_xor_sync(0xffffffffu, best, o);
-        const int a = __shfl_xor_sync(0xffffffffu, arg, o);
-        if (v > best || (v == best && a < arg)) { best = v; arg = a; }
-    }
-    if (lane == 0) { warp_best[warp] = best; warp_arg[warp] = arg; }
-    __syncthreads();
-    best = -INFINITY;
-    arg = 0x7fffffff;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w)
-        if (warp_best[w] > best || (warp_best[w] == best && warp_arg[w] < arg)) { best = warp_best[w]; arg = warp_arg[w]; }
-    __syncthreads();
-}
-
 template <typename weight_t, int K, int WARPS, int ROWS>
 __global__ void __launch_bounds__(WARPS * 32)
 lm_head_argmax(const weight_t* __restrict__ wte, const float* __restrict__ x, const float* __restrict__ y,

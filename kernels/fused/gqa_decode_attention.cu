@@ -1,0 +1,281 @@
+/*
+ * gqa_decode_attention - one query per head over a static KV cache, grouped-query: a block per (key
+ * split, key/value head) reads its keys and values once for all GROUP query heads that share them,
+ * the position read from device memory so that a CUDA graph can replay the launch.
+ *
+ * The operation, and what it replaces (llama/model.py attention() for one new token with a KVCache,
+ * the attention itself: q, k and v are projected, rotated and stored by rms_gemv_rope before it):
+ *   y_h = softmax(q_h . K_g[0..pos] / sqrt(HS)) V_g[0..pos]    for each query head h, g = h / GROUP
+ * (HF's repeat_kv: key/value head g serves query heads g * GROUP .. g * GROUP + GROUP - 1); y (NH * HS,),
+ * the heads side by side. pos comes from state[1]: T_k = pos + 1 changes every step, the launch does not.
+ *
+ * The change against decode_attention.cu (GPT-2's, one block per (split, head)): the block takes a
+ * key/value head and its whole group of query heads, so each key and value row is read from memory
+ * once, not GROUP times, and a lane's 8 elements of a row feed GROUP dot products; the new token's key
+ * and value are already in the cache (written by the projection before this kernel), so every row is
+ * read from the cache.
+ *
+ * Why it is shaped this way: with one query a head is a matrix-vector product over its cached rows,
+ * memory- and latency-bound; 8 key/value heads would put 8 SMs to work, so the keys are split across
+ * S blocks (flash-decoding): block (s, g) takes keys [s * chunk, (s + 1) * chunk), chunk = ceil(T_k / S),
+ *   S_jt = q_j . k_t / sqrt(HS) (HS / 8 lanes per key, each lane 8 elements: one 16-byte bf16 load or
+ *   two float4), m_j = max_t S_jt, p_jt = exp(S_jt - m_j), l_j = sum_t p_jt, o_j = sum_t p_jt v_t
+ * for the group's heads j, and writes (o_j, m_j, l_j) to `partial`; the last block of the key/value
+ * head to finish (a ticket from counters[g], reset to 0 by that block) combines the S partials of
+ * each of its heads: y_h = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s, M = max_s m_s, in split order
+ * whichever block is last, so the result does not depend on scheduling. Empty splits (T_k < S)
+ * contribute m = -inf, l = 0.
+ *
+ * Under programmatic dependent launch the block starts while the projection runs; by then the state
+ * and every cache row before pos are final (common.cuh's rule: written two or more launches back), so
+ * the block copies its first staged_rows keys and values before pos to shared memory (cp.async)
+ * before griddep_wait(). Row pos, and rows past the staged ones, are read from the cache after it,
+ * through L2 (fresh()).
+ *
+ * Template parameters: kv_t (float or bfloat16 bits), HS (head size; a multiple of 8 with HS / 8
+ * dividing 32: 8 to 256), GROUP (query heads per key/value head), WARPS.
+ * Geometry: grid (S, NKV), block WARPS * 32. Shared memory: dynamic, GROUP rows of cap floats for the
+ * scores (cap = ceil(max_len / S), each row rounded up to 16 bytes), then staged_rows rows of K and of
+ * V (llama/fast/plan.py attention_plan); static WARPS x GROUP x HS floats for the per-warp outputs.
+ * Register use: GROUP x 8 of q and of o per lane. Caches are (NKV, max_len, HS) for this layer; q is
+ * (NH * HS,) float32, not yet scaled; partial is (NH, S, HS + 2) floats.
+ */
+#include "common.cuh"
+
+#define UNROLL 4  // keys per lane loaded before their use
+
+// Widen 8 elements held in 16-byte vectors: two vectors of float, one of bfloat16 bits.
+__device__ __forceinline__ void widen8(const uint4* raw, float (&v)[8], float)
+{
+    const uint4 a = raw[0], b = raw[1];
+    v[0] = __uint_as_float(a.x); v[1] = __uint_as_float(a.y); v[2] = __uint_as_float(a.z); v[3] = __uint_as_float(a.w);
+    v[4] = __uint_as_float(b.x); v[5] = __uint_as_float(b.y); v[6] = __uint_as_float(b.z); v[7] = __uint_as_float(b.w);
+}
+__device__ __forceinline__ void widen8(const uint4* raw, float (&v)[8], bf16_bits) { unpack(raw[0], v); }
+
+// This lane's 8 elements of a row: from shared memory (staged) or from the cache through L2.
+template <typename kv_t>
+__device__ __forceinline__ void read8(const kv_t* p, bool staged, float (&v)[8])
+{
+    constexpr int N = 8 * sizeof(kv_t) / 16;  // 16-byte vectors in 8 elements
+    uint4 raw[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+        raw[i] = staged ? reinterpret_cast<const uint4*>(p)[i] : fresh(reinterpret_cast<const uint4*>(p) + i);
+    widen8(raw, v, kv_t{});
+}
+
+// v[j] = the block's max (MAX) or sum of v[j] over its threads, in every thread, for GROUP values at
+// once; scratch holds WARPS x GROUP floats. The same order in every thread.
+template <int WARPS, int GROUP, bool MAX>
+__device__ __forceinline__ void block_reduce(float (&v)[GROUP], float (*scratch)[GROUP])
+{
+#pragma unroll
+    for (int j = 0; j < GROUP; ++j)
+#pragma unroll
+        for (int o = 16; o > 0; o /= 2) {
+            const float other = __shfl_xor_sync(0xffffffffu, v[j], o);
+            v[j] = MAX ? fmaxf(v[j], other) : v[j] + other;
+        }
+    if (threadIdx.x % 32 == 0)
+#pragma unroll
+        for (int j = 0; j < GROUP; ++j) scratch[threadIdx.x / 32][j] = v[j];
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < GROUP; ++j) {
+        v[j] = MAX ? -INFINITY : 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) v[j] = MAX ? fmaxf(v[j], scratch[w][j]) : v[j] + scratch[w][j];
+    }
+    __syncthreads();
+}
+
+template <typename kv_t, int HS, int GROUP, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32)
+gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cache, const kv_t* __restrict__ v_cache,
+                     const int* __restrict__ state, int max_len, int staged_rows, float scale, float* partial,
+                     unsigned int* counters, float* __restrict__ y, const char* prefetch,
+                     unsigned long long prefetch_bytes)
+{
+    constexpr int THREADS = WARPS * 32;
+    constexpr int LPK = HS / 8;       // lanes per key
+    constexpr int KPW = 32 / LPK;     // keys per warp and pass
+    constexpr int KPB = KPW * WARPS;  // keys per block and pass
+    static_assert(HS % 8 == 0 && 32 % (HS / 8) == 0, "HS: a multiple of 8, HS / 8 divides 32");
+    extern __shared__ __align__(16) float p_s[];  // GROUP rows of scores S_jt, then p_jt; then K, V rows
+    __shared__ float scratch[WARPS][GROUP];
+    __shared__ __align__(16) float o_s[WARPS][GROUP][HS];
+    __shared__ bool is_last;
+
+    prefetch_l2(prefetch, prefetch_bytes);
+
+    // Before griddep_wait(): the state and the cache rows before pos are final (see the header).
+    const int S = gridDim.x, s = blockIdx.x, g = blockIdx.y;
+    const int pos = fresh(state + 1);
+    const int T_k = pos + 1;
+    const int chunk = (T_k + S - 1) / S;
+    const int start = min(s * chunk, T_k), end = min(start + chunk, T_k);
+    const long long head = (long long)g * max_len * HS;  // this key/value head's rows
+    const int row_p = ((max_len + S - 1) / S + 3) / 4 * 4;  // one query head's scores: cap, in whole 16 bytes
+    kv_t* k_s = reinterpret_cast<kv_t*>(p_s + GROUP * row_p);
+    kv_t* v_s = k_s + (long long)staged_rows * HS;
+    const int staged = max(0, min(min(end, pos) - start, staged_rows));  // rows [start, start + staged)
+    {
+        constexpr int EPV = 16 / (int)sizeof(kv_t);  // elements per 16-byte vector
+        for (int c = threadIdx.x; c < staged * HS / EPV; c += THREADS) {
+            const long long from = head + (long long)start * HS + c * EPV;
+            cp_async16(k_s + c * EPV, k_cache + from);
+            cp_async16(v_s + c * EPV, v_cache + from);
+        }
+    }
+    griddep_wait();  // q and the cache's row pos are the projection's from here on
+    griddep_launch_dependents();
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int sub = lane / LPK;   // which of the warp's KPW keys
+    const int part = lane % LPK;  // which 8 elements of it
+    float qr[GROUP][8];
+#pragma unroll
+    for (int j = 0; j < GROUP; ++j) {
+        const float4* qp = reinterpret_cast<const float4*>(q + (g * GROUP + j) * HS + part * 8);
+        const float4 a = fresh(qp), b = fresh(qp + 1);
+        qr[j][0] = a.x * scale; qr[j][1] = a.y * scale; qr[j][2] = a.z * scale; qr[j][3] = a.w * scale;
+        qr[j][4] = b.x * scale; qr[j][5] = b.y * scale; qr[j][6] = b.z * scale; qr[j][7] = b.w * scale;
+    }
+    cp_async_wait_all();
+    __syncthreads();  // every thread's copies have landed
+
+    // S_jt = q_j . k_t / sqrt(HS) for t in [start, end)
+    for (int base = start + warp * KPW; base < end; base += KPB * UNROLL) {
+        float k[UNROLL][8];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int t = base + u * KPB + sub;
+            if (t < end) {
+                const bool in_smem = t - start < staged;
+                read8<kv_t>(in_smem ? k_s + (t - start) * HS + part * 8 : k_cache + head + (long long)t * HS + part * 8,
+                            in_smem, k[u]);
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) k[u][e] = 0.0f;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int t = base + u * KPB + sub;
+#pragma unroll
+            for (int j = 0; j < GROUP; ++j) {
+                float d = 0.0f;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) d = fmaf(qr[j][e], k[u][e], d);
+#pragma unroll
+                for (int o = LPK / 2; o > 0; o /= 2) d += __shfl_xor_sync(0xffffffffu, d, o);
+                if (part == 0 && t < end) p_s[j * row_p + t - start] = d;
+            }
+        }
+    }
+    __syncthreads();
+
+    // m_j = max_t S_jt; p_jt = exp(S_jt - m_j); l_j = sum_t p_jt
+    const int n = end - start;
+    float m[GROUP], l[GROUP];
+#pragma unroll
+    for (int j = 0; j < GROUP; ++j) {
+        m[j] = -INFINITY;
+        for (int i = threadIdx.x; i < n; i += THREADS) m[j] = fmaxf(m[j], p_s[j * row_p + i]);
+    }
+    block_reduce<WARPS, GROUP, true>(m, scratch);
+#pragma unroll
+    for (int j = 0; j < GROUP; ++j) {
+        l[j] = 0.0f;
+        for (int i = threadIdx.x; i < n; i += THREADS) {
+            const float p = expf(p_s[j * row_p + i] - m[j]);
+            p_s[j * row_p + i] = p;
+            l[j] += p;
+        }
+    }
+    block_reduce<WARPS, GROUP, false>(l, scratch);  // its barriers also publish p_s
+
+    // o_j = sum_t p_jt v_t: lanes as above, each accumulating 8 elements of every head over its keys
+    float o[GROUP][8];
+#pragma unroll
+    for (int j = 0; j < GROUP; ++j)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o[j][e] = 0.0f;
+    for (int base = start + warp * KPW; base < end; base += KPB * UNROLL) {
+        float v[UNROLL][8];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int t = base + u * KPB + sub;
+            if (t < end) {
+                const bool in_smem = t - start < staged;
+                read8<kv_t>(in_smem ? v_s + (t - start) * HS + part * 8 : v_cache + head + (long long)t * HS + part * 8,
+                            in_smem, v[u]);
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) v[u][e] = 0.0f;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int t = base + u * KPB + sub;
+#pragma unroll
+            for (int j = 0; j < GROUP; ++j) {
+                const float p = t < end ? p_s[j * row_p + t - start] : 0.0f;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) o[j][e] = fmaf(p, v[u][e], o[j][e]);
+            }
+        }
+    }
+#pragma unroll
+    for (int off = LPK; off < 32; off *= 2)  // sum over the warp's KPW keys
+#pragma unroll
+        for (int j = 0; j < GROUP; ++j)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o[j][e] += __shfl_xor_sync(0xffffffffu, o[j][e], off);
+    if (sub == 0)
+#pragma unroll
+        for (int j = 0; j < GROUP; ++j)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o_s[warp][j][part * 8 + e] = o[j][e];
+    __syncthreads();
+
+    // This split's (o_j, m_j, l_j) for each head of the group, then a ticket per key/value head.
+    for (int i = threadIdx.x; i < GROUP * HS; i += THREADS) {
+        const int j = i / HS, d = i % HS;
+        float acc = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) acc += o_s[w][j][d];
+        partial[((long long)(g * GROUP + j) * S + s) * (HS + 2) + d] = acc;
+    }
+#pragma unroll
+    for (int j = 0; j < GROUP; ++j)
+        if (threadIdx.x == j) {
+            float* mine = partial + ((long long)(g * GROUP + j) * S + s) * (HS + 2);
+            mine[HS] = m[j];
+            mine[HS + 1] = l[j];
+        }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(counters + g, 1u) == (unsigned int)S - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+
+    // The last block of key/value head g: y_h = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s per head h
+    for (int i = threadIdx.x; i < GROUP * HS; i += THREADS) {
+        const int h = g * GROUP + i / HS, d = i % HS;
+        const float* mine_h = partial + (long long)h * S * (HS + 2);
+        float M = -INFINITY;
+        for (int r = 0; r < S; ++r) M = fmaxf(M, __ldcg(mine_h + r * (HS + 2) + HS));
+        float num = 0.0f, den = 0.0f;
+        for (int r = 0; r < S; ++r) {
+            const float* pr = mine_h + r * (HS + 2);
+            const float weight = expf(__ldcg(pr + HS) - M);  // 0 for an empty split (m = -inf)
+            num = fmaf(weight, __ldcg(pr + d), num);
+            den = fmaf(weight, __ldcg(pr + HS + 1), den);
+        }
+        y[h * HS + d] = num / den;
+    }
+    if (threadIdx.x == 0) counters[g] = 0u;
+}

@@ -1,0 +1,154 @@
+"""What Llama's fast path runs and with what geometry, computed without a GPU: when it runs at all
+(unsupported_reason), the matrices of a step and the kernels it compiles (MATRICES, kernel_expressions),
+the streams' items and grids (gemv_unroll, gemv_grid), the attention's key splits and staging
+(attention_plan), and the static cache's length (cache_positions)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import LlamaConfig
+
+DTYPES = ("float32", "bfloat16")
+STEPS_PER_GRAPH = 8  # decode steps per captured graph, and tokens per copy back to the host
+PREFETCH_CAP = 8 << 20  # bytes of the next matrix a kernel asks L2 to fetch at its end (L2: 50 MB on H100/H200)
+GEMV_WARPS = 8  # rms_gemv.cu's warps per block
+ITEM_LOADS = 8  # rms_gemv.cu: 16-byte loads per lane in one item (rows x UNROLL); two items in flight
+ATTENTION_WARPS = 4  # gqa_decode_attention.cu's warps per block
+MAX_GROUP = 8  # query heads per key/value head that gqa_decode_attention.cu keeps in registers
+SCORE_BYTES = 32 << 10  # at most this much shared memory for a split's scores (GROUP rows of its keys)
+STAGE_BYTES = 64 << 10  # shared memory for the K and V rows an attention block copies before its wait
+CACHE_QUANTUM = 256  # the static cache's length is the run's positions rounded up to this
+DEFAULT_POSITIONS = 2048  # an engine's positions when nobody says how many the run needs
+NULL = np.uint64(0)  # a null pointer argument
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """One matrix of the decode step as rms_gemv.cu streams it: N rows of K, in tasks of `rows` rows."""
+
+    kernel: str  # rms_gemv.cu's kernel: rms_gemv_{rope, residual, silu, argmax}
+    N: int
+    K: int
+    rows: int  # rows per task: 2 for the stacked pairs (RoPE's, gate and up), else 1
+
+    @property
+    def tasks(self) -> int:
+        return self.N // self.rows
+
+
+def matrices(config: LlamaConfig) -> dict[str, Matrix]:
+    """A layer's four matrices and the head, in step order; the names are engine keys."""
+    C, F, HS = config.hidden_size, config.intermediate_size, config.head_size
+    NH, NKV, V = config.num_attention_heads, config.num_key_value_heads, config.vocab_size
+    return {
+        "qkv": Matrix("rms_gemv_rope", (NH + 2 * NKV) * HS, C, 2),  # [q; k; v] stacked
+        "o_proj": Matrix("rms_gemv_residual", C, NH * HS, 1),
+        "gate_up": Matrix("rms_gemv_silu", 2 * F, C, 2),  # [gate; up] stacked
+        "down_proj": Matrix("rms_gemv_residual", C, F, 1),
+        "lm_head": Matrix("rms_gemv_argmax", V, C, 1),
+    }
+
+
+def param_dtype(params: dict) -> str:
+    return params["model.layers.0.self_attn.q_proj.weight"].dtype.name
+
+
+def unsupported_reason(params: dict, config: LlamaConfig, *, kv_cache: bool, sampler=None,
+                       record_logits: bool = False, dtype: str | None = None) -> str | None:
+    """None when llama.fast.generate runs this generation; otherwise why llama.generate takes the eager path."""
+    if isinstance(params["model.layers.0.self_attn.q_proj.weight"], np.ndarray):
+        return "NumPy arrays: the fast path runs on the GPU"
+    if sampler is not None and sampler.temperature != 0:
+        return "sampling: the fast path is greedy (argmax on the device)"
+    if record_logits:
+        return "recording logits: the fast path never writes them"
+    if not kv_cache:
+        return "no KV cache: the fast path decodes over a static cache (the no-cache mode is the eager model's)"
+    dtype = dtype or param_dtype(params)
+    if dtype not in DTYPES:
+        return f"dtype {dtype}: the fast path runs {' and '.join(DTYPES)}"
+    C, F, HS = config.hidden_size, config.intermediate_size, config.head_size
+    if C % 8 or F % 8:
+        return f"widths {C} and {F} must be multiples of 8 (whole 16-byte rows)"
+    if HS % 8 or 32 % (HS // 8) or HS > 256:
+        return f"head size {HS}: gqa_decode_attention needs a multiple of 8 with head_size / 8 dividing 32"
+    group = config.num_attention_heads // config.num_key_value_heads
+    if group > MAX_GROUP:
+        return f"{group} query heads per key/value head: gqa_decode_attention keeps at most {MAX_GROUP}"
+    return None
+
+
+# -- launch shapes ---------------------------------------------------------------------------------
+
+
+def gemv_unroll(K: int, itemsize: int, rows: int) -> int:
+    """rms_gemv.cu's UNROLL for rows of K elements: about ITEM_LOADS 16-byte loads per lane and item
+    (rows x UNROLL), in items of equal size, and at least two items per task unless a task is a few
+    loads. With one item per task the compiler hoists the next task's loads above the current one's
+    sums: at K = 2048 in bfloat16 a thread then needs ~170 registers (one block per SM, or spills under
+    rms_gemv.cu's cap of 128); with two items, 63 to 106."""
+    per_lane = -(-(K // (16 // itemsize)) // 32)  # 16-byte vectors of a row, per lane
+    groups = -(-per_lane // max(1, ITEM_LOADS // rows))
+    if per_lane * rows > ITEM_LOADS // 2:
+        groups = max(2, groups)
+    return max(1, -(-per_lane // groups))
+
+
+def gemv_grid(tasks: int, blocks_per_sm: int, sm_count: int) -> int:
+    """rms_gemv.cu's grid: one wave, as many blocks as the SMs hold at once, no more than the tasks fill."""
+    return max(1, min(sm_count * max(1, blocks_per_sm), -(-tasks // GEMV_WARPS)))
+
+
+def kernel_expressions(config: LlamaConfig, dtype: str) -> dict[str, tuple[str, str]]:
+    """Every kernel the engine compiles for this model and dtype: key -> (kernels/fused file, name
+    expression). No device needed: the CPU tests compile exactly these."""
+    item = 2 if dtype == "bfloat16" else 4
+    wt = "unsigned short" if dtype == "bfloat16" else "float"
+    group = config.num_attention_heads // config.num_key_value_heads
+    out = {}
+    for key, m in matrices(config).items():
+        unroll = gemv_unroll(m.K, item, m.rows)
+        head = f", {config.head_size}" if m.kernel == "rms_gemv_rope" else ""
+        out[key] = ("rms_gemv", f"{m.kernel}<{wt}, {m.K}{head}, {GEMV_WARPS}, {unroll}>")
+    return out | {
+        "attention": ("gqa_decode_attention",
+                      f"gqa_decode_attention<{wt}, {config.head_size}, {group}, {ATTENTION_WARPS}>"),
+        "embed": ("embed", f"embed<{wt}>"),
+        "spin": ("spin", "spin"),
+    }
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """gqa_decode_attention.cu's geometry: `splits` key splits per key/value head, `staged_rows` K and V
+    rows a block copies to shared memory before its wait, `smem` dynamic bytes (scores, then the rows)."""
+
+    splits: int
+    staged_rows: int
+    smem: int
+
+
+def attention_plan(config: LlamaConfig, max_len: int, sm_count: int, itemsize: int) -> AttentionPlan:
+    """Enough splits to give every SM a block (at least 16 keys a split), more where a split's scores
+    (GROUP rows of ceil(max_len / splits) floats) would pass SCORE_BYTES; as many rows staged as the
+    longest split has, up to STAGE_BYTES."""
+    NKV, HS = config.num_key_value_heads, config.head_size
+    group = config.num_attention_heads // NKV
+    most = SCORE_BYTES // (4 * group)  # keys whose scores fit SCORE_BYTES
+    splits = max(1, min(sm_count // NKV, -(-max_len // 16)), -(-max_len // most))
+    cap = -(-max_len // splits)  # keys in the longest split
+    rows = min(cap, STAGE_BYTES // (2 * HS * itemsize))
+    return AttentionPlan(splits=splits, staged_rows=rows, smem=4 * group * (-(-cap // 4) * 4) + 2 * rows * HS * itemsize)
+
+
+def cache_positions(positions: int, config: LlamaConfig) -> int:
+    """The static cache's length for a run of `positions` positions (prompt + new tokens): rounded up
+    to CACHE_QUANTUM, so that runs of about the same length share an engine, and no more than the model
+    has. The KV cache is sized to the run, not to the model's 131,072 positions."""
+    if positions < 2:
+        raise ValueError(f"a run needs at least 2 positions (a prompt token and a new one), got {positions}")
+    return min(config.max_position_embeddings, math.ceil(positions / CACHE_QUANTUM) * CACHE_QUANTUM)
