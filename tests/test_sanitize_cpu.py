@@ -213,7 +213,8 @@ def test_arguments():
             sanitize.parse_args(bad)
     cmd = sanitize.command("/cs", "racecheck", ["v01_naive", "fused-float32"], True, 50)
     assert cmd[:7] == ["/cs", "--tool", "racecheck", "--error-exitcode", "99", "--print-limit", "50"]
-    assert cmd[-3:] == ["--quick", "v01_naive", "fused-float32"] and cmd[8].endswith("sanitize_targets.py")
+    assert cmd[-3:] == ["--quick", "v01_naive", "fused-float32"] and cmd[-4].endswith("sanitize_targets.py")
+    assert cmd[7:11] == ["--kernel-name-exclude", "kns=nvjet", "--kernel-name-exclude", "kns=cublas"]
 
 
 def test_main_lists_targets_and_refuses_unknown_ones(capsys):
@@ -226,7 +227,7 @@ def test_main_lists_targets_and_refuses_unknown_ones(capsys):
 
 FAKE_TOOL = """\
 import sys, time
-names = [a for a in sys.argv[sys.argv.index("--print-limit") + 4:] if a != "--quick"]
+names = [a for a in sys.argv[[a.endswith("sanitize_targets.py") for a in sys.argv].index(True) + 1:] if a != "--quick"]
 print("========= COMPUTE-SANITIZER", flush=True)
 for name in names:
     print("@@ sanitize begin " + name, flush=True)
