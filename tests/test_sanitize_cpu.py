@@ -214,6 +214,8 @@ def test_arguments():
     cmd = sanitize.command("/cs", "racecheck", ["v01_naive", "fused-float32"], True, 50)
     assert cmd[:7] == ["/cs", "--tool", "racecheck", "--error-exitcode", "99", "--print-limit", "50"]
     assert cmd[-3:] == ["--quick", "v01_naive", "fused-float32"] and cmd[-4].endswith("sanitize_targets.py")
+    assert "--kernel-name-exclude" not in cmd  # cuBLAS's kernels are left out of initcheck alone
+    cmd = sanitize.command("/cs", "initcheck", ["fused-bfloat16"], False, 50)
     assert cmd[7:11] == ["--kernel-name-exclude", "kns=nvjet", "--kernel-name-exclude", "kns=cublas"]
 
 
