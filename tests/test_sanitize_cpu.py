@@ -305,3 +305,25 @@ def test_reports_in_library_kernels_get_rows_of_their_own_and_fail_nothing():
     assert rows["fused-bfloat16"]["racecheck"] == "0"
     assert problems == ["racecheck fused/decode_step: 1 error"]  # the lab's kernel fails the run, cuBLAS's does not
     assert sanitize.LIBRARY.match("cublasLt") and not sanitize.LIBRARY.match("attention_forward")
+
+
+SETUP_REPORT = textwrap.dedent("""\
+    ========= COMPUTE-SANITIZER
+    @@ sanitize begin setup
+    ========= Uninitialized __global__ memory read of size 4 bytes
+    =========     at cupy_multiply__float32_float_float32+0x1f0
+    =========
+    @@ sanitize end setup ok
+    @@ sanitize begin v21_tma_loads
+    @@ sanitize end v21_tma_loads ok
+    ========= ERROR SUMMARY: 1 error
+    """).splitlines()
+
+
+def test_the_childs_first_random_draws_are_not_a_targets():
+    """CuPy's first random draws in a process draw initcheck reports of their own: on a row of their own,
+    not the first target's, and not failing the run."""
+    rows, problems = sanitize.summarize(["initcheck"], runs(initcheck=SETUP_REPORT), ["v21_tma_loads"],
+                                        sanitize.fused_kernels())
+    assert rows["v21_tma_loads"]["initcheck"] == "0" and rows["library/setup"]["initcheck"] == "1"
+    assert problems == []

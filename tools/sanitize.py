@@ -166,6 +166,7 @@ def summarize(tools, runs: dict[str, list[Child]], chosen: list[str], fused: dic
             for r in child.reports:
                 row = (f"fused/{fused[base(r.kernel)]}" if base(r.kernel) in fused
                        else f"library/{base(r.kernel)}" if LIBRARY.match(base(r.kernel))
+                       else f"library/{targets.SETUP}" if r.target == targets.SETUP
                        else (r.target or "(no target)"))
                 (errors if r.error else warnings)[row] += 1
             printed = sum(r.error for r in child.reports)
@@ -284,10 +285,10 @@ def run_tool(sanitizer: str, tool: str, names: list[str], args) -> list[Child]:
         lines, code, timed_out = stream(command(sanitizer, tool, left, args.quick, args.print_limit), args.timeout, tool)
         child = parse(lines)
         children.append(child)
-        begun = list(child.status)
         for name, state in child.status.items():
             if state == "running":
                 child.status[name] = f"timed out after {args.timeout:g} s" if timed_out else f"crashed (exit {code})"
+        begun = [name for name in child.status if name in left]  # not the child's setup
         if not begun:
             child.status.update({name: f"failed: the child exited ({code}) before its first target" for name in left})
             break
