@@ -63,7 +63,14 @@ def decode_layout(params: dict, config: LlamaConfig) -> dict:
     become consecutive row blocks of one ((NH + 2 NKV) HS, C) matrix, and gate_proj and up_proj of one
     (2F, C) matrix, each name a view of its rows (the same values, shapes and dtype: the eager model
     reads them as before). One stack at a time: at most one layer's projections exist twice at once.
-    Already laid out, nothing moves. Returns params."""
+    Already laid out, nothing moves. Returns params.
+
+    On CuPy, the default memory pool's free blocks are handed back to the device before the first stack
+    and after each layer's: a stack cut from a free block of a chunk that also holds live arrays (the
+    float32 draws of random weights, a layer's freed originals) would pin the rest of that chunk for
+    as long as the model lives."""
+    release = _pool_release(next(iter(params.values())))
+    release()
     for i in range(config.num_hidden_layers):
         for names in STACKS.values():
             keys = [layer_name(i, n) for n in names]
@@ -80,7 +87,18 @@ def decode_layout(params: dict, config: LlamaConfig) -> dict:
                 params[k] = stack[row:row + p.shape[0]].view(dtype)
                 row += p.shape[0]
             del parts, p
+        release()
     return params
+
+
+def _pool_release(array):
+    """A function that hands CuPy's default pool's free blocks back to the device (nothing on NumPy)."""
+    if array_module(array) is np:
+        return lambda: None
+    import cupy
+
+    pool = cupy.get_default_memory_pool()
+    return lambda: (cupy.cuda.Device().synchronize(), pool.free_all_blocks())
 
 
 @dataclass
