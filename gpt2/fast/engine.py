@@ -18,7 +18,7 @@ from lm.products import Blas
 
 from ..config import GPT2Config
 from ..errors import LabError
-from .launch import Launch, gemm
+from .launch import DecodeGraphs, Launch, gemm
 from .plan import (
     FOLDS,
     GEMM_BIAS,
@@ -64,7 +64,7 @@ def _switch(asked: bool | None, check, what: str) -> tuple[bool, str]:
     return why is None, "on" if why is None else f"off ({why})"
 
 
-class Engine:
+class Engine(DecodeGraphs):
     """Everything the fast path needs for one set of weights, allocated once: the weights as its kernels
     read them (views of params laid out by decode_layout, else copies), the static KV cache (n_positions
     long), activations, the decode step's launches and its graphs."""
@@ -268,14 +268,6 @@ class Engine:
 
     # -- the decode step -----------------------------------------------------------------------------
 
-    def launches(self, prefetch: bool | None = None, pdl: bool | None = None) -> list[Launch]:
-        """The decode step's launches in one variant (default: the engine's): with or without the L2
-        prefetch hints, through plain launches or programmatic dependent launches."""
-        key = (self.prefetch if prefetch is None else prefetch, self.pdl if pdl is None else pdl)
-        if key not in self._variants:
-            self._variants[key] = self._decode_launches(*key)
-        return self._variants[key]
-
     def _decode_launches(self, prefetch: bool, pdl: bool) -> list[Launch]:
         """The decode step as a list of launches on fixed buffers. Each kernel that reads a matrix
         also asks L2 to prefetch the next one (the last wraps to the first layer's c_attn)."""
@@ -330,23 +322,6 @@ class Engine:
         for launch in launches:
             launch.pdl, launch.stream = pdl, self.stream.ptr
         return launches
-
-    def graph(self, steps: int, prefetch: bool | None = None, pdl: bool | None = None):
-        """A CUDA graph of `steps` decode steps in one launch variant (captured once, then kept)."""
-        key = (steps, self.prefetch if prefetch is None else prefetch, self.pdl if pdl is None else pdl)
-        if key not in self.graphs:
-            launches = self.launches(*key[1:])
-            with self.stream:
-                self.stream.begin_capture()
-                try:
-                    for _ in range(steps):
-                        for launch in launches:
-                            launch()
-                finally:
-                    graph = self.stream.end_capture()
-            graph.upload(self.stream)
-            self.graphs[key] = graph
-        return self.graphs[key]
 
     def decode(self, n: int, *, graph: bool = True) -> None:
         """Queue n decode steps on the engine's stream: one decode_step launch of n steps where the engine
@@ -510,15 +485,6 @@ class Engine:
             self.state.set(np.asarray([prompt[-1], T - 1], dtype=np.int32), stream=self.stream)
             self.sequence(T, attend, store_kv=kv_cache)
 
-    def _copy_back(self, first: int, count: int):
-        """Queue history[first:first + count] -> pinned host memory; the event that says it is there."""
-        cp = self.cp
-        cp.cuda.runtime.memcpyAsync(self.pinned.ptr + 4 * first, self.history.data.ptr + 4 * first, 4 * count,
-                                    cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
-        event = cp.cuda.Event(block=False, disable_timing=True)
-        event.record(self.stream)
-        return event, first, count
-
     def generate(self, prompt: list[int], n_new: int, *, attend, kv_cache: bool, eos_id: int | None = None,
                  on_token=None, graph: bool = True) -> Generation:
         """n_new greedy tokens after prompt. The GPU runs a window of self.window tokens ahead of
@@ -583,29 +549,6 @@ class Engine:
         head-major attn.c_proj."""
         return held_bytes(self.arrays(), besides=list(self.params.values()))
 
-
-    def profile_step(self, position: int, repeats: int = 20) -> list[tuple[str, float]]:
-        """Milliseconds of each kernel of one decode step at `position` (median of `repeats`), timed
-        with events around each launch, the kernels queued behind a spin kernel so that they run
-        back to back. Changes state, history and the cache at `position`: run generate() again after."""
-        cp = self.cp
-        if not 0 <= position < self.max_len - 1:
-            raise LabError(f"position {position} outside the engine's 0..{self.max_len - 2}")
-        n = len(self.step_launches)
-        times = np.zeros((repeats, n))
-        start = np.asarray([0, position], dtype=np.int32)
-        with self.stream:
-            events = [cp.cuda.Event() for _ in range(n + 1)]
-            for r in range(repeats):
-                self.state.set(start, stream=self.stream)
-                self.fn["spin"]((1,), (1,), (np.int64(5_000_000),))  # 5 ms: the host queues the whole step
-                events[0].record(self.stream)
-                for i, launch in enumerate(self.step_launches):
-                    launch()
-                    events[i + 1].record(self.stream)
-                self.stream.synchronize()
-                times[r] = [cp.cuda.get_elapsed_time(events[i], events[i + 1]) for i in range(n)]
-        return list(zip([launch.name for launch in self.step_launches], np.median(times, axis=0).tolist(), strict=True))
 
     def replay_ms(self, position: int, steps: int = 64, *, prefetch: bool | None = None, pdl: bool | None = None,
                   persistent: bool | None = None, repeats: int = 5) -> float:

@@ -11,7 +11,7 @@ from collections import deque
 import numpy as np
 
 from gpt2.fast.engine import _switch
-from gpt2.fast.launch import Launch
+from gpt2.fast.launch import DecodeGraphs, Launch
 from gpt2.fast.weights import bf16_bits
 from kernels import driver, fused
 from lm.arrays import held_bytes
@@ -45,7 +45,7 @@ def _ptr(a) -> np.uint64:
     return np.uint64(a.data.ptr)
 
 
-class Engine:
+class Engine(DecodeGraphs):
     """Everything the fast path needs for one set of weights, allocated once: the weights as its kernels
     read them (views of params laid out by decode_layout, else copies), the static KV cache of max_len
     positions (the run's, not the model's 131,072), activations, the decode step's launches and graphs."""
@@ -151,14 +151,6 @@ class Engine:
 
     # -- the decode step -----------------------------------------------------------------------------
 
-    def launches(self, prefetch: bool | None = None, pdl: bool | None = None) -> list[Launch]:
-        """The decode step's launches in one variant (default: the engine's): with or without the L2
-        prefetch hints, through plain launches or programmatic dependent launches."""
-        key = (self.prefetch if prefetch is None else prefetch, self.pdl if pdl is None else pdl)
-        if key not in self._variants:
-            self._variants[key] = self._decode_launches(*key)
-        return self._variants[key]
-
     def _decode_launches(self, prefetch: bool, pdl: bool) -> list[Launch]:
         """The decode step as a list of launches on fixed buffers: embed, five per layer, the head. Each
         stream of a matrix asks L2, at its end, to prefetch the next matrix (the head wraps to the first
@@ -209,23 +201,6 @@ class Engine:
         for launch in launches:
             launch.pdl, launch.stream = pdl, self.stream.ptr
         return launches
-
-    def graph(self, steps: int, prefetch: bool | None = None, pdl: bool | None = None):
-        """A CUDA graph of `steps` decode steps in one launch variant (captured once, then kept)."""
-        key = (steps, self.prefetch if prefetch is None else prefetch, self.pdl if pdl is None else pdl)
-        if key not in self.graphs:
-            launches = self.launches(*key[1:])
-            with self.stream:
-                self.stream.begin_capture()
-                try:
-                    for _ in range(steps):
-                        for launch in launches:
-                            launch()
-                finally:
-                    graph = self.stream.end_capture()
-            graph.upload(self.stream)
-            self.graphs[key] = graph
-        return self.graphs[key]
 
     def decode(self, n: int, *, graph: bool = True) -> None:
         """Queue n decode steps on the engine's stream: graphs of steps_per_graph steps, then single steps
@@ -301,15 +276,6 @@ class Engine:
             self.state[0:1] = token
             self.state[1:2].fill(T)
 
-    def _copy_back(self, first: int, count: int):
-        """Queue history[first:first + count] -> pinned host memory; the event that says it is there."""
-        cp = self.cp
-        cp.cuda.runtime.memcpyAsync(self.pinned.ptr + 4 * first, self.history.data.ptr + 4 * first, 4 * count,
-                                    cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
-        event = cp.cuda.Event(block=False, disable_timing=True)
-        event.record(self.stream)
-        return event, first, count
-
     def generate(self, prompt: list[int], n_new: int, *, attend, eos_ids=(), on_token=None,
                  graph: bool = True) -> Generation:
         """n_new greedy tokens after prompt; stops after any of eos_ids. The GPU runs a window of
@@ -368,29 +334,6 @@ class Engine:
         dtype and decode_layout's layout, the KV cache, RoPE's tables, activations and the RMSNorm weights
         widened to float32 in a bfloat16 run; no copy of a matrix."""
         return held_bytes(self.arrays(), besides=list(self.params.values()))
-
-    def profile_step(self, position: int, repeats: int = 20) -> list[tuple[str, float]]:
-        """Milliseconds of each kernel of one decode step at `position` (median of `repeats`), timed
-        with events around each launch, the kernels queued behind a spin kernel so that they run back
-        to back. Changes state, history and the cache at `position`: run generate() again after."""
-        cp = self.cp
-        if not 0 <= position < self.max_len - 1:
-            raise LabError(f"position {position} outside the engine's 0..{self.max_len - 2}")
-        n = len(self.step_launches)
-        times = np.zeros((repeats, n))
-        start = np.asarray([0, position], dtype=np.int32)
-        with self.stream:
-            events = [cp.cuda.Event() for _ in range(n + 1)]
-            for r in range(repeats):
-                self.state.set(start, stream=self.stream)
-                self.fn["spin"]((1,), (1,), (np.int64(5_000_000),))  # 5 ms: the host queues the whole step
-                events[0].record(self.stream)
-                for i, launch in enumerate(self.step_launches):
-                    launch()
-                    events[i + 1].record(self.stream)
-                self.stream.synchronize()
-                times[r] = [cp.cuda.get_elapsed_time(events[i], events[i + 1]) for i in range(n)]
-        return list(zip([launch.name for launch in self.step_launches], np.median(times, axis=0).tolist(), strict=True))
 
     def replay_ms(self, position: int, steps: int = 64, *, prefetch: bool | None = None, pdl: bool | None = None,
                   persistent: bool | None = None, repeats: int = 5) -> float:
