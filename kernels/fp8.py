@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .reference import array_module, causal_mask
+from .reference import array_module, causal_mask, check_qkv
 
 E4M3_MAX = 448.0
 E4M3_NAN = 0x7F
@@ -183,17 +183,10 @@ def quantize_fp8(q, k, v, *, block_q: int, block_k: int, hadamard: bool = True, 
     block of block_q rows of Q and of block_k rows of K and V (the rung's B_r and B_c); Q and K
     rotated by rotation(d, seed) first when hadamard; per_tensor: one scale per tensor instead.
     CuPy arrays are quantized on the GPU (CuPy's elementwise and reduction kernels)."""
+    xp = check_qkv(q, k, v)
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if not hasattr(x, "ndim") or x.ndim != 4:
-            raise ValueError(f"{name} must be a 4-d array (B, NH, T, d), got {getattr(x, 'shape', type(x))}")
         if x.dtype.kind != "f" and x.dtype.name != "bfloat16":
             raise TypeError(f"{name} has dtype {x.dtype}; quantize_fp8 takes floating-point arrays")
-    xp = array_module(q)
-    if array_module(k) is not xp or array_module(v) is not xp:
-        raise TypeError("q, k and v must all be NumPy arrays or all CuPy arrays")
-    if q.shape[0] != k.shape[0] or k.shape != v.shape or q.shape[3] != k.shape[3] or q.shape[1] % k.shape[1]:
-        raise ValueError(f"shapes disagree: q {q.shape} is (B, NH, T_q, d), k {k.shape} and v {v.shape} "
-                         "must be (B, NH_kv, T_k, d) with NH a multiple of NH_kv")
     if 0 in q.shape or 0 in k.shape:
         raise ValueError(f"empty input: q {q.shape}, k {k.shape} (every dimension must be at least 1)")
     for name, rows in (("block_q", block_q), ("block_k", block_k)):

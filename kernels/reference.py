@@ -30,6 +30,21 @@ def causal_mask(xp, T_q: int, T_k: int):
     return j <= i + (T_k - T_q)
 
 
+def check_qkv(q, k, v):
+    """The array module of q (B, NH, T_q, d), k and v (B, NH_kv, T_k, d), after checking that they are
+    4-d arrays of one module with shapes that agree (NH a multiple of NH_kv); a clear error if not."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not hasattr(x, "ndim") or x.ndim != 4:
+            raise ValueError(f"{name} must be a 4-d array (B, NH, T, d), got {getattr(x, 'shape', type(x))}")
+    xp = array_module(q)
+    if array_module(k) is not xp or array_module(v) is not xp:
+        raise TypeError("q, k and v must all be NumPy arrays or all CuPy arrays")
+    if q.shape[0] != k.shape[0] or k.shape != v.shape or q.shape[3] != k.shape[3] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"shapes disagree: q {q.shape} is (B, NH, T_q, d), k {k.shape} and v {v.shape} "
+                         "must be (B, NH_kv, T_k, d) with NH a multiple of NH_kv")
+    return xp
+
+
 def reference_attention(q, k, v, *, causal: bool = True, scale: float | None = None, return_lse: bool = False):
     """softmax(scale * Q K^T + mask) V for q (B, NH, T_q, d) and k, v (B, NH_kv, T_k, d), NH a
     multiple of NH_kv (grouped-query attention); returns the input's array type. With return_lse,
@@ -43,15 +58,7 @@ def reference_attention(q, k, v, *, causal: bool = True, scale: float | None = N
 
     Rows with no visible key (only possible when T_q > T_k) are zero. A NaN or Inf reaches exactly
     the rows that can see it: in Q or K through the scores, in V as NaN in the columns it holds."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not hasattr(x, "ndim") or x.ndim != 4:
-            raise ValueError(f"{name} must be a 4-d array (B, NH, T, d), got {getattr(x, 'shape', type(x))}")
-    xp = array_module(q)
-    if array_module(k) is not xp or array_module(v) is not xp:
-        raise TypeError("q, k and v must all be NumPy arrays or all CuPy arrays")
-    if q.shape[0] != k.shape[0] or k.shape != v.shape or q.shape[3] != k.shape[3] or q.shape[1] % k.shape[1]:
-        raise ValueError(f"shapes disagree: q {q.shape} is (B, NH, T_q, d), k {k.shape} and v {v.shape} "
-                         "must be (B, NH_kv, T_k, d) with NH a multiple of NH_kv")
+    xp = check_qkv(q, k, v)
     if k.shape[1] != q.shape[1]:  # grouped-query attention: each K/V head serves NH / NH_kv query heads
         group = q.shape[1] // k.shape[1]
         k, v = xp.repeat(k, group, axis=1), xp.repeat(v, group, axis=1)
