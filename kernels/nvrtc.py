@@ -17,6 +17,7 @@ import sys
 import time
 
 _lib = None
+_path = None
 
 
 def _candidates() -> list[str]:
@@ -32,7 +33,7 @@ def _candidates() -> list[str]:
 
 def library() -> ctypes.CDLL:
     """Load libnvrtc: the pip wheel (nvidia-cuda-nvrtc-cu12) first, then a CUDA toolkit."""
-    global _lib
+    global _lib, _path
     if _lib is None:
         errors = []
         for path in _candidates():
@@ -41,7 +42,7 @@ def library() -> ctypes.CDLL:
                 for builtins in sorted(glob.glob(os.path.join(os.path.dirname(path), "libnvrtc-builtins.so.*"))):
                     if ".alt." not in builtins:
                         ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
-                _lib = ctypes.CDLL(path)
+                _lib, _path = ctypes.CDLL(path), path
                 break
             except OSError as exc:
                 errors.append(f"{path}: {exc}")
@@ -53,6 +54,13 @@ def library() -> ctypes.CDLL:
             )
         _lib.nvrtcGetErrorString.restype = ctypes.c_char_p
     return _lib
+
+
+def describe() -> str:
+    """Which NVRTC this process compiles with: version and library file (a resource report is only
+    as reproducible as the compiler that made it)."""
+    major, minor = version()
+    return f"NVRTC {major}.{minor} ({_path})"
 
 
 def version() -> tuple[int, int]:

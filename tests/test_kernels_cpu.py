@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import kernels
-from kernels import ladder, runtime
+from kernels import ladder, nvrtc, runtime
 
 ARCHES = ["sm_80", "sm_90"]
 
@@ -293,7 +293,7 @@ def test_every_config_compiles_without_spills(name, arch):
     assert [tuple(r.config.values()) for r in reports] == list(rung.configs)
     for r in reports:
         assert r.registers > 0, f"{name} {r.config}: no register count in the ptxas report"
-        assert r.spill_stores == 0 and r.spill_loads == 0, f"{name} {r.config} on {arch}: spills {r}"
+        assert r.spill_stores == 0 and r.spill_loads == 0, f"{name} {r.config} on {arch}: spills {r}, {nvrtc.describe()}"
         assert r.stack_bytes <= rung.stack, f"{name} {r.config} on {arch}: {r.stack_bytes} B stack > {rung.stack}"
         assert r.registers * r.threads <= 65536, f"{name} {r.config}: a block needs more registers than an SM has"
         assert not r.performance_warnings, f"{name} {r.config} on {arch}: ptxas says {r.performance_warnings}"
