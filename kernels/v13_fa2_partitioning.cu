@@ -100,6 +100,18 @@ constexpr float LOG2_E = 1.4426950408889634f;
 constexpr float LN_2 = 0.6931471805599453f;
 constexpr int THREADS = 128;
 
+// Where shared memory lets an SM hold one or two blocks of a configuration (Hopper's 228 KB, 1 KB of
+// it reserved per block; lab.smem's bytes), that count is __launch_bounds__'s second argument: ptxas
+// may then use registers up to 255 and has no occupancy to trade them for. Left to itself, it has given
+// the (128, 64, 32) configuration 128 registers and spills in one build environment and 159 without
+// spills in another (the same NVRTC release). Elsewhere 0: no hint (those configurations fit in 168).
+template <int d_head, int B_r, int B_c>
+__host__ __device__ constexpr int min_blocks()
+{
+    constexpr int blocks = (228 * 1024) / (4 * (B_r * (d_head + 4) + B_c * (d_head + 4) + B_c * d_head + B_r * (B_c + 8)) + 1024);
+    return blocks <= 2 ? blocks : 0;
+}
+
 // 2^x on the special-function unit; ex2.approx.ftz(-inf) = +0, which the masked scores rely on.
 __device__ __forceinline__ float exp2_approx(float x)
 {
@@ -149,7 +161,7 @@ __device__ __forceinline__ void load_tile_async(float* tile, const float* head, 
 }
 
 template <int d_head, int B_r, int B_c>
-__global__ void __launch_bounds__(THREADS)
+__global__ void __launch_bounds__(THREADS, min_blocks<d_head, B_r, B_c>())
 attention_forward(const float* __restrict__ Q, const float* __restrict__ K, const float* __restrict__ V,
                   float* __restrict__ O, float* __restrict__ /* workspace */, int T_q, int T_k, int kv_group,
                   int causal, float scale,
