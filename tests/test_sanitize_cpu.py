@@ -171,7 +171,7 @@ def test_the_engine_targets_launch_every_fused_file():
     config = gpt2.GPT2Config(n_layer=2)
     launched = set()
     for name in targets.ENGINE:
-        kind, dtype = name.split("-")
+        kind, dtype, *_ = name.split("-")
         model = targets.llama_config() if kind == "llama" else config
         launched.update(targets.launched_files(kind, model, dtype, gemm=dtype == "float32"))
     assert launched == set(fused.names())
@@ -222,7 +222,8 @@ def test_arguments():
 def test_main_lists_targets_and_refuses_unknown_ones(capsys):
     assert sanitize.main(["--list", "--only", "v17,step"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out == ["forward   v17_decode_cluster", "step      step-float32 step-bfloat16"]
+    assert out == ["forward   v17_decode_cluster",
+                   "step      step-float32 step-bfloat16 step-float32-ring3 step-bfloat16-ring2"]
     assert sanitize.main(["--only", "nothing*"]) == 2
     assert "matches no target" in capsys.readouterr().err
 
