@@ -626,6 +626,29 @@ def persistent_engine(cp, small, dtype, **options):
     return engine
 
 
+def follows_step_by_step(cp, engine, graphs, dtype: str, steps: int, what: str) -> None:
+    """The persistent engine teacher-forced to the per-operation engine's tokens for `steps` steps after
+    PROMPT: the logits within summation-order rounding (float32 1e-5 relative, bfloat16 5e-4), the same
+    argmax wherever the top two are 1e-3 apart, the same position."""
+    for e in (engine, graphs):
+        e.start(PROMPT, reference_attend, kv_cache=True)
+    limit = 1e-5 if dtype == "float32" else 5e-4
+    for step in range(steps):
+        if step:
+            for e in (engine, graphs):
+                e.decode(1)
+        for e in (engine, graphs):
+            e.stream.synchronize()
+        rel = float(cp.linalg.norm(engine.logits - graphs.logits) / cp.linalg.norm(graphs.logits))
+        assert rel <= limit, f"{what} step {step}: relative logit difference {rel:.2e} (limit {limit:g})"
+        want = int(graphs.state[0].get())
+        if margins(cp, [graphs.logits])[0] >= 1e-3:
+            assert int(engine.state[0].get()) == want, f"{what} step {step}: argmax differs at a clear margin"
+        assert int(engine.state[1].get()) == int(graphs.state[1].get()) == len(PROMPT) + step
+        with engine.stream:  # both go on from the per-operation step's token
+            engine.state[0:1].set(np.asarray([want], dtype=np.int32), stream=engine.stream)
+
+
 @pytest.mark.parametrize("max_len", [None, 97])
 @pytest.mark.parametrize("dtype", fast.DTYPES)
 def test_persistent_step_follows_the_per_operation_step(cp, small, dtype, max_len):
@@ -636,23 +659,7 @@ def test_persistent_step_follows_the_per_operation_step(cp, small, dtype, max_le
     graphs = fast.Engine(small.params, small.config, dtype=dtype, keep_logits=True, persistent=False,
                          max_len=max_len)
     n = 48 if max_len is None else max_len - len(PROMPT)
-    for e in (engine, graphs):
-        e.start(PROMPT, reference_attend, kv_cache=True)
-    limit = 1e-5 if dtype == "float32" else 5e-4
-    for step in range(n):
-        if step:
-            for e in (engine, graphs):
-                e.decode(1)
-        for e in (engine, graphs):
-            e.stream.synchronize()
-        rel = float(cp.linalg.norm(engine.logits - graphs.logits) / cp.linalg.norm(graphs.logits))
-        assert rel <= limit, f"{dtype} step {step}: relative logit difference {rel:.2e} (limit {limit:g})"
-        want = int(graphs.state[0].get())
-        if margins(cp, [graphs.logits])[0] >= 1e-3:
-            assert int(engine.state[0].get()) == want, f"{dtype} step {step}: argmax differs at a clear margin"
-        assert int(engine.state[1].get()) == int(graphs.state[1].get()) == len(PROMPT) + step
-        with engine.stream:  # both go on from the per-operation step's token
-            engine.state[0:1].set(np.asarray([want], dtype=np.int32), stream=engine.stream)
+    follows_step_by_step(cp, engine, graphs, dtype, n, dtype)
 
 
 @pytest.mark.parametrize("dtype", fast.DTYPES)

@@ -13,7 +13,15 @@ import pytest
 import gpt2.fast as fast
 from gpt2 import generate, reference_attend
 from gpt2.load import random_weights
-from tests.test_fused_gpu import MARGIN, PROMPT, first_difference, margins, persistent_engine, teacher_forced
+from tests.test_fused_gpu import (
+    MARGIN,
+    PROMPT,
+    first_difference,
+    follows_step_by_step,
+    margins,
+    persistent_engine,
+    teacher_forced,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -89,20 +97,4 @@ def test_the_persistent_step_follows_the_per_operation_step(cp, model, dtype):
     size, ckpt = model
     engine = persistent_engine(cp, ckpt, dtype)
     graphs = fast.Engine(ckpt.params, ckpt.config, dtype=dtype, keep_logits=True, persistent=False)
-    for e in (engine, graphs):
-        e.start(PROMPT, reference_attend, kv_cache=True)
-    limit = 1e-5 if dtype == "float32" else 5e-4
-    for step in range(40):
-        if step:
-            for e in (engine, graphs):
-                e.decode(1)
-        for e in (engine, graphs):
-            e.stream.synchronize()
-        rel = float(cp.linalg.norm(engine.logits - graphs.logits) / cp.linalg.norm(graphs.logits))
-        assert rel <= limit, f"{size} {dtype} step {step}: relative logit difference {rel:.2e} (limit {limit:g})"
-        want = int(graphs.state[0].get())
-        if margins(cp, [graphs.logits])[0] >= 1e-3:
-            assert int(engine.state[0].get()) == want, f"{size} {dtype} step {step}: argmax differs at a clear margin"
-        assert int(engine.state[1].get()) == int(graphs.state[1].get()) == len(PROMPT) + step
-        with engine.stream:  # both go on from the per-operation step's token
-            engine.state[0:1].set(np.asarray([want], dtype=np.int32), stream=engine.stream)
+    follows_step_by_step(cp, engine, graphs, dtype, 40, f"{size} {dtype}")
