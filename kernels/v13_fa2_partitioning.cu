@@ -100,16 +100,18 @@ constexpr float LOG2_E = 1.4426950408889634f;
 constexpr float LN_2 = 0.6931471805599453f;
 constexpr int THREADS = 128;
 
-// Where shared memory lets an SM hold one or two blocks of a configuration (Hopper's 228 KB, 1 KB of
-// it reserved per block; lab.smem's bytes), that count is __launch_bounds__'s second argument: ptxas
-// may then use registers up to 255 and has no occupancy to trade them for. Left to itself, it has given
-// the (128, 64, 32) configuration 128 registers and spills in one build environment and 159 without
-// spills in another (the same NVRTC release). Elsewhere 0: no hint (those configurations fit in 168).
+// The blocks of a configuration that Hopper's shared memory lets one SM hold (228 KB, 1 KB of it
+// reserved per block; lab.smem's bytes), at most 2, is __launch_bounds__'s second argument: ptxas may
+// then use up to 255 registers and picks its count without an occupancy target of its own. Left to
+// itself it has given (128, 64, 32) and (96, 64, 32) 128 registers and spills in one build environment,
+// 159 and 146 without spills in another (the same NVRTC release); told the smem-bound 3 blocks, it
+// spills (32, 128, 64) at 168. With the hint every configuration compiles to 255 registers or fewer
+// without spills; (32, 128, 64) takes 208, so 2 blocks an SM where shared memory would allow 3.
 template <int d_head, int B_r, int B_c>
 __host__ __device__ constexpr int min_blocks()
 {
     constexpr int blocks = (228 * 1024) / (4 * (B_r * (d_head + 4) + B_c * (d_head + 4) + B_c * d_head + B_r * (B_c + 8)) + 1024);
-    return blocks <= 2 ? blocks : 0;
+    return blocks < 2 ? blocks : 2;
 }
 
 // 2^x on the special-function unit; ex2.approx.ftz(-inf) = +0, which the masked scores rely on.
