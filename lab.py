@@ -157,11 +157,9 @@ def pick_kernel(name: str | None, device: str, asked: str = "auto", dtype: str =
     """The rung's full name (v02_pad_k), a .cu path, or "reference" (which takes every dtype).
     `arch` (the GPU's, "sm_90") keeps the default to rungs that run there (lab.min_arch); an FP8 rung
     (lab.fp8), which quantizes its inputs, is never the default."""
+    if name is None:  # fit_kernel narrows it to the model's head size once the model is read
+        return (kernels.default_rung(dtype, arch=arch) if device == "gpu" else None) or REFERENCE
     able = [n for n in kernels.names() if dtype in kernels.load(n).dtypes]  # the rungs that take dtype
-    if name is None:  # the newest that takes dtype, runs on arch, and is made for whole sequences in that dtype
-        prefill = [n for n in able if not kernels.load(n).split_kv and not kernels.load(n).fp8
-                   and (arch is None or kernels.load(n).runs_on(arch))]
-        return prefill[-1] if device == "gpu" and prefill else REFERENCE
     if name.lower() in (REFERENCE, "ref"):
         return REFERENCE
     triton = triton_rungs.owns(name)
@@ -252,12 +250,10 @@ def fit_kernel(kernel: str, asked: str | None, config, dtype: str, device: str, 
     """The rung for this model: the one asked for, refused (naming the rungs that would do) if it
     lacks the head size or grouped-query attention; by default on the GPU the newest whole-sequence
     rung that takes the model and runs there, else the reference."""
-    able = rungs_taking(config, dtype)
     if asked is None:
-        if device != "gpu":
-            return REFERENCE
-        prefill = [n for n in able if not kernels.load(n).split_kv and kernels.load(n).runs_on(arch)]
-        return prefill[-1] if prefill else REFERENCE
+        gqa = config.kv_heads != config.n_head
+        return (kernels.default_rung(dtype, config.head_size, gqa, arch) if device == "gpu" else None) or REFERENCE
+    able = rungs_taking(config, dtype)
     if kernel == REFERENCE:
         return kernel
     rung = load_rung(kernel)

@@ -392,9 +392,7 @@ def main(argv: list[str] | None, doc: str) -> int:
         # FP8 rungs quantize their inputs, and bench.py fp8 holds them to their own accuracy
         whole = args.command == "resources"
         dtype = getattr(args, "dtype", "float32")  # e2e runs float32
-        args.kernels = [kernels.resolve(n) for n in kernels.names()
-                        if whole or (not kernels.load(n).split_kv and not kernels.load(n).fp8
-                                     and dtype in kernels.load(n).dtypes)]
+        args.kernels = [kernels.resolve(n) for n in (kernels.names() if whole else kernels.rungs_for(dtype))]
     if args.command == "sweep" and args.t_min > args.t_max:
         parser.error(f"--t-min {args.t_min} is larger than --t-max {args.t_max}")
     try:

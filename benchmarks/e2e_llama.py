@@ -36,14 +36,6 @@ def llama_seam():
     return llama
 
 
-def rungs_taking(config, dtype: str, arch: str) -> list[str]:
-    """The whole-sequence rungs that run on arch and take the model: its head size, grouped-query
-    attention (fewer key/value heads than query heads) and dtype (not an FP8 rung, which quantizes)."""
-    gqa = config.kv_heads != config.n_head
-    return [n for n in kernels.names() if not (r := kernels.load(n)).split_kv and not r.fp8 and r.runs_on(arch)
-            and config.head_size in r.head_sizes() and dtype in r.dtypes and (not gqa or "gqa" in r.supports)]
-
-
 def refusal(path: Path, config, dtype: str, able: list[str]) -> str | None:
     """Why the rung at path cannot be this model's attention (naming those that can), or None."""
     rung = kernels.load(path.stem)
@@ -71,7 +63,7 @@ def cmd_e2e_llama(args) -> int:
     config, prompt = ckpt.config, PROMPT_IDS
     llama.fast.decode_layout(ckpt.params, config)  # as lab.py lays them out: the fast engine holds views
     device.release_memory()  # the float32 draw, the layout's transients
-    able = rungs_taking(config, DTYPE, kernels.device_limits().arch)
+    able = kernels.rungs_for(DTYPE, config.head_size, config.kv_heads != config.n_head, kernels.device_limits().arch)
     if not able:
         raise CannotRun(f"no rung takes {args.model} (head size {config.head_size}, grouped-query attention, "
                         f"{DTYPE}) on this device")

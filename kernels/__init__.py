@@ -1,6 +1,8 @@
 """The flash-attention ladder: one .cu file per rung, compiled at run time through CuPy.
 
     kernels.names()                                   rung names in ladder order
+    kernels.default_rung("bfloat16", 128, gqa=True, arch="sm_90")   the rung a run gets when none is named
+                                                      (kernels.rungs_for: all that fit, oldest first)
     kernels.attention(q, k, v, kernel="v08")          run a rung on (B, NH, T, d) float32 CuPy arrays
     kernels.reference_attention(q, k, v)              the same in plain array code (NumPy or CuPy)
     attend = kernels.Attend("v14")                    a rung as gpt2.forward's attend(q, k, v)
@@ -25,7 +27,7 @@ resolve, load; kernels.backward.launcher: prepare_backward, compile_report).
 from .backward import names as backward_names
 from .backward.launcher import attention_backward
 from .fp8 import Fp8Inputs, quantize_fp8
-from .ladder import load, names, resolve
+from .ladder import default_rung, load, names, resolve, rungs_for
 from .reference import reference_attention, reference_attention_backward
 from .runtime import (
     Attend,
@@ -54,6 +56,7 @@ __all__ = [
     "attention_fp8",
     "backward_names",
     "compile_report",
+    "default_rung",
     "device_limits",
     "gpu_available",
     "instance",
@@ -66,6 +69,7 @@ __all__ = [
     "reference_attention_backward",
     "resolve",
     "resources",
+    "rungs_for",
     "triton_names",
     "triton_unavailable",
 ]

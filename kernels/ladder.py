@@ -205,6 +205,29 @@ def names() -> list[str]:
     return [p.stem for p in rung_files()]
 
 
+def rungs_for(dtype: str, head_size: int | None = None, gqa: bool = False, arch: str | None = None, *,
+              decode: bool = False) -> list[str]:
+    """The rungs, in ladder order, that compute in dtype, take head_size (None: any) and, with gqa,
+    grouped-query attention, and run on arch (None: any). Whole-sequence rungs; with decode, the split-KV
+    ones (lab.split_kv: a few query rows over a long cache). Never an FP8 rung (lab.fp8): it quantizes
+    its inputs, so it runs only when named."""
+    able = []
+    for name in names():
+        rung = load(name)
+        if (rung.split_kv == decode and not rung.fp8 and dtype in rung.dtypes
+                and (head_size is None or head_size in rung.head_sizes()) and (not gqa or "gqa" in rung.supports)
+                and (arch is None or rung.runs_on(arch))):
+            able.append(name)
+    return able
+
+
+def default_rung(dtype: str, head_size: int | None = None, gqa: bool = False, arch: str | None = None, *,
+                 decode: bool = False) -> str | None:
+    """The newest of rungs_for(...): the attention a run gets when none is named; None if no rung fits."""
+    able = rungs_for(dtype, head_size, gqa, arch, decode=decode)
+    return able[-1] if able else None
+
+
 _resolved: dict[tuple[str, int], Path] = {}
 
 

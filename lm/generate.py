@@ -32,16 +32,10 @@ def reference_attend(q, k, v):
 
 def decode_rung(config, dtype: str) -> str | None:
     """The newest split-KV rung (one query over the cached keys, the keys split across blocks) that
-    runs on this device and takes the model's head size, dtype and (with fewer key/value heads than
-    query heads) grouped-query attention; None if none does."""
-    arch = kernels.device_limits().arch
+    runs on this device and takes the model's head size, dtype and grouped-query attention if it has
+    it; None if none does."""
     gqa = config.kv_heads != config.n_head
-    for name in reversed(kernels.names()):
-        rung = kernels.load(name)
-        if (rung.split_kv and rung.runs_on(arch) and config.head_size in rung.head_sizes() and dtype in rung.dtypes
-                and (not gqa or "gqa" in rung.supports)):
-            return name
-    return None
+    return kernels.default_rung(dtype, config.head_size, gqa, kernels.device_limits().arch, decode=True)
 
 
 def decode_rung_attend(name: str):

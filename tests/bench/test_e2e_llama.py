@@ -32,7 +32,7 @@ def test_the_prompt_is_begin_of_text_then_ids_in_the_vocabulary():
 
 def test_the_default_rung_takes_llama_1b_and_others_are_refused_naming_those_that_do():
     config = llama.SIZES["llama-3.2-1b"]
-    able = e2e_llama.rungs_taking(config, "bfloat16", "sm_90")
+    able = kernels.rungs_for("bfloat16", config.head_size, True, "sm_90")
     assert able and all("gqa" in kernels.load(n).supports and 64 in kernels.load(n).head_sizes() for n in able)
     assert e2e_llama.refusal(kernels.resolve(able[-1]), config, "bfloat16", able) is None
     why = e2e_llama.refusal(kernels.resolve("v01"), config, "bfloat16", able)
@@ -51,7 +51,7 @@ def llama_stand_in(monkeypatch):
 
 
 def test_llama_e2e_end_to_end_with_stand_ins(llama_stand_in, tmp_path, capsys):
-    default = e2e_llama.rungs_taking(TINY, "bfloat16", "sm_90")[-1]
+    default = kernels.default_rung("bfloat16", TINY.head_size, TINY.kv_heads != TINY.n_head, "sm_90")
     code, out, err = run(["e2e", "--model", "llama-3.2-1b", "--kernels", f"v01,{default}", "--tokens", "3",
                           "--warmup", "2", "--results", str(tmp_path)], capsys)
     assert code == 0, err
