@@ -14,9 +14,9 @@ import pytest
 import gpt2
 import gpt2.fast as fast
 from gpt2 import GPT2Config, Sampler
-from gpt2.fast.engine import _switch
 from gpt2.load import expected_shapes
 from kernels import KernelCompileError, fused
+from lm.switch import ASKED, ON, Switch, decide
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=50257, n_positions=64)  # tests/test_lab.py's
@@ -330,7 +330,7 @@ def test_persistent_step_plan_says_why_not(config, sms, smem, reason):
 
 
 def test_layer_table_matches_decode_step_struct():
-    """Engine._setup_persistent writes LAYER_POINTERS in order; decode_step.cu reads struct Layer."""
+    """PersistentStep._lay_out writes LAYER_POINTERS in order; decode_step.cu reads struct Layer."""
     text = fused.path_of("decode_step").read_text()
     body = text[text.index("struct Layer {"):text.index("};", text.index("struct Layer {"))]
     fields = re.findall(r"\*\s*(\w+)", body)
@@ -350,9 +350,10 @@ def test_engine_options_are_on_where_they_work():
     def never():
         raise AssertionError("checked although asked off")
 
-    assert _switch(False, never, "x") == (False, "off (asked)")
-    assert _switch(None, lambda: None, "x") == (True, "on")
-    assert _switch(None, lambda: "needs compute capability 9.0", "x") == (False, "off (needs compute capability 9.0)")
-    assert _switch(True, lambda: None, "x") == (True, "on")
+    assert decide(False, never, "x") == Switch.off("asked", ASKED) and str(decide(False, never, "x")) == "off (asked)"
+    assert decide(None, lambda: ON, "x") == ON and str(ON) == "on"
+    off = Switch.off("needs compute capability 9.0")
+    assert decide(None, lambda: off, "x") == off and str(off) == "off (needs compute capability 9.0)" and not off
+    assert decide(True, lambda: ON, "x") == ON
     with pytest.raises(RuntimeError, match="the persistent decode step does not work here: no cooperative launch"):
-        _switch(True, lambda: "no cooperative launch", "the persistent decode step")
+        decide(True, lambda: Switch.off("no cooperative launch"), "the persistent decode step")

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import ladder
+from ..prepared import Prepared
 
 TRITON_DIR = Path(__file__).resolve().parent
 _RUNG_FILE = re.compile(r"^t(\d+)_([a-z0-9_]+)\.py$")
@@ -213,7 +214,7 @@ def _current_stream(torch, device: int):
 
 
 def prepare(rung: TritonRung, q, k, v, out, *, causal: bool, scale: float, config=None):
-    """A function that launches the rung on validated CuPy arrays and returns `out` (see
+    """A Prepared that launches the rung on validated CuPy arrays and returns `out` (see
     runtime.prepare, which validates and allocates `out` first). `config`: a precision name, or a
     dict with "precision" and/or one of the rung's CONFIGS to pin the tile shape."""
     mod = module(rung)
@@ -238,9 +239,7 @@ def prepare(rung: TritonRung, q, k, v, out, *, causal: bool, scale: float, confi
             first = False
         return out
 
-    run.instance = inst
-    run.reads_inputs = True  # zero-copy: run() reads the caller's arrays, with their new contents
-    return run
+    return Prepared(run, inst, reads_inputs=True)  # zero-copy: run() reads the caller's arrays, with their new contents
 
 
 def configs(kernel) -> list[dict]:
