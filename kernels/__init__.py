@@ -28,6 +28,7 @@ from .backward import names as backward_names
 from .backward.launcher import attention_backward
 from .fp8 import Fp8Inputs, quantize_fp8
 from .ladder import default_rung, load, names, resolve, rungs_for
+from .prepared import Prepared
 from .reference import reference_attention, reference_attention_backward
 from .runtime import (
     Attend,
@@ -39,6 +40,7 @@ from .runtime import (
     device_limits,
     gpu_available,
     instance,
+    launcher,
     prepare,
     prepare_fp8,
     resources,
@@ -50,6 +52,7 @@ __all__ = [
     "Attend",
     "Fp8Inputs",
     "KernelCompileError",
+    "Prepared",
     "Resources",
     "attention",
     "attention_backward",
@@ -60,6 +63,7 @@ __all__ = [
     "device_limits",
     "gpu_available",
     "instance",
+    "launcher",
     "load",
     "names",
     "prepare",

@@ -41,8 +41,9 @@ A rung declares what the launcher needs in its header comment, one `lab.<key>` l
     lab.fp8        true                       computes on e4m3 copies of its inputs with one scale per
                                               tile (see below; default false)
 
-Every rung exports the same entry point, `attention_forward<...>`, with one signature, launched on a
-grid of (ceil(T_q / B_r), n_heads, batch) blocks: one block per tile of B_r query rows of one head.
+Every rung exports the same entry point, `attention_forward<...>`, with one signature (PARAMETERS
+below: the order, and the declarations that add parameters), launched on a grid of (ceil(T_q / B_r),
+n_heads, batch) blocks: one block per tile of B_r query rows of one head.
 A rung with lab.tma takes one more parameter per declared tensor, in the declaration's order, after
 the others: `const __grid_constant__ CUtensorMap`, the tensor's descriptor (driver.tensor_map_arguments)
 with the swizzle whose span the box's inner extent fills: 64 or 32 bytes for a box 64 or 32 bytes
@@ -52,23 +53,20 @@ A rung with lab.fp8 computes on e4m3 copies of its inputs: the launcher quantize
 (kernels.quantize_fp8, with the chosen configuration's B_r and B_c as the blocks, Hadamard on) or
 takes kernels.Fp8Inputs made beforehand (runtime.prepare_fp8), and launches the kernel on uint8
 arrays: Q (B, NH, T_q, d), K (B, NH_kv, T_k, d) and V^T (B, NH_kv, d, T_pad), V transposed (its
-lab.tma box in that array's order), output bfloat16. After the strides (before lse, persistent
-counts and descriptors) it takes three more parameters, `const float* q_scale, const float*
-k_scale, const float* v_scale`: one scale per tile, (B, NH, ceil(T_q / B_r)) and (B, NH_kv,
+lab.tma box in that array's order), output bfloat16. It takes three more parameters, q_scale, k_scale
+and v_scale: one scale per tile, (B, NH, ceil(T_q / B_r)) and (B, NH_kv,
 ceil(T_k / B_c)) twice. Its accuracy is FP8's, not its dtype's: the ladder's tolerance tests and the
 default choices of a rung for a dtype (lab.py, bench.py) leave it out; tests/test_fp8_gpu.py holds it
 to its float64 emulation (kernels.fp8.emulated_attention) and to RMSE bounds.
 
-A rung with lab.lse takes `float* __restrict__ lse` after the strides (before any descriptor): null,
-or a float32 (B, NH, T_q) array into which each query row's log-sum-exp goes, in natural log:
+A rung with lab.lse takes `float* lse`: null, or a float32 (B, NH, T_q) array into which each query row's log-sum-exp goes, in natural log:
 lse_i = log(sum_j exp(scale * q_i . k_j)) over the keys the row sees, +inf for a row that sees none
 (so that exp(s - lse) is 0 there, as FlashAttention stores it); the rungs take the logarithm of the
 row sum on the special-function unit (lg2.approx, within 2 units in float32's last place: log2f's
 slow path cost registers that some configurations do not have). kernels.attention(..., return_lse=True)
 passes the array and returns (out, lse); the backward ladder (kernels/backward/) reads it.
 A rung with lab.persistent is launched on a grid of (min(tiles, SMs x blocks per SM), 1, 1) blocks,
-tiles = ceil(T_q / B_r) x n_heads x batch, and takes two more parameters after the strides and any lse (before
-any descriptors): `int n_heads, int batch`. Its workspace starts with one 32-bit word, a tile
+tiles = ceil(T_q / B_r) x n_heads x batch, and takes two more parameters, n_heads and batch. Its workspace starts with one 32-bit word, a tile
 counter, that is zero at every launch: the launcher zeroes the workspace once per prepared call and
 the kernel must leave the counter at zero when it ends (then come its lab.workspace floats per row).
 """
@@ -76,6 +74,7 @@ the kernel must leave the counter at zero when it ends (then come its lab.worksp
 from __future__ import annotations
 
 import ast
+import functools
 import operator
 import re
 from dataclasses import dataclass, field
@@ -84,6 +83,23 @@ from pathlib import Path
 KERNEL_DIR = Path(__file__).resolve().parent
 ENTRY = "attention_forward"
 DTYPES = ("float32", "float16", "bfloat16")
+
+# attention_forward's parameters in order: (name, C++ kind, the declaration that adds it: None for every
+# rung). Pointers are to the element type (Q, K, V, O), float (workspace, the FP8 scales, lse); a lab.tma
+# rung then takes one CUtensorMap per declared tensor. runtime.Instance.launch packs its arguments by
+# this table; tests/test_kernels_cpu.py checks every rung's declaration against it.
+PARAMETERS = (
+    ("Q", "pointer", None), ("K", "pointer", None), ("V", "pointer", None), ("O", "pointer", None),
+    ("workspace", "pointer", None),
+    ("T_q", "int", None), ("T_k", "int", None), ("kv_group", "int", None), ("causal", "int", None),
+    ("scale", "float", None),
+    ("q_batch_stride", "long long", None), ("q_head_stride", "long long", None), ("q_row_stride", "long long", None),
+    ("kv_batch_stride", "long long", None), ("kv_head_stride", "long long", None),
+    ("kv_row_stride", "long long", None),
+    ("q_scale", "pointer", "fp8"), ("k_scale", "pointer", "fp8"), ("v_scale", "pointer", "fp8"),
+    ("lse", "pointer", "lse"),
+    ("n_heads", "int", "persistent"), ("batch", "int", "persistent"),
+)
 _RUNG_FILE = re.compile(r"^v(\d+)_([a-z0-9_]+)\.cu$")
 _DECL = re.compile(r"^\s*(?:\*|//)\s*lab\.(\w+)\s+(.*?)\s*$")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
@@ -124,6 +140,13 @@ class Rung:
     @property
     def number(self) -> str:
         return self.name.split("_", 1)[0]
+
+    @functools.cached_property
+    def parameters(self) -> tuple[tuple[str, str], ...]:
+        """attention_forward's (name, kind) in order for this rung (PARAMETERS, with its declarations'),
+        its lab.tma descriptors last."""
+        params = [(name, kind) for name, kind, added_by in PARAMETERS if added_by is None or getattr(self, added_by)]
+        return tuple(params + [(f"{tensor}_map", "tensor map") for tensor, _ in self.tma])
 
     def head_sizes(self) -> list[int]:
         return sorted({c[0] for c in self.configs})

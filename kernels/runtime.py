@@ -17,6 +17,7 @@ import numpy as np
 
 from . import driver, fp8, ladder, nvrtc
 from . import triton as triton_rungs
+from .prepared import Prepared
 
 COMMON_OPTIONS = ("-ftz=true",)  # CuPy adds -ftz=true to every compile; the NVRTC path matches it
 MAX_GRID_YZ = 65535
@@ -171,28 +172,26 @@ class Instance:
         return B * NH * T_q * splits * (d_head + 2) + tiles  # partials, then one counter per tile
 
     def launch(self, q, k, v, out, workspace, scale: float, causal: bool, tensor_maps=(), lse=None, scales=()):
-        """One launch; `tensor_maps`, a lab.tma rung's descriptors, are its last parameters, after a
-        lab.persistent rung's head and batch counts; a lab.lse rung takes `lse` (None: a null pointer,
-        nothing written) after the strides, and a lab.fp8 rung its three arrays of tile `scales` (Q's,
-        K's, V's) before that."""
+        """One launch, its arguments in the order of the rung's parameters (ladder.PARAMETERS): `lse` for
+        a lab.lse rung (None: a null pointer, nothing written), `scales` (Q's, K's, V's tiles) for a
+        lab.fp8 rung, `tensor_maps` (a lab.tma rung's descriptors, in its declaration's order) last."""
         B, NH, T_q, _ = q.shape
         NH_kv, T_k = k.shape[1], k.shape[2]
         item = q.itemsize
-        q_strides = [np.int64(s // item) for s in q.strides[:3]]
-        kv_strides = [np.int64(s // item) for s in k.strides[:3]]
+        values = {"Q": q, "K": k, "V": v, "O": out, "workspace": workspace, "T_q": np.int32(T_q),
+                  "T_k": np.int32(T_k), "kv_group": np.int32(NH // NH_kv), "causal": np.int32(causal),
+                  "scale": np.float32(scale), "lse": np.uint64(0) if lse is None else lse,
+                  "n_heads": np.int32(NH), "batch": np.int32(B)}
+        for prefix, x in (("q", q), ("kv", k)):
+            values |= {f"{prefix}_{what}_stride": np.int64(s // item)
+                       for what, s in zip(("batch", "head", "row"), x.strides[:3], strict=True)}
+        values |= dict(zip(("q_scale", "k_scale", "v_scale"), scales))
+        args = tuple(values[name] for name, kind in self.rung.parameters if kind != "tensor map") + tuple(tensor_maps)
         grid = self.grid(B, NH, T_q, T_k)
-        sizes = (np.int32(T_q), np.int32(T_k), np.int32(NH // NH_kv), np.int32(causal))
-        args = (q, k, v, out, workspace, *sizes, np.float32(scale), *q_strides, *kv_strides)
-        if self.rung.fp8:
-            args += tuple(scales)
-        if self.rung.lse:
-            args += (np.uint64(0) if lse is None else lse,)
-        if self.rung.persistent:
-            args += (np.int32(NH), np.int32(B))
         if tensor_maps:  # a CUtensorMap goes by value: packed as 128 bytes for cuLaunchKernelEx
             stream = _cupy().cuda.get_current_stream().ptr
-            driver.PackedLaunch(self.function, grid, self.block, args + tuple(tensor_maps), shared_mem=self.smem,
-                                stream=stream, name=self.rung.name)()
+            driver.PackedLaunch(self.function, grid, self.block, args, shared_mem=self.smem, stream=stream,
+                                name=self.rung.name)()
         else:
             self.function(grid, self.block, args, shared_mem=self.smem)
 
@@ -387,9 +386,9 @@ def _aligned(x, boundary: int = 16) -> bool:
 
 
 def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, out=None, return_lse: bool = False):
-    """Validate and compile once; return a function that launches the rung (for timing loops);
-    its `instance` attribute is the compiled configuration chosen for these inputs. With return_lse
-    (a lab.lse rung) the function returns (out, lse), lse the float32 (B, NH, T_q) log-sum-exp."""
+    """Validate and compile once; return a Prepared that launches the rung when called (for timing
+    loops), its `instance` the compiled configuration chosen for these inputs. With return_lse (a
+    lab.lse rung) a call returns (out, lse), lse the float32 (B, NH, T_q) log-sum-exp."""
     cupy = _cupy()
     if triton_rungs.owns(kernel):
         if return_lse:
@@ -406,8 +405,7 @@ def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, ou
     if rung.fp8:  # e4m3 copies, quantized here once with the configuration's tiles as the blocks
         inputs = fp8.quantize_fp8(q, k, v, block_q=inst.B_r, block_k=rung.params(inst.config)["B_c"])
         run = _prepare_fp8(inst, inputs, causal, scale, _output(q, out))
-        run.reads_inputs = False
-        return run
+        return Prepared(run.run, inst, reads_inputs=False)  # it reads the e4m3 copies
     given = q, k, v
     if not rung.strided:
         q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))
@@ -446,10 +444,7 @@ def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, ou
         inst.launch(q, k, v, out, workspace, scale, causal, tensor_maps, lse)
         return (out, lse) if return_lse else out
 
-    run.instance = inst  # the configuration chosen for these inputs
-    # whether run() reads the caller's arrays themselves (else copies made here, once)
-    run.reads_inputs = all(a is b for a, b in zip((q, k, v), given, strict=True))
-    return run
+    return Prepared(run, inst, reads_inputs=all(a is b for a, b in zip((q, k, v), given, strict=True)))
 
 
 def fp8_rung() -> str:
@@ -549,9 +544,7 @@ def _prepare_fp8(inst: Instance, inputs, causal: bool, scale, out):
         inst.launch(q, k, v_t, out, workspace, scale, bool(causal), tensor_maps, scales=scales)
         return out
 
-    run.instance = inst
-    run.reads_inputs = True
-    return run
+    return Prepared(run, inst, reads_inputs=True)
 
 
 def attention_fp8(inputs, *, kernel=None, causal: bool = True, scale=None, config=None, out=None):
@@ -586,22 +579,35 @@ def _prepare_triton(q, k, v, kernel, causal, scale, config, out):
 
 class Attend:
     """A rung as the attention function gpt2.forward takes: attend(q, k, v) is kernels.attention with
-    the rung (resolved once) and causal fixed. attend.prepare(q, k, v) returns run() -> o for callers
-    that launch on the same arrays many times with new contents (gpt2.fast's whole-sequence pass: every
-    layer of a step reads one qkv buffer): validated and compiled once, one output array reused.
-    Where the rung needs copies of its inputs (contiguous, or 16-byte aligned), run() makes them anew."""
+    the rung (resolved once) and causal fixed; with `dtype`, inputs of another dtype (a bfloat16 run's
+    float32 prefill on the fast path) are cast to it and the output back to theirs.
+    attend.prepare(q, k, v) returns run() -> o for callers that launch on the same arrays many times
+    with new contents (gpt2.fast's whole-sequence pass: every layer of a step reads one qkv buffer):
+    validated and compiled once, one output array reused. Where the rung needs copies of its inputs
+    (contiguous, 16-byte aligned, or cast), run() makes them anew."""
 
-    def __init__(self, kernel, causal: bool = True):
+    def __init__(self, kernel, causal: bool = True, dtype: str | None = None):
         # resolving a name scans kernels/ (or kernels/triton/)
         self.path = str(triton_rungs.resolve(kernel) if triton_rungs.owns(kernel) else ladder.resolve(kernel))
-        self.causal = causal
+        self.causal, self.dtype = causal, dtype
 
     def __call__(self, q, k, v):
-        return attention(q, k, v, kernel=self.path, causal=self.causal)
+        if self.dtype is None or q.dtype.name == self.dtype:
+            return attention(q, k, v, kernel=self.path, causal=self.causal)
+        cast = (x.astype(self.dtype) for x in (q, k, v))
+        return attention(*cast, kernel=self.path, causal=self.causal).astype(q.dtype)
 
     def prepare(self, q, k, v):
+        if self.dtype is not None and q.dtype.name != self.dtype:
+            return lambda: self(q, k, v)
         run = prepare(q, k, v, kernel=self.path, causal=self.causal)
         return run if run.reads_inputs else (lambda: self(q, k, v))
+
+
+def launcher(attend, q, k, v):
+    """attend(q, k, v) as run() -> o, for a caller that launches it on the same arrays many times with
+    new contents: a kernels.Attend prepared once (Attend.prepare), any other attention called each time."""
+    return attend.prepare(q, k, v) if isinstance(attend, Attend) else (lambda: attend(q, k, v))
 
 
 def attention(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, out=None, return_lse: bool = False):
