@@ -30,30 +30,31 @@ import math
 import platform
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 import gpt2
-import gpt2.fast
 import kernels
 import llama
-import llama.fast
 from gpt2 import LabError, Sampler, StreamDecoder, reference_attend
 from gpt2.generate import decode_attention_name
-from gpt2.load import load_folder as gpt2_load_folder
 from gpt2.model import cast_params
 from kernels import triton as triton_rungs
 from lm import checkpoint
 from lm.arrays import held_bytes
+from lm.family import Family, all_sizes, of_folder, of_size
 from lm.kv_cache import kv_cache_bytes
+from lm.measure import by_kind, copy_ceiling
 from lm.summary import PEAK_MEASURE, WARMUP_TOKENS, compare_with_reference, memory_figures, phase_times, print_summary
+from lm.switch import ASKED, ON, Switch
 
 REFERENCE = "reference"
 DEFAULT_PROMPT = "Hello, I'm a language model,"
 DTYPES = ("float32", "float16", "bfloat16")
-FAMILIES = {"gpt2": gpt2, "llama": llama}  # config.json's model_type -> the package (its fast path: .fast)
+FAMILIES = (gpt2.FAMILY, llama.FAMILY)  # chosen by config.json's model_type, or by --size
 
 
 class Parser(argparse.ArgumentParser):
@@ -93,7 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                    "config.json's model_type (gpt2 or llama); HF_HUB_OFFLINE=1 uses the cache only")
     p.add_argument("--random-weights", action="store_true",
                    help="GPT-2- or Llama-shaped weights from --seed, no download")
-    p.add_argument("--size", choices=[*gpt2.SIZES, *llama.SIZES],
+    p.add_argument("--size", choices=all_sizes(FAMILIES),
                    help="family member for --random-weights (default gpt2)")
     p.add_argument("--check", action="store_true",
                    help="rerun with the reference attention: identical tokens? largest logit difference?")
@@ -202,39 +203,32 @@ def tune_length_buckets(attend, config, longest: int) -> None:
 def make_attend(kernel: str, dtype: str = "float32"):
     """The attention in `dtype`: inputs of another dtype (the fast path's float32 prefill in a
     bfloat16 run) are cast to it, and the output back to theirs."""
-    # the rung takes (B, NH, T, hs) views of the packed qkv projection as they are
-    in_dtype = reference_attend if kernel == REFERENCE else kernels.Attend(kernel)
+    if kernel != REFERENCE:  # the rung takes (B, NH, T, hs) views of the packed qkv projection as they are
+        return kernels.Attend(kernel, dtype=dtype)
 
     def attend(q, k, v):
         if q.dtype.name == dtype:
-            return in_dtype(q, k, v)
-        return in_dtype(q.astype(dtype), k.astype(dtype), v.astype(dtype)).astype(q.dtype)
+            return reference_attend(q, k, v)
+        return reference_attend(q.astype(dtype), k.astype(dtype), v.astype(dtype)).astype(q.dtype)
 
-    if kernel != REFERENCE:  # launched many times on one layout: see kernels.Attend.prepare
-        attend.prepare = lambda q, k, v: in_dtype.prepare(q, k, v) if q.dtype.name == dtype else lambda: attend(q, k, v)
     return attend
 
 
-def locate_model(args) -> tuple[str, Path | None, Path | None]:
-    """The family ("gpt2" or "llama": --size's, or config.json's model_type; a folder without
-    config.json is GPT-2's) and, for --model, its folder (a hub id downloaded) and a named .safetensors."""
+def locate_model(args) -> tuple[Family, Path | None, Path | None]:
+    """The family (--size's, or config.json's model_type; a folder without config.json is GPT-2's) and,
+    for --model, its folder (a hub id downloaded) and a named .safetensors."""
     if args.random_weights:
-        return ("llama" if args.size in llama.SIZES else "gpt2"), None, None
+        return of_size(FAMILIES, args.size or "gpt2"), None, None
     folder, file = checkpoint.locate(args.model or gpt2.DEFAULT_MODEL)
-    family = checkpoint.model_type(folder) or "gpt2"
-    if family not in FAMILIES:
-        raise LabError(f"{folder / 'config.json'}: model_type {family!r} is not a model the lab runs "
-                       f"({', '.join(FAMILIES)})")
-    return family, folder, file
+    return of_folder(FAMILIES, folder, checkpoint.model_type(folder)), folder, file
 
 
-def load_checkpoint(args, family: str, folder: Path | None, file: Path | None, xp):
+def load_checkpoint(args, family: Family, folder: Path | None, file: Path | None, xp):
     """The weights in --dtype, each tensor cast as it is drawn or read (no float32 copy of a 16-bit run's
     weights on the device)."""
     if args.random_weights:
-        return FAMILIES[family].random_weights(args.size or "gpt2", seed=args.seed, xp=xp, dtype=args.dtype)
-    load_folder = gpt2_load_folder if family == "gpt2" else llama.load_folder
-    return load_folder(folder, xp=xp, name=args.model or gpt2.DEFAULT_MODEL, file=file, dtype=args.dtype)
+        return family.random_weights(args.size or "gpt2", seed=args.seed, xp=xp, dtype=args.dtype)
+    return family.load_folder(folder, xp=xp, name=args.model or gpt2.DEFAULT_MODEL, file=file, dtype=args.dtype)
 
 
 def rungs_taking(config, dtype: str) -> list[str]:
@@ -267,31 +261,15 @@ def fit_kernel(kernel: str, asked: str | None, config, dtype: str, device: str, 
     return kernel
 
 
-def encode_prompt(args, family: str, encoding) -> list[int]:
-    """--prompt-ids as given, or --prompt through the tokenizer (Llama: after <|begin_of_text|>, or in
-    the chat format with --chat)."""
-    if args.chat and family != "llama":
-        raise LabError("--chat wraps the prompt in Llama 3's instruct format; GPT-2 has none")
+def encode_prompt(args, family: Family, encoding) -> list[int]:
+    """--prompt-ids as given, or --prompt through the family's tokenizer (Llama: after <|begin_of_text|>,
+    or in the chat format with --chat)."""
     if args.prompt_ids is not None:
         return args.prompt_ids
-    text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
-    if family == "gpt2":
-        return encoding.encode(text, allowed_special="all")
     if encoding is None:
         where = "random weights have" if args.random_weights else f"{args.model} has"
         raise LabError(f"{where} no tokenizer.model: give the prompt as token ids, --prompt-ids 128000,791,...")
-    return llama.tokenizer.chat(encoding, text) if args.chat else llama.tokenizer.encode(encoding, text)
-
-
-def eos_ids(args, family: str, config, encoding) -> tuple[int, ...]:
-    """What --stop-at-eos stops at: <|endoftext|> (GPT-2); the config's eos_token_id (Llama), and with
-    --chat <|eot_id|>, which ends the assistant's turn."""
-    if not args.stop_at_eos:
-        return ()
-    if family == "gpt2":
-        return (config.eos_token_id,)
-    chat = (llama.tokenizer.special(encoding, "<|eot_id|>"),) if args.chat else ()
-    return tuple(dict.fromkeys(config.eos_token_id + chat))
+    return family.encode(encoding, args.prompt if args.prompt is not None else DEFAULT_PROMPT, chat=args.chat)
 
 
 def device_name(device: str) -> str:
@@ -310,11 +288,60 @@ def device_name(device: str) -> str:
     return f"{cpu} (NumPy {np.__version__})"
 
 
+@dataclass
+class Setup:
+    """What a run holds once loaded: its family, device, weights, tokenizer, prompt and attention."""
+
+    family: Family
+    device: str
+    xp: object  # NumPy or CuPy
+    ckpt: object  # the family's Checkpoint, its params in --dtype
+    encoding: object  # the tokenizer; None where there is none (random Llama weights)
+    prompt: list[int]
+    kernel: str
+    eos: tuple[int, ...]  # what --stop-at-eos stops at
+    attend: object  # the rung (or the reference) in --dtype
+    fast: Switch  # whether generate() takes the family's fast path
+    free_before: int | None  # device bytes free before the weights (GPU)
+    positions: int  # prompt + --tokens: every run of this call, warm-up and check included, on one engine
+
+    @property
+    def config(self):
+        return self.ckpt.config
+
+
+@dataclass
+class Timed:
+    """The timed run: its Generation, seconds (compilation excluded), each token's host arrival time."""
+
+    result: object
+    seconds: float
+    start: float
+    stamps: list[float]
+    shown_prompt: str | None
+    warmup_seconds: float
+    compile_start: float  # kernels.runtime.compile_seconds before the warm-up
+
+
 def run(args) -> int:
+    setup = load(args)
+    timed = timed_generation(args, setup)
+    measured = measure(args, setup, timed)
+    summary = summarize(args, setup, timed, measured)
+    print_summary(summary)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+    check = summary["check"]
+    return 1 if check is not None and not check["identical"] else 0
+
+
+def load(args) -> Setup:
+    """The arguments checked, the model located and its weights loaded in --dtype (laid out for the fast
+    engine on the GPU), the prompt encoded, the rung chosen for the model."""
     check_args(args)
     device = pick_device(args.device)
     family, folder, file = locate_model(args)
-    args.dtype = args.dtype or ("float32" if family == "gpt2" else llama.DEFAULT_DTYPE)
+    args.dtype = args.dtype or family.default_dtype
     arch = kernels.device_limits().arch if device == "gpu" else None
     kernel = pick_kernel(args.kernel, device, args.device, args.dtype, arch)
     if device == "gpu":
@@ -323,159 +350,173 @@ def run(args) -> int:
         xp = np
     if args.profile_step and device == "cpu":
         raise LabError("--profile-step needs the GPU (the fast path)")
-    encoding = gpt2.load_tokenizer(folder) if family == "gpt2" else llama.load_tokenizer(folder)
+    encoding = family.load_tokenizer(folder)
     prompt = encode_prompt(args, family, encoding)
     free_before = xp.cuda.runtime.memGetInfo()[0] if device == "gpu" else None
     ckpt = load_checkpoint(args, family, folder, file, xp)
-    config = ckpt.config
-    kernel = fit_kernel(kernel, args.kernel, config, args.dtype, device, arch)
+    kernel = fit_kernel(kernel, args.kernel, ckpt.config, args.dtype, device, arch)
     ckpt.params = cast_params(ckpt.params, args.dtype)  # loaded in it: the arrays as they are
     if device == "gpu":  # the layout the fast engine reads without a copy
-        if family == "gpt2":
-            gpt2.fast.decode_layout(ckpt.params)
-        else:
-            llama.fast.decode_layout(ckpt.params, config)
-    pool = xp.get_default_memory_pool() if device == "gpu" else None
-    if pool is not None:
-        pool.free_all_blocks()  # the load's transients; from here the pool only grows: it ends at its peak
-    if len(prompt) + args.tokens > config.n_positions:
+        family.decode_layout(ckpt.params, ckpt.config)
+        xp.get_default_memory_pool().free_all_blocks()  # the load's transients; from here the pool only grows
+    if len(prompt) + args.tokens > ckpt.config.n_positions:
         raise LabError(f"{len(prompt)} prompt tokens + --tokens {args.tokens} = {len(prompt) + args.tokens} "
-                       f"positions, but the model has {config.n_positions}")
-    attend = make_attend(kernel, args.dtype)
-    eos = eos_ids(args, family, config, encoding)
-    fast_why = ("--no-graph" if args.no_graph else "NumPy on the CPU" if device == "cpu"
-                else FAMILIES[family].fast.unsupported_reason(ckpt.params, config, kv_cache=args.kv_cache,
-                                                              sampler=Sampler(args.temperature, args.top_k, args.seed)))
-    positions = len(prompt) + args.tokens  # every run of this call, warm-up and check included, on one engine
+                       f"positions, but the model has {ckpt.config.n_positions}")
+    eos = family.stop_ids(ckpt.config, encoding, chat=args.chat) if args.stop_at_eos else ()
+    return Setup(family, device, xp, ckpt, encoding, prompt, kernel, eos, make_attend(kernel, args.dtype),
+                 fast_path(args, family, ckpt, device), free_before, len(prompt) + args.tokens)
 
-    def sync():
-        if device == "gpu":
-            xp.cuda.Device().synchronize()
 
-    def run_once(attention, n_new, **kw):
-        sampler = Sampler(args.temperature, args.top_k, args.seed)
-        if family == "gpt2":
-            return gpt2.generate(ckpt.params, config, prompt, n_new, attend=attention, kv_cache=args.kv_cache,
-                                 sampler=sampler, eos_id=eos[0] if eos else None, fast=not args.no_graph, **kw)
-        return llama.generate(ckpt.params, config, prompt, n_new, attend=attention, kv_cache=args.kv_cache,
-                              sampler=sampler, eos_ids=eos, fast=not args.no_graph, max_len=positions, **kw)
+def generate_once(args, setup: Setup, attention, n_new: int, **kw):
+    """One generation of n_new tokens with `attention`, as the family's generate() runs it."""
+    return setup.family.generate(setup.ckpt.params, setup.config, setup.prompt, n_new, attend=attention,
+                                 kv_cache=args.kv_cache, sampler=Sampler(args.temperature, args.top_k, args.seed),
+                                 eos_ids=setup.eos, fast=not args.no_graph, max_len=setup.positions, **kw)
 
-    # Warm-up outside the timing: compiles the rung (NVRTC) and CuPy's own elementwise kernels.
+
+def timed_generation(args, setup: Setup) -> Timed:
+    """A warm-up outside the timing (it compiles the rung, NVRTC, and CuPy's own elementwise kernels),
+    then the timed run, its text streamed as it arrives."""
+    attend = setup.attend
     compile_start = kernels.runtime.compile_seconds
     start = time.perf_counter()
-    run_once(attend, min(WARMUP_TOKENS, args.tokens))
-    if triton_rungs.owns(kernel):
-        tune_length_buckets(attend, config, len(prompt) + args.tokens)
-    sync()
+    generate_once(args, setup, attend, min(WARMUP_TOKENS, args.tokens))
+    if triton_rungs.owns(setup.kernel):
+        tune_length_buckets(attend, setup.config, setup.positions)
+    sync(setup)
     warmup_seconds = time.perf_counter() - start
 
-    # without a tokenizer (random Llama weights) the prompt and the new tokens are shown as ids
+    encoding = setup.encoding  # without one (random Llama weights) the prompt and new tokens show as ids
     stream = StreamDecoder(encoding) if encoding is not None else lambda token: f" {token}"
     stamps = []  # host time of each token's arrival: the first one is the time to first token
 
     def show(token):
         stamps.append(time.perf_counter())
-        if token not in eos:
+        if token not in setup.eos:
             sys.stdout.write(stream(token))
             sys.stdout.flush()
 
     if args.prompt_ids is None:  # the text as typed (with --chat: the user's turn)
         shown_prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     else:
-        shown_prompt = encoding.decode(prompt) if encoding is not None else None
-    sys.stdout.write(shown_prompt if shown_prompt is not None else ",".join(map(str, prompt)))
+        shown_prompt = encoding.decode(setup.prompt) if encoding is not None else None
+    sys.stdout.write(shown_prompt if shown_prompt is not None else ",".join(map(str, setup.prompt)))
     sys.stdout.flush()
-    sync()
+    sync(setup)
     compile_before = kernels.runtime.compile_seconds
     start = time.perf_counter()
-    result = run_once(attend, args.tokens, on_token=show)
-    sync()
+    result = generate_once(args, setup, attend, args.tokens, on_token=show)
+    sync(setup)
     seconds = time.perf_counter() - start - (kernels.runtime.compile_seconds - compile_before)
     sys.stdout.write((stream.flush() if encoding is not None else "") + "\n")
-    peak = pool.total_bytes() if pool is not None else None
-    memory = (memory_figures(peak, free_before - xp.cuda.runtime.memGetInfo()[0], held_bytes(ckpt.params.values()),
-                             *held_by_run(ckpt, config, args, fast_why, len(prompt), family))
-              if pool is not None else {})
+    return Timed(result, seconds, start, stamps, shown_prompt, warmup_seconds, compile_start)
 
-    check = compare_with_reference(run_once, attend, result, args.tokens, xp) if args.check else None
-    n_new = len(result.tokens)
-    phases = phase_times(stamps, start, n_new)
-    if args.kv_cache and device == "gpu" and args.dtype in FAMILIES[family].fast.DTYPES:  # the dtypes it counts bytes for
-        phases |= bandwidth(family, config, args.dtype, phases["decode_tokens_per_second"])
-    engine = fast_engine(family, ckpt, config, positions) if fast_why is None else None
-    profile = (profile_step(engine or fast_engine(family, ckpt, config, positions), len(prompt) + n_new - 1)
-               if args.profile_step else None)
-    summary = {
-        "model": ckpt.name,
-        "family": family,
-        "n_params": ckpt.n_params,
+
+def sync(setup: Setup) -> None:
+    if setup.device == "gpu":
+        setup.xp.cuda.Device().synchronize()
+
+
+def measure(args, setup: Setup, timed: Timed) -> dict:
+    """What the run is measured by beside its time, taken in this order after it: memory (the pool's
+    peak first), the check against the reference, the phases and bandwidth, the step's profile."""
+    xp, gpu = setup.xp, setup.device == "gpu"
+    peak = xp.get_default_memory_pool().total_bytes() if gpu else None
+    memory = (memory_figures(peak, setup.free_before - xp.cuda.runtime.memGetInfo()[0],
+                             held_bytes(setup.ckpt.params.values()), *held_by_run(args, setup)) if gpu else {})
+    run_once = partial(generate_once, args, setup)
+    check = (compare_with_reference(run_once, setup.attend, timed.result, args.tokens, xp)
+             if args.check else None)
+    n_new = len(timed.result.tokens)
+    phases = phase_times(timed.stamps, timed.start, n_new)
+    if args.kv_cache and gpu and args.dtype in setup.family.fast_dtypes:  # the dtypes it counts bytes for
+        phases |= bandwidth(setup.family, setup.config, args.dtype, phases["decode_tokens_per_second"])
+    engine = fast_engine(setup) if setup.fast or args.profile_step else None
+    profile = profile_step(engine, len(setup.prompt) + n_new - 1) if args.profile_step else None
+    return {"peak": peak, "memory": memory, "check": check, "phases": phases, "profile": profile,
+            "engine": engine if setup.fast else None}
+
+
+def summarize(args, setup: Setup, timed: Timed, measured: dict) -> dict:
+    """The run's summary: what print_summary shows and --json writes."""
+    engine, config, n_new, seconds = measured["engine"], setup.config, len(timed.result.tokens), timed.seconds
+    fused = f"fused {setup.family.decode_attention}"
+    peak = measured["peak"]
+    return {
+        "model": setup.ckpt.name,
+        "family": setup.family.name,
+        "n_params": setup.ckpt.n_params,
         "config": asdict(config),
-        "kernel": kernel,
+        "kernel": setup.kernel,
         "mode": "kv-cache" if args.kv_cache else "no-kv-cache",
-        "decode_attention": (decode_attention_name(xp, config, args.dtype) if fast_why else
-                             f"fused {'decode_attention' if family == 'gpt2' else 'gqa_decode_attention'}")
+        "decode_attention": (fused if setup.fast else decode_attention_name(setup.xp, config, args.dtype))
         if args.kv_cache else None,
-        "engine": "fast" if fast_why is None else "eager",
-        "engine_note": fast_why,
+        "engine": "fast" if setup.fast else "eager",
+        "engine_note": setup.fast.why,
         "pdl": engine.pdl_note if engine is not None and args.kv_cache else None,
         "persistent": engine.persistent_note if engine is not None and args.kv_cache else None,
         "products": getattr(engine, "products", "cublas") if engine is not None else None,
         "dtype": args.dtype,
-        "device": device,
-        "device_name": device_name(device),
-        "prompt": shown_prompt,
-        "prompt_tokens": prompt,
-        "generated_tokens": result.tokens,
-        "generated_text": encoding.decode(result.tokens) if encoding is not None else None,
-        "tokenizer_note": None if encoding is not None else
+        "device": setup.device,
+        "device_name": device_name(setup.device),
+        "prompt": timed.shown_prompt,
+        "prompt_tokens": setup.prompt,
+        "generated_tokens": timed.result.tokens,
+        "generated_text": setup.encoding.decode(timed.result.tokens) if setup.encoding is not None else None,
+        "tokenizer_note": None if setup.encoding is not None else
         "none (no tokenizer.model: random weights, or a folder without one): prompt and output as token ids",
-        "n_prompt_tokens": len(prompt),
+        "n_prompt_tokens": len(setup.prompt),
         "n_new_tokens": n_new,
         "seconds": seconds,
         "tokens_per_second": n_new / seconds if seconds > 0 else math.inf,
-        **phases,
-        "profile_step": profile,
-        "compile_seconds": kernels.runtime.compile_seconds - compile_start,
-        "warmup_seconds": warmup_seconds,
+        **measured["phases"],
+        "profile_step": measured["profile"],
+        "compile_seconds": kernels.runtime.compile_seconds - timed.compile_start,
+        "warmup_seconds": timed.warmup_seconds,
         "peak_gpu_memory_bytes": peak,
         "peak_gpu_memory_measure": PEAK_MEASURE if peak is not None else None,
-        **memory,
+        **measured["memory"],
         "temperature": args.temperature,
         "top_k": args.top_k,
         "seed": args.seed,
         "stop_at_eos": args.stop_at_eos,
-        "eos_ids": list(eos),
-        "stopped_at_eos": result.stopped_at_eos,
-        "check": check,
+        "eos_ids": list(setup.eos),
+        "stopped_at_eos": timed.result.stopped_at_eos,
+        "check": measured["check"],
     }
-    print_summary(summary)
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
-    return 1 if check is not None and not check["identical"] else 0
 
 
-def fast_engine(family: str, ckpt, config, positions: int):
-    """The fast engine generate() ran on: GPT-2's (n_positions long), or Llama's for these positions."""
-    if family == "gpt2":
-        return gpt2.fast.engine_for(ckpt.params, config)
-    return llama.fast.engine_for(ckpt.params, config, positions=positions)
+def fast_path(args, family: Family, ckpt, device: str) -> Switch:
+    """Whether generate() takes the family's fast path (gpt2/fast, llama/fast), or off and why not."""
+    if args.no_graph:
+        return Switch.off("--no-graph", ASKED)
+    if device == "cpu":
+        return Switch.off("NumPy on the CPU")
+    why = family.fast_reason(ckpt.params, ckpt.config, kv_cache=args.kv_cache,
+                             sampler=Sampler(args.temperature, args.top_k, args.seed))
+    return ON if why is None else Switch.off(why)
 
 
-def held_by_run(ckpt, config, args, fast_why: str | None, n_prompt: int, family: str) -> tuple[int, int | None]:
+def fast_engine(setup: Setup):
+    """The fast engine generate() ran on: GPT-2's (n_positions long), or Llama's for the run's positions."""
+    return setup.family.engine(setup.ckpt.params, setup.config, setup.positions)
+
+
+def held_by_run(args, setup: Setup) -> tuple[int, int | None]:
     """The KV cache's bytes in this run (the fast engine's static one: GPT-2's n_positions long, Llama's
     the run's positions rounded up; the eager path's, prompt + new tokens; none without --kv-cache on the
     eager path) and what the fast engine holds beside the weights (None on the eager path)."""
-    if fast_why is None:
-        engine = fast_engine(family, ckpt, config, n_prompt + args.tokens)
+    if setup.fast:
+        engine = fast_engine(setup)
         return engine.k_cache.nbytes + engine.v_cache.nbytes, engine.added_bytes()
-    positions = n_prompt + args.tokens - 1 if args.kv_cache else 0
-    return kv_cache_bytes(config, positions, args.dtype), None
+    positions = setup.positions - 1 if args.kv_cache else 0
+    return kv_cache_bytes(setup.config, positions, args.dtype), None
 
 
-def bandwidth(family: str, config, dtype: str, decode_tokens_per_second) -> dict:
+def bandwidth(family: Family, config, dtype: str, decode_tokens_per_second) -> dict:
     """Weight bytes one decode step reads, the rate they imply, and a copy ceiling measured now."""
-    per_token = FAMILIES[family].fast.weight_bytes_per_token(config, dtype)
-    ceiling = gpt2.fast.copy_ceiling()
+    per_token = family.weight_bytes_per_token(config, dtype)
+    ceiling = copy_ceiling()
     achieved = per_token * decode_tokens_per_second if decode_tokens_per_second else None
     return {"weight_bytes_per_token": per_token, "achieved_weight_bytes_per_second": achieved,
             "copy_ceiling_bytes_per_second": ceiling,
@@ -495,7 +536,7 @@ def profile_step(engine, position: int) -> dict:
     out = {
         "position": position,
         "kernels": [{"name": name, "ms": ms} for name, ms in kernels_ms],
-        "by_kind": [{"kind": kind, "launches": n, "ms": ms} for kind, n, ms in gpt2.fast.by_kind(kernels_ms)],
+        "by_kind": [{"kind": kind, "launches": n, "ms": ms} for kind, n, ms in by_kind(kernels_ms)],
         "kernel_ms_sum": sum(ms for _, ms in kernels_ms),
         "graph_ms_per_token": engine.replay_ms(replay_from, steps, persistent=False),
         "graph_ms_per_token_without_prefetch": engine.replay_ms(replay_from, steps, prefetch=False),
@@ -509,11 +550,11 @@ def profile_step(engine, position: int) -> dict:
     if engine.persistent:
         out["persistent_ms_per_token"] = engine.replay_ms(replay_from, steps, persistent=True)
         stages = engine.profile_persistent(position)
-        work = dict((k, ms) for k, _, ms in gpt2.fast.by_kind([(name, w) for name, _, w, _ in stages]))
-        wait = dict((k, ms) for k, _, ms in gpt2.fast.by_kind([(name, b) for name, _, _, b in stages]))
+        work = dict((k, ms) for k, _, ms in by_kind([(name, w) for name, _, w, _ in stages]))
+        wait = dict((k, ms) for k, _, ms in by_kind([(name, b) for name, _, _, b in stages]))
         out["persistent_stages"] = [
             {"kind": kind, "stages": n, "ms": ms, "work_ms": work[kind], "wait_ms": wait[kind]}
-            for kind, n, ms in gpt2.fast.by_kind([(name, total) for name, total, _, _ in stages])]
+            for kind, n, ms in by_kind([(name, total) for name, total, _, _ in stages])]
     return out
 
 

@@ -33,41 +33,30 @@ PREFILL_TOKENS = 1000
 PROMPTS = {"gpt2": [15496, 11, 314, 1101, 257, 3303, 2746, 11],  # "Hello, I'm a language model,"
            "llama": [128000, 791, 4062, 14198, 39935, 35308, 927, 279, 16053, 5679, 13]}  # e2e_llama's ids
 COPY_TARGETS = {"bfloat16": 80.0, "float32": 70.0}  # decode: % of the copy ceiling (weight bytes per second)
+BOS = {"gpt2": [], "llama": [128000]}  # the id a prompt starts with, by family
+HF_CLASSES = {"gpt2": ("GPT2LMHeadModel", "GPT2Config"), "llama": ("LlamaForCausalLM", "LlamaConfig")}  # transformers'
 RATE_TARGETS = {("gpt2", "bfloat16"): 10_000.0, ("gpt2", "float32"): 6_000.0}  # tokens/s, by (size, dtype)
 PREFILL_TARGET = 50.0  # the prefill's products: % of the bf16 GEMM ceiling (gpt2-xl and Llama shapes)
 PREFILL_TARGET_SIZES = ("gpt2-xl", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b")
 
 
+def of_size(size: str):
+    """The lm.family.Family that runs `size` (lab.FAMILIES), gpt2/ and llama/ imported now."""
+    import lab
+    from lm.family import of_size as by_size
+
+    return by_size(lab.FAMILIES, size)
+
+
 def family(size: str) -> str:
-    return "llama" if size.startswith("llama") else "gpt2"
-
-
-def model(size: str):
-    """The package that runs `size` (gpt2 or llama), imported now."""
-    if family(size) == "llama":
-        import llama
-        import llama.fast  # noqa: F401
-
-        return llama
-    import gpt2
-    import gpt2.fast  # noqa: F401
-
-    return gpt2
-
-
-def weight_bytes_per_token(size: str, config, dtype: str) -> int:
-    """Bytes of weights one decode step reads (every matrix once, the head whole)."""
-    if family(size) == "llama":
-        from llama.load import weight_bytes_per_token as llama_bytes
-
-        return llama_bytes(config, dtype)
-    return model(size).fast.weight_bytes_per_token(config, dtype)
+    return of_size(size).name
 
 
 def prefill_ids(size: str, config, n: int) -> list[int]:
-    """n token ids from a fixed generator (Llama: after <|begin_of_text|>): any ids do on random weights."""
+    """n token ids from a fixed generator (after the family's first id, Llama's <|begin_of_text|>): any
+    ids do on random weights."""
     ids = np.random.default_rng(25).integers(0, min(config.vocab_size, 50000), n).tolist()
-    return [128000, *ids[1:]] if family(size) == "llama" else ids
+    return [*BOS[family(size)], *ids[len(BOS[family(size)]):]]
 
 
 def measure(size: str, dtype: str, args, copy_bps: float, bf16_tflops: float | None) -> dict:
@@ -80,26 +69,23 @@ def measure(size: str, dtype: str, args, copy_bps: float, bf16_tflops: float | N
 
     cupy = device.get_cupy()
     pool = cupy.get_default_memory_pool()
-    module = model(size)
+    fam = of_size(size)
     device.release_memory()
     free_before = cupy.cuda.runtime.memGetInfo()[0]
-    ckpt = module.random_weights(size, seed=args.seed, xp=cupy, dtype=dtype)
+    ckpt = fam.random_weights(size, seed=args.seed, xp=cupy, dtype=dtype)
     config, params = ckpt.config, ckpt.params
-    if family(size) == "gpt2":
-        module.fast.decode_layout(params)
-    else:
-        module.fast.decode_layout(params, config)
+    fam.decode_layout(params, config)
     cupy.cuda.Device().synchronize()
     pool.free_all_blocks()  # the draws' float32 transients: the peak counts from the weights in place
     kernel = lab.fit_kernel(lab.REFERENCE, None, config, dtype, "gpu", kernels.device_limits().arch)
     attend = lab.make_attend(kernel, dtype)
-    prompt, long_prompt = PROMPTS[family(size)], prefill_ids(size, config, args.prefill_tokens)
+    prompt, long_prompt = PROMPTS[fam.name], prefill_ids(size, config, args.prefill_tokens)
 
     positions = max(len(prompt) + args.tokens, len(long_prompt) + 1)  # every run below on one engine (Llama's)
-    sized = {"max_len": positions} if family(size) == "llama" else {}
 
     def generate(ids, n, on_token=None):
-        return module.generate(params, config, ids, n, attend=attend, kv_cache=True, on_token=on_token, **sized)
+        return fam.generate(params, config, ids, n, attend=attend, kv_cache=True, sampler=None, max_len=positions,
+                            on_token=on_token)
 
     def sync():
         cupy.cuda.Device().synchronize()
@@ -118,10 +104,9 @@ def measure(size: str, dtype: str, args, copy_bps: float, bf16_tflops: float | N
         sync()
         ttft.append(time.perf_counter() - start)
     peak, used = pool.total_bytes(), free_before - cupy.cuda.runtime.memGetInfo()[0]
-    why = module.fast.unsupported_reason(params, config, kv_cache=True)
+    why = fam.fast_reason(params, config, kv_cache=True, sampler=None)
     if why is None:
-        engine = (module.fast.engine_for(params, config) if family(size) == "gpt2"
-                  else module.fast.engine_for(params, config, positions=positions))
+        engine = fam.engine(params, config, positions)
         kv, added = engine.k_cache.nbytes + engine.v_cache.nbytes, engine.added_bytes()
         step = "persistent step" if engine.persistent else f"CUDA graphs (persistent step {engine.persistent_note})"
         path = f"fast: {step}"
@@ -129,10 +114,10 @@ def measure(size: str, dtype: str, args, copy_bps: float, bf16_tflops: float | N
         positions = max(len(prompt) + args.tokens - 1, len(long_prompt))
         kv, added, path = kv_cache_bytes(config, positions, dtype), None, "eager"
     rate = (len(stamps) - 1) / (stamps[-1] - stamps[0])
-    bpt = weight_bytes_per_token(size, config, dtype)
+    bpt = fam.weight_bytes_per_token(config, dtype)
     matrices = sum(int(a.size) for name, a in params.items() if a.ndim == 2 and name.startswith(("h.", "model.layers.")))
     seconds = float(np.median(ttft))
-    row = {"size": size, "model": SIZES[size], "family": family(size), "dtype": dtype, "kind": "lab", "status": "ok",
+    row = {"size": size, "model": SIZES[size], "family": fam.name, "dtype": dtype, "kind": "lab", "status": "ok",
            "engine": path, "attention": kernel, "n_params": ckpt.n_params, "new_tokens": len(stamps),
            "decode_tokens_per_s": rate, "us_per_token": 1e6 / rate, "weight_bytes_per_token": bpt,
            "weight_tbps": bpt * rate / 1e12, "pct_copy": 100 * bpt * rate / copy_bps,
@@ -169,28 +154,23 @@ def measure_hf(size: str, args, copy_bps: float) -> dict:
     from .e2e import hf_transformers, time_hf_model
 
     torch, transformers = hf_transformers()
-    config = model(size).SIZES[size]
-    if family(size) == "llama":
-        from llama.config import to_json
-
-        cls, hf_config = transformers.LlamaForCausalLM, transformers.LlamaConfig
-    else:
-        from gpt2.load import to_json
-
-        cls, hf_config = transformers.GPT2LMHeadModel, transformers.GPT2Config
+    fam = of_size(size)
+    config = fam.sizes[size]
+    model_class, config_class = HF_CLASSES[fam.name]
+    cls, hf_config = getattr(transformers, model_class), getattr(transformers, config_class)
     saved = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # initialised in bfloat16, on the device: no float32 copy anywhere
     try:
         with torch.device("cuda"):
-            settings = {k: v for k, v in to_json(config).items() if k != "model_type"}  # the class's own
+            settings = {k: v for k, v in fam.config_json(config).items() if k != "model_type"}  # the class's own
             hf = cls(hf_config(**settings, attn_implementation=args.hf_attn)).eval()
     finally:
         torch.set_default_dtype(saved)
-    out = time_hf_model(hf, PROMPTS[family(size)], args.tokens, True, args.warmup, static_cache=True)
+    out = time_hf_model(hf, PROMPTS[fam.name], args.tokens, True, args.warmup, static_cache=True)
     t = out["elapsed"]
     rate = (len(t) - 1) / (t[-1] - t[0])
-    bpt = weight_bytes_per_token(size, config, "bfloat16")
-    return {"size": size, "model": SIZES[size], "family": family(size), "dtype": "bfloat16", "kind": "hf",
+    bpt = fam.weight_bytes_per_token(config, "bfloat16")
+    return {"size": size, "model": SIZES[size], "family": fam.name, "dtype": "bfloat16", "kind": "hf",
             "status": "ok", "engine": f"HF transformers {transformers.__version__} ({args.hf_attn}, static cache)",
             "decode_tokens_per_s": rate, "us_per_token": 1e6 / rate, "weight_bytes_per_token": bpt,
             "weight_tbps": bpt * rate / 1e12, "pct_copy": 100 * bpt * rate / copy_bps,
@@ -201,7 +181,7 @@ def cmd_scale(args) -> int:
     device.require_gpu()
     try:
         for size in args.sizes:
-            model(size)  # now, not after the first sizes' minutes
+            of_size(size)  # now, not after the first sizes' minutes
     except ImportError as exc:
         raise CannotRun(f"needs the packages gpt2/ and llama/ ({first_line(exc)})") from None
     setup = device.setup_info(args.argv) | {"model": "sizes"}

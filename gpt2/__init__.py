@@ -6,11 +6,13 @@
     out = generate(ckpt.params, ckpt.config, enc.encode("Hello"), 32, attend=my_attention)
 
 Modules: config (the dataclass and the four sizes), load (hub, folder, seed; every checkpoint
-quirk), tokenizer, model (the forward pass), generate (sampling, both modes).
+quirk), tokenizer, model (the forward pass), generate (sampling, both modes), family (FAMILY: GPT-2 as
+lab.py and bench.py call it, lm.family.Family).
 """
 
 from .config import SIZES, GPT2Config
 from .errors import CheckpointError, LabError, ModelSourceError
+from .family import FAMILY
 from .generate import Generation, Sampler, generate, reference_attend
 from .load import DEFAULT_MODEL, Checkpoint, load, random_weights, save
 from .model import KVCache, forward
@@ -18,6 +20,7 @@ from .tokenizer import StreamDecoder, load_tokenizer
 
 __all__ = [
     "DEFAULT_MODEL",
+    "FAMILY",
     "SIZES",
     "Checkpoint",
     "CheckpointError",

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lm.arrays import run_dtype, to_device
-from lm.checkpoint import HUB_FILES, download, listed, locate, read_checkpoint  # noqa: F401 (gpt2.load names them)
+from lm.arrays import to_device
+from lm.checkpoint import HUB_FILES, download, listed, locate, random_params, read_checkpoint  # noqa: F401 (gpt2.load names them)
 
 from . import config as config_mod
 from .config import SIZES, GPT2Config
@@ -126,16 +126,7 @@ def random_weights(config: GPT2Config | str = "gpt2", *, seed: int = 0, xp=np, d
     projections c_proj scaled by 1/sqrt(2 n_layer)), biases 0, LayerNorm weights 1. Drawn with the
     array module's own generator, so NumPy and CuPy give different weights for one seed; drawn in
     float32 and cast to dtype tensor by tensor (the values cast_params would give)."""
-    dtype = run_dtype(dtype)
-    if isinstance(config, str):
-        if config not in SIZES:
-            raise CheckpointError(f"unknown size {config!r}: choose from {', '.join(SIZES)}")
-        label, config = config, SIZES[config]
-    else:
-        label = f"{config.n_layer}-layer, {config.n_embd}-wide"
-    rng = xp.random.default_rng(seed)
-
-    def draw(name, shape):  # float32
+    def draw(rng, config, name, shape):  # float32
         if name.endswith(".bias"):
             return xp.zeros(shape, dtype=np.float32)
         if ".ln_" in name or name.startswith("ln_"):
@@ -143,8 +134,8 @@ def random_weights(config: GPT2Config | str = "gpt2", *, seed: int = 0, xp=np, d
         std = 0.02 / math.sqrt(2 * config.n_layer) if name.endswith("c_proj.weight") else 0.02
         return rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
 
-    # each draw cast before the next: one float32 tensor at a time
-    params = {name: draw(name, shape).astype(dtype, copy=False) for name, shape in expected_shapes(config).items()}
+    label, config, params = random_params(config, SIZES, expected_shapes, draw, seed=seed, xp=xp, dtype=dtype)
+    label = label or f"{config.n_layer}-layer, {config.n_embd}-wide"
     return Checkpoint(name=f"random {label} (seed {seed})", config=config, params=params)
 
 

@@ -7,20 +7,21 @@ grouped-query attention (fewer key/value heads than query heads) the rungs that 
     out = generate(ckpt.params, ckpt.config, tokenizer.encode(enc, "Hello"), 32, attend=my_attention)
 
 Modules: config (the dataclass, the three sizes, RoPE's frequencies), load (hub, folder, seed; every
-checkpoint quirk), tokenizer, model (the forward pass), generate. What is not Llama's own (safetensors,
+checkpoint quirk), tokenizer, model (the forward pass), generate, family (FAMILY: Llama as lab.py and
+bench.py call it, lm.family.Family). What is not Llama's own (safetensors,
 the hub, the KV cache, sampling, the generation loop) is lm/'s, shared with gpt2/.
 """
 
 from .config import SIZES, LlamaConfig, RopeScaling
+from .family import DEFAULT_DTYPE, FAMILY
 from .generate import generate
 from .load import Checkpoint, load, load_folder, random_weights, save
 from .model import compute_dtype, forward
 from .tokenizer import load_tokenizer
 
-DEFAULT_DTYPE = "bfloat16"  # Llama's checkpoints are stored in it
-
 __all__ = [
     "DEFAULT_DTYPE",
+    "FAMILY",
     "SIZES",
     "Checkpoint",
     "LlamaConfig",

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from lm.arrays import run_dtype, to_device
-from lm.checkpoint import INDEX, listed, locate, read_checkpoint
+from lm.checkpoint import INDEX, listed, locate, random_params, read_checkpoint
 from lm.errors import CheckpointError
 
 from . import config as config_mod
@@ -130,22 +130,13 @@ def random_weights(config: LlamaConfig | str = "llama-3.2-1b", *, seed: int = 0,
     """Llama-shaped weights from a seed: normal with std 0.02 (transformers' initializer_range), the
     RMSNorm weights 1. Drawn with the array module's own generator, so NumPy and CuPy differ; drawn
     in float32 and cast to dtype tensor by tensor (the values cast_params would give)."""
-    dtype = run_dtype(dtype)
-    if isinstance(config, str):
-        if config not in SIZES:
-            raise CheckpointError(f"unknown size {config!r}: choose from {', '.join(SIZES)}")
-        label, config = config, SIZES[config]
-    else:
-        label = f"{config.num_hidden_layers}-layer, {config.hidden_size}-wide Llama"
-    rng = xp.random.default_rng(seed)
-
-    def draw(name, shape):  # float32
+    def draw(rng, config, name, shape):  # float32
         if name.endswith("norm.weight"):
             return xp.ones(shape, dtype=np.float32)
         return rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
 
-    # each draw cast before the next: one float32 tensor at a time
-    params = {name: draw(name, shape).astype(dtype, copy=False) for name, shape in expected_shapes(config).items()}
+    label, config, params = random_params(config, SIZES, expected_shapes, draw, seed=seed, xp=xp, dtype=dtype)
+    label = label or f"{config.num_hidden_layers}-layer, {config.hidden_size}-wide Llama"
     return Checkpoint(name=f"random {label} (seed {seed})", config=config, params=params)
 
 

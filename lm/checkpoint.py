@@ -188,3 +188,20 @@ def read_file(path: Path, skip=None) -> dict[str, np.ndarray]:
                                   f"of {dtype.name}: truncated or inconsistent)")
         out[key] = np.array(data[begin:end].view(dtype).reshape(shape))  # a copy: the file may go away
     return out
+
+
+def random_params(config, sizes: dict, shapes, draw, *, seed: int, xp, dtype) -> tuple[str, object, dict]:
+    """Weights from a seed for a config or a size's name: (the size's name, or None for a config given
+    whole; the config; the params, each tensor drawn in float32 by draw(rng, config, name, shape) and cast
+    to dtype before the next: one float32 tensor at a time). Drawn with the array module's own
+    generator, so NumPy and CuPy give different weights for one seed."""
+    dtype = run_dtype(dtype)
+    label = None
+    if isinstance(config, str):
+        if config not in sizes:
+            raise CheckpointError(f"unknown size {config!r}: choose from {', '.join(sizes)}")
+        label, config = config, sizes[config]
+    rng = xp.random.default_rng(seed)
+    params = {name: draw(rng, config, name, shape).astype(dtype, copy=False) for name, shape in shapes(config).items()}
+    return label, config, params
+

@@ -101,7 +101,7 @@ def test_sizes_end_to_end_with_stand_ins(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(gpt2.SIZES, "gpt2", TINY)
     monkeypatch.setitem(llama.SIZES, "llama-3.2-1b", TINY_LLAMA)
     monkeypatch.setattr(kernels, "device_limits", lambda: SimpleNamespace(arch="sm_90", sm_count=132))
-    monkeypatch.setattr(kernels, "Attend", lambda path: lambda q, k, v: kernels.reference_attention(q, k, v))
+    monkeypatch.setattr(kernels, "Attend", lambda path, **kw: lambda q, k, v: kernels.reference_attention(q, k, v))
     monkeypatch.setattr(timing, "measure_copy", lambda method: {"copy_tbps": 4.0, "copy_what": "stand-in"})
     monkeypatch.setattr(timing, "measure_tensor_ceilings", lambda method: {"bf16_tflops": 600.0, "bf16_what": "x"})
     monkeypatch.setattr(plots, "plot_or_none", lambda plot, result, path: None)
