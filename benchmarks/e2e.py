@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import kernels
+from lm.measure import copy_ceiling
 
 from . import device, plots
 from .device import ROOT, CannotRun, Unavailable, first_line, progress
@@ -251,7 +252,7 @@ def measure_decode(gpt2, ckpt, prompt: list[int], args, rows: list[dict]) -> dic
     lab's decode target."""
     import gpt2.fast as fast
 
-    ceiling = fast.copy_ceiling()
+    ceiling = copy_ceiling()
     progress(f"decode: copy ceiling {ceiling / 1e12:.2f} TB/s (bytes read + written)")
     out = []
     for dtype in DECODE_TARGETS:

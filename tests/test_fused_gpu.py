@@ -556,11 +556,11 @@ def test_windows_end_of_text_and_streaming(cp, small):
         assert engine.generate(PROMPT, n, attend=reference_attend, kv_cache=True).tokens == full[:n], n
     k = next(i for i in range(5, 64) if full[i] not in full[:i])
     seen = []
-    out = engine.generate(PROMPT, 64, attend=reference_attend, kv_cache=True, eos_id=full[k], on_token=seen.append)
+    out = engine.generate(PROMPT, 64, attend=reference_attend, kv_cache=True, eos_ids=(full[k],), on_token=seen.append)
     assert out.tokens == full[:k + 1] and out.stopped_at_eos and seen == out.tokens
     nocache = engine.generate(PROMPT, 11, attend=reference_attend, kv_cache=False).tokens
     j = next(i for i in range(2, 11) if nocache[i] not in nocache[:i])
-    stopped = engine.generate(PROMPT, 11, attend=reference_attend, kv_cache=False, eos_id=nocache[j])
+    stopped = engine.generate(PROMPT, 11, attend=reference_attend, kv_cache=False, eos_ids=(nocache[j],))
     assert stopped.tokens == nocache[:j + 1] and stopped.stopped_at_eos
 
 

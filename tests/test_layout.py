@@ -93,7 +93,7 @@ def test_the_graph_sees_the_imports_it_must():
     assert "gpt2.fast" in graph["gpt2.generate"]  # from . import fast, inside a function
     assert "kernels.driver" in graph["gpt2.fast.plan"]  # from kernels import driver
     assert "gpt2.fast.engine" in graph["gpt2.fast"]  # from .engine import Engine
-    assert "lm.generate" in graph["gpt2.fast.engine"]  # from lm.generate import Generation
+    assert "lm.engine" in graph["gpt2.fast.engine"]  # from lm.engine import FastEngine, Launch, prefetch_targets
 
 
 def test_a_circle_is_found_and_named(tmp_path):

@@ -23,12 +23,12 @@ import pytest
 
 import llama
 import llama.fast as fast
-from gpt2.fast import by_kind
-from gpt2.fast.weights import bf16_bits, to_float32
 from kernels import fused, reference_attention
 from lm.arrays import held_bytes
+from lm.bf16 import bf16_bits, to_float32
 from lm.generate import reference_attend
 from lm.kv_cache import KVCache
+from lm.measure import by_kind
 from tests.test_fused_gpu import check_close, weights
 
 pytestmark = pytest.mark.gpu

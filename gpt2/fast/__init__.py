@@ -9,8 +9,11 @@ persistent kernel (or CUDA graphs of per-operation kernels).
 gpt2/model.py stays the readable definition of GPT-2; this package runs the same network with fewer,
 larger kernels (kernels/fused/*.cu, each tested against the CuPy code it replaces). Its rooms: plan.py
 (when the fast path runs, the kernels it compiles, launch shapes, the persistent step's plan),
-weights.py (the weights as the engine reads them, bytes per token), launch.py (Launch, gemm.cu's
-launcher), engine.py (Engine); driver-level launches live in kernels/driver.py.
+weights.py (the weights as the engine reads them, bytes per token), engine.py (Engine: buffers and
+the decode step's launches), sequence.py (the prefill and the mode without a cache; gemm.cu's
+launcher), persistent.py (decode_step.cu's setup, launch and profile). What GPT-2's and Llama's engines
+share (launch variants, graphs, generation, measurements) is lm/engine.py's FastEngine; driver-level
+launches live in kernels/driver.py.
 
 
 - Decode (KV cache, one token per step): a step is a fixed sequence of launches on fixed buffers,
@@ -73,16 +76,13 @@ launcher), engine.py (Engine); driver-level launches live in kernels/driver.py.
 
 from __future__ import annotations
 
-import re
-from collections import OrderedDict
-
-import numpy as np
-
+from lm.bf16 import bf16_bits, round_to_bf16
+from lm.engine import EngineCache, Launch
 from lm.generate import Generation
+from lm.measure import by_kind, copy_ceiling
 
 from ..config import GPT2Config
 from .engine import Engine
-from .launch import Launch, gemm
 from .plan import (
     DTYPES,
     EPI_BIAS,
@@ -111,18 +111,17 @@ from .plan import (
     step_plan,
     unsupported_reason,
 )
+from .sequence import gemm
 from .weights import (
     LINEAR,
     DecodeWeights,
     as_bfloat16,
-    bf16_bits,
     decode_layout,
     decode_weights,
     gemm_weight,
     is_matrix,
     kv_bytes_per_token,
     layernorm_fold,
-    round_to_bf16,
     weight_bytes_per_token,
 )
 
@@ -132,67 +131,23 @@ CACHE_SIZE = 2  # engines kept (each holds a KV cache of n_positions, and views 
 def generate(params: dict, config: GPT2Config, prompt: list[int], n_new: int, *, attend, kv_cache: bool,
              eos_id: int | None = None, on_token=None, graph: bool = True, dtype: str | None = None) -> Generation:
     """Greedy generation as gpt2.generate does it, on the cached engine for these weights."""
-    return engine_for(params, config, dtype).generate(prompt, n_new, attend=attend, kv_cache=kv_cache, eos_id=eos_id,
-                                                     on_token=on_token, graph=graph)
+    return engine_for(params, config, dtype).generate(prompt, n_new, attend=attend, kv_cache=kv_cache,
+                                                     eos_ids=() if eos_id is None else (eos_id,), on_token=on_token,
+                                                     graph=graph)
 
 
-_engines: OrderedDict = OrderedDict()
+_engines = EngineCache(CACHE_SIZE)
 
 
 def engine_for(params: dict, config: GPT2Config, dtype: str | None = None, **options) -> Engine:
     """The engine for these weights (by the arrays' addresses), built once and kept (CACHE_SIZE most
     recent). The engine views or copies the weights: after editing params in place, call clear_cache()."""
     dtype = dtype or param_dtype(params)
-    key = (config, dtype, tuple(sorted(options.items())),
-           tuple((name, a.data.ptr, a.dtype.str, a.shape) for name, a in sorted(params.items())))
-    engine = _engines.get(key)
-    if engine is None:
-        engine = Engine(params, config, dtype=dtype, **options)
-        _engines[key] = engine
-        while len(_engines) > CACHE_SIZE:
-            _engines.popitem(last=False)
-    _engines.move_to_end(key)
-    return engine
+    return _engines.get(lambda: Engine(params, config, dtype=dtype, **options), params, config, dtype, options)
 
 
 def clear_cache() -> None:
     _engines.clear()
-
-
-# -- measuring -------------------------------------------------------------------------------------
-
-
-def by_kind(kernels_ms: list[tuple[str, float]]) -> list[tuple[str, int, float]]:
-    """(kind, launches, total ms) from profile_step's rows: the layers' kernels summed by their name
-    without the `h.N.` prefix, in order of first appearance."""
-    totals: dict[str, list] = {}
-    for name, ms in kernels_ms:
-        kind = re.sub(r"^h\.\d+\.", "", name)
-        entry = totals.setdefault(kind, [0, 0.0])
-        entry[0] += 1
-        entry[1] += ms
-    return [(kind, n, ms) for kind, (n, ms) in totals.items()]
-
-
-def copy_ceiling(nbytes: int = 1 << 30, repeats: int = 10) -> float:
-    """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written), median of `repeats`
-    copies of `nbytes`, measured now on the current device."""
-    import cupy as cp
-
-    src = cp.ones(nbytes // 4, dtype=cp.float32)
-    dst = cp.empty_like(src)
-    stream = cp.cuda.get_current_stream()
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    times = []
-    for _ in range(repeats + 1):
-        start.record()
-        cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, src.nbytes, cp.cuda.runtime.memcpyDeviceToDevice,
-                                    stream.ptr)
-        end.record()
-        end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
-    del src, dst
-    return 2 * nbytes / float(np.median(times[1:]))
 
 
 __all__ = [

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels import driver
+from lm.engine import common_reason
 
 from ..config import GPT2Config
 
@@ -38,12 +39,9 @@ def param_dtype(params: dict) -> str:
 def unsupported_reason(params: dict, config: GPT2Config, *, kv_cache: bool, sampler=None,
                        record_logits: bool = False, dtype: str | None = None) -> str | None:
     """None when fast.generate runs this generation; otherwise why generate() takes the eager path."""
-    if isinstance(params["wte.weight"], np.ndarray):
-        return "NumPy arrays: the fast path runs on the GPU"
-    if sampler is not None and sampler.temperature != 0:
-        return "sampling: the fast path is greedy (argmax on the device)"
-    if record_logits:
-        return "recording logits: the fast path never writes them"
+    why = common_reason(params["wte.weight"], sampler=sampler, record_logits=record_logits)
+    if why is not None:
+        return why
     dtype = dtype or param_dtype(params)
     if dtype not in DTYPES:
         return f"dtype {dtype}: the fast path runs {' and '.join(DTYPES)}"

@@ -44,8 +44,7 @@ weights.py (the layout chosen at load and the engine's views of it), engine.py (
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
+from lm.engine import EngineCache
 from lm.generate import Generation
 
 from ..config import LlamaConfig
@@ -82,7 +81,7 @@ def generate(params: dict, config: LlamaConfig, prompt: list[int], n_new: int, *
         prompt, n_new, attend=attend, eos_ids=tuple(eos_ids), on_token=on_token, graph=graph)
 
 
-_engines: OrderedDict = OrderedDict()
+_engines = EngineCache(CACHE_SIZE)
 
 
 def engine_for(params: dict, config: LlamaConfig, dtype: str | None = None, *, positions: int | None = None,
@@ -93,19 +92,8 @@ def engine_for(params: dict, config: LlamaConfig, dtype: str | None = None, *, p
     weights: after editing params in place, call clear_cache()."""
     dtype = dtype or param_dtype(params)
     need = cache_positions(positions or min(DEFAULT_POSITIONS, config.n_positions), config)
-    key = (config, dtype, tuple(sorted(options.items())),
-           tuple((name, a.data.ptr, a.dtype.str, a.shape) for name, a in sorted(params.items())))
-    engine = _engines.get(key)
-    if engine is not None and engine.max_len < need:
-        del _engines[key], engine  # its cache back to the pool before the longer one is allocated
-        engine = None
-    if engine is None:
-        engine = Engine(params, config, dtype=dtype, max_len=need, **options)
-        _engines[key] = engine
-        while len(_engines) > CACHE_SIZE:
-            _engines.popitem(last=False)
-    _engines.move_to_end(key)
-    return engine
+    return _engines.get(lambda: Engine(params, config, dtype=dtype, max_len=need, **options), params, config, dtype,
+                        options, fits=lambda engine: engine.max_len >= need)
 
 
 def clear_cache() -> None:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lm.engine import common_reason
+
 from ..config import LlamaConfig
 
 DTYPES = ("float32", "bfloat16")
@@ -60,12 +62,9 @@ def param_dtype(params: dict) -> str:
 def unsupported_reason(params: dict, config: LlamaConfig, *, kv_cache: bool, sampler=None,
                        record_logits: bool = False, dtype: str | None = None) -> str | None:
     """None when llama.fast.generate runs this generation; otherwise why llama.generate takes the eager path."""
-    if isinstance(params["model.layers.0.self_attn.q_proj.weight"], np.ndarray):
-        return "NumPy arrays: the fast path runs on the GPU"
-    if sampler is not None and sampler.temperature != 0:
-        return "sampling: the fast path is greedy (argmax on the device)"
-    if record_logits:
-        return "recording logits: the fast path never writes them"
+    why = common_reason(params["model.layers.0.self_attn.q_proj.weight"], sampler=sampler, record_logits=record_logits)
+    if why is not None:
+        return why
     if not kv_cache:
         return "no KV cache: the fast path decodes over a static cache (the no-cache mode is the eager model's)"
     dtype = dtype or param_dtype(params)

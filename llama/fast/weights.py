@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpt2.fast.weights import kernel_type, to_float32
 from lm.arrays import address, array_module
+from lm.bf16 import kernel_type, to_float32
 
 from ..config import LlamaConfig
 

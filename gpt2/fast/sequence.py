@@ -1,0 +1,156 @@
+"""GPT-2's whole-sequence pass on the fast engine: the prefill (keys and values into the cache) and the
+mode without a KV cache (the whole sequence every step), eager launches of the fused kernels around the
+products (cuBLAS: lm/products.py; or gemm.cu's 3xTF32 on wgmma in the no-cache mode's float32 passes,
+launched by gemm) and the attention under test."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kernels import launcher
+from lm.bf16 import ROUND_BF16
+from lm.products import Blas
+
+from .plan import GEMM_BIAS, GEMM_BIAS_GELU, GEMM_NONE, GEMM_SMEM, GEMM_TILE, NULL, gemm_splits
+from .weights import gemm_weight
+
+
+def choose_products(cp, products: str | None) -> str:
+    """The no-cache mode's float32 products: gemm.cu (3xTF32 on wgmma, sm_90a) where the device runs it,
+    or cuBLAS SGEMM (the prefill's always run on cuBLAS, on the weights the decode step reads: no copy)."""
+    able = int(cp.cuda.Device().compute_capability) == 90
+    if products not in (None, "3xtf32", "cublas"):
+        raise ValueError(f"products must be '3xtf32' or 'cublas', got {products!r}")
+    if products == "3xtf32" and not able:
+        raise RuntimeError("products='3xtf32' needs compute capability 9.0 (TF32 wgmma, sm_90a)")
+    return products or ("3xtf32" if able else "cublas")
+
+
+def gemm(fn, a, w_parts: tuple, bias, out, partials, tickets, sm_count: int, splits: int | None = None) -> None:
+    """Launch gemm.cu's kernel fn: out (M, N) = a (M, K) @ W with fn's epilogue, W as gemm_weight
+    made it; partials (2 x sm_count x 64 x 64 float32) and tickets (sm_count uint32, zeros, left
+    zeros) serve split K. splits: gemm_splits' choice unless given."""
+    (M, K), N = a.shape, out.shape[1]
+    splits = splits or gemm_splits(M, N, K, sm_count)
+    tiles = (N // GEMM_TILE) * -(-M // GEMM_TILE)
+    if splits > 1 and (splits * tiles * GEMM_TILE**2 > partials.size or tiles > tickets.size):
+        raise ValueError(f"{splits} splits of a ({M}, {N}) output need more partial sums or tickets than the buffers hold")
+    fn((N // GEMM_TILE, -(-M // GEMM_TILE), splits), (128,),
+       (a, *w_parts, bias, out, np.int32(M), np.int32(N), np.int32(K), partials, tickets), shared_mem=GEMM_SMEM)
+
+
+class WholeSequence:
+    """The pass over history[0:T] for one engine, with its activations (allocated for the longest pass
+    a run asks for) and gemm.cu's tiled weights and split-K buffers."""
+
+    def __init__(self, engine, products: str):
+        cp = engine.cp
+        self.engine, self.products = engine, products
+        self.rows, self.work = 0, {}
+        self.blas = Blas(cp)
+        bf16 = engine.dtype == "bfloat16"
+        self.round_bf16 = cp.ElementwiseKernel("float32 x", "uint16 y", ROUND_BF16, "round_bf16") if bf16 else None
+        # gemm.cu's weights, split and tiled on the no-cache mode's first pass (gemm_weight: two float32
+        # copies of every linear weight, which a KV-cache run never makes)
+        self.gemm_weights = None
+        # split K: the splits' sums (fewer than 2 x SMs tiles of 64 x 64) and a ticket per output tile
+        self.gemm_partials = cp.zeros(2 * engine.sm_count * GEMM_TILE * GEMM_TILE, dtype=cp.float32)
+        self.gemm_tickets = cp.zeros(engine.sm_count, dtype=cp.uint32)
+
+    def reserve(self, T: int) -> None:
+        """Activations for passes of up to T positions: allocated for the longest pass a run asks for (the
+        prompt's, or the no-cache mode's last), kept, and regrown only for a longer one."""
+        if T <= self.rows:
+            return
+        e = self.engine
+        cp, C, F = e.cp, e.config.n_embd, e.config.mlp_width
+        self.work = {}  # the shorter buffers go back to the pool first
+        with e.stream:
+            self.work = {name: cp.zeros((T, width), dtype=cp.float32)
+                         for name, width in (("x", C), ("h", C), ("qkv", 3 * C), ("merged", C), ("y", C), ("f", F))}
+            if e.dtype == "bfloat16":  # a product's input rounded to bfloat16, (rows, K) for any K
+                self.work["a16"] = cp.zeros(T * max(C, F), dtype=cp.uint16)
+        self.rows = T
+
+    def tiles(self) -> list[dict]:
+        """gemm.cu's split and tiled copies of every layer's linear weights (gemm_weight), made on the
+        first pass that uses them and kept."""
+        e = self.engine
+        if self.gemm_weights is None:
+            with e.stream:
+                self.gemm_weights = [{name: gemm_weight(e.cp, W.T) for name, W in layer.items()} for layer in e.layers]
+        return self.gemm_weights
+
+    def product(self, a, layer: int, linear: str, out, epi: int, *, tiled: bool) -> None:
+        """out = a @ W, then + bias (GEMM_BIAS) or gelu(. + bias) (GEMM_BIAS_GELU), W the layer's linear
+        weight: gemm.cu's 3xTF32 on its tiles (tiled), else cuBLAS on the (out, in) matrix the decode
+        step reads (float32: SGEMM; bfloat16: gemmEx on `a` rounded to bfloat16, accumulated in float32)
+        and bias_act.cu."""
+        e = self.engine
+        M, N = a.shape[0], out.shape[1]
+        W, b = e.layers[layer][linear], e.vectors[f"h.{layer}.{linear}.bias"]
+        if tiled:
+            gemm(e.fn[f"gemm_{epi}"], a, self.tiles()[layer][linear], b, out, self.gemm_partials,
+                 self.gemm_tickets, e.sm_count)
+            return
+        if e.dtype == "bfloat16":  # the operands in the weights' dtype, as the eager model's products
+            a16 = self.work["a16"][:a.size].reshape(a.shape)
+            self.round_bf16(a, a16)
+            a = a16
+        self.blas.gemm(a, W.T, out, dtype=e.dtype)
+        if epi != GEMM_NONE:
+            e.fn["bias_gelu" if epi == GEMM_BIAS_GELU else "bias"](
+                (min(-(-M * N // 1024), 4 * e.sm_count),), (256,), (out, b, np.int32(M), np.int32(N)))
+
+    def run(self, T: int, attend, *, store_kv: bool) -> None:
+        """The forward pass over history[0:T] (eager launches), then ln_f + lm_head + argmax on
+        position T - 1, which writes the next token into history[T] and state. With store_kv, every
+        layer's keys and values go into the cache (the prefill). Only position T - 1 reaches the
+        logits, so the last layer runs its keys and values (and the attention) over every position,
+        and everything after the attention on position T - 1 alone. The products run on gemm.cu in the
+        no-cache mode's float32 passes where products="3xtf32", else on cuBLAS."""
+        e = self.engine
+        c, p, fn = e.config, e.vectors, e.fn
+        C, NH, HS = c.n_embd, c.n_head, c.head_size
+        tiled = not store_kv and self.products == "3xtf32" and e.dtype == "float32"
+        self.reserve(T)
+        x, h, qkv, merged, y, f = (self.work[k][:T] for k in ("x", "h", "qkv", "merged", "y", "f"))
+        views = qkv.reshape(1, T, 3, NH, HS)  # (B, T, 3, NH, hs): columns [q | k | v]
+        q, k, v = (views[:, :, i].transpose(0, 2, 1, 3) for i in range(3))  # each (B, NH, T, hs), a view
+        run_attention = launcher(attend, q, k, v)  # every layer reads the same views: a rung validated once a pass
+        grid = (min(-(-T * C // 256), 4 * e.sm_count),)
+        fn["embed"]((T,), (256,), (e.wte, e.wpe, e.history, NULL, np.int32(C), x, NULL, np.uint64(0)))
+        for i in range(c.n_layer):
+            pre = f"h.{i}."
+            # h = ln_1(x), after the previous layer's x += mlp.c_proj output + bias
+            residual = (NULL, NULL) if i == 0 else (y, p[f"h.{i - 1}.mlp.c_proj.bias"])
+            fn["add_layernorm"]((T,), (256,), (x, *residual, p[pre + "ln_1.weight"], p[pre + "ln_1.bias"], e.eps, h,
+                                               np.int32(C)), shared_mem=4 * C)
+            self.product(h, i, "attn.c_attn", qkv, GEMM_BIAS, tiled=tiled)
+            if store_kv:
+                fn["kv_store"](grid, (256,), (qkv, e.k_cache[i], e.v_cache[i], np.int32(T), np.int32(NH),
+                                              np.int32(HS), np.int32(e.max_len)))
+            self._merge_heads(run_attention(), merged, grid, T)
+            if i == c.n_layer - 1:  # from here on, position T - 1 alone
+                x, h, merged, y, f = (a[T - 1:] for a in (x, h, merged, y, f))
+            self.product(merged, i, "attn.c_proj", y, GEMM_NONE, tiled=tiled)
+            # x += attn.c_proj output + bias; h = ln_2(x)
+            fn["add_layernorm"]((x.shape[0],), (256,), (x, y, p[pre + "attn.c_proj.bias"], p[pre + "ln_2.weight"],
+                                                        p[pre + "ln_2.bias"], e.eps, h, np.int32(C)), shared_mem=4 * C)
+            self.product(h, i, "mlp.c_fc", f, GEMM_BIAS_GELU, tiled=tiled)
+            self.product(f, i, "mlp.c_proj", y, GEMM_NONE, tiled=tiled)
+        # the last position: ln_f(x + mlp.c_proj output + bias), the logits, their argmax
+        last = f"h.{c.n_layer - 1}.mlp.c_proj.bias"
+        fn["lm_head"]((e.lm_blocks,), (e.lm_warps * 32,),
+                      (e.wte, x[-1], y[-1], p[last], p["ln_f.weight"], p["ln_f.bias"], e.eps,
+                       np.int32(c.vocab_size), e.logits if e.logits is not None else NULL, e.block_max,
+                       e.block_arg, e.lm_counter, e.state, e.history, NULL, np.uint64(0)))
+
+    def _merge_heads(self, o, merged, grid, T: int) -> None:
+        """The attention's output o (B, NH, T, hs), any strides, into merged (T, C): heads side by side."""
+        e = self.engine
+        cp, c = e.cp, e.config
+        if o.dtype != cp.float32 or o.strides[3] != 4:
+            o = cp.ascontiguousarray(o, dtype=cp.float32)
+        e.fn["merge_heads"](grid, (256,), (o, np.int64(o.strides[1] // 4), np.int64(o.strides[2] // 4), merged,
+                                           np.int32(T), np.int32(c.n_head), np.int32(c.head_size)))
