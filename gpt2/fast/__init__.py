@@ -15,63 +15,8 @@ launcher), persistent.py (decode_step.cu's setup, launch and profile). What GPT-
 share (launch variants, graphs, generation, measurements) is lm/engine.py's FastEngine; driver-level
 launches live in kernels/driver.py.
 
-
-- Decode (KV cache, one token per step): a step is a fixed sequence of launches on fixed buffers,
-  reading its only inputs, the token and its position, from device memory (`state`), so it is
-  captured once as a CUDA graph (STEPS_PER_GRAPH steps per graph) and replayed with no host
-  arguments. Per layer five kernels:
-      ln_1 + c_attn (+ bias)              gemv, LayerNorm fused in front
-      attention over the cache            decode_attention (split over the keys; stores k, v at pos)
-      attn.c_proj + bias + residual       gemv, the residual added in place
-      ln_2 + c_fc + bias + GELU           gemv
-      mlp.c_proj + bias + residual        gemv
-  plus embed at the start and ln_f + lm_head + argmax at the end, which also writes the token into
-  `history` and advances `state`: 5 * n_layer + 2 kernels per token (62 for GPT-2 small).
-  Between kernels, two ways to keep memory busy: each kernel that reads a matrix asks L2 to prefetch
-  the next kernel's matrix (cp.async.bulk.prefetch.L2, a hint), and on Hopper the graphs are built
-  from programmatic dependent launches (cuLaunchKernelEx, kernels/driver.py), so that a kernel starts, and issues its
-  weight loads, while the previous one finishes; it waits (griddepcontrol.wait) before reading
-  activations, and reads them through L2 (kernels/fused/common.cuh, fresh()): an SM's L1 may still
-  hold lines of x that the previous kernel's blocks read there before other SMs wrote them, and
-  with plain L1 loads PDL graphs parted from plain launches after a few dozen tokens. On by default
-  where the device has it (compute capability 9.0) and one replayed step matches plain launches
-  bit for bit; pdl=False keeps plain launches.
-  The linear layers read the Conv1D weights as (out, in), so that a warp reads one output's weights
-  contiguously. decode_layout lays each (in, out) weight out column-major once, at load (the same
-  values and shape, so the eager model reads it as before): its transpose is that (out, in) matrix,
-  and the engine holds views of the caller's weights, no copies (weights.decode_weights; weights in
-  another dtype or layout are copied once). In bfloat16 the matrices (wte, wpe and the linear weights)
-  are bfloat16 and so is the KV cache; LayerNorm parameters, biases, activations and every
-  accumulation stay float32. Engine.added_bytes() counts what it holds beside the weights.
-- The persistent step (the default where it runs: compute capability 9.0 with cooperative launch, a
-  head size that is a multiple of 32, shapes that fit shared memory; step_plan says why not):
-  kernels/fused/decode_step.cu runs the same operations for a whole window of steps in one
-  cooperative launch, one block per SM, where the per-operation step has a kernel boundary a handoff
-  of words that carry their step (the reader waits for the words it needs; one grid barrier per
-  token, after the argmax), and each block's share of the weights copied into shared
-  memory ahead of its use (a share larger than a slot as several items: step_plan's stage_items). Four stages per layer (STEP_STAGES): attn.c_proj is done per head inside
-  the attention stage, from a head-major copy of its weight made here (the one second layout the
-  engine keeps: n_layer * n_embd^2 weights, a twelfth of the layers', beside the (out, in) matrix the
-  per-operation step reads). One launch per window of STEPS_PER_LAUNCH tokens; persistent=False
-  keeps the graphs.
-- Prefill, and every step of the no-cache mode: the whole sequence eagerly, the attention under test,
-  and fused kernels around it (residual add + LayerNorm, head merge, KV store), on activations sized
-  for the longest pass the run asks for (the prompt; the no-cache mode's last step). The prefill's
-  products run on cuBLAS (lm/products.py's Blas) on the (out, in) matrices the decode step reads:
-  float32 through SGEMM (no TF32), bfloat16 through gemmEx on inputs rounded to bfloat16 with float32
-  accumulation, as the eager model's products; then bias_act.cu. The no-cache mode's float32 passes
-  run on kernels/fused/gemm.cu where the device is sm_90 (products="3xtf32", the default there):
-  float32 at float32 accuracy on TF32 wgmma, with the bias or bias + GELU in its epilogue and K split
-  across blocks where the output tiles are fewer than the SMs; its weights are split and tiled on that
-  mode's first pass (gemm_weight: two float32 copies of every linear weight, which that mode trades
-  for its speed and a KV-cache run never makes); products="cublas" keeps cuBLAS there too. Only the
-  last position reaches the logits, so the last layer runs its attention over every position and
-  everything after it on the last position alone; then the same ln_f + lm_head + argmax kernel. The
-  attention under test is validated once per pass (kernels.Attend.prepare): every layer reads the
-  same qkv views.
-- Greedy only: tokens stay on the device (`history`), copied back in windows (STEPS_PER_LAUNCH tokens,
-  STEPS_PER_GRAPH with graphs) through pinned memory while the GPU runs the next window, so on_token
-  still streams.
+How a token runs, layer by layer, and why each piece is built as it is: docs/decode.md (the fast path,
+the persistent step, the whole sequence, memory).
 """
 
 from __future__ import annotations

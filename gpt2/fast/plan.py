@@ -14,10 +14,8 @@ from lm.engine import common_reason
 from ..config import GPT2Config
 
 STEPS_PER_GRAPH = 8  # decode steps per captured graph, and tokens per copy back to the host
-# decode steps per decode_step.cu launch, and tokens per copy back to the host, where the engine is
-# persistent: a launch boundary costs about 12 us (the launch, the copy back, the weight stream's first
-# items). H200, GPT-2 small, decode tokens/s as bench.py e2e measures them, windows of 8 / 16 / 32 / 64:
-# bfloat16 6,809 / 6,854 / 6,877 / 6,884, float32 4,851 / 4,870 / 4,880 / 4,882.
+# decode steps per decode_step.cu launch (and per copy back) where the engine is persistent: a launch
+# boundary costs the launch, the copy back and the weight stream's first items (docs/decode.md#constants)
 STEPS_PER_LAUNCH = 32
 PREFETCH_CAP = 16 << 20  # bytes of the next kernel's weights a kernel asks L2 to fetch (L2: 50 MB on H100/H200)
 DTYPES = ("float32", "bfloat16")
@@ -145,13 +143,8 @@ STEP_THREADS = 320  # decode_step.cu's compute threads (a multiple of 64); one m
 STEP_BLOCK = STEP_THREADS + 32  # 11 warps, at most 3 on an SM sub-partition: up to 168 registers a thread
 STEP_SLOTS = 8  # at most this many weight slots in decode_step.cu's ring
 STEP_MAX_SPLITS = 12  # decode_step.cu's MAX_SPLITS
-# Key splits per head that stage B starts from (step_plan takes more where these do not fit). Fewer
-# splits than the G // NH that would give every block one: a head's splits wait for each other, and
-# each more split is one more block to wait for. H200, GPT-2 small, us a token at position 264 (519):
-# bfloat16 with 11 / 7 / 6 / 5 splits 169 / 165 / 160 / 165 (171 / 167 / 163 / 169), float32 with
-# 11 / 9 / 8 / 7 splits 223 / 219 / 219 / 224 (224 / 221 / 220 / 224); bigger splits grow the slot.
-# With the LayerNorms folded (later, same run, at 264): bfloat16 5 / 6 / 7 146.8 / 145.5 / 147.3,
-# float32 7 / 8 / 9 208.0 / 206.8 / 206.4.
+# Key splits per head that stage B starts from (step_plan takes more where these do not fit): fewer
+# than one per block, since a head's splits wait for each other (docs/decode.md#constants)
 STEP_SPLITS = {"float32": 8, "bfloat16": 6}
 STEP_STAGES = ("ln_1+attn.c_attn", "attn+attn.c_proj", "residual+ln_2+mlp.c_fc+gelu",
                "mlp.c_proj+residual")  # decode_step.cu's stages A-D of a layer (E, the lm_head, ends the step)
@@ -281,11 +274,10 @@ def _step_plan(config: GPT2Config, item: int, G: int, splits: int, max_len: int,
     if slots < 2:
         return (f"decode_step needs two slots of {slot} bytes and {smem_limit - room} more of shared memory; the device "
                 f"has {smem_limit}")
-    # stage E: chunks of lm_rows rows of wte with their folds (decode_step.cu's wte_rows), and the rows a
-    # block keeps in the shared memory left over (KeptRows: the rows, LN_f's weight, the folds), at
-    # least one row less than its share, so that every block streams at least one chunk. Chunks as large
-    # as the slot: in bfloat16 (38 rows) 30 rows a chunk, one round of rows_dot's tasks in place of two,
-    # was no faster (144.4 against 144.1 us a token, H200, position 264, same run), and 33 slower (146.6).
+    # stage E: chunks of lm_rows rows of wte with their folds (decode_step.cu's wte_rows), as large as the
+    # slot (docs/decode.md#constants), and the rows a block keeps in the shared memory left over (KeptRows:
+    # the rows, LN_f's weight, the folds), at least one row less than its share, so that every block
+    # streams at least one chunk.
     parts = step_rows_dot_parts(C)
     lm_rows = max(1, min(STEP_THREADS // parts, (slot - 16) // (C * item + 8)))
     left = smem_limit - fixed - slots * slot - 4 * C - 16
