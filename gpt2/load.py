@@ -20,13 +20,12 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from lm.arrays import to_device
-from lm.checkpoint import HUB_FILES, download, listed, locate, random_params, read_checkpoint  # noqa: F401 (gpt2.load names them)
+from lm.checkpoint import HUB_FILES, Checkpoint, check_tensors, download, listed, locate, random_params, read_checkpoint  # noqa: F401 (gpt2.load names them)
 
 from . import config as config_mod
 from .config import SIZES, GPT2Config
@@ -34,18 +33,6 @@ from .errors import CheckpointError
 
 DEFAULT_MODEL = "openai-community/gpt2"
 _BUFFER = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
-
-
-@dataclass
-class Checkpoint:
-    name: str  # what to call it in a summary: the hub id, the folder, or "random gpt2 (seed 0)"
-    config: GPT2Config
-    params: dict  # checkpoint-native name -> array in the run's dtype (NumPy or CuPy)
-    folder: Path | None = None  # where config.json, vocab.json and merges.txt would be
-
-    @property
-    def n_params(self) -> int:
-        return sum(int(p.size) for p in self.params.values())
 
 
 def expected_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
@@ -109,16 +96,8 @@ def normalize(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def check_shapes(params: dict, config: GPT2Config) -> None:
-    expected = expected_shapes(config)
-    missing = [k for k in expected if k not in params]
-    unexpected = [k for k in params if k not in expected]
-    if missing:
-        raise CheckpointError(f"{listed(missing)} missing for {config.n_layer} layers of width {config.n_embd}")
-    if unexpected:
-        raise CheckpointError(f"unexpected tensor(s) {listed(unexpected)} for a {config.n_layer}-layer GPT-2")
-    for name, shape in expected.items():
-        if tuple(params[name].shape) != shape:
-            raise CheckpointError(f"{name}: shape {tuple(params[name].shape)} but the config says {shape}")
+    check_tensors(params, expected_shapes(config), missing_for=f"{config.n_layer} layers of width {config.n_embd}",
+                  unexpected_for=f"a {config.n_layer}-layer GPT-2")
 
 
 def random_weights(config: GPT2Config | str = "gpt2", *, seed: int = 0, xp=np, dtype=np.float32) -> Checkpoint:

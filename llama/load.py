@@ -19,31 +19,18 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from lm.arrays import run_dtype, to_device
-from lm.checkpoint import INDEX, listed, locate, random_params, read_checkpoint
+from lm.checkpoint import INDEX, Checkpoint, check_tensors, listed, locate, random_params, read_checkpoint
 from lm.errors import CheckpointError
 
 from . import config as config_mod
 from .config import SIZES, LlamaConfig
 
 _BUFFER = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
-
-
-@dataclass
-class Checkpoint:
-    name: str  # what to call it in a summary: the hub id, the folder, or "random llama-3.2-1b (seed 0)"
-    config: LlamaConfig
-    params: dict  # checkpoint-native name -> array in the run's dtype (NumPy or CuPy)
-    folder: Path | None = None  # where config.json and tokenizer.model would be
-
-    @property
-    def n_params(self) -> int:
-        return sum(int(p.size) for p in self.params.values())
 
 
 def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -111,18 +98,9 @@ def normalize(tensors: dict[str, np.ndarray], config: LlamaConfig) -> dict[str, 
 
 
 def check_shapes(params: dict, config: LlamaConfig) -> None:
-    expected = expected_shapes(config)
-    missing = [k for k in expected if k not in params]
-    unexpected = [k for k in params if k not in expected]
     where = (f"{config.num_hidden_layers} layers of width {config.hidden_size}"
              f"{'' if config.tie_word_embeddings else ', lm_head untied'}")
-    if missing:
-        raise CheckpointError(f"{listed(missing)} missing for {where}")
-    if unexpected:
-        raise CheckpointError(f"unexpected tensor(s) {listed(unexpected)} for {where}")
-    for name, shape in expected.items():
-        if tuple(params[name].shape) != shape:
-            raise CheckpointError(f"{name}: shape {tuple(params[name].shape)} but the config says {shape}")
+    check_tensors(params, expected_shapes(config), missing_for=where, unexpected_for=where)
 
 
 def random_weights(config: LlamaConfig | str = "llama-3.2-1b", *, seed: int = 0, xp=np,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,20 @@ HUB_FILES = ["config.json", "model.safetensors", "model-*.safetensors", "model.s
              "vocab.json", "merges.txt", "tokenizer.model", "original/tokenizer.model"]
 INDEX = "model.safetensors.index.json"
 MAX_HEADER = 100 * 2**20  # bytes; a larger header length means the file is not safetensors
+
+
+@dataclass
+class Checkpoint:
+    """A model's weights as a run holds them, whatever the family."""
+
+    name: str  # what to call it in a summary: the hub id, the folder, or "random gpt2 (seed 0)"
+    config: object  # the family's config dataclass
+    params: dict  # checkpoint-native name -> array in the run's dtype (NumPy or CuPy)
+    folder: Path | None = None  # where config.json and the tokenizer's files would be
+
+    @property
+    def n_params(self) -> int:
+        return sum(int(p.size) for p in self.params.values())
 
 
 def locate(source: str, hub_files: list[str] = HUB_FILES) -> tuple[Path, Path | None]:
@@ -204,4 +219,18 @@ def random_params(config, sizes: dict, shapes, draw, *, seed: int, xp, dtype) ->
     rng = xp.random.default_rng(seed)
     params = {name: draw(rng, config, name, shape).astype(dtype, copy=False) for name, shape in shapes(config).items()}
     return label, config, params
+
+
+def check_tensors(params: dict, expected: dict, *, missing_for: str, unexpected_for: str) -> None:
+    """Every expected tensor present with its shape, and no other; a CheckpointError naming the first
+    problem (`missing_for`, `unexpected_for`: what the model is, in words, for its messages)."""
+    missing = [k for k in expected if k not in params]
+    unexpected = [k for k in params if k not in expected]
+    if missing:
+        raise CheckpointError(f"{listed(missing)} missing for {missing_for}")
+    if unexpected:
+        raise CheckpointError(f"unexpected tensor(s) {listed(unexpected)} for {unexpected_for}")
+    for name, shape in expected.items():
+        if tuple(params[name].shape) != shape:
+            raise CheckpointError(f"{name}: shape {tuple(params[name].shape)} but the config says {shape}")
 
