@@ -12,7 +12,7 @@ from __future__ import annotations
 import warnings
 from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -79,7 +79,7 @@ class Launch:
     shared_mem: int = 0
     pdl: bool = False
     stream: int = 0  # the CUstream handle of a pdl launch
-    _packed: object = None  # the packed cuLaunchKernelEx arguments: made on the first pdl call
+    _packed: object = field(default=None, repr=False, compare=False)  # cuLaunchKernelEx's arguments, packed on the first pdl call
 
     def __call__(self):
         if not self.pdl:
