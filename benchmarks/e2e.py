@@ -336,7 +336,12 @@ def cmd_e2e(args) -> int:
         "rows": rows,
         "decode": decode,
     }
-    path = result_path("e2e", setup, args.results)
+    return publish(result, setup, args.results)
+
+
+def publish(result: dict, setup: dict, results: str | None) -> int:
+    """Write an e2e result (GPT-2's or a Llama size's) and its plot, print its table."""
+    path = result_path("e2e", setup, results)
     result["plot"] = plots.plot_or_none(plots.plot_e2e, result, path.with_suffix(".png"))
     write_result(result, path)
     print("\n" + render_e2e([(path, result, set(result["modes"]))], ROOT))

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import kernels
 
-from . import device, plots
-from .device import ROOT, CannotRun, progress
-from .e2e import add_generation_comparisons, generation_rows, time_hf_generation
-from .results import SCHEMA, result_path, write_result, wrote
-from .tables import render_e2e
+from . import device
+from .device import CannotRun, progress
+from .e2e import add_generation_comparisons, generation_rows, publish, time_hf_generation
+from .results import SCHEMA
 
 DTYPE = "bfloat16"  # Llama's checkpoints are stored in it
 # <|begin_of_text|>, then ids picked by hand: any ids do, the weights are random
@@ -113,10 +112,5 @@ def cmd_e2e_llama(args) -> int:
         "rows": rows,
         "decode": None,
     }
-    path = result_path("e2e", setup, args.results)
-    result["plot"] = plots.plot_or_none(plots.plot_e2e, result, path.with_suffix(".png"))
-    write_result(result, path)
-    print("\n" + render_e2e([(path, result, set(result["modes"]))], ROOT))
-    progress(wrote(path, result["plot"]))
-    return 0
+    return publish(result, setup, args.results)
 
