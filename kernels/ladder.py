@@ -148,6 +148,11 @@ class Rung:
         params = [(name, kind) for name, kind, added_by in PARAMETERS if added_by is None or getattr(self, added_by)]
         return tuple(params + [(f"{tensor}_map", "tensor map") for tensor, _ in self.tma])
 
+    @functools.cached_property
+    def argument_names(self) -> tuple[str, ...]:
+        """The parameters the launcher passes as arguments, in order: all but the lab.tma descriptors."""
+        return tuple(name for name, kind in self.parameters if kind != "tensor map")
+
     def head_sizes(self) -> list[int]:
         return sorted({c[0] for c in self.configs})
 

@@ -178,15 +178,16 @@ class Instance:
         B, NH, T_q, _ = q.shape
         NH_kv, T_k = k.shape[1], k.shape[2]
         item = q.itemsize
+        (qb, qh, qr), (kb, kh, kr) = q.strides[:3], k.strides[:3]
         values = {"Q": q, "K": k, "V": v, "O": out, "workspace": workspace, "T_q": np.int32(T_q),
                   "T_k": np.int32(T_k), "kv_group": np.int32(NH // NH_kv), "causal": np.int32(causal),
-                  "scale": np.float32(scale), "lse": np.uint64(0) if lse is None else lse,
+                  "scale": np.float32(scale), "q_batch_stride": np.int64(qb // item),
+                  "q_head_stride": np.int64(qh // item), "q_row_stride": np.int64(qr // item),
+                  "kv_batch_stride": np.int64(kb // item), "kv_head_stride": np.int64(kh // item),
+                  "kv_row_stride": np.int64(kr // item), "lse": np.uint64(0) if lse is None else lse,
                   "n_heads": np.int32(NH), "batch": np.int32(B)}
-        for prefix, x in (("q", q), ("kv", k)):
-            values |= {f"{prefix}_{what}_stride": np.int64(s // item)
-                       for what, s in zip(("batch", "head", "row"), x.strides[:3], strict=True)}
-        values |= dict(zip(("q_scale", "k_scale", "v_scale"), scales))
-        args = tuple(values[name] for name, kind in self.rung.parameters if kind != "tensor map") + tuple(tensor_maps)
+        values.update(zip(("q_scale", "k_scale", "v_scale"), scales))
+        args = tuple(map(values.__getitem__, self.rung.argument_names)) + tuple(tensor_maps)
         grid = self.grid(B, NH, T_q, T_k)
         if tensor_maps:  # a CUtensorMap goes by value: packed as 128 bytes for cuLaunchKernelEx
             stream = _cupy().cuda.get_current_stream().ptr
