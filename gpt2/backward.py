@@ -1,0 +1,297 @@
+"""GPT-2's training pass in array code (NumPy or CuPy): the loss of a batch and every parameter's
+gradient. Each layer's forward sits beside its backward, as in llm.c's train_gpt2.c; each forward
+returns its output and what its backward needs.
+
+    attn = Attention.make(kernel="v15", backward="b04")     # GPU rungs (the forward writes lab.lse)
+    attn = Attention.reference()                             # kernels' reference pair: NumPy or CuPy
+    loss, grads = loss_and_grads(params, config, idx, targets, attn, dtype="bfloat16")
+
+params: checkpoint-native names -> float32 master arrays (gpt2.load, gpt2.random_weights); wte is
+also the lm_head. idx, targets (B, T) token ids. loss: a Python float, the mean over B * T of
+-log p(target); grads: the same names and shapes as params, float32.
+
+Precision follows gpt2/model.py (whose forward this one equals): dtype="float32" computes in float32
+throughout (float64 master weights, the CPU gradient check's, in float64). dtype="bfloat16" (or
+"float16") is llm.c's mixed precision: the master weights are cast once per call; the products take
+16-bit operands and accumulate in float32, and so do their backward products (dX = dY W^T and
+dW = X^T dY), which return float32 for the master gradients; q, k, v, the attention and its
+backward are 16-bit; the residual stream and its gradient, LayerNorm, GELU, the logits, softmax and
+loss stay float32.
+
+What is kept for the backward, per layer (N = B * T rows of width C; s the products' itemsize, 4 or
+2; the float32 residual stream at 4):
+    x       the layer's input (the residual stream)            4 N C
+    ln1     ln_1's output as the QKV product took it           s N C    (+ mean, rstd: 8 N)
+    qkv     q, k, v                                            3 s N C
+    o, lse  the attention's output, each row's log-sum-exp     s N C + 4 N NH
+    x_mid   the residual stream after the attention            4 N C
+    ln2     ln_2's output as the MLP's first product took it   s N C    (+ mean, rstd: 8 N)
+    h       the MLP's pre-activation                           4 s N C
+    g       GELU(h) as the MLP's second product took it        4 s N C
+64 N C bytes in float32, 36 N C in bfloat16 (+ 16 N + 4 N NH): about 450 MB a layer for GPT-2 small
+at B x T = 16 x 1024 in bfloat16. Recomputed instead: the attention's output in the (N, C) layout of
+its output product (a transposing copy of o, made again in the backward, so the kept o is the one
+the backward rung reads), and each LayerNorm's normalized input (from x, mean and rstd). Keeping g
+costs 4 s N C that recomputing GELU from h would save (llm.c's choice); kept for simplicity.
+
+The classifier is fused with the loss (llm.c's fused classifier): the logits are computed a chunk of
+rows at a time (CLASSIFIER_BYTES of float32 each) and overwritten in place by their gradient
+(softmax - onehot) / N, so that no (N, vocab) array is ever held twice in float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+import kernels
+from kernels import backward as backward_ladder
+from kernels.runtime import lse_writers
+from lm.arrays import array_module, cast_params, run_dtype
+from lm.products import matmul
+
+from .config import GPT2Config
+from .errors import LabError
+from .model import GELU_C, gelu
+
+CLASSIFIER_BYTES = 512 * 2**20  # float32 logits per chunk of rows of the fused classifier
+
+
+# -- attention: a forward that writes the log-sum-exp, and its backward ------------------------------
+
+
+@dataclass(frozen=True)
+class Attention:
+    """Causal attention over (B, NH, T, hs) arrays: forward(q, k, v) -> (o, lse), lse (B, NH, T)
+    float32; backward(q, k, v, o, lse, do) -> (dq, dk, dv). `dtypes` and `head_sizes`: what both
+    passes support (None: any); `gpu`: whether they need CuPy arrays."""
+
+    name: str
+    forward: Callable
+    backward: Callable
+    dtypes: tuple[str, ...] | None = None
+    head_sizes: tuple[int, ...] | None = None
+    gpu: bool = False
+
+    @classmethod
+    def make(cls, kernel: str = "v13", backward: str = "b02") -> Attention:
+        """A forward rung that writes the log-sum-exp (lab.lse) and a backward rung; LabError if the
+        pair cannot train (no lse, no dtype or head size in common)."""
+        try:
+            fwd, bwd = kernels.load(kernel), backward_ladder.load(backward)
+        except ValueError as exc:
+            raise LabError(str(exc)) from None
+        if not fwd.lse:
+            raise LabError(f"kernel {fwd.name} does not write the log-sum-exp (lab.lse) that the backward reads; "
+                           f"{lse_writers()} do")
+        dtypes = tuple(t for t in fwd.dtypes if t in bwd.dtypes)
+        if not dtypes:
+            raise LabError(f"kernel {fwd.name} runs {', '.join(fwd.dtypes)} and backward {bwd.name} "
+                           f"{', '.join(bwd.dtypes)}: no dtype in common (lab.dtypes)")
+        heads = tuple(d for d in fwd.head_sizes() if d in bwd.head_sizes())
+        fwd_path, bwd_path = str(fwd.path), str(bwd.path)
+        return cls(
+            name=f"{fwd.name} + {bwd.name}",
+            forward=lambda q, k, v: kernels.attention(q, k, v, kernel=fwd_path, return_lse=True),
+            backward=lambda q, k, v, o, lse, do: kernels.attention_backward(q, k, v, o, lse, do, kernel=bwd_path),
+            dtypes=dtypes, head_sizes=heads, gpu=True)
+
+    @classmethod
+    def reference(cls) -> Attention:
+        """kernels.reference_attention and its backward: any dtype, NumPy or CuPy."""
+        return cls(name="reference",
+                   forward=lambda q, k, v: kernels.reference_attention(q, k, v, return_lse=True),
+                   backward=kernels.reference_attention_backward)
+
+    def check(self, xp, dtype: np.dtype, head_size: int) -> None:
+        """LabError, in one line, if this attention cannot run a model of this dtype and head size."""
+        if self.dtypes is not None and dtype.name not in self.dtypes:
+            raise LabError(f"attention {self.name} runs {', '.join(self.dtypes)}, not {dtype.name} (lab.dtypes)")
+        if self.head_sizes is not None and head_size not in self.head_sizes:
+            raise LabError(f"attention {self.name} supports head sizes {', '.join(map(str, self.head_sizes))}; "
+                           f"the model's is {head_size}")
+        if self.gpu and xp is np:
+            raise LabError(f"attention {self.name} runs on the GPU; on the CPU use the reference attention")
+
+
+# -- the layers: each forward beside its backward --------------------------------------------------
+
+
+def encoder_forward(wte, wpe, idx, act):
+    """x (B, T, C) in act = wte[idx] + wpe[:T]. Keeps nothing (the backward needs idx alone)."""
+    T = idx.shape[1]
+    return wte[idx].astype(act, copy=False) + wpe[:T]
+
+
+def encoder_backward(dwte, dwpe, dx, idx) -> None:
+    """Add dx (B, T, C) into the rows of dwte the tokens read (a scatter: a token may repeat) and of dwpe."""
+    xp = array_module(dx)
+    B, T, C = dx.shape
+    xp.add.at(dwte, idx.reshape(-1), dx.reshape(B * T, C))
+    dwpe[:T] += dx.sum(axis=0)
+
+
+def layernorm_forward(x, weight, bias, eps: float):
+    """x (N, C) -> (out (N, C), mean (N, 1), rstd (N, 1)), in x's dtype; out as gpt2/model.py's
+    layer_norm computes it. Keeps mean and rstd (and the caller keeps x)."""
+    mean = x.mean(axis=-1, keepdims=True)
+    xc = x - mean
+    rstd = ((xc * xc).mean(axis=-1, keepdims=True) + eps) ** -0.5  # biased variance, like torch's
+    return xc * rstd * weight + bias, mean, rstd
+
+
+def layernorm_backward(dout, x, mean, rstd, weight):
+    """(dx, dweight, dbias) from dout (N, C) and the forward's x, mean, rstd."""
+    norm = (x - mean) * rstd  # recomputed: (N, C)
+    dnorm = dout * weight
+    dx = rstd * (dnorm - dnorm.mean(axis=-1, keepdims=True) - norm * (dnorm * norm).mean(axis=-1, keepdims=True))
+    return dx, (dout * norm).sum(axis=0), dout.sum(axis=0)
+
+
+def linear_forward(x, weight, bias):
+    """x (N, in) @ weight (in, out) + bias: in the weight's dtype (x is cast to it), accumulated in
+    float32, as gpt2/model.py's linear. The caller keeps x in the weight's dtype, as the product took it."""
+    return matmul(x, weight) + bias
+
+
+def linear_backward(dout, x, weight, dx_dtype=None):
+    """(dx, dweight, dbias) from dout (N, out) and the forward's x (N, in) in the weight's dtype: the
+    products take 16-bit operands where the weights are 16-bit and accumulate in float32; dweight and
+    dbias are float32 (float64 for float64 weights), dx is dx_dtype (default the same)."""
+    wide = np.result_type(weight.dtype, np.float32)
+    dout_w = dout.astype(weight.dtype, copy=False)  # the products' operand
+    dx = matmul(dout_w, weight.T, dx_dtype or wide)  # (N, in)
+    dweight = matmul(x.T, dout_w, wide)  # (in, out)
+    return dx, dweight, dout.sum(axis=0, dtype=wide)
+
+
+def gelu_backward(dout, h):
+    """dout * GELU'(h) for GPT-2's tanh GELU, h the kept pre-activation widened to dout's dtype."""
+    u = h * h
+    t = array_module(h).tanh(GELU_C * h * (1.0 + 0.044715 * u))  # GELU(h) = h (1 + t) / 2
+    return dout * (0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * GELU_C * (1.0 + 3 * 0.044715 * u))
+
+
+def attention_forward(qkv, n_head: int, attn: Attention):
+    """qkv (B, T, 3C), columns [q | k | v] of n_head heads each -> (y (B * T, C), q, k, v, o, lse): q, k,
+    v (B, NH, T, hs) views of qkv, o (B, NH, T, hs) and lse (B, NH, T) the forward's, all kept."""
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    qkv = qkv.reshape(B, T, 3, n_head, C // n_head)
+    q, k, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))  # each (B, NH, T, hs), a view
+    o, lse = attn.forward(q, k, v)
+    return heads_side_by_side(o), q, k, v, o, lse
+
+
+def heads_side_by_side(o):
+    """(B, NH, T, hs) -> (B * T, C), the output product's layout (a copy)."""
+    B, NH, T, hs = o.shape
+    return o.transpose(0, 2, 1, 3).reshape(B * T, NH * hs)
+
+
+def attention_backward(dy, q, k, v, o, lse, attn: Attention):
+    """dqkv (B * T, 3C) in q's dtype from dy (B * T, C), the gradient of the heads side by side."""
+    B, NH, T, hs = q.shape
+    xp = array_module(dy)
+    do = dy.astype(q.dtype, copy=False).reshape(B, T, NH, hs).transpose(0, 2, 1, 3)  # (B, NH, T, hs), a view
+    dq, dk, dv = attn.backward(q, k, v, o, lse, do)
+    dqkv = xp.empty((B, T, 3, NH, hs), dtype=q.dtype)
+    for i, d in enumerate((dq, dk, dv)):
+        dqkv[:, :, i] = d.transpose(0, 2, 1, 3)
+    return dqkv.reshape(B * T, 3 * NH * hs)
+
+
+def classifier_forward_backward(xf, wte, targets, rows: int | None = None):
+    """The fused classifier: (loss, dxf, dwte) of the mean cross-entropy of logits = xf @ wte^T.
+    xf (N, C) in wte's dtype (V, C), targets (N,). Each chunk of `rows` rows (default: CLASSIFIER_BYTES
+    of logits) computes its logits in float32 (float64 for float64 weights) and overwrites them with
+    dlogits = (softmax - onehot) / N, which the two products then take (in wte's dtype)."""
+    xp = array_module(xf)
+    N, C = xf.shape
+    V = wte.shape[0]
+    wide = np.result_type(wte.dtype, np.float32)
+    rows = rows or max(1, CLASSIFIER_BYTES // (V * wide.itemsize))
+    dxf = xp.empty((N, C), dtype=wide)
+    dwte = xp.zeros((V, C), dtype=wide)
+    loss = xp.zeros((), dtype=wide)
+    for start in range(0, N, rows):
+        x, t = xf[start:start + rows], targets[start:start + rows]
+        ar = xp.arange(x.shape[0])
+        logits = matmul(x, wte.T, wide)  # (r, V)
+        logits -= logits.max(axis=1, keepdims=True)
+        target_logit = logits[ar, t]  # (r,), shifted like the rest
+        xp.exp(logits, out=logits)
+        total = logits.sum(axis=1, keepdims=True)  # (r, 1)
+        loss += (xp.log(total[:, 0]) - target_logit).sum()  # -log p(target) = log sum exp - logit
+        logits *= 1.0 / (total * N)  # now softmax / N
+        logits[ar, t] -= 1.0 / N  # now dlogits = (softmax - onehot) / N
+        dlogits = logits.astype(wte.dtype, copy=False)
+        dxf[start:start + rows] = matmul(dlogits, wte, wide)  # (r, C)
+        dwte += matmul(dlogits.T, x, wide)  # (V, C)
+    return float(loss) / N, dxf, dwte
+
+
+# -- the model --------------------------------------------------------------------------------------
+
+
+def loss_and_grads(params: dict, config: GPT2Config, idx, targets, attn: Attention, dtype="float32"):
+    """(loss, grads) of the mean cross-entropy of the next tokens `targets` (B, T) given `idx` (B, T);
+    see the module's docstring for the precision and what is kept."""
+    xp = array_module(params["wte.weight"])
+    idx, targets = xp.asarray(idx), xp.asarray(targets)
+    if idx.ndim != 2 or targets.shape != idx.shape:
+        raise LabError(f"idx and targets must both be (B, T); got {idx.shape} and {targets.shape}")
+    B, T = idx.shape
+    if T > config.n_positions:
+        raise LabError(f"sequence length {T} exceeds the model's {config.n_positions} positions")
+    act = np.result_type(params["wte.weight"].dtype, np.float32)  # the residual stream: float32 (float64)
+    w = params if run_dtype(dtype) == np.float32 else cast_params(params, dtype)  # cast once per call
+    cdtype = w["wte.weight"].dtype  # the products', q's, k's and v's
+    attn.check(xp, cdtype, config.head_size)
+    eps, N, C = config.layer_norm_epsilon, B * T, config.n_embd
+
+    # forward: x (N, C) is the residual stream
+    x = encoder_forward(w["wte.weight"], w["wpe.weight"], idx, act).reshape(N, C)
+    kept = []
+    for i in range(config.n_layer):
+        p = f"h.{i}."
+        ln1, mean1, rstd1 = layernorm_forward(x, w[p + "ln_1.weight"], w[p + "ln_1.bias"], eps)
+        ln1 = ln1.astype(cdtype, copy=False)
+        qkv = linear_forward(ln1, w[p + "attn.c_attn.weight"], w[p + "attn.c_attn.bias"]).astype(cdtype, copy=False)
+        y, q, k, v, o, lse = attention_forward(qkv.reshape(B, T, 3 * C), config.n_head, attn)
+        x_mid = x + linear_forward(y, w[p + "attn.c_proj.weight"], w[p + "attn.c_proj.bias"])
+        del y  # remade from o in the backward
+        ln2, mean2, rstd2 = layernorm_forward(x_mid, w[p + "ln_2.weight"], w[p + "ln_2.bias"], eps)
+        ln2 = ln2.astype(cdtype, copy=False)
+        h = linear_forward(ln2, w[p + "mlp.c_fc.weight"], w[p + "mlp.c_fc.bias"])  # (N, 4C) in cdtype
+        g = gelu(h.astype(act, copy=False)).astype(cdtype, copy=False)  # GELU in float32
+        kept.append((x, ln1, mean1, rstd1, q, k, v, o, lse, x_mid, ln2, mean2, rstd2, h, g))
+        x = x_mid + linear_forward(g, w[p + "mlp.c_proj.weight"], w[p + "mlp.c_proj.bias"])
+    xf, meanf, rstdf = layernorm_forward(x, w["ln_f.weight"], w["ln_f.bias"], eps)
+
+    # the classifier and the loss, fused; then backward, layer by layer
+    loss, dxf, dwte = classifier_forward_backward(xf.astype(cdtype, copy=False), w["wte.weight"],
+                                                  targets.reshape(N))
+    grads = {"wte.weight": dwte, "wpe.weight": xp.zeros(params["wpe.weight"].shape, dtype=act)}
+    dx, grads["ln_f.weight"], grads["ln_f.bias"] = layernorm_backward(dxf, x, meanf, rstdf, w["ln_f.weight"])
+    for i in reversed(range(config.n_layer)):
+        p = f"h.{i}."
+        x, ln1, mean1, rstd1, q, k, v, o, lse, x_mid, ln2, mean2, rstd2, h, g = kept.pop()
+        dg, grads[p + "mlp.c_proj.weight"], grads[p + "mlp.c_proj.bias"] = linear_backward(dx, g, w[p + "mlp.c_proj.weight"])
+        dh = gelu_backward(dg, h.astype(act, copy=False))
+        dln2, grads[p + "mlp.c_fc.weight"], grads[p + "mlp.c_fc.bias"] = linear_backward(dh, ln2, w[p + "mlp.c_fc.weight"])
+        dx_mid, grads[p + "ln_2.weight"], grads[p + "ln_2.bias"] = layernorm_backward(
+            dln2, x_mid, mean2, rstd2, w[p + "ln_2.weight"])
+        dx = dx + dx_mid  # the gradient at x_mid: through the residual and through ln_2
+        dy, grads[p + "attn.c_proj.weight"], grads[p + "attn.c_proj.bias"] = linear_backward(
+            dx, heads_side_by_side(o), w[p + "attn.c_proj.weight"], dx_dtype=cdtype)
+        dqkv = attention_backward(dy, q, k, v, o, lse, attn)
+        dln1, grads[p + "attn.c_attn.weight"], grads[p + "attn.c_attn.bias"] = linear_backward(
+            dqkv, ln1, w[p + "attn.c_attn.weight"])
+        dx_in, grads[p + "ln_1.weight"], grads[p + "ln_1.bias"] = layernorm_backward(
+            dln1, x, mean1, rstd1, w[p + "ln_1.weight"])
+        dx = dx + dx_in
+    encoder_backward(grads["wte.weight"], grads["wpe.weight"], dx.reshape(B, T, C), idx)
+    return loss, {name: grads[name] for name in params}
