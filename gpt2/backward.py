@@ -164,7 +164,7 @@ def linear_backward(dout, x, weight, dx_dtype=None):
     dout_w = dout.astype(weight.dtype, copy=False)  # the products' operand
     dx = matmul(dout_w, weight.T, dx_dtype or wide)  # (N, in)
     dweight = matmul(x.T, dout_w, wide)  # (in, out)
-    return dx, dweight, dout.sum(axis=0, dtype=wide)
+    return dx, dweight, dout.astype(wide, copy=False).sum(axis=0)
 
 
 def gelu_backward(dout, h):
