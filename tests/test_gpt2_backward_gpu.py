@@ -61,22 +61,28 @@ def random_params(config, seed):
 
 
 def torch_loss(torch, w, config, idx, targets):
-    """nanoGPT's GPT-2 on the checkpoint-native names (Conv1D weights (in, out), wte tied)."""
+    """nanoGPT's GPT-2 on the checkpoint-native names (Conv1D weights (in, out), wte tied); F.linear
+    as nanoGPT's nn.Linear, so that autocast runs each product with its bias in bfloat16."""
     F = torch.nn.functional
     C, NH, eps = config.n_embd, config.n_head, config.layer_norm_epsilon
     Bt, Tt = idx.shape
+
+    def linear(x, name):
+        return F.linear(x, w[name + ".weight"].t(), w[name + ".bias"])
+
+    def layer_norm(x, name):
+        return F.layer_norm(x, (C,), w[name + ".weight"], w[name + ".bias"], eps)
+
     x = w["wte.weight"][idx] + w["wpe.weight"][:Tt]
     for i in range(config.n_layer):
         p = f"h.{i}."
-        h = F.layer_norm(x, (C,), w[p + "ln_1.weight"], w[p + "ln_1.bias"], eps)
-        qkv = h @ w[p + "attn.c_attn.weight"] + w[p + "attn.c_attn.bias"]
+        qkv = linear(layer_norm(x, p + "ln_1"), p + "attn.c_attn")
         q, k, v = (t.view(Bt, Tt, NH, C // NH).transpose(1, 2) for t in qkv.split(C, dim=2))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(Bt, Tt, C)
-        x = x + y @ w[p + "attn.c_proj.weight"] + w[p + "attn.c_proj.bias"]
-        h = F.layer_norm(x, (C,), w[p + "ln_2.weight"], w[p + "ln_2.bias"], eps)
-        h = F.gelu(h @ w[p + "mlp.c_fc.weight"] + w[p + "mlp.c_fc.bias"], approximate="tanh")
-        x = x + h @ w[p + "mlp.c_proj.weight"] + w[p + "mlp.c_proj.bias"]
-    x = F.layer_norm(x, (C,), w["ln_f.weight"], w["ln_f.bias"], eps)
+        x = x + linear(y, p + "attn.c_proj")
+        h = F.gelu(linear(layer_norm(x, p + "ln_2"), p + "mlp.c_fc"), approximate="tanh")
+        x = x + linear(h, p + "mlp.c_proj")
+    x = layer_norm(x, "ln_f")
     logits = x @ w["wte.weight"].T
     return F.cross_entropy(logits.float().view(-1, config.vocab_size), targets.view(-1))
 
