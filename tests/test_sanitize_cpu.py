@@ -260,9 +260,9 @@ def test_run_tool_goes_on_after_a_child_that_dies_or_hangs(tmp_path, capsys):
 
 def test_the_reproducer_kernel_compiles_for_sm_90():
     source = (TOOLS_DIR / "synccheck_cluster.cu").read_text()
-    for cluster in (8, 16):
+    for cluster, aligned in ((8, "false"), (16, "false"), (16, "true")):
         (result,) = nvrtc.compile_isolated(source, "synccheck_cluster.cu", ["-arch=sm_90", "-Xptxas=-v"],
-                                           [f"cluster_skeleton<{cluster}>"])
+                                           [f"cluster_skeleton<{cluster}, {aligned}>"])
         assert "registers" in result["log"]
 
 
@@ -276,9 +276,14 @@ def test_the_reproducer_expects_every_push_and_nothing_else():
 
 
 def test_the_reproducer_verdict():
-    rows = [{"case": "skeleton-waves", "errors": 0}, {"case": "v17-97", "errors": 4}]
+    rows = [{"case": "skeleton-waves", "errors": 0}, {"case": "skeleton-waves-mixed-aligned", "errors": 0},
+            {"case": "v17-97", "errors": 4}]
     assert synccheck_cluster.verdict(rows).startswith("Only v17 draws the report (v17-97)")
     rows[0]["errors"] = 2
+    assert "not with the .aligned forms (v17's): v17 still draws it (v17-97)" in synccheck_cluster.verdict(rows)
+    rows[2]["errors"] = 0
+    assert synccheck_cluster.verdict(rows).endswith("v17 is clean.")
+    rows[1]["errors"] = 3
     assert "the report is the tool's" in synccheck_cluster.verdict(rows)
     assert synccheck_cluster.verdict([{"case": "v17-97", "errors": 0}]) == "No case draws the report."
 
