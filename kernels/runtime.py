@@ -405,6 +405,7 @@ def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, ou
     inst = instance(rung.path, d, config, dtype=q.dtype.name, grid=(B, NH, T))
     if rung.fp8:  # e4m3 copies, quantized here once with the configuration's tiles as the blocks
         inputs = fp8.quantize_fp8(q, k, v, block_q=inst.B_r, block_k=rung.params(inst.config)["B_c"])
+        fp8.warn_if_peaked(inputs, scale)
         run = _prepare_fp8(inst, inputs, causal, scale, _output(q, out))
         run.reads_inputs = False
         return run
@@ -611,7 +612,13 @@ def attention(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, 
     `scale` defaults to 1/sqrt(d). Non-causal, T_q != T_k and NH_kv < NH need a rung declaring them.
     return_lse=True (a rung declaring lab.lse) returns (out, lse): lse (B, NH, T_q) float32, each query
     row's log-sum-exp of its scaled scores in natural log (+inf for a row that sees no key), what
-    kernels.attention_backward takes."""
+    kernels.attention_backward takes.
+
+    The FP8 rung (kernel="v25") quantizes q, k and v to e4m3 first: its error grows with the spread of the
+    scaled scores (3 mantissa bits under a peaked softmax). Its envelope, measured by `bench.py fp8
+    --envelope` (docs/ladder.md, v25): TODO(lead): the score std up to which v25 stays within its
+    emulation's error of bfloat16 accuracy, from the envelope's result file. Past
+    kernels.fp8.PEAKED_SCORE_ESTIMATE (an estimate from the block maxima) it warns (a UserWarning)."""
     return prepare(q, k, v, kernel=kernel, causal=causal, scale=scale, config=config, out=out, return_lse=return_lse)()
 
 

@@ -58,21 +58,15 @@
  * Barriers: every thread of a block reaches each of its barriers, and no thread has exited before
  * the last cluster barrier. The branches before them are uniform over the block: the early return
  * of a grouped-query head (taken by whole clusters, whose blocks share a head), the dispatch on
- * sp.rows, n_steps; the loops that stage Q_i and push the partials end before their barriers, and
- * the key loop's shuffles run in all 32 lanes. The cluster barriers are the forms without .aligned
- * (cg::this_cluster().sync()'s), which PTX allows under divergence, and ptxas puts every BAR.SYNC,
- * UCGABAR_ARV and UCGABAR_WAIT where the warp is converged anyway (the sm_90 cubin, nvdisasm).
- * Yet compute-sanitizer's synccheck reports "Barrier error detected. Divergent thread(s) in warp"
- * at B = 2, NH = 3, T = 97 (78 clusters of 16; the tool then stops the launch), not at B = 1,
- * NH = 2, T = 64 (16 clusters) nor at the decode shapes tried; memcheck, racecheck and initcheck are
- * clean. A __syncwarp() after Q_i is staged, and the relaxed arrive moved to just before its wait,
- * changed nothing. tools/synccheck_cluster.py tells this kernel from the tool: v17's barriers alone
- * (tools/synccheck_cluster.cu) with few clusters and with many, beside v17 at shapes that keep one
- * property of the reported one each. Its verdict (H100): the report is the tool's. The skeleton, whose
- * every thread reaches every barrier, draws the same report whenever its clusters of 16 come in more
- * than one wave, whether every thread pushes or 16 do, rank 0 late or not, and none with all of them
- * resident or in clusters of 8; v17 draws it at exactly those shapes (clusters of 16, more than a
- * wave) and is clean at the reported shape in clusters of 8 and at one wave of 16.
+ * sp.rows, n_steps; the loops that stage Q_i and push the partials end before their barriers (a
+ * __syncthreads() or a __syncwarp() converges the warp), and the key loop's shuffles run in all 32
+ * lanes. So the cluster barriers take the .aligned forms, as CUTLASS's do. With the forms without
+ * .aligned (cg::this_cluster().sync()'s), compute-sanitizer's synccheck reported "Barrier error
+ * detected. Divergent thread(s) in warp" and stopped the launch at B = 2, NH = 3, T = 97 (78
+ * clusters of 16, more than one wave), and drew the same report from v17's barriers alone
+ * (tools/synccheck_cluster.cu, whose every thread reaches every barrier) whenever its clusters of 16
+ * came in more than one wave: `python3 tools/synccheck_cluster.py` runs both forms, skeleton and v17,
+ * under the tool, and tests/test_sanitize_gpu.py holds v17 to 0 reports at the reported shape.
  *
  * lab.template    d_head, B_r, B_c, dtype_id, CLUSTER
  * lab.configs     (64, 8, 64, 0, 16), (64, 8, 64, 0, 8), (32, 8, 128, 0, 8), (96, 2, 32, 0, 16), (128, 8, 32, 0, 8), (64, 4, 64, 1, 16), (32, 4, 128, 1, 8), (96, 2, 64, 1, 16), (128, 4, 64, 1, 8), (64, 4, 64, 2, 16), (32, 4, 128, 2, 8), (96, 2, 64, 2, 16), (128, 4, 64, 2, 8)
@@ -228,9 +222,14 @@ __device__ __forceinline__ void store_cluster2(unsigned a, float x, float y)
 // The cluster barrier, split in two: every thread of every block arrives, then waits until all
 // have arrived. arrive.relaxed orders nothing (used to say "this block is running");
 // arrive (release) and wait (acquire) make every store before the arrive visible after the wait.
-__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory"); }
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;" ::: "memory"); }
+// The .aligned forms (CUTLASS's cute::cluster_arrive / cluster_wait): every thread of the warp
+// executes the same instruction, converged, as each call site below guarantees (a __syncthreads()
+// or a __syncwarp() just before it). The forms without .aligned (cg::this_cluster().sync()'s) allow a
+// divergent warp, and under them compute-sanitizer's synccheck reported "Divergent thread(s) in
+// warp" on clusters of 16 in more than one wave (tools/synccheck_cluster.py).
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 
 // Request U keys of one lane: rows row0, row0 + KPW rows, ... (F chunks, G chunks apart, in each).
 // Keys from `keys_left` on are past the split: not read, zeros.
@@ -592,7 +591,9 @@ attention_forward(const element_t<dtype_id>* __restrict__ Q, const element_t<dty
             store_cluster2(to_ml + 4 * (r * 2), m, l);
     }
     // Every block's pushes are in rank 0's shared memory after this; the other blocks may leave:
-    // nobody reads their shared memory.
+    // nobody reads their shared memory. The push loop's trip count differs across lanes: converge
+    // the warp for the .aligned arrive.
+    __syncwarp();
     cluster_arrive();
     cluster_wait();
     if (split != 0)

@@ -260,9 +260,9 @@ def test_run_tool_goes_on_after_a_child_that_dies_or_hangs(tmp_path, capsys):
 
 def test_the_reproducer_kernel_compiles_for_sm_90():
     source = (TOOLS_DIR / "synccheck_cluster.cu").read_text()
-    for cluster in (8, 16):
+    for cluster, aligned in ((8, "false"), (16, "false"), (16, "true")):
         (result,) = nvrtc.compile_isolated(source, "synccheck_cluster.cu", ["-arch=sm_90", "-Xptxas=-v"],
-                                           [f"cluster_skeleton<{cluster}>"])
+                                           [f"cluster_skeleton<{cluster}, {aligned}>"])
         assert "registers" in result["log"]
 
 
@@ -276,9 +276,14 @@ def test_the_reproducer_expects_every_push_and_nothing_else():
 
 
 def test_the_reproducer_verdict():
-    rows = [{"case": "skeleton-waves", "errors": 0}, {"case": "v17-97", "errors": 4}]
+    rows = [{"case": "skeleton-waves", "errors": 0}, {"case": "skeleton-waves-mixed-aligned", "errors": 0},
+            {"case": "v17-97", "errors": 4}]
     assert synccheck_cluster.verdict(rows).startswith("Only v17 draws the report (v17-97)")
     rows[0]["errors"] = 2
+    assert "not with the .aligned forms (v17's): v17 still draws it (v17-97)" in synccheck_cluster.verdict(rows)
+    rows[2]["errors"] = 0
+    assert synccheck_cluster.verdict(rows).endswith("v17 is clean.")
+    rows[1]["errors"] = 3
     assert "the report is the tool's" in synccheck_cluster.verdict(rows)
     assert synccheck_cluster.verdict([{"case": "v17-97", "errors": 0}]) == "No case draws the report."
 
@@ -328,3 +333,94 @@ def test_the_childs_first_random_draws_are_not_a_targets():
                                         sanitize.fused_kernels())
     assert rows["v21_tma_loads"]["initcheck"] == "0" and rows["library/setup"]["initcheck"] == "1"
     assert problems == []
+
+
+FLOODING_TOOL = """\
+import sys
+names = [a for a in sys.argv[[a.endswith("sanitize_targets.py") for a in sys.argv].index(True) + 1:] if a != "--quick"]
+print("========= COMPUTE-SANITIZER", flush=True)
+for name in names:
+    print("@@ sanitize begin " + name, flush=True)
+    for _ in range(4 if name.startswith("flood") else 0):
+        print("========= Uninitialized __global__ memory read of size 2 bytes", flush=True)
+        print("=========     at attention_forward<64, 192, 128, 0>+0x10", flush=True)
+    print("@@ sanitize end " + name + " ok", flush=True)
+print("========= ERROR SUMMARY: 0 errors", flush=True)
+"""
+
+
+def test_a_child_stops_after_the_target_that_reaches_the_print_limit(tmp_path):
+    """Past --print-limit the tool counts without printing: the child is stopped at the end of the target
+    that reached it (its count a floor, `3+`), and a new one goes on, so no later target's errors hide."""
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text(f"#!{sys.executable}\n" + FLOODING_TOOL)
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    args = argparse.Namespace(quick=False, print_limit=3, timeout=30.0)
+    children = sanitize.run_tool(str(fake), "initcheck", ["a", "flood", "b", "flood2"], args)
+    assert [list(c.status) for c in children] == [["a", "flood"], ["b", "flood2"]]
+    assert [c.capped for c in children] == ["flood", "flood2"]
+    assert set(children[0].seconds) == {"a", "flood"}
+    rows, problems = sanitize.summarize(["initcheck"], {"initcheck": children}, ["a", "flood", "b", "flood2"], {})
+    assert [rows[n]["initcheck"] for n in ("a", "flood", "b", "flood2")] == ["0", "4+", "0", "4+"]
+    assert problems == ["initcheck flood: 4 errors", "initcheck flood2: 4 errors"]
+    cells = sanitize.cells(["initcheck"], rows, {"initcheck": children})
+    assert cells["a"] == {"initcheck": 0} and cells["flood"] == {"initcheck": "4+"}
+    assert sanitize.seconds(["initcheck"], {"initcheck": children}).keys() == {"a", "flood", "b", "flood2"}
+    reports = sanitize.first_reports(["initcheck"], {"initcheck": children}, {})
+    assert len(reports["flood"]["initcheck"]) == 3 and "attention_forward<64, 192, 128, 0>" in reports["flood"]["initcheck"][0]
+
+
+def test_a_skipped_cell_keeps_its_reason_and_cupy_kernels_are_named_apart():
+    child = sanitize.parse(textwrap.dedent("""\
+        @@ sanitize begin t01
+        @@ sanitize end t01 skipped: Triton is not installed
+        @@ sanitize begin v23_pingpong
+        ========= Uninitialized __global__ memory read of size 2 bytes
+        =========     at cupy_copy__bfloat16_bfloat16+0x40
+        =========
+        @@ sanitize end v23_pingpong ok
+        ========= ERROR SUMMARY: 1 error
+        """).splitlines())
+    rows, problems = sanitize.summarize(["initcheck"], {"initcheck": [child]}, ["t01", "v23_pingpong"], {})
+    cells = sanitize.cells(["initcheck"], rows, {"initcheck": [child]})
+    assert cells["t01"] == {"initcheck": "skipped: Triton is not installed"}
+    assert cells["v23_pingpong"] == {"initcheck": 0}
+    assert cells["v23_pingpong in cupy_copy__bfloat16_bfloat16"] == {"initcheck": 1}
+    assert problems == ["initcheck v23_pingpong in cupy_copy__bfloat16_bfloat16: 1 error"]  # still the lab's
+
+
+def test_group_chooses_whole_groups_and_refuses_unknown_ones(capsys):
+    assert sanitize.main(["--list", "--group", "step,backward"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in out] == ["backward", "step"]
+    assert out[0].split()[1:] == kernels_backward_names()
+    assert sanitize.main(["--group", "forwards"]) == 2
+    assert "unknown group forwards" in capsys.readouterr().err
+
+
+def kernels_backward_names():
+    import kernels
+
+    return kernels.backward_names()
+
+
+def test_the_targets_cover_every_rung_dtype_and_declared_feature():
+    """Checked against the registries: every rung in every dtype it declares, cross and GQA shapes where it
+    declares them, a decode step for a split-KV rung; --quick one launch as awkward as the rung allows."""
+    import kernels
+
+    groups = targets.groups()
+    assert groups["forward"] == kernels.names() and groups["backward"] == kernels.backward_names()
+    assert groups["triton"] == kernels.triton_names()
+    assert {"step-float32", "step-bfloat16", "step-float32-ring3", "step-bfloat16-ring2"} == set(groups["step"])
+    rungs = [kernels.load(n) for n in kernels.names()] + [kernels.backward.load(n) for n in kernels.backward_names()]
+    for rung in rungs:
+        assert targets.rung_dtypes(rung, quick=False) == tuple(rung.dtypes)
+        assert targets.rung_dtypes(rung, quick=True) == tuple(rung.dtypes[:1])
+        full, quick = targets.case_shapes(rung, quick=False), targets.case_shapes(rung, quick=True)
+        split_kv = bool(getattr(rung, "split_kv", False))
+        assert (targets.CROSS in full) == ("cross" in rung.supports) and (targets.GQA in full) == ("gqa" in rung.supports)
+        assert (targets.DECODE in full) == (targets.DECODE in quick) == split_kv
+        B, NH, NH_kv, T_q, T_k, d = quick[0]
+        assert T_q % 16 and (T_q != T_k) == ("cross" in rung.supports) and (NH != NH_kv) == ("gqa" in rung.supports)
+        assert len(quick) == 1 + split_kv
