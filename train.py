@@ -315,7 +315,7 @@ def run(args) -> int:
 
     peak = pool.total_bytes() if pool is not None else None
     later = log["ms"][1:] or log["ms"]  # the first step compiles the rungs
-    print(f"mean of steps 2-{args.steps}: {np.mean(later):.1f} ms, {tokens_per_step / np.mean(later) * 1e3:,.0f} tok/s"
+    print(f"mean of step{f's 2-{args.steps}' if args.steps > 1 else ' 1'}: {np.mean(later):.1f} ms, {tokens_per_step / np.mean(later) * 1e3:,.0f} tok/s"
           + (f", peak GPU memory {peak / 2**30:.2f} GiB" if peak is not None else ""))
     if args.out:
         gpt2.save(ckpt, args.out)

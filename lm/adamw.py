@@ -110,5 +110,5 @@ def get_lr(step: int, *, lr: float, min_lr: float, warmup: int, steps: int, sche
     if schedule != "cosine":
         raise ValueError(f"schedule {schedule!r}: cosine or constant")
     span = steps - 1 - warmup
-    ratio = (step - warmup) / span if span > 0 else 1.0
+    ratio = (step - warmup) / span if span > 0 else 0.0  # one step after warmup: the peak
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(ratio, 1.0))) * (lr - min_lr)

@@ -106,14 +106,14 @@ def test_clip_grad_norm_semantics():
 
 
 def test_schedule():
-    kw = dict(lr=1.0, min_lr=0.1, warmup=4, steps=14)
+    kw = dict(lr=1.0, min_lr=0.1, warmup=4, steps=15)
     assert [get_lr(s, **kw) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert get_lr(4, **kw) == 1.0  # the cosine starts at the peak
     assert get_lr(9, **kw) == pytest.approx(0.55)  # half way: the mean of the two
-    assert get_lr(13, **kw) == pytest.approx(0.1)  # the last step at min_lr
+    assert get_lr(14, **kw) == pytest.approx(0.1)  # the last step at min_lr
     assert get_lr(40, **kw) == pytest.approx(0.1)
-    assert all(get_lr(s, **kw) >= get_lr(s + 1, **kw) for s in range(4, 13))
-    assert [get_lr(s, **kw, schedule="constant") for s in (3, 4, 13)] == [1.0, 1.0, 1.0]
+    assert all(get_lr(s, **kw) >= get_lr(s + 1, **kw) for s in range(4, 14))
+    assert [get_lr(s, **kw, schedule="constant") for s in (3, 4, 14)] == [1.0, 1.0, 1.0]
     assert get_lr(0, lr=1.0, min_lr=0.0, warmup=0, steps=1) == 1.0  # one step, no warmup: the peak
 
 
@@ -287,7 +287,7 @@ def test_cli_trains_writes_json_and_out_then_lab_generates(train, folder, data, 
     (["--kernel", "v13"], "--kernel and --backward run on the GPU"),
     (["--steps", "0"], "--steps must be at least 1"),
     (["--random-weights"], "--model and --random-weights exclude each other"),
-    (["--batch", "100"], "fewer than one batch of B x T + 1"),
+    (["--batch", "200"], "fewer than one batch of B x T + 1"),
 ])
 def test_user_errors_exit_2_with_one_line(train, folder, data, capsys, extra, message):
     argv = ["--device", "cpu", "--model", str(folder), "--data", str(data), "--steps", "1", "--batch", "2",
