@@ -276,10 +276,12 @@ def test_cli_trains_writes_json_and_out_then_lab_generates(train, folder, data, 
     # the quadratic loss pulls every parameter towards 0.5
     start = gpt2.load(folder)
     assert np.abs(trained.params["ln_f.bias"] - 0.5).max() < np.abs(start.params["ln_f.bias"] - 0.5).max()
-    r = subprocess.run([sys.executable, str(ROOT / "lab.py"), "--device", "cpu", "--model", str(out), "--tokens", "3"],
-                       capture_output=True, text=True, cwd=ROOT, env=dict(os.environ), timeout=300)
+    generated = tmp_path / "lab.json"
+    r = subprocess.run([sys.executable, str(ROOT / "lab.py"), "--device", "cpu", "--model", str(out), "--tokens", "3",
+                        "--json", str(generated)], capture_output=True, text=True, cwd=ROOT, env=dict(os.environ),
+                       timeout=300)
     assert r.returncode == 0, r.stderr
-    assert "3 new tokens" in r.stdout or "new tokens" in r.stdout
+    assert json.loads(generated.read_text())["n_new_tokens"] == 3
 
 
 @pytest.mark.parametrize("extra, message", [
