@@ -24,7 +24,7 @@ from .levels import LEVELS, SHAPE_SETS, cmd_levels
 from .options import kernel_list, parse_shape, results_option
 from .peers import DEFAULT_PEERS, PEERS
 from .profile import add_profile_parser, cmd_profile
-from .readme import DECODE_DOC, LEVELS_DOC, README, RESULTS_DOC, cmd_readme
+from .readme import DECODE_DOC, LEVELS_DOC, README, RESULTS_DOC, TRAINING_DOC, cmd_readme
 from .resources import cmd_resources
 from .results import E2E_MODELS
 from .rungs import cmd_kernels
@@ -362,6 +362,9 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     m.add_argument("--decode-doc", type=Path, default=DECODE_DOC,
                    help="the decode page, whose scale section is rewritten when there are scale results (bench.py "
                         "e2e --sizes; default: docs/decode.md)")
+    m.add_argument("--training-doc", type=Path, default=TRAINING_DOC,
+                   help="the training page, whose train section is rewritten when there are train results (bench.py "
+                        "train; default: docs/training.md)")
     m.add_argument("--replot", action="store_true",
                    help="also redraw the newest sweep and e2e plots from their JSON (after a change to the plotting)")
     return parser
@@ -404,7 +407,7 @@ def main(argv: list[str] | None, doc: str) -> int:
     if llama_e2e and args.kernels is None:
         args.kernels = []  # e2e_llama runs the newest rung that takes the model
     if getattr(args, "kernels", False) is None and args.command not in ("features", "frontier", "fp8", "profile",
-                                                                          "backward", "train"):
+                                                                          "backward"):
         # features and frontier pick per case, fp8 takes the FP8 rungs; profile takes every rung and reports those it
         # cannot run as skipped;
         # backward runs the backward ladder (benchmarks/backward.py picks those that take the dtype)

@@ -23,7 +23,7 @@ from lm.adamw import AdamW, clip_grad_norm, get_lr
 from lm.arrays import held_bytes
 from lm.token_data import Batches
 
-from . import device, plots, timing
+from . import ceilings, device, plots, timing
 from .device import first_line, progress
 from .results import SCHEMA, result_path, write_result, wrote
 from .rungs import add_speedups
@@ -31,7 +31,6 @@ from .tables import fmt_ms, fmt_x, setup_header, table
 
 PEERS = {"torch_eager": "PyTorch eager", "torch_compile": "torch.compile"}
 T = 1024
-CEILING_KEY = {"bfloat16": "bf16_tflops", "float32": "ffma_tflops"}
 MEMORY_MEASURE = ("lab: CuPy memory pool high-water mark (total_bytes; the pool emptied before the row), less the "
                   "weights every row copies from (the run's own float32 master weights are counted); torch: "
                   "torch.cuda.max_memory_reserved (its caching allocator's high-water mark, reset before the row)")
@@ -191,7 +190,7 @@ def cmd_train(args) -> int:
     progress(f"{dev['name']} ({dev['arch']}, {dev['sm_count']} SMs), driver {dev['driver']}, CUDA "
              f"{dev['cuda_runtime']}, CuPy {setup['cupy']}, torch {setup['torch']}")
     progress("measuring the ceilings (fp32 SGEMM 8192^3 without TF32; TF32, bf16, fp16 GEMM 8192^3; device copy) ...")
-    ceilings = timing.measure_ceilings(method)
+    measured = timing.measure_ceilings(method)
     torch = device.get_torch()
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # float32 rows: no TF32
     ckpt = gpt2.random_weights("gpt2", seed=args.seed, xp=device.get_cupy())
@@ -207,7 +206,7 @@ def cmd_train(args) -> int:
             case += [torch_row(name, ckpt, dtype, B, method) for name in PEERS]
             for r in case:
                 r["flops"] = step_flops(ckpt.config, ckpt.n_params, B, T)
-                finish_row(r, ceilings.get(CEILING_KEY[dtype]))
+                finish_row(r, ceilings.ceiling(ceilings.DTYPE_MATH[dtype], measured)[0])
                 progress(f"  {dtype} B={B:>3} {r['label']:<16} " + (
                     f"{r['timing']['median_ms']:9.1f} ms {r['tokens_per_s']:>10,.0f} tok/s "
                     f"{r['peak_bytes'] / 2**30:6.2f} GiB" if r["status"] == "ok" else f"{r['status']}: {r.get('reason')}"))
@@ -219,7 +218,7 @@ def cmd_train(args) -> int:
             curve = loss_curve(ckpt, dtype, forward, default_backward, args.curve_steps, 8)
     result = {
         "schema": SCHEMA, "kind": "train", "setup": setup, "model": "GPT-2 small (124M), random weights",
-        "n_params": ckpt.n_params, "flop_convention": driver().FLOP_CONVENTION, "ceilings": ceilings,
+        "n_params": ckpt.n_params, "flop_convention": driver().FLOP_CONVENTION, "ceilings": measured,
         "method": method.describe(0) | {"l2_flush": "none: a step is far larger than L2", "timed": (
             "one training step: forward, backward, global-norm clipping (1.0) and AdamW (lr 6e-4, weight decay 0.1); "
             "lab: gpt2.backward.loss_and_grads + lm.adamw on float32 master weights; torch: nanoGPT's step "
@@ -230,6 +229,7 @@ def cmd_train(args) -> int:
     }
     path = result_path("train", setup, args.results)
     image = plots.plot_or_none(plot_loss_curve, result, path.with_suffix(".png")) if curve else None
+    result["plot"] = image
     write_result(result, path)
     print("\n" + render_train(result, image))
     progress(wrote(path, image))
@@ -240,12 +240,18 @@ def cmd_train(args) -> int:
 # The table and the plot
 # ---------------------------------------------------------------------------------------------
 
+def ceiling_text(dtype: str, measured: dict) -> str:
+    """"bfloat16: bf16 tensor 812.3 TFLOP/s", from the run's ceilings (benchmarks/ceilings.py's names)."""
+    value, label = ceilings.ceiling(ceilings.DTYPE_MATH[dtype], measured)
+    return f"{dtype}: {label} " + (f"{value:.1f} TFLOP/s" if value else "not measured (MFU left out)")
+
+
 def render_train(result: dict, image: str | None = None) -> str:
     m = result["method"]
     lines = setup_header(result) + [
         "", f"{result['model']}, T = {result['T']}. {m['timed']}.",
         "", f"FLOPs per step: {result['flop_convention']}. MFU against the run's GEMM ceiling of the dtype: "
-            + "; ".join(f"{d} {result['ceilings'].get(CEILING_KEY[d]) or 0:.1f} TFLOP/s" for d in result["dtypes"])
+            + "; ".join(ceiling_text(d, result["ceilings"]) for d in result["dtypes"])
             + f". Peak memory: {m['memory']}.",
         "", f"Times: median of {m['min_runs']}-{m['max_runs']} steps after {m['warmup_runs']} warm-up steps, CUDA "
             "events. Speed-ups are the other's median over this one's (above 1x: this one is faster).",
