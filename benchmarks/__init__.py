@@ -14,6 +14,8 @@ bench.py is the command line; this package is what it runs.
     levels.py     `levels`: seed 004's four levels (PyTorch, torch.compile, Triton, CUDA) beside SDPA, lines of code
     backward.py   `backward`: every backward rung beside SDPA's backward, gradients checked against float64; its table
     torch_attention.py  the plain PyTorch attention: the eager and torch.compile peers' function
+    train.py      `train`: GPT-2 small training steps per backward rung beside PyTorch (torch_gpt2.py: nanoGPT's
+                  step, eager and torch.compile), tokens/s, MFU, peak memory; the loss curve
     e2e.py        `e2e`: GPT-2 generation per rung, without and with a KV cache, beside HF transformers
                   (e2e_llama.py: Llama's; scale.py: `e2e --sizes`, decode at scale, every model size)
     resources.py  `resources`: registers, shared memory, spills per rung and config (NVRTC, no GPU needed)

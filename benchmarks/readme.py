@@ -24,6 +24,7 @@ from .results import SECTIONS, e2e_model, load_result, newest_results
 from .scale import render_scale
 from .summary import gpt2_shapes_in, has_gpt2_shapes, link, render_e2e_summary, render_models_summary, render_summary
 from .tables import render_e2e, render_features, render_kernels, render_resources, render_sweep
+from .train import render_train
 
 README = ROOT / "README.md"
 RESULTS_DOC = ROOT / "docs" / "results.md"
@@ -33,7 +34,8 @@ PROFILE = ("profile",)  # docs/profile.md's section
 COUNTERS = ("counters",)  # docs/ladder.md's: the profile's counters, one short row per rung
 FRONTIER_COUNTERS = ("frontier-counters",)  # docs/results.md's: the counters at the frontier's shapes
 DECODE_DOC = ROOT / "docs" / "decode.md"  # decode at scale (bench.py e2e --sizes): rewritten when there are results
-FULL_TABLES = tuple(s for s in SECTIONS if s not in PROFILE + ("levels", "scale"))  # docs/results.md's
+TRAINING_DOC = ROOT / "docs" / "training.md"  # bench.py train's table and loss curve: rewritten when there are results
+FULL_TABLES = tuple(s for s in SECTIONS if s not in PROFILE + ("levels", "scale", "train"))  # docs/results.md's
 KNOWN = SUMMARIES + SECTIONS + COUNTERS + FRONTIER_COUNTERS
 
 _MARKER = re.compile(r"<!--\s*bench:([A-Za-z0-9_-]+):(start|end)\s*-->")
@@ -206,6 +208,11 @@ def readme_blocks(found: dict[str, list[Path]], base: Path) -> dict[str, str]:
         per_dtype = newest_backward(found["backward"], load_result)
         blocks["backward"] = source(*[p for p, _ in per_dtype]) + "\n" + "\n\n".join(
             from_file(p, render_backward(result)) for p, result in per_dtype)
+    if found["train"]:  # the newest training run, with its loss curve
+        p = found["train"][0]
+        result = load_result(p)
+        image = rel(p.parent / result["plot"]) if result.get("plot") else None
+        blocks["train"] = source(p) + "\n" + from_file(p, render_train(result, image))
     if found["levels"]:  # each dtype from the newest levels file that measured it
         chosen = newest_levels(found["levels"], load_result)
         blocks["levels"] = source(*[p for p, *_ in chosen]) + "\n" + "\n\n".join(
@@ -246,6 +253,8 @@ def cmd_readme(args) -> int:
         pages[getattr(args, "levels_doc", LEVELS_DOC)] = ("levels",)
     if found["scale"]:
         pages[getattr(args, "decode_doc", None) or DECODE_DOC] = ("scale",)
+    if found["train"]:
+        pages[getattr(args, "training_doc", None) or TRAINING_DOC] = ("train",)
     read = {path: read_page(path, expected) for path, expected in pages.items()}  # all checked before one is written
     if getattr(args, "replot", False):
         for kind, plot in (("sweep", plots.plot_sweep), ("e2e", plots.plot_e2e), ("scale", plots.plot_scale)):
