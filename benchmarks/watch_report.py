@@ -32,8 +32,11 @@ def declaration_error(path: str | Path, message: str) -> str:
         return text
     text = text.removeprefix(f"{path}:").strip()
     key = _LAB_KEY.search(text)
-    quoted = re.findall(r"'([^']+)'", text)  # an expression that does not evaluate: find it among the values
-    line = declaration_line(path, key.group(1) if key else r"\w+", "" if key or not quoted else quoted[-1])
+    quoted = re.findall(r"'([^']+)'", text)  # an expression that does not evaluate: found among the values
+    if key:
+        line = declaration_line(path, key.group(1))
+    else:
+        line = declaration_line(path, r"\w+", quoted[-1]) if quoted else None
     return f"{path}:{line}: {text}" if line else f"{path}: {text}"
 
 
