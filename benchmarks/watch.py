@@ -86,14 +86,17 @@ def stamps(paths: list[Path]) -> dict[Path, tuple | None]:
     return out
 
 
+def worker_command(path: Path, args) -> list[str]:
+    shapes = ",".join(f"{B}x{T}" for B, T in args.shapes)
+    return [sys.executable, "-m", "benchmarks.watch_worker", str(path), "--dtype", args.dtype, "--shapes", shapes,
+            "--nh", str(args.nh), "--d", str(args.d)]
+
+
 class Worker:
     """The GPU process: started once and kept warm across saves; after a crash or a hang, a fresh one.
     Its JSON lines arrive on a queue (a reader thread), so that a silent process can time out."""
 
-    def __init__(self, path: Path, args):
-        shapes = ",".join(f"{B}x{T}" for B, T in args.shapes)
-        command = [sys.executable, "-m", "benchmarks.watch_worker", str(path), "--dtype", args.dtype,
-                   "--shapes", shapes, "--nh", str(args.nh), "--d", str(args.d)]
+    def __init__(self, command: list[str]):
         # a session of its own: Ctrl-C in the terminal reaches the watcher, which ends the worker quietly
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                         cwd=ROOT, start_new_session=True)
@@ -190,7 +193,8 @@ class Watch:
         return self.check_gpu(rung, configs, saved) if self.gpu else self.check_cpu(rung, configs, saved)
 
     def say(self, text: str, saved: float, ok: bool) -> bool:
-        print(text)
+        if text:
+            print(text)
         print(f"report {time.time() - saved:.2f} s after the save", flush=True)
         return ok
 
@@ -224,14 +228,15 @@ class Watch:
         return self._done(saved, None)
 
     def _done(self, saved: float, phases: dict | None) -> bool:
-        detail = "" if not phases else " (" + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()) + ")"
+        """The report's last line: seconds from the save, and the GPU process's own (compile, check, time)."""
+        detail = "" if not phases else " (GPU process: " + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()) + ")"
         print(f"report {time.time() - saved:.2f} s after the save{detail}", flush=True)
         return True
 
     # -- GPU ---------------------------------------------------------------------------------------
 
     def start_worker(self):
-        self.worker = Worker(self.path, self.args)
+        self.worker = Worker(worker_command(self.path, self.args))
 
     def wait_ready(self) -> bool:
         """Until the GPU process has warmed up (its lines shown as they come); False if it died or hung."""
@@ -271,13 +276,13 @@ class Watch:
         found = resources.submit(self.resources, rung, configs, [ready["arch"]])
         if not self.worker.request():
             self.lost({"exit": self.worker.process.poll()})
-            return False
+            return self.say("", saved, ok=False)
         while True:
             message = self.worker.next(self.args.timeout)
             if message is None or "exit" in message or "crash" in message:
                 self.lost(message)
                 resources.shutdown(wait=False)
-                return False
+                return self.say("", saved, ok=False)
             if "line" in message:
                 print(message["line"], flush=True)
             elif "compile_error" in message:
@@ -305,7 +310,7 @@ class Watch:
         except kernels.KernelCompileError as exc:  # the device compiled it: only ptxas's report is missing
             print(report.locate(str(exc), self.path))
         resources.shutdown()
-        return self._done(saved, {"gpu report": gpu_report, **done["seconds"]}) and ok
+        return self._done(saved, done["seconds"]) and ok
 
     def close(self):
         if self.worker is not None:

@@ -103,14 +103,16 @@ def change(old_ms: float | None, new_ms: float | None) -> str:
 def format_checks(checks: list[dict]) -> tuple[list[str], bool]:
     """One line per awkward case (its max error against float64 beside the bound: the rung's lab.tolerance
     times a plain implementation's error in the same dtype), and whether every case passed."""
-    out, ok = [], True
+    out = []
+    case_width = max((len(c["case"]) for c in checks), default=0)
+    config_width = max((len(c["config"]) for c in checks), default=0)
     for c in checks:
         err = "NaN/inf" if c["nonfinite"] else f"{c['max_err']:.2e}"
         unwritten = f", {c['nonfinite']} elements NaN/inf (unwritten?)" if c["nonfinite"] else ""
-        out.append(f"  {c['case']:<34} {c['config']:<28} max err {err} vs bound {c['bound']:.2e} "
-                   f"({c['factor']:g} x plain {c['plain']:.2e}){unwritten}: {'ok' if c['ok'] else 'WRONG'}")
-        ok = ok and c["ok"]
-    return out, ok
+        out.append(f"  {c['case']:<{case_width}}  config ({c['config']}){'':<{config_width - len(c['config'])}}  "
+                   f"max err {err} vs bound {c['bound']:.2e} ({c['factor']:g} x plain {c['plain']:.2e})"
+                   f"{unwritten}: {'ok' if c['ok'] else 'WRONG'}")
+    return out, all(c["ok"] for c in checks)
 
 
 def verdict(checks: list[dict]) -> str:

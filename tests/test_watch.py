@@ -255,3 +255,61 @@ def test_reload_reads_a_save_that_changes_no_stamp(tmp_path):
     assert kernels.load(path).configs[0] == (64, 32, 32)  # load trusts the stamps
     assert kernels.ladder.reload(path).configs[0] == (64, 16, 32)
     assert kernels.load(path).configs[0] == (64, 16, 32)
+
+
+# -- the GPU side's protocol, with a stand-in for the GPU process ---------------------------------
+
+FAKE_WORKER = r'''
+import json, sys, time
+path = sys.argv[1]
+send = lambda m: (sys.stdout.write(json.dumps(m) + "\n"), sys.stdout.flush())
+send({"line": "GPU process: a stand-in"})
+send({"ready": {"device": "stand-in", "arch": "sm_90", "previous": "v04_fast_math", "columns": ["v04_fast_math"],
+                "baseline": {"1x64": {"v04_fast_math": 0.5}}}})
+for _ in sys.stdin:
+    text = open(path).read()
+    if "CRASH" in text:
+        send({"crash": "CUDARuntimeError: cudaErrorIllegalAddress: an illegal memory access was encountered"})
+        sys.exit(3)
+    if "HANG" in text:
+        time.sleep(60)
+    ok = "WRONG" not in text
+    check = {"case": "causal 2x97", "config": "64, 32, 32", "max_err": 1e-7 if ok else 1.0, "nonfinite": 0,
+             "plain": 1e-7, "factor": 8, "bound": 8e-7, "ok": ok}
+    send({"done": {"configs": {"1x64": "d_head=64, B_r=32, B_c=32"}, "checks": [check], "times": {"1x64": 0.25},
+                   "seconds": {"compile": 0.1, "prepare": 0.1, "check": 0.1, "time": 0.1}}})
+'''
+
+
+def test_gpu_protocol_report_crash_and_hang(rung_copy, tmp_path, monkeypatch, capsys):
+    from benchmarks import watch
+
+    fake = tmp_path / "fake_worker.py"
+    fake.write_text(FAKE_WORKER)
+    monkeypatch.setattr(watch, "worker_command", lambda path, args: [sys.executable, str(fake), str(path)])
+    args = watch.parse_args([str(rung_copy), "--shape", "1x64", "--timeout", "3"])
+    w = watch.Watch(rung_copy, args, gpu=True)
+    good = rung_copy.read_text()
+    try:
+        assert w.check(time.time())
+        out = capsys.readouterr().out
+        assert "GPU process: a stand-in" in out and "verdict: CORRECT (1 cases within the bound)" in out
+        assert re.search(r"1x64 +0\.250 +0\.500 \(2\.00x\) +-", out), out
+        assert "sm_90 d_head=64, B_r=32, B_c=32" in out and re.search(r"checked and timed [\d.]+ s after the save", out)
+
+        rung_copy.write_text(good + "// WRONG\n")
+        assert not w.check(time.time())
+        out = capsys.readouterr().out
+        assert "verdict: WRONG (causal 2x97)" in out and "+0.000 ms (+0.0%)" in out
+
+        for planted, first_word in (("CRASH", "crash:"), ("HANG", "hang:")):
+            rung_copy.write_text(good + f"// {planted}\n")
+            assert not w.check(time.time())
+            out = capsys.readouterr().out.splitlines()
+            assert [line.split()[0] for line in out if line.split()[0] in ("crash:", "hang:")] == [first_word], out
+            assert REPORT.match(out[-1]), out
+            rung_copy.write_text(good)
+            assert w.check(time.time())  # a fresh process, warmed up for this save
+            assert "verdict: CORRECT" in capsys.readouterr().out
+    finally:
+        w.close()
