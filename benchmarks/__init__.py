@@ -24,6 +24,8 @@ bench.py is the command line; this package is what it runs.
     tables.py     the Markdown tables (terminal and docs alike); plots.py: the PNG plots
     summary.py    the README's short tables: the best rung per precision, the end-to-end summary
     readme.py     `readme`: rewrite what lies between the bench markers of README.md and docs/*.md
+    watch.py      `lab.py watch`: a rung compiled, checked and timed on every save (watch_worker.py: the warm
+                  GPU process; watch_report.py: what a save's report says, and what changed since the last)
     options.py    flags several subcommands share: a shape, a list of rungs, --save / --results
     cli.py        the argument parser and main()
 
