@@ -1,17 +1,15 @@
 """Training on the CPU: AdamW against a float64 transcription of torch.optim.AdamW, clipping and the
 schedule; the token files and llm.c's batch order; train.py end to end, its output loaded by lab.py.
 
-Until gpt2/backward.py exists, train.py runs here on a stand-in of its interface (a quadratic loss over
-the parameters that records the batches it is given); the test marked `real_backward` runs the real one
-and is skipped, saying why, while the module is absent."""
+Most tests run train.py on a stand-in of gpt2.backward's interface (a quadratic loss over the parameters
+that records the batches it is given), so that the loop, the optimizer and the files are tested apart
+from the model; test_cli_trains_with_the_real_backward runs the real one."""
 
-import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +24,6 @@ from lm.token_data import Batches, read_tokens, write_bin
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=50257, n_positions=64)
-HAS_BACKWARD = importlib.util.find_spec("gpt2.backward") is not None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,11 +221,7 @@ class QuadraticLoss:
 
 @pytest.fixture
 def train(monkeypatch):
-    """train.py with the stand-in of gpt2.backward's interface (installed as the module while it is absent)."""
-    if not HAS_BACKWARD:
-        stand_in = types.ModuleType("gpt2.backward")
-        stand_in.Attention, stand_in.loss_and_grads = StandInAttention, QuadraticLoss()
-        monkeypatch.setitem(sys.modules, "gpt2.backward", stand_in)
+    """train.py with the stand-in of gpt2.backward's interface."""
     import train as module
 
     monkeypatch.setattr(module, "Attention", StandInAttention)
@@ -322,7 +315,6 @@ def test_default_rungs(train, dtype, arch, forward, backward):
     assert train.pick_rungs(args, gpt2.SIZES["gpt2"], arch) == (forward, backward)
 
 
-@pytest.mark.skipif(not HAS_BACKWARD, reason="gpt2/backward.py (the model's backward) is not in this tree yet")
 def test_cli_trains_with_the_real_backward(folder, data, tmp_path):
     """The real loss_and_grads on the CPU: a tiny model's loss falls over a few steps on one repeated batch."""
     log = tmp_path / "run.json"
