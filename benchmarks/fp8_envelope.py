@@ -78,7 +78,7 @@ def point(cp, family: str, std: float, seed: int) -> dict:
     ref = kernels.reference_attention(*(x.astype(np.float64) for x in (q, k, v)))
     row = {"family": family, "score_std": std, "measured_std": score_std(q, k),
            "estimate": fp8.score_scale_estimate(fp8.quantize_fp8(q, k, v, block_q=128, block_k=128))}
-    rung = kernels.fp8_rung()
+    rung = kernels.runtime.fp8_rung()
     B, NH, T, d = q.shape
     tiles = kernels.load(rung).params(kernels.instance(rung, d, None, dtype="bfloat16", grid=(B, NH, T)).config)
     for name, switches in VARIANTS.items():
