@@ -20,8 +20,10 @@ pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def lab_and_torch_losses(config, dtype: str, steps: int, B: int, T: int, lr: float = 1e-3, seed: int = 0):
-    """(lab losses, torch losses, clipped steps) over `steps` steps of random batches from one set of weights."""
+def lab_and_torch_losses(config, dtype: str, steps: int, B: int, T: int, lr: float = 1e-3, seed: int = 0,
+                         tokens: int | None = None):
+    """(lab losses, torch losses) over `steps` steps of random batches from one set of weights, the ids drawn
+    from the first `tokens` of the vocabulary (default all: a loss that cannot fall below log(vocab))."""
     cupy = pytest.importorskip("cupy")
     torch = pytest.importorskip("torch")
     import train
@@ -39,7 +41,7 @@ def lab_and_torch_losses(config, dtype: str, steps: int, B: int, T: int, lr: flo
     lab, ref = [], []
     for step in range(steps):
         step_lr = get_lr(step, lr=lr, min_lr=lr / 10, warmup=2, steps=steps)
-        ids = rng.integers(0, config.vocab_size, (B, T + 1))
+        ids = rng.integers(0, tokens or config.vocab_size, (B, T + 1))
         x, y = ids[:, :-1], ids[:, 1:]
         loss, grads = train.loss_and_grads(params, config, cupy.asarray(x), cupy.asarray(y), attn, dtype=dtype)
         clip_grad_norm(grads, 1.0)
@@ -51,10 +53,12 @@ def lab_and_torch_losses(config, dtype: str, steps: int, B: int, T: int, lr: flo
 
 def test_float32_ten_adamw_steps_match_torch():
     config = gpt2.GPT2Config(n_layer=4, n_head=4, n_embd=256, n_positions=256)
-    lab, ref = lab_and_torch_losses(config, "float32", steps=10, B=4, T=128)
+    # ids from 64 tokens: a distribution the model learns within ten steps, so that the losses fall
+    # (uniform ids over the whole vocabulary sit at log(50257) whatever the model does)
+    lab, ref = lab_and_torch_losses(config, "float32", steps=10, B=4, T=128, tokens=64)
     err = np.abs(lab - ref) / np.abs(ref)
     print("lab", lab, "torch", ref, "rel err", err)
-    assert lab[-1] < lab[0]  # it trains
+    assert lab[-1] < 0.9 * lab[0]  # it trains
     assert err.max() < 1e-5, err
 
 
