@@ -255,7 +255,8 @@ def classifier_forward_backward(xf, wte, targets, rows: int | None = None, fused
     """The fused classifier: (loss, dxf, dwte) of the mean cross-entropy of logits = xf @ wte^T.
     xf (N, C) in wte's dtype (V, C), targets (N,). Each chunk of `rows` rows (default: CLASSIFIER_BYTES
     of logits) computes its logits in float32 (float64 for float64 weights) and overwrites them with
-    dlogits = (softmax - onehot) / N, which the two products then take (in wte's dtype)."""
+    dlogits = (softmax - onehot) / N, which the two products then take (in wte's dtype). The loss is a
+    0-d array, read by the caller once the backward is queued: no synchronization inside the pass."""
     xp = array_module(xf)
     N, C = xf.shape
     V = wte.shape[0]
@@ -272,7 +273,7 @@ def classifier_forward_backward(xf, wte, targets, rows: int | None = None, fused
         loss += chunk_loss
         dxf[start:start + rows] = matmul(dlogits, wte, wide)  # (r, C)
         dwte += matmul(dlogits.T, x, wide)  # (V, C)
-    return float(loss) / N, dxf, dwte
+    return loss / N, dxf, dwte
 
 
 # -- the model --------------------------------------------------------------------------------------
@@ -337,4 +338,4 @@ def loss_and_grads(params: dict, config: GPT2Config, idx, targets, attn: Attenti
         dx, grads[p + "ln_1.weight"], grads[p + "ln_1.bias"] = layernorm_backward(
             dln1, x, mean1, rstd1, w[p + "ln_1.weight"], dresid=dx, fused=fused)
     encoder_backward(grads["wte.weight"], grads["wpe.weight"], dx.reshape(B, T, C), idx)
-    return loss, {name: grads[name] for name in params}
+    return float(loss), {name: grads[name] for name in params}
