@@ -156,5 +156,6 @@ def kernel_expressions(width: int, dtype) -> list[str]:
     return list(dict.fromkeys([f"softmax_xent<{t}, {SOFTMAX_THREADS}>", f"layernorm_fwd<{t}, {t}, {cols}>",
             f"layernorm_bwd<{t}, {cols}, false>", f"layernorm_bwd<{t}, {cols}, true>", f"gelu_fwd<{t}>",
             "column_sums<float, float, false>",  # partial sums; a float32 run's float32 gradients
-            f"column_sums<float, {t}, false>", f"column_sums<{t}, {t}, false>", f"column_sums<float, {t}, true>",
+            f"column_sums<float, {t}, false>", f"column_sums<{t}, float, false>",  # cast; dqkv's sums alone
+            f"column_sums<float, {t}, true>",
             f"heads_to_rows<{t}>"]))  # a float32 run's first column_sums twice
