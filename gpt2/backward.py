@@ -37,6 +37,11 @@ costs 4 s N C that recomputing GELU from h would save (llm.c's choice); kept for
 The classifier is fused with the loss (llm.c's fused classifier): the logits are computed a chunk of
 rows at a time (CLASSIFIER_BYTES of float32 each) and overwritten in place by their gradient
 (softmax - onehot) / N, so that no (N, vocab) array is ever held twice in float32.
+
+On the GPU (fused=True, float32 and bfloat16) the layer functions hand their non-GEMM work to
+gpt2/train_kernels.py (kernels/fused/train.cu): the same math in one or two launches a layer function
+where the array code below takes several CuPy kernels. Each `if fused:` line is that dispatch; the
+array code after it stays the spec, the CPU's path and the GPU tests' reference.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from kernels.runtime import lse_writers
 from lm.arrays import array_module, cast_params, run_dtype
 from lm.products import matmul
 
+from . import train_kernels
 from .config import GPT2Config
 from .errors import LabError
 from .model import GELU_C, gelu
@@ -133,21 +139,26 @@ def encoder_backward(dwte, dwpe, dx, idx) -> None:
     dwpe[:T] += dx.sum(axis=0)
 
 
-def layernorm_forward(x, weight, bias, eps: float):
-    """x (N, C) -> (out (N, C), mean (N, 1), rstd (N, 1)), in x's dtype; out as gpt2/model.py's
-    layer_norm computes it. Keeps mean and rstd (and the caller keeps x)."""
+def layernorm_forward(x, weight, bias, eps: float, out_dtype=None, fused: bool = False):
+    """x (N, C) -> (out (N, C) in out_dtype (default x's), mean (N, 1), rstd (N, 1) in x's dtype); out as
+    gpt2/model.py's layer_norm computes it. Keeps mean and rstd (and the caller keeps x)."""
+    if fused:
+        return train_kernels.layernorm_forward(x, weight, bias, eps, out_dtype or x.dtype)
     mean = x.mean(axis=-1, keepdims=True)
     xc = x - mean
     rstd = ((xc * xc).mean(axis=-1, keepdims=True) + eps) ** -0.5  # biased variance, like torch's
-    return xc * rstd * weight + bias, mean, rstd
+    return (xc * rstd * weight + bias).astype(out_dtype or x.dtype, copy=False), mean, rstd
 
 
-def layernorm_backward(dout, x, mean, rstd, weight):
-    """(dx, dweight, dbias) from dout (N, C) and the forward's x, mean, rstd."""
+def layernorm_backward(dout, x, mean, rstd, weight, dresid=None, fused: bool = False):
+    """(dx, dweight, dbias) from dout (N, C) and the forward's x, mean, rstd; where dresid (the residual's
+    gradient) is given, dx is dresid + the LayerNorm's (fused: added into dresid in place)."""
+    if fused:
+        return train_kernels.layernorm_backward(dout, x, mean, rstd, weight, dresid)
     norm = (x - mean) * rstd  # recomputed: (N, C)
     dnorm = dout * weight
     dx = rstd * (dnorm - dnorm.mean(axis=-1, keepdims=True) - norm * (dnorm * norm).mean(axis=-1, keepdims=True))
-    return dx, (dout * norm).sum(axis=0), dout.sum(axis=0)
+    return dx if dresid is None else dresid + dx, (dout * norm).sum(axis=0), dout.sum(axis=0)
 
 
 def linear_forward(x, weight, bias):
@@ -156,15 +167,32 @@ def linear_forward(x, weight, bias):
     return matmul(x, weight) + bias
 
 
-def linear_backward(dout, x, weight, dx_dtype=None):
+def linear_backward(dout, x, weight, dx_dtype=None, gelu_of=None, fused: bool = False):
     """(dx, dweight, dbias) from dout (N, out) and the forward's x (N, in) in the weight's dtype: the
     products take 16-bit operands where the weights are 16-bit and accumulate in float32; dweight and
-    dbias are float32 (float64 for float64 weights), dx is dx_dtype (default the same)."""
+    dbias are float32 (float64 for float64 weights), dx is dx_dtype (default the same). gelu_of: the
+    MLP's pre-activation h (N, out) where dout is the gradient at GELU(h), so that the layer's gradient
+    is dout * GELU'(h) (cuBLASLt's DGELU_BGRAD epilogue, taken before the products)."""
     wide = np.result_type(weight.dtype, np.float32)
-    dout_w = dout.astype(weight.dtype, copy=False)  # the products' operand
+    if fused:  # GELU's backward, the bias's gradient and the products' operand, one pass
+        cast = weight.dtype if gelu_of is not None or dout.dtype != weight.dtype else None
+        dbias, dout_w = train_kernels.column_sums(dout, cast, gelu_of)
+        dout_w = dout if dout_w is None else dout_w
+    else:
+        if gelu_of is not None:
+            dout = gelu_backward(dout, gelu_of.astype(wide, copy=False))
+        dout_w = dout.astype(weight.dtype, copy=False)  # the products' operand
+        dbias = dout.astype(wide, copy=False).sum(axis=0)
     dx = matmul(dout_w, weight.T, dx_dtype or wide)  # (N, in)
     dweight = matmul(x.T, dout_w, wide)  # (in, out)
-    return dx, dweight, dout.astype(wide, copy=False).sum(axis=0)
+    return dx, dweight, dbias
+
+
+def gelu_forward(h, act, fused: bool = False):
+    """GELU(h) in h's dtype (the operand of the MLP's second product), computed in act (float32)."""
+    if fused:
+        return train_kernels.gelu_forward(h)
+    return gelu(h.astype(act, copy=False)).astype(h.dtype, copy=False)
 
 
 def gelu_backward(dout, h):
@@ -174,7 +202,7 @@ def gelu_backward(dout, h):
     return dout * (0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * GELU_C * (1.0 + 3 * 0.044715 * u))
 
 
-def attention_forward(qkv, n_head: int, attn: Attention):
+def attention_forward(qkv, n_head: int, attn: Attention, fused: bool = False):
     """qkv (B, T, 3C), columns [q | k | v] of n_head heads each -> (y (B * T, C), q, k, v, o, lse): q, k,
     v (B, NH, T, hs) views of qkv, o (B, NH, T, hs) and lse (B, NH, T) the forward's, all kept."""
     B, T, C3 = qkv.shape
@@ -182,32 +210,53 @@ def attention_forward(qkv, n_head: int, attn: Attention):
     qkv = qkv.reshape(B, T, 3, n_head, C // n_head)
     q, k, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))  # each (B, NH, T, hs), a view
     o, lse = attn.forward(q, k, v)
-    return heads_side_by_side(o), q, k, v, o, lse
+    return heads_side_by_side(o, fused), q, k, v, o, lse
 
 
-def heads_side_by_side(o):
+def heads_side_by_side(o, fused: bool = False):
     """(B, NH, T, hs) -> (B * T, C), the output product's layout (a copy)."""
+    if fused:
+        return train_kernels.heads_to_rows([o])
     B, NH, T, hs = o.shape
     return o.transpose(0, 2, 1, 3).reshape(B * T, NH * hs)
 
 
-def attention_backward(dy, q, k, v, o, lse, attn: Attention):
+def attention_backward(dy, q, k, v, o, lse, attn: Attention, fused: bool = False):
     """dqkv (B * T, 3C) in q's dtype from dy (B * T, C), the gradient of the heads side by side."""
     B, NH, T, hs = q.shape
     xp = array_module(dy)
     do = dy.astype(q.dtype, copy=False).reshape(B, T, NH, hs).transpose(0, 2, 1, 3)  # (B, NH, T, hs), a view
     dq, dk, dv = attn.backward(q, k, v, o, lse, do)
+    if fused:
+        return train_kernels.heads_to_rows([dq, dk, dv])  # one launch for the three copies below
     dqkv = xp.empty((B, T, 3, NH, hs), dtype=q.dtype)
     for i, d in enumerate((dq, dk, dv)):
         dqkv[:, :, i] = d.transpose(0, 2, 1, 3)
     return dqkv.reshape(B * T, 3 * NH * hs)
 
 
-def classifier_forward_backward(xf, wte, targets, rows: int | None = None):
+def softmax_cross_entropy(logits, targets, n: int, out_dtype):
+    """(dlogits, loss) of logits (r, V) in float32 (float64) and their targets (r,): dlogits = (softmax -
+    onehot) / n, computed over the logits in place and then in out_dtype; loss the sum of the rows'
+    -log p(target), a 0-d array."""
+    xp = array_module(logits)
+    ar = xp.arange(logits.shape[0])
+    logits -= logits.max(axis=1, keepdims=True)
+    target_logit = logits[ar, targets]  # (r,), shifted like the rest
+    xp.exp(logits, out=logits)
+    total = logits.sum(axis=1, keepdims=True)  # (r, 1)
+    loss = (xp.log(total[:, 0]) - target_logit).sum()  # -log p(target) = log sum exp - logit
+    logits *= 1.0 / (total * n)  # now softmax / n
+    logits[ar, targets] -= 1.0 / n  # now dlogits = (softmax - onehot) / n
+    return logits.astype(out_dtype, copy=False), loss
+
+
+def classifier_forward_backward(xf, wte, targets, rows: int | None = None, fused: bool = False):
     """The fused classifier: (loss, dxf, dwte) of the mean cross-entropy of logits = xf @ wte^T.
     xf (N, C) in wte's dtype (V, C), targets (N,). Each chunk of `rows` rows (default: CLASSIFIER_BYTES
     of logits) computes its logits in float32 (float64 for float64 weights) and overwrites them with
-    dlogits = (softmax - onehot) / N, which the two products then take (in wte's dtype)."""
+    dlogits = (softmax - onehot) / N, which the two products then take (in wte's dtype). The loss is a
+    0-d array, read by the caller once the backward is queued: no synchronization inside the pass."""
     xp = array_module(xf)
     N, C = xf.shape
     V = wte.shape[0]
@@ -216,29 +265,25 @@ def classifier_forward_backward(xf, wte, targets, rows: int | None = None):
     dxf = xp.empty((N, C), dtype=wide)
     dwte = xp.zeros((V, C), dtype=wide)
     loss = xp.zeros((), dtype=wide)
+    cross_entropy = train_kernels.softmax_cross_entropy if fused else softmax_cross_entropy
     for start in range(0, N, rows):
         x, t = xf[start:start + rows], targets[start:start + rows]
-        ar = xp.arange(x.shape[0])
         logits = matmul(x, wte.T, wide)  # (r, V)
-        logits -= logits.max(axis=1, keepdims=True)
-        target_logit = logits[ar, t]  # (r,), shifted like the rest
-        xp.exp(logits, out=logits)
-        total = logits.sum(axis=1, keepdims=True)  # (r, 1)
-        loss += (xp.log(total[:, 0]) - target_logit).sum()  # -log p(target) = log sum exp - logit
-        logits *= 1.0 / (total * N)  # now softmax / N
-        logits[ar, t] -= 1.0 / N  # now dlogits = (softmax - onehot) / N
-        dlogits = logits.astype(wte.dtype, copy=False)
+        dlogits, chunk_loss = cross_entropy(logits, t, N, wte.dtype)  # over the logits where it can
+        loss += chunk_loss
         dxf[start:start + rows] = matmul(dlogits, wte, wide)  # (r, C)
         dwte += matmul(dlogits.T, x, wide)  # (V, C)
-    return float(loss) / N, dxf, dwte
+    return loss / N, dxf, dwte
 
 
 # -- the model --------------------------------------------------------------------------------------
 
 
-def loss_and_grads(params: dict, config: GPT2Config, idx, targets, attn: Attention, dtype="float32"):
+def loss_and_grads(params: dict, config: GPT2Config, idx, targets, attn: Attention, dtype="float32",
+                   fused: bool = True):
     """(loss, grads) of the mean cross-entropy of the next tokens `targets` (B, T) given `idx` (B, T);
-    see the module's docstring for the precision and what is kept."""
+    see the module's docstring for the precision and what is kept. fused: the non-GEMM work through
+    gpt2/train_kernels.py where it runs (CuPy arrays, float32 or bfloat16), else the array code."""
     xp = array_module(params["wte.weight"])
     idx, targets = xp.asarray(idx), xp.asarray(targets)
     if idx.ndim != 2 or targets.shape != idx.shape:
@@ -251,47 +296,46 @@ def loss_and_grads(params: dict, config: GPT2Config, idx, targets, attn: Attenti
     cdtype = w["wte.weight"].dtype  # the products', q's, k's and v's
     attn.check(xp, cdtype, config.head_size)
     eps, N, C = config.layer_norm_epsilon, B * T, config.n_embd
+    fused = fused and train_kernels.applies(xp, cdtype, C)
 
     # forward: x (N, C) is the residual stream
     x = encoder_forward(w["wte.weight"], w["wpe.weight"], idx, act).reshape(N, C)
     kept = []
     for i in range(config.n_layer):
         p = f"h.{i}."
-        ln1, mean1, rstd1 = layernorm_forward(x, w[p + "ln_1.weight"], w[p + "ln_1.bias"], eps)
-        ln1 = ln1.astype(cdtype, copy=False)
+        ln1, mean1, rstd1 = layernorm_forward(x, w[p + "ln_1.weight"], w[p + "ln_1.bias"], eps, cdtype, fused)
         qkv = linear_forward(ln1, w[p + "attn.c_attn.weight"], w[p + "attn.c_attn.bias"]).astype(cdtype, copy=False)
-        y, q, k, v, o, lse = attention_forward(qkv.reshape(B, T, 3 * C), config.n_head, attn)
+        y, q, k, v, o, lse = attention_forward(qkv.reshape(B, T, 3 * C), config.n_head, attn, fused)
         x_mid = x + linear_forward(y, w[p + "attn.c_proj.weight"], w[p + "attn.c_proj.bias"])
         del y  # remade from o in the backward
-        ln2, mean2, rstd2 = layernorm_forward(x_mid, w[p + "ln_2.weight"], w[p + "ln_2.bias"], eps)
-        ln2 = ln2.astype(cdtype, copy=False)
+        ln2, mean2, rstd2 = layernorm_forward(x_mid, w[p + "ln_2.weight"], w[p + "ln_2.bias"], eps, cdtype, fused)
         h = linear_forward(ln2, w[p + "mlp.c_fc.weight"], w[p + "mlp.c_fc.bias"])  # (N, 4C) in cdtype
-        g = gelu(h.astype(act, copy=False)).astype(cdtype, copy=False)  # GELU in float32
+        g = gelu_forward(h, act, fused)  # GELU in float32
         kept.append((x, ln1, mean1, rstd1, q, k, v, o, lse, x_mid, ln2, mean2, rstd2, h, g))
         x = x_mid + linear_forward(g, w[p + "mlp.c_proj.weight"], w[p + "mlp.c_proj.bias"])
-    xf, meanf, rstdf = layernorm_forward(x, w["ln_f.weight"], w["ln_f.bias"], eps)
+    xf, meanf, rstdf = layernorm_forward(x, w["ln_f.weight"], w["ln_f.bias"], eps, cdtype, fused)
 
     # the classifier and the loss, fused; then backward, layer by layer
-    loss, dxf, dwte = classifier_forward_backward(xf.astype(cdtype, copy=False), w["wte.weight"],
-                                                  targets.reshape(N))
+    loss, dxf, dwte = classifier_forward_backward(xf, w["wte.weight"], targets.reshape(N), fused=fused)
     grads = {"wte.weight": dwte, "wpe.weight": xp.zeros(params["wpe.weight"].shape, dtype=act)}
-    dx, grads["ln_f.weight"], grads["ln_f.bias"] = layernorm_backward(dxf, x, meanf, rstdf, w["ln_f.weight"])
+    dx, grads["ln_f.weight"], grads["ln_f.bias"] = layernorm_backward(dxf, x, meanf, rstdf, w["ln_f.weight"],
+                                                                      fused=fused)
     for i in reversed(range(config.n_layer)):
         p = f"h.{i}."
         x, ln1, mean1, rstd1, q, k, v, o, lse, x_mid, ln2, mean2, rstd2, h, g = kept.pop()
-        dg, grads[p + "mlp.c_proj.weight"], grads[p + "mlp.c_proj.bias"] = linear_backward(dx, g, w[p + "mlp.c_proj.weight"])
-        dh = gelu_backward(dg, h.astype(act, copy=False))
-        dln2, grads[p + "mlp.c_fc.weight"], grads[p + "mlp.c_fc.bias"] = linear_backward(dh, ln2, w[p + "mlp.c_fc.weight"])
-        dx_mid, grads[p + "ln_2.weight"], grads[p + "ln_2.bias"] = layernorm_backward(
-            dln2, x_mid, mean2, rstd2, w[p + "ln_2.weight"])
-        dx = dx + dx_mid  # the gradient at x_mid: through the residual and through ln_2
+        dg, grads[p + "mlp.c_proj.weight"], grads[p + "mlp.c_proj.bias"] = linear_backward(
+            dx, g, w[p + "mlp.c_proj.weight"], fused=fused)
+        dln2, grads[p + "mlp.c_fc.weight"], grads[p + "mlp.c_fc.bias"] = linear_backward(
+            dg, ln2, w[p + "mlp.c_fc.weight"], gelu_of=h, fused=fused)  # through GELU first
+        # the gradient at x_mid: through the residual and through ln_2
+        dx, grads[p + "ln_2.weight"], grads[p + "ln_2.bias"] = layernorm_backward(
+            dln2, x_mid, mean2, rstd2, w[p + "ln_2.weight"], dresid=dx, fused=fused)
         dy, grads[p + "attn.c_proj.weight"], grads[p + "attn.c_proj.bias"] = linear_backward(
-            dx, heads_side_by_side(o), w[p + "attn.c_proj.weight"], dx_dtype=cdtype)
-        dqkv = attention_backward(dy, q, k, v, o, lse, attn)
+            dx, heads_side_by_side(o, fused), w[p + "attn.c_proj.weight"], dx_dtype=cdtype, fused=fused)
+        dqkv = attention_backward(dy, q, k, v, o, lse, attn, fused)
         dln1, grads[p + "attn.c_attn.weight"], grads[p + "attn.c_attn.bias"] = linear_backward(
-            dqkv, ln1, w[p + "attn.c_attn.weight"])
-        dx_in, grads[p + "ln_1.weight"], grads[p + "ln_1.bias"] = layernorm_backward(
-            dln1, x, mean1, rstd1, w[p + "ln_1.weight"])
-        dx = dx + dx_in
+            dqkv, ln1, w[p + "attn.c_attn.weight"], fused=fused)
+        dx, grads[p + "ln_1.weight"], grads[p + "ln_1.bias"] = layernorm_backward(
+            dln1, x, mean1, rstd1, w[p + "ln_1.weight"], dresid=dx, fused=fused)
     encoder_backward(grads["wte.weight"], grads["wpe.weight"], dx.reshape(B, T, C), idx)
-    return loss, {name: grads[name] for name in params}
+    return float(loss), {name: grads[name] for name in params}
