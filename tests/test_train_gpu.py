@@ -63,7 +63,9 @@ def test_float32_ten_adamw_steps_match_torch():
 
 
 def test_bfloat16_twenty_steps_at_gpt2_small_shapes_match_torch_autocast():
-    lab, ref = lab_and_torch_losses(gpt2.SIZES["gpt2"], "bfloat16", steps=20, B=4, T=1024, lr=6e-4)
+    # ids from 64 tokens, as above: on uniform ids over the whole vocabulary the gradients are noise, which
+    # the first full-rate steps amplify into trajectories that part by more than bfloat16's own rounding
+    lab, ref = lab_and_torch_losses(gpt2.SIZES["gpt2"], "bfloat16", steps=20, B=4, T=1024, lr=6e-4, tokens=64)
     err = np.abs(lab - ref) / np.abs(ref)
     print("lab", lab, "torch", ref, "rel err", err)
     assert err.max() < 1e-2, err
