@@ -230,7 +230,7 @@ def test_main_lists_targets_and_refuses_unknown_ones(capsys):
 
 FAKE_TOOL = """\
 import sys, time
-names = [a for a in sys.argv[[a.endswith("sanitize_targets.py") for a in sys.argv].index(True) + 1:] if a != "--quick"]
+names = [a for a in sys.argv[[a.endswith("sanitize_targets.py") for a in sys.argv].index(True) + 1:] if not a.startswith("--")]
 print("========= COMPUTE-SANITIZER", flush=True)
 for name in names:
     print("@@ sanitize begin " + name, flush=True)
@@ -337,7 +337,7 @@ def test_the_childs_first_random_draws_are_not_a_targets():
 
 FLOODING_TOOL = """\
 import sys
-names = [a for a in sys.argv[[a.endswith("sanitize_targets.py") for a in sys.argv].index(True) + 1:] if a != "--quick"]
+names = [a for a in sys.argv[[a.endswith("sanitize_targets.py") for a in sys.argv].index(True) + 1:] if not a.startswith("--")]
 print("========= COMPUTE-SANITIZER", flush=True)
 for name in names:
     print("@@ sanitize begin " + name, flush=True)
