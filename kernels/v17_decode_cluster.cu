@@ -43,7 +43,8 @@
  *   d = 96, B_r = 2, CLUSTER = 16: 16,448; d = 128, B_r = 8, CLUSTER = 8: 54,016 (past 48 KiB:
  *   the launcher opts in). 16-bit: d = 64, B_r = 4, CLUSTER = 16: 22,144; d = 128, B_r = 4,
  *   CLUSTER = 8: 27,008. At most four blocks per SM (__launch_bounds__(128, 4)) either way.
- *   Clusters of 16 are beyond the portable 8: runtime.Instance sets
+ *   Clusters of 16 are beyond the portable 8 (CUDA Programming Guide, "Thread Block Clusters";
+ *   Hopper Tuning Guide: 16 by opting in): runtime.Instance sets
  *   CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED for them. (64, 8, 64, 0, 8) is declared to
  *   be compared with config=...: half the splits, two steps of keys each at T_k = 1024.
  * Workspace: none (runtime.Instance.workspace_floats is 0 for a rung with lab.cluster).
@@ -58,15 +59,24 @@
  * Barriers: every thread of a block reaches each of its barriers, and no thread has exited before
  * the last cluster barrier. The branches before them are uniform over the block: the early return
  * of a grouped-query head (taken by whole clusters, whose blocks share a head), the dispatch on
- * sp.rows, n_steps; the loops that stage Q_i and push the partials end before their barriers (a
- * __syncthreads() or a __syncwarp() converges the warp), and the key loop's shuffles run in all 32
- * lanes. So the cluster barriers take the .aligned forms, as CUTLASS's do. With the forms without
- * .aligned (cg::this_cluster().sync()'s), compute-sanitizer's synccheck reported "Barrier error
- * detected. Divergent thread(s) in warp" and stopped the launch at B = 2, NH = 3, T = 97 (78
- * clusters of 16, more than one wave), and drew the same report from v17's barriers alone
- * (tools/synccheck_cluster.cu, whose every thread reaches every barrier) whenever its clusters of 16
- * came in more than one wave: `python3 tools/synccheck_cluster.py` runs both forms, skeleton and v17,
- * under the tool, and tests/test_sanitize_gpu.py holds v17 to 0 reports at the reported shape.
+ * sp.rows, n_steps; the loops that stage Q_i and push the partials end before their barriers, and
+ * the key loop's shuffles run in all 32 lanes. The cluster barriers are the forms without .aligned,
+ * which PTX allows under divergence: every barrier.cluster waits for the non-exited threads of its
+ * warp, and .aligned only promises that all of them execute the same instruction (PTX ISA,
+ * "barrier.cluster": docs.nvidia.com/cuda/parallel-thread-execution/#parallel-synchronization-and-
+ * communication-instructions-barrier-cluster).
+ * compute-sanitizer's synccheck reports "Barrier error detected. Divergent thread(s) in warp" (for "a
+ * barrier that does not support this on the current architecture", Compute Sanitizer, "Synccheck
+ * Tool", which documents __syncthreads() and __syncwarp() and says nothing of cluster barriers) and
+ * ends the launch whenever a grid of clusters of 16 comes in more than one wave, and is clean on
+ * clusters of 8 and on one wave of 16; memcheck, racecheck and initcheck are clean. That report is
+ * the tool's: `python3 tools/synccheck_cluster.py` runs v17's barriers alone (tools/
+ * synccheck_cluster.cu, every thread at every barrier, converged) beside v17, and on an H200 the
+ * skeleton draws the report at exactly v17's conditions, in the .aligned forms as in these; v17's
+ * result is right there without the tool. tests/test_sanitize_gpu.py holds v17 to a right
+ * result and a clean memcheck at the reported shape, to a clean synccheck where the tool is sound,
+ * and the tool to its report on the skeleton (so that a release that drops it restores the full
+ * check); tools/sanitize.py runs v17 under synccheck where the tool is sound and says so.
  *
  * lab.template    d_head, B_r, B_c, dtype_id, CLUSTER
  * lab.configs     (64, 8, 64, 0, 16), (64, 8, 64, 0, 8), (32, 8, 128, 0, 8), (96, 2, 32, 0, 16), (128, 8, 32, 0, 8), (64, 4, 64, 1, 16), (32, 4, 128, 1, 8), (96, 2, 64, 1, 16), (128, 4, 64, 1, 8), (64, 4, 64, 2, 16), (32, 4, 128, 2, 8), (96, 2, 64, 2, 16), (128, 4, 64, 2, 8)
@@ -222,14 +232,12 @@ __device__ __forceinline__ void store_cluster2(unsigned a, float x, float y)
 // The cluster barrier, split in two: every thread of every block arrives, then waits until all
 // have arrived. arrive.relaxed orders nothing (used to say "this block is running");
 // arrive (release) and wait (acquire) make every store before the arrive visible after the wait.
-// The .aligned forms (CUTLASS's cute::cluster_arrive / cluster_wait): every thread of the warp
-// executes the same instruction, converged, as each call site below guarantees (a __syncthreads()
-// or a __syncwarp() just before it). The forms without .aligned (cg::this_cluster().sync()'s) allow a
-// divergent warp, and under them compute-sanitizer's synccheck reported "Divergent thread(s) in
-// warp" on clusters of 16 in more than one wave (tools/synccheck_cluster.py).
-__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+// The forms without .aligned (cg::this_cluster().sync()'s): PTX makes every barrier.cluster wait for the
+// non-exited threads of its warp, so they are right under divergence too; .aligned would only add a
+// promise (every lane executes the same instruction) that each call site keeps anyway.
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory"); }
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;" ::: "memory"); }
 
 // Request U keys of one lane: rows row0, row0 + KPW rows, ... (F chunks, G chunks apart, in each).
 // Keys from `keys_left` on are past the split: not read, zeros.
@@ -591,9 +599,7 @@ attention_forward(const element_t<dtype_id>* __restrict__ Q, const element_t<dty
             store_cluster2(to_ml + 4 * (r * 2), m, l);
     }
     // Every block's pushes are in rank 0's shared memory after this; the other blocks may leave:
-    // nobody reads their shared memory. The push loop's trip count differs across lanes: converge
-    // the warp for the .aligned arrive.
-    __syncwarp();
+    // nobody reads their shared memory.
     cluster_arrive();
     cluster_wait();
     if (split != 0)

@@ -213,7 +213,8 @@ def test_arguments():
             sanitize.parse_args(bad)
     cmd = sanitize.command("/cs", "racecheck", ["v01_naive", "fused-float32"], True, 50)
     assert cmd[:7] == ["/cs", "--tool", "racecheck", "--error-exitcode", "99", "--print-limit", "50"]
-    assert cmd[-3:] == ["--quick", "v01_naive", "fused-float32"] and cmd[-4].endswith("sanitize_targets.py")
+    assert cmd[-4:] == ["--tool=racecheck", "--quick", "v01_naive", "fused-float32"]
+    assert cmd[-5].endswith("sanitize_targets.py")
     assert "--kernel-name-exclude" not in cmd  # cuBLAS's kernels are left out of initcheck alone
     cmd = sanitize.command("/cs", "initcheck", ["fused-bfloat16"], False, 50)
     assert cmd[7:11] == ["--kernel-name-exclude", "kns=nvjet", "--kernel-name-exclude", "kns=cublas"]
@@ -230,7 +231,7 @@ def test_main_lists_targets_and_refuses_unknown_ones(capsys):
 
 FAKE_TOOL = """\
 import sys, time
-names = [a for a in sys.argv[[a.endswith("sanitize_targets.py") for a in sys.argv].index(True) + 1:] if a != "--quick"]
+names = [a for a in sys.argv[[a.endswith("sanitize_targets.py") for a in sys.argv].index(True) + 1:] if not a.startswith("--")]
 print("========= COMPUTE-SANITIZER", flush=True)
 for name in names:
     print("@@ sanitize begin " + name, flush=True)
@@ -280,9 +281,9 @@ def test_the_reproducer_verdict():
             {"case": "v17-97", "errors": 4}]
     assert synccheck_cluster.verdict(rows).startswith("Only v17 draws the report (v17-97)")
     rows[0]["errors"] = 2
-    assert "not with the .aligned forms (v17's): v17 still draws it (v17-97)" in synccheck_cluster.verdict(rows)
+    assert "not with the .aligned forms: v17 draws it (v17-97)" in synccheck_cluster.verdict(rows)
     rows[2]["errors"] = 0
-    assert synccheck_cluster.verdict(rows).endswith("v17 is clean.")
+    assert "v17 is clean;" in synccheck_cluster.verdict(rows)
     rows[1]["errors"] = 3
     assert "the report is the tool's" in synccheck_cluster.verdict(rows)
     assert synccheck_cluster.verdict([{"case": "v17-97", "errors": 0}]) == "No case draws the report."
@@ -337,7 +338,7 @@ def test_the_childs_first_random_draws_are_not_a_targets():
 
 FLOODING_TOOL = """\
 import sys
-names = [a for a in sys.argv[[a.endswith("sanitize_targets.py") for a in sys.argv].index(True) + 1:] if a != "--quick"]
+names = [a for a in sys.argv[[a.endswith("sanitize_targets.py") for a in sys.argv].index(True) + 1:] if not a.startswith("--")]
 print("========= COMPUTE-SANITIZER", flush=True)
 for name in names:
     print("@@ sanitize begin " + name, flush=True)
@@ -424,3 +425,53 @@ def test_the_targets_cover_every_rung_dtype_and_declared_feature():
         B, NH, NH_kv, T_q, T_k, d = quick[0]
         assert T_q % 16 and (T_q != T_k) == ("cross" in rung.supports) and (NH != NH_kv) == ("gqa" in rung.supports)
         assert len(quick) == 1 + split_kv
+
+
+def test_under_synccheck_v17_runs_where_the_tool_is_sound():
+    """Clusters of 16 where the grid fits in one wave, else the dtype's first config of portable clusters (at
+    the shape's d where declared, else at its own); a note says so; the other rungs run as under every tool."""
+    import kernels
+
+    v17 = kernels.load("v17")
+    assert targets.non_portable(v17) and not any(targets.non_portable(kernels.load(n)) for n in kernels.names()
+                                                  if n != "v17_decode_cluster")
+    resident = 28
+
+    def waves(config, shape):
+        B, NH, _, T_q, _, _ = shape
+        return -(-T_q // v17.params(config)["B_r"]) * NH * B, resident
+
+    shapes = targets.case_shapes(v17, quick=False)
+    launches = targets.synccheck_launches(v17, "float32", shapes, waves)
+    assert [s for s, _, _ in launches] == shapes
+    for (shape, config, why), clusters in zip(launches, [16, 78, 10, 52, 12]):  # SHAPES, CROSS, GQA, DECODE
+        assert waves((64, 8, 64, 0, 16), shape)[0] == clusters
+        assert config == ((64, 8, 64, 0, 16) if clusters <= resident else (64, 8, 64, 0, 8)), why
+        assert (f"in place of 16 ({clusters} clusters of 16, {resident} resident)" in why) == (clusters > resident)
+    for dtype, dtype_id in (("bfloat16", 1), ("float16", 2)):  # no portable config at d = 64: d = 32's
+        launches = targets.synccheck_launches(v17, dtype, shapes, waves)
+        far = [(s, c) for s, c, _ in launches if v17.cluster_size(c) == 8]
+        assert far and all(c == (32, 4, 128, dtype_id, 8) and s[-1] == 32 for s, c in far)
+        near = [s for s, c, _ in launches if v17.cluster_size(c) == 16]
+        assert all(waves((64, 4, 64, dtype_id, 16), s)[0] <= resident for s in near) and targets.DECODE in near
+    none_fits = targets.synccheck_launches(v17, "float32", shapes, lambda c, s: (resident + 1, resident))
+    assert [(s, c) for s, c, _ in none_fits] == [(s, (64, 8, 64, 0, 8)) for s in shapes]
+    assert "tools/synccheck_cluster.py" in targets.SYNCCHECK_NOTE
+
+
+def test_the_child_learns_its_tool_and_a_note_reaches_the_json():
+    cmd = sanitize.command("compute-sanitizer", "synccheck", ["v17_decode_cluster"], quick=True, print_limit=5)
+    assert cmd[cmd.index(str(Path(targets.__file__).resolve())) + 1:] == ["--tool=synccheck", "--quick",
+                                                                          "v17_decode_cluster"]
+    child = sanitize.parse(textwrap.dedent(f"""\
+        @@ sanitize begin v17_decode_cluster
+        @@ sanitize note v17_decode_cluster {targets.SYNCCHECK_NOTE}
+        @@ sanitize end v17_decode_cluster ok
+        ========= ERROR SUMMARY: 0 errors
+        """).splitlines())
+    assert child.status == {"v17_decode_cluster": "ok"} and not child.reports
+    rows, problems = sanitize.summarize(["synccheck"], {"synccheck": [child]}, ["v17_decode_cluster"], {})
+    assert sanitize.cells(["synccheck"], rows, {"synccheck": [child]}) == {"v17_decode_cluster": {"synccheck": 0}}
+    assert sanitize.notes(["synccheck"], {"synccheck": [child]}) == {
+        "v17_decode_cluster": {"synccheck": targets.SYNCCHECK_NOTE}}
+    assert problems == []

@@ -12,7 +12,8 @@ process under `compute-sanitizer --tool TOOL`; when a child dies (a tool may sto
 and the CUDA context goes with it) a new one goes on from the next target. A report counts against the
 target that was running, or, when it names a kernel of kernels/fused, against that kernel's file. Exit
 status 0 only when no tool reports an error, every result is right, and (with every engine target chosen)
-every file of kernels/fused was launched.
+every file of kernels/fused was launched. A target that runs otherwise under one tool says so in a note,
+printed under the table and kept in the json (v17 under synccheck: where that tool is sound).
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ class Report:
 class Child:
     """What one child process under the tool left: its reports; each target's status in the order begun
     (ok, wrong: ..., skipped: ..., failed: ..., or running when it never ended); the kernels/fused files
-    each engine target launched; the tool's own count of errors (None when it printed none)."""
+    each engine target launched; the tool's own count of errors (None when it printed none); and what a
+    target ran otherwise under this tool than under the others, and why (its note)."""
 
     reports: list[Report] = field(default_factory=list)
     status: dict[str, str] = field(default_factory=dict)
@@ -78,6 +80,7 @@ class Child:
     summary: int | None = None
     seconds: dict[str, float] = field(default_factory=dict)  # each target's wall time under the tool
     capped: str = ""  # the target during which the tool's --print-limit was reached (its count is a floor)
+    notes: dict[str, str] = field(default_factory=dict)
 
 
 def split_mark(line: str) -> tuple[str, str, str]:
@@ -132,6 +135,8 @@ def parse(lines) -> Child:
                 target, child.status[name] = "", rest or "ok"
             elif word == "covers":
                 child.covers[name] = rest.split()
+            elif word == "note":
+                child.notes[name] = rest
             report = None
             continue
         if not line.startswith(PREFIX) or not line[len(PREFIX):].strip():
@@ -264,7 +269,8 @@ def command(sanitizer: str, tool: str, names: list[str], quick: bool, print_limi
     exclude = [arg for name in LIBRARY_KERNELS for arg in ("--kernel-name-exclude", f"kns={name}")
                if tool == "initcheck"]
     return [sanitizer, "--tool", tool, "--error-exitcode", "99", "--print-limit", str(print_limit), *exclude,
-            sys.executable, str(Path(targets.__file__).resolve()), *(["--quick"] if quick else []), *names]
+            sys.executable, str(Path(targets.__file__).resolve()), f"--tool={tool}", *(["--quick"] if quick else []),
+            *names]
 
 
 @dataclass
@@ -386,6 +392,16 @@ def first_reports(tools, runs: dict[str, list[Child]], fused: dict[str, str], ke
     return out
 
 
+def notes(tools, runs: dict[str, list[Child]]) -> dict:
+    """{target: {tool: its note}}: what a target ran otherwise under a tool than under the others, and why."""
+    out: dict[str, dict[str, str]] = {}
+    for tool in tools:
+        for child in runs[tool]:
+            for name, text in child.notes.items():
+                out.setdefault(name, {})[tool] = text
+    return out
+
+
 def setup(sanitizer: str) -> dict:
     """The device and the tool's version, for the file's reader (nvidia-smi's and compute-sanitizer's words)."""
     def first(cmd):
@@ -432,7 +448,7 @@ def parse_args(argv=None):
                         help="seconds one child process may run before it is stopped (default 540)")
     parser.add_argument("--print-limit", type=positive(int), default=100, help="reports the tool prints per child")
     parser.add_argument("--json", help="write the cells, each target's seconds per tool, the first reports of "
-                                       "each row and the problems to this file")
+                                       "each row, the targets' notes and the problems to this file")
     return parser.parse_args(argv)
 
 
@@ -467,6 +483,10 @@ def main(argv=None) -> int:
         print(f"[{tool}] {len(chosen)} targets in {tool_seconds[tool]:.0f} s", flush=True)
     rows, problems = summarize(args.tools, runs, chosen, fused_kernels())
     print(f"\n{table(args.tools, rows)}\n")
+    told = notes(args.tools, runs)
+    for name, by_tool in told.items():
+        for tool, text in by_tool.items():
+            print(f"note: {name} under {tool}: {text}")
     print("\n".join(problems) if problems else "clean: no errors, every result right")
     print(f"({time.monotonic() - start:.0f} s)")
     if args.json:
@@ -474,7 +494,7 @@ def main(argv=None) -> int:
                   "setup": setup(sanitizer), "quick": args.quick, "tools": args.tools, "targets": chosen,
                   "cells": cells(args.tools, rows, runs), "seconds": seconds(args.tools, runs),
                   "tool_seconds": tool_seconds, "reports": first_reports(args.tools, runs, fused_kernels()),
-                  "problems": problems}
+                  "notes": told, "problems": problems}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {args.json}")

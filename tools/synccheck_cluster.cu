@@ -26,8 +26,8 @@
 
 constexpr int THREADS = 128;
 
-// The cluster barrier's instructions, without .aligned (cg::this_cluster().sync()'s) or with it (CUTLASS's,
-// and v17's now): ALIGNED promises that the whole warp executes each one converged.
+// The cluster barrier's instructions, without .aligned (cg::this_cluster().sync()'s, and v17's) or with it
+// (CUTLASS's): ALIGNED promises that the whole warp executes each one converged.
 template <bool ALIGNED> __device__ __forceinline__ void arrive_relaxed()
 {
     if constexpr (ALIGNED) asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
@@ -70,7 +70,7 @@ cluster_skeleton(float* __restrict__ out, int small_every, long long late_ns)
     for (int i = threadIdx.x; i < items; i += THREADS)
         asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(row + 4 * i), "f"((float)(rank + i)) : "memory");
 
-    __syncwarp();  // the push loop's trip count differs across lanes
+    __syncwarp();  // the push loop's trip count differs across lanes: converged for the .aligned forms
     arrive_release<ALIGNED>();
     wait_acquire<ALIGNED>();
     if (rank != 0)
