@@ -117,6 +117,34 @@ def render_envelope(rows: list[dict]) -> list[str]:
     return table(head, body, "lrrr" + "r" * (len(VARIANTS) + 1))
 
 
+def threshold_verdict(rows: list[dict], threshold: float) -> str:
+    """What kernels.fp8.PEAKED_SCORE_ESTIMATE does on these points: the largest error among those it leaves
+    silent and the smallest among those it warns at (v25 as kernels.attention runs it)."""
+    name = next(iter(VARIANTS))
+    silent = [r[name] for r in rows if r["estimate"] <= threshold]
+    warned = [r[name] for r in rows if r["estimate"] > threshold]
+    if math.isinf(threshold):
+        return "kernels.fp8.PEAKED_SCORE_ESTIMATE is unset: no warning."
+    return (f"kernels.fp8.PEAKED_SCORE_ESTIMATE = {threshold:g}: silent at {len(silent)} points (v25's error at most "
+            f"{max(silent, default=math.nan):.1e}), warns at {len(warned)} (at least {min(warned, default=math.nan):.1e}).")
+
+
+def render_envelope_doc(result: dict, image: str | None) -> str:
+    """docs/results.md's envelope section: the setup, the table, the warning threshold on these points, the plot."""
+    e, dev = result["envelope"], result["setup"]["device"]
+    shape = " x ".join(str(e["shape"][k]) for k in ("B", "NH", "T", "d"))
+    lines = [f"{dev['name']} ({dev['arch']}), {result['setup']['date'][:10]}; B x NH x T x d = {shape}, "
+             f"{'causal' if e['causal'] else 'non-causal'}, bfloat16 inputs, seed {result['seed']}. Relative "
+             "Frobenius error against float64; in brackets each variant's error over its float64 emulation on the "
+             "same e4m3 codes (above 1 beyond rounding would be a bug in the kernel). \"estimate\": "
+             "kernels.fp8.score_scale_estimate, from the block maxima.", ""]
+    lines += render_envelope(e["rows"])
+    lines += ["", threshold_verdict(e["rows"], fp8.PEAKED_SCORE_ESTIMATE)]
+    if image:
+        lines += ["", f"![FP8 relative error against the scores' std]({image})"]
+    return "\n".join(lines)
+
+
 def plot_envelope(plt, result: dict):
     """Relative error against the scores' std, log-log: each variant solid, its emulation dashed."""
     fig, axes = plt.subplots(1, len(FAMILIES), figsize=(12, 4.5), sharey=True)

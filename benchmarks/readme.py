@@ -17,6 +17,7 @@ from .backward import newest_per_dtype as newest_backward
 from .backward import render_backward
 from .device import ROOT, CannotRun, progress
 from .fp8 import render_fp8
+from .fp8_envelope import render_envelope_doc
 from .frontier import render_frontier
 from .levels import newest_per_dtype as newest_levels
 from .levels import render_levels
@@ -166,6 +167,11 @@ def readme_blocks(found: dict[str, list[Path]], base: Path) -> dict[str, str]:
     if found["fp8"]:
         p = found["fp8"][0]
         blocks["fp8"] = source(p) + "\n" + from_file(p, render_fp8(load_result(p)))
+    if found["envelope"]:  # the newest FP8 accuracy envelope, with its plot
+        p = found["envelope"][0]
+        png = p.with_suffix(".png")
+        blocks["envelope"] = source(p) + "\n" + from_file(p, render_envelope_doc(
+            load_result(p), rel(png) if png.exists() else None))
     if found["e2e"]:
         entries = e2e_entries(found["e2e"])
         blocks["e2e"] = source(*[p for p, *_ in entries]) + "\n" + "\n\n".join(

@@ -614,11 +614,12 @@ def attention(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, 
     row's log-sum-exp of its scaled scores in natural log (+inf for a row that sees no key), what
     kernels.attention_backward takes.
 
-    The FP8 rung (kernel="v25") quantizes q, k and v to e4m3 first: its error grows with the spread of the
-    scaled scores (3 mantissa bits under a peaked softmax). Its envelope, measured by `bench.py fp8
-    --envelope` (docs/ladder.md, v25): TODO(lead): the score std up to which v25 stays within its
-    emulation's error of bfloat16 accuracy, from the envelope's result file. Past
-    kernels.fp8.PEAKED_SCORE_ESTIMATE (an estimate from the block maxima) it warns (a UserWarning)."""
+    The FP8 rung (kernel="v25") quantizes q, k and v to e4m3 first. Its error is an order of magnitude above
+    bfloat16's even on N(0, 1) inputs and grows with the spread of the scaled scores (3 mantissa bits under a
+    peaked softmax), fastest when q and k share an offset: use it where a few percent of relative error is
+    acceptable and the scores' std stays small (measured: `bench.py fp8 --envelope`, docs/results.md#envelope;
+    docs/ladder.md, v25). Past kernels.fp8.PEAKED_SCORE_ESTIMATE, an upper estimate of the scores' spread
+    from the block maxima, it warns (a UserWarning; rare outliers alone can raise the estimate)."""
     return prepare(q, k, v, kernel=kernel, causal=causal, scale=scale, config=config, out=out, return_lse=return_lse)()
 
 
