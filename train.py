@@ -245,10 +245,7 @@ def run(args) -> int:
                            name=args.val_data) if args.val_data else None)
     if device == "gpu":
         kernel, backward = pick_rungs(args, config, kernels.device_limits().arch)
-        try:
-            attn = Attention.make(kernel=kernel, backward=backward)
-        except ValueError as exc:
-            raise LabError(str(exc)) from None
+        attn = Attention.make(kernel=kernel, backward=backward)  # LabError where the pair cannot train
         attend = lab.make_attend(kernel, args.dtype)  # the forward rung alone: evaluation and samples
         ceiling, ceiling_what = gemm_ceiling(xp, args.dtype)
         pool = xp.get_default_memory_pool()
@@ -257,6 +254,9 @@ def run(args) -> int:
         kernel = backward = lab.REFERENCE
         attn, attend = Attention.reference(), gpt2.reference_attend
         ceiling, ceiling_what, pool = None, "none on the CPU: MFU not computed", None
+    if args.sample_every and config.eos_token_id >= config.vocab_size:  # found now, not after training
+        raise LabError(f"--sample-every: samples start at <|endoftext|> (id {config.eos_token_id}), outside the "
+                       f"model's vocabulary of {config.vocab_size}")
     encoding = gpt2.load_tokenizer(ckpt.folder) if args.sample_every else None
     opt = AdamW(params, weight_decay=args.weight_decay)
     min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
