@@ -315,6 +315,25 @@ def test_default_rungs(train, dtype, arch, forward, backward):
     assert train.pick_rungs(args, gpt2.SIZES["gpt2"], arch) == (forward, backward)
 
 
+@pytest.mark.parametrize("declared, chosen", [
+    ({}, "v26_new"),  # a newer rung that declares what training needs is the default, no list to edit
+    ({"lse": False}, "v13_fa2_partitioning"),  # no log-sum-exp for the backward
+    ({"tf32_products": "1"}, "v13_fa2_partitioning"),  # float32 on the TF32 tensor cores
+    ({"min_arch": 100}, "v13_fa2_partitioning"),  # does not compile for sm_90
+])
+def test_default_rungs_follow_the_declarations(train, monkeypatch, declared, chosen):
+    import dataclasses
+
+    import kernels
+
+    load, names = kernels.load, kernels.names
+    newer = dataclasses.replace(load("v13"), name="v26_new", **declared)
+    monkeypatch.setattr(kernels, "names", lambda: [*names(), "v26_new"])
+    monkeypatch.setattr(kernels, "load", lambda n: newer if n == "v26_new" else load(n))
+    args = train.parse_args(["--data", "x.bin", "--dtype", "float32"])
+    assert train.pick_rungs(args, gpt2.SIZES["gpt2"], "sm_90")[0] == chosen
+
+
 def test_the_real_backward_overfits_one_repeated_batch(tmp_path):
     """train.main with the real loss_and_grads and the reference attention (NumPy): a tiny model with a
     small vocabulary, one batch of random tokens repeated (exactly B x T + 1 tokens: Batches starts over
