@@ -268,6 +268,9 @@ def test_cli_trains_writes_json_and_out_then_lab_generates(train, folder, data, 
     assert trained.config == TINY
     # the quadratic loss pulls every parameter towards 0.5
     start = gpt2.load(folder)
+    # its gradient does not depend on the batch: the 2 micro-batches' average is one's (a sum would double it)
+    first = math.sqrt(sum(float((((p.astype(np.float64) - 0.5) / p.size) ** 2).sum()) for p in start.params.values()))
+    assert summary["grad_norm"][0] == pytest.approx(first, rel=1e-5)
     assert np.abs(trained.params["ln_f.bias"] - 0.5).max() < np.abs(start.params["ln_f.bias"] - 0.5).max()
     generated = tmp_path / "lab.json"
     r = subprocess.run([sys.executable, str(ROOT / "lab.py"), "--device", "cpu", "--model", str(out), "--tokens", "3",
