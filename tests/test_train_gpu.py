@@ -27,15 +27,21 @@ from lm.token_data import write_bin
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parent.parent
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2}  # relative, per step's loss
+# the batches' ids come from the first TOKENS of the vocabulary: a distribution a model learns within ten
+# steps, so that the losses fall (uniform ids over the vocabulary sit at log(vocab) whatever the model
+# does, and their noise gradients, amplified by the first full-rate steps, part two bfloat16 runs by more
+# than their roundings: 1.3e-2 at step 6 on the H200 against autocast)
+TOKENS = 64
 
 
 def schedule(steps: int, lr: float) -> list[float]:
     return [get_lr(s, lr=lr, min_lr=lr / 10, warmup=2, steps=steps) for s in range(steps)]
 
 
-def random_batches(config, steps: int, B: int, T: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """`steps` (inputs, next-token targets) pairs of random ids, each (B, T) int32 (train.py's Batches')."""
-    ids = np.random.default_rng(seed).integers(0, config.vocab_size, (steps, B, T + 1), dtype=np.int32)
+def random_batches(steps: int, B: int, T: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """`steps` (inputs, next-token targets) pairs of ids drawn from TOKENS, each (B, T) int32 (as train.py's
+    Batches gives them)."""
+    ids = np.random.default_rng(seed).integers(0, TOKENS, (steps, B, T + 1), dtype=np.int32)
     return [(np.ascontiguousarray(i[:, :-1]), np.ascontiguousarray(i[:, 1:])) for i in ids]
 
 
@@ -46,7 +52,7 @@ def lab_losses(config, dtype: str, attn, steps: int, B: int, T: int, lr: float, 
 
     params = gpt2.random_weights(config, seed=seed, xp=cupy).params
     opt, losses = AdamW(params), []
-    for (x, y), step_lr in zip(random_batches(config, steps, B, T, seed), schedule(steps, lr)):
+    for (x, y), step_lr in zip(random_batches(steps, B, T, seed), schedule(steps, lr)):
         loss, grads = train.loss_and_grads(params, config, cupy.asarray(x), cupy.asarray(y), attn, dtype=dtype)
         assert isinstance(loss, float)
         clip_grad_norm(grads, 1.0)
@@ -70,7 +76,7 @@ def torch_losses(config, dtype: str, steps: int, B: int, T: int, lr: float, seed
     peer = TorchGPT2(gpt2.random_weights(config, seed=seed, xp=cupy).params, config, dtype=dtype, fused=False)
     losses = []
     with sdpa_kernel([SDPBackend.MATH]) if dtype == "float32" else nullcontext():
-        for (x, y), step_lr in zip(random_batches(config, steps, B, T, seed), schedule(steps, lr)):
+        for (x, y), step_lr in zip(random_batches(steps, B, T, seed), schedule(steps, lr)):
             idx, targets = (torch.from_numpy(a).long().cuda() for a in (x, y))
             losses.append(float(peer.step(idx, targets, step_lr)))
     return np.array(losses)
@@ -94,7 +100,7 @@ def test_float32_ten_adamw_steps_match_torch():
     ref = torch_losses(config, "float32", steps=10, B=4, T=128, lr=1e-3)
     err = rel_err(lab, ref)
     print("lab", lab, "torch", ref, "rel err", err)
-    assert lab[-1] < lab[0]  # it trains
+    assert lab[-1] < 0.9 * lab[0]  # it trains
     assert err.max() <= TOLERANCE["float32"], err
 
 
@@ -141,7 +147,7 @@ def test_every_backward_rung_trains_as_the_reference_backward(reference_losses, 
     got, want = lab_losses(RUNG_CONFIG, dtype, attn, **RUNG_STEPS), reference_losses[dtype]
     err = rel_err(got, want)
     print(f"\n{attn.name} {dtype}: losses {got}, reference {want}, worst relative error {err.max():.2e}")
-    assert got[-1] < got[0]  # it trains
+    assert got[-1] < 0.9 * got[0]  # it trains
     assert err.max() <= TOLERANCE[dtype], err
 
 
