@@ -115,29 +115,28 @@ def check_args(args) -> None:
 # The rungs and the weights
 # ---------------------------------------------------------------------------------------------
 
-def exact_float32(rung) -> bool:
-    """No configuration multiplies float32 on the TF32 tensor cores (lab.tf32_products 0)."""
-    return all(rung.tf32_products_of(c) == 0 for c in rung.configs)
-
-
 def takes(rung, config, dtype: str, arch: str) -> bool:
+    """The rung declares the dtype (lab.dtypes) and the model's head size, and compiles for arch (lab.min_arch)."""
     return dtype in rung.dtypes and config.head_size in rung.head_sizes() and rung.runs_on(arch)
+
+
+def trains_by_default(rung, config, dtype: str, arch: str) -> bool:
+    """takes(), made for whole sequences (not lab.split_kv, not lab.fp8), and in float32 exact float32
+    arithmetic: no configuration multiplies on the TF32 tensor cores (lab.tf32_products 0)."""
+    return (takes(rung, config, dtype, arch) and not rung.split_kv and not rung.fp8
+            and (dtype != "float32" or all(rung.tf32_products_of(c) == 0 for c in rung.configs)))
 
 
 def pick_rungs(args, config, arch: str) -> tuple[str, str]:
     """The forward rung (it must write the log-sum-exp) and the backward rung: those asked for, checked, or
-    the newest that take the model, the dtype and the device (float32: exact float32 arithmetic)."""
-    def default(names, load):
-        able = [n for n in names if takes(load(n), config, args.dtype, arch) and not load(n).split_kv
-                and not load(n).fp8 and (args.dtype != "float32" or exact_float32(load(n)))]
-        return able[-1] if able else None
-
+    by default the newest whose declarations train here (lab.lse, trains_by_default), never a fixed list."""
     writers = [n for n in kernels.names() if kernels.load(n).lse]
     if args.kernel is None:
-        forward_rung = default(writers, kernels.load)
-        if forward_rung is None:
+        able = [n for n in writers if trains_by_default(kernels.load(n), config, args.dtype, arch)]
+        if not able:
             raise LabError(f"no forward rung that writes the log-sum-exp takes {args.dtype}, head size "
                            f"{config.head_size} on {arch}")
+        forward_rung = able[-1]
     else:
         try:
             forward_rung = kernels.resolve(args.kernel).stem
@@ -150,9 +149,11 @@ def pick_rungs(args, config, arch: str) -> tuple[str, str]:
         if not takes(rung, config, args.dtype, arch):
             raise LabError(f"kernel {forward_rung} does not take {args.dtype} at head size {config.head_size} on {arch}")
     if args.backward is None:
-        backward_rung = default(backward_ladder.names(), backward_ladder.load)
-        if backward_rung is None:
+        able = [n for n in backward_ladder.names()
+                if trains_by_default(backward_ladder.load(n), config, args.dtype, arch)]
+        if not able:
             raise LabError(f"no backward rung takes {args.dtype}, head size {config.head_size} on {arch}")
+        backward_rung = able[-1]
     else:
         try:
             backward_rung = backward_ladder.resolve(args.backward).stem
@@ -245,10 +246,7 @@ def run(args) -> int:
                            name=args.val_data) if args.val_data else None)
     if device == "gpu":
         kernel, backward = pick_rungs(args, config, kernels.device_limits().arch)
-        try:
-            attn = Attention.make(kernel=kernel, backward=backward)
-        except ValueError as exc:
-            raise LabError(str(exc)) from None
+        attn = Attention.make(kernel=kernel, backward=backward)  # LabError where the pair cannot train
         attend = lab.make_attend(kernel, args.dtype)  # the forward rung alone: evaluation and samples
         ceiling, ceiling_what = gemm_ceiling(xp, args.dtype)
         pool = xp.get_default_memory_pool()
@@ -257,6 +255,9 @@ def run(args) -> int:
         kernel = backward = lab.REFERENCE
         attn, attend = Attention.reference(), gpt2.reference_attend
         ceiling, ceiling_what, pool = None, "none on the CPU: MFU not computed", None
+    if args.sample_every and config.eos_token_id >= config.vocab_size:  # found now, not after training
+        raise LabError(f"--sample-every: samples start at <|endoftext|> (id {config.eos_token_id}), outside the "
+                       f"model's vocabulary of {config.vocab_size}")
     encoding = gpt2.load_tokenizer(ckpt.folder) if args.sample_every else None
     opt = AdamW(params, weight_decay=args.weight_decay)
     min_lr = args.lr / 10 if args.min_lr is None else args.min_lr

@@ -326,7 +326,10 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                                     "MFU against the run's GEMM ceiling, peak memory; float32 with TF32 off. Then "
                                     "a short run's losses (lab and PyTorch on the same batches) for a plot.")
     tr.add_argument("--dtypes", type=lambda t: _choices(t, ("bfloat16", "float32"), "dtype"),
-                    default=["bfloat16", "float32"], metavar="LIST", help="default bfloat16,float32")
+                    metavar="LIST", help="default bfloat16,float32 (--quick: bfloat16)")
+    tr.add_argument("--quick", action="store_true",
+                    help="B = 16 only, 5 timed steps a row, no loss curve: a check of every row in a few minutes "
+                         "(docs keep the newest full run)")
     tr.add_argument("--max-batch", type=power_of_two, default=64,
                     help="the largest B tried for the second batch size, a power of two (default 64)")
     tr.add_argument("--curve-steps", type=int, default=100,

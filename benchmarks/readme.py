@@ -25,6 +25,7 @@ from .results import SECTIONS, e2e_model, load_result, newest_results
 from .scale import render_scale
 from .summary import gpt2_shapes_in, has_gpt2_shapes, link, render_e2e_summary, render_models_summary, render_summary
 from .tables import render_e2e, render_features, render_kernels, render_resources, render_sweep
+from .train import newest_per_dtype as newest_train
 from .train import render_train
 
 README = ROOT / "README.md"
@@ -214,11 +215,10 @@ def readme_blocks(found: dict[str, list[Path]], base: Path) -> dict[str, str]:
         per_dtype = newest_backward(found["backward"], load_result)
         blocks["backward"] = source(*[p for p, _ in per_dtype]) + "\n" + "\n\n".join(
             from_file(p, render_backward(result)) for p, result in per_dtype)
-    if found["train"]:  # the newest training run, with its loss curve
-        p = found["train"][0]
-        result = load_result(p)
-        image = rel(p.parent / result["plot"]) if result.get("plot") else None
-        blocks["train"] = source(p) + "\n" + from_file(p, render_train(result, image))
+    if per_dtype := newest_train(found["train"], load_result):  # the newest full run of each dtype, its loss curve
+        blocks["train"] = source(*[p for p, _ in per_dtype]) + "\n" + "\n\n".join(
+            from_file(p, render_train(result, rel(p.parent / result["plot"]) if result.get("plot") and
+                                      result["loss_curve"] else None)) for p, result in per_dtype)
     if found["levels"]:  # each dtype from the newest levels file that measured it
         chosen = newest_levels(found["levels"], load_result)
         blocks["levels"] = source(*[p for p, *_ in chosen]) + "\n" + "\n\n".join(

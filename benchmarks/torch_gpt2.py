@@ -48,7 +48,9 @@ class TorchGPT2:
         groups = [{"params": [p for p in self.params.values() if p.ndim >= 2], "weight_decay": weight_decay},
                   {"params": [p for p in self.params.values() if p.ndim < 2], "weight_decay": 0.0}]
         self.opt = torch.optim.AdamW(groups, lr=0.0, betas=(0.9, 0.95), eps=1e-8, fused=fused)
-        self.loss_fn = torch.compile(gpt2_loss) if compile else gpt2_loss
+        # static shapes: a row at a second batch size gets its own specialized graph, not the dynamic-shape
+        # one torch.compile would otherwise fall back to on the second shape it sees
+        self.loss_fn = torch.compile(gpt2_loss, dynamic=False) if compile else gpt2_loss
 
     def loss(self, idx, targets):
         """The loss under bf16 autocast (float32: none), its graph kept for backward()."""

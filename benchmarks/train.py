@@ -8,12 +8,14 @@ A step is train.py's: forward and backward (gpt2.backward.loss_and_grads), globa
 on float32 master weights. Each row: the step's median time (CUDA events, warm-up first, no L2 flush: a
 step is far larger than L2), tokens/s, MFU against the run's measured GEMM ceiling of the dtype, and
 peak memory. Then a short run's losses, lab and torch_eager on the same batches of the lab's own docs,
-for the loss-curve plot.
+for the loss-curve plot. --quick: B = 16 alone, fewer steps, no loss curve (bfloat16 unless --dtypes);
+its result is marked and never the docs' table (newest_per_dtype).
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -185,7 +187,11 @@ def cmd_train(args) -> int:
     import gpt2
 
     setup = device.setup_info(args.argv)
-    method = timing.Method(budget_ms=args.budget_ms, min_runs=5, max_runs=50, warmup=3)
+    dtypes = args.dtypes or (["bfloat16"] if args.quick else ["bfloat16", "float32"])
+    if args.quick:  # B = 16 only (no search for the largest B), fewer steps, no loss curve
+        method = timing.Method(budget_ms=min(args.budget_ms, 1000.0), min_runs=5, max_runs=10, warmup=2)
+    else:
+        method = timing.Method(budget_ms=args.budget_ms, min_runs=5, max_runs=50, warmup=3)
     dev = setup["device"]
     progress(f"{dev['name']} ({dev['arch']}, {dev['sm_count']} SMs), driver {dev['driver']}, CUDA "
              f"{dev['cuda_runtime']}, CuPy {setup['cupy']}, torch {setup['torch']}")
@@ -196,11 +202,12 @@ def cmd_train(args) -> int:
     ckpt = gpt2.random_weights("gpt2", seed=args.seed, xp=device.get_cupy())
     started, compile_before = time.perf_counter(), kernels.runtime.compile_seconds
     rows, curve = [], None
-    for dtype in args.dtypes:
+    for dtype in dtypes:
         forward, default_backward = driver().pick_rungs(
             driver().parse_args(["--data", "-", "--dtype", dtype]), ckpt.config, dev["arch"])
-        biggest = largest_batch(ckpt, dtype, forward, default_backward, args.max_batch)
-        progress(f"{dtype}: forward {forward}; B = 16 and {biggest} (the largest that fits, up to {args.max_batch})")
+        biggest = 16 if args.quick else largest_batch(ckpt, dtype, forward, default_backward, args.max_batch)
+        progress(f"{dtype}: forward {forward}; B = 16" + ("" if args.quick else
+                 f" and {biggest} (the largest that fits, up to {args.max_batch})"))
         for B in dict.fromkeys((16, biggest)):
             case = [lab_row(ckpt, dtype, forward, name, B, method) for name in rungs_for(dtype, dev["arch"])]
             case += [torch_row(name, ckpt, dtype, B, method) for name in PEERS]
@@ -212,7 +219,7 @@ def cmd_train(args) -> int:
                     f"{r['peak_bytes'] / 2**30:6.2f} GiB" if r["status"] == "ok" else f"{r['status']}: {r.get('reason')}"))
             add_speedups(case)
             rows += case
-        if dtype == "bfloat16" and args.curve_steps:
+        if dtype == "bfloat16" and args.curve_steps and not args.quick:
             progress(f"loss curve: {args.curve_steps} steps at B=8 over the docs, lab ({default_backward}) and "
                      "torch_eager ...")
             curve = loss_curve(ckpt, dtype, forward, default_backward, args.curve_steps, 8)
@@ -223,7 +230,7 @@ def cmd_train(args) -> int:
             "one training step: forward, backward, global-norm clipping (1.0) and AdamW (lr 6e-4, weight decay 0.1); "
             "lab: gpt2.backward.loss_and_grads + lm.adamw on float32 master weights; torch: nanoGPT's step "
             "(benchmarks/torch_gpt2.py: SDPA, bf16 autocast, fused AdamW)"), "memory": MEMORY_MEASURE},
-        "dtypes": args.dtypes, "T": T, "seed": args.seed, "rows": rows, "loss_curve": curve,
+        "dtypes": dtypes, "quick": args.quick, "T": T, "seed": args.seed, "rows": rows, "loss_curve": curve,
         "compile_seconds": kernels.runtime.compile_seconds - compile_before,
         "wall_seconds": time.perf_counter() - started,
     }
@@ -240,6 +247,21 @@ def cmd_train(args) -> int:
 # The table and the plot
 # ---------------------------------------------------------------------------------------------
 
+def newest_per_dtype(paths: list[Path], load) -> list[tuple[Path, dict]]:
+    """The newest full (not --quick) train results covering each dtype (paths newest first), each cut to the
+    dtypes no newer result covers: one run per dtype (tools/train_device.sh's) or one run of both."""
+    chosen, covered = [], set()
+    for p in paths:
+        result = load(p)
+        new = [d for d in result["dtypes"] if d not in covered]
+        if result.get("quick") or not new:
+            continue
+        covered.update(new)
+        chosen.append((p, result | {"dtypes": new, "rows": [r for r in result["rows"] if r["dtype"] in new],
+                                    "loss_curve": result.get("loss_curve") if "bfloat16" in new else None}))
+    return chosen
+
+
 def ceiling_text(dtype: str, measured: dict) -> str:
     """"bfloat16: bf16 tensor 812.3 TFLOP/s", from the run's ceilings (benchmarks/ceilings.py's names)."""
     value, label = ceilings.ceiling(ceilings.DTYPE_MATH[dtype], measured)
@@ -249,7 +271,8 @@ def ceiling_text(dtype: str, measured: dict) -> str:
 def render_train(result: dict, image: str | None = None) -> str:
     m = result["method"]
     lines = setup_header(result) + [
-        "", f"{result['model']}, T = {result['T']}. {m['timed']}.",
+        "", f"{result['model']}, T = {result['T']}. {m['timed']}."
+            + (" Quick run (`--quick`): B = 16 only, few steps, no loss curve." if result.get("quick") else ""),
         "", f"FLOPs per step: {result['flop_convention']}. MFU against the run's GEMM ceiling of the dtype: "
             + "; ".join(ceiling_text(d, result["ceilings"]) for d in result["dtypes"])
             + f". Peak memory: {m['memory']}.",

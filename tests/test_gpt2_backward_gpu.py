@@ -3,7 +3,7 @@ and every parameter's gradient of a GPT-2-small-shaped model (2 layers, width 76
 whole vocabulary), random weights with random LayerNorms and biases, against a nanoGPT-style model
 written here in PyTorch on the same weights and batch.
 
-float32 (TF32 off in PyTorch; every rung pair whose forward writes the log-sum-exp and whose two
+float32 (TF32 off in PyTorch, SDPA's math backend; every rung pair whose forward writes the log-sum-exp and whose two
 rungs declare float32, found from their declarations): the loss within 1e-5 relative, each
 gradient within 1e-4 relative in norm. bfloat16 (the pairs declaring bfloat16): PyTorch's autocast
 bfloat16 beside ours, both measured against PyTorch in float32: our loss within 1e-2 relative, and
@@ -11,6 +11,7 @@ each gradient's error at most twice autocast's, or 1e-2 relative in norm where a
 smaller. Then the CuPy path's loss and gradients against the NumPy path's, float32."""
 
 import math
+from contextlib import nullcontext
 
 import numpy as np
 import pytest
@@ -88,12 +89,16 @@ def torch_loss(torch, w, config, idx, targets):
 
 
 def torch_run(torch, params, idx, targets, autocast: bool):
-    """(loss, grads) of the PyTorch model, float32 (TF32 off) or under autocast bfloat16."""
+    """(loss, grads) of the PyTorch model: plain float32 (TF32 off, SDPA's math backend: no 3xTF32 or
+    other approximation of float32 in the reference) or under autocast bfloat16 (SDPA's own choice)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     w = {k: torch.tensor(a, device="cuda", requires_grad=True) for k, a in params.items()}
     idx_t, targets_t = (torch.tensor(a, device="cuda") for a in (idx, targets))
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast), \
+            (nullcontext() if autocast else sdpa_kernel([SDPBackend.MATH])):
         loss = torch_loss(torch, w, CONFIG, idx_t, targets_t)
     loss.backward()
     return loss.item(), {k: t.grad.double().cpu().numpy() for k, t in w.items()}

@@ -116,6 +116,22 @@ def test_readme_writes_the_training_section(tmp_path, capsys):
     assert "![loss curve](../results/train-fixture-gpu-20260102T030405Z.png)" in section
 
 
+def test_the_docs_keep_the_newest_full_run_of_each_dtype(tmp_path):
+    """A run per dtype (tools/train_device.sh) or one of both; a --quick run is never the docs' table."""
+    both = train_result("2026-01-01T00:00:00Z") | {"dtypes": ["bfloat16", "float32"],
+                                                  "rows": case_rows(16) + case_rows(16, "float32")}
+    bf16 = train_result("2026-01-02T00:00:00Z")
+    quick = train_result("2026-01-03T00:00:00Z") | {"quick": True}
+    files = {tmp_path / f"{name}.json": r for name, r in (("quick", quick), ("bf16", bf16), ("both", both))}
+    chosen = train.newest_per_dtype(list(files), files.get)  # newest first
+    assert [p.stem for p, _ in chosen] == ["bf16", "both"]
+    (_, newest), (_, older) = chosen
+    assert newest["dtypes"] == ["bfloat16"] and newest["loss_curve"] is not None
+    assert older["dtypes"] == ["float32"] and older["loss_curve"] is None
+    assert {r["dtype"] for r in older["rows"]} == {"float32"} and len(older["rows"]) == 5
+    assert "Quick run" in train.render_train(quick) and "Quick run" not in train.render_train(bf16)
+
+
 def test_result_is_strict_json(tmp_path):
     path = write_result(train_result(), result_path("train", fixture_setup(), tmp_path))
     assert path.name == "train-fixture-gpu-20260102T030405Z.json"
@@ -128,5 +144,8 @@ def test_the_command_line(monkeypatch):
     monkeypatch.setitem(cli.COMMANDS, "train", lambda args: seen.update(vars(args)) or 0)
     assert cli.main(["train", "--dtypes", "bfloat16", "--max-batch", "128", "--curve-steps", "20"], "doc") == 0
     assert seen["dtypes"] == ["bfloat16"] and seen["max_batch"] == 128 and seen["curve_steps"] == 20
+    assert not seen["quick"]
+    assert cli.main(["train", "--quick"], "doc") == 0
+    assert seen["quick"] and seen["dtypes"] is None  # cmd_train: bfloat16 alone when quick, else both
     with pytest.raises(SystemExit):
         cli.main(["train", "--max-batch", "100"], "doc")
