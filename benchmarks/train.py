@@ -249,16 +249,18 @@ def cmd_train(args) -> int:
 
 def newest_per_dtype(paths: list[Path], load) -> list[tuple[Path, dict]]:
     """The newest full (not --quick) train results covering each dtype (paths newest first), each cut to the
-    dtypes no newer result covers: one run per dtype (tools/train_device.sh's) or one run of both."""
+    dtypes no newer result covers: one run per dtype (tools/train_device.sh's) or one run of both; a dtype
+    that no full run measured takes its newest quick run (which says so above its table)."""
     chosen, covered = [], set()
-    for p in paths:
-        result = load(p)
-        new = [d for d in result["dtypes"] if d not in covered]
-        if result.get("quick") or not new:
-            continue
-        covered.update(new)
-        chosen.append((p, result | {"dtypes": new, "rows": [r for r in result["rows"] if r["dtype"] in new],
-                                    "loss_curve": result.get("loss_curve") if "bfloat16" in new else None}))
+    for quick in (False, True):
+        for p in paths:
+            result = load(p)
+            new = [d for d in result["dtypes"] if d not in covered]
+            if bool(result.get("quick")) != quick or not new:
+                continue
+            covered.update(new)
+            chosen.append((p, result | {"dtypes": new, "rows": [r for r in result["rows"] if r["dtype"] in new],
+                                        "loss_curve": result.get("loss_curve") if "bfloat16" in new else None}))
     return chosen
 
 

@@ -117,7 +117,7 @@ def test_readme_writes_the_training_section(tmp_path, capsys):
 
 
 def test_the_docs_keep_the_newest_full_run_of_each_dtype(tmp_path):
-    """A run per dtype (tools/train_device.sh) or one of both; a --quick run is never the docs' table."""
+    """A run per dtype (tools/train_device.sh) or one of both; a --quick run only for a dtype no full run has."""
     both = train_result("2026-01-01T00:00:00Z") | {"dtypes": ["bfloat16", "float32"],
                                                   "rows": case_rows(16) + case_rows(16, "float32")}
     bf16 = train_result("2026-01-02T00:00:00Z")
@@ -130,6 +130,13 @@ def test_the_docs_keep_the_newest_full_run_of_each_dtype(tmp_path):
     assert older["dtypes"] == ["float32"] and older["loss_curve"] is None
     assert {r["dtype"] for r in older["rows"]} == {"float32"} and len(older["rows"]) == 5
     assert "Quick run" in train.render_train(quick) and "Quick run" not in train.render_train(bf16)
+    only_quick = {p: r for p, r in files.items() if p.stem != "both"}  # float32 measured by no full run
+    quick_f32 = train_result("2026-01-04T00:00:00Z") | {"quick": True, "dtypes": ["float32"],
+                                                       "rows": case_rows(16, "float32")}
+    only_quick[tmp_path / "quick32.json"] = quick_f32
+    chosen = train.newest_per_dtype(sorted(only_quick, key=lambda p: only_quick[p]["setup"]["date"], reverse=True),
+                                    only_quick.get)
+    assert [p.stem for p, _ in chosen] == ["bf16", "quick32"]  # the full run first; the quick one fills float32
 
 
 def test_result_is_strict_json(tmp_path):
