@@ -62,7 +62,8 @@ from .config import GPT2Config
 from .errors import LabError
 from .model import GELU_C, gelu
 
-CLASSIFIER_BYTES = 512 * 2**20  # float32 logits per chunk of rows of the fused classifier
+CLASSIFIER_BYTES = 2**30  # float32 logits per chunk of rows of the fused classifier, at most
+VOCAB_MULTIPLE = 128  # the classifier pads the vocabulary to a multiple of this (cuBLAS's aligned kernels)
 
 
 # -- attention: a forward that writes the log-sum-exp, and its backward ------------------------------
@@ -235,45 +236,59 @@ def attention_backward(dy, q, k, v, o, lse, attn: Attention, fused: bool = False
     return dqkv.reshape(B * T, 3 * NH * hs)
 
 
-def softmax_cross_entropy(logits, targets, n: int, out_dtype):
-    """(dlogits, loss) of logits (r, V) in float32 (float64) and their targets (r,): dlogits = (softmax -
-    onehot) / n, computed over the logits in place and then in out_dtype; loss the sum of the rows'
-    -log p(target), a 0-d array."""
+def softmax_cross_entropy(logits, targets, n: int, out_dtype, V: int | None = None):
+    """(dlogits, loss) of logits (r, Vp) in float32 (float64) and their targets (r,), over the first V
+    columns (default all; the rest are the classifier's padding): dlogits = (softmax - onehot) / n,
+    computed over the logits in place and then in out_dtype, its padded columns zero; loss the sum of
+    the rows' -log p(target), a 0-d array."""
     xp = array_module(logits)
     ar = xp.arange(logits.shape[0])
-    logits -= logits.max(axis=1, keepdims=True)
-    target_logit = logits[ar, targets]  # (r,), shifted like the rest
-    xp.exp(logits, out=logits)
-    total = logits.sum(axis=1, keepdims=True)  # (r, 1)
+    live = logits[:, :V]  # (r, V), a view: the vocabulary's columns
+    live -= live.max(axis=1, keepdims=True)
+    target_logit = live[ar, targets]  # (r,), shifted like the rest
+    xp.exp(live, out=live)
+    total = live.sum(axis=1, keepdims=True)  # (r, 1)
     loss = (xp.log(total[:, 0]) - target_logit).sum()  # -log p(target) = log sum exp - logit
-    logits *= 1.0 / (total * n)  # now softmax / n
-    logits[ar, targets] -= 1.0 / n  # now dlogits = (softmax - onehot) / n
+    live *= 1.0 / (total * n)  # now softmax / n
+    live[ar, targets] -= 1.0 / n  # now dlogits = (softmax - onehot) / n
+    logits[:, live.shape[1]:] = 0  # the padding: no probability, no gradient
     return logits.astype(out_dtype, copy=False), loss
 
 
-def classifier_forward_backward(xf, wte, targets, rows: int | None = None, fused: bool = False):
+def classifier_forward_backward(xf, wte, targets, rows: int | None = None, fused: bool = False,
+                                multiple: int = VOCAB_MULTIPLE):
     """The fused classifier: (loss, dxf, dwte) of the mean cross-entropy of logits = xf @ wte^T.
-    xf (N, C) in wte's dtype (V, C), targets (N,). Each chunk of `rows` rows (default: CLASSIFIER_BYTES
-    of logits) computes its logits in float32 (float64 for float64 weights) and overwrites them with
-    dlogits = (softmax - onehot) / N, which the two products then take (in wte's dtype). The loss is a
-    0-d array, read by the caller once the backward is queued: no synchronization inside the pass."""
+    xf (N, C) in wte's dtype (V, C), targets (N,). The vocabulary is padded to Vp, a multiple of
+    `multiple`, with zero rows of wte (a copy, per call), so that every product's leading dimension is
+    aligned; the softmax excludes the padded columns and their dlogits are zero. Each chunk of `rows`
+    rows (default: N split evenly into chunks of at most CLASSIFIER_BYTES of logits) computes its
+    logits in float32 (float64 for float64 weights) and overwrites them with dlogits = (softmax -
+    onehot) / N, which the two products then take (in wte's dtype), dwte's added into it in place.
+    The loss is a 0-d array, read by the caller once the backward is queued: no synchronization
+    inside the pass."""
     xp = array_module(xf)
     N, C = xf.shape
     V = wte.shape[0]
+    Vp = -(-V // multiple) * multiple
     wide = np.result_type(wte.dtype, np.float32)
-    rows = rows or max(1, CLASSIFIER_BYTES // (V * wide.itemsize))
+    head = wte
+    if Vp != V:
+        head = xp.zeros((Vp, C), dtype=wte.dtype)  # (Vp, C): the padded rows' logits are 0, excluded
+        head[:V] = wte
+    chunks = -(-N * Vp * wide.itemsize // CLASSIFIER_BYTES)  # the fewest within CLASSIFIER_BYTES
+    rows = rows or -(-N // chunks)  # (r, Vp) float32 logits a chunk, the chunks even
     dxf = xp.empty((N, C), dtype=wide)
-    dwte = xp.zeros((V, C), dtype=wide)
+    dwte = xp.zeros((Vp, C), dtype=wide)
     loss = xp.zeros((), dtype=wide)
     cross_entropy = train_kernels.softmax_cross_entropy if fused else softmax_cross_entropy
     for start in range(0, N, rows):
         x, t = xf[start:start + rows], targets[start:start + rows]
-        logits = matmul(x, wte.T, wide)  # (r, V)
-        dlogits, chunk_loss = cross_entropy(logits, t, N, wte.dtype)  # over the logits where it can
+        logits = matmul(x, head.T, wide)  # (r, Vp)
+        dlogits, chunk_loss = cross_entropy(logits, t, N, wte.dtype, V)  # over the logits where it can
         loss += chunk_loss
-        dxf[start:start + rows] = matmul(dlogits, wte, wide)  # (r, C)
-        dwte += matmul(dlogits.T, x, wide)  # (V, C)
-    return loss / N, dxf, dwte
+        matmul(dlogits, head, out=dxf[start:start + rows])  # (r, C)
+        matmul(dlogits.T, x, out=dwte, accumulate=True)  # (Vp, C) += (Vp, r) @ (r, C)
+    return loss / N, dxf, dwte[:V]  # the padded rows' gradients (zero) dropped
 
 
 # -- the model --------------------------------------------------------------------------------------

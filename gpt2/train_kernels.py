@@ -5,7 +5,7 @@ tests/test_train_kernels_gpu.py compares these against.
 
 Each function here does in one or two launches what the array code does in several CuPy kernels, each
 a pass over the arrays (about 20 us a launch from Python, and 25 us a pass over 16k x 768 float32 on
-an H200): the softmax and cross-entropy of a chunk of logits, LayerNorm's forward and backward (the
+an H200): the softmax and cross-entropy of a chunk of logits (rows padded past the vocabulary), LayerNorm's forward and backward (the
 parameters' gradients summed per block, then across blocks), GELU, a bias's gradient with the cast
 its products take, and the heads' layouts. The precision is the array code's: float32 statistics,
 softmax, loss and sums, 16 bits only where the array code stores 16 bits. float32 and bfloat16 runs;
@@ -49,17 +49,20 @@ def _grid(n: int) -> int:
 # -- the classifier --------------------------------------------------------------------------------
 
 
-def softmax_cross_entropy(logits, targets, n: int, out_dtype):
-    """(dlogits, loss): logits (r, V) float32 -> dlogits = (softmax - onehot(targets)) / n in out_dtype
-    (over the logits, in place, when float32), loss the sum of the rows' -log p(target) (a 0-d float32)."""
+def softmax_cross_entropy(logits, targets, n: int, out_dtype, V: int | None = None):
+    """(dlogits, loss): logits (r, Vp) float32, of which the first V columns (default all) are the
+    vocabulary's and the rest padding -> dlogits = (softmax - onehot(targets)) / n in out_dtype (over
+    the logits, in place, when float32), zero in the padded columns; loss the sum of the rows' -log
+    p(target) (a 0-d float32)."""
     import cupy as cp
 
-    r, V = logits.shape
+    r, Vp = logits.shape
     assert logits.dtype == np.float32 and logits.flags.c_contiguous
-    dlogits = logits if np.dtype(out_dtype) == np.float32 else cp.empty((r, V), dtype=out_dtype)
+    dlogits = logits if np.dtype(out_dtype) == np.float32 else cp.empty((r, Vp), dtype=out_dtype)
     losses = cp.empty(r, dtype=np.float32)
     _launch(f"softmax_xent<{_type(dlogits)}, {SOFTMAX_THREADS}>", r, SOFTMAX_THREADS,
-            (logits, cp.ascontiguousarray(targets, dtype=np.int32), np.int32(V), np.float32(n), dlogits, losses))
+            (logits, cp.ascontiguousarray(targets, dtype=np.int32), np.int32(V or Vp), np.int32(Vp), np.float32(n),
+             dlogits, losses))
     return dlogits, losses.sum()
 
 

@@ -1,6 +1,6 @@
 """GPT-2's training pass on the CPU (gpt2/backward.py, NumPy, the reference attention): every parameter's
 gradient against central differences in float64, the loss against gpt2.model.forward's logits, the
-fused classifier against the plain one, the bfloat16 path against float32, and bad input."""
+fused classifier against the plain one and padded against unpadded, the bfloat16 path against float32, and bad input."""
 
 import numpy as np
 import pytest
@@ -8,7 +8,7 @@ import pytest
 import gpt2
 import kernels
 from gpt2 import GPT2Config, LabError
-from gpt2.backward import Attention, classifier_forward_backward, loss_and_grads
+from gpt2.backward import Attention, classifier_forward_backward, loss_and_grads, softmax_cross_entropy
 from gpt2.model import cast_params, forward
 
 TINY = GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=50, n_positions=16)
@@ -131,6 +131,34 @@ def test_fused_classifier_is_the_plain_one(rows, dtype):
     for got, want in ((dxf, want_dxf), (dwte, want_dwte)):
         assert np.abs(got - want).max() <= tol * np.abs(want).max()
 
+
+
+@pytest.mark.parametrize("V", [51, 128, 1001])  # odd, already a multiple of 128 (no padding), odd
+def test_the_padded_classifier_is_the_unpadded_one(V):
+    rng = np.random.default_rng(8)
+    N, C = 12, 16
+    xf, wte = rng.standard_normal((N, C)), rng.standard_normal((V, C))
+    targets = rng.integers(0, V, N)
+    targets[0] = V - 1  # the last real column, beside the padding
+    loss, dxf, dwte = classifier_forward_backward(xf, wte, targets, rows=5)  # padded to 128 or 1024
+    want_loss, want_dxf, want_dwte = classifier_forward_backward(xf, wte, targets, rows=5, multiple=1)
+    assert dwte.shape == (V, C) and dxf.shape == (N, C)
+    assert abs(loss - want_loss) <= 1e-13 * want_loss
+    for got, want in ((dxf, want_dxf), (dwte, want_dwte)):
+        assert np.abs(got - want).max() <= 1e-13 * np.abs(want).max()
+
+
+def test_softmax_cross_entropy_excludes_and_zeroes_the_padded_columns():
+    rng = np.random.default_rng(9)
+    logits = rng.standard_normal((4, 8))
+    targets = np.array([0, 4, 2, 1])
+    want, want_loss = softmax_cross_entropy(logits[:, :5].copy(), targets, 6, np.float64)
+    padded = logits.copy()
+    padded[:, 5:] = 1e3  # would dominate the softmax were they read
+    got, loss = softmax_cross_entropy(padded, targets, 6, np.float64, V=5)
+    assert got.shape == (4, 8) and (got[:, 5:] == 0).all()
+    np.testing.assert_allclose(got[:, :5], want, rtol=1e-14, atol=1e-17)
+    assert abs(loss - want_loss) <= 1e-14 * want_loss
 
 def test_a_forward_rung_without_the_log_sum_exp_cannot_train():
     with pytest.raises(LabError, match=r"kernel v12_o_in_registers does not write the log-sum-exp \(lab.lse\).*v13"):

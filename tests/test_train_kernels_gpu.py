@@ -1,13 +1,15 @@
 """The training pass's fused kernels (gpt2/train_kernels.py, kernels/fused/train.cu) against the array
 code of gpt2/backward.py that they replace, on CuPy: awkward row counts (1, 17, 97, 1000), widths that
-are and are not multiples of the block (768, 200, 1600, 3072), GPT-2's vocabulary and a small one,
-float32 and bfloat16; every output allocated from memory poisoned with all-ones bytes (NaN as float32
+are and are not multiples of the block (768, 200, 1600, 3072), GPT-2's vocabulary and a small one (each
+also in rows padded to a multiple of 128, as the classifier pads them), float32 and bfloat16; every output allocated from memory poisoned with all-ones bytes (NaN as float32
 and as bfloat16), so that an element no thread writes fails. Then loss_and_grads fused against
 unfused on a small GPT-2: the loss and every gradient.
 
 Tolerances: float32 results within a few float32 roundings of the array code's (the sums run in
 another order); bfloat16 results within one bfloat16 rounding (2^-8 relative: a float32 value near a
 rounding boundary may land on either side), and the whole pass within 1e-2 relative in norm."""
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -74,16 +76,19 @@ def draw(cp, shape, scale=1.0, seed=0):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("V", [50257, 1000])
+@pytest.mark.parametrize("V,ld", [(50257, 50257), (50257, 50304), (1000, 1000), (1001, 1024)])  # unpadded, padded
 @pytest.mark.parametrize("rows", ROWS)
-def test_softmax_cross_entropy(cp, rows, V, dtype):
-    logits = draw(cp, (rows, V), scale=3.0)
+def test_softmax_cross_entropy(cp, rows, V, ld, dtype):
+    logits = draw(cp, (rows, ld), scale=3.0)
+    logits[:, V:] = 30.0  # the padding: would dominate the softmax were it read
     targets = cp.random.default_rng(1).integers(0, V, rows)
+    targets[0] = V - 1  # the last real column, beside the padding
     n = 4 * rows + 3  # the batch's rows, more than this chunk's
-    want_d, want_loss = bw.softmax_cross_entropy(logits.copy(), targets, n, run_dtype(dtype))
+    want_d, want_loss = bw.softmax_cross_entropy(logits.copy(), targets, n, run_dtype(dtype), V)
     poison(cp)
-    got_d, got_loss = train_kernels.softmax_cross_entropy(logits.copy(), targets, n, run_dtype(dtype))
-    assert got_d.dtype == run_dtype(dtype) and got_d.shape == (rows, V)
+    got_d, got_loss = train_kernels.softmax_cross_entropy(logits.copy(), targets, n, run_dtype(dtype), V)
+    assert got_d.dtype == run_dtype(dtype) and got_d.shape == (rows, ld)
+    assert bool((got_d[:, V:] == 0).all())  # written, and zero
     close(got_d, want_d, dtype, float32_tol=1e-6)
     assert abs(float(got_loss) - float(want_loss)) <= 1e-5 * abs(float(want_loss))
 
@@ -190,22 +195,24 @@ def test_heads_to_rows(cp, B, NH, T, hs, dtype):
 TINY = GPT2Config(n_layer=2, n_head=4, n_embd=128, vocab_size=1000, n_positions=128)
 
 
+@pytest.mark.parametrize("vocab", [1000, 1001])  # padded to 1024 either way; odd
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_loss_and_grads_fused_against_the_array_code(cp, dtype):
+def test_loss_and_grads_fused_against_the_array_code(cp, dtype, vocab):
     import gpt2
 
+    config = replace(TINY, vocab_size=vocab)
     rng = np.random.default_rng(3)
     params = {}
-    for name, a in gpt2.random_weights(TINY, seed=3).params.items():
+    for name, a in gpt2.random_weights(config, seed=3).params.items():
         if name.endswith(".bias"):
             a = 0.02 * rng.standard_normal(a.shape)
         elif ".ln_" in name or name.startswith("ln_"):
             a = 1.0 + 0.1 * rng.standard_normal(a.shape)
         params[name] = cp.asarray(a.astype(np.float32))
-    idx, targets = (cp.asarray(rng.integers(0, TINY.vocab_size, (2, 97))) for _ in range(2))
-    want_loss, want = loss_and_grads(params, TINY, idx, targets, Attention.reference(), dtype, fused=False)
+    idx, targets = (cp.asarray(rng.integers(0, vocab, (2, 97))) for _ in range(2))
+    want_loss, want = loss_and_grads(params, config, idx, targets, Attention.reference(), dtype, fused=False)
     poison(cp)
-    loss, grads = loss_and_grads(params, TINY, idx, targets, Attention.reference(), dtype, fused=True)
+    loss, grads = loss_and_grads(params, config, idx, targets, Attention.reference(), dtype, fused=True)
     tol = 1e-4 if dtype == "float32" else 1e-2
     assert abs(loss - want_loss) <= (1e-5 if dtype == "float32" else 1e-3) * abs(want_loss), (loss, want_loss)
     errors = {name: rel(grads[name], want[name]) for name in params}

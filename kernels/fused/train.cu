@@ -7,7 +7,9 @@
  *   softmax_xent<OUT, THREADS>      the fused classifier's per-row softmax and cross-entropy: reads a
  *                                   row of float32 logits twice (an online max and sum of exp, then the
  *                                   gradient), writes dlogits = (softmax - onehot) / n in OUT (in
- *                                   place over the logits when OUT is float) and the row's loss.
+ *                                   place over the logits when OUT is float) and the row's loss. Rows
+ *                                   of `ld` >= V elements: columns V.. are the padded vocabulary's,
+ *                                   excluded from the softmax, their dlogits written zero.
  *                                   Grid (rows), block THREADS. Any V; a target outside [0, V) gives a
  *                                   NaN loss.
  *   layernorm_fwd<W, OUT, COLS>     out = LN(x) * w + b in OUT, with mean and rstd (float32): one block
@@ -97,13 +99,13 @@ __device__ __forceinline__ void block_softmax_stats(float& m, float& s, float* s
 
 template <typename OUT, int THREADS>
 __global__ void __launch_bounds__(THREADS)
-softmax_xent(float* __restrict__ logits, const int* __restrict__ targets, int V, float n,
+softmax_xent(float* __restrict__ logits, const int* __restrict__ targets, int V, int ld, float n,
              OUT* __restrict__ dlogits, float* __restrict__ losses)
 {
     __shared__ float scratch[2 * (THREADS / 32)];
     const long long r = blockIdx.x;
-    float* row = logits + r * V;
-    OUT* drow = dlogits + r * V;  // the same row as `row` when OUT is float and dlogits is logits
+    float* row = logits + r * ld;
+    OUT* drow = dlogits + r * ld;  // the same row as `row` when OUT is float and dlogits is logits
     const int target = targets[r];
     const bool valid = target >= 0 && target < V;
     const float target_logit = valid ? row[target] : 0.0f;  // read before any thread overwrites the row
@@ -120,8 +122,8 @@ softmax_xent(float* __restrict__ logits, const int* __restrict__ targets, int V,
     }
     block_softmax_stats<THREADS>(m, s, scratch);  // its barriers also order the read of target_logit
     const float scale = 1.0f / (s * n);  // 1 / (S N), as the array code's 1 / (total * N)
-    for (int c = threadIdx.x; c < V; c += THREADS) {
-        float d = expf(row[c] - m) * scale;
+    for (int c = threadIdx.x; c < ld; c += THREADS) {
+        float d = c < V ? expf(row[c] - m) * scale : 0.0f;  // the padding: no probability, no gradient
         if (c == target) d -= 1.0f / n;
         store_as(drow + c, d);
     }
