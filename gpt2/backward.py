@@ -35,8 +35,11 @@ the backward rung reads), and each LayerNorm's normalized input (from x, mean an
 costs 4 s N C that recomputing GELU from h would save (llm.c's choice); kept for simplicity.
 
 The classifier is fused with the loss (llm.c's fused classifier): the logits are computed a chunk of
-rows at a time (CLASSIFIER_BYTES of float32 each) and overwritten in place by their gradient
-(softmax - onehot) / N, so that no (N, vocab) array is ever held twice in float32.
+rows at a time (at most CLASSIFIER_BYTES of float32 each) and overwritten in place by their gradient
+(softmax - onehot) / N, so that no (N, vocab) array is ever held twice in float32. Its vocabulary is
+padded with zero rows of wte to a multiple of VOCAB_MULTIPLE (50257 -> 50304, as nanoGPT and llm.c
+pad it), since cuBLAS's tensor-core kernels want leading dimensions of 16 bytes' multiples; the
+padded logits are excluded from the softmax and the padded rows of dwte dropped.
 
 On the GPU (fused=True, float32 and bfloat16) the layer functions hand their non-GEMM work to
 gpt2/train_kernels.py (kernels/fused/train.cu): the same math in one or two launches a layer function
@@ -62,7 +65,10 @@ from .config import GPT2Config
 from .errors import LabError
 from .model import GELU_C, gelu
 
-CLASSIFIER_BYTES = 2**30  # float32 logits per chunk of rows of the fused classifier, at most
+# float32 logits per chunk of the fused classifier, at most: GPT-2 small at 16 x 1024 takes 4 chunks of
+# 4,096 rows (each product's M large enough to fill the GPU); the whole batch at once would hold 3.7 GB
+# more (float32 logits and bfloat16 dlogits), above PyTorch's peak memory
+CLASSIFIER_BYTES = 2**30
 VOCAB_MULTIPLE = 128  # the classifier pads the vocabulary to a multiple of this (cuBLAS's aligned kernels)
 
 

@@ -3,6 +3,7 @@ the fused kernels (gpt2/train_kernels.py) against the array code, with a breakdo
 
     python3 tools/train_step_profile.py                       GPT-2 small, bfloat16, B x T = 16 x 1024
     python3 tools/train_step_profile.py --dtype float32 --batch 8 --kernel v13 --backward b02
+    python3 tools/train_step_profile.py --classifier-mib 512 2048 4096   the classifier's chunk, swept
 
 Random weights (nanoGPT's init), random tokens. Each mode: one warm-up call (compilation, cuBLAS's
 heuristics, the memory pool), then --repeats timed calls; the median is reported. Phases, from events
@@ -10,7 +11,8 @@ recorded around the calls that make them (so each includes any gap in which the 
 forward (embedding to ln_f), classifier (logits, softmax and loss, its two backward products), backward
 (ln_f's backward to the embeddings'); and across the pass: attention (the forward and backward rungs),
 products (every cuBLAS product outside the classifier), the rest (everything else: the non-GEMM work
-the fused kernels take, and Python). Writes train_step_profile.json to $OUT (or --out) when given.
+the fused kernels take, and Python); pool_gib, the CuPy memory pool's high-water mark (emptied before each
+mode; the weights included). Writes train_step_profile.json to $OUT (or --out) when given.
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ def main(argv=None) -> int:
     parser.add_argument("--kernel", default=None, help="forward rung (default v15 for bfloat16, v13 for float32)")
     parser.add_argument("--backward", default=None, help="backward rung (default b04 for bfloat16, b02 for float32)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--classifier-mib", type=int, nargs="*", default=[],
+                        help="also time the fused pass with these chunk sizes of the classifier's logits (MiB)")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for train_step_profile.json")
     args = parser.parse_args(argv)
 
@@ -102,23 +106,29 @@ def main(argv=None) -> int:
     attn = phases.attn
     tokens = args.batch * args.seq
     results = {}
-    for fused in (False, True):
+    default_bytes = backward.CLASSIFIER_BYTES
+    modes = [("array", False, default_bytes), ("fused", True, default_bytes)]
+    modes += [(f"fused {mib} MiB", True, mib * 2**20) for mib in args.classifier_mib]
+    for mode, fused, chunk_bytes in modes:
         def run(fused=fused):
             backward.loss_and_grads(params, config, idx, targets, attn, args.dtype, fused=fused)
 
+        backward.CLASSIFIER_BYTES = chunk_bytes
         phases.call(run)  # warm-up
         runs = [phases.call(run) for _ in range(args.repeats)]
         median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         median["tokens_per_s"] = tokens / (median["total"] / 1e3)
-        results["fused" if fused else "array"] = median
+        median["pool_gib"] = cp.get_default_memory_pool().total_bytes() / 2**30  # its high-water mark, weights too
+        results[mode] = median
         cp.get_default_memory_pool().free_all_blocks()
+    backward.CLASSIFIER_BYTES = default_bytes
     device = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())["name"].decode()
     print(f"{device}, {args.size} {args.dtype}, B x T = {args.batch} x {args.seq}, attention {attn.name}, "
           f"median of {args.repeats} (ms)")
-    keys = ["total", "forward", "classifier", "backward", "attention", "products", "rest", "tokens_per_s"]
-    print(f"{'':8s}" + "".join(f"{k:>14s}" for k in keys))
+    keys = ["total", "forward", "classifier", "backward", "attention", "products", "rest", "tokens_per_s", "pool_gib"]
+    print(f"{'':16s}" + "".join(f"{k:>14s}" for k in keys))
     for mode, ms in results.items():
-        print(f"{mode:8s}" + "".join(f"{ms.get(k, 0.0):14.1f}" for k in keys))
+        print(f"{mode:16s}" + "".join(f"{ms.get(k, 0.0):14.1f}" for k in keys))
     if args.out:
         path = Path(args.out) / "train_step_profile.json"
         path.write_text(json.dumps({"device": device, "size": args.size, "dtype": args.dtype, "batch": args.batch,
