@@ -157,6 +157,16 @@ def layernorm_forward(x, weight, bias, eps: float, out_dtype=None, fused: bool =
     return (xc * rstd * weight + bias).astype(out_dtype or x.dtype, copy=False), mean, rstd
 
 
+def residual_layernorm_forward(x, y, y_bias, weight, bias, eps: float, out_dtype=None, fused: bool = False):
+    """(x_new, out, mean, rstd): the residual add x_new = x + (y + y_bias) of a product's output y (N, C)
+    and its bias, in the weights' dtype as linear_forward adds them, into the residual stream x (N, C);
+    then layernorm_forward of x_new. The caller keeps x_new (the next residual stream)."""
+    if fused:
+        return train_kernels.residual_layernorm_forward(x, y, y_bias, weight, bias, eps, out_dtype or x.dtype)
+    x = x + (y + y_bias)
+    return (x, *layernorm_forward(x, weight, bias, eps, out_dtype))
+
+
 def layernorm_backward(dout, x, mean, rstd, weight, dresid=None, fused: bool = False):
     """(dx, dweight, dbias) from dout (N, C) and the forward's x, mean, rstd; where dresid (the residual's
     gradient) is given, dx is dresid + the LayerNorm's (fused: added into dresid in place)."""
@@ -319,22 +329,26 @@ def loss_and_grads(params: dict, config: GPT2Config, idx, targets, attn: Attenti
     eps, N, C = config.layer_norm_epsilon, B * T, config.n_embd
     fused = fused and train_kernels.applies(xp, cdtype, C)
 
-    # forward: x (N, C) is the residual stream
+    # forward: x (N, C) is the residual stream; each residual add makes the LayerNorm after it too
+    lns = [f"h.{i}.ln_1." for i in range(config.n_layer)] + ["ln_f."]  # the LayerNorms of x, in turn
     x = encoder_forward(w["wte.weight"], w["wpe.weight"], idx, act).reshape(N, C)
+    ln1, mean1, rstd1 = layernorm_forward(x, w[lns[0] + "weight"], w[lns[0] + "bias"], eps, cdtype, fused)
     kept = []
     for i in range(config.n_layer):
         p = f"h.{i}."
-        ln1, mean1, rstd1 = layernorm_forward(x, w[p + "ln_1.weight"], w[p + "ln_1.bias"], eps, cdtype, fused)
         qkv = linear_forward(ln1, w[p + "attn.c_attn.weight"], w[p + "attn.c_attn.bias"]).astype(cdtype, copy=False)
         y, q, k, v, o, lse = attention_forward(qkv.reshape(B, T, 3 * C), config.n_head, attn, fused)
-        x_mid = x + linear_forward(y, w[p + "attn.c_proj.weight"], w[p + "attn.c_proj.bias"])
+        x_mid, ln2, mean2, rstd2 = residual_layernorm_forward(  # x + the output product, then ln_2
+            x, matmul(y, w[p + "attn.c_proj.weight"]), w[p + "attn.c_proj.bias"], w[p + "ln_2.weight"],
+            w[p + "ln_2.bias"], eps, cdtype, fused)
         del y  # remade from o in the backward
-        ln2, mean2, rstd2 = layernorm_forward(x_mid, w[p + "ln_2.weight"], w[p + "ln_2.bias"], eps, cdtype, fused)
         h = linear_forward(ln2, w[p + "mlp.c_fc.weight"], w[p + "mlp.c_fc.bias"])  # (N, 4C) in cdtype
         g = gelu_forward(h, act, fused)  # GELU in float32
         kept.append((x, ln1, mean1, rstd1, q, k, v, o, lse, x_mid, ln2, mean2, rstd2, h, g))
-        x = x_mid + linear_forward(g, w[p + "mlp.c_proj.weight"], w[p + "mlp.c_proj.bias"])
-    xf, meanf, rstdf = layernorm_forward(x, w["ln_f.weight"], w["ln_f.bias"], eps, cdtype, fused)
+        x, ln1, mean1, rstd1 = residual_layernorm_forward(  # x_mid + the MLP's, then the next ln_1 (or ln_f)
+            x_mid, matmul(g, w[p + "mlp.c_proj.weight"]), w[p + "mlp.c_proj.bias"], w[lns[i + 1] + "weight"],
+            w[lns[i + 1] + "bias"], eps, cdtype, fused)
+    xf, meanf, rstdf = ln1, mean1, rstd1  # ln_f's
 
     # the classifier and the loss, fused; then backward, layer by layer
     loss, dxf, dwte = classifier_forward_backward(xf, w["wte.weight"], targets.reshape(N), fused=fused)

@@ -5,11 +5,12 @@ tests/test_train_kernels_gpu.py compares these against.
 
 Each function here does in one or two launches what the array code does in several CuPy kernels, each
 a pass over the arrays (about 20 us a launch from Python, and 25 us a pass over 16k x 768 float32 on
-an H200): the softmax and cross-entropy of a chunk of logits (rows padded past the vocabulary), LayerNorm's forward and backward (the
-parameters' gradients summed per block, then across blocks), GELU, a bias's gradient with the cast
-its products take, and the heads' layouts. The precision is the array code's: float32 statistics,
-softmax, loss and sums, 16 bits only where the array code stores 16 bits. float32 and bfloat16 runs;
-a float16 run (or a LayerNorm wider than 2,048) keeps the array code.
+an H200): the softmax and cross-entropy of a chunk of logits (rows padded past the vocabulary),
+LayerNorm's forward (with the residual add before it) and backward (the parameters' gradients summed
+per block, then across blocks), GELU, a bias's gradient with the cast its products take, and the
+heads' layouts. The precision is the array code's: float32 statistics, softmax, loss and sums, 16 bits
+only where the array code stores 16 bits. float32 and bfloat16 runs; a float16 run (or a LayerNorm
+wider than 2,048) keeps the array code.
 """
 
 from __future__ import annotations
@@ -75,15 +76,31 @@ def _cols(C: int) -> int:
 
 def layernorm_forward(x, weight, bias, eps: float, out_dtype):
     """(out (N, C) in out_dtype, mean (N, 1), rstd (N, 1)) of x (N, C) float32."""
+    return _layernorm_forward(x, None, None, weight, bias, eps, out_dtype)[1:]
+
+
+def residual_layernorm_forward(x, y, y_bias, weight, bias, eps: float, out_dtype):
+    """(x_new, out, mean, rstd): x_new = x + (y + y_bias) (N, C) float32, y (N, C) and y_bias (C,) a
+    product's output and its bias in weight's dtype; then layernorm_forward of x_new. One pass."""
+    return _layernorm_forward(x, y, y_bias, weight, bias, eps, out_dtype)
+
+
+def _layernorm_forward(x, y, y_bias, weight, bias, eps: float, out_dtype):
     import cupy as cp
 
     N, C = x.shape
     x = cp.ascontiguousarray(x)
+    residual = y is not None
+    x_new = cp.empty((N, C), dtype=np.float32) if residual else None
     out = cp.empty((N, C), dtype=out_dtype)
     mean, rstd = cp.empty((N, 1), dtype=np.float32), cp.empty((N, 1), dtype=np.float32)
-    _launch(f"layernorm_fwd<{_type(weight)}, {_type(out)}, {_cols(C)}>", N, LN_THREADS,
-            (x, weight, bias, np.float32(eps), out, mean, rstd, np.int32(C)))
-    return out, mean, rstd
+    if residual:
+        assert y.dtype == y_bias.dtype == weight.dtype
+        y = cp.ascontiguousarray(y)
+    _launch(f"layernorm_fwd<{_type(weight)}, {_type(out)}, {_cols(C)}, {str(residual).lower()}>", N, LN_THREADS,
+            (x, NULL if y is None else y, NULL if y_bias is None else y_bias, NULL if x_new is None else x_new,
+             weight, bias, np.float32(eps), out, mean, rstd, np.int32(C)))
+    return x_new, out, mean, rstd
 
 
 def layernorm_backward(dout, x, mean, rstd, weight, dresid=None):
@@ -156,7 +173,8 @@ def kernel_expressions(width: int, dtype) -> list[str]:
     """Every instantiation of train.cu that loss_and_grads launches for LayerNorm width `width` and
     products in `dtype` (float32 or bfloat16): what tests/test_fused_cpu.py compiles without a GPU."""
     t, cols = TYPES[np.dtype(dtype).name], _cols(width)
-    return list(dict.fromkeys([f"softmax_xent<{t}, {SOFTMAX_THREADS}>", f"layernorm_fwd<{t}, {t}, {cols}>",
+    return list(dict.fromkeys([f"softmax_xent<{t}, {SOFTMAX_THREADS}>", f"layernorm_fwd<{t}, {t}, {cols}, false>",
+            f"layernorm_fwd<{t}, {t}, {cols}, true>",
             f"layernorm_bwd<{t}, {cols}, false>", f"layernorm_bwd<{t}, {cols}, true>", f"gelu_fwd<{t}>",
             "column_sums<float, float, false>",  # partial sums; a float32 run's float32 gradients
             f"column_sums<float, {t}, false>", f"column_sums<{t}, float, false>",  # cast; dqkv's sums alone

@@ -1,9 +1,11 @@
 """The training pass's fused kernels (gpt2/train_kernels.py, kernels/fused/train.cu) against the array
 code of gpt2/backward.py that they replace, on CuPy: awkward row counts (1, 17, 97, 1000), widths that
 are and are not multiples of the block (768, 200, 1600, 3072), GPT-2's vocabulary and a small one (each
-also in rows padded to a multiple of 128, as the classifier pads them), float32 and bfloat16; every output allocated from memory poisoned with all-ones bytes (NaN as float32
-and as bfloat16), so that an element no thread writes fails. Then loss_and_grads fused against
-unfused on a small GPT-2: the loss and every gradient.
+also in rows padded to a multiple of 128, as the classifier pads them), LayerNorm with and without the
+residual add before it, float32 and bfloat16; every output allocated from memory poisoned with
+all-ones bytes (NaN as float32 and as bfloat16), so that an element no thread writes fails. Then
+loss_and_grads fused against unfused on small GPT-2s (an even and an odd vocabulary): the loss and
+every gradient.
 
 Tolerances: float32 results within a few float32 roundings of the array code's (the sums run in
 another order); bfloat16 results within one bfloat16 rounding (2^-8 relative: a float32 value near a
@@ -116,6 +118,24 @@ def test_layernorm_forward(cp, rows, C, dtype):
     got = bw.layernorm_forward(x, w, b, 1e-5, run_dtype(dtype), fused=True)
     assert got[0].dtype == run_dtype(dtype) and got[1].shape == got[2].shape == (rows, 1)
     for g, wt, what in zip(got, want, ("out", "mean", "rstd"), strict=True):
+        close(g, wt, dtype if what == "out" else "float32", what=what)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("C", [768, 200, 1600])
+@pytest.mark.parametrize("rows", ROWS)
+def test_residual_layernorm_forward(cp, rows, C, dtype):
+    """The residual add x + (y + y_bias) and the LayerNorm after it, one launch."""
+    x = draw(cp, (rows, C), scale=2.0) + 0.5
+    y = draw(cp, (rows, C), seed=4).astype(run_dtype(dtype))  # a product's output, in the weights' dtype
+    y_bias = (0.1 * draw(cp, (C,), seed=5)).astype(run_dtype(dtype))
+    w, b = layernorm_params(cp, C, dtype)
+    want = bw.residual_layernorm_forward(x, y, y_bias, w, b, 1e-5, run_dtype(dtype))
+    poison(cp)
+    got = bw.residual_layernorm_forward(x, y, y_bias, w, b, 1e-5, run_dtype(dtype), fused=True)
+    assert got[0].dtype == np.float32 and got[1].dtype == run_dtype(dtype)
+    close(got[0], want[0], "float32", float32_tol=1e-6, what="x_new")  # the same sums, rounded alike
+    for g, wt, what in zip(got[1:], want[1:], ("out", "mean", "rstd"), strict=True):
         close(g, wt, dtype if what == "out" else "float32", what=what)
 
 

@@ -12,11 +12,16 @@
  *                                   excluded from the softmax, their dlogits written zero.
  *                                   Grid (rows), block THREADS. Any V; a target outside [0, V) gives a
  *                                   NaN loss.
- *   layernorm_fwd<W, OUT, COLS>     out = LN(x) * w + b in OUT, with mean and rstd (float32): one block
+ *   layernorm_fwd<W, OUT, COLS, RESIDUAL>
+ *                                   out = LN(x) * w + b in OUT, with mean and rstd (float32): one block
  *                                   of LN_THREADS a row, its COLS = ceil(C / LN_THREADS) columns a thread
  *                                   held in registers; two-pass statistics as the array code's (the mean,
  *                                   then the centred sum of squares; biased variance, eps inside).
- *                                   Grid (rows), block LN_THREADS.
+ *                                   RESIDUAL: x is first x + (y + y_bias), a product's output and its
+ *                                   bias (in W, their sum rounded to W as the array code's) added into
+ *                                   the residual stream, written to x_out (float32): the residual add
+ *                                   and the LayerNorm after it in one pass (the decode path's
+ *                                   add_layernorm). Grid (rows), block LN_THREADS.
  *   layernorm_bwd<W, COLS>          dx = rstd (dnorm - mean(dnorm) - norm mean(dnorm norm)), dnorm = dout w,
  *                                   written to dx or added to it (the residual's gradient: ACCUMULATE);
  *                                   and each block's partial sums over its rows of dout norm and dout
@@ -132,9 +137,10 @@ softmax_xent(float* __restrict__ logits, const int* __restrict__ targets, int V,
 
 // -- LayerNorm -------------------------------------------------------------------------------------
 
-template <typename W, typename OUT, int COLS>
+template <typename W, typename OUT, int COLS, bool RESIDUAL>
 __global__ void __launch_bounds__(LN_THREADS)
-layernorm_fwd(const float* __restrict__ x, const W* __restrict__ weight, const W* __restrict__ bias, float eps,
+layernorm_fwd(const float* __restrict__ x, const W* __restrict__ y, const W* __restrict__ y_bias,
+              float* __restrict__ x_out, const W* __restrict__ weight, const W* __restrict__ bias, float eps,
               OUT* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd, int C)
 {
     __shared__ float scratch[2 * (LN_THREADS / 32)];
@@ -145,6 +151,10 @@ layernorm_fwd(const float* __restrict__ x, const W* __restrict__ weight, const W
     for (int k = 0; k < COLS; ++k) {
         const int c = threadIdx.x + k * LN_THREADS;
         v[k] = c < C ? x[r * C + c] : 0.0f;
+        if (RESIDUAL && c < C) {  // x + (y + y_bias), the bias added in W as linear_forward adds it
+            v[k] += round_as<W>(to_float(y[r * C + c]) + to_float(y_bias[c]));
+            x_out[r * C + c] = v[k];
+        }
         sum += v[k];
     }
     const float mu = block_sum2<LN_THREADS>(sum, 0.0f, scratch).x / C;
