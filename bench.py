@@ -28,6 +28,8 @@
                                                 (and SDPA) at the GPT-2 and two d=128 shapes, with lines of code
     python3 bench.py backward --dtype bfloat16  every backward rung beside SDPA's backward (GPT-2 shapes, d=128,
                                                 non-causal), gradients checked against float64 first
+    python3 bench.py train                      GPT-2 small training steps per backward rung beside PyTorch eager
+                                                and torch.compile (tokens/s, MFU, peak memory), and a loss curve
     python3 bench.py readme                     rewrite README.md's summary and the tables of docs/results.md,
                                                 docs/profile.md, docs/levels.md and docs/decode.md from the newest
                                                 results/*.json

@@ -9,6 +9,7 @@
     python lab.py --dtype bfloat16 --kernel v15                  16-bit weights and attention (float16 too)
     python lab.py --model FOLDER --chat --prompt "Hi"           a Llama 3 checkpoint (config.json's model_type)
     python lab.py --random-weights --size llama-3.2-1b --prompt-ids 128000,791   Llama's shapes, ids in and out
+    python lab.py watch v24                                     compile, check and time a rung on every save
 
 Prints the text as it is generated, then a summary: model, attention, mode, token counts, seconds
 and tokens/s (warm-up and compilation excluded), time to first token and decode tokens/s, weight
@@ -559,6 +560,11 @@ def profile_step(engine, position: int) -> dict:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["watch"]:  # a subcommand of its own: benchmarks/watch.py
+        from benchmarks import watch
+
+        return watch.main(argv[1:])
     args = parse_args(argv)
     try:
         return run(args)

@@ -14,6 +14,8 @@ bench.py is the command line; this package is what it runs.
     levels.py     `levels`: seed 004's four levels (PyTorch, torch.compile, Triton, CUDA) beside SDPA, lines of code
     backward.py   `backward`: every backward rung beside SDPA's backward, gradients checked against float64; its table
     torch_attention.py  the plain PyTorch attention: the eager and torch.compile peers' function
+    train.py      `train`: GPT-2 small training steps per backward rung beside PyTorch (torch_gpt2.py: nanoGPT's
+                  step, eager and torch.compile), tokens/s, MFU, peak memory; the loss curve
     e2e.py        `e2e`: GPT-2 generation per rung, without and with a KV cache, beside HF transformers
                   (e2e_llama.py: Llama's; scale.py: `e2e --sizes`, decode at scale, every model size)
     resources.py  `resources`: registers, shared memory, spills per rung and config (NVRTC, no GPU needed)
@@ -22,6 +24,8 @@ bench.py is the command line; this package is what it runs.
     tables.py     the Markdown tables (terminal and docs alike); plots.py: the PNG plots
     summary.py    the README's short tables: the best rung per precision, the end-to-end summary
     readme.py     `readme`: rewrite what lies between the bench markers of README.md and docs/*.md
+    watch.py      `lab.py watch`: a rung compiled, checked and timed on every save (watch_worker.py: the warm
+                  GPU process; watch_report.py: what a save's report says, and what changed since the last)
     options.py    flags several subcommands share: a shape, a list of rungs, --save / --results
     cli.py        the argument parser and main()
 

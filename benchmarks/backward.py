@@ -2,7 +2,9 @@
 the GPT-2 shapes (causal, NH=12, d=64), at d=128 and without the mask. Each case runs a forward rung that
 writes the log-sum-exp, then every backward rung and SDPA's backward once, checks each one's gradients
 against float64 (FlashAttention's rule, as tests/test_backward_gpu.py), and times what is right: the
-rung's kernels, or SDPA's backward alone through torch.autograd.grad on a retained graph."""
+rung's kernels, or SDPA's backward alone through torch.autograd.grad on a retained graph. A rung with a
+deterministic configuration (lab.deterministic) is run a second time with deterministic=True, a row of its
+own right after the rung's, so that the cost of summing dQ in a fixed order is measured beside it."""
 
 from __future__ import annotations
 
@@ -57,6 +59,19 @@ def rungs_for(dtype: str, names: list[str] | None = None) -> list[str]:
     if names is not None:
         return names
     return [n for n in backward_ladder.names() if dtype in backward_ladder.load(n).dtypes]
+
+
+def entries(case: Case, dtype: str, rungs: list[str]) -> list[tuple[str, bool]]:
+    """(rung, deterministic) in the order they run: each rung, then, where it declares for the case's d and
+    dtype both a deterministic configuration and another, the same rung with deterministic=True."""
+    out = []
+    for name in rungs:
+        out.append((name, False))
+        rung = backward_ladder.load(name)
+        found = rung.configs_for(case.d, dtype) if dtype in rung.dtypes else []
+        if {rung.is_deterministic(c) for c in found} == {False, True}:
+            out.append((name, True))
+    return out
 
 
 def forward_rung(case: Case, dtype: str, arch: str) -> str | None:
@@ -147,6 +162,10 @@ def bench_case(case: Case, dtype: str, rungs: list[str], peers: list[str], *, fl
         rows.append(r)
         return r
 
+    def rung_row(rung, deterministic, **more):  # a deterministic run: a variant of the rung's row
+        variant = {"variant_of": rung, "deterministic": True} if deterministic else {}
+        return row(f"{rung} deterministic" if deterministic else rung, "rung", **variant, **more)
+
     forward, why = forward_rung(case, dtype, arch), inputs.rung_inputs_problem
     if forward is None:
         why = why or f"no forward rung writes the log-sum-exp for {dtype}, d={case.d} here"
@@ -157,20 +176,21 @@ def bench_case(case: Case, dtype: str, rungs: list[str], peers: list[str], *, fl
         except Exception as exc:
             why = f"the forward rung {forward} failed: {first_line(exc)}"
     if why is not None:
-        for name in rungs:
-            row(name, "rung", status="unsupported", reason=why)
+        for rung, deterministic in entries(case, dtype, rungs):
+            rung_row(rung, deterministic, status="unsupported", reason=why)
     else:
         do = do32.astype(q.dtype)
-        for name in rungs:
-            r = row(name, "rung", forward=forward)
+        for rung, deterministic in entries(case, dtype, rungs):
+            r = rung_row(rung, deterministic, forward=forward)
             try:
-                run = launcher.prepare_backward(q, k, v, o, lse, do, kernel=name, causal=case.causal)
+                run = launcher.prepare_backward(q, k, v, o, lse, do, kernel=rung, causal=case.causal,
+                                                deterministic=deterministic)
                 for g in run():
                     g.fill(np.nan)  # poison: an element the rung does not write fails the check
-                outputs[name] = run()
+                outputs[r["name"]] = run()
                 cupy.cuda.Device().synchronize()
                 r["config"] = run.instance.describe()
-                launches[name] = (run, cupy.cuda.get_current_stream())
+                launches[r["name"]] = (run, cupy.cuda.get_current_stream())
             except (TypeError, ValueError) as exc:  # the rung does not take this case
                 r["status"], r["reason"] = "unsupported", first_line(exc)
             except Exception as exc:
@@ -192,8 +212,8 @@ def bench_case(case: Case, dtype: str, rungs: list[str], peers: list[str], *, fl
         check = check_gradients(case, inputs, do32, outputs)
         for r in rows:
             if r["name"] in outputs:
-                factor = (backward_ladder.load(r["name"]).tolerance_factor(launches[r["name"]][0].instance.config)
-                          if r["kind"] == "rung" else None)
+                inst = launches[r["name"]][0].instance if r["kind"] == "rung" else None
+                factor = inst.rung.tolerance_factor(inst.config) if inst is not None else None
                 r |= {"max_err": check["max_err"][r["name"]], "plain_err": check["plain_err"]}
                 if factor is not None:
                     r["bound"] = {g: factor * f for g, f in check["floor"].items()}
@@ -240,9 +260,10 @@ def cmd_backward(args) -> int:
     flush = timing.L2Flush()
     compile_before = kernels.runtime.compile_seconds
     rows, counter, started = [], [0], time.perf_counter()
+    total = sum(len(entries(case, args.dtype, rungs)) + len(peers) for case in cases)
     for i, case in enumerate(cases):
         rows += bench_case(case, args.dtype, rungs, peers, flush=flush, method=method, seed=args.seed + i,
-                           arch=dev["arch"], counter=counter, total=len(cases) * (len(rungs) + len(peers)))
+                           arch=dev["arch"], counter=counter, total=total)
     result = {
         "schema": SCHEMA, "kind": "backward", "setup": setup, "flop_convention": FLOP_CONVENTION,
         "method": method.describe(flush.nbytes) | {
@@ -304,7 +325,9 @@ def render_backward(result: dict) -> str:
         f"Times: median of {m['min_runs']}-{m['max_runs']} runs (as many as fit in {m['budget_ms']:g} ms) after "
         f"{m['warmup_runs']} warm-up runs, CUDA events, L2 flushed before each run; spread p20-p80. Timed: {m['timed']}. "
         "Speed-ups are the other's median over this one's (above 1x: this one is faster). The rungs' o and lse come "
-        "from the forward rung named in the note. Every output was checked against float64 first: "
+        "from the forward rung named in the note; a rung's deterministic run (deterministic=True: dQ summed in a fixed "
+        "order), where it has one, is the row after it, and its \"vs previous\" is against that rung's row: the cost of "
+        "the fixed order. Every output was checked against float64 first: "
         f"{m['tolerance']}; a rung over it is reported wrong and not timed, a peer's error is shown as it is.",
     ]
     lines += [line for target in targets(result) for line in ("", target)]
@@ -318,7 +341,8 @@ def render_backward(result: dict) -> str:
     for shape in result["cases"]:
         body = []
         for r in (r for r in result["rows"] if r["shape"] == shape and r["status"] != "unsupported"):
-            name = f"`{r['name']}`" if r["kind"] == "rung" else r["label"]
+            name = (r["label"] if r["kind"] != "rung" else f"`{r['variant_of']}` deterministic" if r.get("variant_of")
+                    else f"`{r['name']}`")
             errors = " / ".join(f"{r['max_err'][g]:.1e}" for g in ("dq", "dk", "dv")) if r.get("max_err") else "-"
             if r["status"] == "ok":
                 t = r["timing"]

@@ -24,13 +24,14 @@ from .levels import LEVELS, SHAPE_SETS, cmd_levels
 from .options import kernel_list, parse_shape, results_option
 from .peers import DEFAULT_PEERS, PEERS
 from .profile import add_profile_parser, cmd_profile
-from .readme import DECODE_DOC, LEVELS_DOC, README, RESULTS_DOC, cmd_readme
+from .readme import DECODE_DOC, LEVELS_DOC, README, RESULTS_DOC, TRAINING_DOC, cmd_readme
 from .resources import cmd_resources
 from .results import E2E_MODELS
 from .rungs import cmd_kernels
 from .scale import PREFILL_TOKENS, cmd_scale
 from .scale import SIZES as SCALE_SIZES
 from .sweep import cmd_sweep
+from .train import cmd_train
 
 
 def fail(message: str) -> int:
@@ -132,7 +133,7 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                                      epilog="\n\n".join(doc.split("\n\n")[1:]),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True,
-                                metavar="{kernels,sweep,e2e,resources,features,frontier,fp8,profile,levels,backward,readme}")
+                                metavar="{kernels,sweep,e2e,resources,features,frontier,fp8,profile,levels,backward,train,readme}")
 
     def shape_options(p, budget_ms):
         p.add_argument("--kernels", type=rung_list, default=None, metavar="LIST",
@@ -316,6 +317,28 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     bw.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     results_option(bw)
 
+    tr = sub.add_parser("train", help="GPT-2 small training steps per backward rung beside PyTorch eager and "
+                                      "torch.compile: tokens/s, MFU, peak memory; a loss-curve plot",
+                        description="GPT-2 small (random weights) training steps, train.py's (forward, backward, "
+                                    "clipping, AdamW), at B x T = 16 x 1024 and the largest B that fits, one row "
+                                    "per backward rung that takes the dtype, beside a nanoGPT-style PyTorch GPT-2 "
+                                    "(SDPA, bf16 autocast, fused AdamW) eager and under torch.compile; tokens/s, "
+                                    "MFU against the run's GEMM ceiling, peak memory; float32 with TF32 off. Then "
+                                    "a short run's losses (lab and PyTorch on the same batches) for a plot.")
+    tr.add_argument("--dtypes", type=lambda t: _choices(t, ("bfloat16", "float32"), "dtype"),
+                    metavar="LIST", help="default bfloat16,float32 (--quick: bfloat16)")
+    tr.add_argument("--quick", action="store_true",
+                    help="B = 16 only, 5 timed steps a row, no loss curve: a check of every row in a few minutes "
+                         "(docs keep the newest full run)")
+    tr.add_argument("--max-batch", type=power_of_two, default=64,
+                    help="the largest B tried for the second batch size, a power of two (default 64)")
+    tr.add_argument("--curve-steps", type=int, default=100,
+                    help="steps of the loss curve (bfloat16; default 100; 0: none)")
+    tr.add_argument("--budget-ms", type=float, default=3000.0,
+                    help="GPU time for the timed steps of each row (default 3000; 5-50 steps)")
+    tr.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    results_option(tr)
+
     m = sub.add_parser("readme", help="rewrite the tables of README.md and docs/results.md between their markers",
                        description="Rewrite what lies between <!-- bench:<section>:start --> and "
                                    "<!-- bench:<section>:end --> in README.md (sections summary, e2e-summary: the "
@@ -342,6 +365,9 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     m.add_argument("--decode-doc", type=Path, default=DECODE_DOC,
                    help="the decode page, whose scale section is rewritten when there are scale results (bench.py "
                         "e2e --sizes; default: docs/decode.md)")
+    m.add_argument("--training-doc", type=Path, default=TRAINING_DOC,
+                   help="the training page, whose train section is rewritten when there are train results (bench.py "
+                        "train; default: docs/training.md)")
     m.add_argument("--replot", action="store_true",
                    help="also redraw the newest sweep and e2e plots from their JSON (after a change to the plotting)")
     return parser
@@ -362,6 +388,7 @@ COMMANDS = {"kernels": cmd_kernels, "sweep": cmd_sweep, "e2e": cmd_e2e_model, "r
             "features": cmd_features, "frontier": frontier.cmd_frontier, "fp8": cmd_fp8, "profile": cmd_profile,
             "levels": cmd_levels,
             "backward": cmd_backward,
+            "train": cmd_train,
             "readme": cmd_readme}
 
 

@@ -31,11 +31,13 @@ from kernels import fp8
 
 from . import ceilings as precision
 from . import device, timing
+from . import fp8_envelope as envelope
 from .cases import Case, Inputs, describe_launch, shape_flops
 from .device import first_line, progress
 from .frontier import FLOPS, case_title, mark
 from .options import kernel_list, results_option
 from .peers import PEERS
+from .plots import plot_or_none
 from .results import SCHEMA, result_path, write_result, wrote
 from .rungs import announce_and_measure_ceilings, bench_shape
 from .tables import fmt_ms, fmt_tflops, fmt_x, setup_header, table
@@ -254,9 +256,26 @@ def render_fp8(result: dict) -> str:
     return "\n".join(lines)
 
 
+def cmd_envelope(args, setup: dict) -> int:
+    started = time.perf_counter()
+    rows = envelope.envelope_rows(args.seed)
+    result = {"schema": SCHEMA, "kind": "envelope", "setup": setup, "seed": args.seed,
+              "envelope": {"shape": dict(zip(("B", "NH", "T", "d"), envelope.SHAPE)), "causal": True,
+                           "stds": list(envelope.STDS), "variants": list(envelope.VARIANTS),
+                           "bf16_kernel": envelope.BF16_BASELINE, "rows": rows},
+              "wall_seconds": time.perf_counter() - started}
+    path = write_result(result, result_path("envelope", setup, args.results))  # a kind of its own: docs' envelope section
+    png = plot_or_none(envelope.plot_envelope, result, path.with_suffix(".png"))
+    print("\n" + "\n".join(envelope.render_envelope(rows)))
+    progress(wrote(path, png))
+    return 0
+
+
 def cmd_fp8(args) -> int:
     device.require_gpu()
     setup = device.setup_info(args.argv)
+    if args.envelope:
+        return cmd_envelope(args, setup)
     method = timing.Method(budget_ms=args.budget_ms)
     ours = args.kernels if args.kernels is not None else fp8_rungs()
     if not ours:
@@ -320,5 +339,8 @@ def add_fp8_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--budget-ms", type=float, default=300.0,
                    help="GPU time to spend on the timed runs of each entry (default 300; 10-200 runs)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument("--envelope", action="store_true",
+                   help="instead: the error against the scores' std (1 to 50), v25 with and without the rotation, "
+                        "per-tensor FP8, their float64 emulations and bfloat16 v24 (a table and a plot)")
     results_option(p)
     return p

@@ -17,6 +17,7 @@ from .backward import newest_per_dtype as newest_backward
 from .backward import render_backward
 from .device import ROOT, CannotRun, progress
 from .fp8 import render_fp8
+from .fp8_envelope import render_envelope_doc
 from .frontier import render_frontier
 from .levels import newest_per_dtype as newest_levels
 from .levels import render_levels
@@ -24,6 +25,8 @@ from .results import SECTIONS, e2e_model, load_result, newest_results
 from .scale import render_scale
 from .summary import gpt2_shapes_in, has_gpt2_shapes, link, render_e2e_summary, render_models_summary, render_summary
 from .tables import render_e2e, render_features, render_kernels, render_resources, render_sweep
+from .train import newest_per_dtype as newest_train
+from .train import render_train
 
 README = ROOT / "README.md"
 RESULTS_DOC = ROOT / "docs" / "results.md"
@@ -33,7 +36,8 @@ PROFILE = ("profile",)  # docs/profile.md's section
 COUNTERS = ("counters",)  # docs/ladder.md's: the profile's counters, one short row per rung
 FRONTIER_COUNTERS = ("frontier-counters",)  # docs/results.md's: the counters at the frontier's shapes
 DECODE_DOC = ROOT / "docs" / "decode.md"  # decode at scale (bench.py e2e --sizes): rewritten when there are results
-FULL_TABLES = tuple(s for s in SECTIONS if s not in PROFILE + ("levels", "scale"))  # docs/results.md's
+TRAINING_DOC = ROOT / "docs" / "training.md"  # bench.py train's table and loss curve: rewritten when there are results
+FULL_TABLES = tuple(s for s in SECTIONS if s not in PROFILE + ("levels", "scale", "train"))  # docs/results.md's
 KNOWN = SUMMARIES + SECTIONS + COUNTERS + FRONTIER_COUNTERS
 
 _MARKER = re.compile(r"<!--\s*bench:([A-Za-z0-9_-]+):(start|end)\s*-->")
@@ -164,6 +168,11 @@ def readme_blocks(found: dict[str, list[Path]], base: Path) -> dict[str, str]:
     if found["fp8"]:
         p = found["fp8"][0]
         blocks["fp8"] = source(p) + "\n" + from_file(p, render_fp8(load_result(p)))
+    if found["envelope"]:  # the newest FP8 accuracy envelope, with its plot
+        p = found["envelope"][0]
+        png = p.with_suffix(".png")
+        blocks["envelope"] = source(p) + "\n" + from_file(p, render_envelope_doc(
+            load_result(p), rel(png) if png.exists() else None))
     if found["e2e"]:
         entries = e2e_entries(found["e2e"])
         blocks["e2e"] = source(*[p for p, *_ in entries]) + "\n" + "\n\n".join(
@@ -206,6 +215,10 @@ def readme_blocks(found: dict[str, list[Path]], base: Path) -> dict[str, str]:
         per_dtype = newest_backward(found["backward"], load_result)
         blocks["backward"] = source(*[p for p, _ in per_dtype]) + "\n" + "\n\n".join(
             from_file(p, render_backward(result)) for p, result in per_dtype)
+    if per_dtype := newest_train(found["train"], load_result):  # the newest full run of each dtype, its loss curve
+        blocks["train"] = source(*[p for p, _ in per_dtype]) + "\n" + "\n\n".join(
+            from_file(p, render_train(result, rel(p.parent / result["plot"]) if result.get("plot") and
+                                      result["loss_curve"] else None)) for p, result in per_dtype)
     if found["levels"]:  # each dtype from the newest levels file that measured it
         chosen = newest_levels(found["levels"], load_result)
         blocks["levels"] = source(*[p for p, *_ in chosen]) + "\n" + "\n\n".join(
@@ -246,6 +259,8 @@ def cmd_readme(args) -> int:
         pages[getattr(args, "levels_doc", LEVELS_DOC)] = ("levels",)
     if found["scale"]:
         pages[getattr(args, "decode_doc", None) or DECODE_DOC] = ("scale",)
+    if found["train"]:
+        pages[getattr(args, "training_doc", None) or TRAINING_DOC] = ("train",)
     read = {path: read_page(path, expected) for path, expected in pages.items()}  # all checked before one is written
     if getattr(args, "replot", False):
         for kind, plot in (("sweep", plots.plot_sweep), ("e2e", plots.plot_e2e), ("scale", plots.plot_scale)):

@@ -17,7 +17,7 @@ RESULTS = ROOT / "results"  # the results the docs cite: written only with --sav
 SCRATCH = RESULTS / "scratch"  # every other run's (git-ignored)
 SCHEMA = 1
 SECTIONS = ("kernels", "sweep", "e2e", "resources", "features", "frontier", "fp8", "profile", "levels", "scale",
-            "backward")  # result kinds, and the docs' sections
+            "backward", "train", "envelope")  # result kinds, and the docs' sections
 
 # what `bench.py e2e --model` runs: a name -> what the tables call it (random weights, shaped as named)
 E2E_MODELS = {"gpt2": "GPT-2 small", "llama-3.2-1b": "Llama 3.2 1B", "llama-3.2-3b": "Llama 3.2 3B",

@@ -121,7 +121,9 @@ def bench_shape(shape: Shape | Case, dtype: str, rungs: list[Path], peers: list[
 
 
 def add_speedups(rows: list[dict]) -> None:
-    """Speed-ups (the other's median over this one's): against the previous timed rung, and each peer."""
+    """Speed-ups (the other's median over this one's): against the previous timed rung, and each peer. A row
+    with "variant_of" (a rung's other configuration, its deterministic one) is measured against that rung's
+    row instead, and is no rung's previous."""
     timed = {r["name"]: r["timing"]["median_ms"] for r in rows if r["status"] == "ok"}
     peers = [r["name"] for r in rows if r["kind"] == "peer" and r["name"] in timed]
     previous = None
@@ -130,7 +132,10 @@ def add_speedups(rows: list[dict]) -> None:
         if r["status"] != "ok":
             continue
         ms = r["timing"]["median_ms"]
-        if r["kind"] == "rung" and r.get("family") != "triton":  # the ladder's neighbours only
+        if r.get("variant_of") is not None:
+            if r["variant_of"] in timed:
+                r["speedup"]["previous"] = timed[r["variant_of"]] / ms
+        elif r["kind"] == "rung" and r.get("family") != "triton":  # the ladder's neighbours only
             if previous is not None:
                 r["speedup"]["previous"] = timed[previous] / ms
             previous = r["name"]

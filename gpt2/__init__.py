@@ -6,8 +6,9 @@
     out = generate(ckpt.params, ckpt.config, enc.encode("Hello"), 32, attend=my_attention)
 
 Modules: config (the dataclass and the four sizes), load (hub, folder, seed; every checkpoint
-quirk), tokenizer, model (the forward pass), generate (sampling, both modes), family (FAMILY: GPT-2 as
-lab.py and bench.py call it, lm.family.Family).
+quirk), tokenizer, model (the forward pass), generate (sampling, both modes), backward (training:
+the loss and every gradient, `from gpt2.backward import Attention, loss_and_grads`), family (FAMILY:
+GPT-2 as lab.py and bench.py call it, lm.family.Family).
 """
 
 from .config import SIZES, GPT2Config

@@ -33,6 +33,7 @@ the next product's operand without moving bytes between threads.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +47,10 @@ E4M3_NAN = 0x7F
 # probability that byte holds after the accumulator of S is packed into the FP8 operand of P V.
 KEY_ORDER = np.array([2 * (c // 4) + c % 2 + 8 * (c % 4 // 2) for c in range(16)])
 P_SCALE = 256.0  # the rung stores 256 p in e4m3 (p in [0, 1]): small probabilities keep 8 more binades
+# Where FP8 attention was measured to fail: score_scale_estimate above this. `bench.py fp8 --envelope` measures
+# the error against the scores' std with the estimate beside it (docs/results.md#envelope); past 100 the
+# measured points had lost about a tenth of the output (relative error), below it kept more.
+PEAKED_SCORE_ESTIMATE = 100.0
 
 
 def e4m3_values() -> np.ndarray:
@@ -209,6 +214,30 @@ def quantize_fp8(q, k, v, *, block_q: int, block_k: int, hadamard: bool = True, 
     return Fp8Inputs(q=xp.ascontiguousarray(q8), k=xp.ascontiguousarray(k8), v_t=v_t, q_scale=q_scale,
                      k_scale=k_scale, v_scale=v_scale, block_q=int(block_q), block_k=int(block_k),
                      hadamard=bool(hadamard), seed=int(seed), per_tensor=bool(per_tensor))
+
+
+def score_scale_estimate(inputs: Fp8Inputs, scale: float | None = None) -> float:
+    """A cheap estimate of the scaled scores' spread from the quantization's block maxima alone (no pass over
+    the codes): scale * sqrt(d) * max|q| * max|k|, max|x| = 448 x the largest block scale. For rows of
+    independent entries of those magnitudes it is the scores' standard deviation; for Gaussian rows it
+    overestimates the std by about (max / rms)^2, a factor of order 10 to 20 at these block sizes."""
+    xp = array_module(inputs.q)
+    d = inputs.shape[3]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    q_max, k_max = (float(xp.max(s)) * E4M3_MAX for s in (inputs.q_scale, inputs.k_scale))
+    return scale * math.sqrt(d) * q_max * k_max
+
+
+def warn_if_peaked(inputs: Fp8Inputs, scale: float | None = None) -> None:
+    """warnings.warn (a UserWarning; silence with warnings.filterwarnings) when score_scale_estimate is past
+    PEAKED_SCORE_ESTIMATE, where FP8's 3 mantissa bits were measured to fail under a peaked softmax."""
+    if math.isinf(PEAKED_SCORE_ESTIMATE):
+        return
+    estimate = score_scale_estimate(inputs, scale)
+    if estimate > PEAKED_SCORE_ESTIMATE:
+        warnings.warn(f"FP8 attention: the scores' scale estimated from the block maxima ({estimate:.0f}) is past "
+                      f"{PEAKED_SCORE_ESTIMATE:g}, where FP8's error was measured to exceed its envelope "
+                      "(docs/ladder.md, v25); a bfloat16 rung is the safe choice", stacklevel=3)
 
 
 def emulated_attention(inputs: Fp8Inputs, *, causal: bool = True, scale: float | None = None):

@@ -405,6 +405,7 @@ def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, ou
     inst = instance(rung.path, d, config, dtype=q.dtype.name, grid=(B, NH, T))
     if rung.fp8:  # e4m3 copies, quantized here once with the configuration's tiles as the blocks
         inputs = fp8.quantize_fp8(q, k, v, block_q=inst.B_r, block_k=rung.params(inst.config)["B_c"])
+        fp8.warn_if_peaked(inputs, scale)
         run = _prepare_fp8(inst, inputs, causal, scale, _output(q, out))
         return Prepared(run.run, inst, reads_inputs=False)  # it reads the e4m3 copies
     given = q, k, v
@@ -618,7 +619,14 @@ def attention(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, 
     `scale` defaults to 1/sqrt(d). Non-causal, T_q != T_k and NH_kv < NH need a rung declaring them.
     return_lse=True (a rung declaring lab.lse) returns (out, lse): lse (B, NH, T_q) float32, each query
     row's log-sum-exp of its scaled scores in natural log (+inf for a row that sees no key), what
-    kernels.attention_backward takes."""
+    kernels.attention_backward takes.
+
+    The FP8 rung (kernel="v25") quantizes q, k and v to e4m3 first. Its error is an order of magnitude above
+    bfloat16's even on N(0, 1) inputs and grows with the spread of the scaled scores (3 mantissa bits under a
+    peaked softmax), fastest when q and k share an offset: use it where a few percent of relative error is
+    acceptable and the scores' std stays small (measured: `bench.py fp8 --envelope`, docs/results.md#envelope;
+    docs/ladder.md, v25). Past kernels.fp8.PEAKED_SCORE_ESTIMATE, an upper estimate of the scores' spread
+    from the block maxima, it warns (a UserWarning; rare outliers alone can raise the estimate)."""
     return prepare(q, k, v, kernel=kernel, causal=causal, scale=scale, config=config, out=out, return_lse=return_lse)()
 
 

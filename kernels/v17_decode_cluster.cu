@@ -43,7 +43,8 @@
  *   d = 96, B_r = 2, CLUSTER = 16: 16,448; d = 128, B_r = 8, CLUSTER = 8: 54,016 (past 48 KiB:
  *   the launcher opts in). 16-bit: d = 64, B_r = 4, CLUSTER = 16: 22,144; d = 128, B_r = 4,
  *   CLUSTER = 8: 27,008. At most four blocks per SM (__launch_bounds__(128, 4)) either way.
- *   Clusters of 16 are beyond the portable 8: runtime.Instance sets
+ *   Clusters of 16 are beyond the portable 8 (CUDA Programming Guide, "Thread Block Clusters";
+ *   Hopper Tuning Guide: 16 by opting in): runtime.Instance sets
  *   CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED for them. (64, 8, 64, 0, 8) is declared to
  *   be compared with config=...: half the splits, two steps of keys each at T_k = 1024.
  * Workspace: none (runtime.Instance.workspace_floats is 0 for a rung with lab.cluster).
@@ -59,20 +60,23 @@
  * the last cluster barrier. The branches before them are uniform over the block: the early return
  * of a grouped-query head (taken by whole clusters, whose blocks share a head), the dispatch on
  * sp.rows, n_steps; the loops that stage Q_i and push the partials end before their barriers, and
- * the key loop's shuffles run in all 32 lanes. The cluster barriers are the forms without .aligned
- * (cg::this_cluster().sync()'s), which PTX allows under divergence, and ptxas puts every BAR.SYNC,
- * UCGABAR_ARV and UCGABAR_WAIT where the warp is converged anyway (the sm_90 cubin, nvdisasm).
- * Yet compute-sanitizer's synccheck reports "Barrier error detected. Divergent thread(s) in warp"
- * at B = 2, NH = 3, T = 97 (78 clusters of 16; the tool then stops the launch), not at B = 1,
- * NH = 2, T = 64 (16 clusters) nor at the decode shapes tried; memcheck, racecheck and initcheck are
- * clean. A __syncwarp() after Q_i is staged, and the relaxed arrive moved to just before its wait,
- * changed nothing. tools/synccheck_cluster.py tells this kernel from the tool: v17's barriers alone
- * (tools/synccheck_cluster.cu) with few clusters and with many, beside v17 at shapes that keep one
- * property of the reported one each. Its verdict (H100): the report is the tool's. The skeleton, whose
- * every thread reaches every barrier, draws the same report whenever its clusters of 16 come in more
- * than one wave, whether every thread pushes or 16 do, rank 0 late or not, and none with all of them
- * resident or in clusters of 8; v17 draws it at exactly those shapes (clusters of 16, more than a
- * wave) and is clean at the reported shape in clusters of 8 and at one wave of 16.
+ * the key loop's shuffles run in all 32 lanes. The cluster barriers are the forms without .aligned,
+ * which PTX allows under divergence: every barrier.cluster waits for the non-exited threads of its
+ * warp, and .aligned only promises that all of them execute the same instruction (PTX ISA,
+ * "barrier.cluster": docs.nvidia.com/cuda/parallel-thread-execution/#parallel-synchronization-and-
+ * communication-instructions-barrier-cluster).
+ * compute-sanitizer's synccheck reports "Barrier error detected. Divergent thread(s) in warp" (for "a
+ * barrier that does not support this on the current architecture", Compute Sanitizer, "Synccheck
+ * Tool", which documents __syncthreads() and __syncwarp() and says nothing of cluster barriers) and
+ * ends the launch whenever a grid of clusters of 16 comes in more than one wave, and is clean on
+ * clusters of 8 and on one wave of 16; memcheck, racecheck and initcheck are clean. That report is
+ * the tool's: `python3 tools/synccheck_cluster.py` runs v17's barriers alone (tools/
+ * synccheck_cluster.cu, every thread at every barrier, converged) beside v17, and on an H200 the
+ * skeleton draws the report at exactly v17's conditions, in the .aligned forms as in these; v17's
+ * result is right there without the tool. tests/test_sanitize_gpu.py holds v17 to a right
+ * result and a clean memcheck at the reported shape, to a clean synccheck where the tool is sound,
+ * and the tool to its report on the skeleton (so that a release that drops it restores the full
+ * check); tools/sanitize.py runs v17 under synccheck where the tool is sound and says so.
  *
  * lab.template    d_head, B_r, B_c, dtype_id, CLUSTER
  * lab.configs     (64, 8, 64, 0, 16), (64, 8, 64, 0, 8), (32, 8, 128, 0, 8), (96, 2, 32, 0, 16), (128, 8, 32, 0, 8), (64, 4, 64, 1, 16), (32, 4, 128, 1, 8), (96, 2, 64, 1, 16), (128, 4, 64, 1, 8), (64, 4, 64, 2, 16), (32, 4, 128, 2, 8), (96, 2, 64, 2, 16), (128, 4, 64, 2, 8)
@@ -228,6 +232,9 @@ __device__ __forceinline__ void store_cluster2(unsigned a, float x, float y)
 // The cluster barrier, split in two: every thread of every block arrives, then waits until all
 // have arrived. arrive.relaxed orders nothing (used to say "this block is running");
 // arrive (release) and wait (acquire) make every store before the arrive visible after the wait.
+// The forms without .aligned (cg::this_cluster().sync()'s): PTX makes every barrier.cluster wait for the
+// non-exited threads of its warp, so they are right under divergence too; .aligned would only add a
+// promise (every lane executes the same instruction) that each call site keeps anyway.
 __device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory"); }
 __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release;" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;" ::: "memory"); }

@@ -13,7 +13,7 @@ import pytest
 
 import gpt2
 import gpt2.fast as fast
-from gpt2 import GPT2Config, Sampler
+from gpt2 import GPT2Config, Sampler, train_kernels
 from gpt2.load import expected_shapes
 from kernels import KernelCompileError, fused
 from lm.switch import ASKED, ON, Switch, decide
@@ -24,6 +24,8 @@ MODELS = {**{name: gpt2.SIZES[name] for name in ("gpt2", "gpt2-medium", "gpt2-la
           "peer": GPT2Config(n_layer=4, n_head=4, n_embd=256, n_positions=256)}  # tests/test_gpt2_gpu.py's
 CASES = sorted({(file, expr) for config in MODELS.values() for dtype in fast.DTYPES
                 for file, expr in fast.kernel_expressions(config, dtype).values()})
+TRAIN_CASES = sorted({expr for config in MODELS.values() for dtype in train_kernels.TYPES
+                      for expr in train_kernels.kernel_expressions(config.n_embd, dtype)})
 
 
 @pytest.mark.parametrize("file,expr", CASES, ids=[e for _, e in CASES])
@@ -32,6 +34,14 @@ def test_every_engine_kernel_compiles_for_sm90_without_spills(file, expr):
     assert r.registers > 0
     assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0, r
     assert r.registers <= 255
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("expr", TRAIN_CASES)
+def test_every_training_kernel_compiles_without_spills(expr, arch):
+    r = fused.compile_report("train", expr, arch)
+    assert 0 < r.registers <= 128, r  # LN_THREADS = 256: at least two blocks an SM
+    assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0, r
 
 
 @pytest.mark.parametrize("key", sorted(fast.gemm_expressions()))
@@ -78,13 +88,13 @@ def test_gemm_splits_fill_the_sms_and_fit_the_partials(K, N):
     assert fast.gemm_splits(16, 768, 3072, sms) == 11 and fast.gemm_splits(519, 768, 3072, sms) == 2
 
 
-def test_the_engines_launch_every_fused_file():
+def test_the_engines_and_the_training_pass_launch_every_fused_file():
     import llama
     import llama.fast
 
     llama_files = {file for config in llama.SIZES.values() for dtype in llama.fast.DTYPES
                    for file, _ in llama.fast.kernel_expressions(config, dtype).values()}
-    used = {file for file, _ in CASES} | {file for file, _ in fast.gemm_expressions().values()} | llama_files
+    used = {file for file, _ in CASES} | {file for file, _ in fast.gemm_expressions().values()} | llama_files | {"train"}
     assert used == set(fused.names()), f"fused kernels nothing launches: {set(fused.names()) - used}"
 
 

@@ -115,6 +115,20 @@ def test_matmul_takes_the_weights_dtype_and_reads_a_transpose_where_it_lies(dtyp
     assert np.abs(logits - want).max() <= 64 * 2.0**-23 * np.abs(x).sum(axis=1).max() * np.abs(w.astype(np.float32)).max()
 
 
+
+def test_matmul_writes_into_out_or_adds_into_it():
+    rng = np.random.default_rng(1)
+    x, w = rng.standard_normal((5, 8)).astype(np.float32), rng.standard_normal((8, 3)).astype(np.float32)
+    out = np.full((5, 3), np.nan, dtype=np.float32)
+    assert matmul(x, w, out=out) is out
+    np.testing.assert_array_equal(out, x @ w)
+    start = rng.standard_normal((5, 3)).astype(np.float32)
+    out[...] = start
+    matmul(x, w, out=out, accumulate=True)
+    np.testing.assert_allclose(out, start + x @ w, rtol=1e-6)
+    with pytest.raises(ValueError, match="accumulate needs out"):
+        matmul(x, w, accumulate=True)
+
 # -- the fast engine's weights --------------------------------------------------------------------------
 
 
@@ -226,15 +240,15 @@ class FakeCublas:
         pass
 
     def sgemm(self, handle, ta, tb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc):
-        self.calls.append(("sgemm", ta, lda))
-        self.gemm(ta, tb, m, n, k, A, 0, lda, B, 0, ldb, C, 0, ldc)
+        self.calls.append(("sgemm", ta, lda, tb, ldb))
+        self.gemm(ta, tb, m, n, k, A, 0, lda, B, 0, ldb, beta, C, 0, ldc)
 
     def gemmEx(self, handle, ta, tb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc, compute, algo):
         assert compute == self.CUBLAS_COMPUTE_32F and Atype == Btype
-        self.calls.append(("gemmEx", ta, lda, Atype, Ctype))
-        self.gemm(ta, tb, m, n, k, A, Atype, lda, B, Btype, ldb, C, Ctype, ldc)
+        self.calls.append(("gemmEx", ta, lda, Atype, Ctype, tb, ldb))
+        self.gemm(ta, tb, m, n, k, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc)
 
-    def gemm(self, ta, tb, m, n, k, A, Atype, lda, B, Btype, ldb, C, Ctype, ldc):
+    def gemm(self, ta, tb, m, n, k, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc):
         import ctypes
 
         def view(ptr, rows, cols, ld, dtype):  # column-major, leading dimension ld
@@ -245,15 +259,19 @@ class FakeCublas:
                               strides=(dtype.itemsize, ld * dtype.itemsize)).view(dtype)
 
         a = view(A, m, k, lda, Atype) if ta == self.CUBLAS_OP_N else view(A, k, m, lda, Atype).T
-        assert tb == self.CUBLAS_OP_N
+        b = view(B, k, n, ldb, Btype) if tb == self.CUBLAS_OP_N else view(B, n, k, ldb, Btype).T
         c = view(C, m, n, ldc, Ctype)
-        c[...] = (a.astype(np.float64) @ view(B, k, n, ldb, Btype).astype(np.float64)).astype(c.dtype)
+        product = a.astype(np.float64) @ b.astype(np.float64)
+        if ctypes.c_float.from_address(beta).value:  # C = A B + beta C; beta 0 ignores C, as cuBLAS does
+            product += ctypes.c_float.from_address(beta).value * c.astype(np.float64)
+        c[...] = product.astype(c.dtype)
 
 
 @pytest.mark.parametrize("out_dtype", [None, np.float32])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("stored", ["(K, N)", "(N, K) read transposed"])
-def test_blas_passes_cublas_each_operand_as_it_lies(dtype, stored, out_dtype):
+@pytest.mark.parametrize("a_stored", ["(M, K)", "(K, M) read transposed"])
+def test_blas_passes_cublas_each_operand_as_it_lies(dtype, stored, a_stored, out_dtype):
     from types import SimpleNamespace
 
     from lm.products import Blas
@@ -263,6 +281,8 @@ def test_blas_passes_cublas_each_operand_as_it_lies(dtype, stored, out_dtype):
     blas = Blas(cp, cublas=FakeCublas())
     rng = np.random.default_rng(7)
     a = rng.standard_normal((5, 24)).astype(dtype)
+    if a_stored != "(M, K)":  # an activation's transpose, as a weight's gradient x^T dy reads it
+        a = np.ascontiguousarray(a.T).T
     w = rng.standard_normal((24, 9) if stored == "(K, N)" else (9, 24)).astype(dtype)
     b = w if stored == "(K, N)" else w.T  # (K, N) either way
     out = np.full((5, 9), np.nan, dtype=out_dtype or dtype)
@@ -272,13 +292,20 @@ def test_blas_passes_cublas_each_operand_as_it_lies(dtype, stored, out_dtype):
     (call,) = blas.cublas.calls
     assert call[:3] == ("sgemm" if dtype == "float32" and out.dtype == np.float32 else "gemmEx",
                         0 if stored == "(K, N)" else 1, 9 if stored == "(K, N)" else 24)
+    assert call[-2:] == ((0, 24) if a_stored == "(M, K)" else (1, 5))
     if dtype == "bfloat16":  # the fused kernels' bits (uint16), named bfloat16
         bits = np.zeros((5, 9), dtype=np.float32)
         blas.gemm(a.view(np.uint16), b.view(np.uint16), bits, dtype="bfloat16")
         np.testing.assert_array_equal(bits, (a.astype(np.float64) @ b.astype(np.float64)).astype(np.float32))
+    before = out.copy()
+    blas.gemm(a, b, out, accumulate=True)  # out += a @ b
+    np.testing.assert_array_equal(out, (before.astype(np.float64) + a.astype(np.float64) @ b.astype(np.float64))
+                                  .astype(out.dtype))
     with pytest.raises(ValueError, match="neither row- nor column-major"):
         blas.gemm(a, np.zeros((24, 18), dtype=b.dtype)[:, ::2], out)  # (K, N), a stride of 2 along N
-    with pytest.raises(ValueError, match="a and out must be row-major"):
-        blas.gemm(np.asfortranarray(a), b, out)
+    with pytest.raises(ValueError, match="a .* is neither row- nor column-major"):
+        blas.gemm(np.zeros((5, 48), dtype=a.dtype)[:, ::2], b, out)
+    with pytest.raises(ValueError, match="out must be row-major"):
+        blas.gemm(a, b, np.asfortranarray(out))
     with pytest.raises(ValueError, match="do not chain"):
         blas.gemm(a, b[:10], out)

@@ -213,7 +213,8 @@ def test_arguments():
             sanitize.parse_args(bad)
     cmd = sanitize.command("/cs", "racecheck", ["v01_naive", "fused-float32"], True, 50)
     assert cmd[:7] == ["/cs", "--tool", "racecheck", "--error-exitcode", "99", "--print-limit", "50"]
-    assert cmd[-3:] == ["--quick", "v01_naive", "fused-float32"] and cmd[-4].endswith("sanitize_targets.py")
+    assert cmd[-4:] == ["--tool=racecheck", "--quick", "v01_naive", "fused-float32"]
+    assert cmd[-5].endswith("sanitize_targets.py")
     assert "--kernel-name-exclude" not in cmd  # cuBLAS's kernels are left out of initcheck alone
     cmd = sanitize.command("/cs", "initcheck", ["fused-bfloat16"], False, 50)
     assert cmd[7:11] == ["--kernel-name-exclude", "kns=nvjet", "--kernel-name-exclude", "kns=cublas"]
@@ -230,7 +231,7 @@ def test_main_lists_targets_and_refuses_unknown_ones(capsys):
 
 FAKE_TOOL = """\
 import sys, time
-names = [a for a in sys.argv[[a.endswith("sanitize_targets.py") for a in sys.argv].index(True) + 1:] if a != "--quick"]
+names = [a for a in sys.argv[[a.endswith("sanitize_targets.py") for a in sys.argv].index(True) + 1:] if not a.startswith("--")]
 print("========= COMPUTE-SANITIZER", flush=True)
 for name in names:
     print("@@ sanitize begin " + name, flush=True)
@@ -260,9 +261,9 @@ def test_run_tool_goes_on_after_a_child_that_dies_or_hangs(tmp_path, capsys):
 
 def test_the_reproducer_kernel_compiles_for_sm_90():
     source = (TOOLS_DIR / "synccheck_cluster.cu").read_text()
-    for cluster in (8, 16):
+    for cluster, aligned in ((8, "false"), (16, "false"), (16, "true")):
         (result,) = nvrtc.compile_isolated(source, "synccheck_cluster.cu", ["-arch=sm_90", "-Xptxas=-v"],
-                                           [f"cluster_skeleton<{cluster}>"])
+                                           [f"cluster_skeleton<{cluster}, {aligned}>"])
         assert "registers" in result["log"]
 
 
@@ -276,9 +277,14 @@ def test_the_reproducer_expects_every_push_and_nothing_else():
 
 
 def test_the_reproducer_verdict():
-    rows = [{"case": "skeleton-waves", "errors": 0}, {"case": "v17-97", "errors": 4}]
+    rows = [{"case": "skeleton-waves", "errors": 0}, {"case": "skeleton-waves-mixed-aligned", "errors": 0},
+            {"case": "v17-97", "errors": 4}]
     assert synccheck_cluster.verdict(rows).startswith("Only v17 draws the report (v17-97)")
     rows[0]["errors"] = 2
+    assert "not with the .aligned forms: v17 draws it (v17-97)" in synccheck_cluster.verdict(rows)
+    rows[2]["errors"] = 0
+    assert "v17 is clean;" in synccheck_cluster.verdict(rows)
+    rows[1]["errors"] = 3
     assert "the report is the tool's" in synccheck_cluster.verdict(rows)
     assert synccheck_cluster.verdict([{"case": "v17-97", "errors": 0}]) == "No case draws the report."
 
@@ -327,4 +333,145 @@ def test_the_childs_first_random_draws_are_not_a_targets():
     rows, problems = sanitize.summarize(["initcheck"], runs(initcheck=SETUP_REPORT), ["v21_tma_loads"],
                                         sanitize.fused_kernels())
     assert rows["v21_tma_loads"]["initcheck"] == "0" and rows["library/setup"]["initcheck"] == "1"
+    assert problems == []
+
+
+FLOODING_TOOL = """\
+import sys
+names = [a for a in sys.argv[[a.endswith("sanitize_targets.py") for a in sys.argv].index(True) + 1:] if not a.startswith("--")]
+print("========= COMPUTE-SANITIZER", flush=True)
+for name in names:
+    print("@@ sanitize begin " + name, flush=True)
+    for _ in range(4 if name.startswith("flood") else 0):
+        print("========= Uninitialized __global__ memory read of size 2 bytes", flush=True)
+        print("=========     at attention_forward<64, 192, 128, 0>+0x10", flush=True)
+    print("@@ sanitize end " + name + " ok", flush=True)
+print("========= ERROR SUMMARY: 0 errors", flush=True)
+"""
+
+
+def test_a_child_stops_after_the_target_that_reaches_the_print_limit(tmp_path):
+    """Past --print-limit the tool counts without printing: the child is stopped at the end of the target
+    that reached it (its count a floor, `3+`), and a new one goes on, so no later target's errors hide."""
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text(f"#!{sys.executable}\n" + FLOODING_TOOL)
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    args = argparse.Namespace(quick=False, print_limit=3, timeout=30.0)
+    children = sanitize.run_tool(str(fake), "initcheck", ["a", "flood", "b", "flood2"], args)
+    assert [list(c.status) for c in children] == [["a", "flood"], ["b", "flood2"]]
+    assert [c.capped for c in children] == ["flood", "flood2"]
+    assert set(children[0].seconds) == {"a", "flood"}
+    rows, problems = sanitize.summarize(["initcheck"], {"initcheck": children}, ["a", "flood", "b", "flood2"], {})
+    assert [rows[n]["initcheck"] for n in ("a", "flood", "b", "flood2")] == ["0", "4+", "0", "4+"]
+    assert problems == ["initcheck flood: 4 errors", "initcheck flood2: 4 errors"]
+    cells = sanitize.cells(["initcheck"], rows, {"initcheck": children})
+    assert cells["a"] == {"initcheck": 0} and cells["flood"] == {"initcheck": "4+"}
+    assert sanitize.seconds(["initcheck"], {"initcheck": children}).keys() == {"a", "flood", "b", "flood2"}
+    reports = sanitize.first_reports(["initcheck"], {"initcheck": children}, {})
+    assert len(reports["flood"]["initcheck"]) == 3 and "attention_forward<64, 192, 128, 0>" in reports["flood"]["initcheck"][0]
+
+
+def test_a_skipped_cell_keeps_its_reason_and_cupy_kernels_are_named_apart():
+    child = sanitize.parse(textwrap.dedent("""\
+        @@ sanitize begin t01
+        @@ sanitize end t01 skipped: Triton is not installed
+        @@ sanitize begin v23_pingpong
+        ========= Uninitialized __global__ memory read of size 2 bytes
+        =========     at cupy_copy__bfloat16_bfloat16+0x40
+        =========
+        @@ sanitize end v23_pingpong ok
+        ========= ERROR SUMMARY: 1 error
+        """).splitlines())
+    rows, problems = sanitize.summarize(["initcheck"], {"initcheck": [child]}, ["t01", "v23_pingpong"], {})
+    cells = sanitize.cells(["initcheck"], rows, {"initcheck": [child]})
+    assert cells["t01"] == {"initcheck": "skipped: Triton is not installed"}
+    assert cells["v23_pingpong"] == {"initcheck": 0}
+    assert cells["v23_pingpong in cupy_copy__bfloat16_bfloat16"] == {"initcheck": 1}
+    assert problems == ["initcheck v23_pingpong in cupy_copy__bfloat16_bfloat16: 1 error"]  # still the lab's
+
+
+def test_group_chooses_whole_groups_and_refuses_unknown_ones(capsys):
+    assert sanitize.main(["--list", "--group", "step,backward"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in out] == ["backward", "step"]
+    assert out[0].split()[1:] == kernels_backward_names()
+    assert sanitize.main(["--group", "forwards"]) == 2
+    assert "unknown group forwards" in capsys.readouterr().err
+
+
+def kernels_backward_names():
+    import kernels
+
+    return kernels.backward_names()
+
+
+def test_the_targets_cover_every_rung_dtype_and_declared_feature():
+    """Checked against the registries: every rung in every dtype it declares, cross and GQA shapes where it
+    declares them, a decode step for a split-KV rung; --quick one launch as awkward as the rung allows."""
+    import kernels
+
+    groups = targets.groups()
+    assert groups["forward"] == kernels.names() and groups["backward"] == kernels.backward_names()
+    assert groups["triton"] == kernels.triton_names()
+    assert {"step-float32", "step-bfloat16", "step-float32-ring3", "step-bfloat16-ring2"} == set(groups["step"])
+    rungs = [kernels.load(n) for n in kernels.names()] + [kernels.backward.load(n) for n in kernels.backward_names()]
+    for rung in rungs:
+        assert targets.rung_dtypes(rung, quick=False) == tuple(rung.dtypes)
+        assert targets.rung_dtypes(rung, quick=True) == tuple(rung.dtypes[:1])
+        full, quick = targets.case_shapes(rung, quick=False), targets.case_shapes(rung, quick=True)
+        split_kv = bool(getattr(rung, "split_kv", False))
+        assert (targets.CROSS in full) == ("cross" in rung.supports) and (targets.GQA in full) == ("gqa" in rung.supports)
+        assert (targets.DECODE in full) == (targets.DECODE in quick) == split_kv
+        B, NH, NH_kv, T_q, T_k, d = quick[0]
+        assert T_q % 16 and (T_q != T_k) == ("cross" in rung.supports) and (NH != NH_kv) == ("gqa" in rung.supports)
+        assert len(quick) == 1 + split_kv
+
+
+def test_under_synccheck_v17_runs_where_the_tool_is_sound():
+    """Clusters of 16 where the grid fits in one wave, else the dtype's first config of portable clusters (at
+    the shape's d where declared, else at its own); a note says so; the other rungs run as under every tool."""
+    import kernels
+
+    v17 = kernels.load("v17")
+    assert targets.non_portable(v17) and not any(targets.non_portable(kernels.load(n)) for n in kernels.names()
+                                                  if n != "v17_decode_cluster")
+    resident = 28
+
+    def waves(config, shape):
+        B, NH, _, T_q, _, _ = shape
+        return -(-T_q // v17.params(config)["B_r"]) * NH * B, resident
+
+    shapes = targets.case_shapes(v17, quick=False)
+    launches = targets.synccheck_launches(v17, "float32", shapes, waves)
+    assert [s for s, _, _ in launches] == shapes
+    for (shape, config, why), clusters in zip(launches, [16, 78, 10, 52, 12]):  # SHAPES, CROSS, GQA, DECODE
+        assert waves((64, 8, 64, 0, 16), shape)[0] == clusters
+        assert config == ((64, 8, 64, 0, 16) if clusters <= resident else (64, 8, 64, 0, 8)), why
+        assert (f"in place of 16 ({clusters} clusters of 16, {resident} resident)" in why) == (clusters > resident)
+    for dtype, dtype_id in (("bfloat16", 1), ("float16", 2)):  # no portable config at d = 64: d = 32's
+        launches = targets.synccheck_launches(v17, dtype, shapes, waves)
+        far = [(s, c) for s, c, _ in launches if v17.cluster_size(c) == 8]
+        assert far and all(c == (32, 4, 128, dtype_id, 8) and s[-1] == 32 for s, c in far)
+        near = [s for s, c, _ in launches if v17.cluster_size(c) == 16]
+        assert all(waves((64, 4, 64, dtype_id, 16), s)[0] <= resident for s in near) and targets.DECODE in near
+    none_fits = targets.synccheck_launches(v17, "float32", shapes, lambda c, s: (resident + 1, resident))
+    assert [(s, c) for s, c, _ in none_fits] == [(s, (64, 8, 64, 0, 8)) for s in shapes]
+    assert "tools/synccheck_cluster.py" in targets.SYNCCHECK_NOTE
+
+
+def test_the_child_learns_its_tool_and_a_note_reaches_the_json():
+    cmd = sanitize.command("compute-sanitizer", "synccheck", ["v17_decode_cluster"], quick=True, print_limit=5)
+    assert cmd[cmd.index(str(Path(targets.__file__).resolve())) + 1:] == ["--tool=synccheck", "--quick",
+                                                                          "v17_decode_cluster"]
+    child = sanitize.parse(textwrap.dedent(f"""\
+        @@ sanitize begin v17_decode_cluster
+        @@ sanitize note v17_decode_cluster {targets.SYNCCHECK_NOTE}
+        @@ sanitize end v17_decode_cluster ok
+        ========= ERROR SUMMARY: 0 errors
+        """).splitlines())
+    assert child.status == {"v17_decode_cluster": "ok"} and not child.reports
+    rows, problems = sanitize.summarize(["synccheck"], {"synccheck": [child]}, ["v17_decode_cluster"], {})
+    assert sanitize.cells(["synccheck"], rows, {"synccheck": [child]}) == {"v17_decode_cluster": {"synccheck": 0}}
+    assert sanitize.notes(["synccheck"], {"synccheck": [child]}) == {
+        "v17_decode_cluster": {"synccheck": targets.SYNCCHECK_NOTE}}
     assert problems == []

@@ -12,7 +12,8 @@ process under `compute-sanitizer --tool TOOL`; when a child dies (a tool may sto
 and the CUDA context goes with it) a new one goes on from the next target. A report counts against the
 target that was running, or, when it names a kernel of kernels/fused, against that kernel's file. Exit
 status 0 only when no tool reports an error, every result is right, and (with every engine target chosen)
-every file of kernels/fused was launched.
+every file of kernels/fused was launched. A target that runs otherwise under one tool says so in a note,
+printed under the table and kept in the json (v17 under synccheck: where that tool is sound).
 """
 
 from __future__ import annotations
@@ -70,12 +71,16 @@ class Report:
 class Child:
     """What one child process under the tool left: its reports; each target's status in the order begun
     (ok, wrong: ..., skipped: ..., failed: ..., or running when it never ended); the kernels/fused files
-    each engine target launched; the tool's own count of errors (None when it printed none)."""
+    each engine target launched; the tool's own count of errors (None when it printed none); and what a
+    target ran otherwise under this tool than under the others, and why (its note)."""
 
     reports: list[Report] = field(default_factory=list)
     status: dict[str, str] = field(default_factory=dict)
     covers: dict[str, list[str]] = field(default_factory=dict)
     summary: int | None = None
+    seconds: dict[str, float] = field(default_factory=dict)  # each target's wall time under the tool
+    capped: str = ""  # the target during which the tool's --print-limit was reached (its count is a floor)
+    notes: dict[str, str] = field(default_factory=dict)
 
 
 def split_mark(line: str) -> tuple[str, str, str]:
@@ -108,6 +113,16 @@ def base(kernel: str) -> str:
     return m.group(0) if m else ""
 
 
+def is_report(line: str) -> bool:
+    """Whether a line of the tool's output opens a report (not a detail, the summary or the tool's own)."""
+    if not line.startswith(PREFIX):
+        return False
+    body = line[len(PREFIX):]
+    text = body.strip()
+    return bool(text) and len(body) - len(body.lstrip()) <= 1 and not SUMMARY.search(text) \
+        and not RACE_SUMMARY.search(text) and not text.startswith(NOT_REPORTS)
+
+
 def parse(lines) -> Child:
     """The reports, statuses, launched files and error count in one child's output (stdout and stderr)."""
     child, target, report = Child(), "", None
@@ -120,6 +135,8 @@ def parse(lines) -> Child:
                 target, child.status[name] = "", rest or "ok"
             elif word == "covers":
                 child.covers[name] = rest.split()
+            elif word == "note":
+                child.notes[name] = rest
             report = None
             continue
         if not line.startswith(PREFIX) or not line[len(PREFIX):].strip():
@@ -150,6 +167,21 @@ def fused_kernels(folder: Path = FUSED_DIR) -> dict[str, str]:
 # -- the table -------------------------------------------------------------------------------------
 
 
+def row_of(r: Report, fused: dict[str, str]) -> str:
+    """The row a report counts on: a kernels/fused file, a library kernel, a CuPy kernel (named apart from
+    the rung whose target launched it, yet the lab's to answer for), the child's setup, or the target."""
+    kernel = base(r.kernel)
+    if kernel in fused:
+        return f"fused/{fused[kernel]}"
+    if LIBRARY.match(kernel):
+        return f"library/{kernel}"
+    if r.target == targets.SETUP:
+        return f"library/{targets.SETUP}"
+    if kernel.startswith("cupy_"):
+        return f"{r.target or '(no target)'} in {kernel}"
+    return r.target or "(no target)"
+
+
 def summarize(tools, runs: dict[str, list[Child]], chosen: list[str], fused: dict[str, str]):
     """(rows, problems): rows maps a kernel (a target, or fused/FILE) to {tool: cell}, a cell being its
     error count with what went wrong beside it; problems says what makes the exit status 1."""
@@ -158,23 +190,22 @@ def summarize(tools, runs: dict[str, list[Child]], chosen: list[str], fused: dic
     rows.update({f"fused/{file}": {} for file in sorted(set(fused.values()))} if engine else {})
     problems = []
     for tool in tools:
-        errors, warnings, status, covers = Counter(), Counter(), {}, {}
+        errors, warnings, status, covers, capped = Counter(), Counter(), {}, {}, set()
         for child in runs[tool]:
             status.update(child.status)
             for name, files in child.covers.items():
                 covers.setdefault(name, set()).update(files)
             for r in child.reports:
-                row = (f"fused/{fused[base(r.kernel)]}" if base(r.kernel) in fused
-                       else f"library/{base(r.kernel)}" if LIBRARY.match(base(r.kernel))
-                       else f"library/{targets.SETUP}" if r.target == targets.SETUP
-                       else (r.target or "(no target)"))
+                row = row_of(r, fused)
                 (errors if r.error else warnings)[row] += 1
             printed = sum(r.error for r in child.reports)
-            if (child.summary or 0) > printed:
+            if child.capped:
+                capped.add(child.capped)
+            elif (child.summary or 0) > printed:
                 problems.append(f"{tool}: the tool counted {child.summary} errors and printed {printed} "
                                 "(--print-limit)")
         for row in [*rows, *sorted((set(errors) | set(warnings)) - set(rows))]:
-            cell = str(errors[row]) + (f" +{warnings[row]}w" if warnings[row] else "")
+            cell = str(errors[row]) + ("+" if row in capped else "") + (f" +{warnings[row]}w" if warnings[row] else "")
             if row in chosen:
                 state = status.get(row, "not run")
                 if state.startswith("skipped"):
@@ -238,11 +269,26 @@ def command(sanitizer: str, tool: str, names: list[str], quick: bool, print_limi
     exclude = [arg for name in LIBRARY_KERNELS for arg in ("--kernel-name-exclude", f"kns={name}")
                if tool == "initcheck"]
     return [sanitizer, "--tool", tool, "--error-exitcode", "99", "--print-limit", str(print_limit), *exclude,
-            sys.executable, str(Path(targets.__file__).resolve()), *(["--quick"] if quick else []), *names]
+            sys.executable, str(Path(targets.__file__).resolve()), f"--tool={tool}", *(["--quick"] if quick else []),
+            *names]
 
 
-def stream(cmd: list[str], timeout: float, tool: str) -> tuple[list[str], int, bool]:
-    """Run cmd, echoing its output as it comes; (lines, exit code, whether it was stopped at `timeout`)."""
+@dataclass
+class Streamed:
+    """A child's output and how it ended: its exit code, whether it was stopped at the timeout, each
+    target's wall time, and the target during which --print-limit was reached ("" if never)."""
+
+    lines: list[str]
+    code: int
+    timed_out: bool
+    seconds: dict[str, float]
+    capped: str
+
+
+def stream(cmd: list[str], timeout: float, tool: str, print_limit: int) -> Streamed:
+    """Run cmd, echoing its output as it comes. Once the tool has printed print_limit reports it prints no
+    more, and a later target's errors would be counted but not told apart: the child is stopped at the end
+    of the target during which the limit was reached, and the caller goes on from the next one."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                             start_new_session=True)
     lines: queue.Queue = queue.Queue()
@@ -253,7 +299,8 @@ def stream(cmd: list[str], timeout: float, tool: str) -> tuple[list[str], int, b
         lines.put(None)
 
     threading.Thread(target=pump, daemon=True).start()
-    deadline, seen, started = time.monotonic() + timeout, [], {}
+    deadline, seen, started, seconds = time.monotonic() + timeout, [], {}, {}
+    running, reports, capped = "", 0, ""
     while True:
         try:
             line = lines.get(timeout=max(0.01, deadline - time.monotonic()))
@@ -261,39 +308,111 @@ def stream(cmd: list[str], timeout: float, tool: str) -> tuple[list[str], int, b
             line = ""
         if time.monotonic() > deadline:
             os.killpg(proc.pid, signal.SIGKILL)  # the tool and the child under it (a session of their own)
-            return seen, proc.wait(), True
+            return Streamed(seen, proc.wait(), True, seconds, capped)
         if line == "":
             continue
         if line is None:
-            return seen, proc.wait(), False
+            return Streamed(seen, proc.wait(), False, seconds, capped)
         seen.append(line)
         if not line.startswith(targets.MARK):
+            reports += is_report(line)
+            if reports >= print_limit and not capped and running not in ("", targets.SETUP):
+                capped = running
             print("    " + line, flush=True)
             continue
         word, name, rest = split_mark(line)
         if word == "begin":
-            started[name] = time.monotonic()
+            running, started[name] = name, time.monotonic()
             print(f"[{tool}] {name}", flush=True)
         elif word == "end":
-            print(f"[{tool}] {name}: {rest} ({time.monotonic() - started.get(name, time.monotonic()):.1f} s)", flush=True)
+            running, seconds[name] = "", time.monotonic() - started.get(name, time.monotonic())
+            print(f"[{tool}] {name}: {rest} ({seconds[name]:.1f} s)", flush=True)
+            if capped and capped == name:
+                os.killpg(proc.pid, signal.SIGKILL)
+                return Streamed(seen, proc.wait(), False, seconds, capped)
 
 
 def run_tool(sanitizer: str, tool: str, names: list[str], args) -> list[Child]:
-    """Every target under one tool: a child process, and a new one after the target where one died."""
+    """Every target under one tool: a child process, and a new one after the target where one died or
+    where the tool's --print-limit was reached."""
     children, left = [], list(names)
     while left:
-        lines, code, timed_out = stream(command(sanitizer, tool, left, args.quick, args.print_limit), args.timeout, tool)
-        child = parse(lines)
+        out = stream(command(sanitizer, tool, left, args.quick, args.print_limit), args.timeout, tool, args.print_limit)
+        child = parse(out.lines)
+        child.seconds, child.capped = out.seconds, out.capped
         children.append(child)
         for name, state in child.status.items():
             if state == "running":
-                child.status[name] = f"timed out after {args.timeout:g} s" if timed_out else f"crashed (exit {code})"
+                child.status[name] = (f"timed out after {args.timeout:g} s" if out.timed_out
+                                      else f"crashed (exit {out.code})")
         begun = [name for name in child.status if name in left]  # not the child's setup
         if not begun:
-            child.status.update({name: f"failed: the child exited ({code}) before its first target" for name in left})
+            child.status.update({name: f"failed: the child exited ({out.code}) before its first target"
+                                 for name in left})
             break
         left = left[left.index(begun[-1]) + 1:]
     return children
+
+
+# -- the json --------------------------------------------------------------------------------------
+
+
+def cells(tools, rows: dict[str, dict[str, str]], runs: dict[str, list[Child]]) -> dict:
+    """The table for a file: a clean cell as its count (int), a skipped one as `skipped: why`, any other
+    as the table's text (a count and what went wrong, `+` where --print-limit made it a floor)."""
+    status = {tool: {name: state for child in runs[tool] for name, state in child.status.items()} for tool in tools}
+    out = {}
+    for row, by_tool in rows.items():
+        out[row] = {}
+        for tool, cell in by_tool.items():
+            state = status[tool].get(row, "")
+            out[row][tool] = (state if state.startswith("skipped") else int(cell) if cell.isdigit() else cell)
+    return out
+
+
+def seconds(tools, runs: dict[str, list[Child]]) -> dict:
+    """{target: {tool: wall seconds under the tool}}."""
+    out: dict[str, dict[str, float]] = {}
+    for tool in tools:
+        for child in runs[tool]:
+            for name, s in child.seconds.items():
+                out.setdefault(name, {})[tool] = round(s, 1)
+    return out
+
+
+def first_reports(tools, runs: dict[str, list[Child]], fused: dict[str, str], keep: int = 3) -> dict:
+    """{row: {tool: [its first `keep` reports: the line and the kernel named]}}, for the rows that have any."""
+    out: dict[str, dict[str, list[str]]] = {}
+    for tool in tools:
+        for child in runs[tool]:
+            for r in child.reports:
+                kept = out.setdefault(row_of(r, fused), {}).setdefault(tool, [])
+                if len(kept) < keep:
+                    kept.append(f"{r.text} (in {r.kernel or 'no kernel named'})")
+    return out
+
+
+def notes(tools, runs: dict[str, list[Child]]) -> dict:
+    """{target: {tool: its note}}: what a target ran otherwise under a tool than under the others, and why."""
+    out: dict[str, dict[str, str]] = {}
+    for tool in tools:
+        for child in runs[tool]:
+            for name, text in child.notes.items():
+                out.setdefault(name, {})[tool] = text
+    return out
+
+
+def setup(sanitizer: str) -> dict:
+    """The device and the tool's version, for the file's reader (nvidia-smi's and compute-sanitizer's words)."""
+    def first(cmd):
+        try:
+            done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, timeout=60)
+            return next((line.strip() for line in done.stdout.splitlines() if line.strip()), "")
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+
+    return {"device": first(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"]),
+            "compute_sanitizer": first([sanitizer, "--version"]), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def tool_list(text: str) -> list[str]:
@@ -319,6 +438,8 @@ def parse_args(argv=None):
     parser.add_argument("--only", "--kernels", dest="only",
                         help="comma-separated targets: names (v17, b02, t01, fused-float32), globs (v1*), groups "
                              "(forward, backward, triton, fused, step); default: all")
+    parser.add_argument("--group", help="comma-separated groups (forward, backward, triton, fused, step, llama): "
+                                             "the full run split into device calls of a few minutes each")
     parser.add_argument("--tools", type=tool_list, default=list(TOOLS), help=f"comma-separated: {', '.join(TOOLS)}")
     parser.add_argument("--quick", action="store_true", help="one shape a rung (the awkward one; a split-KV rung "
                                                              "also its decode step)")
@@ -326,7 +447,8 @@ def parse_args(argv=None):
     parser.add_argument("--timeout", type=positive(float), default=540.0,
                         help="seconds one child process may run before it is stopped (default 540)")
     parser.add_argument("--print-limit", type=positive(int), default=100, help="reports the tool prints per child")
-    parser.add_argument("--json", help="write the table and the problems to this file")
+    parser.add_argument("--json", help="write the cells, each target's seconds per tool, the first reports of "
+                                       "each row, the targets' notes and the problems to this file")
     return parser.parse_args(argv)
 
 
@@ -334,7 +456,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     groups = targets.groups()
     try:
-        chosen = select(args.only, groups, targets.resolve)
+        unknown = [g for g in (args.group or "").split(",") if g.strip() and g.strip() not in groups]
+        if unknown:
+            raise ValueError(f"unknown group {', '.join(unknown)}: choose from {', '.join(groups)}")
+        chosen = select(",".join(filter(None, (args.only, args.group))), groups, targets.resolve)
     except ValueError as exc:
         print(f"sanitize.py: {exc}", file=sys.stderr)
         return 2
@@ -350,17 +475,29 @@ def main(argv=None) -> int:
     if not Path(sanitizer).exists():
         print("compute-sanitizer not found (it ships with the CUDA toolkit)", file=sys.stderr)
         return 2
-    start, runs = time.monotonic(), {}
+    start, runs, tool_seconds = time.monotonic(), {}, {}
     for tool in args.tools:
         began = time.monotonic()
         runs[tool] = run_tool(sanitizer, tool, chosen, args)
-        print(f"[{tool}] {len(chosen)} targets in {time.monotonic() - began:.0f} s", flush=True)
+        tool_seconds[tool] = round(time.monotonic() - began, 1)
+        print(f"[{tool}] {len(chosen)} targets in {tool_seconds[tool]:.0f} s", flush=True)
     rows, problems = summarize(args.tools, runs, chosen, fused_kernels())
     print(f"\n{table(args.tools, rows)}\n")
+    told = notes(args.tools, runs)
+    for name, by_tool in told.items():
+        for tool, text in by_tool.items():
+            print(f"note: {name} under {tool}: {text}")
     print("\n".join(problems) if problems else "clean: no errors, every result right")
     print(f"({time.monotonic() - start:.0f} s)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"tools": args.tools, "rows": rows, "problems": problems}, indent=1))
+        result = {"command": "python3 tools/sanitize.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                  "setup": setup(sanitizer), "quick": args.quick, "tools": args.tools, "targets": chosen,
+                  "cells": cells(args.tools, rows, runs), "seconds": seconds(args.tools, runs),
+                  "tool_seconds": tool_seconds, "reports": first_reports(args.tools, runs, fused_kernels()),
+                  "notes": told, "problems": problems}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.json}")
     return 1 if problems else 0
 
 

@@ -3,11 +3,13 @@ in this process.
 
     python3 tools/sanitize_targets.py v17_decode_cluster fused-float32 [--quick]    (here, without the tool)
 
-  forward rung     kernels.attention at SHAPES (--quick: the awkward one alone) and, for a split-KV rung, at
-                   a decode step (DECODE), in the rung's first dtype, its output poisoned with NaN, against
-                   the reference
-  backward rung    dq, dk and dv at SHAPES against the reference from the reference forward's o and lse, in
-                   each mode it declares (a rung with a deterministic configuration runs in both)
+  forward rung     kernels.attention in every dtype it declares, at SHAPES, CROSS and GQA where it declares
+                   them, and a split-KV rung at a decode step (DECODE); --quick: its first dtype, one QUICK
+                   launch (odd lengths, T_q != T_k and GQA as far as it declares them) and the decode step.
+                   Inputs drawn on the host, output poisoned with NaN, checked against the host's float64
+                   reference: the target launches the rung and its launcher's copies, nothing else
+  backward rung    dq, dk and dv at the same shapes against the host's float64 formulas from the host's o
+                   and lse, in each mode it declares (a rung with a deterministic configuration runs in both)
   Triton rung      as a forward rung, on its smallest declared tile shape (no autotuning under the tool)
   fused-float32, fused-bfloat16
                    the fast engine (gpt2/fast) through its own launch code, on GPT-2 small's widths and
@@ -21,12 +23,21 @@ in this process.
                    then NEW tokens in one launch, x (which its block 0 writes at every step) poisoned; each
                    dtype with its plan's ring (2 slots in float32, 3 in bfloat16 at these widths) and with
                    the other depth (step_plan's ring), so that a report seen at one depth alone says so
+  train-float32, train-bfloat16
+                   GPT-2's training pass (gpt2/backward.py) with its fused kernels (kernels/fused/train.cu) on
+                   GPT-2 small's widths, two layers, a vocabulary of 1,000 and B x T = 2 x 97, the reference
+                   attention: loss and gradients finite and near the array code's
 The fused kernels are compiled with -lineinfo (line tables, the same instructions), so that a report
 names their source lines.
 
+Under synccheck (--tool synccheck, as tools/sanitize.py runs it) a rung with clusters beyond the portable 8
+(v17) runs where that tool is sound: each shape in its first configuration where the grid fits in one wave,
+else in a configuration of portable clusters (synccheck_launches).
+
 Protocol (read by tools/sanitize.py): `@@ sanitize begin NAME` before a target's output, `@@ sanitize end
-NAME STATUS` after it (ok, wrong: what, skipped: why, failed: exception), and from an engine target
-`@@ sanitize covers NAME FILE ...`, the kernels/fused files it launched. An exception ends the process
+NAME STATUS` after it (ok, wrong: what, skipped: why, failed: exception), from an engine target
+`@@ sanitize covers NAME FILE ...`, the kernels/fused files it launched, and `@@ sanitize note NAME TEXT`,
+what the target ran otherwise than under the other tools, and why. An exception ends the process
 (the tool may have stopped a launch, and the CUDA context with it); tools/sanitize.py goes on from the
 next target in a new one.
 """
@@ -39,17 +50,29 @@ import time
 import traceback
 from pathlib import Path
 
+import ml_dtypes  # noqa: F401  (NumPy's bfloat16, for the host's draws)
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 MARK = "@@ sanitize "
-SHAPES = [(1, 2, 64, 64), (2, 3, 97, 64)]  # (B, NH, T, d): a small shape, and T a multiple of no tile
-DECODE = (1, 12, 1, 1000, 64)  # (B, NH, T_q, T_k, d): one query row a head over 1,000 keys
+# (B, NH, NH_kv, T_q, T_k, d). Every case is awkward somewhere: T a multiple of no tile, T_q != T_k (a
+# bottom-right causal mask over more keys than queries), grouped-query heads where the rung declares them.
+SHAPES = [(1, 2, 2, 64, 64, 64), (2, 3, 3, 97, 97, 64)]  # a small shape, and T a multiple of no tile
+CROSS = (1, 2, 2, 33, 161, 64)  # lab.supports cross: fewer queries than keys, neither a tile multiple
+GQA = (1, 4, 2, 97, 97, 64)  # lab.supports gqa: two query heads a K/V head
+QUICK = (2, 4, 2, 97, 161, 64)  # --quick, one launch: odd lengths, T_q != T_k and GQA where declared
+DECODE = (1, 12, 12, 1, 1000, 64)  # a split-KV rung's decode step: one query row a head over 1,000 keys
 SETUP = "setup"  # the child's first random draws, before any target (main)
 ENGINE = ("fused-float32", "fused-bfloat16", "step-float32", "step-bfloat16", "step-float32-ring3", "step-bfloat16-ring2",
-          "llama-float32", "llama-bfloat16")
+          "llama-float32", "llama-bfloat16", "train-float32", "train-bfloat16")
 PROMPT = [15496, 11, 314, 1101, 257]  # "Hello, I'm a"
 NEW = 4  # tokens generated by an engine target
 BF16_NAN = 0x7FC0  # a bfloat16 NaN, for the arrays of bfloat16 bits
+PORTABLE_CLUSTER = 8  # blocks a cluster holds on every part (CUDA Programming Guide, "Thread Block Clusters")
+SYNCCHECK_NOTE = ("clusters of 16 only where the grid fits in one wave, clusters of 8 elsewhere: synccheck "
+                  "reports divergent warps at the cluster barriers of clusters of 16 in more than one wave, in v17's "
+                  "barriers alone too (tools/synccheck_cluster.py)")
 
 
 def groups() -> dict[str, list[str]]:
@@ -58,7 +81,7 @@ def groups() -> dict[str, list[str]]:
 
     return {"forward": kernels.names(), "backward": kernels.backward_names(), "triton": kernels.triton_names(),
             "fused": [n for n in ENGINE if n.startswith("fused")], "step": [n for n in ENGINE if n.startswith("step")],
-            "llama": [n for n in ENGINE if n.startswith("llama")]}
+            "llama": [n for n in ENGINE if n.startswith("llama")], "train": [n for n in ENGINE if n.startswith("train")]}
 
 
 def resolve(token: str) -> str:
@@ -75,31 +98,46 @@ def resolve(token: str) -> str:
 # -- the rungs -------------------------------------------------------------------------------------
 
 
-def draw(cp, shape, dtype):
-    return cp.random.standard_normal(shape, dtype=cp.float32).astype(dtype)
+def draw(rng, shape, dtype):
+    """Normal draws made on the host (NumPy), in `dtype`: copied to the device they are written by a copy
+    the tools see, where CuPy's generator kernels drew initcheck reports of their own in its callers."""
+    return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
 
 
-def attend_case(cp, name: str, dtype: str, shape: tuple, config=None, fp8: bool = False) -> bool:
-    """One forward launch of rung `name` at shape (B, NH, T_q, T_k, d), output poisoned, against the
-    reference (an FP8 rung: against its float64 emulation on the same e4m3 inputs); prints the error
-    and returns whether it is within tolerance."""
+def case_shapes(rung, quick: bool) -> list[tuple]:
+    """(B, NH, NH_kv, T_q, T_k, d) for a rung (ladder, Triton or backward): --quick one launch as awkward as
+    the rung allows; else SHAPES, and CROSS and GQA where it declares them; a split-KV rung's decode step."""
+    supports = getattr(rung, "supports", ())
+    if quick:
+        B, NH, NH_kv, T_q, T_k, d = QUICK
+        cases = [(B, NH, NH if "gqa" not in supports else NH_kv, T_q, T_k if "cross" in supports else T_q, d)]
+    else:
+        cases = list(SHAPES) + [CROSS] * ("cross" in supports) + [GQA] * ("gqa" in supports)
+    return cases + [DECODE] * bool(getattr(rung, "split_kv", False))
+
+
+def attend_case(cp, name: str, dtype: str, shape: tuple, config=None, fp8: bool = False, seed: int = 0) -> bool:
+    """One forward launch of rung `name` at shape (B, NH, NH_kv, T_q, T_k, d), output poisoned, against the
+    float64 reference computed on the host (an FP8 rung: against its float64 emulation on the same e4m3
+    inputs), so that the only kernels the target launches are the rung's and its launcher's; prints the
+    error and returns whether it is within tolerance."""
     import kernels
 
-    B, NH, T_q, T_k, d = shape
-    q = draw(cp, (B, NH, T_q, d), dtype)
-    k, v = draw(cp, (B, NH, T_k, d), dtype), draw(cp, (B, NH, T_k, d), dtype)
+    B, NH, NH_kv, T_q, T_k, d = shape
+    rng = np.random.default_rng(seed)
+    q, k, v = draw(rng, (B, NH, T_q, d), dtype), draw(rng, (B, NH_kv, T_k, d), dtype), draw(rng, (B, NH_kv, T_k, d), dtype)
     out = cp.full(q.shape, cp.nan, dtype=q.dtype)  # an element no block writes stays NaN, and fails
-    run = kernels.prepare(q, k, v, kernel=name, out=out, config=config)
+    run = kernels.prepare(*(cp.asarray(x) for x in (q, k, v)), kernel=name, out=out, config=config)
     run()
     if fp8:
         tiles = kernels.load(name).params(run.instance.config)
         ref = kernels.fp8.emulated_attention(kernels.quantize_fp8(q, k, v, block_q=tiles["B_r"], block_k=tiles["B_c"]))
     else:
-        ref = kernels.reference_attention(q, k, v)
-    err = float(cp.abs(out.astype(cp.float32) - ref.astype(cp.float32)).max())
+        ref = kernels.reference_attention(*(x.astype(np.float64) for x in (q, k, v)))
+    err = float(np.abs(cp.asnumpy(out).astype(np.float64) - ref).max())
     ok = err < (1e-3 if dtype == "float32" else 5e-2)  # NaN fails
-    print(f"  {name:28s} {dtype:8s} B={B} NH={NH} T_q={T_q:4d} T_k={T_k:4d} d={d}: max |out - ref| = {err:.2e}"
-          f"{'' if ok else '  WRONG'}", flush=True)
+    print(f"  {name:28s} {dtype:8s} B={B} NH={NH}/{NH_kv} T_q={T_q:4d} T_k={T_k:4d} d={d}: max |out - ref| = "
+          f"{err:.2e}{'' if ok else '  WRONG'}", flush=True)
     return ok
 
 
@@ -108,16 +146,72 @@ def verdict(results: list[bool], what: str) -> str:
     return "ok" if not wrong else f"wrong: {wrong} of {len(results)} {what} outside the tolerance"
 
 
-def shapes(quick: bool) -> list[tuple]:
-    return [(B, NH, T, T, d) for B, NH, T, d in (SHAPES[1:] if quick else SHAPES)]
+def rung_dtypes(rung, quick: bool) -> tuple[str, ...]:
+    """Every dtype the rung declares; --quick its first."""
+    return rung.dtypes[:1] if quick else tuple(rung.dtypes)
 
 
-def forward_rung(cp, name: str, quick: bool) -> str:
+def forward_rung(cp, name: str, quick: bool, tool: str | None = None) -> str:
     import kernels
 
     rung = kernels.load(name)
-    cases = shapes(quick) + ([DECODE] if rung.split_kv else [])
-    return verdict([attend_case(cp, name, rung.dtypes[0], s, fp8=rung.fp8) for s in cases], "launches")
+    if tool == "synccheck" and non_portable(rung):
+        print(f"{MARK}note {name} {SYNCCHECK_NOTE}", flush=True)
+        results = []
+        for dtype in rung_dtypes(rung, quick):
+            def waves(config, shape, dtype=dtype):
+                return cluster_waves(kernels.instance(name, shape[-1], config, dtype=dtype), shape)
+
+            for shape, config, why in synccheck_launches(rung, dtype, case_shapes(rung, quick), waves):
+                print(f"  config {config}: {why}", flush=True)
+                results.append(attend_case(cp, name, dtype, shape, config=config))
+        return verdict(results, "launches")
+    return verdict([attend_case(cp, name, dtype, s, fp8=rung.fp8) for dtype in rung_dtypes(rung, quick)
+                    for s in case_shapes(rung, quick)], "launches")
+
+
+def non_portable(rung) -> bool:
+    """Whether a rung launches clusters of more than the portable 8 blocks."""
+    return getattr(rung, "cluster", None) is not None and any(
+        rung.cluster_size(c) > PORTABLE_CLUSTER for c in rung.configs)
+
+
+def cluster_waves(inst, shape: tuple) -> tuple[int, int]:
+    """(clusters in the grid of inst's launch at shape (B, NH, NH_kv, T_q, T_k, d), clusters the device holds
+    at once): more clusters than resident means that later ones start where earlier ones have finished."""
+    from kernels import driver
+
+    B, NH, _, T_q, T_k, _ = shape
+    grid = inst.grid(B, NH, T_q, T_k)
+    resident = driver.max_active_clusters(inst.function, grid, inst.block, inst.cluster, inst.smem)
+    return grid[0] // inst.cluster * grid[1] * grid[2], resident
+
+
+def synccheck_launches(rung, dtype: str, shapes: list[tuple], waves) -> list[tuple[tuple, tuple, str]]:
+    """(shape, config, why) for each of `shapes` where compute-sanitizer's synccheck is sound for a rung with
+    clusters beyond the portable 8: the config the launcher takes (the first declared for the shape's d and
+    dtype) where its grid fits in one wave, else the first declared config of portable clusters in the dtype,
+    at the shape's d where one is declared, else at its own d in place of the shape's. waves(config, shape)
+    -> (clusters in the grid, clusters resident): cluster_waves on the device."""
+    portable = [c for c in rung.configs if rung.dtype_of(c) in (None, dtype) and rung.cluster_size(c) <= PORTABLE_CLUSTER]
+    out = []
+    for shape in shapes:
+        first = rung.configs_for(shape[-1], dtype)[0]
+        size = rung.cluster_size(first)
+        if size <= PORTABLE_CLUSTER:
+            out.append((shape, first, f"clusters of {size}"))
+            continue
+        clusters, resident = waves(first, shape)
+        if clusters <= resident:
+            out.append((shape, first, f"clusters of {size}, {clusters} of them, all resident at once ({resident})"))
+            continue
+        if not portable:
+            raise ValueError(f"{rung.name} declares no {dtype} config of clusters of at most {PORTABLE_CLUSTER}")
+        config = next((c for c in portable if c[0] == shape[-1]), portable[0])
+        out.append((shape[:-1] + (config[0],), config,
+                    f"clusters of {rung.cluster_size(config)} in place of {size} ({clusters} clusters of {size}, "
+                    f"{resident} resident)"))
+    return out
 
 
 def triton_rung(cp, name: str, quick: bool) -> str:
@@ -129,26 +223,35 @@ def triton_rung(cp, name: str, quick: bool) -> str:
         return f"skipped: {why}"
     rung = triton.load(name)
     tiles = triton.module(rung).CONFIGS[-1]  # the smallest tile shape it declares
-    return verdict([attend_case(cp, name, rung.dtypes[0], s, config=tiles) for s in shapes(quick)], "launches")
+    return verdict([attend_case(cp, name, dtype, s, config=tiles) for dtype in rung_dtypes(rung, quick)
+                    for s in case_shapes(rung, quick)], "launches")
 
 
 def backward_rung(cp, name: str, quick: bool) -> str:
+    """dq, dk, dv against the host's float64 formulas from the host's o and lse, in each mode the rung
+    declares (a deterministic configuration: both)."""
     import kernels
 
     rung = kernels.backward.load(name)
-    dtype = rung.dtypes[0]
     modes = [False] + ([True] if any(rung.is_deterministic(c) for c in rung.configs) else [])
     results = []
-    for deterministic in modes:
-        for B, NH, T, _, d in shapes(quick):
-            q, k, v, do = (draw(cp, (B, NH, T, d), dtype) for _ in range(4))
-            o, lse = kernels.reference_attention(q, k, v, return_lse=True)
-            got = kernels.attention_backward(q, k, v, o, lse, do, kernel=name, deterministic=deterministic)
-            want = kernels.reference_attention_backward(q, k, v, o, lse, do)
-            err = max(float(cp.abs(g.astype(cp.float32) - w.astype(cp.float32)).max()) for g, w in zip(got, want))
-            results.append(err < (1e-3 if dtype == "float32" else 1e-1))
-            print(f"  {name:28s} {dtype:8s} B={B} NH={NH} T={T:4d} d={d}{' deterministic' if deterministic else ''}: "
-                  f"max |grad - ref| = {err:.2e}{'' if results[-1] else '  WRONG'}", flush=True)
+    for dtype in rung_dtypes(rung, quick):
+        for deterministic in modes:
+            for seed, (B, NH, NH_kv, T_q, T_k, d) in enumerate(case_shapes(rung, quick)):
+                rng = np.random.default_rng(seed)
+                q, do = draw(rng, (B, NH, T_q, d), dtype), draw(rng, (B, NH, T_q, d), dtype)
+                k, v = draw(rng, (B, NH_kv, T_k, d), dtype), draw(rng, (B, NH_kv, T_k, d), dtype)
+                q64, k64, v64, do64 = (x.astype(np.float64) for x in (q, k, v, do))
+                o64, lse = kernels.reference_attention(q64, k64, v64, return_lse=True)
+                o = o64.astype(dtype)
+                got = kernels.attention_backward(*(cp.asarray(x) for x in (q, k, v, o, lse.astype(np.float32), do)),
+                                                 kernel=name, deterministic=deterministic)
+                want = kernels.reference_attention_backward(q64, k64, v64, o.astype(np.float64), lse, do64)
+                err = max(float(np.abs(cp.asnumpy(g).astype(np.float64) - w).max()) for g, w in zip(got, want))
+                results.append(err < (1e-3 if dtype == "float32" else 1e-1))
+                print(f"  {name:28s} {dtype:8s} B={B} NH={NH}/{NH_kv} T_q={T_q:4d} T_k={T_k:4d} d={d}"
+                      f"{' deterministic' if deterministic else ''}: max |grad - ref| = {err:.2e}"
+                      f"{'' if results[-1] else '  WRONG'}", flush=True)
     return verdict(results, "launches")
 
 
@@ -158,8 +261,6 @@ def backward_rung(cp, name: str, quick: bool) -> str:
 def poison(cp, arrays) -> None:
     """NaN in arrays that every kernel writes before it reads them (float32, or bfloat16 bits): a read
     of an element nobody wrote then shows as NaN downstream."""
-    import numpy as np
-
     for a in arrays:
         a.fill(BF16_NAN if a.dtype == cp.uint16 else np.nan)
 
@@ -178,8 +279,8 @@ def engine_target(cp, name: str) -> str:
     import gpt2.fast as fast
 
     kind, dtype, *ring = name.split("-")  # step-DTYPE-ringN: the persistent step with N slots
-    if kind == "llama":
-        problems = llama_step(cp, name, dtype)
+    if kind in ("llama", "train"):
+        problems = (llama_step if kind == "llama" else training_pass)(cp, name, dtype)
         return "ok" if not problems else "wrong: " + "; ".join(problems)
     config = gpt2.GPT2Config(n_layer=2)  # GPT-2 small's widths and vocabulary, two of its layers
     params = gpt2.random_weights(config, seed=0, xp=cp).params
@@ -195,8 +296,6 @@ def engine_target(cp, name: str) -> str:
 
 def fused_kernels(cp, name, fast, params, config, dtype) -> list[str]:
     """The per-operation decode step and the prefill (and no-cache passes) through the engine's launches."""
-    import numpy as np
-
     import gpt2
 
     engine = fast.Engine(params, config, dtype=dtype, pdl=False, persistent=False)
@@ -262,15 +361,41 @@ def llama_step(cp, name: str, dtype: str) -> list[str]:
     return out_of_range(out.tokens, config.vocab_size) + not_finite(cp, x=engine.x)
 
 
+def training_pass(cp, name: str, dtype: str) -> list[str]:
+    """loss_and_grads with the fused kernels against the array code, on one batch."""
+    from dataclasses import replace
+
+    import gpt2
+    from gpt2.backward import Attention, loss_and_grads
+
+    config = replace(gpt2.GPT2Config(n_layer=2), vocab_size=1000)
+    params = gpt2.random_weights(config, seed=0, xp=cp).params
+    idx, targets = cp.random.default_rng(0).integers(0, config.vocab_size, (2, 2, 97)).astype(cp.int64)
+    ran = {fused: loss_and_grads(params, config, idx, targets, Attention.reference(), dtype, fused=fused)
+           for fused in (True, False)}
+    (loss, grads), (want, want_grads) = ran[True], ran[False]
+    worst = max(float(cp.linalg.norm(grads[k] - want_grads[k]) / cp.linalg.norm(want_grads[k])) for k in grads)
+    print(f"  {name}: loss {loss:.5f} (array code {want:.5f}), worst gradient |fused - array| / |array| = "
+          f"{worst:.1e}", flush=True)
+    print(f"{MARK}covers {name} {' '.join(launched_files('train', config, dtype, gemm=False))}", flush=True)
+    tolerance = 1e-4 if dtype == "float32" else 2e-2
+    problems = not_finite(cp, **grads)
+    if not abs(loss - want) <= tolerance * abs(want) or not worst <= tolerance:
+        problems.append(f"loss {loss} or gradients (worst {worst:.1e}) off the array code's by more than {tolerance}")
+    return problems
+
+
 PREFILL = ("embed", "add_layernorm", "bias", "bias_gelu", "kv_store", "merge_heads", "lm_head")  # engine.sequence's
 
 
 def launched_files(kind: str, config, dtype: str, gemm: bool) -> list[str]:
     """The kernels/fused files an engine target's workload launches (gpt2/fast/plan.py's expressions, by
     key): a fused target every kernel but decode_step (gemm.cu's too where it runs the no-cache mode), a
-    step target the prefill's and decode_step."""
+    step target the prefill's and decode_step, a train target train.cu."""
     import gpt2.fast as fast
 
+    if kind == "train":
+        return ["train"]
     if kind == "llama":
         import llama.fast
 
@@ -295,7 +420,7 @@ def with_line_info(function):
     return compile_with_lines
 
 
-def run(cp, name: str, quick: bool) -> str:
+def run(cp, name: str, quick: bool, tool: str | None = None) -> str:
     from kernels import backward, triton
 
     if name in ENGINE:
@@ -304,13 +429,15 @@ def run(cp, name: str, quick: bool) -> str:
         return backward_rung(cp, name, quick)
     if triton.owns(name):
         return triton_rung(cp, name, quick)
-    return forward_rung(cp, name, quick)
+    return forward_rung(cp, name, quick, tool)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("targets", nargs="+", help="target names (tools/sanitize.py --list)")
     parser.add_argument("--quick", action="store_true", help="one shape a rung: the awkward one")
+    parser.add_argument("--tool", help="the compute-sanitizer tool this process runs under (tools/sanitize.py "
+                                       "passes it): under synccheck, where that tool is sound")
     args = parser.parse_args(argv)
     import cupy as cp
 
@@ -322,7 +449,7 @@ def main(argv=None) -> int:
     # (v20, v21 or fused-bfloat16, whichever came first) and none in the same targets later in the
     # process, nor on a second run: what CuPy does first in a process is not a rung's to answer for.
     print(f"{MARK}begin {SETUP}", flush=True)
-    draw(cp, (4097,), "float32")
+    cp.random.standard_normal(4097, dtype=cp.float32)
     cp.random.default_rng(0).standard_normal(4097, dtype=cp.float32) * 0.02
     cp.cuda.Device().synchronize()
     time.sleep(0.1)
@@ -331,7 +458,7 @@ def main(argv=None) -> int:
     for name in args.targets:
         print(f"{MARK}begin {name}", flush=True)
         try:
-            status = run(cp, name, args.quick)
+            status = run(cp, name, args.quick, args.tool)
             cp.cuda.Device().synchronize()
         except Exception as exc:
             traceback.print_exc(file=sys.stdout)

@@ -26,7 +26,25 @@
 
 constexpr int THREADS = 128;
 
-template <int CLUSTER>
+// The cluster barrier's instructions, without .aligned (cg::this_cluster().sync()'s, and v17's) or with it
+// (CUTLASS's): ALIGNED promises that the whole warp executes each one converged.
+template <bool ALIGNED> __device__ __forceinline__ void arrive_relaxed()
+{
+    if constexpr (ALIGNED) asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+    else asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+}
+template <bool ALIGNED> __device__ __forceinline__ void arrive_release()
+{
+    if constexpr (ALIGNED) asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+    else asm volatile("barrier.cluster.arrive.release;" ::: "memory");
+}
+template <bool ALIGNED> __device__ __forceinline__ void wait_acquire()
+{
+    if constexpr (ALIGNED) asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+    else asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
+}
+
+template <int CLUSTER, bool ALIGNED>
 __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 4)
 cluster_skeleton(float* __restrict__ out, int small_every, long long late_ns)
 {
@@ -34,7 +52,7 @@ cluster_skeleton(float* __restrict__ out, int small_every, long long late_ns)
     const int rank = blockIdx.x % CLUSTER, cluster = blockIdx.x / CLUSTER;
     const int items = small_every > 0 && cluster % small_every == small_every - 1 ? 16 : THREADS;
 
-    asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+    arrive_relaxed<ALIGNED>();
     if (rank == 0 && late_ns > 0) {  // uniform over the block
         unsigned long long start, now;
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
@@ -43,7 +61,7 @@ cluster_skeleton(float* __restrict__ out, int small_every, long long late_ns)
         while ((long long)(now - start) < late_ns);
     }
     __syncthreads();
-    asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
+    wait_acquire<ALIGNED>();
 
     // this rank's row of rank 0's `pushed`, as an address in the cluster's shared window
     unsigned row;
@@ -52,8 +70,9 @@ cluster_skeleton(float* __restrict__ out, int small_every, long long late_ns)
     for (int i = threadIdx.x; i < items; i += THREADS)
         asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(row + 4 * i), "f"((float)(rank + i)) : "memory");
 
-    asm volatile("barrier.cluster.arrive.release;" ::: "memory");
-    asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
+    __syncwarp();  // the push loop's trip count differs across lanes: converged for the .aligned forms
+    arrive_release<ALIGNED>();
+    wait_acquire<ALIGNED>();
     if (rank != 0)
         return;  // nobody reads this block's shared memory
     for (int i = threadIdx.x; i < items; i += THREADS) {

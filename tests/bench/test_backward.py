@@ -46,6 +46,18 @@ def test_the_rungs_forward_rung_and_peers_of_each_dtype():
     assert backward.PEERS_OF["bfloat16"] == ("sdpa_flash", "sdpa_cudnn")
 
 
+def test_a_rung_with_a_deterministic_configuration_runs_again_deterministic():
+    """b01 is deterministic in every configuration: one row; b02-b05 declare both kinds: a second row."""
+    gpt2 = backward.CASE_SETS["gpt2"][0]
+    assert backward.entries(gpt2, "float32", backward.rungs_for("float32")) == [
+        ("b01_naive", False), ("b02_fa2", False), ("b02_fa2", True), ("b03_tf32_mma", False), ("b03_tf32_mma", True)]
+    d128 = backward.CASE_SETS["d128"][0]
+    assert backward.entries(d128, "bfloat16", backward.rungs_for("bfloat16")) == [
+        ("b04_bf16_mma", False), ("b04_bf16_mma", True), ("b05_wgmma", False), ("b05_wgmma", True)]
+    assert backward.entries(gpt2, "bfloat16", ["b02_fa2"]) == [("b02_fa2", False)]  # b02 has no bfloat16
+    assert backward.entries(Case("x", 1, 1, 1, 8, 8, 96), "float32", ["b02_fa2"]) == [("b02_fa2", False)]
+
+
 def timed(case, name, kind, ms, err=1e-6, status="ok"):
     r = {"shape": case.as_dict(), "dtype": "float32", "name": name, "kind": kind, "status": status,
          "label": {"sdpa_efficient": "SDPA efficient", "sdpa_cudnn": "SDPA cuDNN"}.get(name, name),
@@ -59,15 +71,23 @@ def timed(case, name, kind, ms, err=1e-6, status="ok"):
     return r
 
 
+def deterministic(row):
+    """A rung's deterministic run, as bench_case writes it."""
+    return row | {"variant_of": row["name"].split()[0], "deterministic": True,
+                  "config": row["config"].replace("deterministic=0", "deterministic=1")}
+
+
 def backward_result(dtype="float32", date="2026-01-02T03:04:05Z"):
-    """Two GPT-2 cases: b01 slow, b02 wrong, b03 faster than SDPA efficient (2x at 8x1024, 1.2x at 1x512),
-    b04 not taking float32."""
+    """Two GPT-2 cases: b01 slow, b02 wrong and its deterministic run right, b03 faster than SDPA efficient
+    (2x at 8x1024, 1.2x at 1x512) and its deterministic run 1.25x slower, b04 not taking float32."""
     small, big = backward.CASE_SETS["gpt2"][:2]
     rows = []
     for case, scale in ((small, 1.0), (big, 4.0)):
         part = [timed(case, "b01_naive", "rung", 10 * scale),
                 timed(case, "b02_fa2", "rung", 0, err=0.5, status="wrong") | {"reason": "dq max error 5.00e-01 > bound"},
+                deterministic(timed(case, "b02_fa2 deterministic", "rung", 8 * scale)),
                 timed(case, "b03_tf32_mma", "rung", (0.5 if case is big else 1.0) * scale),
+                deterministic(timed(case, "b03_tf32_mma deterministic", "rung", 1.25 * (0.5 if case is big else 1.0) * scale)),
                 {"shape": case.as_dict(), "dtype": dtype, "name": "b04_bf16_mma", "kind": "rung", "label": "b04_bf16_mma",
                  "status": "unsupported", "reason": "TypeError: q has dtype float32; kernel b04_bf16_mma supports "
                                                     "bfloat16, float16"},
@@ -86,12 +106,15 @@ def test_the_table_of_a_backward_result():
     text = backward.render_backward(backward_result())
     assert "Fixture GPU" in text and "2.5 x the forward's FLOPs" in text
     assert "**B=1, T=512** (NH=12, d=64, causal, float32," in text and "**B=8, T=1024**" in text
-    rows = table_rows(text, "`b03_tf32_mma`")
+    rows = table_rows(text, "`b03_tf32_mma` |")  # not its deterministic rows
     assert len(rows) == 2
     cells = cells_of(rows[1])  # 8x1024: 2 ms against SDPA's 4.8 ms
     assert cells[1] == "2.000" and cells[5] == "2.40x" and cells[6] == "1.0e-06 / 2.0e-06 / 3.0e-06"
-    assert "forward v20_tf32_wgmma" in cells[7] and cells[4] == "20.00x"  # vs b01, the previous timed rung
-    wrong = cells_of(table_rows(text, "`b02_fa2`")[0])
+    assert "forward v20_tf32_wgmma" in cells[7] and cells[4] == "20.00x"  # vs b01: b02's deterministic run is no one's previous
+    fixed = cells_of(table_rows(text, "`b03_tf32_mma` deterministic")[1])
+    assert fixed[4] == "0.80x" and fixed[5] == "1.92x" and "deterministic=1" in fixed[7]  # vs b03's own row, vs SDPA
+    assert "its \"vs previous\" is against that rung's row: the cost of the fixed order" in text
+    wrong = cells_of(table_rows(text, "`b02_fa2` |")[0])
     assert wrong[1] == "**wrong**" and "dq max error" in wrong[-1]
     assert not table_rows(text, "`b04_bf16_mma`")
     assert "Not run: `b04_bf16_mma` (TypeError: q has dtype float32" in text

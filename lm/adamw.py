@@ -1,0 +1,114 @@
+"""AdamW as torch.optim.AdamW computes it, global-norm clipping as clip_grad_norm_ does, and the
+learning-rate schedule: what train.py steps the float32 master weights with (NumPy or CuPy).
+
+    opt = AdamW(params, weight_decay=0.1)              float32 m and v beside each parameter
+    norm = clip_grad_norm(grads, 1.0)                  the total norm before clipping; grads scaled in place
+    opt.step(params, grads, lr=get_lr(step, ...))      params updated in place
+
+One step of a parameter p with gradient g (torch's _single_tensor_adamw, the same order of operations):
+
+    p = p * (1 - lr * wd)                    decoupled decay: only where p.ndim >= 2 (no biases, no LayerNorm)
+    m = m + (1 - beta1) * (g - m)            torch's lerp
+    v = beta2 * v + (1 - beta2) * g * g
+    p = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+
+The scalars are formed in double precision on the host and applied in float32, as torch applies a
+Python float to a float32 tensor. On CuPy the step of each parameter is one fused elementwise kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .arrays import array_module
+
+BETAS = (0.9, 0.95)
+EPS = 1e-8
+
+
+def decays(p) -> bool:
+    """Weight decay on the matrices (and the embeddings), none on biases or LayerNorm's parameters."""
+    return p.ndim >= 2
+
+
+class AdamW:
+    def __init__(self, params: dict, *, weight_decay: float = 0.1, betas: tuple[float, float] = BETAS,
+                 eps: float = EPS):
+        self.weight_decay, self.betas, self.eps = weight_decay, betas, eps
+        self.m = {k: array_module(p).zeros(p.shape, np.float32) for k, p in params.items()}
+        self.v = {k: array_module(p).zeros(p.shape, np.float32) for k, p in params.items()}
+        self.decay = {k: decays(p) for k, p in params.items()}
+        self.t = 0  # steps taken
+
+    def step(self, params: dict, grads: dict, lr: float) -> None:
+        """One update of every float32 parameter in place, from its float32 gradient."""
+        self.t += 1
+        beta1, beta2 = self.betas
+        step_size = lr / (1 - beta1 ** self.t)
+        bias_correction2_sqrt = math.sqrt(1 - beta2 ** self.t)
+        for name, p in params.items():
+            wd = self.weight_decay if self.decay[name] else 0.0
+            scalars = (1 - lr * wd, 1 - beta1, beta2, 1 - beta2, step_size, bias_correction2_sqrt, self.eps)
+            if array_module(p) is np:
+                _step_numpy(p, grads[name], self.m[name], self.v[name], *(np.float32(s) for s in scalars))
+            else:
+                _step_kernel()(grads[name], *(np.float32(s) for s in scalars), p, self.m[name], self.v[name])
+
+
+def _step_numpy(p, g, m, v, keep, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps):
+    p *= keep
+    m += one_minus_beta1 * (g - m)
+    v *= beta2
+    v += one_minus_beta2 * (g * g)
+    p -= step_size * (m / (np.sqrt(v) / bc2_sqrt + eps))
+
+
+_KERNEL = []
+
+
+def _step_kernel():
+    """The CuPy form of _step_numpy: one pass over p, m, v and g (compiled once, on first use)."""
+    if not _KERNEL:
+        import cupy
+
+        _KERNEL.append(cupy.ElementwiseKernel(
+            "float32 g, float32 keep, float32 one_minus_beta1, float32 beta2, float32 one_minus_beta2, "
+            "float32 step_size, float32 bc2_sqrt, float32 eps",
+            "float32 p, float32 m, float32 v",
+            """
+            p = p * keep;
+            m = m + one_minus_beta1 * (g - m);
+            v = beta2 * v + one_minus_beta2 * (g * g);
+            p = p - step_size * (m / (sqrtf(v) / bc2_sqrt + eps));
+            """,
+            "lab_adamw_step", options=("-fmad=false",)))  # no contraction: the roundings of the NumPy form
+    return _KERNEL[0]
+
+
+def clip_grad_norm(grads: dict, max_norm: float) -> float:
+    """The global 2-norm of all gradients (torch.nn.utils.clip_grad_norm_): where max_norm / (norm + 1e-6)
+    is below 1 every gradient is scaled by it, in place. max_norm <= 0 measures without clipping."""
+    xp = array_module(next(iter(grads.values())))
+    total = float(xp.sqrt(sum(xp.vdot(g.ravel(), g.ravel()).astype(np.float64) for g in grads.values())))
+    coef = max_norm / (total + 1e-6)
+    if max_norm > 0 and coef < 1:
+        for g in grads.values():
+            g *= np.float32(coef)
+    return total
+
+
+def get_lr(step: int, *, lr: float, min_lr: float, warmup: int, steps: int, schedule: str = "cosine") -> float:
+    """The learning rate of step `step` (from 0), nanoGPT's get_lr: linear warmup to lr over `warmup`
+    steps (step 0 at lr / warmup, as llm.c), then `cosine` from lr down to min_lr at the last step,
+    or `constant` at lr."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    if schedule == "constant":
+        return lr
+    if schedule != "cosine":
+        raise ValueError(f"schedule {schedule!r}: cosine or constant")
+    span = steps - 1 - warmup
+    ratio = (step - warmup) / span if span > 0 else 0.0  # one step after warmup: the peak
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(ratio, 1.0))) * (lr - min_lr)

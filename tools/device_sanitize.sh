@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One device call of the sanitizer run: a group of targets (or --quick over all of them) under all four tools,
+# the table on stdout and the json in $OUT (or results/ without $OUT), named after the group.
+#
+#   tools/device_sanitize.sh quick          every target, one launch a rung (--quick)
+#   tools/device_sanitize.sh forward        a group: forward, backward, triton, fused, step, llama
+#   tools/device_sanitize.sh 'v0*,v1*'      any --only spec (the forward group split in two: 'v0*,v1*' and 'v2*')
+#   tools/device_sanitize.sh repro          v17's synccheck reproducer (both barrier forms) and v17/v23's device tests
+#
+# The json's "seconds" holds each target's wall time under each tool: the groups to split a full run by.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+what="${1:?usage: tools/device_sanitize.sh quick|GROUP|SPEC|repro}"
+out="${OUT:-results}"
+mkdir -p "$out"
+label="$(echo "$what" | tr -c 'A-Za-z0-9_-' '_' | sed 's/_*$//')"
+device="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr 'A-Z ' 'a-z-')"
+stamp="$(date -u +%Y%m%dT%H%M%SZ)"
+file="$out/sanitize-$label-${device:-nogpu}-$stamp.json"
+case "$what" in
+  quick) python3 tools/sanitize.py --quick --timeout 420 --json "$file" ;;
+  repro)
+    python3 tools/synccheck_cluster.py --timeout 120 | tee "$out/synccheck-cluster-${device:-nogpu}-$stamp.txt"
+    python3 -m pytest -q -m gpu tests/test_sanitize_gpu.py ;;
+  forward|backward|triton|fused|step|llama) python3 tools/sanitize.py --group "$what" --timeout 420 --json "$file" ;;
+  *) python3 tools/sanitize.py --only "$what" --timeout 420 --json "$file" ;;
+esac

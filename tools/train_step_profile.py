@@ -1,0 +1,142 @@
+"""One training pass of GPT-2 (gpt2/backward.py's loss_and_grads, no optimizer) timed with CUDA events,
+the fused kernels (gpt2/train_kernels.py) against the array code, with a breakdown by phase.
+
+    python3 tools/train_step_profile.py                       GPT-2 small, bfloat16, B x T = 16 x 1024
+    python3 tools/train_step_profile.py --dtype float32 --batch 8 --kernel v13 --backward b02
+    python3 tools/train_step_profile.py --classifier-mib 512 2048 4096   the classifier's chunk, swept
+
+Random weights (nanoGPT's init), random tokens. Each mode: one warm-up call (compilation, cuBLAS's
+heuristics, the memory pool), then --repeats timed calls; the median is reported. Phases, from events
+recorded around the calls that make them (so each includes any gap in which the GPU waited for Python):
+forward (embedding to ln_f), classifier (logits, softmax and loss, its two backward products), backward
+(ln_f's backward to the embeddings'); and across the pass: attention (the forward and backward rungs),
+products (every cuBLAS product outside the classifier), the rest (everything else: the non-GEMM work
+the fused kernels take, and Python); pool_gib, the CuPy memory pool's high-water mark (emptied before each
+mode; the weights included). Writes train_step_profile.json to $OUT (or --out) when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+class Phases:
+    """Events around the calls of gpt2.backward's classifier, attention and products, by phase."""
+
+    def __init__(self, cp, backward, attn):
+        """Wraps backward's matmul and classifier_forward_backward (module attributes) and attn's two
+        passes: self.attn is the attention to train with."""
+        self.cp, self.marks = cp, []
+        self.inside_classifier = False
+
+        def timed(name, fn):
+            def wrapper(*args, **kwargs):
+                if name == "products" and self.inside_classifier:
+                    return fn(*args, **kwargs)
+                start = cp.cuda.Event()
+                start.record()
+                self.inside_classifier |= name == "classifier"
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self.inside_classifier &= name != "classifier"
+                    end = cp.cuda.Event()
+                    end.record()
+                    self.marks.append((name, start, end))
+            return wrapper
+
+        backward.matmul = timed("products", backward.matmul)
+        backward.classifier_forward_backward = timed("classifier", backward.classifier_forward_backward)
+        self.attn = replace(attn, forward=timed("attention", attn.forward), backward=timed("attention", attn.backward))
+
+    def call(self, fn):
+        """Run fn() between two events; (total ms, {phase: ms})."""
+        cp = self.cp
+        self.marks = []
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        ms = {"total": cp.cuda.get_elapsed_time(start, end)}
+        for name, a, b in self.marks:
+            ms[name] = ms.get(name, 0.0) + cp.cuda.get_elapsed_time(a, b)
+        (_, c0, c1), = [m for m in self.marks if m[0] == "classifier"]
+        ms["forward"] = cp.cuda.get_elapsed_time(start, c0)
+        ms["backward"] = cp.cuda.get_elapsed_time(c1, end)
+        ms["rest"] = ms["total"] - ms["classifier"] - ms.get("attention", 0.0) - ms.get("products", 0.0)
+        return ms
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", default="gpt2")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--kernel", default=None, help="forward rung (default v15 for bfloat16, v13 for float32)")
+    parser.add_argument("--backward", default=None, help="backward rung (default b04 for bfloat16, b02 for float32)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--classifier-mib", type=int, nargs="*", default=[],
+                        help="also time the fused pass with these chunk sizes of the classifier's logits (MiB)")
+    parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for train_step_profile.json")
+    args = parser.parse_args(argv)
+
+    import cupy as cp
+
+    import gpt2
+    from gpt2 import backward
+    from gpt2.backward import Attention
+
+    bf16 = args.dtype == "bfloat16"
+    attn = Attention.make(args.kernel or ("v15" if bf16 else "v13"), args.backward or ("b04" if bf16 else "b02"))
+    config = gpt2.SIZES[args.size]
+    params = gpt2.random_weights(config, seed=0, xp=cp).params
+    rng = cp.random.default_rng(0)
+    idx, targets = (rng.integers(0, config.vocab_size, (args.batch, args.seq)) for _ in range(2))
+    phases = Phases(cp, backward, attn)
+    attn = phases.attn
+    tokens = args.batch * args.seq
+    results = {}
+    default_bytes = backward.CLASSIFIER_BYTES
+    modes = [("array", False, default_bytes), ("fused", True, default_bytes)]
+    modes += [(f"fused {mib} MiB", True, mib * 2**20) for mib in args.classifier_mib]
+    for mode, fused, chunk_bytes in modes:
+        def run(fused=fused):
+            backward.loss_and_grads(params, config, idx, targets, attn, args.dtype, fused=fused)
+
+        backward.CLASSIFIER_BYTES = chunk_bytes
+        phases.call(run)  # warm-up
+        runs = [phases.call(run) for _ in range(args.repeats)]
+        median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        median["tokens_per_s"] = tokens / (median["total"] / 1e3)
+        median["pool_gib"] = cp.get_default_memory_pool().total_bytes() / 2**30  # its high-water mark, weights too
+        results[mode] = median
+        cp.get_default_memory_pool().free_all_blocks()
+    backward.CLASSIFIER_BYTES = default_bytes
+    device = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())["name"].decode()
+    print(f"{device}, {args.size} {args.dtype}, B x T = {args.batch} x {args.seq}, attention {attn.name}, "
+          f"median of {args.repeats} (ms)")
+    keys = ["total", "forward", "classifier", "backward", "attention", "products", "rest", "tokens_per_s", "pool_gib"]
+    print(f"{'':16s}" + "".join(f"{k:>14s}" for k in keys))
+    for mode, ms in results.items():
+        print(f"{mode:16s}" + "".join(f"{ms.get(k, 0.0):14.1f}" for k in keys))
+    if args.out:
+        path = Path(args.out) / "train_step_profile.json"
+        path.write_text(json.dumps({"device": device, "size": args.size, "dtype": args.dtype, "batch": args.batch,
+                                    "seq": args.seq, "attention": attn.name, "repeats": args.repeats,
+                                    "ms": results}, indent=2))
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,351 @@
+#!/usr/bin/env python3
+"""Train GPT-2 with the lab's attention rungs: the forward rung --kernel (one that writes the log-sum-exp)
+and the backward rung --backward inside every step; NumPy and the reference attention on the CPU.
+
+    python train.py --data input.txt --random-weights --size gpt2 --dtype bfloat16 --steps 100
+    python train.py --data tiny.txt --steps 50 --lr 3e-5 --out finetuned     fine-tune GPT-2 small, save it
+    python train.py --data train.bin --val-data val.bin --eval-every 25 --json run.json
+    python train.py --device cpu --random-weights --size gpt2 --data input.txt --batch 2 --seq 64 --steps 5
+
+Each step takes --accum micro-batches in llm.c's order (lm/token_data.py), averages their gradients,
+clips their global norm, and updates float32 master weights with AdamW (lm/adamw.py; PyTorch's formula).
+--dtype bfloat16 is mixed precision: the model's products, activations and attention in bfloat16, its
+reductions, softmax and loss in float32, the master weights and the optimizer's state float32. The
+model's forward and backward: gpt2/backward.py (loss_and_grads). Prints a line per step as llm.c does.
+MFU: (6 x parameters + 6 x n_layer x n_embd x T) FLOPs per token (llm.c's count, the attention's causal
+half) over the step's time, against a GEMM ceiling in the run's dtype measured at start-up (GPU only).
+User errors print one line to stderr and exit 2; a loss that is not finite exits 1 at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+import gpt2
+import kernels
+import lab
+from gpt2.backward import Attention, loss_and_grads
+from gpt2.load import load_folder
+from gpt2.model import cast_params, forward
+from kernels import backward as backward_ladder
+from lm import checkpoint
+from lm.adamw import AdamW, clip_grad_norm, get_lr
+from lm.arrays import array_module
+from lm.errors import LabError
+from lm.token_data import Batches, read_tokens
+
+FLOP_CONVENTION = ("6 x parameters x tokens (the products, forward and backward; wte counted once) + 6 x n_layer x "
+                   "n_embd x T x tokens (attention's two T x T products, the causal half, forward and backward): "
+                   "llm.c's count")
+PEAK_MEASURE = ("CuPy memory pool high-water mark (total_bytes: the pool never returns a block unasked), from the "
+                "weights in place (the load's and the ceiling's transients returned first) to the end of training")
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage block
+        print(f"train.py: error: {message} (see train.py --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+               epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p.add_argument("--data", required=True, help="training tokens: a .txt (GPT-2's BPE), a .npy of ids, or an "
+                                                 "llm.c .bin")
+    p.add_argument("--val-data", help="validation tokens, in the same formats")
+    p.add_argument("--eval-every", type=int, default=0, help="validation loss every N steps (and after the last "
+                                                             "with --val-data; default 0: after the last only)")
+    p.add_argument("--val-batches", type=int, default=10, help="batches of --val-data per evaluation (default 10)")
+    p.add_argument("--model", help=f"hub id or local folder, either naming scheme (default {gpt2.DEFAULT_MODEL})")
+    p.add_argument("--random-weights", action="store_true", help="nanoGPT's initialization from --seed, no download")
+    p.add_argument("--size", choices=list(gpt2.SIZES), help="size of --random-weights (default gpt2)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    p.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto",
+                   help="gpu: CuPy and the rungs; cpu: NumPy and the reference attention; auto: gpu if there is one")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="float32 end to end, or bfloat16 mixed precision (float32 master weights) (default float32)")
+    p.add_argument("--kernel", help="forward rung that writes the log-sum-exp (lab.lse); default: the newest that "
+                                    "takes the dtype and runs here (float32: without TF32)")
+    p.add_argument("--backward", help="backward rung (kernels/backward/); default: the newest that takes the dtype "
+                                      "and runs here (float32: without TF32)")
+    p.add_argument("--steps", type=int, default=50, help="optimizer steps (default 50)")
+    p.add_argument("--batch", type=int, default=4, help="B, rows per micro-batch (default 4)")
+    p.add_argument("--seq", type=int, default=1024, help="T, tokens per row (default 1024)")
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per step, gradients averaged (default 1)")
+    p.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (default 6e-4; fine-tuning: ~3e-5)")
+    p.add_argument("--min-lr", type=float, help="the cosine's floor (default --lr / 10)")
+    p.add_argument("--warmup", type=int, default=0, help="steps of linear warmup (default 0)")
+    p.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine", help="after warmup (default cosine)")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's, on tensors of 2+ dimensions (default 0.1)")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="global-norm clipping; 0: none (default 1.0)")
+    p.add_argument("--sample-every", type=int, default=0, help="print a greedy sample every N steps (default 0: never)")
+    p.add_argument("--sample-tokens", type=int, default=32, help="tokens of each sample (default 32)")
+    p.add_argument("--out", metavar="DIR", help="save model.safetensors and config.json (Hugging Face's layout)")
+    p.add_argument("--json", metavar="PATH", help="write losses, per-step lr, gradient norm, ms, tokens/s, MFU, "
+                                                  "validation losses and peak GPU memory")
+    return p.parse_args(argv)
+
+
+def check_args(args) -> None:
+    for name in ("steps", "batch", "seq", "accum", "val_batches", "sample_tokens"):
+        if getattr(args, name) < 1:
+            raise LabError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for name in ("eval_every", "sample_every", "warmup", "weight_decay", "grad_clip"):
+        if getattr(args, name) < 0:
+            raise LabError(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
+    if args.model is not None and args.random_weights:
+        raise LabError("--model and --random-weights exclude each other")
+    if args.size is not None and not args.random_weights:
+        raise LabError("--size chooses the size of --random-weights; with --model the checkpoint sets it")
+    for flag in ("json", "out"):
+        path = getattr(args, flag)
+        if path and not Path(path).resolve().parent.is_dir():
+            raise LabError(f"--{flag} {path}: folder {Path(path).parent} does not exist")
+
+
+# ---------------------------------------------------------------------------------------------
+# The rungs and the weights
+# ---------------------------------------------------------------------------------------------
+
+def takes(rung, config, dtype: str, arch: str) -> bool:
+    """The rung declares the dtype (lab.dtypes) and the model's head size, and compiles for arch (lab.min_arch)."""
+    return dtype in rung.dtypes and config.head_size in rung.head_sizes() and rung.runs_on(arch)
+
+
+def trains_by_default(rung, config, dtype: str, arch: str) -> bool:
+    """takes(), made for whole sequences (not lab.split_kv, not lab.fp8), and in float32 exact float32
+    arithmetic: no configuration multiplies on the TF32 tensor cores (lab.tf32_products 0)."""
+    return (takes(rung, config, dtype, arch) and not rung.split_kv and not rung.fp8
+            and (dtype != "float32" or all(rung.tf32_products_of(c) == 0 for c in rung.configs)))
+
+
+def pick_rungs(args, config, arch: str) -> tuple[str, str]:
+    """The forward rung (it must write the log-sum-exp) and the backward rung: those asked for, checked, or
+    by default the newest whose declarations train here (lab.lse, trains_by_default), never a fixed list."""
+    writers = [n for n in kernels.names() if kernels.load(n).lse]
+    if args.kernel is None:
+        able = [n for n in writers if trains_by_default(kernels.load(n), config, args.dtype, arch)]
+        if not able:
+            raise LabError(f"no forward rung that writes the log-sum-exp takes {args.dtype}, head size "
+                           f"{config.head_size} on {arch}")
+        forward_rung = able[-1]
+    else:
+        try:
+            forward_rung = kernels.resolve(args.kernel).stem
+        except ValueError as exc:
+            raise LabError(str(exc)) from None
+        rung = kernels.load(forward_rung)
+        if not rung.lse:
+            raise LabError(f"kernel {forward_rung} does not write the log-sum-exp the backward needs (lab.lse); "
+                           f"{', '.join(writers)} do")
+        if not takes(rung, config, args.dtype, arch):
+            raise LabError(f"kernel {forward_rung} does not take {args.dtype} at head size {config.head_size} on {arch}")
+    if args.backward is None:
+        able = [n for n in backward_ladder.names()
+                if trains_by_default(backward_ladder.load(n), config, args.dtype, arch)]
+        if not able:
+            raise LabError(f"no backward rung takes {args.dtype}, head size {config.head_size} on {arch}")
+        backward_rung = able[-1]
+    else:
+        try:
+            backward_rung = backward_ladder.resolve(args.backward).stem
+        except ValueError as exc:
+            raise LabError(str(exc)) from None
+        if not takes(backward_ladder.load(backward_rung), config, args.dtype, arch):
+            raise LabError(f"backward {backward_rung} does not take {args.dtype} at head size {config.head_size} "
+                           f"on {arch}")
+    return forward_rung, backward_rung
+
+
+def load_weights(args, xp) -> gpt2.Checkpoint:
+    """float32 master weights: nanoGPT's initialization from a seed (gpt2.random_weights), or a checkpoint."""
+    if args.random_weights:
+        return gpt2.random_weights(args.size or "gpt2", seed=args.seed, xp=xp)
+    folder, file = checkpoint.locate(args.model or gpt2.DEFAULT_MODEL)
+    family = checkpoint.model_type(folder) or "gpt2"
+    if family != "gpt2":
+        raise LabError(f"{folder / 'config.json'}: model_type {family!r}; train.py trains GPT-2")
+    return load_folder(folder, xp=xp, name=args.model or gpt2.DEFAULT_MODEL, file=file)
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation, samples, the ceiling
+# ---------------------------------------------------------------------------------------------
+
+def cross_entropy(logits, targets) -> float:
+    """Mean cross-entropy of float32 logits (B, T, V) against targets (B, T)."""
+    xp = array_module(logits)
+    top = logits.max(axis=-1, keepdims=True)  # (B, T, 1)
+    lse = xp.log(xp.exp(logits - top).sum(axis=-1, keepdims=True)) + top  # (B, T, 1)
+    picked = xp.take_along_axis(logits, xp.asarray(targets)[..., None], axis=-1)  # (B, T, 1)
+    return float((lse - picked).mean())
+
+
+def evaluate(weights: dict, config, batches: Batches, n: int, attend) -> float:
+    """The mean loss of the first n batches (llm.c's val loader restarts at 0), forward only."""
+    return sum(cross_entropy(forward(weights, config, x, attend), y) for x, y in (batches[i] for i in range(n))) / n
+
+
+def sample(weights: dict, config, encoding, n_new: int, attend) -> str:
+    """Greedy tokens after <|endoftext|>, as llm.c samples, through the eager generation path."""
+    result = gpt2.generate(weights, config, [config.eos_token_id], n_new, attend=attend, fast=False)
+    return encoding.decode(result.tokens)
+
+
+def gemm_ceiling(xp, dtype: str, n: int = 8192) -> tuple[float, str]:
+    """TFLOP/s of an n^3 product in dtype through lm.products.matmul (cuBLAS: SGEMM without TF32, or
+    gemmEx with float32 accumulation), the median of 10 after 3 warm-ups, CUDA events."""
+    from lm.products import matmul
+
+    rng = xp.random.default_rng(0)
+    a, b = (rng.standard_normal((n, n), dtype=np.float32).astype(dtype) for _ in range(2))
+    for _ in range(3):
+        matmul(a, b)
+    times = []
+    for _ in range(10):
+        start, end = xp.cuda.Event(), xp.cuda.Event()
+        start.record()
+        matmul(a, b)
+        end.record()
+        end.synchronize()
+        times.append(xp.cuda.get_elapsed_time(start, end))
+    del a, b
+    what = f"lm.products.matmul {dtype} {n}^3 (cuBLAS, float32 accumulate, no TF32), median of 10, at start-up"
+    return 2 * n**3 / (float(np.median(times)) * 1e-3) / 1e12, what
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------
+
+def run(args) -> int:
+    check_args(args)
+    device = lab.pick_device(args.device)
+    if device == "gpu":
+        import cupy as xp
+    else:
+        xp = np
+        if args.kernel or args.backward:
+            raise LabError("--kernel and --backward run on the GPU; the CPU runs the reference attention and "
+                           "its backward")
+    ckpt = load_weights(args, xp)
+    config, params = ckpt.config, ckpt.params
+    if args.seq > config.n_positions:
+        raise LabError(f"--seq {args.seq} is longer than the model's {config.n_positions} positions")
+    train_batches = Batches(read_tokens(args.data, vocab_size=config.vocab_size), args.batch, args.seq,
+                            name=args.data)
+    val_batches = (Batches(read_tokens(args.val_data, vocab_size=config.vocab_size), args.batch, args.seq,
+                           name=args.val_data) if args.val_data else None)
+    if device == "gpu":
+        kernel, backward = pick_rungs(args, config, kernels.device_limits().arch)
+        attn = Attention.make(kernel=kernel, backward=backward)  # LabError where the pair cannot train
+        attend = lab.make_attend(kernel, args.dtype)  # the forward rung alone: evaluation and samples
+        ceiling, ceiling_what = gemm_ceiling(xp, args.dtype)
+        pool = xp.get_default_memory_pool()
+        pool.free_all_blocks()  # the load's and the ceiling's transients; from here the pool only grows
+    else:
+        kernel = backward = lab.REFERENCE
+        attn, attend = Attention.reference(), gpt2.reference_attend
+        ceiling, ceiling_what, pool = None, "none on the CPU: MFU not computed", None
+    if args.sample_every and config.eos_token_id >= config.vocab_size:  # found now, not after training
+        raise LabError(f"--sample-every: samples start at <|endoftext|> (id {config.eos_token_id}), outside the "
+                       f"model's vocabulary of {config.vocab_size}")
+    encoding = gpt2.load_tokenizer(ckpt.folder) if args.sample_every else None
+    opt = AdamW(params, weight_decay=args.weight_decay)
+    min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
+    n_params = ckpt.n_params
+    tokens_per_step = args.batch * args.seq * args.accum
+    flops_per_step = (6 * n_params + 6 * config.n_layer * config.n_embd * args.seq) * tokens_per_step
+
+    def sync():
+        if device == "gpu":
+            xp.cuda.Device().synchronize()
+
+    def eval_weights():
+        return params if args.dtype == "float32" else cast_params(params, args.dtype)
+
+    print(f"{ckpt.name}: {n_params:,} parameters, {args.dtype}, {device} ({lab.device_name(device)}), attention "
+          f"{kernel} / {backward}, B x T = {args.batch} x {args.seq} x {args.accum} micro-batches, "
+          f"{len(train_batches)} batches per pass over {args.data}")
+    log = {"losses": [], "lr": [], "grad_norm": [], "ms": [], "tokens_per_s": [], "mfu": [], "val_losses": []}
+    for step in range(args.steps):
+        lr = get_lr(step, lr=args.lr, min_lr=min_lr, warmup=args.warmup, steps=args.steps, schedule=args.lr_schedule)
+        sync()
+        start = time.perf_counter()
+        loss, grads = 0.0, None
+        for micro in range(args.accum):  # micro-batch j of step s is batch s * accum + j
+            x, y = train_batches[step * args.accum + micro]
+            micro_loss, micro_grads = loss_and_grads(params, config, xp.asarray(x), xp.asarray(y), attn,
+                                                     dtype=args.dtype)
+            loss += micro_loss / args.accum
+            if grads is None:  # a copy where more micro-batches add to it: the backward may reuse its arrays
+                grads = micro_grads if args.accum == 1 else {k: g.copy() for k, g in micro_grads.items()}
+            else:
+                for k, g in micro_grads.items():
+                    grads[k] += g
+        if args.accum > 1:
+            for g in grads.values():
+                g *= np.float32(1 / args.accum)
+        norm = clip_grad_norm(grads, args.grad_clip)
+        opt.step(params, grads, lr)
+        sync()
+        seconds = time.perf_counter() - start
+        mfu = flops_per_step / seconds / (ceiling * 1e12) if ceiling else None
+        for key, value in (("losses", loss), ("lr", lr), ("grad_norm", norm), ("ms", 1e3 * seconds),
+                           ("tokens_per_s", tokens_per_step / seconds), ("mfu", mfu)):
+            log[key].append(value)
+        print(f"step {step + 1:>{len(str(args.steps))}}/{args.steps} | loss {loss:.6f} | lr {lr:.2e} | norm {norm:.4f} "
+              f"| {1e3 * seconds:.1f} ms | {tokens_per_step / seconds:,.0f} tok/s"
+              + (f" | MFU {100 * mfu:.1f}%" if mfu is not None else ""), flush=True)
+        last = step + 1 == args.steps
+        if val_batches is not None and (last or (args.eval_every and (step + 1) % args.eval_every == 0)):
+            n = min(args.val_batches, len(val_batches))
+            val = evaluate(eval_weights(), config, val_batches, n, attend)
+            log["val_losses"].append({"step": step + 1, "loss": val})
+            print(f"val loss {val:.6f} ({n} batches of {args.val_data})", flush=True)
+        if args.sample_every and ((step + 1) % args.sample_every == 0 or last):
+            print(f"sample: {sample(eval_weights(), config, encoding, args.sample_tokens, attend)!r}", flush=True)
+
+    peak = pool.total_bytes() if pool is not None else None
+    later = log["ms"][1:] or log["ms"]  # the first step compiles the rungs
+    print(f"mean of step{f's 2-{args.steps}' if args.steps > 1 else ' 1'}: {np.mean(later):.1f} ms, {tokens_per_step / np.mean(later) * 1e3:,.0f} tok/s"
+          + (f", peak GPU memory {peak / 2**30:.2f} GiB" if peak is not None else ""))
+    if args.out:
+        gpt2.save(ckpt, args.out)
+        print(f"saved {args.out} (model.safetensors, config.json)")
+    if args.json:
+        summary = {"model": ckpt.name, "n_params": n_params, "model_config": asdict(config),
+                   "config": vars(args) | {"min_lr": min_lr},
+                   "device": device, "device_name": lab.device_name(device), "kernel": kernel, "backward": backward,
+                   "dtype": args.dtype, "tokens_per_step": tokens_per_step, "flop_convention": FLOP_CONVENTION,
+                   "flops_per_step": flops_per_step, "ceiling_tflops": ceiling, "ceiling_measure": ceiling_what,
+                   "timing": "host clock around each step, the device synchronized before and after; step 1 includes "
+                             "the rungs' compilation",
+                   **log, "peak_gpu_memory_bytes": peak, "peak_gpu_memory_measure": PEAK_MEASURE if peak is not None else None}
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+    return 0 if all(math.isfinite(v) for v in log["losses"]) else 1
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except (LabError, kernels.KernelCompileError) as exc:
+        sys.stdout.flush()
+        print(f"train.py: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
