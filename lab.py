@@ -46,6 +46,7 @@ from gpt2.model import cast_params
 from kernels import triton as triton_rungs
 from lm import checkpoint
 from lm.arrays import held_bytes
+from lm.cli import Parser, command
 from lm.family import Family, all_sizes, of_folder, of_size
 from lm.kv_cache import kv_cache_bytes
 from lm.measure import by_kind, copy_ceiling
@@ -58,14 +59,9 @@ DTYPES = ("float32", "float16", "bfloat16")
 FAMILIES = (gpt2.FAMILY, llama.FAMILY)  # chosen by config.json's model_type, or by --size
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not argparse's usage block
-        print(f"lab.py: error: {message} (see lab.py --help)", file=sys.stderr)
-        sys.exit(2)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
-    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = Parser(prog="lab.py", description=__doc__.split("\n\n")[0],
+               formatter_class=argparse.RawDescriptionHelpFormatter,
                epilog="\n".join(__doc__.split("\n\n")[1:2]))
     p.add_argument("--kernel", help="attention rung (v02, v02_pad_k, a .cu path; a Triton rung: t01, a .py path) "
                                     "or 'reference'; "
@@ -565,16 +561,8 @@ def main(argv=None) -> int:
         from benchmarks import watch
 
         return watch.main(argv[1:])
-    args = parse_args(argv)
-    try:
-        return run(args)
-    except (LabError, kernels.KernelCompileError) as exc:
-        sys.stdout.flush()
-        print(f"lab.py: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
+    return command("lab.py", run, parse_args(argv))
+
 
 
 if __name__ == "__main__":

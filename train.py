@@ -39,6 +39,7 @@ from kernels import backward as backward_ladder
 from lm import checkpoint
 from lm.adamw import AdamW, clip_grad_norm, get_lr
 from lm.arrays import array_module
+from lm.cli import Parser, command
 from lm.errors import LabError
 from lm.token_data import Batches, read_tokens
 
@@ -49,14 +50,8 @@ PEAK_MEASURE = ("CuPy memory pool high-water mark (total_bytes: the pool never r
                 "weights in place (the load's and the ceiling's transients returned first) to the end of training")
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not argparse's usage block
-        print(f"train.py: error: {message} (see train.py --help)", file=sys.stderr)
-        sys.exit(2)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
-    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = Parser(prog="train.py", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     p.add_argument("--data", required=True, help="training tokens: a .txt (GPT-2's BPE), a .npy of ids, or an "
                                                  "llm.c .bin")
@@ -131,38 +126,30 @@ def pick_rungs(args, config, arch: str) -> tuple[str, str]:
     """The forward rung (it must write the log-sum-exp) and the backward rung: those asked for, checked, or
     by default the newest whose declarations train here (lab.lse, trains_by_default), never a fixed list."""
     writers = [n for n in kernels.names() if kernels.load(n).lse]
-    if args.kernel is None:
-        able = [n for n in writers if trains_by_default(kernels.load(n), config, args.dtype, arch)]
+    forward_rung = pick(kernels, writers, args.kernel, "kernel", config, args.dtype, arch)
+    if not kernels.load(forward_rung).lse:
+        raise LabError(f"kernel {forward_rung} does not write the log-sum-exp the backward needs (lab.lse); "
+                       f"{', '.join(writers)} do")
+    return forward_rung, pick(backward_ladder, backward_ladder.names(), args.backward, "backward", config,
+                              args.dtype, arch)
+
+
+def pick(ladder, names: list[str], asked: str | None, flag: str, config, dtype: str, arch: str) -> str:
+    """The rung of `ladder` (kernels or kernels.backward) named by --flag, checked to take this model, or
+    by default the newest of `names` that trains_by_default."""
+    if asked is None:
+        able = [n for n in names if trains_by_default(ladder.load(n), config, dtype, arch)]
         if not able:
-            raise LabError(f"no forward rung that writes the log-sum-exp takes {args.dtype}, head size "
-                           f"{config.head_size} on {arch}")
-        forward_rung = able[-1]
-    else:
-        try:
-            forward_rung = kernels.resolve(args.kernel).stem
-        except ValueError as exc:
-            raise LabError(str(exc)) from None
-        rung = kernels.load(forward_rung)
-        if not rung.lse:
-            raise LabError(f"kernel {forward_rung} does not write the log-sum-exp the backward needs (lab.lse); "
-                           f"{', '.join(writers)} do")
-        if not takes(rung, config, args.dtype, arch):
-            raise LabError(f"kernel {forward_rung} does not take {args.dtype} at head size {config.head_size} on {arch}")
-    if args.backward is None:
-        able = [n for n in backward_ladder.names()
-                if trains_by_default(backward_ladder.load(n), config, args.dtype, arch)]
-        if not able:
-            raise LabError(f"no backward rung takes {args.dtype}, head size {config.head_size} on {arch}")
-        backward_rung = able[-1]
-    else:
-        try:
-            backward_rung = backward_ladder.resolve(args.backward).stem
-        except ValueError as exc:
-            raise LabError(str(exc)) from None
-        if not takes(backward_ladder.load(backward_rung), config, args.dtype, arch):
-            raise LabError(f"backward {backward_rung} does not take {args.dtype} at head size {config.head_size} "
-                           f"on {arch}")
-    return forward_rung, backward_rung
+            raise LabError(f"no {flag} rung takes {dtype}, head size {config.head_size} on {arch}"
+                           + (" and writes the log-sum-exp" if ladder is kernels else ""))
+        return able[-1]
+    try:
+        rung = ladder.resolve(asked).stem
+    except ValueError as exc:
+        raise LabError(str(exc)) from None
+    if not takes(ladder.load(rung), config, dtype, arch):
+        raise LabError(f"{flag} {rung} does not take {dtype} at head size {config.head_size} on {arch}")
+    return rung
 
 
 def load_weights(args, xp) -> gpt2.Checkpoint:
@@ -335,16 +322,7 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    try:
-        return run(args)
-    except (LabError, kernels.KernelCompileError) as exc:
-        sys.stdout.flush()
-        print(f"train.py: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
+    return command("train.py", run, parse_args(argv))
 
 
 if __name__ == "__main__":

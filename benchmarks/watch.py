@@ -33,6 +33,7 @@ from pathlib import Path
 
 import kernels
 from kernels import ladder
+from lm.cli import Parser
 
 from . import watch_report as report
 from .device import ROOT
@@ -41,12 +42,6 @@ from .watch_worker import parse_shape
 CPU_ARCHES = ("sm_90", "sm_80")  # as the CPU tests compile
 DEFAULT_SHAPES = ("8x1024", "1x8192")
 SETTLE = 0.05  # seconds a save must rest before it is read: an editor may write it in pieces
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not argparse's usage block
-        print(f"lab.py watch: error: {message} (see lab.py watch --help)", file=sys.stderr)
-        sys.exit(2)
 
 
 def parse_args(argv) -> argparse.Namespace:
