@@ -14,6 +14,14 @@ One step of a parameter p with gradient g (torch's _single_tensor_adamw, the sam
 
 The scalars are formed in double precision on the host and applied in float32, as torch applies a
 Python float to a float32 tensor. On CuPy the step of each parameter is one fused elementwise kernel.
+
+    opt = AdamW(params, multi_tensor=True)             CuPy: every tensor in two launches (kernels/fused/adamw.cu)
+    norm = opt.step(params, grads, lr, max_norm=1.0)   clipping and the update; the norm returned
+
+The multi-tensor path (opt-in) does the same arithmetic with the same roundings, bit for bit, in one
+launch for the global norm (and the clipping scale, on the device) and one for every tensor's update,
+where the per-tensor path takes a launch or two per tensor; it leaves the gradients unscaled (the scale
+is applied inside the update).
 """
 
 from __future__ import annotations
@@ -26,6 +34,10 @@ from .arrays import array_module
 
 BETAS = (0.9, 0.95)
 EPS = 1e-8
+THREADS = 256  # kernels/fused/adamw.cu's THREADS and CHUNK: a block takes CHUNK elements of one tensor
+CHUNK = THREADS * 32
+KERNELS = (f"adamw_sum_squares<{THREADS}>", f"adamw_step<{THREADS}>")
+OPTIONS = ("-fmad=false",)  # no contraction: the roundings of the NumPy form, as the per-tensor kernel's
 
 
 def decays(p) -> bool:
@@ -35,19 +47,29 @@ def decays(p) -> bool:
 
 class AdamW:
     def __init__(self, params: dict, *, weight_decay: float = 0.1, betas: tuple[float, float] = BETAS,
-                 eps: float = EPS):
+                 eps: float = EPS, multi_tensor: bool = False):
         self.weight_decay, self.betas, self.eps = weight_decay, betas, eps
         self.m = {k: array_module(p).zeros(p.shape, np.float32) for k, p in params.items()}
         self.v = {k: array_module(p).zeros(p.shape, np.float32) for k, p in params.items()}
         self.decay = {k: decays(p) for k, p in params.items()}
         self.t = 0  # steps taken
+        if multi_tensor and any(array_module(p) is np for p in params.values()):
+            raise ValueError("multi_tensor: the multi-tensor AdamW runs on CuPy arrays")
+        self.multi = MultiTensor(self.m, self.v, self.decay) if multi_tensor else None
 
-    def step(self, params: dict, grads: dict, lr: float) -> None:
-        """One update of every float32 parameter in place, from its float32 gradient."""
+    def step(self, params: dict, grads: dict, lr: float, max_norm: float | None = None) -> float | None:
+        """One update of every float32 parameter in place, from its float32 gradient. With max_norm, the
+        gradients are first clipped as clip_grad_norm(grads, max_norm) clips them, and the norm before
+        clipping is returned (max_norm <= 0: measured, not clipped)."""
         self.t += 1
         beta1, beta2 = self.betas
         step_size = lr / (1 - beta1 ** self.t)
         bias_correction2_sqrt = math.sqrt(1 - beta2 ** self.t)
+        if self.multi is not None:
+            scalars = (1 - lr * self.weight_decay, 1 - beta1, beta2, 1 - beta2, step_size, bias_correction2_sqrt,
+                       self.eps)
+            return self.multi.step(params, grads, max_norm, scalars)
+        norm = None if max_norm is None else clip_grad_norm(grads, max_norm)
         for name, p in params.items():
             wd = self.weight_decay if self.decay[name] else 0.0
             scalars = (1 - lr * wd, 1 - beta1, beta2, 1 - beta2, step_size, bias_correction2_sqrt, self.eps)
@@ -55,6 +77,7 @@ class AdamW:
                 _step_numpy(p, grads[name], self.m[name], self.v[name], *(np.float32(s) for s in scalars))
             else:
                 _step_kernel()(grads[name], *(np.float32(s) for s in scalars), p, self.m[name], self.v[name])
+        return norm
 
 
 def _step_numpy(p, g, m, v, keep, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps):
@@ -83,8 +106,62 @@ def _step_kernel():
             v = beta2 * v + one_minus_beta2 * (g * g);
             p = p - step_size * (m / (sqrtf(v) / bc2_sqrt + eps));
             """,
-            "lab_adamw_step", options=("-fmad=false",)))  # no contraction: the roundings of the NumPy form
+            "lab_adamw_step", options=OPTIONS))
     return _KERNEL[0]
+
+
+def chunk_tables(sizes) -> tuple[np.ndarray, np.ndarray]:
+    """(block_tensor, first_block), int32: for tensors of `sizes` elements cut into chunks of CHUNK, the
+    tensor of each block of adamw.cu's grid and the first block of each tensor."""
+    chunks = -(-np.asarray(sizes, dtype=np.int64) // CHUNK)
+    first_block = (np.cumsum(chunks) - chunks).astype(np.int32)
+    return np.repeat(np.arange(len(chunks), dtype=np.int32), chunks), first_block
+
+
+class MultiTensor:
+    """kernels/fused/adamw.cu's two launches over every tensor. The chunk tables, sizes and decay flags
+    are built once (the shapes are fixed); the table of addresses of p, g, m and v each step (the
+    gradients are new arrays each step), in one host-to-device copy."""
+
+    def __init__(self, m: dict, v: dict, decay: dict):
+        import cupy as cp
+
+        self.names = list(m)
+        sizes = [m[k].size for k in self.names]
+        block_tensor, first_block = chunk_tables(sizes)
+        self.blocks = len(block_tensor)
+        self.tables = tuple(cp.asarray(a) for a in (np.array(sizes, dtype=np.int64), block_tensor, first_block))
+        self.decays = cp.asarray(np.array([decay[k] for k in self.names], dtype=np.int32))
+        self.addresses = np.zeros((4, len(self.names)), dtype=np.uint64)  # rows p, g, m, v: adamw.cu's table
+        self.addresses[2:] = [[state[k].data.ptr for k in self.names] for state in (m, v)]
+        self.shapes = [m[k].shape for k in self.names]
+        self.partial = cp.empty(self.blocks, dtype=np.float32)
+        self.ticket = cp.zeros(1, dtype=np.uint32)  # adamw_sum_squares resets it after each launch
+        self.norm, self.scale, self.one = cp.empty(1, np.float64), cp.empty(1, np.float32), cp.ones(1, np.float32)
+
+    def step(self, params: dict, grads: dict, max_norm: float | None, scalars: tuple) -> float | None:
+        import cupy as cp
+
+        from kernels import fused
+
+        self.addresses[0] = [self.address(params, k, shape) for k, shape in zip(self.names, self.shapes)]
+        self.addresses[1] = [self.address(grads, k, shape) for k, shape in zip(self.names, self.shapes)]
+        table, n = cp.asarray(self.addresses), np.int32(len(self.names))
+        if max_norm is not None:
+            fused.launch(fused.function("adamw", KERNELS[0], OPTIONS), self.blocks, THREADS,
+                         (table, *self.tables, n, np.float64(max_norm), self.partial, self.ticket, self.norm,
+                          self.scale))
+        fused.launch(fused.function("adamw", KERNELS[1], OPTIONS), self.blocks, THREADS,
+                     (table, *self.tables, self.decays, n, self.one if max_norm is None else self.scale,
+                      *(np.float32(s) for s in scalars)))
+        return None if max_norm is None else float(self.norm[0])
+
+    @staticmethod
+    def address(arrays: dict, name: str, shape) -> int:
+        a = arrays[name]
+        if a.dtype != np.float32 or a.shape != shape or not a.flags.c_contiguous:
+            raise ValueError(f"multi_tensor: {name} is {a.dtype} {a.shape}, not contiguous float32 {shape}")
+        return a.data.ptr
 
 
 def clip_grad_norm(grads: dict, max_norm: float) -> float:
