@@ -37,7 +37,7 @@ from gpt2.load import load_folder
 from gpt2.model import cast_params, forward
 from kernels import backward as backward_ladder
 from lm import checkpoint
-from lm.adamw import AdamW, clip_grad_norm, get_lr
+from lm.adamw import AdamW, get_lr
 from lm.arrays import array_module
 from lm.cli import Parser, command
 from lm.errors import LabError
@@ -81,6 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine", help="after warmup (default cosine)")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's, on tensors of 2+ dimensions (default 0.1)")
     p.add_argument("--grad-clip", type=float, default=1.0, help="global-norm clipping; 0: none (default 1.0)")
+    p.add_argument("--multi-tensor", action="store_true",
+                   help="AdamW and clipping over every tensor in two launches (kernels/fused/adamw.cu), not a launch "
+                        "or two per tensor; GPU only")
     p.add_argument("--sample-every", type=int, default=0, help="print a greedy sample every N steps (default 0: never)")
     p.add_argument("--sample-tokens", type=int, default=32, help="tokens of each sample (default 32)")
     p.add_argument("--out", metavar="DIR", help="save model.safetensors and config.json (Hugging Face's layout)")
@@ -223,6 +226,8 @@ def run(args) -> int:
         if args.kernel or args.backward:
             raise LabError("--kernel and --backward run on the GPU; the CPU runs the reference attention and "
                            "its backward")
+        if args.multi_tensor:
+            raise LabError("--multi-tensor is AdamW's CUDA path; on the CPU AdamW runs in NumPy")
     ckpt = load_weights(args, xp)
     config, params = ckpt.config, ckpt.params
     if args.seq > config.n_positions:
@@ -246,7 +251,7 @@ def run(args) -> int:
         raise LabError(f"--sample-every: samples start at <|endoftext|> (id {config.eos_token_id}), outside the "
                        f"model's vocabulary of {config.vocab_size}")
     encoding = gpt2.load_tokenizer(ckpt.folder) if args.sample_every else None
-    opt = AdamW(params, weight_decay=args.weight_decay)
+    opt = AdamW(params, weight_decay=args.weight_decay, multi_tensor=args.multi_tensor)
     min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
     n_params = ckpt.n_params
     tokens_per_step = args.batch * args.seq * args.accum
@@ -281,8 +286,7 @@ def run(args) -> int:
         if args.accum > 1:
             for g in grads.values():
                 g *= np.float32(1 / args.accum)
-        norm = clip_grad_norm(grads, args.grad_clip)
-        opt.step(params, grads, lr)
+        norm = opt.step(params, grads, lr, max_norm=args.grad_clip)  # clipped first
         sync()
         seconds = time.perf_counter() - start
         mfu = flops_per_step / seconds / (ceiling * 1e12) if ceiling else None

@@ -3,9 +3,10 @@ nanoGPT-style PyTorch GPT-2 (benchmarks/torch_gpt2.py) eager and under torch.com
 
 Per dtype (bfloat16: mixed precision; float32: TF32 off everywhere) and per batch (B = 16 and the largest
 power of two up to --max-batch at which a lab step fits, T = 1024): one row per backward rung that takes
-the dtype and runs here (the forward rung: train.py's default), then `torch_eager` and `torch_compile`.
-A step is train.py's: forward and backward (gpt2.backward.loss_and_grads), global-norm clipping and AdamW
-on float32 master weights. Each row: the step's median time (CUDA events, warm-up first, no L2 flush: a
+the dtype and runs here (the forward rung: train.py's default), the default backward rung again with
+train.py --multi-tensor's AdamW (MULTI_TENSOR, variant_of that rung's row), then `torch_eager` and
+`torch_compile`. A step is train.py's: forward and backward (gpt2.backward.loss_and_grads), global-norm
+clipping and AdamW on float32 master weights. Each row: the step's median time (CUDA events, warm-up first, no L2 flush: a
 step is far larger than L2), tokens/s, MFU against the run's measured GEMM ceiling of the dtype, and
 peak memory. Then a short run's losses, lab and torch_eager on the same batches of the lab's own docs,
 for the loss-curve plot. --quick: B = 16 alone, fewer steps, no loss curve (bfloat16 unless --dtypes);
@@ -21,7 +22,7 @@ import numpy as np
 
 import kernels
 from kernels import backward as backward_ladder
-from lm.adamw import AdamW, clip_grad_norm, get_lr
+from lm.adamw import AdamW, get_lr
 from lm.arrays import held_bytes
 from lm.token_data import Batches
 
@@ -36,6 +37,7 @@ T = 1024
 MEMORY_MEASURE = ("lab: CuPy memory pool high-water mark (total_bytes; the pool emptied before the row), less the "
                   "weights every row copies from (the run's own float32 master weights are counted); torch: "
                   "torch.cuda.max_memory_reserved (its caching allocator's high-water mark, reset before the row)")
+MULTI_TENSOR = "multi-tensor AdamW"  # the optimizer of the extra row (lm/adamw.py's multi_tensor path)
 CURVE_DOCS = ("README.md", "docs")  # the text of the loss curve: the lab's own Markdown, tokenized
 
 
@@ -78,8 +80,7 @@ def batches_for(B: int, seed: int = 0):
 def lab_step(params, config, attn, dtype: str, idx, targets, opt, lr: float = 6e-4):
     """One step as train.py takes it; returns the loss."""
     loss, grads = driver().loss_and_grads(params, config, idx, targets, attn, dtype=dtype)
-    clip_grad_norm(grads, 1.0)
-    opt.step(params, grads, lr)
+    opt.step(params, grads, lr, max_norm=1.0)
     return loss
 
 
@@ -87,16 +88,19 @@ def oom(exc: BaseException) -> bool:
     return "out of memory" in str(exc).lower() or type(exc).__name__ == "OutOfMemoryError"
 
 
-def lab_row(ckpt, dtype: str, forward: str, backward: str, B: int, method) -> dict:
+def lab_row(ckpt, dtype: str, forward: str, backward: str, B: int, method, multi_tensor: bool = False) -> dict:
     cupy = device.get_cupy()
     r = {"name": backward, "kind": "rung", "label": backward, "forward": forward, "dtype": dtype, "B": B, "T": T,
          "status": None}
+    if multi_tensor:
+        r |= {"name": f"{backward} + {MULTI_TENSOR}", "label": f"{backward} + {MULTI_TENSOR}", "variant_of": backward,
+              "optimizer": MULTI_TENSOR}
     device.release_memory()
     pool = cupy.get_default_memory_pool()
     params = {k: v.copy() for k, v in ckpt.params.items()}
     try:
         attn = driver().Attention.make(kernel=forward, backward=backward)
-        opt = AdamW(params)
+        opt = AdamW(params, multi_tensor=multi_tensor)
         idx, targets = batches_for(B)
         r["timing"] = timing.time_gpu(lambda: lab_step(params, ckpt.config, attn, dtype, idx, targets, opt),
                                       stream=cupy.cuda.get_current_stream(), flush=timing.no_flush, method=method)
@@ -210,6 +214,7 @@ def cmd_train(args) -> int:
                  f" and {biggest} (the largest that fits, up to {args.max_batch})"))
         for B in dict.fromkeys((16, biggest)):
             case = [lab_row(ckpt, dtype, forward, name, B, method) for name in rungs_for(dtype, dev["arch"])]
+            case.append(lab_row(ckpt, dtype, forward, default_backward, B, method, multi_tensor=True))
             case += [torch_row(name, ckpt, dtype, B, method) for name in PEERS]
             for r in case:
                 r["flops"] = step_flops(ckpt.config, ckpt.n_params, B, T)
@@ -228,7 +233,8 @@ def cmd_train(args) -> int:
         "n_params": ckpt.n_params, "flop_convention": driver().FLOP_CONVENTION, "ceilings": measured,
         "method": method.describe(0) | {"l2_flush": "none: a step is far larger than L2", "timed": (
             "one training step: forward, backward, global-norm clipping (1.0) and AdamW (lr 6e-4, weight decay 0.1); "
-            "lab: gpt2.backward.loss_and_grads + lm.adamw on float32 master weights; torch: nanoGPT's step "
+            "lab: gpt2.backward.loss_and_grads + lm.adamw on float32 master weights (per tensor; the "
+            f"{MULTI_TENSOR} row: every tensor in two launches); torch: nanoGPT's step "
             "(benchmarks/torch_gpt2.py: SDPA, bf16 autocast, fused AdamW)"), "memory": MEMORY_MEASURE},
         "dtypes": dtypes, "quick": args.quick, "T": T, "seed": args.seed, "rows": rows, "loss_curve": curve,
         "compile_seconds": kernels.runtime.compile_seconds - compile_before,
@@ -289,7 +295,7 @@ def render_train(result: dict, image: str | None = None) -> str:
         if r["status"] == "ok":
             body.append([r["dtype"], r["B"], name, fmt_ms(r["timing"]["median_ms"]), f"{r['tokens_per_s']:,.0f}",
                          f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-", f"{r['peak_bytes'] / 2**30:.2f}",
-                         *[fmt_x(r["speedup"].get(p)) for p in PEERS], f"forward {r['forward']}" if r.get("forward") else ""])
+                         *[fmt_x(r["speedup"].get(p)) for p in PEERS], note(r)])
         else:
             body.append([r["dtype"], r["B"], name, f"**{r['status']}**", "-", "-", "-", *["-" for _ in PEERS],
                          r.get("reason", "")])
@@ -302,6 +308,11 @@ def render_train(result: dict, image: str | None = None) -> str:
         if image:
             lines += ["", f"![loss curve]({image})"]
     return "\n".join(lines)
+
+
+def note(r: dict) -> str:
+    """A lab row's note: its forward rung, and the optimizer where not the per-tensor default."""
+    return ", ".join(x for x in (f"forward {r['forward']}" if r.get("forward") else "", r.get("optimizer", "")) if x)
 
 
 def plot_loss_curve(plt, result: dict):

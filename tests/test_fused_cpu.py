@@ -16,6 +16,7 @@ import gpt2.fast as fast
 from gpt2 import GPT2Config, Sampler, train_kernels
 from gpt2.load import expected_shapes
 from kernels import KernelCompileError, fused
+from lm import adamw
 from lm.switch import ASKED, ON, Switch, decide
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,6 +43,20 @@ def test_every_training_kernel_compiles_without_spills(expr, arch):
     r = fused.compile_report("train", expr, arch)
     assert 0 < r.registers <= 128, r  # LN_THREADS = 256: at least two blocks an SM
     assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0, r
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("expr", adamw.KERNELS)
+def test_the_multi_tensor_adamw_compiles_without_spills(expr, arch):
+    r = fused.compile_report("adamw", expr, arch, adamw.OPTIONS)
+    assert 0 < r.registers <= 64, r  # 256 threads: eight blocks an SM
+    assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0, r
+
+
+def test_the_multi_tensor_adamw_step_rounds_every_operation():
+    """-fmad=false as the per-tensor ElementwiseKernel: no multiply-add contracted, so that both round alike."""
+    text = fused.ptx("adamw", adamw.KERNELS[1], "sm_90", adamw.OPTIONS)
+    assert "fma." not in text and "mul.rn.ftz.f32" in text and "sqrt.rn.ftz.f32" in text
 
 
 @pytest.mark.parametrize("key", sorted(fast.gemm_expressions()))
@@ -94,7 +109,7 @@ def test_the_engines_and_the_training_pass_launch_every_fused_file():
 
     llama_files = {file for config in llama.SIZES.values() for dtype in llama.fast.DTYPES
                    for file, _ in llama.fast.kernel_expressions(config, dtype).values()}
-    used = {file for file, _ in CASES} | {file for file, _ in fast.gemm_expressions().values()} | llama_files | {"train"}
+    used = {file for file, _ in CASES} | {file for file, _ in fast.gemm_expressions().values()} | llama_files | {"train", "adamw"}
     assert used == set(fused.names()), f"fused kernels nothing launches: {set(fused.names()) - used}"
 
 

@@ -18,6 +18,7 @@ import pytest
 import gpt2
 from gpt2 import GPT2Config
 from gpt2.load import random_weights, save
+from lm import adamw
 from lm.adamw import AdamW, clip_grad_norm, get_lr
 from lm.errors import LabError
 from lm.token_data import Batches, read_tokens, write_bin
@@ -100,6 +101,76 @@ def test_clip_grad_norm_semantics():
     np.testing.assert_allclose(g["b"], [[4.0 / (5.0 + 1e-6)]], rtol=1e-6)
     assert clip_grad_norm(g, 0.0) == pytest.approx(1.0, rel=1e-5)  # 0: measured, not clipped
     np.testing.assert_allclose(g["b"], [[4.0 / (5.0 + 1e-6)]], rtol=1e-6)
+
+
+# kernels/fused/adamw.cu's grid, emulated: block b takes tensor block_tensor[b], chunk b - first_block[t],
+# thread i the elements start + i, start + i + THREADS, ... below the chunk's end.
+AWKWARD = [(1,), (17,), (768,), (50257, 768), (3, 2 * adamw.CHUNK + 5)]
+
+
+def kernel_elements(block_tensor, first_block, sizes, b):
+    """(t, the flat indices block b touches, thread by thread), as adamw.cu's chunk_of and loops compute them."""
+    t = int(block_tensor[b])
+    start = (b - int(first_block[t])) * adamw.CHUNK
+    end = min(int(sizes[t]), start + adamw.CHUNK)
+    return t, np.concatenate([np.arange(start + i, end, adamw.THREADS, dtype=np.int64) for i in range(adamw.THREADS)])
+
+
+def test_the_multi_tensor_grid_covers_every_element_once():
+    sizes = [math.prod(s) for s in AWKWARD]
+    block_tensor, first_block = adamw.chunk_tables(sizes)
+    assert len(block_tensor) == sum(-(-n // adamw.CHUNK) for n in sizes)
+    seen = [np.zeros(n, dtype=np.uint8) for n in sizes]
+    for b in range(len(block_tensor)):
+        t, idx = kernel_elements(block_tensor, first_block, sizes, b)
+        seen[t][idx] += 1
+    assert all((s == 1).all() for s in seen)
+
+
+def test_the_multi_tensor_emulation_equals_the_per_tensor_step_and_norm():
+    """The kernels' arithmetic through their index arithmetic, in NumPy (the 50257 x 768 table aside: its
+    coverage is checked above): the norm from per-block float32 partials summed in double, the step with
+    the clip scale applied to g first, bit for bit the per-tensor path's (clip_grad_norm, AdamW.step)."""
+    rng = np.random.default_rng(3)
+    shapes = [s for s in AWKWARD if s != (50257, 768)]
+    params = {f"t{i}": rng.standard_normal(s).astype(np.float32) for i, s in enumerate(shapes)}
+    got = {k: v.copy() for k, v in params.items()}
+    ref = {k: v.copy() for k, v in params.items()}
+    emulated, per_tensor = AdamW(got, weight_decay=0.1), AdamW(ref, weight_decay=0.1)
+    sizes, names = [p.size for p in params.values()], list(params)
+    block_tensor, first_block = adamw.chunk_tables(sizes)
+    for step, (scale, lr) in enumerate([(30.0, 1e-2), (1e-4, 5e-3), (10.0, 2e-3)], start=1):
+        grads = {k: (rng.standard_normal(v.shape) * scale).astype(np.float32) for k, v in params.items()}
+        partial = np.zeros(len(block_tensor), dtype=np.float32)
+        for b in range(len(block_tensor)):
+            t, idx = kernel_elements(block_tensor, first_block, sizes, b)
+            x = grads[names[t]].ravel()[idx]
+            partial[b] = np.sum(x * x, dtype=np.float32)
+        norm = math.sqrt(float(partial.astype(np.float64).sum()))
+        coef = 1.0 / (norm + 1e-6)
+        clip = np.float32(coef) if coef < 1 else np.float32(1)
+        want_norm = clip_grad_norm({k: g.copy() for k, g in grads.items()}, 1.0)
+        assert norm == pytest.approx(want_norm, rel=1e-6)
+        assert (coef < 1) == (step != 2)
+        # the per-tensor path with the scale the device computes from its own norm
+        ref_grads = {k: g * clip for k, g in grads.items()}
+        per_tensor.step(ref, ref_grads, lr)
+        emulated.t += 1
+        beta1, beta2 = emulated.betas
+        for b in range(len(block_tensor)):
+            t, idx = kernel_elements(block_tensor, first_block, sizes, b)
+            k = names[t]
+            flat = [a.reshape(-1) for a in (got[k], emulated.m[k], emulated.v[k])]
+            p, m, v = (a[idx] for a in flat)
+            keep = 1 - lr * (emulated.weight_decay if emulated.decay[k] else 0.0)
+            scalars = (keep, 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1 ** step), math.sqrt(1 - beta2 ** step),
+                       emulated.eps)
+            adamw._step_numpy(p, grads[k].ravel()[idx] * clip, m, v, *(np.float32(s) for s in scalars))
+            for a, new in zip(flat, (p, m, v)):
+                a[idx] = new
+        for k in params:
+            for a, b in ((got[k], ref[k]), (emulated.m[k], per_tensor.m[k]), (emulated.v[k], per_tensor.v[k])):
+                assert (a.view(np.uint32) == b.view(np.uint32)).all(), k
 
 
 def test_schedule():
