@@ -26,7 +26,9 @@ in this process.
   train-float32, train-bfloat16
                    GPT-2's training pass (gpt2/backward.py) with its fused kernels (kernels/fused/train.cu) on
                    GPT-2 small's widths, two layers, a vocabulary of 1,000 and B x T = 2 x 97, the reference
-                   attention: loss and gradients finite and near the array code's
+                   attention: loss and gradients finite and near the array code's; then two steps of the
+                   multi-tensor AdamW (kernels/fused/adamw.cu) on those gradients, one clipped, bit for bit
+                   the per-tensor path's
 The fused kernels are compiled with -lineinfo (line tables, the same instructions), so that a report
 names their source lines.
 
@@ -362,7 +364,8 @@ def llama_step(cp, name: str, dtype: str) -> list[str]:
 
 
 def training_pass(cp, name: str, dtype: str) -> list[str]:
-    """loss_and_grads with the fused kernels against the array code, on one batch."""
+    """loss_and_grads with the fused kernels against the array code, on one batch; then AdamW's multi-tensor
+    steps on its gradients (adamw_steps)."""
     from dataclasses import replace
 
     import gpt2
@@ -382,6 +385,29 @@ def training_pass(cp, name: str, dtype: str) -> list[str]:
     problems = not_finite(cp, **grads)
     if not abs(loss - want) <= tolerance * abs(want) or not worst <= tolerance:
         problems.append(f"loss {loss} or gradients (worst {worst:.1e}) off the array code's by more than {tolerance}")
+    return problems + adamw_steps(cp, name, params, grads)
+
+
+def adamw_steps(cp, name: str, params: dict, grads: dict) -> list[str]:
+    """Two multi-tensor AdamW steps on the pass's gradients, clipped (max_norm far below their norm) and
+    not, against the per-tensor path scaled by the multi-tensor norm's coefficient: the same bits."""
+    from lm.adamw import AdamW
+
+    got, want = ({k: p.copy() for k, p in params.items()} for _ in range(2))
+    multi, per_tensor, problems = AdamW(got, multi_tensor=True), AdamW(want), []
+    for max_norm in (1e-3, 1e6):
+        ref_grads = {k: g.copy() for k, g in grads.items()}
+        norm = multi.step(got, grads, 6e-4, max_norm=max_norm)
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1:
+            for g in ref_grads.values():
+                g *= np.float32(coef)
+        per_tensor.step(want, ref_grads, 6e-4)
+        differ = [k for k in got if not bool((got[k].view(cp.uint32) == want[k].view(cp.uint32)).all())]
+        print(f"  {name}: multi-tensor AdamW, max_norm {max_norm:g} (norm {norm:.5g}): {len(differ)} of {len(got)} "
+              "tensors differ from the per-tensor path's", flush=True)
+        if differ:
+            problems.append(f"multi-tensor AdamW at max_norm {max_norm:g}: {', '.join(differ[:3])} differ")
     return problems
 
 
@@ -391,11 +417,11 @@ PREFILL = ("embed", "add_layernorm", "bias", "bias_gelu", "kv_store", "merge_hea
 def launched_files(kind: str, config, dtype: str, gemm: bool) -> list[str]:
     """The kernels/fused files an engine target's workload launches (gpt2/fast/plan.py's expressions, by
     key): a fused target every kernel but decode_step (gemm.cu's too where it runs the no-cache mode), a
-    step target the prefill's and decode_step, a train target train.cu."""
+    step target the prefill's and decode_step, a train target train.cu and adamw.cu."""
     import gpt2.fast as fast
 
     if kind == "train":
-        return ["train"]
+        return ["adamw", "train"]
     if kind == "llama":
         import llama.fast
 
