@@ -9,6 +9,9 @@
 #   tools/train_device.sh full bfloat16    bench.py train's bfloat16 table: B = 16 and the largest B that fits,
 #                                          the loss curve (~5 min)
 #   tools/train_device.sh full float32     its float32 table, TF32 off (~5-6 min)
+#   tools/train_device.sh adamw            the multi-tensor AdamW: tests/test_adamw_gpu.py (bit for bit the
+#                                          per-tensor path), then tools/train_step_profile.py (the pass, and
+#                                          the optimizer per tensor and multi-tensor) (~2-3 min)
 #
 # The full runs' result files (and the bfloat16 run's loss-curve PNG) go into results/; bench.py readme then
 # writes docs/training.md's table from the newest full run of each dtype. Exit status: nonzero if any step failed.
@@ -28,8 +31,15 @@ case "${1:-check}" in
     dtype=${2:?usage: tools/train_device.sh full bfloat16|float32}
     python3 bench.py train --dtypes "$dtype" --results "$OUT" 2>&1 | tee "$OUT/bench_train_$dtype.log"
     ;;
+  adamw)
+    python3 -m pytest -q -s -rs tests/test_adamw_gpu.py 2>&1 | tee "$OUT/adamw_tests.log"
+    tests=$?
+    python3 tools/train_step_profile.py --out "$OUT" 2>&1 | tee "$OUT/train_step_profile.log"
+    profile=$?
+    exit $(( tests || profile ))
+    ;;
   *)
-    echo "usage: tools/train_device.sh [check | full bfloat16 | full float32]" >&2
+    echo "usage: tools/train_device.sh [check | full bfloat16 | full float32 | adamw]" >&2
     exit 2
     ;;
 esac

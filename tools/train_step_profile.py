@@ -12,7 +12,10 @@ forward (embedding to ln_f), classifier (logits, softmax and loss, its two backw
 (ln_f's backward to the embeddings'); and across the pass: attention (the forward and backward rungs),
 products (every cuBLAS product outside the classifier), the rest (everything else: the non-GEMM work
 the fused kernels take, and Python); pool_gib, the CuPy memory pool's high-water mark (emptied before each
-mode; the weights included). Writes train_step_profile.json to $OUT (or --out) when given.
+mode; the weights included). Then the optimizer apart: clipping at 1.0 and AdamW on one pass's gradients
+(a fresh copy each call, so that every call clips), lm/adamw.py per tensor and multi-tensor, events
+around the call (which ends by reading the norm back) and the host's clock. Writes
+train_step_profile.json to $OUT (or --out) when given.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -76,6 +80,33 @@ class Phases:
         return ms
 
 
+def time_optimizer(cp, params, grads, repeats: int) -> dict:
+    """{mode: {events_ms, host_ms}}: the median of `repeats` calls of AdamW.step(..., max_norm=1.0), per
+    tensor and multi-tensor, each on a fresh copy of the weights (its own state) after one warm-up call."""
+    from lm.adamw import AdamW
+
+    times = {}
+    for mode, multi_tensor in (("per-tensor", False), ("multi-tensor", True)):
+        weights = {k: p.copy() for k, p in params.items()}
+        opt, events, host = AdamW(weights, multi_tensor=multi_tensor), [], []
+        for i in range(repeats + 1):
+            fresh = {k: g.copy() for k, g in grads.items()}
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            cp.cuda.Device().synchronize()
+            began = time.perf_counter()
+            start.record()
+            opt.step(weights, fresh, 6e-4, max_norm=1.0)
+            end.record()
+            end.synchronize()
+            if i:  # the first call compiles
+                host.append(1e3 * (time.perf_counter() - began))
+                events.append(cp.cuda.get_elapsed_time(start, end))
+        times[mode] = {"events_ms": statistics.median(events), "host_ms": statistics.median(host)}
+        del weights, opt
+        cp.get_default_memory_pool().free_all_blocks()
+    return times
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", default="gpt2")
@@ -122,6 +153,8 @@ def main(argv=None) -> int:
         results[mode] = median
         cp.get_default_memory_pool().free_all_blocks()
     backward.CLASSIFIER_BYTES = default_bytes
+    optimizer = time_optimizer(cp, params, backward.loss_and_grads(params, config, idx, targets, attn, args.dtype)[1],
+                               args.repeats)
     device = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())["name"].decode()
     print(f"{device}, {args.size} {args.dtype}, B x T = {args.batch} x {args.seq}, attention {attn.name}, "
           f"median of {args.repeats} (ms)")
@@ -129,11 +162,13 @@ def main(argv=None) -> int:
     print(f"{'':16s}" + "".join(f"{k:>14s}" for k in keys))
     for mode, ms in results.items():
         print(f"{mode:16s}" + "".join(f"{ms.get(k, 0.0):14.1f}" for k in keys))
+    print("optimizer (clipping + AdamW), median ms: " + ", ".join(
+        f"{mode} {t['events_ms']:.2f} (host {t['host_ms']:.2f})" for mode, t in optimizer.items()))
     if args.out:
         path = Path(args.out) / "train_step_profile.json"
         path.write_text(json.dumps({"device": device, "size": args.size, "dtype": args.dtype, "batch": args.batch,
                                     "seq": args.seq, "attention": attn.name, "repeats": args.repeats,
-                                    "ms": results}, indent=2))
+                                    "ms": results, "optimizer_ms": optimizer}, indent=2))
         print(f"wrote {path}")
     return 0
 
