@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ import pytest
 import gpt2
 from gpt2 import GPT2Config
 from gpt2.load import random_weights, save
+from kernels import fused
 from lm import adamw
 from lm.adamw import AdamW, clip_grad_norm, get_lr
 from lm.errors import LabError
@@ -173,6 +175,73 @@ def test_the_multi_tensor_emulation_equals_the_per_tensor_step_and_norm():
         for k in params:
             for a, b in ((got[k], ref[k]), (emulated.m[k], per_tensor.m[k]), (emulated.v[k], per_tensor.v[k])):
                 assert (a.view(np.uint32) == b.view(np.uint32)).all(), k
+
+
+class OnDevice(np.ndarray):
+    """A NumPy array with CuPy's .data.ptr: MultiTensor's tables hold real addresses, resolved by EmulatedDevice."""
+
+    @property
+    def data(self):
+        return SimpleNamespace(ptr=self.ctypes.data)
+
+
+class EmulatedDevice:
+    """fused.function and fused.launch for adamw.cu, run in NumPy: the kernels' arguments unpacked in
+    their signatures' order, each table address resolved to the array it came from."""
+
+    def __init__(self, *dicts):
+        self.arrays = {a.ctypes.data: a.reshape(-1) for d in dicts for a in d.values()}
+
+    def launch(self, expression, grid, block, args):
+        assert block == adamw.THREADS and grid == len(args[2])
+        table, sizes, block_tensor, first_block = args[:4]
+        n = int(args[5] if expression == adamw.KERNELS[1] else args[4])
+        rows = [[self.arrays[int(a)] for a in table.reshape(4, n)[r]] for r in range(4)]
+        elements = [kernel_elements(block_tensor, first_block, sizes, b) for b in range(grid)]
+        if expression == adamw.KERNELS[0]:
+            max_norm, partial, ticket, out, scale = args[5:]
+            for b, (t, idx) in enumerate(elements):
+                partial[b] = np.sum(rows[1][t][idx] ** 2, dtype=np.float32)
+            out[0] = math.sqrt(float(partial.astype(np.float64).sum()))
+            coef = max_norm / (out[0] + 1e-6)
+            scale[0] = coef if max_norm > 0 and coef < 1 else 1.0
+            assert ticket[0] == 0
+        else:
+            decays, _, scale, keep, *scalars = args[4:]
+            for t, idx in elements:
+                p, g, m, v = (row[t] for row in rows)
+                pi, mi, vi = p[idx], m[idx], v[idx]
+                adamw._step_numpy(pi, g[idx] * scale[0], mi, vi, keep if decays[t] else np.float32(1), *scalars)
+                p[idx], m[idx], v[idx] = pi, mi, vi
+
+
+def test_multi_tensor_host_side_on_an_emulated_device(monkeypatch):
+    """MultiTensor's tables and launches (lm/adamw.py) with NumPy for CuPy and the kernels emulated:
+    bit for bit the per-tensor path over clipped, unclipped and unmeasured steps."""
+    fake = SimpleNamespace(asarray=lambda a: np.array(a).view(OnDevice), empty=np.empty, zeros=np.zeros,
+                           ones=np.ones)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    rng = np.random.default_rng(4)
+    shapes = [s for s in AWKWARD if s != (50257, 768)]
+    params = {f"t{i}": rng.standard_normal(s).astype(np.float32).view(OnDevice) for i, s in enumerate(shapes)}
+    ref = {k: np.array(v) for k, v in params.items()}
+    opt, per_tensor = AdamW(params), AdamW(ref)
+    opt.m, opt.v = ({k: a.view(OnDevice) for k, a in state.items()} for state in (opt.m, opt.v))
+    opt.multi = adamw.MultiTensor(opt.m, opt.v, opt.decay)
+    for scale, lr, max_norm in [(30.0, 1e-2, 1.0), (1e-4, 5e-3, 1.0), (10.0, 2e-3, None), (10.0, 1e-3, 0.0)]:
+        grads = {k: (rng.standard_normal(v.shape) * scale).astype(np.float32).view(OnDevice) for k, v in params.items()}
+        device = EmulatedDevice(params, grads, opt.m, opt.v)
+        monkeypatch.setattr(fused, "function", lambda name, expression, options: expression)
+        monkeypatch.setattr(fused, "launch", device.launch)
+        ref_grads = {k: np.array(g) for k, g in grads.items()}
+        norm = opt.step(params, grads, lr, max_norm=max_norm)
+        assert (norm is None) == (max_norm is None)
+        if max_norm and max_norm / (norm + 1e-6) < 1:
+            for g in ref_grads.values():
+                g *= np.float32(max_norm / (norm + 1e-6))
+        per_tensor.step(ref, ref_grads, lr)
+        for k in params:
+            assert (np.asarray(params[k]).view(np.uint32) == ref[k].view(np.uint32)).all(), k
 
 
 def test_schedule():
