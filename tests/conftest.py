@@ -1,3 +1,10 @@
+"""GPU tests are marked `gpu` and skip where no CUDA device is present. On a device, two tiers
+(tests/tiers.py, docs/ladder.md#testing):
+
+    python3 -m pytest -q -m "gpu and not exhaustive" -n 8   # quick: every rung, kernel and engine, a few awkward shapes
+    python3 -m pytest -q -m gpu -n 8                         # the whole suite, exhaustive matrices too
+"""
+
 import sys
 from pathlib import Path
 

@@ -20,6 +20,7 @@ import pytest
 import kernels
 from kernels import backward
 from kernels.backward import launcher
+from tests.tiers import first_of_each_rung, tiered
 
 pytestmark = pytest.mark.gpu
 
@@ -43,6 +44,7 @@ SHAPES = [  # B, NH, NH_kv, T_q, T_k, causal
     (1, 4, 1, 257, 257, True),  # grouped-query heads, 4 a group
     (2, 6, 2, 300, 300, False),
 ]
+QUICK_SHAPES = [SHAPES[0], SHAPES[3], SHAPES[9], SHAPES[11]]  # T = 1, non-causal 97, causal cross, grouped heads
 
 
 def shape_id(shape):
@@ -124,7 +126,7 @@ def check_gradients(name, q, k, v, do, *, causal=True, scale=None, config=None, 
 
 
 @pytest.mark.parametrize("name,d,dtype", CASES)
-@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+@pytest.mark.parametrize("shape", tiered(SHAPES, quick=QUICK_SHAPES, unpack=False), ids=shape_id)
 def test_backward_rung_matches_float64(name, d, dtype, shape):
     import cupy as cp
 
@@ -132,6 +134,7 @@ def test_backward_rung_matches_float64(name, d, dtype, shape):
     check_gradients(name, *random_inputs(cp, B, NH, NH_kv, T_q, T_k, d, dtype), causal=causal)
 
 
+@pytest.mark.exhaustive  # every configuration: the quick tier runs the ones the launcher picks
 @pytest.mark.parametrize("name", RUNGS)
 def test_backward_rung_every_declared_config(name):
     import cupy as cp
@@ -163,7 +166,7 @@ DETERMINISTIC = [(name, d, dtype) for name, d, dtype in CASES
                  if any(backward.load(name).is_deterministic(c) for c in backward.load(name).configs_for(d, dtype))]
 
 
-@pytest.mark.parametrize("name,d,dtype", DETERMINISTIC)
+@pytest.mark.parametrize("name,d,dtype", tiered(DETERMINISTIC, quick=first_of_each_rung(DETERMINISTIC)))
 def test_deterministic_backward_gives_identical_bits(name, d, dtype):
     """deterministic=True: 50 runs give the same bits in dq, dk and dv (dQ summed in a fixed order),
     at a length where many key tiles add into each query tile, with grouped-query heads; and within the
@@ -193,7 +196,7 @@ def forward_rung(dtype: str, d: int) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("name,d,dtype", CASES)
+@pytest.mark.parametrize("name,d,dtype", tiered(CASES, quick=first_of_each_rung(CASES)))
 @pytest.mark.parametrize("causal", [True, False])
 def test_backward_after_a_forward_rung(name, d, dtype, causal):
     """The forward rung's o and lse into the backward rung, against the float64 forward and backward:

@@ -18,6 +18,7 @@ import pytest
 import gpt2
 import kernels
 import lab
+from tests.tiers import first_of_each_rung, tiered
 
 pytestmark = pytest.mark.gpu
 
@@ -77,11 +78,11 @@ def check_general(q, k, v, name, *, causal=True, scale=None, config=None):
 # -- the decode rung ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name,d,dtype", decode_cases())
-@pytest.mark.parametrize("NH,NH_kv", [(12, 12), (32, 8), (8, 1)])
-@pytest.mark.parametrize("T_k", [1, 17, 257, 1000, 1024, 4096])
-@pytest.mark.parametrize("T_q", [1, 2, 7, 16])
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize("name,d,dtype", decode_cases())  # quick: every case, grouped heads, causal, awkward lengths
+@pytest.mark.parametrize("NH,NH_kv", tiered([(12, 12), (32, 8), (8, 1)], quick=[(32, 8)]))
+@pytest.mark.parametrize("T_k", tiered([1, 17, 257, 1000, 1024, 4096], quick=[1, 257, 4096]))
+@pytest.mark.parametrize("T_q", tiered([1, 2, 7, 16], quick=[1, 7]))
+@pytest.mark.parametrize("causal", tiered([True, False], quick=[True]), ids=["causal", "noncausal"])
 def test_decode_matches_reference(name, d, dtype, NH, NH_kv, T_k, T_q, causal):
     import cupy as cp
 
@@ -89,7 +90,7 @@ def test_decode_matches_reference(name, d, dtype, NH, NH_kv, T_k, T_q, causal):
     check_general(q, k, v, name, causal=causal)
 
 
-@pytest.mark.parametrize("name,d,dtype", decode_cases())
+@pytest.mark.parametrize("name,d,dtype", tiered(decode_cases(), quick=first_of_each_rung(decode_cases())))
 @pytest.mark.parametrize("T_q", [1, 2])
 @pytest.mark.parametrize("T_k", [17, 300])
 def test_decode_query_heads_sharing_kv_heads_in_one_block(name, d, dtype, T_q, T_k):
@@ -102,7 +103,7 @@ def test_decode_query_heads_sharing_kv_heads_in_one_block(name, d, dtype, T_q, T
     check_general(*random_qkv(cp, 1, 128, 64, T_q, T_k, d, dtype=dtype), name, causal=False)
 
 
-@pytest.mark.parametrize("name,d,dtype", decode_cases())
+@pytest.mark.parametrize("name,d,dtype", tiered(decode_cases(), quick=first_of_each_rung(decode_cases())))
 @pytest.mark.parametrize("T_k", [1, 300, 1024])
 def test_decode_over_kv_cache_views(name, d, dtype, T_k):
     """As the model calls it: q a view of the packed projection, k and v views of a preallocated
@@ -139,8 +140,8 @@ def test_decode_workspace_reused_across_launches(name, dtype):
         check_general(q, k, v, name)
 
 
-@pytest.mark.parametrize("name,d,dtype", decode_cases())
-@pytest.mark.parametrize("magnitude", [8.0, 30.0])
+@pytest.mark.parametrize("name,d,dtype", tiered(decode_cases(), quick=first_of_each_rung(decode_cases())))
+@pytest.mark.parametrize("magnitude", tiered([8.0, 30.0], quick=[30.0]))
 def test_decode_large_scores(name, d, dtype, magnitude):
     """Scores in the hundreds: the splits' maxima differ wildly, and the combine must rescale."""
     import cupy as cp
@@ -157,6 +158,7 @@ def test_decode_custom_scale(name):
         check_general(*random_qkv(cp, 1, 6, 2, 3, 999, 64, dtype=dtype), name, scale=0.5)
 
 
+@pytest.mark.exhaustive  # every configuration: the quick tier runs the ones the launcher picks
 @pytest.mark.parametrize("name", DECODE_RUNGS)
 def test_decode_every_declared_config(name):
     import cupy as cp
@@ -171,16 +173,16 @@ def test_decode_every_declared_config(name):
 # -- the general features, on every rung that declares them ----------------------------------------
 
 
-@pytest.mark.parametrize("name,d,dtype", supporting("noncausal"))
-@pytest.mark.parametrize("T", [1, 97, 1000])
+@pytest.mark.parametrize("name,d,dtype", tiered(supporting("noncausal"), quick=first_of_each_rung(supporting("noncausal"))))
+@pytest.mark.parametrize("T", tiered([1, 97, 1000], quick=[1, 97]))
 def test_noncausal(name, d, dtype, T):
     import cupy as cp
 
     check_general(*random_qkv(cp, 2, 3, 3, T, T, d, dtype=dtype), name, causal=False)
 
 
-@pytest.mark.parametrize("name,d,dtype", supporting("cross"))
-@pytest.mark.parametrize("T_q,T_k", [(1, 1000), (17, 257), (97, 1024), (300, 97)])
+@pytest.mark.parametrize("name,d,dtype", tiered(supporting("cross"), quick=first_of_each_rung(supporting("cross"))))
+@pytest.mark.parametrize("T_q,T_k", tiered([(1, 1000), (17, 257), (97, 1024), (300, 97)], quick=[(1, 1000), (300, 97)]))
 def test_cross_lengths(name, d, dtype, T_q, T_k):
     """Causal with the mask aligned bottom-right (with T_q > T_k the first rows see nothing: zeros),
     and non-causal where the rung declares it too."""
@@ -192,7 +194,7 @@ def test_cross_lengths(name, d, dtype, T_q, T_k):
         check_general(q, k, v, name, causal=False)
 
 
-@pytest.mark.parametrize("name,d,dtype", supporting("gqa"))
+@pytest.mark.parametrize("name,d,dtype", tiered(supporting("gqa"), quick=first_of_each_rung(supporting("gqa"))))
 @pytest.mark.parametrize("NH,NH_kv", [(12, 3), (12, 1)])
 def test_grouped_query_heads(name, d, dtype, NH, NH_kv):
     import cupy as cp

@@ -26,6 +26,7 @@ from gpt2 import generate, reference_attend
 from gpt2.load import random_weights
 from gpt2.model import cast_params
 from kernels import fused
+from tests.tiers import tiered
 
 pytestmark = pytest.mark.gpu
 
@@ -88,7 +89,7 @@ GEMV_VARIANTS = [(True, fast.EPI_BIAS), (False, fast.EPI_RESIDUAL), (True, fast.
 
 @pytest.mark.parametrize("dtype", fast.DTYPES)
 @pytest.mark.parametrize("ln,epi", GEMV_VARIANTS, ids=["ln+bias", "bias+residual", "ln+bias+gelu", "bias"])
-@pytest.mark.parametrize("K,N", GEMV_SHAPES, ids=[f"K{k}-N{n}" for k, n in GEMV_SHAPES])
+@pytest.mark.parametrize("K,N", tiered(GEMV_SHAPES, quick=[(1600, 97), (1024, 4097)]), ids=[f"K{k}-N{n}" for k, n in GEMV_SHAPES])
 def test_gemv_matches_layernorm_linear_and_epilogue(cp, K, N, ln, epi, dtype):
     rng = cp.random.default_rng()
     W, W32 = weights(cp, rng, (N, K), dtype)  # (out, in): the engine's transposed copy
@@ -150,7 +151,7 @@ def lm_head(V, C, dtype):
 
 @pytest.mark.parametrize("dtype", fast.DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True], ids=["decode", "eager-last-row"])
-@pytest.mark.parametrize("V,C", [(50257, 768), (4097, 1600), (1000, 32), (97, 256)])
+@pytest.mark.parametrize("V,C", tiered([(50257, 768), (4097, 1600), (1000, 32), (97, 256)], quick=[(50257, 768), (97, 256)]))
 def test_lm_head_argmax_picks_the_largest_logit_and_advances_the_state(cp, V, C, with_residual, dtype):
     """Against float64, on the engine's grid and on others (one block, a few, more warps than row
     groups): every grid gives the same logits bit for bit and the same token."""
@@ -225,9 +226,9 @@ def nan_bits(cp, shape, dtype):
 
 
 @pytest.mark.parametrize("kv", fast.DTYPES)
-@pytest.mark.parametrize("pos", [0, 1, 15, 16, 97, 519, 1023])
-@pytest.mark.parametrize("NH,HS", [(12, 64), (3, 32), (2, 16), (4, 128)])
-@pytest.mark.parametrize("splits", ["engine", 1, 5])
+@pytest.mark.parametrize("pos", tiered([0, 1, 15, 16, 97, 519, 1023], quick=[0, 97, 1023]))
+@pytest.mark.parametrize("NH,HS", tiered([(12, 64), (3, 32), (2, 16), (4, 128)], quick=[(12, 64), (2, 16)]))
+@pytest.mark.parametrize("splits", tiered(["engine", 1, 5], quick=["engine", 5]))
 @pytest.mark.parametrize("staged", [1 << 30, 3], ids=["staged", "3-staged"])
 def test_decode_attention_matches_softmax_attention_over_the_cache(cp, NH, HS, pos, kv, splits, staged):
     rng = cp.random.default_rng()
@@ -398,8 +399,8 @@ def gemm_case(cp, M, K, N, epi):
 
 
 @pytest.mark.parametrize("epi", GEMM_EPILOGUES.values(), ids=GEMM_EPILOGUES.keys())
-@pytest.mark.parametrize("M", [1, 17, 97, 257, 1000, 1024])
-@pytest.mark.parametrize("K,N", GEMM_SHAPES, ids=[f"K{k}-N{n}" for k, n in GEMM_SHAPES])
+@pytest.mark.parametrize("M", tiered([1, 17, 97, 257, 1000, 1024], quick=[1, 97, 257]))
+@pytest.mark.parametrize("K,N", tiered(GEMM_SHAPES, quick=[(768, 2304), (1600, 6400)]), ids=[f"K{k}-N{n}" for k, n in GEMM_SHAPES])
 def test_gemm_matches_the_float64_product_and_epilogue(cp, gemm_setup, K, N, M, epi):
     """3xTF32 on wgmma at float32's accuracy (the bound of a plain float32 product, cuBLAS's), every
     output written (rows past M are not: the output is exactly (M, N)), the same bits launch after

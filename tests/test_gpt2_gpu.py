@@ -17,6 +17,7 @@ import pytest
 import gpt2
 import kernels
 import lab
+from tests.tiers import tiered
 
 pytestmark = pytest.mark.gpu
 
@@ -95,7 +96,8 @@ def test_logits_match_transformers(peer, ours, attention):
     assert err <= bound, f"{attention}: max |logits - fp64 peer| {err:.3e} > {bound:.3e} (peer fp32: {plain:.3e})"
 
 
-@pytest.mark.parametrize("kv_cache", [False, True], ids=["no-cache", "kv-cache"])
+# quick: the KV cache (one query row a step); without it every step runs the whole prefix again
+@pytest.mark.parametrize("kv_cache", tiered([False, True], quick=[True]), ids=["no-cache", "kv-cache"])
 @pytest.mark.parametrize("attention", ATTENTIONS)
 def test_greedy_tokens_match_transformers(peer, ours, attention, kv_cache):
     out = gpt2.generate(ours.params, ours.config, peer["ids"], NEW_TOKENS, attend=attend_with(attention),

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import kernels
+from tests.tiers import first_of_each_rung, tiered
 
 pytestmark = pytest.mark.gpu
 
@@ -69,17 +70,17 @@ def check_against_reference(q, k, v, name, scale=None, config=None):
     assert err <= bound, f"{name} {q.shape}: max error {err:.3e} (mean {mean:.3e}) > {bound:.3e} (plain fp32 {plain:.3e})"
 
 
-@pytest.mark.parametrize("name,d,dtype", CASES)
-@pytest.mark.parametrize("T", LENGTHS)
-@pytest.mark.parametrize("B,NH", [(1, 1), (1, 12), (3, 1), (3, 12)])
+@pytest.mark.parametrize("name,d,dtype", CASES)  # quick: every case, each a compile, at three awkward lengths
+@pytest.mark.parametrize("T", tiered(LENGTHS, quick=[1, 97, 257]))
+@pytest.mark.parametrize("B,NH", tiered([(1, 1), (1, 12), (3, 1), (3, 12)], quick=[(3, 12)]))
 def test_rung_matches_reference(name, d, dtype, T, B, NH):
     import cupy as cp
 
     check_against_reference(*random_qkv(cp, B, NH, T, d, dtype=dtype), name)
 
 
-@pytest.mark.parametrize("name,d,dtype", CASES)
-@pytest.mark.parametrize("T", [97, 512])
+@pytest.mark.parametrize("name,d,dtype", tiered(CASES, quick=first_of_each_rung(CASES)))
+@pytest.mark.parametrize("T", tiered([97, 512], quick=[97]))
 def test_rung_strided_views_of_packed_qkv(name, d, dtype, T):
     import cupy as cp
 
@@ -88,7 +89,7 @@ def test_rung_strided_views_of_packed_qkv(name, d, dtype, T):
     check_against_reference(q, k, v, name)
 
 
-@pytest.mark.parametrize("name,d,dtype", CASES)
+@pytest.mark.parametrize("name,d,dtype", tiered(CASES, quick=first_of_each_rung(CASES)))
 def test_rung_misaligned_views(name, d, dtype):
     """Row strides and a start that are not multiples of 16 bytes: strided rungs get copies."""
     import cupy as cp
@@ -99,8 +100,8 @@ def test_rung_misaligned_views(name, d, dtype):
     check_against_reference(q, k, v, name)
 
 
-@pytest.mark.parametrize("name,d,dtype", CASES)
-@pytest.mark.parametrize("magnitude", [8.0, 30.0])
+@pytest.mark.parametrize("name,d,dtype", tiered(CASES, quick=first_of_each_rung(CASES)))
+@pytest.mark.parametrize("magnitude", tiered([8.0, 30.0], quick=[30.0]))
 def test_rung_large_scores(name, d, dtype, magnitude):
     """Scores in the hundreds: the online softmax must rescale, not overflow."""
     import cupy as cp
@@ -116,6 +117,7 @@ def test_rung_custom_scale(name):
     check_against_reference(*random_qkv(cp, 1, 2, 130, 64, dtype=dtype), name, scale=0.5)
 
 
+@pytest.mark.exhaustive  # every configuration: the quick tier runs the ones the launcher picks
 @pytest.mark.parametrize("name", EXACT)
 def test_rung_every_declared_config(name):
     import cupy as cp
@@ -129,6 +131,7 @@ def test_rung_every_declared_config(name):
             check_against_reference(*random_qkv(cp, 2, 2, 201, config[0], dtype=dtype), name, config=config)
 
 
+@pytest.mark.exhaustive  # compiles every configuration; tests/test_kernels_cpu.py reads the same report via NVRTC
 @pytest.mark.parametrize("name", RUNGS)
 def test_resource_report_on_device(name):
     for r in kernels.resources(name):
@@ -270,10 +273,13 @@ def test_nan_reaches_every_row_that_sees_it(name, where):
     check_nan_reaches(name, where, T_q=100, T_k=100, row=40)
 
 
-# every declared configuration of every rung, plus the cross-length case for rungs declaring "cross"
-NAN_CONFIG_CASES = [pytest.param(name, config, shape, id=f"{name}-{'x'.join(map(str, config))}-{shape}")
-                    for name in RUNGS for config in kernels.load(name).configs
-                    for shape in ["self"] + (["cross"] * ("cross" in kernels.load(name).supports))]
+# every declared configuration of every rung, plus the cross-length case for rungs declaring "cross";
+# quick: each rung's first configuration, at the cross lengths where the rung declares them
+NAN_CONFIG_CASES = [pytest.param(name, config, shape, id=f"{name}-{'x'.join(map(str, config))}-{shape}",
+                                 marks=() if i == 0 and shape == shapes[-1] else pytest.mark.exhaustive)
+                    for name in RUNGS for i, config in enumerate(kernels.load(name).configs)
+                    for shapes in [["self"] + (["cross"] * ("cross" in kernels.load(name).supports))]
+                    for shape in shapes]
 
 
 @pytest.mark.parametrize("name,config,shape", NAN_CONFIG_CASES)
@@ -298,13 +304,16 @@ def test_nan_reaches_every_row_that_sees_it_every_config(name, config, shape, wh
 PERSISTENT = [name for name in RUNGS if kernels.load(name).persistent]
 
 
-@pytest.mark.parametrize("name", PERSISTENT)
-@pytest.mark.parametrize("B,NH,NH_kv,T_q,T_k,d,causal,dtype", [
+PERSISTENT_SHAPES = [
     (1, 10, 10, 8192, 8192, 128, True, "bfloat16"),  # K and V past L2_ALL: tiles in chunks of 4 heads, the last of 2
     (3, 12, 4, 1024, 1024, 64, True, "float16"),     # more tiles than SMs, grouped K/V heads
     (2, 12, 12, 1000, 1500, 64, False, "bfloat16"),  # non-causal, cross
     (2, 8, 8, 1500, 700, 128, True, "bfloat16"),     # causal cross: the first 800 rows' tiles see no key
-])
+]
+
+
+@pytest.mark.parametrize("name", PERSISTENT)  # quick: grouped heads, and the causal cross
+@pytest.mark.parametrize("B,NH,NH_kv,T_q,T_k,d,causal,dtype", tiered(PERSISTENT_SHAPES, quick=PERSISTENT_SHAPES[1::2]))
 def test_persistent_rung_matches_its_one_block_per_tile_parent(name, B, NH, NH_kv, T_q, T_k, d, causal, dtype):
     """A persistent rung does its parent's arithmetic per tile (the rung before it, launched a block
     per tile), so its output is the parent's bit for bit, launch after launch and replayed from a
@@ -338,9 +347,9 @@ LSE_CASES = [(name, d, dtype) for name in RUNGS if kernels.load(name).lse
              for d in kernels.load(name).head_sizes() for dtype in kernels.load(name).dtypes]
 
 
-@pytest.mark.parametrize("name,d,dtype", LSE_CASES)
-@pytest.mark.parametrize("T_q,T_k,causal", [(1, 1, True), (97, 97, True), (257, 257, False), (300, 97, True),
-                                            (64, 1000, True)])
+@pytest.mark.parametrize("name,d,dtype", tiered(LSE_CASES, quick=first_of_each_rung(LSE_CASES)))
+@pytest.mark.parametrize("T_q,T_k,causal", tiered([(1, 1, True), (97, 97, True), (257, 257, False), (300, 97, True),
+                                                   (64, 1000, True)], quick=[(1, 1, True), (257, 257, False), (300, 97, True)]))
 def test_rung_writes_the_log_sum_exp(name, d, dtype, T_q, T_k, causal):
     """return_lse: each row's log-sum-exp (natural log of its scaled scores' exp sum) against float64,
     within 8 x the plain implementation's error in the same dtype (floored at float32 epsilon x

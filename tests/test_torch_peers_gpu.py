@@ -9,11 +9,13 @@ import numpy as np
 import pytest
 
 import kernels
+from tests.tiers import tiered
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="no torch")]
 
 
-@pytest.mark.parametrize("mode", ["eager", "default", "max-autotune-no-cudagraphs"])
+# quick: eager and the default compile; max-autotune times many candidate kernels first
+@pytest.mark.parametrize("mode", tiered(["eager", "default", "max-autotune-no-cudagraphs"], quick=["eager", "default"]))
 @pytest.mark.parametrize("causal", [True, False])
 def test_plain_attention_matches_the_reference(mode, causal):
     import torch

@@ -20,10 +20,11 @@ from gpt2 import GPT2Config, train_kernels
 from gpt2 import backward as bw
 from gpt2.backward import Attention, loss_and_grads
 from lm.arrays import run_dtype
+from tests.tiers import tiered
 
 pytestmark = pytest.mark.gpu
 
-ROWS = (1, 17, 97, 1000)
+ROWS = tiered((1, 17, 97, 1000), quick=[1, 97])  # row counts: one, a multiple of none, many
 DTYPES = ("float32", "bfloat16")
 
 
@@ -78,7 +79,7 @@ def draw(cp, shape, scale=1.0, seed=0):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("V,ld", [(50257, 50257), (50257, 50304), (1000, 1000), (1001, 1024)])  # unpadded, padded
+@pytest.mark.parametrize("V,ld", tiered([(50257, 50257), (50257, 50304), (1000, 1000), (1001, 1024)], quick=[(50257, 50304), (1001, 1024)]))  # unpadded, padded
 @pytest.mark.parametrize("rows", ROWS)
 def test_softmax_cross_entropy(cp, rows, V, ld, dtype):
     logits = draw(cp, (rows, ld), scale=3.0)
@@ -108,7 +109,7 @@ def layernorm_params(cp, C, dtype, seed=2):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("C", [768, 200, 1600])
+@pytest.mark.parametrize("C", tiered([768, 200, 1600], quick=[200]))
 @pytest.mark.parametrize("rows", ROWS)
 def test_layernorm_forward(cp, rows, C, dtype):
     x = draw(cp, (rows, C), scale=2.0) + 0.5
@@ -122,7 +123,7 @@ def test_layernorm_forward(cp, rows, C, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("C", [768, 200, 1600])
+@pytest.mark.parametrize("C", tiered([768, 200, 1600], quick=[200]))
 @pytest.mark.parametrize("rows", ROWS)
 def test_residual_layernorm_forward(cp, rows, C, dtype):
     """The residual add x + (y + y_bias) and the LayerNorm after it, one launch."""
@@ -141,7 +142,7 @@ def test_residual_layernorm_forward(cp, rows, C, dtype):
 
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("C", [768, 200, 1600])
+@pytest.mark.parametrize("C", tiered([768, 200, 1600], quick=[200]))
 @pytest.mark.parametrize("rows", ROWS)
 def test_layernorm_backward(cp, rows, C, dtype, residual):
     x = draw(cp, (rows, C), scale=2.0) + 0.5
@@ -170,7 +171,7 @@ def test_gelu_forward(cp, rows, dtype):
 
 @pytest.mark.parametrize("gelu", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("C", [768, 200, 3072])
+@pytest.mark.parametrize("C", tiered([768, 200, 3072], quick=[200]))
 @pytest.mark.parametrize("rows", ROWS)
 def test_column_sums_with_the_cast_and_gelu_backward(cp, rows, C, dtype, gelu):
     """What linear_backward's fused branch computes: the products' operand and the bias's gradient."""

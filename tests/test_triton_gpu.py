@@ -15,6 +15,7 @@ from kernels import triton as triton_rungs
 from tests.test_decode_gpu import check_general
 from tests.test_decode_gpu import random_qkv as random_qkv_gqa
 from tests.test_kernels_gpu import LENGTHS, check_against_reference, check_nan_reaches, random_qkv
+from tests.tiers import first_of_each_rung, tiered
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(kernels.triton_unavailable() is not None, reason=str(kernels.triton_unavailable()))]
@@ -23,6 +24,7 @@ RUNGS = kernels.triton_names()
 # every Triton rung x every head size and dtype it declares
 CASES = [(name, d, dtype) for name in RUNGS for d in triton_rungs.load(name).head_sizes()
          for dtype in triton_rungs.load(name).dtypes]
+ONCE = tiered(CASES, quick=first_of_each_rung(CASES))  # the quick tier runs each rung's first case only
 
 
 def precision_cases():
@@ -30,17 +32,17 @@ def precision_cases():
     return [(name, p) for name in RUNGS for p in triton_rungs.load(name).precisions[1:]]
 
 
-@pytest.mark.parametrize("name,d,dtype", CASES)
-@pytest.mark.parametrize("T", LENGTHS)
-@pytest.mark.parametrize("B,NH", [(1, 1), (1, 12), (3, 1), (3, 12)])
+@pytest.mark.parametrize("name,d,dtype", CASES)  # quick: every case at three awkward lengths
+@pytest.mark.parametrize("T", tiered(LENGTHS, quick=[1, 97, 257]))
+@pytest.mark.parametrize("B,NH", tiered([(1, 1), (1, 12), (3, 1), (3, 12)], quick=[(3, 12)]))
 def test_triton_matches_reference(name, d, dtype, T, B, NH):
     import cupy as cp
 
     check_against_reference(*random_qkv(cp, B, NH, T, d, dtype=dtype), name)
 
 
-@pytest.mark.parametrize("name,d,dtype", CASES)
-@pytest.mark.parametrize("T", [97, 512])
+@pytest.mark.parametrize("name,d,dtype", ONCE)
+@pytest.mark.parametrize("T", tiered([97, 512], quick=[97]))
 def test_triton_strided_views_of_packed_qkv(name, d, dtype, T):
     import cupy as cp
 
@@ -49,7 +51,7 @@ def test_triton_strided_views_of_packed_qkv(name, d, dtype, T):
     check_against_reference(q, k, v, name)
 
 
-@pytest.mark.parametrize("name,d,dtype", CASES)
+@pytest.mark.parametrize("name,d,dtype", ONCE)
 def test_triton_misaligned_views(name, d, dtype):
     """Row strides and starts that are not multiples of 16 bytes: read as they are, no copies."""
     import cupy as cp
@@ -58,31 +60,31 @@ def test_triton_misaligned_views(name, d, dtype):
     check_against_reference(*(base[..., i : i + d] for i in range(3)), name)
 
 
-@pytest.mark.parametrize("name,d,dtype", CASES)
-@pytest.mark.parametrize("magnitude", [8.0, 30.0])
+@pytest.mark.parametrize("name,d,dtype", ONCE)
+@pytest.mark.parametrize("magnitude", tiered([8.0, 30.0], quick=[30.0]))
 def test_triton_large_scores(name, d, dtype, magnitude):
     import cupy as cp
 
     check_against_reference(*random_qkv(cp, 1, 2, 300, d, magnitude=magnitude, dtype=dtype), name)
 
 
-@pytest.mark.parametrize("name,d,dtype", CASES)
+@pytest.mark.parametrize("name,d,dtype", ONCE)
 def test_triton_custom_scale(name, d, dtype):
     import cupy as cp
 
     check_against_reference(*random_qkv(cp, 1, 2, 130, d, dtype=dtype), name, scale=0.5)
 
 
-@pytest.mark.parametrize("name,d,dtype", CASES)
-@pytest.mark.parametrize("T", [1, 97, 1000])
+@pytest.mark.parametrize("name,d,dtype", ONCE)
+@pytest.mark.parametrize("T", tiered([1, 97, 1000], quick=[1, 97]))
 def test_triton_noncausal(name, d, dtype, T):
     import cupy as cp
 
     check_general(*random_qkv_gqa(cp, 2, 3, 3, T, T, d, dtype=dtype), name, causal=False)
 
 
-@pytest.mark.parametrize("name,d,dtype", CASES)
-@pytest.mark.parametrize("T_q,T_k", [(1, 1000), (17, 257), (97, 1024), (300, 97)])
+@pytest.mark.parametrize("name,d,dtype", ONCE)
+@pytest.mark.parametrize("T_q,T_k", tiered([(1, 1000), (17, 257), (97, 1024), (300, 97)], quick=[(1, 1000), (300, 97)]))
 def test_triton_cross_lengths(name, d, dtype, T_q, T_k):
     """Causal with the mask aligned bottom-right (T_q > T_k: the first rows see nothing, zeros), and non-causal."""
     import cupy as cp
@@ -92,7 +94,7 @@ def test_triton_cross_lengths(name, d, dtype, T_q, T_k):
     check_general(q, k, v, name, causal=False)
 
 
-@pytest.mark.parametrize("name,d,dtype", CASES)
+@pytest.mark.parametrize("name,d,dtype", ONCE)
 @pytest.mark.parametrize("NH,NH_kv", [(12, 3), (12, 1)])
 def test_triton_grouped_query_heads(name, d, dtype, NH, NH_kv):
     import cupy as cp
@@ -102,7 +104,7 @@ def test_triton_grouped_query_heads(name, d, dtype, NH, NH_kv):
 
 
 @pytest.mark.parametrize("name,precision", precision_cases())
-@pytest.mark.parametrize("T_q,T_k,causal", [(257, 257, True), (97, 1024, False), (300, 97, True)])
+@pytest.mark.parametrize("T_q,T_k,causal", tiered([(257, 257, True), (97, 1024, False), (300, 97, True)], quick=[(97, 1024, False)]))
 def test_triton_every_float32_precision(name, precision, T_q, T_k, causal):
     """"ieee" (no tensor cores) and plain "tf32", each held to its declared factor."""
     import cupy as cp

@@ -1,0 +1,31 @@
+"""The two GPU tiers. The whole suite, `-m gpu` (every length x head size x dtype x configuration), runs
+once per session; the quick tier, `-m "gpu and not exhaustive"`, runs every forward and backward rung,
+every fused kernel and both engines at a few awkward shapes (T = 1, 97 or 257, a cross length and
+grouped-query heads where declared, one strided view, one dtype per rung plus the others where cheap),
+and is held to that by tests/test_tiers.py.
+
+A parametrization value that only the whole suite needs is marked `exhaustive`. In a stack of
+parametrize decorators a test is in the quick tier only when every one of its values is, so each list
+says its quick values beside it: `tiered(LENGTHS, quick=[1, 97, 257])`.
+"""
+
+import pytest
+
+
+def tiered(values, quick, *, unpack=True):
+    """`values` for pytest.mark.parametrize, each one not in `quick` (a list of values, or a predicate on
+    one) marked exhaustive. A tuple value fills several argument names unless `unpack` is False (one
+    argument that is itself a tuple); ids are pytest's own either way."""
+    keep = quick if callable(quick) else quick.__contains__
+    return [value if keep(value) else
+            pytest.param(*(value if unpack and isinstance(value, tuple) else (value,)), marks=pytest.mark.exhaustive)
+            for value in values]
+
+
+def first_of_each_rung(cases):
+    """The quick (rung, head size, dtype) cases of a list of them: each rung's first (its first head size
+    and dtype), so that every rung runs in the quick tier and every other case in the whole suite."""
+    firsts = {}
+    for case in cases:
+        firsts.setdefault(case[0], case)
+    return list(firsts.values())
