@@ -366,7 +366,7 @@ def test_a_child_stops_after_the_target_that_reaches_the_print_limit(tmp_path):
     assert problems == ["initcheck flood: 4 errors", "initcheck flood2: 4 errors"]
     cells = sanitize.cells(["initcheck"], rows, {"initcheck": children})
     assert cells["a"] == {"initcheck": 0} and cells["flood"] == {"initcheck": "4+"}
-    assert sanitize.seconds(["initcheck"], {"initcheck": children}).keys() == {"a", "flood", "b", "flood2"}
+    assert sanitize.per_target(["initcheck"], {"initcheck": children}, "seconds").keys() == {"a", "flood", "b", "flood2"}
     reports = sanitize.first_reports(["initcheck"], {"initcheck": children}, {})
     assert len(reports["flood"]["initcheck"]) == 3 and "attention_forward<64, 192, 128, 0>" in reports["flood"]["initcheck"][0]
 
@@ -472,6 +472,6 @@ def test_the_child_learns_its_tool_and_a_note_reaches_the_json():
     assert child.status == {"v17_decode_cluster": "ok"} and not child.reports
     rows, problems = sanitize.summarize(["synccheck"], {"synccheck": [child]}, ["v17_decode_cluster"], {})
     assert sanitize.cells(["synccheck"], rows, {"synccheck": [child]}) == {"v17_decode_cluster": {"synccheck": 0}}
-    assert sanitize.notes(["synccheck"], {"synccheck": [child]}) == {
+    assert sanitize.per_target(["synccheck"], {"synccheck": [child]}, "notes") == {
         "v17_decode_cluster": {"synccheck": targets.SYNCCHECK_NOTE}}
     assert problems == []

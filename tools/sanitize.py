@@ -370,13 +370,14 @@ def cells(tools, rows: dict[str, dict[str, str]], runs: dict[str, list[Child]]) 
     return out
 
 
-def seconds(tools, runs: dict[str, list[Child]]) -> dict:
-    """{target: {tool: wall seconds under the tool}}."""
-    out: dict[str, dict[str, float]] = {}
+def per_target(tools, runs: dict[str, list[Child]], field: str) -> dict:
+    """{target: {tool: value}} from each child's `field`: "seconds" (wall seconds under the tool, rounded to
+    0.1 s) or "notes" (what a target ran otherwise under a tool than under the others, and why)."""
+    out: dict[str, dict] = {}
     for tool in tools:
         for child in runs[tool]:
-            for name, s in child.seconds.items():
-                out.setdefault(name, {})[tool] = round(s, 1)
+            for name, value in getattr(child, field).items():
+                out.setdefault(name, {})[tool] = round(value, 1) if field == "seconds" else value
     return out
 
 
@@ -389,16 +390,6 @@ def first_reports(tools, runs: dict[str, list[Child]], fused: dict[str, str], ke
                 kept = out.setdefault(row_of(r, fused), {}).setdefault(tool, [])
                 if len(kept) < keep:
                     kept.append(f"{r.text} (in {r.kernel or 'no kernel named'})")
-    return out
-
-
-def notes(tools, runs: dict[str, list[Child]]) -> dict:
-    """{target: {tool: its note}}: what a target ran otherwise under a tool than under the others, and why."""
-    out: dict[str, dict[str, str]] = {}
-    for tool in tools:
-        for child in runs[tool]:
-            for name, text in child.notes.items():
-                out.setdefault(name, {})[tool] = text
     return out
 
 
@@ -483,7 +474,7 @@ def main(argv=None) -> int:
         print(f"[{tool}] {len(chosen)} targets in {tool_seconds[tool]:.0f} s", flush=True)
     rows, problems = summarize(args.tools, runs, chosen, fused_kernels())
     print(f"\n{table(args.tools, rows)}\n")
-    told = notes(args.tools, runs)
+    told = per_target(args.tools, runs, "notes")
     for name, by_tool in told.items():
         for tool, text in by_tool.items():
             print(f"note: {name} under {tool}: {text}")
@@ -492,7 +483,7 @@ def main(argv=None) -> int:
     if args.json:
         result = {"command": "python3 tools/sanitize.py " + " ".join(sys.argv[1:] if argv is None else argv),
                   "setup": setup(sanitizer), "quick": args.quick, "tools": args.tools, "targets": chosen,
-                  "cells": cells(args.tools, rows, runs), "seconds": seconds(args.tools, runs),
+                  "cells": cells(args.tools, rows, runs), "seconds": per_target(args.tools, runs, "seconds"),
                   "tool_seconds": tool_seconds, "reports": first_reports(args.tools, runs, fused_kernels()),
                   "notes": told, "problems": problems}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
