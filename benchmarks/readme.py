@@ -27,6 +27,7 @@ from .summary import gpt2_shapes_in, has_gpt2_shapes, link, render_e2e_summary, 
 from .tables import render_e2e, render_features, render_kernels, render_resources, render_sweep
 from .train import newest_per_dtype as newest_train
 from .train import render_train
+from .watch_report import render_demo
 
 README = ROOT / "README.md"
 RESULTS_DOC = ROOT / "docs" / "results.md"
@@ -37,8 +38,9 @@ COUNTERS = ("counters",)  # docs/ladder.md's: the profile's counters, one short 
 FRONTIER_COUNTERS = ("frontier-counters",)  # docs/results.md's: the counters at the frontier's shapes
 DECODE_DOC = ROOT / "docs" / "decode.md"  # decode at scale (bench.py e2e --sizes): rewritten when there are results
 TRAINING_DOC = ROOT / "docs" / "training.md"  # bench.py train's table and loss curve: rewritten when there are results
+WATCH_DOC = ROOT / "docs" / "watch.md"  # watch mode's save-to-report times (tools/watch_demo.py's output files)
 FULL_TABLES = tuple(s for s in SECTIONS if s not in PROFILE + ("levels", "scale", "train"))  # docs/results.md's
-KNOWN = SUMMARIES + SECTIONS + COUNTERS + FRONTIER_COUNTERS
+KNOWN = SUMMARIES + SECTIONS + COUNTERS + FRONTIER_COUNTERS + ("watch",)
 
 _MARKER = re.compile(r"<!--\s*bench:([A-Za-z0-9_-]+):(start|end)\s*-->")
 
@@ -219,6 +221,9 @@ def readme_blocks(found: dict[str, list[Path]], base: Path) -> dict[str, str]:
         blocks["train"] = source(*[p for p, _ in per_dtype]) + "\n" + "\n\n".join(
             from_file(p, render_train(result, rel(p.parent / result["plot"]) if result.get("plot") and
                                       result["loss_curve"] else None)) for p, result in per_dtype)
+    if found.get("watch"):  # the newest save-to-report times of tools/watch_demo.py
+        p = found["watch"][0]
+        blocks["watch"] = source(p) + "\n" + render_demo(p.read_text(), rel(p))
     if found["levels"]:  # each dtype from the newest levels file that measured it
         chosen = newest_levels(found["levels"], load_result)
         blocks["levels"] = source(*[p for p, *_ in chosen]) + "\n" + "\n\n".join(
@@ -261,6 +266,9 @@ def cmd_readme(args) -> int:
         pages[getattr(args, "decode_doc", None) or DECODE_DOC] = ("scale",)
     if found["train"]:
         pages[getattr(args, "training_doc", None) or TRAINING_DOC] = ("train",)
+    found["watch"] = sorted(Path(results).glob("watch-*.txt"), key=lambda p: p.name.rsplit("-", 1)[-1], reverse=True)
+    if found["watch"]:
+        pages[getattr(args, "watch_doc", None) or WATCH_DOC] = ("watch",)
     read = {path: read_page(path, expected) for path, expected in pages.items()}  # all checked before one is written
     if getattr(args, "replot", False):
         for kind, plot in (("sweep", plots.plot_sweep), ("e2e", plots.plot_e2e), ("scale", plots.plot_scale)):

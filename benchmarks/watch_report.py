@@ -144,3 +144,25 @@ def format_timing(name: str, times: dict[str, float | str], baseline: dict[str, 
     lines = ["  " + "  ".join(h.rjust(w) for h, w in zip(["shape", *head], widths))]
     lines += ["  " + "  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
     return lines
+
+
+# tools/watch_demo.py's summary line of one rung, as its output file in results/ holds it
+_DEMO = re.compile(r"^(?P<device>[^:\n]+): (?P<rung>\S+) (?P<dtype>\S+) (?P<shape>\d+x\d+): median save-to-report "
+                   r"(?P<timed>[\d.]+) s checked and timed, (?P<total>[\d.]+) s with resources$", re.M)
+AIM_SECONDS = 3.0  # the save-to-report time watch mode aims at, compile included
+
+
+def render_demo(text: str, source: str) -> str:
+    """docs/watch.md's speed table from tools/watch_demo.py's output (`source`: the results file it was
+    written to): each rung's median seconds from the save to its checked and timed report, and to the whole
+    report (the resources too), against AIM_SECONDS."""
+    rows = [m.groupdict() for m in _DEMO.finditer(text)]
+    if not rows:
+        raise ValueError(f"{source}: no `median save-to-report` line of tools/watch_demo.py")
+    lines = [f"{rows[0]['device']}, [{Path(source).name}]({source}): medians in seconds, the saves' shape "
+             f"{rows[0]['shape']}.", "",
+             "| rung | dtype | checked and timed | whole report (resources too) | within 3 s |",
+             "|:---|:---|---:|---:|:---|"]
+    lines += [f"| `{r['rung']}` | {r['dtype']} | {r['timed']} | {r['total']} | "
+              f"{'yes' if float(r['total']) <= AIM_SECONDS else '**no**'} |" for r in rows]
+    return "\n".join(lines)

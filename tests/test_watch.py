@@ -313,3 +313,18 @@ def test_gpu_protocol_report_crash_and_hang(rung_copy, tmp_path, monkeypatch, ca
             assert "verdict: CORRECT" in capsys.readouterr().out
     finally:
         w.close()
+
+
+def test_the_demo_table_is_read_from_the_demo_output():
+    """docs/watch.md's speed table comes from tools/watch_demo.py's lines, each against the 3 s aim."""
+    from benchmarks.watch_report import render_demo
+
+    text = ("v05 float32 8x1024: save 0: checked and timed after 0.39 s, whole report after 0.67 s\n"
+            "Dev X: v05_warp_shuffles float32 8x1024: median save-to-report 0.40 s checked and timed, 0.66 s with resources\n"
+            "Dev X: v24_persistent bfloat16 8x1024: median save-to-report 2.90 s checked and timed, 3.50 s with resources\n")
+    table = render_demo(text, "../results/watch-x.txt")
+    assert "| `v05_warp_shuffles` | float32 | 0.40 | 0.66 | yes |" in table
+    assert "| `v24_persistent` | bfloat16 | 2.90 | 3.50 | **no** |" in table
+    assert table.startswith("Dev X, [watch-x.txt](../results/watch-x.txt)")
+    with pytest.raises(ValueError, match="no `median save-to-report` line"):
+        render_demo("nothing measured\n", "x.txt")
