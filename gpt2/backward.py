@@ -326,10 +326,25 @@ def loss_and_grads(params: dict, config: GPT2Config, idx, targets, attn: Attenti
     w = params if run_dtype(dtype) == np.float32 else cast_params(params, dtype)  # cast once per call
     cdtype = w["wte.weight"].dtype  # the products', q's, k's and v's
     attn.check(xp, cdtype, config.head_size)
-    eps, N, C = config.layer_norm_epsilon, B * T, config.n_embd
-    fused = fused and train_kernels.applies(xp, cdtype, C)
+    fused = fused and train_kernels.applies(xp, cdtype, config.n_embd)
+    x, (xf, meanf, rstdf), kept = layers_forward(w, config, idx, attn, act, cdtype, fused)
 
-    # forward: x (N, C) is the residual stream; each residual add makes the LayerNorm after it too
+    # the classifier and the loss, fused; then backward, layer by layer
+    loss, dxf, dwte = classifier_forward_backward(xf, w["wte.weight"], targets.reshape(B * T), fused=fused)
+    grads = {"wte.weight": dwte, "wpe.weight": xp.zeros(params["wpe.weight"].shape, dtype=act)}
+    dx, grads["ln_f.weight"], grads["ln_f.bias"] = layernorm_backward(dxf, x, meanf, rstdf, w["ln_f.weight"],
+                                                                      fused=fused)
+    dx = layers_backward(dx, kept, w, grads, config, attn, cdtype, fused)
+    encoder_backward(grads["wte.weight"], grads["wpe.weight"], dx.reshape(B, T, config.n_embd), idx)
+    return float(loss), {name: grads[name] for name in params}
+
+
+def layers_forward(w: dict, config: GPT2Config, idx, attn: Attention, act, cdtype, fused: bool):
+    """The embeddings and every layer forward, keeping what each layer's backward reads: (x, the last
+    layer's output (N, C); ln_f's (output, mean, rstd); the kept tuples, first layer first)."""
+    B, T = idx.shape
+    eps, N, C = config.layer_norm_epsilon, B * T, config.n_embd
+    # x (N, C) is the residual stream; each residual add makes the LayerNorm after it too
     lns = [f"h.{i}.ln_1." for i in range(config.n_layer)] + ["ln_f."]  # the LayerNorms of x, in turn
     x = encoder_forward(w["wte.weight"], w["wpe.weight"], idx, act).reshape(N, C)
     ln1, mean1, rstd1 = layernorm_forward(x, w[lns[0] + "weight"], w[lns[0] + "bias"], eps, cdtype, fused)
@@ -348,13 +363,13 @@ def loss_and_grads(params: dict, config: GPT2Config, idx, targets, attn: Attenti
         x, ln1, mean1, rstd1 = residual_layernorm_forward(  # x_mid + the MLP's, then the next ln_1 (or ln_f)
             x_mid, matmul(g, w[p + "mlp.c_proj.weight"]), w[p + "mlp.c_proj.bias"], w[lns[i + 1] + "weight"],
             w[lns[i + 1] + "bias"], eps, cdtype, fused)
-    xf, meanf, rstdf = ln1, mean1, rstd1  # ln_f's
+    return x, (ln1, mean1, rstd1), kept
 
-    # the classifier and the loss, fused; then backward, layer by layer
-    loss, dxf, dwte = classifier_forward_backward(xf, w["wte.weight"], targets.reshape(N), fused=fused)
-    grads = {"wte.weight": dwte, "wpe.weight": xp.zeros(params["wpe.weight"].shape, dtype=act)}
-    dx, grads["ln_f.weight"], grads["ln_f.bias"] = layernorm_backward(dxf, x, meanf, rstdf, w["ln_f.weight"],
-                                                                      fused=fused)
+
+def layers_backward(dx, kept: list, w: dict, grads: dict, config: GPT2Config, attn: Attention, cdtype,
+                    fused: bool):
+    """From dx at the last layer's output, every layer backward, last first, each popping its kept tuple
+    and writing its weights' gradients into grads; returns dx at the first layer's input."""
     for i in reversed(range(config.n_layer)):
         p = f"h.{i}."
         x, ln1, mean1, rstd1, q, k, v, o, lse, x_mid, ln2, mean2, rstd2, h, g = kept.pop()
@@ -372,5 +387,4 @@ def loss_and_grads(params: dict, config: GPT2Config, idx, targets, attn: Attenti
             dqkv, ln1, w[p + "attn.c_attn.weight"], fused=fused)
         dx, grads[p + "ln_1.weight"], grads[p + "ln_1.bias"] = layernorm_backward(
             dln1, x, mean1, rstd1, w[p + "ln_1.weight"], dresid=dx, fused=fused)
-    encoder_backward(grads["wte.weight"], grads["wpe.weight"], dx.reshape(B, T, C), idx)
-    return float(loss), {name: grads[name] for name in params}
+    return dx
