@@ -16,8 +16,8 @@ bench.py is the command line; this package is what it runs.
     torch_attention.py  the plain PyTorch attention: the eager and torch.compile peers' function
     train.py      `train`: GPT-2 small training steps per backward rung beside PyTorch (torch_gpt2.py: nanoGPT's
                   step, eager and torch.compile), tokens/s, MFU, peak memory; the loss curve
-    e2e.py        `e2e`: GPT-2 generation per rung, without and with a KV cache, beside HF transformers
-                  (e2e_llama.py: Llama's; scale.py: `e2e --sizes`, decode at scale, every model size)
+    e2e.py        `e2e`: a model's generation (GPT-2 or a Llama size) per rung, without and with a KV cache,
+                  beside HF transformers (scale.py: `e2e --sizes`, decode at scale, every model size)
     resources.py  `resources`: registers, shared memory, spills per rung and config (NVRTC, no GPU needed)
     profile.py    `profile`: Nsight Compute's counters per rung, one launch each (profile_target.py is what
                   ncu runs; profile_render.py the table, the roofline plot and docs/profile.md's section)

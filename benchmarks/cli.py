@@ -17,7 +17,6 @@ from .backward import cmd_backward
 from .cases import DTYPES
 from .device import CannotRun
 from .e2e import PROMPT, cmd_e2e
-from .e2e_llama import cmd_e2e_llama
 from .features import FEATURE_PARTS, cmd_features
 from .fp8 import add_fp8_parser, cmd_fp8
 from .levels import LEVELS, SHAPE_SETS, cmd_levels
@@ -26,7 +25,7 @@ from .peers import DEFAULT_PEERS, PEERS
 from .profile import add_profile_parser, cmd_profile
 from .readme import DECODE_DOC, LEVELS_DOC, README, RESULTS_DOC, TRAINING_DOC, cmd_readme
 from .resources import cmd_resources
-from .results import E2E_MODELS
+from .results import E2E_MODEL, E2E_MODELS
 from .rungs import cmd_kernels
 from .scale import PREFILL_TOKENS, cmd_scale
 from .scale import SIZES as SCALE_SIZES
@@ -168,20 +167,18 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
 
     e = sub.add_parser("e2e", help="seconds for GPT-2 small (or Llama) to generate 512 tokens, per rung, beside HF "
                                    "transformers",
-                       description="Seconds to generate --tokens tokens greedily from the prompt with GPT-2 small "
-                                   "(random weights, float32), with the CuPy reference and each rung as the attention, "
-                                   "without and with a KV cache; HF transformers generate() on the same weights. "
-                                   "--model llama-3.2-1b: Llama-shaped random weights in bfloat16, a prompt of token "
-                                   "ids, the newest rung that takes the model (and any --kernels), beside HF's "
-                                   "LlamaForCausalLM with a static cache.")
-    e.add_argument("--model", choices=list(E2E_MODELS), default="gpt2",
-                   help="gpt2 (GPT-2 small, float32) or a Llama size (random weights, bfloat16); default gpt2")
+                       description="Seconds to generate --tokens tokens greedily from the prompt with --model (random "
+                                   "weights in its family's dtype: GPT-2 float32, Llama bfloat16), with the CuPy "
+                                   "reference and each rung that takes the model as the attention, without and with "
+                                   "a KV cache; HF transformers generate() on the same weights, with a static cache.")
+    e.add_argument("--model", choices=list(E2E_MODELS), default=None,
+                   help=f"gpt2 (GPT-2 small, float32) or a Llama size (random weights, bfloat16); default {E2E_MODEL}")
     e.add_argument("--kernels", type=kernel_list, default=None, metavar="LIST",
-                   help="rungs, comma-separated; default: every rung (Llama: the newest that takes the model; "
-                        "the CuPy reference always runs)")
+                   help="rungs, comma-separated; default: every rung that takes the model (the CuPy reference "
+                        "always runs)")
     e.add_argument("--tokens", type=positive_int, default=512, help="new tokens (default 512)")
-    e.add_argument("--prompt", default=None, help=f"GPT-2's prompt, default {PROMPT!r} (Llama's random weights have "
-                                                  "no tokenizer: their prompt is fixed token ids)")
+    e.add_argument("--prompt", default=None, help=f"text through the model's tokenizer, default {PROMPT!r} (random "
+                                                  "Llama weights have none: their prompt is fixed token ids)")
     mode = e.add_mutually_exclusive_group()
     mode.add_argument("--kv-cache", dest="mode", action="store_const", const="kv-cache",
                       help="only the KV-cache mode (default: both modes)")
@@ -381,7 +378,8 @@ def size_list(text: str) -> list[str]:
 def cmd_e2e_model(args) -> int:
     if args.sizes:
         return cmd_scale(args)
-    return cmd_e2e(args) if args.model == "gpt2" else cmd_e2e_llama(args)
+    args.model = args.model or E2E_MODEL
+    return cmd_e2e(args)
 
 
 COMMANDS = {"kernels": cmd_kernels, "sweep": cmd_sweep, "e2e": cmd_e2e_model, "resources": cmd_resources,
@@ -397,28 +395,22 @@ def main(argv: list[str] | None, doc: str) -> int:
     parser = build_parser(doc)
     args = parser.parse_args(argv)
     args.argv = argv
-    if args.command == "e2e" and args.sizes and (args.model != "gpt2" or args.kernels is not None
+    if args.command == "e2e" and args.sizes and (args.model is not None or args.kernels is not None
                                                  or args.mode != "both" or args.prompt is not None):
         parser.error("--sizes runs each size with the newest rung that takes it, a KV cache and fixed prompts: "
                      "leave out --model, --kernels, --kv-cache, --no-cache and --prompt")
     if args.command == "e2e" and not args.sizes and (args.dtypes or args.prefill_tokens != PREFILL_TOKENS):
         parser.error("--dtypes and --prefill-tokens go with --sizes")
-    llama_e2e = args.command == "e2e" and args.model != "gpt2"
-    if llama_e2e and args.prompt is not None:
-        parser.error(f"--prompt is text for GPT-2's tokenizer; {args.model}'s random weights have none (the prompt "
-                     "is fixed token ids)")
-    if llama_e2e and args.kernels is None:
-        args.kernels = []  # e2e_llama runs the newest rung that takes the model
-    if getattr(args, "kernels", False) is None and args.command not in ("features", "frontier", "fp8", "profile",
-                                                                          "backward"):
-        # features and frontier pick per case, fp8 takes the FP8 rungs; profile takes every rung and reports those it
-        # cannot run as skipped;
+    if getattr(args, "kernels", False) is None and args.command not in ("e2e", "features", "frontier", "fp8",
+                                                                          "profile", "backward"):
+        # e2e takes the rungs that take its model; features and frontier pick per case, fp8 takes the FP8 rungs;
+        # profile takes every rung and reports those it cannot run as skipped;
         # backward runs the backward ladder (benchmarks/backward.py picks those that take the dtype)
         # decode rungs (split-KV) are made for a few query rows over a long cache, not whole sequences:
         # they are timed only when named (and by tests/test_decode_gpu.py's timing on decode shapes);
         # FP8 rungs quantize their inputs, and bench.py fp8 holds them to their own accuracy
         whole = args.command == "resources"
-        dtype = getattr(args, "dtype", "float32")  # e2e runs float32
+        dtype = getattr(args, "dtype", "float32")
         args.kernels = [kernels.resolve(n) for n in (kernels.names() if whole else kernels.rungs_for(dtype))]
     if args.command == "sweep" and args.t_min > args.t_max:
         parser.error(f"--t-min {args.t_min} is larger than --t-max {args.t_max}")

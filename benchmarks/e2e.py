@@ -1,7 +1,9 @@
-"""`bench.py e2e`: seconds for GPT-2 small to generate tokens greedily with each rung as its attention,
-without and with a KV cache, beside HF transformers on the same weights; and the fast engine's decode
-tokens/s (gpt2.fast, float32 and bfloat16, each decode step) against the lab's targets. gpt2/ is
-imported only here, when the subcommand runs."""
+"""`bench.py e2e`: seconds for a model (GPT-2 small, or a Llama size: random weights in the family's
+default dtype) to generate tokens greedily with each rung that takes it as its attention, without and with
+a KV cache, beside HF transformers on the same weights; and, for GPT-2 small, the fast engine's decode
+tokens/s (gpt2.fast, float32 and bfloat16, each decode step) against the lab's targets. The model's
+family (lm.family.Family, lab.FAMILIES) supplies the weights, the prompt and generate(); gpt2/ and llama/
+are imported only here, when the subcommand runs."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import time
 from pathlib import Path
 
 import kernels
+from lm.generate import decode_attention_name, reference_attend
 from lm.measure import copy_ceiling
 
 from . import device, plots
@@ -17,25 +20,59 @@ from .device import ROOT, CannotRun, Unavailable, first_line, progress
 from .results import SCHEMA, result_path, write_result, wrote
 from .tables import render_e2e
 
-PROMPT = "Hello, I'm a language model,"
+PROMPT = "Hello, I'm a language model,"  # the text prompt of a family with a tokenizer
 
 
-def gpt2_seam():
-    """The GPT-2 of gpt2/: random_weights, load_tokenizer, generate(..., attend, kv_cache, on_token), save."""
+def family_of(size: str):
+    """The lm.family.Family whose sizes name `size` (lab.FAMILIES), gpt2/ and llama/ imported now."""
     try:
-        import gpt2
-        from gpt2 import generate, load_tokenizer, random_weights, save  # noqa: F401  (the names e2e uses)
+        import lab
+        from lm.family import of_size
     except ImportError as exc:
-        raise CannotRun(f"needs the GPT-2 package gpt2/ with random_weights, load_tokenizer, generate and save "
-                        f"({type(exc).__name__}: {exc})") from None
-    return gpt2
+        raise CannotRun(f"needs the model packages gpt2/ and llama/ ({type(exc).__name__}: {exc})") from None
+    return of_size(lab.FAMILIES, size)
 
 
-def attend_with(gpt2, path: Path | None):
-    """The attention function gpt2.forward calls: the CuPy reference, or a rung (as lab.py runs them)."""
-    if path is None:
-        return gpt2.reference_attend
-    return kernels.Attend(path)
+def refusal(path: Path, config, dtype: str, able: list[str]) -> str | None:
+    """Why the rung at path cannot be this model's attention (naming those that can), or None."""
+    rung = kernels.load(path)
+    lacks = [what for what, ok in (
+        (f"head size {config.head_size}", config.head_size in rung.head_sizes()),
+        (f"grouped-query attention ({config.kv_heads} key/value heads for {config.n_head} query heads)",
+         config.kv_heads == config.n_head or "gqa" in rung.supports),
+        (dtype, dtype in rung.dtypes)) if not ok]
+    if not lacks:
+        return None
+    return f"does not take {' or '.join(lacks)}; {', '.join(able) or 'no rung'} take{'s' * (len(able) == 1)} it"
+
+
+def attentions(config, dtype: str, named: list[Path] | None) -> list[tuple]:
+    """(name, label, kind, attend) per attention to time: the CuPy reference, then the rungs named, or
+    every rung that takes the model (head size, grouped-query attention, dtype) on this device; a named
+    rung that does not take it has the reason for its attend."""
+    able = kernels.rungs_for(dtype, config.head_size, config.kv_heads != config.n_head, kernels.device_limits().arch)
+    if not able and not named:
+        raise CannotRun(f"no rung takes the model (head size {config.head_size}, "
+                        f"{config.kv_heads} key/value heads for {config.n_head} query heads, {dtype}) on this device")
+    paths = [kernels.resolve(n) for n in able] if named is None else named
+    return [("reference", "CuPy reference", "peer", reference_attend)] + [
+        (p.stem, p.stem, "rung", refusal(p, config, dtype, able) or kernels.Attend(p)) for p in paths]
+
+
+def prompt_of(family, text: str | None) -> tuple[str | list[int], list[int]]:
+    """(the prompt as the result records it, its ids): text through the family's tokenizer (PROMPT by
+    default), or, for random weights without one, the family's fixed ids."""
+    try:
+        encoding = family.load_tokenizer(None)
+    except Exception as exc:  # LabError: no tiktoken files and no network
+        raise CannotRun(first_line(exc)) from None
+    if encoding is None:
+        if text is not None:
+            raise CannotRun(f"--prompt is text for a tokenizer; random {family.name} weights have none (the prompt "
+                            "is fixed token ids)")
+        return list(family.prompt_ids), list(family.prompt_ids)
+    text = PROMPT if text is None else text
+    return text, family.encode(encoding, text, chat=False)
 
 
 def time_generation(generate, n_new: int, warmup: int) -> dict:
@@ -70,28 +107,27 @@ def hf_transformers():
 
 
 def time_hf_generation(folder: Path, prompt: list[int], n_new: int, kv_cache: bool, warmup: int,
-                       attn_implementation: str, model_class: str = "GPT2LMHeadModel", dtype: str = "float32",
-                       static_cache: bool = False) -> dict:
-    """HF transformers' model_class on the same weights (saved by the model's save) in dtype, greedy;
-    with static_cache, the KV-cache mode's cache is generate's static one (time_hf_model)."""
+                       attn_implementation: str, model_class: str, dtype: str) -> dict:
+    """HF transformers' model_class on the same weights (saved by the family's save) in dtype, greedy
+    (time_hf_model)."""
     torch, transformers = hf_transformers()
     # dtype at load (not .to(dtype) after it), so that buffers such as Llama's RoPE frequencies stay float32
     model = getattr(transformers, model_class).from_pretrained(str(folder), attn_implementation=attn_implementation,
                                                                dtype=getattr(torch, dtype))
     model = model.to("cuda").eval()
     try:
-        out = time_hf_model(model, prompt, n_new, kv_cache, warmup, static_cache)
+        out = time_hf_model(model, prompt, n_new, kv_cache, warmup)
     finally:
         del model
         device.release_memory()
     return out | {"attn_implementation": attn_implementation, "transformers": transformers.__version__}
 
 
-def time_hf_model(model, prompt: list[int], n_new: int, kv_cache: bool, warmup: int, static_cache: bool = False) -> dict:
+def time_hf_model(model, prompt: list[int], n_new: int, kv_cache: bool, warmup: int) -> dict:
     """An HF model on the device generating n_new tokens greedily after prompt: seconds, a host stamp per
-    token, the tokens and torch's peak reserved memory. With static_cache, the KV-cache mode's cache is
-    generate's static one, and the warm-up generates all n_new tokens so that the cache (and anything
-    compiled for it) has the timed run's shape."""
+    token, the tokens and torch's peak reserved memory. The KV-cache mode's cache is generate's static
+    one, as the lab's engines hold a static cache, and its warm-up generates all n_new tokens so that the
+    cache (and anything compiled for it) has the timed run's shape."""
     torch = device.get_torch()
     try:
         from transformers.generation.streamers import BaseStreamer
@@ -116,7 +152,7 @@ def time_hf_model(model, prompt: list[int], n_new: int, kv_cache: bool, warmup: 
     eos = model.config.eos_token_id
     options = dict(attention_mask=torch.ones_like(ids), do_sample=False, use_cache=kv_cache,
                    pad_token_id=eos[0] if isinstance(eos, list) else eos)
-    if kv_cache and static_cache:
+    if kv_cache:
         options["cache_implementation"] = "static"
         warmup = n_new
     with torch.inference_mode():
@@ -134,25 +170,25 @@ def time_hf_model(model, prompt: list[int], n_new: int, kv_cache: bool, warmup: 
 
 
 DECODE_TARGETS = {"float32": 4000.0, "bfloat16": 7000.0}  # decode tokens/s with the KV cache, GPT-2 small
+DECODE_TABLES = ("gpt2",)  # the sizes with a decode table: gpt2.fast's decode steps against its targets
 DECODE_STEPS = {"persistent": "one persistent kernel per window (kernels/fused/decode_step.cu)",
                 "graphs": "CUDA graphs of the per-operation kernels (5 per layer + 2)"}
 
 
-def time_decode(gpt2, ckpt, prompt: list[int], n_new: int, dtype: str, step: str, warmup: int) -> dict:
+def time_decode(ckpt, prompt: list[int], n_new: int, dtype: str, step: str, warmup: int) -> dict:
     """The fast engine's KV-cache generation in dtype with one decode step (DECODE_STEPS): time to the
     first token (the prefill, through the CuPy reference attention) and decode tokens/s from the
     first token's arrival on the host to the last's."""
     import gpt2.fast as fast
-
     cupy = device.get_cupy()
     params = ckpt.params if dtype == "float32" else fast.as_bfloat16(ckpt.params)
     engine = fast.Engine(params, ckpt.config, dtype=dtype, persistent=step == "persistent")
     try:
-        engine.generate(prompt, warmup, attend=gpt2.reference_attend, kv_cache=True)  # compile, warm up
+        engine.generate(prompt, warmup, attend=reference_attend, kv_cache=True)  # compile, warm up
         cupy.cuda.Device().synchronize()
         stamps = []
         start = time.perf_counter()
-        out = engine.generate(prompt, n_new, attend=gpt2.reference_attend, kv_cache=True,
+        out = engine.generate(prompt, n_new, attend=reference_attend, kv_cache=True,
                               on_token=lambda token: stamps.append(time.perf_counter()))
         cupy.cuda.Device().synchronize()
         seconds = time.perf_counter() - start
@@ -245,7 +281,7 @@ def generation_rows(modes: list[bool], impls: list[tuple], generate, hf, args) -
     return rows
 
 
-def measure_decode(gpt2, ckpt, prompt: list[int], args, rows: list[dict]) -> dict:
+def measure_decode(ckpt, prompt: list[int], args, rows: list[dict]) -> dict:
     """The KV-cache decode table: the fast engine in float32 and bfloat16 with each decode step, and
     HF transformers' float32 kv-cache row measured above, each with its time to first token, decode
     tokens/s, the weight bytes streamed per second against the copy ceiling measured now, and the
@@ -259,7 +295,7 @@ def measure_decode(gpt2, ckpt, prompt: list[int], args, rows: list[dict]) -> dic
         for step in DECODE_STEPS:
             row = {"dtype": dtype, "step": step, "label": f"gpt2.fast, {step}"}
             try:
-                row |= time_decode(gpt2, ckpt, prompt, args.tokens, dtype, step, args.warmup)
+                row |= time_decode(ckpt, prompt, args.tokens, dtype, step, args.warmup)
                 row["status"] = "ok"
             except Exception as exc:
                 row |= {"status": "error", "reason": first_line(exc)}
@@ -286,57 +322,70 @@ def measure_decode(gpt2, ckpt, prompt: list[int], args, rows: list[dict]) -> dic
 
 
 def cmd_e2e(args) -> int:
+    family = family_of(args.model)
     device.require_gpu()
-    gpt2 = gpt2_seam()
+    shown, prompt = prompt_of(family, args.prompt)
     cupy = device.get_cupy()
-    setup = device.setup_info(args.argv) | {"model": "gpt2"}
+    dtype = family.default_dtype
+    setup = device.setup_info(args.argv) | {"model": args.model}
     modes = [False, True] if args.mode == "both" else [args.mode == "kv-cache"]
-    ckpt = gpt2.random_weights("gpt2", seed=args.seed, xp=cupy)
-    text = PROMPT if args.prompt is None else args.prompt
-    try:
-        prompt = gpt2.load_tokenizer(None).encode(text, allowed_special="all")
-    except Exception as exc:  # gpt2.LabError: no tiktoken files and no network
-        raise CannotRun(str(exc)) from None
-    progress(f"{setup['device']['name']}: GPT-2 small, {ckpt.name}, {len(prompt)} prompt tokens, "
-             f"{args.tokens} new tokens, greedy, float32")
-    impls = [("reference", "CuPy reference", "peer", gpt2.reference_attend)]
-    impls += [(p.stem, p.stem, "rung", attend_with(gpt2, p)) for p in args.kernels]
+    ckpt = family.random_weights(args.model, seed=args.seed, xp=cupy, dtype=dtype)
+    config = ckpt.config
+    family.decode_layout(ckpt.params, config)  # as lab.py lays them out: the fast engine holds views
+    device.release_memory()  # the float32 draw, the layout's transients
+    impls = attentions(config, dtype, args.kernels)
+    decoder = (f"{family.name}.fast's decode step (fused kernels, a CUDA graph)"
+               if family.fast_reason(ckpt.params, config, kv_cache=True, sampler=None) is None
+               else decode_attention_name(cupy, config, dtype))
+    progress(f"{setup['device']['name']}: {ckpt.name}, {dtype}, {len(prompt)} prompt tokens, {args.tokens} new "
+             f"tokens, greedy; KV-cache decode steps with {decoder}")
+    positions = len(prompt) + args.tokens  # the warm-up and the timed run on one engine
 
     def generate(attend, kv, n, on_token):
-        return gpt2.generate(ckpt.params, ckpt.config, prompt, n, attend=attend, kv_cache=kv, on_token=on_token)
+        return family.generate(ckpt.params, config, prompt, n, attend=attend, kv_cache=kv, sampler=None,
+                               max_len=positions, on_token=on_token)
 
     with tempfile.TemporaryDirectory(prefix="bench-e2e-") as scratch:  # the weights as HF reads them
-        folder = Path(scratch) / "gpt2"
+        folder = Path(scratch) / args.model
 
         def hf(kv):
             if not folder.exists():
-                gpt2.save(ckpt, folder)
-            return time_hf_generation(folder, prompt, args.tokens, kv, args.warmup, args.hf_attn)
+                family.save(ckpt, folder)  # float32 on disk: HF rounds to the dtype as the draw did
+            return time_hf_generation(folder, prompt, args.tokens, kv, args.warmup, args.hf_attn,
+                                      family.hf_classes[0], dtype)
 
         rows = generation_rows(modes, impls, generate, None if args.no_hf else hf, args)
     add_generation_comparisons(rows)
-    decode = measure_decode(gpt2, ckpt, prompt, args, rows) if True in modes and not args.no_decode else None
+    tabled = args.model in DECODE_TABLES and True in modes and not args.no_decode
     result = {
         "schema": SCHEMA, "kind": "e2e", "setup": setup,
-        "model": ckpt.name, "prompt": text, "prompt_tokens": len(prompt), "new_tokens": args.tokens,
-        "sampling": "greedy", "dtype": "float32", "modes": ["kv-cache" if kv else "no-cache" for kv in modes],
-        "method": {
-            "clock": "time.perf_counter around gpt2.generate (device synchronized before and after), after a "
-                     f"{args.warmup}-token warm-up generation that compiles every rung and CuPy kernel",
-            "no-cache": "every step runs the whole sequence so far through the model (gpt2's fast path: fused "
-                        "kernels, the products on kernels/fused/gemm.cu's 3xTF32 wgmma on sm_90, else cuBLAS "
-                        "SGEMM; past the last layer's attention only the last position): the attention under "
-                        "test runs on every token, at every length",
-            "kv-cache": "the prompt is prefilled through the attention under test; each later step is one query "
-                        "over a static cache, gpt2.fast's decode step (the persistent kernel where the device runs "
-                        "it, else CUDA graphs of its fused kernels), the same for every rung",
-            "hf": "transformers GPT2LMHeadModel.from_pretrained on the same weights (gpt2.save), fp32, "
-                  "generate(do_sample=False, min_new_tokens=max_new_tokens), use_cache per mode",
-        },
+        "model": ckpt.name, "prompt": shown, "prompt_tokens": len(prompt), "new_tokens": args.tokens,
+        "sampling": "greedy", "dtype": dtype, "modes": ["kv-cache" if kv else "no-cache" for kv in modes],
+        "method": method(family, dtype, decoder, shown, args),
         "rows": rows,
-        "decode": decode,
+        "decode": measure_decode(ckpt, prompt, args, rows) if tabled else None,
     }
     return publish(result, setup, args.results)
+
+
+def method(family, dtype: str, decoder: str, shown, args) -> dict:
+    """How cmd_e2e measured, for the result file."""
+    hf_class = family.hf_classes[0]
+    return {
+        "clock": f"time.perf_counter around {family.name}.generate (device synchronized before and after), after "
+                 f"a {args.warmup}-token warm-up generation that compiles every rung and CuPy kernel",
+        "prompt": ("the text through the family's tokenizer" if isinstance(shown, str) else
+                   "the family's fixed ids (lm.family.Family.prompt_ids): random weights have no tokenizer"),
+        "no-cache": f"every step runs the whole sequence so far through {family.name}/model.py (with its fast "
+                    "path's fused kernels where it has them; past the last layer only the last position): the "
+                    "attention under test runs on every token, at every length",
+        "kv-cache": f"the prompt is prefilled through the attention under test; each later step is one query over "
+                    f"a static cache with {decoder}, the same for every rung",
+        "hf": f"transformers {hf_class}.from_pretrained on the same weights ({family.name}.save), dtype={dtype}, "
+              "generate(do_sample=False, min_new_tokens=max_new_tokens); no cache: use_cache=False; KV cache: "
+              "cache_implementation=\"static\", after a warm-up of all the tokens (the static cache's shape, and "
+              "whatever generate compiles for it)",
+    }
 
 
 def publish(result: dict, setup: dict, results: str | None) -> int:

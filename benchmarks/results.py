@@ -22,11 +22,12 @@ SECTIONS = ("kernels", "sweep", "e2e", "resources", "features", "frontier", "fp8
 # what `bench.py e2e --model` runs: a name -> what the tables call it (random weights, shaped as named)
 E2E_MODELS = {"gpt2": "GPT-2 small", "llama-3.2-1b": "Llama 3.2 1B", "llama-3.2-3b": "Llama 3.2 3B",
               "llama-3.1-8b": "Llama 3.1 8B"}
+E2E_MODEL = "gpt2"  # without --model
 
 
 def e2e_model(result: dict) -> str:
     """The model an e2e result ran (its setup's "model"); results written before Llama name none: GPT-2 small."""
-    return result["setup"].get("model", "gpt2")
+    return result["setup"].get("model", E2E_MODEL)
 
 
 _RESULT_NAME = re.compile(r"^(?P<kind>[a-z0-9]+)-(?P<device>[a-z0-9-]+)-(?P<stamp>\d{8}T\d{6}Z)(?:-(?P<n>\d+))?\.json$")

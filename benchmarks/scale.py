@@ -30,11 +30,7 @@ SIZES = {"gpt2": "GPT-2 small", "gpt2-medium": "GPT-2 medium", "gpt2-large": "GP
          "llama-3.2-1b": "Llama 3.2 1B", "llama-3.2-3b": "Llama 3.2 3B", "llama-3.1-8b": "Llama 3.1 8B"}
 FAMILY_DTYPES = {"gpt2": ("bfloat16", "float32"), "llama": ("bfloat16",)}  # without --dtypes
 PREFILL_TOKENS = 1000
-PROMPTS = {"gpt2": [15496, 11, 314, 1101, 257, 3303, 2746, 11],  # "Hello, I'm a language model,"
-           "llama": [128000, 791, 4062, 14198, 39935, 35308, 927, 279, 16053, 5679, 13]}  # e2e_llama's ids
 COPY_TARGETS = {"bfloat16": 80.0, "float32": 70.0}  # decode: % of the copy ceiling (weight bytes per second)
-BOS = {"gpt2": [], "llama": [128000]}  # the id a prompt starts with, by family
-HF_CLASSES = {"gpt2": ("GPT2LMHeadModel", "GPT2Config"), "llama": ("LlamaForCausalLM", "LlamaConfig")}  # transformers'
 RATE_TARGETS = {("gpt2", "bfloat16"): 10_000.0, ("gpt2", "float32"): 6_000.0}  # tokens/s, by (size, dtype)
 PREFILL_TARGET = 50.0  # the prefill's products: % of the bf16 GEMM ceiling (gpt2-xl and Llama shapes)
 PREFILL_TARGET_SIZES = ("gpt2-xl", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b")
@@ -53,10 +49,11 @@ def family(size: str) -> str:
 
 
 def prefill_ids(size: str, config, n: int) -> list[int]:
-    """n token ids from a fixed generator (after the family's first id, Llama's <|begin_of_text|>): any
+    """n token ids from a fixed generator (after the family's bos_ids, Llama's <|begin_of_text|>): any
     ids do on random weights."""
     ids = np.random.default_rng(25).integers(0, min(config.vocab_size, 50000), n).tolist()
-    return [*BOS[family(size)], *ids[len(BOS[family(size)]):]]
+    bos = list(of_size(size).bos_ids)
+    return [*bos, *ids[len(bos):]]
 
 
 def measure(size: str, dtype: str, args, copy_bps: float, bf16_tflops: float | None) -> dict:
@@ -79,7 +76,7 @@ def measure(size: str, dtype: str, args, copy_bps: float, bf16_tflops: float | N
     pool.free_all_blocks()  # the draws' float32 transients: the peak counts from the weights in place
     kernel = lab.fit_kernel(lab.REFERENCE, None, config, dtype, "gpu", kernels.device_limits().arch)
     attend = lab.make_attend(kernel, dtype)
-    prompt, long_prompt = PROMPTS[fam.name], prefill_ids(size, config, args.prefill_tokens)
+    prompt, long_prompt = list(fam.prompt_ids), prefill_ids(size, config, args.prefill_tokens)
 
     positions = max(len(prompt) + args.tokens, len(long_prompt) + 1)  # every run below on one engine (Llama's)
 
@@ -156,7 +153,7 @@ def measure_hf(size: str, args, copy_bps: float) -> dict:
     torch, transformers = hf_transformers()
     fam = of_size(size)
     config = fam.sizes[size]
-    model_class, config_class = HF_CLASSES[fam.name]
+    model_class, config_class = fam.hf_classes
     cls, hf_config = getattr(transformers, model_class), getattr(transformers, config_class)
     saved = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # initialised in bfloat16, on the device: no float32 copy anywhere
@@ -166,7 +163,7 @@ def measure_hf(size: str, args, copy_bps: float) -> dict:
             hf = cls(hf_config(**settings, attn_implementation=args.hf_attn)).eval()
     finally:
         torch.set_default_dtype(saved)
-    out = time_hf_model(hf, PROMPTS[fam.name], args.tokens, True, args.warmup, static_cache=True)
+    out = time_hf_model(hf, list(fam.prompt_ids), args.tokens, True, args.warmup)
     t = out["elapsed"]
     rate = (len(t) - 1) / (t[-1] - t[0])
     bpt = fam.weight_bytes_per_token(config, "bfloat16")

@@ -8,7 +8,7 @@ from lm.family import Family
 from . import fast
 from .config import SIZES
 from .generate import generate
-from .load import load_folder, random_weights, to_json
+from .load import load_folder, random_weights, save, to_json
 from .tokenizer import load_tokenizer
 
 
@@ -37,5 +37,7 @@ FAMILY = Family(
     stop_ids=stop_ids, generate=generate_run, fast_reason=fast.unsupported_reason,
     decode_layout=lambda params, config: fast.decode_layout(params),
     engine=lambda params, config, positions: fast.engine_for(params, config),
-    weight_bytes_per_token=fast.weight_bytes_per_token, config_json=to_json,
+    weight_bytes_per_token=fast.weight_bytes_per_token, config_json=to_json, save=save,
+    hf_classes=("GPT2LMHeadModel", "GPT2Config"), bos_ids=(),
+    prompt_ids=(15496, 11, 314, 1101, 257, 3303, 2746, 11),  # "Hello, I'm a language model,"
 )

@@ -5,11 +5,12 @@ from __future__ import annotations
 from lm.family import Family
 
 from . import fast, tokenizer
-from .config import SIZES, to_json
+from .config import SIZES, LlamaConfig, to_json
 from .generate import generate
-from .load import load_folder, random_weights, weight_bytes_per_token
+from .load import load_folder, random_weights, save, weight_bytes_per_token
 
 DEFAULT_DTYPE = "bfloat16"  # Llama's checkpoints are stored in it
+BEGIN_OF_TEXT = LlamaConfig.bos_token_id  # <|begin_of_text|>
 
 
 def encode(encoding, text: str, *, chat: bool) -> list[int]:
@@ -30,5 +31,7 @@ FAMILY = Family(
     load_tokenizer=tokenizer.load_tokenizer, encode=encode, stop_ids=stop_ids, generate=generate,
     fast_reason=fast.unsupported_reason, decode_layout=fast.decode_layout,
     engine=lambda params, config, positions: fast.engine_for(params, config, positions=positions),
-    weight_bytes_per_token=weight_bytes_per_token, config_json=to_json,
+    weight_bytes_per_token=weight_bytes_per_token, config_json=to_json, save=save,
+    hf_classes=("LlamaForCausalLM", "LlamaConfig"), bos_ids=(BEGIN_OF_TEXT,),
+    prompt_ids=(BEGIN_OF_TEXT, 791, 4062, 14198, 39935, 35308, 927, 279, 16053, 5679, 13),  # then ids picked by hand
 )

@@ -35,6 +35,10 @@ class Family:
     engine: Callable  # (params, config, positions) -> the fast engine generate() ran on
     weight_bytes_per_token: Callable  # (config, dtype) -> bytes of weights one decode step reads
     config_json: Callable  # (config) -> its config.json as a dict (what transformers' config class takes)
+    save: Callable  # (checkpoint, folder): config.json and model.safetensors as transformers reads them
+    hf_classes: tuple  # transformers' (model class, config class) names for the family's config.json
+    bos_ids: tuple  # the ids every prompt starts with (Llama's <|begin_of_text|>; GPT-2 has none)
+    prompt_ids: tuple  # a fixed prompt of token ids, for random weights without a tokenizer
 
 
 def of_size(families, size: str) -> Family:

@@ -1,6 +1,9 @@
 """bench.py's command line: help, argument parsing and its errors, defaults, where results are written."""
 
 
+import ast
+from pathlib import Path
+
 import pytest
 
 import bench
@@ -132,3 +135,24 @@ def test_the_wrote_line_says_how_to_keep_a_scratch_result(tmp_path):
     saved = results.RESULTS / "sweep-x-20260102T030405Z.json"
     assert results.wrote(saved, "sweep-x-20260102T030405Z.png", None) == f"wrote {saved} and sweep-x-20260102T030405Z.png"
     assert results.wrote(tmp_path / "a.json") == f"wrote {tmp_path / 'a.json'}"
+
+
+def test_bench_chooses_a_model_family_once_and_never_branches_on_its_name():
+    """No comparison of a value with a family's or a size's name (`model == "gpt2"`, `family.name in (...)`)
+    where bench.py runs a model (e2e, e2e --sizes, their command line): what differs between the families
+    is lm.family.Family's to supply. (readme.py orders the results files, GPT-2 small's first.)"""
+    import gpt2
+    import llama
+    from benchmarks.results import E2E_MODEL
+
+    names = {E2E_MODEL, gpt2.FAMILY.name, llama.FAMILY.name, *gpt2.SIZES, *llama.SIZES}
+    root = Path(__file__).resolve().parents[2]
+    found = []
+    for path in [root / "bench.py", *(root / "benchmarks" / name for name in ("cli.py", "e2e.py", "scale.py"))]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                consts = {c.value for side in sides for c in ast.walk(side) if isinstance(c, ast.Constant)}
+                if consts & names:
+                    found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert found == []

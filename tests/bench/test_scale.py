@@ -119,7 +119,7 @@ def test_sizes_end_to_end_with_stand_ins(tmp_path, monkeypatch, capsys):
         config = TINY if size == "gpt2" else TINY_LLAMA
         item = 2 if dtype == "bfloat16" else 4
         assert r["weight_bytes"] == r["n_params"] * item
-        positions = max(len(scale.PROMPTS[scale.family(size)]) + 5 - 1, 40)
+        positions = max(len(scale.of_size(size).prompt_ids) + 5 - 1, 40)
         assert r["kv_cache_bytes"] == 2 * config.n_layer * config.kv_heads * config.head_size * positions * item
         assert r["pct_copy"] == pytest.approx(100 * r["weight_bytes_per_token"] * r["decode_tokens_per_s"] / 4e12)
         assert r["floor_tokens_per_s"] == pytest.approx(4e12 / r["weight_bytes_per_token"])

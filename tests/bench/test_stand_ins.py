@@ -6,6 +6,7 @@ and a host clock for its events, and stand-in rungs: one right, one slightly wro
 unwritten, one that refuses the inputs. What they check is the benchmarks' own logic: poisoning, the
 gate, what gets timed, the rows, the result file and the tables."""
 
+import dataclasses
 import json
 import sys
 import time
@@ -48,18 +49,12 @@ def test_gpu_subcommands_exit_2_with_one_line_without_a_gpu(command, monkeypatch
     assert out == "" and list(tmp_path.iterdir()) == []
 
 
-def test_e2e_without_the_gpt2_package_exits_2(monkeypatch, tmp_path, capsys):
+def test_e2e_without_the_model_packages_exits_2(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(device, "gpu_problem", lambda: None)
-    monkeypatch.setitem(sys.modules, "gpt2", None)  # import gpt2 raises ImportError
+    monkeypatch.setitem(sys.modules, "lab", None)  # import lab (and with it gpt2/, llama/) raises ImportError
     code, _, err = run(["e2e", "--results", str(tmp_path)], capsys)
     assert code == 2
-    assert len(err.strip().splitlines()) == 1 and "needs the GPT-2 package gpt2/" in err
-
-
-def test_gpt2_seam_offers_what_e2e_calls():
-    gpt2 = e2e.gpt2_seam()
-    for name in ("random_weights", "load_tokenizer", "generate", "save"):
-        assert callable(getattr(gpt2, name))
+    assert len(err.strip().splitlines()) == 1 and "needs the model packages gpt2/ and llama/" in err
 
 
 @pytest.fixture
@@ -137,12 +132,14 @@ def test_sweep_subcommand_end_to_end_with_stand_ins(stand_in, tmp_path, monkeypa
 def test_e2e_subcommand_end_to_end_with_stand_ins(stand_in, tmp_path, monkeypatch, capsys):
     import gpt2
 
-    tiny = gpt2.GPT2Config(n_layer=2, n_head=2, n_embd=16, n_positions=64)
-    real_random = gpt2.random_weights
-    monkeypatch.setattr(gpt2, "random_weights", lambda size, seed, xp: real_random(tiny, seed=seed, xp=np))
+    tiny = gpt2.GPT2Config(n_layer=2, n_head=2, n_embd=128, n_positions=64)  # head size 64, as every rung takes
+    family = dataclasses.replace(gpt2.FAMILY, random_weights=lambda size, *, seed, xp, dtype: gpt2.random_weights(
+        tiny, seed=seed, xp=np, dtype=dtype))
+    monkeypatch.setattr(e2e, "family_of", lambda size: family)
     monkeypatch.setattr(kernels, "Attend", lambda path: lambda q, k, v: kernels.reference_attention(q, k, v))
+    monkeypatch.setattr(kernels, "device_limits", lambda: SimpleNamespace(arch="sm_90"))
     monkeypatch.setattr(plots, "plot_or_none", lambda plot, result, path: None)
-    code, out, err = run(["e2e", "--kernels", stand_in[0], "--tokens", "5", "--warmup", "2", "--no-hf",
+    code, out, err = run(["e2e", "--kernels", "v01", "--tokens", "5", "--warmup", "2", "--no-hf",
                           "--no-decode", "--results", str(tmp_path)], capsys)  # the decode table needs the GPU
     assert code == 0, err
     (path,) = tmp_path.glob("e2e-stand-in-gpu-*.json")
@@ -150,13 +147,13 @@ def test_e2e_subcommand_end_to_end_with_stand_ins(stand_in, tmp_path, monkeypatc
     assert data["modes"] == ["no-cache", "kv-cache"] and data["prompt"] == e2e.PROMPT and data["decode"] is None
     assert data["prompt_tokens"] == 8  # "Hello, I'm a language model," in GPT-2's BPE
     rows = {(r["name"], r["mode"]): r for r in data["rows"]}
-    assert set(rows) == {("reference", "no-cache"), ("v01_good", "no-cache"), ("reference", "kv-cache"),
-                         ("v01_good", "kv-cache")}
+    assert set(rows) == {("reference", "no-cache"), ("v01_naive", "no-cache"), ("reference", "kv-cache"),
+                         ("v01_naive", "kv-cache")}
     for r in rows.values():
         assert r["status"] == "ok" and len(r["tokens"]) == 5 and len(r["elapsed"]) == 5
         assert r["elapsed"] == sorted(r["elapsed"]) and r["elapsed"][-1] <= r["seconds"]
         assert r["same_tokens_as_reference"] == 5  # the stand-in rung is the reference
-    assert "| `v01_good` | kv-cache |" in out
+    assert "| `v01_naive` | kv-cache |" in out
 
 
 def fake_prepare_declared(q, k, v, *, kernel, causal=True):
