@@ -107,6 +107,47 @@ def time_optimizer(cp, params, grads, repeats: int) -> dict:
     return times
 
 
+def kernel_times(cp, run) -> dict:
+    """One call of run() (after a warm-up) under torch.profiler, which traces every kernel of the process
+    through CUPTI, CuPy's and cuBLAS's too: {wall_ms, busy_ms (the union of the kernels' intervals),
+    kernels: [(name, calls, total ms)], most time first}; names lose their template arguments."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    cp.cuda.Device().synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        began = time.perf_counter()
+        run()
+        cp.cuda.Device().synchronize()
+        wall_ms = 1e3 * (time.perf_counter() - began)
+    torch.cuda.synchronize()
+    spans, by_name = [], {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA or e.time_range.elapsed_us() <= 0:
+            continue
+        name = e.name.split("<")[0].split("(")[0]
+        spans.append((e.time_range.start, e.time_range.end))
+        calls, us = by_name.get(name, (0, 0.0))
+        by_name[name] = (calls + 1, us + e.time_range.elapsed_us())
+    busy, reach = 0.0, None
+    for start, end in sorted(spans):
+        if reach is None or start > reach:
+            busy, reach = busy + (end - start), end
+        elif end > reach:
+            busy, reach = busy + (end - reach), end
+    table = sorted(((n, c, us / 1e3) for n, (c, us) in by_name.items()), key=lambda r: -r[2])
+    return {"wall_ms": wall_ms, "busy_ms": busy / 1e3, "launches": len(spans), "kernels": table}
+
+
+def print_kernel_table(t: dict, rows: int = 40) -> None:
+    print(f"fused pass under the profiler: wall {t['wall_ms']:.1f} ms, GPU busy {t['busy_ms']:.1f} ms, "
+          f"{t['launches']} kernels")
+    print(f"{'kernel':60s} {'calls':>6s} {'ms':>8s} {'us/call':>8s}")
+    for name, calls, ms in t["kernels"][:rows]:
+        print(f"{name[:60]:60s} {calls:6d} {ms:8.2f} {1e3 * ms / calls:8.1f}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", default="gpt2")
@@ -118,6 +159,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--classifier-mib", type=int, nargs="*", default=[],
                         help="also time the fused pass with these chunk sizes of the classifier's logits (MiB)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also list the fused pass's GPU kernels by time (torch.profiler's CUPTI trace), and "
+                             "how much of the pass the GPU spent in any kernel")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for train_step_profile.json")
     args = parser.parse_args(argv)
 
@@ -153,6 +197,8 @@ def main(argv=None) -> int:
         results[mode] = median
         cp.get_default_memory_pool().free_all_blocks()
     backward.CLASSIFIER_BYTES = default_bytes
+    kernel_table = kernel_times(cp, lambda: backward.loss_and_grads(params, config, idx, targets, attn, args.dtype)) \
+        if args.kernels else None
     optimizer = time_optimizer(cp, params, backward.loss_and_grads(params, config, idx, targets, attn, args.dtype)[1],
                                args.repeats)
     device = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())["name"].decode()
@@ -164,11 +210,14 @@ def main(argv=None) -> int:
         print(f"{mode:16s}" + "".join(f"{ms.get(k, 0.0):14.1f}" for k in keys))
     print("optimizer (clipping + AdamW), median ms: " + ", ".join(
         f"{mode} {t['events_ms']:.2f} (host {t['host_ms']:.2f})" for mode, t in optimizer.items()))
+    if kernel_table is not None:
+        print_kernel_table(kernel_table)
     if args.out:
         path = Path(args.out) / "train_step_profile.json"
         path.write_text(json.dumps({"device": device, "size": args.size, "dtype": args.dtype, "batch": args.batch,
                                     "seq": args.seq, "attention": attn.name, "repeats": args.repeats,
-                                    "ms": results, "optimizer_ms": optimizer}, indent=2))
+                                    "ms": results, "optimizer_ms": optimizer,
+                                    "kernels": kernel_table}, indent=2))
         print(f"wrote {path}")
     return 0
 

@@ -43,8 +43,11 @@
  *   has read dQ's tile (cp.async.bulk.wait_group.read).
  *
  * The ring: per stage of Q_i and dO_i a full barrier (32 arrivals: the producer warp's lanes, lane 0
- * with expect_tx of both tiles' bytes) and an empty barrier (8 arrivals: lane 0 of every consumer warp
- * after wait_group 0). Step n is use n / 2 of stage n % 2, waited for with parity (n / 2) & 1; the
+ * with expect_tx of both tiles' bytes) and an empty barrier (256 arrivals: every consumer thread after
+ * wait_group 0). Every thread that wrote (full) or read (empty) lse_i and D_i with plain shared-memory
+ * accesses arrives itself, so each access is ordered by its own thread's release; one lane per warp after
+ * __syncwarp is as right under the memory model, but racecheck reports the producer's next writes as
+ * racing with the other lanes' reads (16 hazards at the sanitizer's shapes). Step n is use n / 2 of stage n % 2, waited for with parity (n / 2) & 1; the
  * producer refills a stage for step n after the release of step n - 2 (parity ((n / 2) & 1) ^ 1).
  * K_j and V_j have one barrier, used once. The producer leaves after its last copies have landed.
  *
@@ -457,7 +460,7 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
         mbarrier_init(KV_full, 1);  // the producer's arrival, and the bytes
         for (int s = 0; s < STAGES; ++s) {
             mbarrier_init(QdO_full(s), 32);              // every producer lane, one with the bytes
-            mbarrier_init(QdO_empty(s), 4 * CONSUMERS);  // every consumer warp
+            mbarrier_init(QdO_empty(s), 128 * CONSUMERS);  // every consumer thread
         }
         mbarrier_init_fence();
     }
@@ -646,8 +649,7 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
         wgmma_wait_all();
         settle(dV_acc);
         settle(dK_acc);
-        if (lane == 0)
-            mbarrier_arrive(QdO_empty(n));  // Q_i, dO_i, lse_i and D_i read
+        mbarrier_arrive(QdO_empty(n));  // this thread's reads of Q_i, dO_i, lse_i and D_i done
     }
     if (thread == 0)
         bulk_wait_all();  // no reduction in flight from a block that is gone
