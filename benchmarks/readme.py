@@ -22,6 +22,7 @@ from .frontier import render_frontier
 from .levels import newest_per_dtype as newest_levels
 from .levels import render_levels
 from .results import SECTIONS, e2e_model, load_result, newest_results
+from .sanitize_report import newest_per_group, render_sanitize
 from .scale import render_scale
 from .summary import gpt2_shapes_in, has_gpt2_shapes, link, render_e2e_summary, render_models_summary, render_summary
 from .tables import render_e2e, render_features, render_kernels, render_resources, render_sweep
@@ -40,7 +41,8 @@ DECODE_DOC = ROOT / "docs" / "decode.md"  # decode at scale (bench.py e2e --size
 TRAINING_DOC = ROOT / "docs" / "training.md"  # bench.py train's table and loss curve: rewritten when there are results
 WATCH_DOC = ROOT / "docs" / "watch.md"  # watch mode's save-to-report times (tools/watch_demo.py's output files)
 FULL_TABLES = tuple(s for s in SECTIONS if s not in PROFILE + ("levels", "scale", "train"))  # docs/results.md's
-KNOWN = SUMMARIES + SECTIONS + COUNTERS + FRONTIER_COUNTERS + ("watch",)
+SANITIZE = ("sanitize",)  # docs/ladder.md's: the sanitizer's full run (tools/sanitize.py --json files)
+KNOWN = SUMMARIES + SECTIONS + COUNTERS + FRONTIER_COUNTERS + ("watch",) + SANITIZE
 
 _MARKER = re.compile(r"<!--\s*bench:([A-Za-z0-9_-]+):(start|end)\s*-->")
 
@@ -224,6 +226,10 @@ def readme_blocks(found: dict[str, list[Path]], base: Path) -> dict[str, str]:
     if found.get("watch"):  # the newest save-to-report times of tools/watch_demo.py
         p = found["watch"][0]
         blocks["watch"] = source(p) + "\n" + render_demo(p.read_text(), rel(p))
+    if found.get("sanitize"):  # the newest full-run file of each sanitizer group
+        entries = newest_per_group(found["sanitize"])
+        if entries:
+            blocks["sanitize"] = source(*[p for p, _ in entries]) + "\n" + render_sanitize(entries, rel)
     if found["levels"]:  # each dtype from the newest levels file that measured it
         chosen = newest_levels(found["levels"], load_result)
         blocks["levels"] = source(*[p for p, *_ in chosen]) + "\n" + "\n\n".join(
@@ -258,8 +264,11 @@ def cmd_readme(args) -> int:
     if profile_doc.exists() or found["profile"]:  # a checkout without profile results needs no such page
         pages[profile_doc] = PROFILE
     ladder_doc = getattr(args, "ladder_doc", None) or args.results_doc.parent / "ladder.md"
-    if found["profile"] and ladder_doc.exists():  # a hand-written page: never created here
-        pages[ladder_doc] = COUNTERS
+    found["sanitize"] = sorted(Path(results).glob("sanitize-*.json"))
+    if ladder_doc.exists():  # a hand-written page: never created here
+        pages[ladder_doc] = COUNTERS * bool(found["profile"]) + SANITIZE * bool(found["sanitize"])
+        if not pages[ladder_doc]:
+            del pages[ladder_doc]
     if found["levels"]:
         pages[getattr(args, "levels_doc", LEVELS_DOC)] = ("levels",)
     if found["scale"]:

@@ -3,7 +3,7 @@
 # the table on stdout and the json in $OUT (or results/ without $OUT), named after the group.
 #
 #   tools/device_sanitize.sh quick          every target, one launch a rung (--quick)
-#   tools/device_sanitize.sh forward        a group: forward, backward, triton, fused, step, llama
+#   tools/device_sanitize.sh forward        a group: forward, backward, triton, fused, step, llama, train
 #   tools/device_sanitize.sh 'v0*,v1*'      any --only spec (the forward group split in two: 'v0*,v1*' and 'v2*')
 #   tools/device_sanitize.sh repro          v17's synccheck reproducer (both barrier forms) and v17/v23's device tests
 #
@@ -22,6 +22,6 @@ case "$what" in
   repro)
     python3 tools/synccheck_cluster.py --timeout 120 | tee "$out/synccheck-cluster-${device:-nogpu}-$stamp.txt"
     python3 -m pytest -q -m gpu tests/test_sanitize_gpu.py ;;
-  forward|backward|triton|fused|step|llama) python3 tools/sanitize.py --group "$what" --timeout 420 --json "$file" ;;
+  forward|backward|triton|fused|step|llama|train) python3 tools/sanitize.py --group "$what" --timeout 420 --json "$file" ;;
   *) python3 tools/sanitize.py --only "$what" --timeout 420 --json "$file" ;;
 esac

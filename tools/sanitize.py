@@ -402,7 +402,9 @@ def setup(sanitizer: str) -> dict:
         except (OSError, subprocess.TimeoutExpired):
             return ""
 
+    commit = os.environ.get("LAB_COMMIT") or first(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"])
     return {"device": first(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"]),
+            "git": commit or "unknown",
             "compute_sanitizer": first([sanitizer, "--version"]), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
@@ -482,7 +484,8 @@ def main(argv=None) -> int:
     print(f"({time.monotonic() - start:.0f} s)")
     if args.json:
         result = {"command": "python3 tools/sanitize.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                  "setup": setup(sanitizer), "quick": args.quick, "tools": args.tools, "targets": chosen,
+                  "setup": setup(sanitizer), "group": args.group or args.only or "everything",
+                  "quick": args.quick, "tools": args.tools, "targets": chosen,
                   "cells": cells(args.tools, rows, runs), "seconds": per_target(args.tools, runs, "seconds"),
                   "tool_seconds": tool_seconds, "reports": first_reports(args.tools, runs, fused_kernels()),
                   "notes": told, "problems": problems}

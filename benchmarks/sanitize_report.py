@@ -1,0 +1,71 @@
+"""docs/ladder.md's sanitizer table, from tools/sanitize.py --json files in results/ (sanitize-GROUP-*.json,
+one a group of the full run, tools/device_sanitize.sh GROUP): the newest file of each group, a row a group
+with its error count under each tool (the targets that have any named), its wall time under each tool, and
+the run's notes (where a target ran otherwise under one tool, and why)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
+GROUPS = ("forward", "backward", "triton", "fused", "step", "llama", "train")  # tools/sanitize.py's, in its order
+
+
+def group_of(result: dict) -> str:
+    """The group a file ran: its `group` field, or (older files) the command's --group or --only."""
+    if result.get("group"):
+        return result["group"]
+    found = re.search(r"--(?:group|only|kernels)[ =](\S+)", result.get("command", ""))
+    return found.group(1) if found else "everything"
+
+
+def newest_per_group(paths: list[Path]) -> list[tuple[Path, dict]]:
+    """The newest full-run (not --quick) file of each group: GROUPS' order, then any other group by name."""
+    chosen: dict[str, tuple[Path, dict]] = {}
+    for path in sorted(paths, key=lambda p: p.stem.rsplit("-", 1)[-1]):
+        result = json.loads(path.read_text())
+        if not result.get("quick"):
+            chosen[group_of(result)] = (path, result)
+    order = {g: k for k, g in enumerate(GROUPS)}
+    return [chosen[g] for g in sorted(chosen, key=lambda g: (order.get(g, len(order)), g))]
+
+
+def cell(result: dict, tool: str) -> str:
+    """0, or the errors under `tool` summed with the targets that have them; skipped cells named apart."""
+    if tool not in result.get("tools", TOOLS):
+        return "not run"
+    counts, other = {}, []
+    for target, by_tool in result["cells"].items():
+        value = by_tool.get(tool)
+        if isinstance(value, int):
+            if value:
+                counts[target] = value
+        elif value is not None:
+            other.append(f"{target}: {value}")
+    text = str(sum(counts.values())) if counts else "0"
+    if counts:
+        text = "**" + text + "** (" + ", ".join(f"{t} {n}" for t, n in counts.items()) + ")"
+    return "; ".join([text] + other)
+
+
+def render_sanitize(entries: list[tuple[Path, dict]], rel) -> str:
+    """The table: a row a group (its file linked through rel(path)), then the notes."""
+    lines = ["| group | targets | " + " | ".join(TOOLS) + " | seconds (" + ", ".join(TOOLS) + ") | file |",
+             "|:---|---:|" + "---:|" * len(TOOLS) + "---:|:---|"]
+    notes = []
+    for path, result in entries:
+        seconds = result.get("tool_seconds", {})
+        wall = " / ".join(f"{seconds[t]:.0f}" if t in seconds else "-" for t in TOOLS)
+        lines.append(f"| {group_of(result)} | {len(result['targets'])} | "
+                     + " | ".join(cell(result, t) for t in TOOLS)
+                     + f" | {wall} | [{path.name}]({rel(path)}) |")
+        for target, by_tool in sorted(result.get("notes", {}).items()):
+            notes += [f"- {target} under {tool}: {note}" for tool, note in by_tool.items()]
+        notes += [f"- {group_of(result)}: {problem}" for problem in result.get("problems", [])]
+    devices = sorted({r["setup"].get("device", "?") for _, r in entries})
+    commits = sorted({r["setup"].get("git", "?") for _, r in entries})
+    head = (f"Every group of the full run (`tools/device_sanitize.sh GROUP`), its newest file: {', '.join(devices)}; "
+            f"commit {', '.join(commits)}. A cell counts the tool's errors over the group's targets.")
+    return "\n".join([head, ""] + lines + ([""] + notes if notes else []))
