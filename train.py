@@ -267,11 +267,11 @@ def load_weights(args, xp) -> tuple[Family, Checkpoint]:
         trains = ", ".join(f.name for f in lab.FAMILIES if f.backward is not None)
         where = f"{folder / 'config.json'}: model_type" if folder is not None else "--size's family"
         raise LabError(f"{where} {family.name!r} has no backward pass; train.py trains {trains}")
-    float32 = argparse.Namespace(**{**vars(args), "dtype": "float32"})  # master weights, whatever --dtype
+    float32 = argparse.Namespace(**vars(args) | {"dtype": "float32"})  # master weights, whatever --dtype
     return family, lab.load_checkpoint(float32, family, folder, file, xp)
 
 
-def rungs(args, family: Family, xp, device: str, config) -> tuple[str, str, object, object]:
+def rungs(args, family: Family, device: str, config) -> tuple[str, str, object, object]:
     """The forward rung, the backward rung, the family's Attention of both (every step) and the forward
     rung alone as an attend (evaluation and samples): on the CPU, the reference attention."""
     if device == "cpu":
@@ -304,8 +304,8 @@ def set_up(args) -> Setup:
                             name=args.data)
     val_batches = (Batches(read_tokens(args.val_data, vocab_size=config.vocab_size), args.batch, args.seq,
                            name=args.val_data) if args.val_data else None)
-    attention = rungs(args, family, xp, device, config)
-    measure = ceiling_and_pool(args, xp, device)
+    kernel, backward, attn, attend = rungs(args, family, device, config)
+    ceiling, ceiling_what, pool = ceiling_and_pool(args, xp, device)
     if args.sample_every and config.eos_token_id >= config.vocab_size:  # found now, not after training
         raise LabError(f"--sample-every: samples start at <|endoftext|> (id {config.eos_token_id}), outside the "
                        f"model's vocabulary of {config.vocab_size}")
@@ -313,8 +313,11 @@ def set_up(args) -> Setup:
     opt = AdamW(ckpt.params, weight_decay=args.weight_decay, multi_tensor=args.multi_tensor)
     tokens_per_step = args.batch * args.seq * args.accum
     flops_per_step = (6 * ckpt.n_params + 6 * config.n_layer * config.n_embd * args.seq) * tokens_per_step
-    return Setup(args, family, device, xp, ckpt, train_batches, val_batches, *attention, *measure, encoding, opt,
-                 args.lr / 10 if args.min_lr is None else args.min_lr, tokens_per_step, flops_per_step)
+    return Setup(args=args, family=family, device=device, xp=xp, ckpt=ckpt, train_batches=train_batches,
+                 val_batches=val_batches, kernel=kernel, backward=backward, attn=attn, attend=attend, ceiling=ceiling,
+                 ceiling_what=ceiling_what, pool=pool, encoding=encoding, opt=opt,
+                 min_lr=args.lr / 10 if args.min_lr is None else args.min_lr, tokens_per_step=tokens_per_step,
+                 flops_per_step=flops_per_step)
 
 
 def train_step(s: Setup, step: int, lr: float) -> tuple[float, float, float]:
