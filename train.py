@@ -11,7 +11,8 @@ Each step takes --accum micro-batches in llm.c's order (lm/token_data.py), avera
 clips their global norm, and updates float32 master weights with AdamW (lm/adamw.py; PyTorch's formula).
 --dtype bfloat16 is mixed precision: the model's products, activations and attention in bfloat16, its
 reductions, softmax and loss in float32, the master weights and the optimizer's state float32. The
-model's forward and backward: gpt2/backward.py (loss_and_grads). Prints a line per step as llm.c does.
+model's forward and backward: the family's (lm.family.Family.backward, gpt2/backward.py's loss_and_grads;
+a family without one is refused). Prints a line per step as llm.c does.
 MFU: (6 x parameters + 6 x n_layer x n_embd x T) FLOPs per token (llm.c's count, the attention's causal
 half) over the step's time, against a GEMM ceiling in the run's dtype measured at start-up (GPU only).
 User errors print one line to stderr and exit 2; a loss that is not finite exits 1 at the end.
@@ -24,7 +25,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,15 +33,14 @@ import numpy as np
 import gpt2
 import kernels
 import lab
-from gpt2.backward import Attention, loss_and_grads
-from gpt2.load import load_folder
-from gpt2.model import cast_params, forward
 from kernels import backward as backward_ladder
-from lm import checkpoint
 from lm.adamw import AdamW, get_lr
-from lm.arrays import array_module
+from lm.arrays import array_module, cast_params
+from lm.checkpoint import Checkpoint
 from lm.cli import Parser, command
 from lm.errors import LabError
+from lm.family import Family
+from lm.generate import reference_attend
 from lm.token_data import Batches, read_tokens
 
 FLOP_CONVENTION = ("6 x parameters x tokens (the products, forward and backward; wte counted once) + 6 x n_layer x "
@@ -61,7 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--val-batches", type=int, default=10, help="batches of --val-data per evaluation (default 10)")
     p.add_argument("--model", help=f"hub id or local folder, either naming scheme (default {gpt2.DEFAULT_MODEL})")
     p.add_argument("--random-weights", action="store_true", help="nanoGPT's initialization from --seed, no download")
-    p.add_argument("--size", choices=list(gpt2.SIZES), help="size of --random-weights (default gpt2)")
+    p.add_argument("--size", choices=[size for family in lab.FAMILIES if family.backward is not None
+                                      for size in family.sizes], help="size of --random-weights (default gpt2)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto",
                    help="gpu: CuPy and the rungs; cpu: NumPy and the reference attention; auto: gpu if there is one")
@@ -155,17 +156,6 @@ def pick(ladder, names: list[str], asked: str | None, flag: str, config, dtype: 
     return rung
 
 
-def load_weights(args, xp) -> gpt2.Checkpoint:
-    """float32 master weights: nanoGPT's initialization from a seed (gpt2.random_weights), or a checkpoint."""
-    if args.random_weights:
-        return gpt2.random_weights(args.size or "gpt2", seed=args.seed, xp=xp)
-    folder, file = checkpoint.locate(args.model or gpt2.DEFAULT_MODEL)
-    family = checkpoint.model_type(folder) or "gpt2"
-    if family != "gpt2":
-        raise LabError(f"{folder / 'config.json'}: model_type {family!r}; train.py trains GPT-2")
-    return load_folder(folder, xp=xp, name=args.model or gpt2.DEFAULT_MODEL, file=file)
-
-
 # ---------------------------------------------------------------------------------------------
 # Evaluation, samples, the ceiling
 # ---------------------------------------------------------------------------------------------
@@ -179,14 +169,15 @@ def cross_entropy(logits, targets) -> float:
     return float((lse - picked).mean())
 
 
-def evaluate(weights: dict, config, batches: Batches, n: int, attend) -> float:
-    """The mean loss of the first n batches (llm.c's val loader restarts at 0), forward only."""
+def evaluate(forward, weights: dict, config, batches: Batches, n: int, attend) -> float:
+    """The mean loss of the first n batches (llm.c's val loader restarts at 0), the family's forward only."""
     return sum(cross_entropy(forward(weights, config, x, attend), y) for x, y in (batches[i] for i in range(n))) / n
 
 
-def sample(weights: dict, config, encoding, n_new: int, attend) -> str:
-    """Greedy tokens after <|endoftext|>, as llm.c samples, through the eager generation path."""
-    result = gpt2.generate(weights, config, [config.eos_token_id], n_new, attend=attend, fast=False)
+def sample(family: Family, weights: dict, config, encoding, n_new: int, attend) -> str:
+    """Greedy tokens after <|endoftext|>, as llm.c samples, through the family's eager generation path."""
+    result = family.generate(weights, config, [config.eos_token_id], n_new, attend=attend, kv_cache=False,
+                             sampler=None, fast=False)
     return encoding.decode(result.tokens)
 
 
@@ -216,113 +207,207 @@ def gemm_ceiling(xp, dtype: str, n: int = 8192) -> tuple[float, str]:
 # The run
 # ---------------------------------------------------------------------------------------------
 
-def run(args) -> int:
-    check_args(args)
+@dataclass
+class Setup:
+    """What every step runs on, made once before the first."""
+
+    args: argparse.Namespace
+    family: Family
+    device: str
+    xp: object  # NumPy or CuPy
+    ckpt: Checkpoint  # float32 master weights
+    train_batches: Batches
+    val_batches: Batches | None
+    kernel: str  # the forward rung (lab.REFERENCE on the CPU)
+    backward: str  # the backward rung
+    attn: object  # the family's Attention: both rungs, inside every step
+    attend: object  # the forward rung alone: evaluation and samples
+    ceiling: float | None  # TFLOP/s of the GEMM ceiling (GPU), what MFU divides by
+    ceiling_what: str
+    pool: object  # CuPy's memory pool (GPU), whose high-water mark is the run's peak
+    encoding: object  # the tokenizer for samples, None without --sample-every
+    opt: AdamW
+    min_lr: float
+    tokens_per_step: int
+    flops_per_step: int
+
+    @property
+    def config(self):
+        return self.ckpt.config
+
+    def sync(self) -> None:
+        if self.device == "gpu":
+            self.xp.cuda.Device().synchronize()
+
+    def eval_weights(self) -> dict:
+        """The master weights in --dtype, as the forward of evaluation and samples reads them."""
+        params = self.ckpt.params
+        return params if self.args.dtype == "float32" else cast_params(params, self.args.dtype)
+
+
+def pick_xp(args) -> tuple[str, object]:
+    """The device and its array module; the flags that only the GPU takes refused on the CPU."""
     device = lab.pick_device(args.device)
     if device == "gpu":
-        import cupy as xp
-    else:
-        xp = np
-        if args.kernel or args.backward:
-            raise LabError("--kernel and --backward run on the GPU; the CPU runs the reference attention and "
-                           "its backward")
-        if args.multi_tensor:
-            raise LabError("--multi-tensor is AdamW's CUDA path; on the CPU AdamW runs in NumPy")
-    ckpt = load_weights(args, xp)
-    config, params = ckpt.config, ckpt.params
+        import cupy
+
+        return device, cupy
+    if args.kernel or args.backward:
+        raise LabError("--kernel and --backward run on the GPU; the CPU runs the reference attention and its backward")
+    if args.multi_tensor:
+        raise LabError("--multi-tensor is AdamW's CUDA path; on the CPU AdamW runs in NumPy")
+    return device, np
+
+
+def load_weights(args, xp) -> tuple[Family, Checkpoint]:
+    """float32 master weights, of a family with a backward pass: the family's initialization from a seed
+    (--random-weights), or a checkpoint (config.json's model_type chooses the family, as in lab.py)."""
+    family, folder, file = lab.locate_model(args)
+    if family.backward is None:
+        trains = ", ".join(f.name for f in lab.FAMILIES if f.backward is not None)
+        where = f"{folder / 'config.json'}: model_type" if folder is not None else "--size's family"
+        raise LabError(f"{where} {family.name!r} has no backward pass; train.py trains {trains}")
+    float32 = argparse.Namespace(**vars(args) | {"dtype": "float32"})  # master weights, whatever --dtype
+    return family, lab.load_checkpoint(float32, family, folder, file, xp)
+
+
+def rungs(args, family: Family, device: str, config) -> tuple[str, str, object, object]:
+    """The forward rung, the backward rung, the family's Attention of both (every step) and the forward
+    rung alone as an attend (evaluation and samples): on the CPU, the reference attention."""
+    if device == "cpu":
+        return lab.REFERENCE, lab.REFERENCE, family.backward.Attention.reference(), reference_attend
+    kernel, backward = pick_rungs(args, config, kernels.device_limits().arch)
+    attn = family.backward.Attention.make(kernel=kernel, backward=backward)  # LabError where the pair cannot train
+    return kernel, backward, attn, lab.make_attend(kernel, args.dtype)
+
+
+def ceiling_and_pool(args, xp, device: str) -> tuple[float | None, str, object]:
+    """The GEMM ceiling's TFLOP/s and how it was measured, and the memory pool emptied of the load's
+    and the ceiling's transients (from here it only grows); none of them on the CPU."""
+    if device == "cpu":
+        return None, "none on the CPU: MFU not computed", None
+    ceiling, ceiling_what = gemm_ceiling(xp, args.dtype)
+    pool = xp.get_default_memory_pool()
+    pool.free_all_blocks()
+    return ceiling, ceiling_what, pool
+
+
+def set_up(args) -> Setup:
+    """Everything the steps need, each user error found before the first step."""
+    check_args(args)
+    device, xp = pick_xp(args)
+    family, ckpt = load_weights(args, xp)
+    config = ckpt.config
     if args.seq > config.n_positions:
         raise LabError(f"--seq {args.seq} is longer than the model's {config.n_positions} positions")
     train_batches = Batches(read_tokens(args.data, vocab_size=config.vocab_size), args.batch, args.seq,
                             name=args.data)
     val_batches = (Batches(read_tokens(args.val_data, vocab_size=config.vocab_size), args.batch, args.seq,
                            name=args.val_data) if args.val_data else None)
-    if device == "gpu":
-        kernel, backward = pick_rungs(args, config, kernels.device_limits().arch)
-        attn = Attention.make(kernel=kernel, backward=backward)  # LabError where the pair cannot train
-        attend = lab.make_attend(kernel, args.dtype)  # the forward rung alone: evaluation and samples
-        ceiling, ceiling_what = gemm_ceiling(xp, args.dtype)
-        pool = xp.get_default_memory_pool()
-        pool.free_all_blocks()  # the load's and the ceiling's transients; from here the pool only grows
-    else:
-        kernel = backward = lab.REFERENCE
-        attn, attend = Attention.reference(), gpt2.reference_attend
-        ceiling, ceiling_what, pool = None, "none on the CPU: MFU not computed", None
+    kernel, backward, attn, attend = rungs(args, family, device, config)
+    ceiling, ceiling_what, pool = ceiling_and_pool(args, xp, device)
     if args.sample_every and config.eos_token_id >= config.vocab_size:  # found now, not after training
         raise LabError(f"--sample-every: samples start at <|endoftext|> (id {config.eos_token_id}), outside the "
                        f"model's vocabulary of {config.vocab_size}")
-    encoding = gpt2.load_tokenizer(ckpt.folder) if args.sample_every else None
-    opt = AdamW(params, weight_decay=args.weight_decay, multi_tensor=args.multi_tensor)
-    min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
-    n_params = ckpt.n_params
+    encoding = family.load_tokenizer(ckpt.folder) if args.sample_every else None
+    opt = AdamW(ckpt.params, weight_decay=args.weight_decay, multi_tensor=args.multi_tensor)
     tokens_per_step = args.batch * args.seq * args.accum
-    flops_per_step = (6 * n_params + 6 * config.n_layer * config.n_embd * args.seq) * tokens_per_step
+    flops_per_step = (6 * ckpt.n_params + 6 * config.n_layer * config.n_embd * args.seq) * tokens_per_step
+    return Setup(args=args, family=family, device=device, xp=xp, ckpt=ckpt, train_batches=train_batches,
+                 val_batches=val_batches, kernel=kernel, backward=backward, attn=attn, attend=attend, ceiling=ceiling,
+                 ceiling_what=ceiling_what, pool=pool, encoding=encoding, opt=opt,
+                 min_lr=args.lr / 10 if args.min_lr is None else args.min_lr, tokens_per_step=tokens_per_step,
+                 flops_per_step=flops_per_step)
 
-    def sync():
-        if device == "gpu":
-            xp.cuda.Device().synchronize()
 
-    def eval_weights():
-        return params if args.dtype == "float32" else cast_params(params, args.dtype)
+def train_step(s: Setup, step: int, lr: float) -> tuple[float, float, float]:
+    """One optimizer step over --accum micro-batches (micro-batch j of step i is batch i x accum + j), their
+    gradients averaged, clipped and applied: (the mean loss, the gradient norm before clipping, seconds)."""
+    args, params, xp = s.args, s.ckpt.params, s.xp
+    s.sync()
+    start = time.perf_counter()
+    loss, grads = 0.0, None
+    for micro in range(args.accum):
+        x, y = s.train_batches[step * args.accum + micro]
+        micro_loss, micro_grads = s.family.backward.loss_and_grads(params, s.config, xp.asarray(x), xp.asarray(y),
+                                                                   s.attn, dtype=args.dtype)
+        loss += micro_loss / args.accum
+        if grads is None:  # a copy where more micro-batches add to it: the backward may reuse its arrays
+            grads = micro_grads if args.accum == 1 else {k: g.copy() for k, g in micro_grads.items()}
+        else:
+            for k, g in micro_grads.items():
+                grads[k] += g
+    if args.accum > 1:
+        for g in grads.values():
+            g *= np.float32(1 / args.accum)
+    norm = s.opt.step(params, grads, lr, max_norm=args.grad_clip)  # clipped first
+    s.sync()
+    return loss, norm, time.perf_counter() - start
 
-    print(f"{ckpt.name}: {n_params:,} parameters, {args.dtype}, {device} ({lab.device_name(device)}), attention "
-          f"{kernel} / {backward}, B x T = {args.batch} x {args.seq} x {args.accum} micro-batches, "
-          f"{len(train_batches)} batches per pass over {args.data}")
+
+def train(s: Setup) -> dict:
+    """Every step with its progress line (llm.c's), then the validation loss and a sample where they are
+    due: the log of every step's figures."""
+    args = s.args
     log = {"losses": [], "lr": [], "grad_norm": [], "ms": [], "tokens_per_s": [], "mfu": [], "val_losses": []}
     for step in range(args.steps):
-        lr = get_lr(step, lr=args.lr, min_lr=min_lr, warmup=args.warmup, steps=args.steps, schedule=args.lr_schedule)
-        sync()
-        start = time.perf_counter()
-        loss, grads = 0.0, None
-        for micro in range(args.accum):  # micro-batch j of step s is batch s * accum + j
-            x, y = train_batches[step * args.accum + micro]
-            micro_loss, micro_grads = loss_and_grads(params, config, xp.asarray(x), xp.asarray(y), attn,
-                                                     dtype=args.dtype)
-            loss += micro_loss / args.accum
-            if grads is None:  # a copy where more micro-batches add to it: the backward may reuse its arrays
-                grads = micro_grads if args.accum == 1 else {k: g.copy() for k, g in micro_grads.items()}
-            else:
-                for k, g in micro_grads.items():
-                    grads[k] += g
-        if args.accum > 1:
-            for g in grads.values():
-                g *= np.float32(1 / args.accum)
-        norm = opt.step(params, grads, lr, max_norm=args.grad_clip)  # clipped first
-        sync()
-        seconds = time.perf_counter() - start
-        mfu = flops_per_step / seconds / (ceiling * 1e12) if ceiling else None
+        lr = get_lr(step, lr=args.lr, min_lr=s.min_lr, warmup=args.warmup, steps=args.steps, schedule=args.lr_schedule)
+        loss, norm, seconds = train_step(s, step, lr)
+        mfu = s.flops_per_step / seconds / (s.ceiling * 1e12) if s.ceiling else None
         for key, value in (("losses", loss), ("lr", lr), ("grad_norm", norm), ("ms", 1e3 * seconds),
-                           ("tokens_per_s", tokens_per_step / seconds), ("mfu", mfu)):
+                           ("tokens_per_s", s.tokens_per_step / seconds), ("mfu", mfu)):
             log[key].append(value)
         print(f"step {step + 1:>{len(str(args.steps))}}/{args.steps} | loss {loss:.6f} | lr {lr:.2e} | norm {norm:.4f} "
-              f"| {1e3 * seconds:.1f} ms | {tokens_per_step / seconds:,.0f} tok/s"
+              f"| {1e3 * seconds:.1f} ms | {s.tokens_per_step / seconds:,.0f} tok/s"
               + (f" | MFU {100 * mfu:.1f}%" if mfu is not None else ""), flush=True)
-        last = step + 1 == args.steps
-        if val_batches is not None and (last or (args.eval_every and (step + 1) % args.eval_every == 0)):
-            n = min(args.val_batches, len(val_batches))
-            val = evaluate(eval_weights(), config, val_batches, n, attend)
-            log["val_losses"].append({"step": step + 1, "loss": val})
-            print(f"val loss {val:.6f} ({n} batches of {args.val_data})", flush=True)
-        if args.sample_every and ((step + 1) % args.sample_every == 0 or last):
-            print(f"sample: {sample(eval_weights(), config, encoding, args.sample_tokens, attend)!r}", flush=True)
+        evaluate_and_sample(s, step + 1, log)
+    return log
 
-    peak = pool.total_bytes() if pool is not None else None
-    later = log["ms"][1:] or log["ms"]  # the first step compiles the rungs
-    print(f"mean of step{f's 2-{args.steps}' if args.steps > 1 else ' 1'}: {np.mean(later):.1f} ms, {tokens_per_step / np.mean(later) * 1e3:,.0f} tok/s"
+
+def evaluate_and_sample(s: Setup, done: int, log: dict) -> None:
+    """After `done` steps: the validation loss every --eval-every steps and after the last (into log), a
+    greedy sample every --sample-every steps and after the last."""
+    args, last = s.args, done == s.args.steps
+    if s.val_batches is not None and (last or (args.eval_every and done % args.eval_every == 0)):
+        n = min(args.val_batches, len(s.val_batches))
+        val = evaluate(s.family.forward, s.eval_weights(), s.config, s.val_batches, n, s.attend)
+        log["val_losses"].append({"step": done, "loss": val})
+        print(f"val loss {val:.6f} ({n} batches of {args.val_data})", flush=True)
+    if args.sample_every and (done % args.sample_every == 0 or last):
+        print(f"sample: {sample(s.family, s.eval_weights(), s.config, s.encoding, args.sample_tokens, s.attend)!r}",
+              flush=True)
+
+
+def finish(s: Setup, log: dict) -> int:
+    """The mean step after the first (which compiles the rungs), --out's checkpoint and --json's summary;
+    exit status 1 where a loss was not finite."""
+    args, peak = s.args, s.pool.total_bytes() if s.pool is not None else None
+    later = log["ms"][1:] or log["ms"]
+    print(f"mean of step{f's 2-{args.steps}' if args.steps > 1 else ' 1'}: {np.mean(later):.1f} ms, "
+          f"{s.tokens_per_step / np.mean(later) * 1e3:,.0f} tok/s"
           + (f", peak GPU memory {peak / 2**30:.2f} GiB" if peak is not None else ""))
     if args.out:
-        gpt2.save(ckpt, args.out)
+        s.family.save(s.ckpt, args.out)
         print(f"saved {args.out} (model.safetensors, config.json)")
     if args.json:
-        summary = {"model": ckpt.name, "n_params": n_params, "model_config": asdict(config),
-                   "config": vars(args) | {"min_lr": min_lr},
-                   "device": device, "device_name": lab.device_name(device), "kernel": kernel, "backward": backward,
-                   "dtype": args.dtype, "tokens_per_step": tokens_per_step, "flop_convention": FLOP_CONVENTION,
-                   "flops_per_step": flops_per_step, "ceiling_tflops": ceiling, "ceiling_measure": ceiling_what,
+        summary = {"model": s.ckpt.name, "n_params": s.ckpt.n_params, "model_config": asdict(s.config),
+                   "config": vars(args) | {"min_lr": s.min_lr}, "device": s.device,
+                   "device_name": lab.device_name(s.device), "kernel": s.kernel, "backward": s.backward,
+                   "dtype": args.dtype, "tokens_per_step": s.tokens_per_step, "flop_convention": FLOP_CONVENTION,
+                   "flops_per_step": s.flops_per_step, "ceiling_tflops": s.ceiling, "ceiling_measure": s.ceiling_what,
                    "timing": "host clock around each step, the device synchronized before and after; step 1 includes "
                              "the rungs' compilation",
                    **log, "peak_gpu_memory_bytes": peak, "peak_gpu_memory_measure": PEAK_MEASURE if peak is not None else None}
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
     return 0 if all(math.isfinite(v) for v in log["losses"]) else 1
+
+
+def run(args) -> int:
+    s = set_up(args)
+    print(f"{s.ckpt.name}: {s.ckpt.n_params:,} parameters, {args.dtype}, {s.device} ({lab.device_name(s.device)}), "
+          f"attention {s.kernel} / {s.backward}, B x T = {args.batch} x {args.seq} x {args.accum} micro-batches, "
+          f"{len(s.train_batches)} batches per pass over {args.data}")
+    return finish(s, train(s))
 
 
 def main(argv=None) -> int:

@@ -49,6 +49,14 @@ def driver():
     return train
 
 
+def trainer():
+    """What train.py steps with, GPT-2's family.backward (gpt2/backward.py: loss_and_grads, Attention),
+    imported when a run needs it."""
+    from gpt2 import backward
+
+    return backward
+
+
 def step_flops(config, n_params: int, B: int, T: int) -> float:
     """train.FLOP_CONVENTION for one step of B x T tokens."""
     return (6 * n_params + 6 * config.n_layer * config.n_embd * T) * B * T
@@ -79,7 +87,7 @@ def batches_for(B: int, seed: int = 0):
 
 def lab_step(params, config, attn, dtype: str, idx, targets, opt, lr: float = 6e-4):
     """One step as train.py takes it; returns the loss."""
-    loss, grads = driver().loss_and_grads(params, config, idx, targets, attn, dtype=dtype)
+    loss, grads = trainer().loss_and_grads(params, config, idx, targets, attn, dtype=dtype)
     opt.step(params, grads, lr, max_norm=1.0)
     return loss
 
@@ -99,7 +107,7 @@ def lab_row(ckpt, dtype: str, forward: str, backward: str, B: int, method, multi
     pool = cupy.get_default_memory_pool()
     params = {k: v.copy() for k, v in ckpt.params.items()}
     try:
-        attn = driver().Attention.make(kernel=forward, backward=backward)
+        attn = trainer().Attention.make(kernel=forward, backward=backward)
         opt = AdamW(params, multi_tensor=multi_tensor)
         idx, targets = batches_for(B)
         r["timing"] = timing.time_gpu(lambda: lab_step(params, ckpt.config, attn, dtype, idx, targets, opt),
@@ -134,7 +142,7 @@ def torch_row(name: str, ckpt, dtype: str, B: int, method) -> dict:
 
 def largest_batch(ckpt, dtype: str, forward: str, backward: str, most: int) -> int:
     """The largest power of two from 16 up to `most` at which one lab step runs (16 if none larger does)."""
-    attn = driver().Attention.make(kernel=forward, backward=backward)
+    attn = trainer().Attention.make(kernel=forward, backward=backward)
     fits, B = 16, 32
     while B <= most:
         params = {k: v.copy() for k, v in ckpt.params.items()}
@@ -172,7 +180,7 @@ def loss_curve(ckpt, dtype: str, forward: str, backward: str, steps: int, B: int
     batches = Batches(curve_tokens(ckpt.config), B, T, name="the docs")
     lrs = [get_lr(s, lr=6e-4, min_lr=6e-5, warmup=0, steps=steps) for s in range(steps)]
     params = {k: v.copy() for k, v in ckpt.params.items()}
-    attn, opt, cupy = driver().Attention.make(kernel=forward, backward=backward), AdamW(params), device.get_cupy()
+    attn, opt, cupy = trainer().Attention.make(kernel=forward, backward=backward), AdamW(params), device.get_cupy()
     lab = [float(lab_step(params, ckpt.config, attn, dtype, *(cupy.asarray(a) for a in batches[s]), opt, lrs[s]))
            for s in range(steps)]
     del params

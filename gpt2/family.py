@@ -5,10 +5,11 @@ from __future__ import annotations
 from lm.errors import LabError
 from lm.family import Family
 
-from . import fast
+from . import backward, fast
 from .config import SIZES
 from .generate import generate
 from .load import load_folder, random_weights, save, to_json
+from .model import forward
 from .tokenizer import load_tokenizer
 
 
@@ -34,7 +35,7 @@ def generate_run(params, config, prompt, n_new, *, attend, kv_cache, sampler, eo
 FAMILY = Family(
     name="gpt2", sizes=SIZES, default_dtype="float32", decode_attention="decode_attention", fast_dtypes=fast.DTYPES,
     load_folder=load_folder, random_weights=random_weights, load_tokenizer=load_tokenizer, encode=encode,
-    stop_ids=stop_ids, generate=generate_run, fast_reason=fast.unsupported_reason,
+    stop_ids=stop_ids, generate=generate_run, forward=forward, backward=backward, fast_reason=fast.unsupported_reason,
     decode_layout=lambda params, config: fast.decode_layout(params),
     engine=lambda params, config, positions: fast.engine_for(params, config),
     weight_bytes_per_token=fast.weight_bytes_per_token, config_json=to_json, save=save,

@@ -8,6 +8,7 @@ from . import fast, tokenizer
 from .config import SIZES, LlamaConfig, to_json
 from .generate import generate
 from .load import load_folder, random_weights, save, weight_bytes_per_token
+from .model import forward
 
 DEFAULT_DTYPE = "bfloat16"  # Llama's checkpoints are stored in it
 BEGIN_OF_TEXT = LlamaConfig.bos_token_id  # <|begin_of_text|>
@@ -28,7 +29,8 @@ def stop_ids(config, encoding, *, chat: bool) -> tuple[int, ...]:
 FAMILY = Family(
     name="llama", sizes=SIZES, default_dtype=DEFAULT_DTYPE, decode_attention="gqa_decode_attention",
     fast_dtypes=fast.DTYPES, load_folder=load_folder, random_weights=random_weights,
-    load_tokenizer=tokenizer.load_tokenizer, encode=encode, stop_ids=stop_ids, generate=generate,
+    load_tokenizer=tokenizer.load_tokenizer, encode=encode, stop_ids=stop_ids, generate=generate, forward=forward,
+    backward=None,  # train.py refuses it: no backward pass yet
     fast_reason=fast.unsupported_reason, decode_layout=fast.decode_layout,
     engine=lambda params, config, positions: fast.engine_for(params, config, positions=positions),
     weight_bytes_per_token=weight_bytes_per_token, config_json=to_json, save=save,

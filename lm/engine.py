@@ -1,5 +1,5 @@
-"""What every fast engine shares (gpt2/fast, llama/fast): the token state and history, the decode step's
-launches in each variant (plain or programmatic dependent launches, with or without the L2 prefetch
+"""What every fast engine shares (gpt2/fast, llama/fast): the token state and history, one arena for
+every buffer (lm/arena.py), the decode step's launches in each variant (plain or programmatic dependent launches, with or without the L2 prefetch
 hints) and their CUDA graphs, decoding, the generate window loop, and the step's measurements.
 
 A family's engine subclasses FastEngine and supplies, as abstract methods, its decode step
@@ -18,6 +18,7 @@ import numpy as np
 
 from kernels import driver
 
+from .arena import Arena, Buffer
 from .arrays import held_bytes
 from .bf16 import bf16_bits
 from .errors import LabError
@@ -107,10 +108,11 @@ def prefetch_targets(plan: list[tuple[str, object]], prefetch: bool, cap: int, n
 class FastEngine(ABC):
     """A fast engine for one set of weights: `state` = {token, pos} (the decode step's only input),
     `history` (every token id, by position) and its pinned host copy, the stream everything runs on.
-    The subclass allocates its buffers and compiles its kernels between __init__ (this one, first)
-    and choose_launches (last); its decode step reads and writes x and y (the residual stream and the
-    attention's output: what _check_pdl compares) and the caches k_cache and v_cache (positions on
-    their next-to-last axis), and its fn holds the spin kernel profile_step queues first."""
+    The subclass allocates its buffers (allocate: state and history in the same arena) and compiles
+    its kernels between __init__ (this one, first) and choose_launches (last); its decode step reads
+    and writes x and y (the residual stream and the attention's output: what _check_pdl compares) and
+    the caches k_cache and v_cache (positions on their next-to-last axis), and its fn holds the spin
+    kernel profile_step queues first."""
 
     label = "fast engine"  # the family's fast path in messages: "gpt2.fast"
 
@@ -119,11 +121,16 @@ class FastEngine(ABC):
         self.steps_per_graph, self.steps_per_launch = steps_per_graph, steps_per_launch
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.stream.wait_event(cp.cuda.get_current_stream().record())  # the weights are written first
+        self.pinned = cp.cuda.alloc_pinned_memory(4 * max_len)
+        self.host_history = np.frombuffer(self.pinned, dtype=np.int32, count=max_len)
+
+    def allocate(self, buffers: list[Buffer]) -> None:
+        """The engine's device buffers in one arena on its stream, state and history first, each zeros
+        unless its Buffer says otherwise and each an attribute of its name (self.x, self.k_cache, ...)."""
         with self.stream:
-            self.state = cp.zeros(2, dtype=cp.int32)
-            self.history = cp.zeros(max_len, dtype=cp.int32)
-            self.pinned = cp.cuda.alloc_pinned_memory(4 * max_len)
-            self.host_history = np.frombuffer(self.pinned, dtype=np.int32, count=max_len)
+            self.arena = Arena(self.cp, [Buffer("state", 2, np.int32), Buffer("history", self.max_len, np.int32),
+                                         *buffers])
+        vars(self).update(self.arena)
 
     # -- what a family supplies ----------------------------------------------------------------------
 
@@ -396,8 +403,8 @@ class FastEngine(ABC):
 
     def arrays(self) -> list:
         """Every device array the engine holds, found through its attributes and its parts' (and the
-        lists, tuples, dicts and DecodeWeights in them), the caller's params aside: views of params
-        among them."""
+        lists, tuples, dicts, arenas and DecodeWeights in them), the caller's params aside: views of
+        params among them."""
         found = []
         todo = [value for name, value in vars(self).items() if name != "params"]
         todo += [value for part in self.parts() for value in vars(part).values()]
@@ -405,6 +412,8 @@ class FastEngine(ABC):
             value = todo.pop()
             if isinstance(value, self.cp.ndarray):
                 found.append(value)
+            elif isinstance(value, Arena):  # the whole allocation: the padding between its views too
+                found.append(value.buffer)
             elif isinstance(value, dict):
                 todo += value.values()
             elif isinstance(value, (list, tuple)):

@@ -1,4 +1,4 @@
-"""Family: a model family as lab.py and bench.py run it, each field a function with the same signature
+"""Family: a model family as lab.py, bench.py and train.py run it, each field a function with the same signature
 in every family, so that the callers choose a family once (config.json's model_type, or a --size name)
 and never branch on it. gpt2.FAMILY and llama.FAMILY fill it in; lab.FAMILIES lists them (lm/ sits
 below the families and imports neither).
@@ -30,6 +30,8 @@ class Family:
     stop_ids: Callable  # (config, encoding, *, chat) -> the ids that end a run stopped at end of text
     generate: Callable  # (params, config, prompt, n_new, *, attend, kv_cache, sampler, eos_ids, fast, max_len,
     #                      on_token=None, record_logits=False, decode_attend=None) -> Generation
+    forward: Callable  # (params, config, idx (B, T), attend) -> float32 logits (B, T, V): the eager model
+    backward: object | None  # what train.py steps with (loss_and_grads, Attention), or None: the family has no backward
     fast_reason: Callable  # (params, config, *, kv_cache, sampler) -> None where the fast path runs, else why not
     decode_layout: Callable  # (params, config): in place, the layout the fast engine reads without a copy
     engine: Callable  # (params, config, positions) -> the fast engine generate() ran on

@@ -15,6 +15,14 @@ class KVCache:
         self.v = xp.zeros(shape, dtype=dtype)
         self.length = 0  # positions filled; forward() advances it after the last layer
 
+    @classmethod
+    def over(cls, k, v) -> KVCache:
+        """A cache in buffers allocated elsewhere (a fast engine's arena): k and v zeros, each
+        (n_layer, B, NH_kv, max_len, hs)."""
+        cache = cls.__new__(cls)
+        cache.k, cache.v, cache.length = k, v, 0
+        return cache
+
     @property
     def max_len(self) -> int:
         return self.k.shape[3]

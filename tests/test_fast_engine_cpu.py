@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from lm.arena import Buffer
 from lm.engine import EngineCache, FastEngine, Launch, prefetch_targets
 from lm.errors import LabError
 from lm.switch import Switch
@@ -133,9 +134,9 @@ class ToyEngine(FastEngine):
         cp = fake_cupy()
         super().__init__(cp, SimpleNamespace(vocab_size=V), "float32", max_len, steps_per_graph=steps_per_graph)
         self.params, self.weights = {}, SimpleNamespace(arrays=dict)  # no weights: the step reads none
-        with self.stream:
-            self.x, self.y = cp.zeros(1), cp.zeros(1)
-            self.k_cache = self.v_cache = cp.zeros((1, max_len, 2))
+        self.allocate([Buffer("x", 1, np.float32), Buffer("y", 1, np.float32),
+                       Buffer("k_cache", (1, max_len, 2), np.float32)])
+        self.v_cache = self.k_cache
         self.fn = {"step": Kernel(self.stream, step), "spin": Kernel(self.stream, lambda n: None)}
         self.choose_launches(True, pdl, persistent=None)
 
@@ -210,11 +211,16 @@ def test_replay_and_profile_time_from_the_given_position():
 
 
 def test_arrays_are_the_engine_s_device_arrays():
+    """Every buffer a view of the one arena, whose bytes (the padding between views too) are what the
+    engine adds."""
     engine = ToyEngine()
     held = engine.arrays()
     assert any(a is engine.history for a in held) and any(a is engine.state for a in held)
-    assert engine.added_bytes() == sum(a.nbytes for a in (engine.state, engine.history, engine.x, engine.y,
-                                                           engine.k_cache))
+    assert any(a is engine.arena.buffer for a in held)
+    views = (engine.state, engine.history, engine.x, engine.y, engine.k_cache)
+    assert engine.added_bytes() == engine.arena.nbytes
+    assert engine.arena.nbytes >= sum(a.nbytes for a in views)
+    assert [name for name, *_ in engine.arena.table()] == ["state", "history", "x", "y", "k_cache"]
 
 
 def test_prefetch_targets_name_the_next_matrix_and_wrap():

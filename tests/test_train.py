@@ -5,6 +5,7 @@ Most tests run train.py on a stand-in of gpt2.backward's interface (a quadratic 
 that records the batches it is given), so that the loop, the optimizer and the files are tested apart
 from the model; test_the_real_backward_overfits_one_repeated_batch runs the real one."""
 
+import ast
 import json
 import math
 import os
@@ -363,11 +364,11 @@ class QuadraticLoss:
 
 @pytest.fixture
 def train(monkeypatch):
-    """train.py with the stand-in of gpt2.backward's interface."""
+    """train.py with stand-ins for what it steps with: GPT-2's family.backward (gpt2/backward.py)."""
     import train as module
 
-    monkeypatch.setattr(module, "Attention", StandInAttention)
-    monkeypatch.setattr(module, "loss_and_grads", QuadraticLoss())
+    monkeypatch.setattr(gpt2.backward, "Attention", StandInAttention)
+    monkeypatch.setattr(gpt2.backward, "loss_and_grads", QuadraticLoss())
     return module
 
 
@@ -391,7 +392,7 @@ def test_cli_trains_writes_json_and_out_then_lab_generates(train, folder, data, 
     printed = capsys.readouterr().out
     assert "step 1/4 | loss " in printed and "step 4/4 | loss " in printed and " tok/s" in printed
     assert printed.count("val loss ") == 2  # after steps 2 and 4
-    calls = train.loss_and_grads.calls
+    calls = gpt2.backward.loss_and_grads.calls
     assert len(calls) == 8  # 4 steps x 2 micro-batches, each the next batch in llm.c's order
     batches = Batches(read_tokens(data, vocab_size=TINY.vocab_size), 2, 16)
     for i, (idx, targets, attn, dtype) in enumerate(calls):
@@ -436,6 +437,30 @@ def test_user_errors_exit_2_with_one_line(train, folder, data, capsys, extra, me
     assert train.main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+
+
+def test_a_family_without_a_backward_exits_2_saying_which_train(train, data, tmp_path, capsys):
+    import llama
+
+    config = llama.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=TINY.vocab_size, max_position_embeddings=64)
+    folder = llama.save(llama.random_weights(config, seed=0), tmp_path / "tiny-llama")
+    assert train.main(["--device", "cpu", "--model", str(folder), "--data", str(data), "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "model_type 'llama' has no backward pass; train.py trains gpt2" in err and err.count("\n") == 1, err
+
+
+def test_train_py_asks_the_family_and_never_compares_a_family_s_name():
+    """No comparison of a value with a family's or a size's name in train.py (`family != "gpt2"`): whether a
+    family trains is its Family's backward, as lab.py and bench.py ask theirs."""
+    import llama
+
+    names = {gpt2.FAMILY.name, llama.FAMILY.name, *gpt2.SIZES, *llama.SIZES}
+    found = [f"train.py:{node.lineno}: {ast.unparse(node)}" for node in ast.walk(ast.parse((ROOT / "train.py").read_text()))
+             if isinstance(node, ast.Compare)
+             and {c.value for side in (node.left, *node.comparators) for c in ast.walk(side)
+                  if isinstance(c, ast.Constant)} & names]
+    assert found == []
 
 
 def test_a_file_that_is_not_tokens_exits_2(train, folder, tmp_path, capsys):

@@ -19,7 +19,7 @@ import pytest
 
 import gpt2
 import kernels
-from gpt2.backward import Attention
+from gpt2.backward import Attention, loss_and_grads
 from kernels import backward as backward_ladder
 from lm.adamw import AdamW, clip_grad_norm, get_lr
 from lm.token_data import write_bin
@@ -48,12 +48,11 @@ def random_batches(steps: int, B: int, T: int, seed: int) -> list[tuple[np.ndarr
 def lab_losses(config, dtype: str, attn, steps: int, B: int, T: int, lr: float, seed: int = 0) -> np.ndarray:
     """Each step's loss, train.py's step (loss_and_grads, clipping at 1.0, AdamW) from seeded random weights."""
     cupy = pytest.importorskip("cupy")
-    import train
 
     params = gpt2.random_weights(config, seed=seed, xp=cupy).params
     opt, losses = AdamW(params), []
     for (x, y), step_lr in zip(random_batches(steps, B, T, seed), schedule(steps, lr)):
-        loss, grads = train.loss_and_grads(params, config, cupy.asarray(x), cupy.asarray(y), attn, dtype=dtype)
+        loss, grads = loss_and_grads(params, config, cupy.asarray(x), cupy.asarray(y), attn, dtype=dtype)
         assert isinstance(loss, float)
         clip_grad_norm(grads, 1.0)
         opt.step(params, grads, step_lr)

@@ -11,6 +11,7 @@ import math
 import numpy as np
 
 from kernels import fused
+from lm.arena import Buffer
 from lm.engine import FastEngine, Launch, prefetch_targets
 from lm.errors import LabError
 from lm.switch import Switch
@@ -77,21 +78,13 @@ class Engine(FastEngine):
         self.choose_launches(prefetch, pdl, persistent)
 
     def _allocate(self, keep_logits: bool) -> None:
-        """The static KV cache and the decode step's activations and scratch."""
-        cp, c = self.cp, self.config
+        """The static KV cache and the decode step's activations and scratch, in the engine's arena."""
+        c = self.config
         C, NH, HS, V = c.n_embd, c.n_head, c.head_size, c.vocab_size
         bf16 = self.dtype == "bfloat16"
-        kv_dtype = cp.uint16 if bf16 else cp.float32
-        self.k_cache = cp.zeros((c.n_layer, NH, self.max_len, HS), dtype=kv_dtype)
-        self.v_cache = cp.zeros((c.n_layer, NH, self.max_len, HS), dtype=kv_dtype)
-        self.x = cp.zeros(C, dtype=cp.float32)  # the residual stream
-        self.qkv = cp.zeros(3 * C, dtype=cp.float32)
-        self.y = cp.zeros(C, dtype=cp.float32)  # attention output, heads side by side
-        self.g = cp.zeros(c.mlp_width, dtype=cp.float32)  # gelu(c_fc)
+        kv_dtype = np.uint16 if bf16 else np.float32
         # split-KV attention: S splits per head, one wave of S * NH blocks
         self.splits = max(1, min(self.sm_count // NH, -(-self.max_len // 16)))
-        self.attn_partial = cp.zeros((NH, self.splits, HS + 2), dtype=cp.float32)
-        self.attn_counters = cp.zeros(NH, dtype=cp.uint32)
         self.attn_rows, self.attn_smem = attention_staging(self.max_len, self.splits, HS, 2 if bf16 else 4)
         # lm_head: one (max, argmax) per block and the last-block ticket
         # (one wave of blocks: the grid depends on the compiled kernel's occupancy)
@@ -99,10 +92,21 @@ class Engine(FastEngine):
         self.lm_warps, self.lm_rows = lm_head_shape(c, self.dtype)
         self.lm_blocks = lm_head_blocks(fused.function(*lm_exprs["lm_head"]), self.lm_warps, self.lm_rows, V,
                                         self.sm_count)
-        self.block_max = cp.zeros(self.lm_blocks, dtype=cp.float32)
-        self.block_arg = cp.zeros(self.lm_blocks, dtype=cp.int32)
-        self.lm_counter = cp.zeros(1, dtype=cp.uint32)
-        self.logits = cp.full(V, cp.nan, dtype=cp.float32) if keep_logits else None
+        self.logits = None  # unless keep_logits: then NaN until the step writes them
+        self.allocate([
+            Buffer("k_cache", (c.n_layer, NH, self.max_len, HS), kv_dtype),
+            Buffer("v_cache", (c.n_layer, NH, self.max_len, HS), kv_dtype),
+            Buffer("x", C, np.float32),  # the residual stream
+            Buffer("qkv", 3 * C, np.float32),
+            Buffer("y", C, np.float32),  # attention output, heads side by side
+            Buffer("g", c.mlp_width, np.float32),  # gelu(c_fc)
+            Buffer("attn_partial", (NH, self.splits, HS + 2), np.float32),
+            Buffer("attn_counters", NH, np.uint32),
+            Buffer("block_max", self.lm_blocks, np.float32),
+            Buffer("block_arg", self.lm_blocks, np.int32),
+            Buffer("lm_counter", 1, np.uint32),
+            *([Buffer("logits", V, np.float32, fill=np.nan)] if keep_logits else []),
+        ])
 
     def _compile(self):
         c = self.config

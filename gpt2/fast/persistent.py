@@ -10,6 +10,7 @@ import math
 import numpy as np
 
 from kernels import driver, fused
+from lm.arena import Arena, Buffer
 from lm.errors import LabError
 from lm.switch import ON, Switch
 
@@ -19,7 +20,8 @@ from .weights import layernorm_fold
 
 class PersistentStep:
     """The persistent step of one engine: its plan (step_plan), the layer table of pointers it reads,
-    the folds and copies it reads beside the engine's weights, and its handoff buffers."""
+    the folds and copies it reads beside the engine's weights, and its handoff buffers and scratch (one
+    arena, `buffers`)."""
 
     def __init__(self, engine, ring: int | None = None):
         self.engine = engine
@@ -88,27 +90,29 @@ class PersistentStep:
         # what blocks hand each other, per layer (decode_step.cu's handoffs): (value, epoch) words for
         # q, k, v and the key splits' partials, parity words for x, g and the heads' terms of attn.c_proj
         L = c.n_layer
-        self.handoffs = {"x": cp.zeros((L, c.n_embd), dtype=cp.uint32),
-                         "qkv": cp.zeros((L, 3 * c.n_embd), dtype=cp.uint64),
-                         "partial": cp.zeros((L, c.n_head, plan.splits, c.head_size + 2), dtype=cp.uint64),
-                         "g": cp.zeros((L, c.mlp_width), dtype=cp.uint32),
-                         "proj": cp.zeros((L, c.n_head, c.n_embd), dtype=cp.uint32)}
-        self.epoch = cp.zeros(1, dtype=cp.uint32)  # the last step's epoch: advanced by every launch
-        self.block_max = cp.zeros(plan.blocks, dtype=cp.float32)
-        self.block_arg = cp.zeros(plan.blocks, dtype=cp.int32)
-        self.barrier = cp.zeros(1, dtype=cp.uint32)  # never reset: see decode_step.cu
+        self.buffers = Arena(cp, [
+            Buffer("x", (L, c.n_embd), np.uint32),
+            Buffer("qkv", (L, 3 * c.n_embd), np.uint64),
+            Buffer("partial", (L, c.n_head, plan.splits, c.head_size + 2), np.uint64),
+            Buffer("g", (L, c.mlp_width), np.uint32),
+            Buffer("proj", (L, c.n_head, c.n_embd), np.uint32),
+            Buffer("block_max", plan.blocks, np.float32),
+            Buffer("block_arg", plan.blocks, np.int32),
+            Buffer("barrier", 1, np.uint32),  # never reset: see decode_step.cu
+            Buffer("epoch", 1, np.uint32),  # the last step's epoch: advanced by every launch
+        ])
 
     def launch(self, n: int, trace=None) -> None:
         """Queue n decode steps as one launch of decode_step.cu (cooperative: all blocks resident).
         trace: (n, stages, blocks, 2) uint64 for the global timer at each block's end of a stage and its
         start of the next, inputs in hand (profile)."""
-        e, plan = self.engine, self.plan
+        e, plan, b = self.engine, self.plan, self.buffers
         c, p = e.config, e.vectors
         args = (self.layer_table, np.int32(c.n_layer), e.wte, e.wpe, p["ln_f.weight"], self.lnf_fold, e.eps,
                 np.int32(c.vocab_size), np.int32(e.max_len), np.int32(plan.splits),
-                np.float32(1.0 / math.sqrt(c.head_size)), e.x, *self.handoffs.values(),
-                self.block_max, self.block_arg, e.logits if e.logits is not None else NULL, e.state,
-                e.history, self.barrier, self.epoch, np.int32(n), np.int32(plan.slot_bytes),
+                np.float32(1.0 / math.sqrt(c.head_size)), e.x, b["x"], b["qkv"], b["partial"], b["g"], b["proj"],
+                b["block_max"], b["block_arg"], e.logits if e.logits is not None else NULL, e.state,
+                e.history, b["barrier"], b["epoch"], np.int32(n), np.int32(plan.slot_bytes),
                 np.int32(plan.slots), *(np.int32(r) for r in plan.item_rows), np.int32(plan.lm_rows),
                 np.int32(plan.lm_keep), NULL if trace is None else trace)
         driver.launch_cooperative(e.fn["decode_step"], plan.blocks, STEP_BLOCK, args, shared_mem=plan.smem,

@@ -10,6 +10,7 @@ import math
 import numpy as np
 
 from kernels import driver, fused
+from lm.arena import Buffer
 from lm.engine import FastEngine, Launch, prefetch_targets
 from lm.errors import LabError
 from lm.kv_cache import KVCache
@@ -66,47 +67,52 @@ class Engine(FastEngine):
         super().__init__(cp, config, dtype, max_len, steps_per_graph=steps_per_graph)
         self.sm_count = limits.sm_count
         self.eps = np.float32(config.rms_norm_eps)
+        self.attn = attention_plan(config, self.max_len, self.sm_count, 2 if self.dtype == "bfloat16" else 4)
         with self.stream:
             # the weights as the kernels read them: views of params in the run's dtype laid out by
             # decode_layout, else one copy each (weights.decode_weights)
             self.weights = decode_weights(cp, params, config, self.dtype)
             self.params = dict(params)  # the arrays the views view, and what the prefill's eager forward reads
-            self._allocate()
             self._compile()
-            # lm_head: one (max, argmax) per block and the last-block ticket
-            lm_blocks = self.gemv["lm_head"][1]
-            self.block_max = cp.zeros(lm_blocks, dtype=cp.float32)
-            self.block_arg = cp.zeros(lm_blocks, dtype=cp.int32)
-            self.lm_counter = cp.zeros(1, dtype=cp.uint32)
-            self.logits = cp.full(config.vocab_size, cp.nan, dtype=cp.float32) if keep_logits else None
+            self._allocate(keep_logits)
         self.stream.synchronize()
         self.choose_launches(prefetch, pdl, persistent=None)
 
-    def _allocate(self) -> None:
-        """The static cache, RoPE's tables and the decode step's activations and scratch."""
-        cp, config = self.cp, self.config
-        NH, NKV, HS = config.num_attention_heads, config.num_key_value_heads, config.head_size
+    def _allocate(self, keep_logits: bool) -> None:
+        """The static cache, RoPE's tables and the decode step's activations and scratch, in the engine's
+        arena."""
+        c = self.config
+        NH, NKV, HS = c.num_attention_heads, c.num_key_value_heads, c.head_size
         bf16 = self.dtype == "bfloat16"
-        # the static cache, (n_layer, 1, NKV, max_len, HS) in the run's dtype: the eager KVCache, so that
-        # the prefill (llama/model.py forward) writes what the decode kernels read
         import ml_dtypes
 
-        self.cache = KVCache(config, 1, self.max_len, cp, ml_dtypes.bfloat16 if bf16 else np.float32)
-        self.k_cache, self.v_cache = self.cache.k, self.cache.v
-        bits = (lambda a: a.view(cp.uint16)) if bf16 else (lambda a: a)
-        self.kv = [(bits(self.k_cache[i, 0]), bits(self.v_cache[i, 0])) for i in range(config.n_layer)]
-        # RoPE's tables, the eager model's own values: (max_len, HS / 2) each
-        cos, sin = rope_tables(config, 0, self.max_len, cp)
-        self.rope_cos = cp.ascontiguousarray(cos[:, :HS // 2])
-        self.rope_sin = cp.ascontiguousarray(sin[:, :HS // 2])
-        self.x = cp.zeros(config.hidden_size, dtype=cp.float32)  # the residual stream
-        self.q = cp.zeros(NH * HS, dtype=cp.float32)  # rotated, not scaled
-        self.y = cp.zeros(NH * HS, dtype=cp.float32)  # attention output, heads side by side
-        self.g = cp.zeros(config.intermediate_size, dtype=cp.float32)  # silu(gate) * up
-        # split-KV attention
-        self.attn = attention_plan(config, self.max_len, self.sm_count, 2 if bf16 else 4)
-        self.attn_partial = cp.zeros((NH, self.attn.splits, HS + 2), dtype=cp.float32)
-        self.attn_counters = cp.zeros(NKV, dtype=cp.uint32)
+        kv_dtype = ml_dtypes.bfloat16 if bf16 else np.float32
+        lm_blocks = self.gemv["lm_head"][1]
+        self.logits = None  # unless keep_logits: then NaN until the step writes them
+        self.allocate([
+            # the static cache, (n_layer, 1, NKV, max_len, HS) in the run's dtype, as the eager KVCache lays
+            # it out, so that the prefill (llama/model.py forward) writes what the decode kernels read
+            Buffer("k_cache", (c.n_layer, 1, NKV, self.max_len, HS), kv_dtype),
+            Buffer("v_cache", (c.n_layer, 1, NKV, self.max_len, HS), kv_dtype),
+            Buffer("rope_cos", (self.max_len, HS // 2), np.float32),  # RoPE's tables: (max_len, HS / 2) each
+            Buffer("rope_sin", (self.max_len, HS // 2), np.float32),
+            Buffer("x", c.hidden_size, np.float32),  # the residual stream
+            Buffer("q", NH * HS, np.float32),  # rotated, not scaled
+            Buffer("y", NH * HS, np.float32),  # attention output, heads side by side
+            Buffer("g", c.intermediate_size, np.float32),  # silu(gate) * up
+            Buffer("attn_partial", (NH, self.attn.splits, HS + 2), np.float32),  # split-KV attention
+            Buffer("attn_counters", NKV, np.uint32),
+            Buffer("block_max", lm_blocks, np.float32),  # lm_head: one (max, argmax) per block
+            Buffer("block_arg", lm_blocks, np.int32),
+            Buffer("lm_counter", 1, np.uint32),  # the last-block ticket
+            *([Buffer("logits", c.vocab_size, np.float32, fill=np.nan)] if keep_logits else []),
+        ])
+        self.cache = KVCache.over(self.k_cache, self.v_cache)
+        bits = (lambda a: a.view(np.uint16)) if bf16 else (lambda a: a)
+        self.kv = [(bits(self.k_cache[i, 0]), bits(self.v_cache[i, 0])) for i in range(c.n_layer)]
+        cos, sin = rope_tables(c, 0, self.max_len, self.cp)  # the eager model's own values
+        self.rope_cos[...] = cos[:, :HS // 2]
+        self.rope_sin[...] = sin[:, :HS // 2]
 
     def _compile(self):
         """Compile every kernel; each matrix's stream gets its one-wave grid (the kernel's occupancy with
