@@ -33,20 +33,24 @@ def newest_per_group(paths: list[Path]) -> list[tuple[Path, dict]]:
 
 
 def cell(result: dict, tool: str) -> str:
-    """0, or the errors under `tool` summed with the targets that have them; skipped cells named apart."""
+    """0, or the errors under `tool` summed with the targets that have them (`+` where a count is a floor:
+    the tool stopped printing); skipped cells named apart. A kernels/fused file this group did not launch
+    (`0 not launched`) is another group's to count."""
     if tool not in result.get("tools", TOOLS):
         return "not run"
-    counts, other = {}, []
+    counts, floor, other = {}, False, []
     for target, by_tool in result["cells"].items():
         value = by_tool.get(tool)
+        if isinstance(value, str) and (found := re.fullmatch(r"(\d+)\+", value)):
+            value, floor = int(found.group(1)), True
         if isinstance(value, int):
             if value:
                 counts[target] = value
-        elif value is not None:
+        elif value is not None and not value.endswith("not launched"):
             other.append(f"{target}: {value}")
-    text = str(sum(counts.values())) if counts else "0"
+    text = f"{sum(counts.values())}{'+' * floor}"
     if counts:
-        text = "**" + text + "** (" + ", ".join(f"{t} {n}" for t, n in counts.items()) + ")"
+        text = f"**{text}** (" + ", ".join(f"{t} {n}" for t, n in counts.items()) + ")"
     return "; ".join([text] + other)
 
 

@@ -42,6 +42,9 @@ def test_a_cell_names_the_targets_with_errors_and_the_skipped_ones():
     assert cell(r, "racecheck") == "**5** (v01 3, v02 2)"
     assert cell(r, "memcheck") == "0; v25: skipped: needs sm_90"
     assert cell(dict(r, tools=["memcheck"]), "racecheck") == "not run"
+    floors = result("fused", {"fused-float32": {"initcheck": "0+"}, "fused-float32 in cupy_add": {"initcheck": 100},
+                              "fused/adamw": {"initcheck": "0 not launched"}})
+    assert cell(floors, "initcheck") == "**100+** (fused-float32 in cupy_add 100)"
 
 
 def test_the_table_links_each_file_and_carries_the_notes(tmp_path):
