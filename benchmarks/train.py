@@ -4,7 +4,7 @@ nanoGPT-style PyTorch GPT-2 (benchmarks/torch_gpt2.py) eager and under torch.com
 Per dtype (bfloat16: mixed precision; float32: TF32 off everywhere) and per batch (B = 16 and the largest
 power of two up to --max-batch at which a lab step fits, T = 1024): one row per backward rung that takes
 the dtype and runs here (the forward rung: train.py's default), the default backward rung again with
-train.py --multi-tensor's AdamW (MULTI_TENSOR, variant_of that rung's row), then `torch_eager` and
+train.py --per-tensor's AdamW (PER_TENSOR, variant_of that rung's row: the optimizer's share of a step), then `torch_eager` and
 `torch_compile`. A step is train.py's: forward and backward (gpt2.backward.loss_and_grads), global-norm
 clipping and AdamW on float32 master weights. Each row: the step's median time (CUDA events, warm-up first, no L2 flush: a
 step is far larger than L2), tokens/s, MFU against the run's measured GEMM ceiling of the dtype, and
@@ -37,7 +37,7 @@ T = 1024
 MEMORY_MEASURE = ("lab: CuPy memory pool high-water mark (total_bytes; the pool emptied before the row), less the "
                   "weights every row copies from (the run's own float32 master weights are counted); torch: "
                   "torch.cuda.max_memory_reserved (its caching allocator's high-water mark, reset before the row)")
-MULTI_TENSOR = "multi-tensor AdamW"  # the optimizer of the extra row (lm/adamw.py's multi_tensor path)
+PER_TENSOR = "per-tensor AdamW"  # the optimizer of the extra row (lm/adamw.py's multi_tensor=False)
 CURVE_DOCS = ("README.md", "docs")  # the text of the loss curve: the lab's own Markdown, tokenized
 
 
@@ -96,19 +96,19 @@ def oom(exc: BaseException) -> bool:
     return "out of memory" in str(exc).lower() or type(exc).__name__ == "OutOfMemoryError"
 
 
-def lab_row(ckpt, dtype: str, forward: str, backward: str, B: int, method, multi_tensor: bool = False) -> dict:
+def lab_row(ckpt, dtype: str, forward: str, backward: str, B: int, method, per_tensor: bool = False) -> dict:
     cupy = device.get_cupy()
     r = {"name": backward, "kind": "rung", "label": backward, "forward": forward, "dtype": dtype, "B": B, "T": T,
          "status": None}
-    if multi_tensor:
-        r |= {"name": f"{backward} + {MULTI_TENSOR}", "label": f"{backward} + {MULTI_TENSOR}", "variant_of": backward,
-              "optimizer": MULTI_TENSOR}
+    if per_tensor:
+        r |= {"name": f"{backward} + {PER_TENSOR}", "label": f"{backward} + {PER_TENSOR}", "variant_of": backward,
+              "optimizer": PER_TENSOR}
     device.release_memory()
     pool = cupy.get_default_memory_pool()
     params = {k: v.copy() for k, v in ckpt.params.items()}
     try:
         attn = trainer().Attention.make(kernel=forward, backward=backward)
-        opt = AdamW(params, multi_tensor=multi_tensor)
+        opt = AdamW(params, multi_tensor=not per_tensor)
         idx, targets = batches_for(B)
         r["timing"] = timing.time_gpu(lambda: lab_step(params, ckpt.config, attn, dtype, idx, targets, opt),
                                       stream=cupy.cuda.get_current_stream(), flush=timing.no_flush, method=method)
@@ -222,7 +222,7 @@ def cmd_train(args) -> int:
                  f" and {biggest} (the largest that fits, up to {args.max_batch})"))
         for B in dict.fromkeys((16, biggest)):
             case = [lab_row(ckpt, dtype, forward, name, B, method) for name in rungs_for(dtype, dev["arch"])]
-            case.append(lab_row(ckpt, dtype, forward, default_backward, B, method, multi_tensor=True))
+            case.append(lab_row(ckpt, dtype, forward, default_backward, B, method, per_tensor=True))
             case += [torch_row(name, ckpt, dtype, B, method) for name in PEERS]
             for r in case:
                 r["flops"] = step_flops(ckpt.config, ckpt.n_params, B, T)
@@ -241,8 +241,8 @@ def cmd_train(args) -> int:
         "n_params": ckpt.n_params, "flop_convention": driver().FLOP_CONVENTION, "ceilings": measured,
         "method": method.describe(0) | {"l2_flush": "none: a step is far larger than L2", "timed": (
             "one training step: forward, backward, global-norm clipping (1.0) and AdamW (lr 6e-4, weight decay 0.1); "
-            "lab: gpt2.backward.loss_and_grads + lm.adamw on float32 master weights (per tensor; the "
-            f"{MULTI_TENSOR} row: every tensor in two launches); torch: nanoGPT's step "
+            "lab: gpt2.backward.loss_and_grads + lm.adamw on float32 master weights (every tensor in two "
+            f"launches; the {PER_TENSOR} row: a launch or two per tensor); torch: nanoGPT's step "
             "(benchmarks/torch_gpt2.py: SDPA, bf16 autocast, fused AdamW)"), "memory": MEMORY_MEASURE},
         "dtypes": dtypes, "quick": args.quick, "T": T, "seed": args.seed, "rows": rows, "loss_curve": curve,
         "compile_seconds": kernels.runtime.compile_seconds - compile_before,

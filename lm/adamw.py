@@ -15,10 +15,11 @@ One step of a parameter p with gradient g (torch's _single_tensor_adamw, the sam
 The scalars are formed in double precision on the host and applied in float32, as torch applies a
 Python float to a float32 tensor. On CuPy the step of each parameter is one fused elementwise kernel.
 
-    opt = AdamW(params, multi_tensor=True)             CuPy: every tensor in two launches (kernels/fused/adamw.cu)
+    opt = AdamW(params)                                CuPy: every tensor in two launches (kernels/fused/adamw.cu)
+    opt = AdamW(params, multi_tensor=False)            CuPy: a launch or two per tensor, the reference
     norm = opt.step(params, grads, lr, max_norm=1.0)   clipping and the update; the norm returned
 
-The multi-tensor path (opt-in) does the same arithmetic with the same roundings, bit for bit, in one
+The multi-tensor path (CuPy's default) does the same arithmetic with the same roundings, bit for bit, in one
 launch for the global norm (and the clipping scale, on the device) and one for every tensor's update,
 where the per-tensor path takes a launch or two per tensor; it leaves the gradients unscaled (the scale
 is applied inside the update).
@@ -47,13 +48,16 @@ def decays(p) -> bool:
 
 class AdamW:
     def __init__(self, params: dict, *, weight_decay: float = 0.1, betas: tuple[float, float] = BETAS,
-                 eps: float = EPS, multi_tensor: bool = False):
+                 eps: float = EPS, multi_tensor: bool | None = None):
+        """multi_tensor: None, the multi-tensor path on CuPy arrays and the per-tensor one on NumPy's."""
         self.weight_decay, self.betas, self.eps = weight_decay, betas, eps
         self.m = {k: array_module(p).zeros(p.shape, np.float32) for k, p in params.items()}
         self.v = {k: array_module(p).zeros(p.shape, np.float32) for k, p in params.items()}
         self.decay = {k: decays(p) for k, p in params.items()}
         self.t = 0  # steps taken
-        if multi_tensor and any(array_module(p) is np for p in params.values()):
+        on_host = any(array_module(p) is np for p in params.values())
+        multi_tensor = not on_host if multi_tensor is None else multi_tensor
+        if multi_tensor and on_host:
             raise ValueError("multi_tensor: the multi-tensor AdamW runs on CuPy arrays")
         self.multi = MultiTensor(self.m, self.v, self.decay) if multi_tensor else None
 

@@ -130,6 +130,7 @@ def test_the_multi_tensor_grid_covers_every_element_once():
     assert all((s == 1).all() for s in seen)
     with pytest.raises(ValueError, match="runs on CuPy arrays"):
         AdamW({"w": np.zeros((2, 2), np.float32)}, multi_tensor=True)
+    assert AdamW({"w": np.zeros((2, 2), np.float32)}).multi is None  # NumPy's default: per tensor
 
 
 def test_the_multi_tensor_emulation_equals_the_per_tensor_step_and_norm():
@@ -426,7 +427,6 @@ def test_cli_trains_writes_json_and_out_then_lab_generates(train, folder, data, 
 @pytest.mark.parametrize("extra, message", [
     (["--seq", "65"], "--seq 65 is longer than the model's 64 positions"),
     (["--kernel", "v13"], "--kernel and --backward run on the GPU"),
-    (["--multi-tensor"], "--multi-tensor is AdamW's CUDA path"),
     (["--steps", "0"], "--steps must be at least 1"),
     (["--random-weights"], "--model and --random-weights exclude each other"),
     (["--batch", "200"], "fewer than one batch of B x T + 1"),

@@ -53,14 +53,14 @@ def test_rows_have_tokens_per_second_mfu_and_speedups_over_both_peers():
     assert train.finish_row(dict(timed("b05_wgmma", "rung", 100.0)), None)["mfu"] is None  # no ceiling measured
 
 
-def test_the_multi_tensor_row_is_measured_against_its_rung_and_says_so():
-    mt = timed(f"b05_wgmma + {train.MULTI_TENSOR}", "rung", 120.0) | {"variant_of": "b05_wgmma",
-                                                                    "optimizer": train.MULTI_TENSOR}
+def test_the_per_tensor_row_is_measured_against_its_rung_and_says_so():
+    mt = timed(f"b05_wgmma + {train.PER_TENSOR}", "rung", 120.0) | {"variant_of": "b05_wgmma",
+                                                                  "optimizer": train.PER_TENSOR}
     rows = case_rows()
     rows.insert(2, train.finish_row(mt, 800.0))
     add_speedups(rows)
     assert mt["speedup"]["previous"] == pytest.approx(150 / 120) and mt["speedup"]["torch_compile"] == pytest.approx(1.5)
-    assert train.note(mt) == f"forward v19_wgmma_overlap, {train.MULTI_TENSOR}"
+    assert train.note(mt) == f"forward v19_wgmma_overlap, {train.PER_TENSOR}"
     assert train.note(rows[1]) == "forward v19_wgmma_overlap" and train.note(rows[3]) == ""
 
 
