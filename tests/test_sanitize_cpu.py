@@ -7,6 +7,7 @@ import stat
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from kernels import fused, nvrtc
 TOOLS_DIR = Path(__file__).resolve().parent.parent / "tools"
 sys.path.insert(0, str(TOOLS_DIR))
 
+import initcheck_library  # noqa: E402
 import sanitize  # noqa: E402
 import sanitize_targets as targets  # noqa: E402
 import synccheck_cluster  # noqa: E402
@@ -475,3 +477,23 @@ def test_the_child_learns_its_tool_and_a_note_reaches_the_json():
     assert sanitize.per_target(["synccheck"], {"synccheck": [child]}, "notes") == {
         "v17_decode_cluster": {"synccheck": targets.SYNCCHECK_NOTE}}
     assert problems == []
+
+
+def test_the_initcheck_reproducer_says_whose_the_reports_are():
+    """tools/initcheck_library.py's verdict: the tool's when only memory cuBLAS alone wrote draws reports."""
+    def rows(drew):
+        return [{"case": c, "errors": 3 if c in drew else 0} for c in initcheck_library.CASES]
+
+    assert "does not see the stores of cuBLAS" in initcheck_library.verdict(rows({"matmul-new", "batched-new"}))
+    assert "the controls draw reports" in initcheck_library.verdict(rows({"matmul-new", "kernel-empty"})).lower()
+    assert "another explanation" in initcheck_library.verdict(rows(set()))
+    # a failed case reads as errors unknown (None), not as a report
+    assert "another explanation" in initcheck_library.verdict([{"case": "matmul-new", "errors": None}])
+
+
+def test_the_initcheck_reproducer_knows_every_case_and_its_product():
+    """Each case's operands and expected c, on NumPy standing in for CuPy (the shapes the product takes)."""
+    fake = SimpleNamespace(asarray=np.asarray)
+    for name in initcheck_library.CASES:
+        a, b, want = initcheck_library.operands(fake, name)
+        assert want.shape == (a.shape if name == "kernel-empty" else (a @ b).shape)

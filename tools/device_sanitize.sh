@@ -6,6 +6,7 @@
 #   tools/device_sanitize.sh forward        a group: forward, backward, triton, fused, step, llama, train
 #   tools/device_sanitize.sh 'v0*,v1*'      any --only spec (the forward group split in two: 'v0*,v1*' and 'v2*')
 #   tools/device_sanitize.sh repro          v17's synccheck reproducer (both barrier forms) and v17/v23's device tests
+#   tools/device_sanitize.sh initcheck      whether initcheck sees cuBLAS's stores (tools/initcheck_library.py)
 #
 # The json's "seconds" holds each target's wall time under each tool: the groups to split a full run by.
 set -uo pipefail
@@ -19,6 +20,7 @@ stamp="$(date -u +%Y%m%dT%H%M%SZ)"
 file="$out/sanitize-$label-${device:-nogpu}-$stamp.json"
 case "$what" in
   quick) python3 tools/sanitize.py --quick --timeout 420 --json "$file" ;;
+  initcheck) python3 tools/initcheck_library.py --timeout 120 | tee "$out/initcheck-library-${device:-nogpu}-$stamp.txt" ;;
   repro)
     python3 tools/synccheck_cluster.py --timeout 120 | tee "$out/synccheck-cluster-${device:-nogpu}-$stamp.txt"
     python3 -m pytest -q -m gpu tests/test_sanitize_gpu.py ;;
