@@ -40,14 +40,13 @@ import numpy as np
 import gpt2
 import kernels
 import llama
-from gpt2 import LabError, Sampler, StreamDecoder, reference_attend
-from gpt2.generate import decode_attention_name
-from gpt2.model import cast_params
 from kernels import triton as triton_rungs
 from lm import checkpoint
-from lm.arrays import held_bytes
+from lm.arrays import cast_params, held_bytes
 from lm.cli import Parser, command
+from lm.errors import LabError
 from lm.family import Family, all_sizes, of_folder, of_size
+from lm.generate import Sampler, StreamDecoder, decode_attention_name, reference_attend
 from lm.kv_cache import kv_cache_bytes
 from lm.measure import by_kind, copy_ceiling
 from lm.summary import PEAK_MEASURE, WARMUP_TOKENS, compare_with_reference, memory_figures, phase_times, print_summary

@@ -4,12 +4,13 @@ merges.txt (transformers' names for the same two files)."""
 
 from __future__ import annotations
 
-import codecs
 import functools
 import hashlib
 import json
 import os
 from pathlib import Path
+
+from lm.generate import StreamDecoder  # noqa: F401 (gpt2.tokenizer names it: every family's text out)
 
 from .errors import CheckpointError
 
@@ -105,22 +106,3 @@ def from_files(vocab_path: str | Path, merges_path: str | Path, *, name: str | N
             raise CheckpointError(f"{merges_path}: merge {i} ({' '.join(pair)}) does not match vocab.json's ids")
     return tiktoken.Encoding(name=name or f"gpt2 from {Path(vocab_path).parent}", pat_str=pat_str or r50k_pat_str,
                              mergeable_ranks=ranks, special_tokens=special)
-
-
-class StreamDecoder:
-    """Token ids in, text out as soon as it is whole: a character split across two tokens is held
-    back until its last byte arrives."""
-
-    def __init__(self, encoding):
-        self.encoding = encoding
-        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def __call__(self, token: int) -> str:
-        try:
-            data = self.encoding.decode_single_token_bytes(token)
-        except KeyError:  # an id past the tokenizer's vocabulary (a padded embedding row)
-            data = "\ufffd".encode()
-        return self.utf8.decode(data)
-
-    def flush(self) -> str:
-        return self.utf8.decode(b"", final=True)

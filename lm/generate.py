@@ -12,6 +12,7 @@ llama.model.forward); gpt2.generate puts its fast path in front.
 
 from __future__ import annotations
 
+import codecs
 import math
 from dataclasses import dataclass, field
 
@@ -135,3 +136,22 @@ def generate(forward, params: dict, config, prompt: list[int], n_new: int, *, at
             out.stopped_at_eos = True
             break
     return out
+
+
+class StreamDecoder:
+    """Token ids in, text out as soon as it is whole: a character split across two tokens is held
+    back until its last byte arrives."""
+
+    def __init__(self, encoding):
+        self.encoding = encoding
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def __call__(self, token: int) -> str:
+        try:
+            data = self.encoding.decode_single_token_bytes(token)
+        except KeyError:  # an id past the tokenizer's vocabulary (a padded embedding row)
+            data = "\ufffd".encode()
+        return self.utf8.decode(data)
+
+    def flush(self) -> str:
+        return self.utf8.decode(b"", final=True)
