@@ -129,10 +129,12 @@ def bias_gelu(y, bias):
     return h, g
 
 
-def _groups(rows: int, width: int) -> int:
-    """column_sums' row groups: enough blocks of 8-column threads to fill the device, of >= MIN_GROUP_ROWS rows."""
-    threads = -(-width // 8)
-    return max(1, min(-(-rows // MIN_GROUP_ROWS), THREADS_PER_SM * device_limits().sm_count // threads))
+def _grouping(rows: int, width: int) -> tuple[int, int]:
+    """column_sums' (groups, rows a group): groups of >= MIN_GROUP_ROWS rows, as many as fill the device
+    with threads of 8 columns."""
+    fill = max(1, THREADS_PER_SM * device_limits().sm_count // -(-width // 8))
+    per_group = max(MIN_GROUP_ROWS, -(-rows // fill))
+    return -(-rows // per_group), per_group
 
 
 def column_sums(a, out_dtype=None, gelu_of=None):
@@ -141,9 +143,7 @@ def column_sums(a, out_dtype=None, gelu_of=None):
 
     rows, C = a.shape
     a = cp.ascontiguousarray(a)
-    groups = _groups(rows, C)
-    per_group = -(-rows // groups)
-    groups = -(-rows // per_group)
+    groups, per_group = _grouping(rows, C)
     sums = cp.empty((groups, C), dtype=np.float32)
     copy = None if out_dtype is None else cp.empty((rows, C), dtype=out_dtype)
     h = NULL if gelu_of is None else cp.ascontiguousarray(gelu_of)
