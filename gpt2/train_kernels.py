@@ -27,6 +27,14 @@ SOFTMAX_THREADS = 512
 GROUP_ROWS = 128  # rows a column_sums block adds up; its sums are added up again until one row is left
 BLOCKS_PER_SM = 8  # of 256 threads: a full SM, the grid of the kernels that loop over rows
 NULL = np.uint64(0)
+NEXT = False  # gpt2/backward.py takes gpt2/train_next.py's kernels (train_next.cu) instead: use_next()
+
+
+def use_next(on: bool = True) -> None:
+    """Run the training pass's fused work on kernels/fused/train_next.cu (gpt2/train_next.py), not yet
+    measured on a GPU, instead of train.cu: train.py --next-kernels, for an A/B of the two files."""
+    global NEXT
+    NEXT = on
 
 
 def applies(xp, dtype, width: int) -> bool:

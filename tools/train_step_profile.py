@@ -4,6 +4,7 @@ the fused kernels (gpt2/train_kernels.py) against the array code, with a breakdo
     python3 tools/train_step_profile.py                       GPT-2 small, bfloat16, B x T = 16 x 1024
     python3 tools/train_step_profile.py --dtype float32 --batch 8 --kernel v13 --backward b02
     python3 tools/train_step_profile.py --classifier-mib 512 2048 4096   the classifier's chunk, swept
+    python3 tools/train_step_profile.py --kernels --next-kernels       train.cu against train_next.cu
 
 Random weights (nanoGPT's init), random tokens. Each mode: one warm-up call (compilation, cuBLAS's
 heuristics, the memory pool), then --repeats timed calls; the median is reported. Phases, from events
@@ -162,13 +163,16 @@ def main(argv=None) -> int:
     parser.add_argument("--kernels", action="store_true",
                         help="also list the fused pass's GPU kernels by time (torch.profiler's CUPTI trace), and "
                              "how much of the pass the GPU spent in any kernel")
+    parser.add_argument("--next-kernels", action="store_true",
+                        help="also time the fused pass on the kernels of kernels/fused/train_next.cu (not yet measured "
+                             "on a GPU): the mode `next`, and its kernel table with --kernels")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for train_step_profile.json")
     args = parser.parse_args(argv)
 
     import cupy as cp
 
     import gpt2
-    from gpt2 import backward
+    from gpt2 import backward, train_kernels
     from gpt2.backward import Attention
 
     bf16 = args.dtype == "bfloat16"
@@ -184,11 +188,13 @@ def main(argv=None) -> int:
     default_bytes = backward.CLASSIFIER_BYTES
     modes = [("array", False, default_bytes), ("fused", True, default_bytes)]
     modes += [(f"fused {mib} MiB", True, mib * 2**20) for mib in args.classifier_mib]
+    modes += [("next", True, default_bytes)] if args.next_kernels else []
     for mode, fused, chunk_bytes in modes:
         def run(fused=fused):
             backward.loss_and_grads(params, config, idx, targets, attn, args.dtype, fused=fused)
 
         backward.CLASSIFIER_BYTES = chunk_bytes
+        train_kernels.use_next(mode == "next")
         phases.call(run)  # warm-up
         runs = [phases.call(run) for _ in range(args.repeats)]
         median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
@@ -197,8 +203,14 @@ def main(argv=None) -> int:
         results[mode] = median
         cp.get_default_memory_pool().free_all_blocks()
     backward.CLASSIFIER_BYTES = default_bytes
+    train_kernels.use_next(False)
     kernel_table = kernel_times(cp, lambda: backward.loss_and_grads(params, config, idx, targets, attn, args.dtype)) \
         if args.kernels else None
+    next_table = None
+    if args.kernels and args.next_kernels:
+        train_kernels.use_next(True)
+        next_table = kernel_times(cp, lambda: backward.loss_and_grads(params, config, idx, targets, attn, args.dtype))
+        train_kernels.use_next(False)
     optimizer = time_optimizer(cp, params, backward.loss_and_grads(params, config, idx, targets, attn, args.dtype)[1],
                                args.repeats)
     device = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())["name"].decode()
@@ -212,12 +224,15 @@ def main(argv=None) -> int:
         f"{mode} {t['events_ms']:.2f} (host {t['host_ms']:.2f})" for mode, t in optimizer.items()))
     if kernel_table is not None:
         print_kernel_table(kernel_table)
+    if next_table is not None:
+        print("next kernels (kernels/fused/train_next.cu):")
+        print_kernel_table(next_table)
     if args.out:
         path = Path(args.out) / "train_step_profile.json"
         path.write_text(json.dumps({"device": device, "size": args.size, "dtype": args.dtype, "batch": args.batch,
                                     "seq": args.seq, "attention": attn.name, "repeats": args.repeats,
                                     "ms": results, "optimizer_ms": optimizer,
-                                    "kernels": kernel_table}, indent=2))
+                                    "kernels": kernel_table, "kernels_next": next_table}, indent=2))
         print(f"wrote {path}")
     return 0
 
