@@ -5,7 +5,7 @@
  *
  * decode_step's ring, as it is: a producer lane (warp THREADS / 32) copies item i (one slot of floats,
  * in two cp.async.bulk ranges, as an item comes in ranges) into slot i % nslot once the compute threads
- * have released item i - nslot, ISSUE_NS after the release; it expects the item's bytes on the slot's
+ * have released item i - nslot, issue_ns after the release; it expects the item's bytes on the slot's
  * "full" mbarrier first. Every compute thread waits for the item itself (try_wait.parity on full), reads
  * the slot with plain shared-memory loads (each thread every THREADS-th 16-byte vector, summed), then
  * releases it: the compute threads' named barrier, and thread 0 arrives on the slot's "empty" mbarrier
@@ -13,8 +13,10 @@
  *   all_arrive  every compute thread arrives on empty after the named barrier (arrival count THREADS),
  *               as kernels/backward/b05_wgmma.cu's consumers do since racecheck flagged one lane's arrival
  *               for its warp
- *   issue_ns    the producer's pause after a release: long (200 us), so that every item's wait begins
- *               before its copy is issued, or decode_step's 550 ns
+ *   issue_ns    the producer's pause after a release (decode_step's 550 ns in float32)
+ *   wait_first  the producer issues item i only once thread 0 has begun its wait for it (a flag in global
+ *               memory, which racecheck does not watch) and issue_ns have passed: with issue_ns long (200 us),
+ *               every compute thread's wait begins before its copy is issued
  *   take_ns     the compute threads' pause before each wait: long (200 us), so that every copy has landed
  *               before its wait begins, or none
  *   recheck     after the wait's loop returns, one mbarrier.test_wait.parity more, which finds the phase
@@ -26,7 +28,8 @@
  *
  * Geometry: `blocks` blocks of THREADS + 32 threads, dynamic shared memory 128 bytes of mbarriers (full,
  * then empty, MAX_SLOTS each) + nslot * slot_floats floats. src: items x slot_floats floats, the same
- * items for every block. Output: out[b * THREADS + t] = the sum over items of thread t's vectors.
+ * items for every block. waiting: a word per block (zero at launch). Output: out[b * THREADS + t] = the
+ * sum over items of thread t's vectors.
  */
 
 #define MAX_SLOTS 8
@@ -78,7 +81,7 @@ __device__ __forceinline__ void compute_sync() { asm volatile("bar.sync 1, %0;" 
 
 extern "C" __global__ void __launch_bounds__(THREADS + 32, 1)
 ring(const float* __restrict__ src, int items, int nslot, int slot_floats, int all_arrive, int recheck,
-     unsigned issue_ns, unsigned take_ns, float* __restrict__ out)
+     unsigned issue_ns, int wait_first, unsigned take_ns, int* __restrict__ waiting, float* __restrict__ out)
 {
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned long long* full = reinterpret_cast<unsigned long long*>(smem);
@@ -94,10 +97,13 @@ ring(const float* __restrict__ src, int items, int nslot, int slot_floats, int a
     if (tid >= THREADS) {  // the producer warp: lane 0 issues, as decode_step's
         if (tid == THREADS)
             for (int i = 0; i < items; ++i) {
-                if (i >= nslot) {
-                    mbar_wait(empty + i % nslot, (unsigned)((i / nslot - 1) & 1), false);
-                    spin_ns(issue_ns);
+                if (i >= nslot) mbar_wait(empty + i % nslot, (unsigned)((i / nslot - 1) & 1), false);
+                if (wait_first) {
+                    int seen;
+                    do asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(waiting + blockIdx.x));
+                    while (seen <= i);
                 }
+                if (i >= nslot || wait_first) spin_ns(issue_ns);
                 const unsigned bytes = slot_floats * 4u, first = bytes / 32 * 16;  // two ranges, 16-byte multiples
                 float* dst = slots + (i % nslot) * slot_floats;
                 const float* from = src + (long long)i * slot_floats;
@@ -110,6 +116,8 @@ ring(const float* __restrict__ src, int items, int nslot, int slot_floats, int a
     float acc = 0.0f;
     for (int i = 0; i < items; ++i) {
         if (take_ns > 0) spin_ns(take_ns);
+        if (wait_first && tid == 0)
+            asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(waiting + blockIdx.x), "r"(i + 1) : "memory");
         mbar_wait(full + i % nslot, (unsigned)((i / nslot) & 1), recheck != 0);
         const float4* slot = reinterpret_cast<const float4*>(slots + (i % nslot) * slot_floats);
         for (int v = tid; v < slot_floats / 4; v += THREADS) {

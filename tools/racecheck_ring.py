@@ -15,8 +15,8 @@ could follow, one property at a time:
   arrival  thread 0 arrives on the empty barrier for the compute threads (decode_step's), or every one of
            them arrives itself (kernels/backward/b05_wgmma.cu's fix of a racecheck report)
   timing   decode_step's (the producer 550 ns after a release, the compute threads at once), every wait
-           begun before its copy is issued (the producer 200 us after a release), or every copy landed
-           before its wait (the compute threads 200 us before each wait)
+           begun before its copy is issued (the producer issues 200 us after thread 0 begins to wait), or
+           every copy landed before its wait (the compute threads 200 us before each wait)
   recheck  one mbarrier.test_wait more after the wait's loop, which finds the phase complete at once
 and decode_step itself, at 2 and 3 slots (tools/sanitize_targets.py's step targets).
 """
@@ -49,6 +49,7 @@ class Ring:
     slots: int
     all_arrive: bool = False
     issue_ns: int = 550  # the producer's pause after a release (decode_step's ISSUE_DELAY_NS in float32)
+    wait_first: bool = False  # each copy issued issue_ns after thread 0 began its wait for it
     take_ns: int = 0  # the compute threads' pause before each wait
     recheck: bool = False
 
@@ -63,13 +64,15 @@ CASES = {
     "ring2": Ring("2 slots, decode_step's arrival and timing", 2),
     "ring3": Ring("3 slots, decode_step's arrival and timing", 3),
     "ring2-all": Ring("2 slots, every compute thread arrives", 2, all_arrive=True),
-    "ring2-waits": Ring("2 slots, every wait begun before its copy is issued", 2, issue_ns=LONG_NS),
+    "ring2-waits": Ring("2 slots, every wait begun before its copy is issued", 2, issue_ns=LONG_NS, wait_first=True),
     "ring2-landed": Ring("2 slots, every copy landed before its wait", 2, take_ns=LONG_NS),
-    "ring2-all-waits": Ring("2 slots, every compute thread arrives, every wait before its copy", 2, True, LONG_NS),
+    "ring2-all-waits": Ring("2 slots, every compute thread arrives, every wait before its copy", 2, True, LONG_NS,
+                            wait_first=True),
     "ring2-all-landed": Ring("2 slots, every compute thread arrives, every copy before its wait", 2, True,
                              take_ns=LONG_NS),
-    "ring3-waits": Ring("3 slots, every wait begun before its copy is issued", 3, issue_ns=LONG_NS),
-    "ring2-waits-recheck": Ring("as ring2-waits, a test_wait after each wait", 2, issue_ns=LONG_NS, recheck=True),
+    "ring3-waits": Ring("3 slots, every wait begun before its copy is issued", 3, issue_ns=LONG_NS, wait_first=True),
+    "ring2-waits-recheck": Ring("as ring2-waits, a test_wait after each wait", 2, issue_ns=LONG_NS, wait_first=True,
+                                recheck=True),
     "step-float32": Step("decode_step, float32, its default ring (2 slots)", "step-float32"),
     "step-float32-ring3": Step("decode_step, float32, 3 slots", "step-float32-ring3"),
 }
@@ -99,7 +102,8 @@ def run_ring(cp, case: Ring) -> bool:
     out = cp.full((BLOCKS, THREADS), cp.nan, dtype=cp.float32)
     fn((BLOCKS,), (THREADS + 32,), (cp.asarray(src), np.int32(ITEMS), np.int32(case.slots), np.int32(SLOT_FLOATS),
                                    np.int32(case.all_arrive), np.int32(case.recheck), np.uint32(case.issue_ns),
-                                   np.uint32(case.take_ns), out), shared_mem=smem)
+                                   np.int32(case.wait_first), np.uint32(case.take_ns),
+                                   cp.zeros(BLOCKS, dtype=cp.int32), out), shared_mem=smem)
     return bool(np.array_equal(cp.asnumpy(out), ring_expected(src)))
 
 
@@ -149,7 +153,7 @@ def verdict(rows: list[dict]) -> str:
         return f"No skeleton case draws the report; {step}."
     one = [n for n in skeleton if not rings[n].all_arrive]
     every = [n for n in skeleton if rings[n].all_arrive]
-    waits = [n for n in skeleton if rings[n].issue_ns >= LONG_NS]
+    waits = [n for n in skeleton if rings[n].wait_first]
     landed = [n for n, c in rings.items() if c.take_ns >= LONG_NS]
     if one and not every and any(rings[n].all_arrive for n in rings):
         return (f"Thread 0's arrival for the compute threads draws the report ({', '.join(one)}) and every thread's "
