@@ -1,4 +1,8 @@
-"""A model check of v24_persistent's protocol across tiles (the kernel itself runs only on the GPU): random interleavings of the producer thread, the consumer
+"""Model checks of two persistent kernels' protocols (the kernels themselves run only on the GPU): v24_persistent's
+below, and kernels/fused/decode_step.cu's weight stream at the end (its plans' slot counts and items; a release
+before the reads end fails it).
+
+v24_persistent across tiles: random interleavings of the producer thread, the consumer
 warpgroups (one agent each) and the copy engine, for several blocks sharing the tile counter.
 Checks: no deadlock; every parity wait returns for the phase it means (never two phases behind);
 no wgmma reads a buffer before its copy landed or after it was refilled; no copy is issued into a
@@ -272,3 +276,136 @@ def test_random_interleavings_keep_the_protocol(C, S, G):
             run(tiles, G, C, S, seed=i)
         except Fail as exc:
             pytest.fail(f"run {i}: {C} consumers, {S} stages, {G} blocks, tiles with T_c {tiles}: {exc}")
+
+
+# -- kernels/fused/decode_step.cu's weight stream --------------------------------------------------
+# The producer lane copies item i into slot i % nslot once item i - nslot is released (an item of stage B,
+# which reads the cache, also once the compute warps have passed the previous step's last barrier: the
+# `stepped` mbarrier); the compute warps (WARPS agents) each wait for an item themselves, read it, meet at
+# the named barrier, and thread 0 (warp 0) arrives on the slot's empty barrier; the step's last item goes
+# back in `finish`, then thread 0 arrives on `stepped`. An empty item (an idle block's stage B) completes
+# its phase on the producer's arrival.
+
+WARPS = 3
+
+
+def step_stream(kinds, steps, nslot, seed, release_early=False):
+    """One block's stream over `steps` steps of items `kinds` (a step's stages in order: "A", "B", ...).
+    release_early: thread 0 arrives on empty before the named barrier (the others may still read)."""
+    rnd = random.Random(seed)
+    per_step, total = len(kinds), steps * len(kinds)
+    full = [MBarrier(f"full{s}", 1) for s in range(nslot)]
+    empty = [MBarrier(f"empty{s}", 1) for s in range(nslot)]
+    stepped = MBarrier("stepped", 1)
+    content = [None] * nslot  # slot -> (item, landed)
+    readers = [set() for _ in range(nslot)]
+    copies = []
+    sync = {"count": 0, "generation": 0}
+    empty_items = {i for i in range(total) if kinds[i % per_step] == "B" and rnd.random() < 0.3}
+
+    def producer():
+        passed = 0
+        for i in range(total):
+            step, r = divmod(i, per_step)
+            while kinds[r] == "B" and passed < step:
+                yield lambda p=passed: stepped.ready(p & 1, p)
+                passed += 1
+            s = i % nslot
+            if i >= nslot:
+                yield lambda i=i, s=s: empty[s].ready((i // nslot - 1) & 1, i // nslot - 1)
+            if readers[s]:
+                raise Fail(f"item {i} copied into slot {s} while warps {sorted(readers[s])} read item {content[s][0]}")
+            if i in empty_items:
+                content[s] = (i, True)
+                full[s].arrive()
+            else:
+                content[s] = (i, False)
+                full[s].arrive(tx=1)
+
+                def land(s=s, i=i):
+                    content[s] = (i, True)
+                    full[s].complete_tx(1)
+                copies.append(land)
+            yield None
+
+    def compute_sync():
+        g = sync["generation"]
+        sync["count"] += 1
+        if sync["count"] == WARPS:
+            sync["count"], sync["generation"] = 0, g + 1
+        return lambda: sync["generation"] > g
+
+    def compute(w):
+        for i in range(total):
+            s = i % nslot
+            yield lambda i=i, s=s: full[s].ready((i // nslot) & 1, i // nslot)  # take
+            if content[s] != (i, True):
+                raise Fail(f"warp {w} takes item {i} from slot {s}, which holds {content[s]}")
+            readers[s].add(w)
+            yield None
+            if content[s] != (i, True):
+                raise Fail(f"slot {s} refilled while warp {w} read item {i}: {content[s]}")
+            if release_early and w == 0:
+                empty[s].arrive()
+            yield None
+            readers[s].discard(w)
+            yield compute_sync()  # release(), or finish()'s first sync
+            if w == 0 and not release_early:
+                empty[s].arrive()
+            if i % per_step == per_step - 1:  # finish(): its second sync, then `stepped`
+                yield compute_sync()
+                if w == 0:
+                    stepped.arrive()
+
+    agents = [producer()] + [compute(w) for w in range(WARPS)]
+    blocked = {a: None for a in range(len(agents))}
+    alive = set(blocked)
+    while alive or copies:
+        ready = [a for a in alive if blocked[a] is None or blocked[a]()]
+        choices = ready + (["copy"] * len(copies))
+        if not choices:
+            raise Fail(f"deadlock: {len(alive)} agents blocked")
+        pick = rnd.choice(choices)
+        if pick == "copy":
+            copies.pop(rnd.randrange(len(copies)))()
+            continue
+        try:
+            blocked[pick] = next(agents[pick])
+        except StopIteration:
+            alive.discard(pick)
+            blocked[pick] = None
+
+
+def step_kinds(dtype, ring):
+    """A step's items in stream order under step_plan for GPT-2 small's widths, 2 layers, on 132 SMs (the
+    sanitizer's step targets), and the plan's slots."""
+    import gpt2
+    from gpt2.fast.plan import step_plan
+
+    config = gpt2.GPT2Config(n_layer=2)
+    plan = step_plan(config, dtype, 132, config.n_positions, 232_448, ring=ring)
+    lm_chunks = (-(-config.vocab_size // plan.blocks) - plan.lm_keep + plan.lm_rows - 1) // plan.lm_rows
+    layer = [kind for kind, n in zip("ABCD", plan.stage_items, strict=True) for _ in range(n)]
+    return layer * config.n_layer + ["E"] * lm_chunks, plan.slots
+
+
+@pytest.mark.parametrize("dtype,ring,slots", [("float32", None, 2), ("float32", 3, 3), ("bfloat16", None, 3)])
+def test_decode_step_stream_keeps_every_slot_until_its_readers_are_done(dtype, ring, slots):
+    kinds, nslot = step_kinds(dtype, ring)
+    assert nslot == slots  # the sanitizer's reports were at 2 slots (float32's default) and not at 3
+    for seed in range(40):
+        try:
+            step_stream(kinds, steps=3, nslot=nslot, seed=seed)
+        except Fail as exc:
+            pytest.fail(f"{dtype}, {nslot} slots, run {seed}: {exc}")
+
+
+def test_decode_step_stream_model_catches_a_release_before_the_reads_end():
+    kinds, nslot = step_kinds("float32", None)
+    caught = 0
+    for seed in range(40):
+        try:
+            step_stream(kinds, steps=3, nslot=nslot, seed=seed, release_early=True)
+        except Fail as exc:
+            caught += "while warps" in str(exc) or "refilled while" in str(exc)
+    assert caught > 0

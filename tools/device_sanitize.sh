@@ -7,11 +7,12 @@
 #   tools/device_sanitize.sh 'v0*,v1*'      any --only spec (the forward group split in two: 'v0*,v1*' and 'v2*')
 #   tools/device_sanitize.sh repro          v17's synccheck reproducer (both barrier forms) and v17/v23's device tests
 #   tools/device_sanitize.sh initcheck      whether initcheck sees cuBLAS's stores (tools/initcheck_library.py)
+#   tools/device_sanitize.sh ring           decode_step's racecheck reproducer (tools/racecheck_ring.py), its cases' sums
 #
 # The json's "seconds" holds each target's wall time under each tool: the groups to split a full run by.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-what="${1:?usage: tools/device_sanitize.sh quick|GROUP|SPEC|repro}"
+what="${1:?usage: tools/device_sanitize.sh quick|GROUP|SPEC|repro|initcheck|ring}"
 out="${OUT:-results}"
 mkdir -p "$out"
 label="$(echo "$what" | tr -c 'A-Za-z0-9_-' '_' | sed 's/_*$//')"
@@ -24,6 +25,9 @@ case "$what" in
   repro)
     python3 tools/synccheck_cluster.py --timeout 120 | tee "$out/synccheck-cluster-${device:-nogpu}-$stamp.txt"
     python3 -m pytest -q -m gpu tests/test_sanitize_gpu.py ;;
+  ring)
+    python3 tools/racecheck_ring.py --timeout 300 | tee "$out/racecheck-ring-${device:-nogpu}-$stamp.txt"
+    python3 -m pytest -q -m gpu tests/test_racecheck_ring.py ;;
   forward|backward|triton|fused|step|llama|train) python3 tools/sanitize.py --group "$what" --timeout 420 --json "$file" ;;
   *) python3 tools/sanitize.py --only "$what" --timeout 420 --json "$file" ;;
 esac
