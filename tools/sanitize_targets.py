@@ -364,27 +364,34 @@ def llama_step(cp, name: str, dtype: str) -> list[str]:
 
 
 def training_pass(cp, name: str, dtype: str) -> list[str]:
-    """loss_and_grads with the fused kernels against the array code, on one batch; then AdamW's multi-tensor
-    steps on its gradients (adamw_steps)."""
+    """loss_and_grads with the fused kernels (train.cu's, then train_next.cu's: train.py --next-kernels)
+    against the array code, on one batch; then AdamW's multi-tensor steps on its gradients (adamw_steps)."""
     from dataclasses import replace
 
     import gpt2
+    from gpt2 import train_kernels
     from gpt2.backward import Attention, loss_and_grads
 
     config = replace(gpt2.GPT2Config(n_layer=2), vocab_size=1000)
     params = gpt2.random_weights(config, seed=0, xp=cp).params
     idx, targets = cp.random.default_rng(0).integers(0, config.vocab_size, (2, 2, 97)).astype(cp.int64)
-    ran = {fused: loss_and_grads(params, config, idx, targets, Attention.reference(), dtype, fused=fused)
-           for fused in (True, False)}
-    (loss, grads), (want, want_grads) = ran[True], ran[False]
-    worst = max(float(cp.linalg.norm(grads[k] - want_grads[k]) / cp.linalg.norm(want_grads[k])) for k in grads)
-    print(f"  {name}: loss {loss:.5f} (array code {want:.5f}), worst gradient |fused - array| / |array| = "
-          f"{worst:.1e}", flush=True)
-    print(f"{MARK}covers {name} {' '.join(launched_files('train', config, dtype, gemm=False))}", flush=True)
+    want, want_grads = loss_and_grads(params, config, idx, targets, Attention.reference(), dtype)
     tolerance = 1e-4 if dtype == "float32" else 2e-2
-    problems = not_finite(cp, **grads)
-    if not abs(loss - want) <= tolerance * abs(want) or not worst <= tolerance:
-        problems.append(f"loss {loss} or gradients (worst {worst:.1e}) off the array code's by more than {tolerance}")
+    problems = []
+    for kernels in ("train.cu", "train_next.cu"):
+        train_kernels.use_next(kernels == "train_next.cu")
+        try:
+            loss, grads = loss_and_grads(params, config, idx, targets, Attention.reference(), dtype, fused=True)
+        finally:
+            train_kernels.use_next(False)
+        worst = max(float(cp.linalg.norm(grads[k] - want_grads[k]) / cp.linalg.norm(want_grads[k])) for k in grads)
+        print(f"  {name}: {kernels} loss {loss:.5f} (array code {want:.5f}), worst gradient |fused - array| / "
+              f"|array| = {worst:.1e}", flush=True)
+        problems += not_finite(cp, **grads)
+        if not abs(loss - want) <= tolerance * abs(want) or not worst <= tolerance:
+            problems.append(f"{kernels}: loss {loss} or gradients (worst {worst:.1e}) off the array code's by more "
+                            f"than {tolerance}")
+    print(f"{MARK}covers {name} {' '.join(launched_files('train', config, dtype, gemm=False))}", flush=True)
     return problems + adamw_steps(cp, name, params, grads)
 
 
@@ -394,7 +401,7 @@ def adamw_steps(cp, name: str, params: dict, grads: dict) -> list[str]:
     from lm.adamw import AdamW
 
     got, want = ({k: p.copy() for k, p in params.items()} for _ in range(2))
-    multi, per_tensor, problems = AdamW(got, multi_tensor=True), AdamW(want), []
+    multi, per_tensor, problems = AdamW(got, multi_tensor=True), AdamW(want, multi_tensor=False), []
     for max_norm in (1e-3, 1e6):
         ref_grads = {k: g.copy() for k, g in grads.items()}
         norm = multi.step(got, grads, 6e-4, max_norm=max_norm)
@@ -417,11 +424,11 @@ PREFILL = ("embed", "add_layernorm", "bias", "bias_gelu", "kv_store", "merge_hea
 def launched_files(kind: str, config, dtype: str, gemm: bool) -> list[str]:
     """The kernels/fused files an engine target's workload launches (gpt2/fast/plan.py's expressions, by
     key): a fused target every kernel but decode_step (gemm.cu's too where it runs the no-cache mode), a
-    step target the prefill's and decode_step, a train target train.cu and adamw.cu."""
+    step target the prefill's and decode_step, a train target train.cu, train_next.cu and adamw.cu."""
     import gpt2.fast as fast
 
     if kind == "train":
-        return ["adamw", "train"]
+        return ["adamw", "train", "train_next"]
     if kind == "llama":
         import llama.fast
 
