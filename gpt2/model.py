@@ -22,6 +22,7 @@ import math
 import numpy as np
 
 from lm.arrays import array_module, cast_params  # noqa: F401 (gpt2.model names them)
+from lm.attention import takes_short_queries
 from lm.kv_cache import KVCache
 from lm.products import matmul
 
@@ -56,7 +57,11 @@ def linear(x, w, name: str):
     return y.reshape(*lead, weight.shape[1]) + w[name + ".bias"]  # (B, T, out)
 
 
-def attention(x, w, name: str, config: GPT2Config, attend, cache: KVCache | None, layer: int):
+def attention(x, w, name: str, config: GPT2Config, attend, cache: KVCache | None, layer: int,
+              last_query: bool = False):
+    """The attention block's output (B, T, C); (B, 1, C) for the last position alone if last_query
+    (every position's keys and values still computed and cached; the attention over the last query
+    alone, where the attention takes fewer queries than keys)."""
     B, T, C = x.shape
     NH, hs = config.n_head, config.head_size
     qkv = linear(x, w, name + ".c_attn")  # (B, T, 3C): columns are [q | k | v], each NH heads of hs
@@ -65,8 +70,11 @@ def attention(x, w, name: str, config: GPT2Config, attend, cache: KVCache | None
     q, k, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))  # each (B, NH, T, hs), a view
     if cache is not None:
         k, v = cache.append(layer, k, v)  # each (B, NH, past + T, hs)
-    y = attend(q, k, v)  # (B, NH, T, hs)
-    y = y.transpose(0, 2, 1, 3).reshape(B, T, C)  # (B, T, C): the heads side by side again
+    one_query = last_query and takes_short_queries(attend)
+    y = attend(q[:, :, -1:] if one_query else q, k, v)  # (B, NH, T_q, hs): T_q = 1 sees every key (mask bottom-right)
+    if last_query and not one_query:
+        y = y[:, :, -1:]  # (B, NH, 1, hs)
+    y = y.transpose(0, 2, 1, 3).reshape(B, -1, C)  # (B, 1 or T, C): the heads side by side again
     return linear(y, w, name + ".c_proj")
 
 
@@ -90,13 +98,17 @@ def forward(params: dict, config: GPT2Config, idx, attend, *, cache: KVCache | N
     x = w["wte.weight"][idx].astype(np.float32, copy=False) + w["wpe.weight"][start:start + T]  # (B, T, C), float32
     for i in range(config.n_layer):
         h = f"h.{i}"
-        x = x + attention(layer_norm(x, w, h + ".ln_1", config.layer_norm_epsilon), w, h + ".attn",
-                          config, attend, cache, i)
+        # with last_only, only the last position reaches the logits: the last layer computes every
+        # position's keys and values, and its attention output and MLP for the last position alone
+        last = last_only and i == config.n_layer - 1
+        a = attention(layer_norm(x, w, h + ".ln_1", config.layer_norm_epsilon), w, h + ".attn",
+                      config, attend, cache, i, last_query=last)
+        x = (x[:, -1:] if last else x) + a  # (B, T, C), or (B, 1, C) after the last layer if last_only
         x = x + mlp(layer_norm(x, w, h + ".ln_2", config.layer_norm_epsilon), w, h + ".mlp")
     if cache is not None:
         cache.length += T
     if last_only:
-        x = x[:, -1:]  # (B, 1, C)
+        x = x[:, -1:]  # (B, 1, C) (already so after a last layer)
     x = layer_norm(x, w, "ln_f", config.layer_norm_epsilon)
     # lm_head is tied to wte, read through its transpose where it lies; a product like the others
     # (operands in the weights' dtype), its output float32, so that no logit is rounded to 16 bits
