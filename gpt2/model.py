@@ -22,7 +22,7 @@ import math
 import numpy as np
 
 from lm.arrays import array_module, cast_params  # noqa: F401 (gpt2.model names them)
-from lm.attention import takes_short_queries
+from lm.attention import attention_bytes, takes_short_queries
 from lm.kv_cache import KVCache
 from lm.products import matmul
 
@@ -114,3 +114,27 @@ def forward(params: dict, config: GPT2Config, idx, attend, *, cache: KVCache | N
     # (operands in the weights' dtype), its output float32, so that no logit is rounded to 16 bits
     logits = matmul(x.reshape(-1, config.n_embd), w["wte.weight"].T, np.float32)  # (B * T, vocab)
     return logits.reshape(B, -1, config.vocab_size)  # (B, T, vocab), or (B, 1, vocab) if last_only
+
+
+def forward_activation_bytes(config: GPT2Config, B: int, T: int, dtype, *, reference: bool, last_only: bool = True) -> int:
+    """The most bytes forward() over T positions without a cache holds at once beside the weights, as
+    the code above allocates on CuPy (every temporary its own array; NumPy elides some, so holds at
+    most this): the ids, and the largest of, per layer, the attention block (x, ln_1(x), qkv, then
+    the attention's own, lm.attention.attention_bytes: `reference` or a rung; then its heads merged,
+    c_proj and its bias) and the MLP (x, ln_2(x) and GELU's four (B, T, 4C) float32 temporaries at
+    once), the last layer's output rows one under last_only; and the logits (B, T or 1, vocab) float32.
+    `dtype`: the weights', that of qkv and the products' outputs."""
+    C, NH, hs, V = config.n_embd, config.n_head, config.head_size, config.vocab_size
+    s, f = np.dtype(dtype).itemsize, 4
+
+    def layer(rows: int) -> int:  # rows: the positions after the attention (T, or 1 in a trimmed last layer)
+        x, qkv = 2 * B * T * C * f, 3 * B * T * C * s  # the residual stream and ln_1(x); qkv
+        attend = x + qkv + attention_bytes(B, NH, NH, rows, T, hs, s, reference=reference)
+        project = x + qkv + 4 * B * rows * C * s  # the output, its heads merged, c_proj's product and + bias
+        mlp = 2 * B * rows * C * f + 4 * B * rows * 4 * C * f  # x, ln_2(x); GELU's four
+        return max(attend, project, mlp)
+
+    trimmed = 1 if last_only else T
+    layers = max(layer(T) if config.n_layer > 1 else 0, layer(trimmed))
+    logits = B * trimmed * (C * (f + s) + V * f)  # ln_f(x), its copy in the weights' dtype, the logits
+    return B * T * 8 + max(layers, logits)  # the ids, int64

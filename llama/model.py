@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from lm.arrays import array_module
-from lm.attention import takes_short_queries
+from lm.attention import attention_bytes, takes_short_queries
 from lm.kv_cache import KVCache
 from lm.products import matmul
 
@@ -134,3 +134,33 @@ def forward(params: dict, config: LlamaConfig, idx, attend, *, cache: KVCache | 
     # logit is rounded to 16 bits
     logits = matmul(x.reshape(-1, config.hidden_size), head.T, np.float32)  # (B * T, vocab)
     return logits.reshape(B, -1, config.vocab_size)  # (B, T, vocab), or (B, 1, vocab) if last_only
+
+
+def forward_activation_bytes(config: LlamaConfig, B: int, T: int, dtype, *, reference: bool,
+                             last_only: bool = True) -> int:
+    """The most bytes forward() over T positions without a cache holds at once beside the weights, as
+    the code above allocates on CuPy (every temporary its own array; NumPy elides some, so holds at
+    most this): the ids and RoPE's tables, and the largest of, per layer, the attention block (x,
+    RMSNorm(x), q, k, v and RoPE's five temporaries of k in float32; then the attention's own,
+    lm.attention.attention_bytes: `reference` or a rung; then its heads merged and o_proj) and the MLP
+    (x, RMSNorm(x) and four (B, T, F) float32 arrays at once: gate, up and SiLU's temporaries), the
+    last layer on one query row under last_only (where the attention takes it: a rung without short
+    queries is counted over every row, a little more); and the logits (B, T or 1, vocab) float32.
+    `dtype`: the weights', that of q, k, v and the products' outputs."""
+    C, F, V = config.hidden_size, config.intermediate_size, config.vocab_size
+    NH, NKV, hs = config.num_attention_heads, config.num_key_value_heads, config.head_size
+    s, f = np.dtype(dtype).itemsize, 4
+
+    def layer(rows: int) -> int:  # rows: the query rows and the positions after the attention
+        x, kv = 2 * B * T * C * f, 2 * B * T * NKV * hs * s  # the residual stream and RMSNorm(x); k and v
+        q = B * rows * NH * hs * s
+        rope = x + 2 * q + kv + 5 * B * T * NKV * hs * f  # q before and after RoPE beside k's
+        attend = x + q + kv + attention_bytes(B, NH, NKV, rows, T, hs, s, reference=reference)
+        project = x + 3 * q + kv + B * rows * C * s  # the output, its heads merged, o_proj's product
+        mlp = 2 * B * rows * C * f + 4 * B * rows * F * f  # x, RMSNorm(x); gate, up, SiLU's two
+        return max(rope, attend, project, mlp)
+
+    trimmed = 1 if last_only else T
+    layers = max(layer(T) if config.num_hidden_layers > 1 else 0, layer(trimmed))
+    logits = B * trimmed * (C * (f + s) + V * f)  # RMSNorm(x), its copy in the weights' dtype, the logits
+    return B * T * 8 + 2 * T * hs * f + max(layers, logits)  # the ids (int64), cos and sin
