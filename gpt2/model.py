@@ -21,7 +21,7 @@ import math
 
 import numpy as np
 
-from lm.arrays import array_module, cast_params  # noqa: F401 (gpt2.model names them)
+from lm.arrays import array_module, cast_params, run_dtype  # noqa: F401 (gpt2.model names the first two)
 from lm.attention import attention_bytes, takes_short_queries
 from lm.kv_cache import KVCache
 from lm.products import matmul
@@ -125,7 +125,7 @@ def forward_activation_bytes(config: GPT2Config, B: int, T: int, dtype, *, refer
     once), the last layer's output rows one under last_only; and the logits (B, T or 1, vocab) float32.
     `dtype`: the weights', that of qkv and the products' outputs."""
     C, NH, hs, V = config.n_embd, config.n_head, config.head_size, config.vocab_size
-    s, f = np.dtype(dtype).itemsize, 4
+    s, f = run_dtype(dtype).itemsize, 4
 
     def layer(rows: int) -> int:  # rows: the positions after the attention (T, or 1 in a trimmed last layer)
         x, qkv = 2 * B * T * C * f, 3 * B * T * C * s  # the residual stream and ln_1(x); qkv

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lm.arrays import array_module
+from lm.arrays import array_module, run_dtype
 from lm.attention import attention_bytes, takes_short_queries
 from lm.kv_cache import KVCache
 from lm.products import matmul
@@ -149,7 +149,7 @@ def forward_activation_bytes(config: LlamaConfig, B: int, T: int, dtype, *, refe
     `dtype`: the weights', that of q, k, v and the products' outputs."""
     C, F, V = config.hidden_size, config.intermediate_size, config.vocab_size
     NH, NKV, hs = config.num_attention_heads, config.num_key_value_heads, config.head_size
-    s, f = np.dtype(dtype).itemsize, 4
+    s, f = run_dtype(dtype).itemsize, 4
 
     def layer(rows: int) -> int:  # rows: the query rows and the positions after the attention
         x, kv = 2 * B * T * C * f, 2 * B * T * NKV * hs * s  # the residual stream and RMSNorm(x); k and v
