@@ -15,7 +15,7 @@ Prints the text as it is generated, then a summary: model, attention, mode, toke
 and tokens/s (warm-up and compilation excluded), time to first token and decode tokens/s, weight
 bytes per token and the bandwidth they imply against a measured copy ceiling (KV cache on the GPU),
 compile time, peak GPU memory against the weights and KV cache the run holds (bound: 1.15 x their sum
-+ 256 MiB), device. Weights are loaded in --dtype. Greedy runs on the GPU use the fast path (gpt2/fast: fused
++ 256 MiB; without a KV cache, the weights and one forward's activations at the longest length), device. Weights are loaded in --dtype. Greedy runs on the GPU use the fast path (gpt2/fast: fused
 kernels, a static KV cache, the decode step as one persistent kernel where the device runs it, else
 replayed as CUDA graphs; llama/fast for Llama's greedy KV-cache runs: the decode step a CUDA graph of
 fused kernels); --no-graph runs the eager code (gpt2/model.py, llama/model.py), Llama's grouped-query
@@ -43,6 +43,7 @@ import llama
 from kernels import triton as triton_rungs
 from lm import checkpoint
 from lm.arrays import cast_params, held_bytes
+from lm.attention import attention_bytes
 from lm.cli import Parser, command
 from lm.errors import LabError
 from lm.family import Family, all_sizes, of_folder, of_size
@@ -419,7 +420,8 @@ def measure(args, setup: Setup, timed: Timed) -> dict:
     xp, gpu = setup.xp, setup.device == "gpu"
     peak = xp.get_default_memory_pool().total_bytes() if gpu else None
     memory = (memory_figures(peak, setup.free_before - xp.cuda.runtime.memGetInfo()[0],
-                             held_bytes(setup.ckpt.params.values()), *held_by_run(args, setup)) if gpu else {})
+                             held_bytes(setup.ckpt.params.values()), *held_by_run(args, setup),
+                             *(activations(args, setup) if not args.kv_cache else ())) if gpu else {})
     run_once = partial(generate_once, args, setup)
     check = (compare_with_reference(run_once, setup.attend, timed.result, args.tokens, xp)
              if args.check else None)
@@ -507,6 +509,24 @@ def held_by_run(args, setup: Setup) -> tuple[int, int | None]:
         return engine.k_cache.nbytes + engine.v_cache.nbytes, engine.added_bytes()
     positions = setup.positions - 1 if args.kv_cache else 0
     return kv_cache_bytes(setup.config, positions, args.dtype), None
+
+
+def activations(args, setup: Setup) -> tuple[int, str]:
+    """Without a KV cache, what the run holds beside the weights for its longest step, a forward over
+    prompt + new tokens - 1 positions, and how that was counted: on the fast engine, everything it holds
+    (its buffers for that length, its tiled weight copies, its static cache: arrays(), counted after the
+    run) and the attention's own at that length, on its float32 views; on the eager path, the model's
+    forward_activation_bytes."""
+    config, T = setup.config, setup.positions - 1
+    reference = setup.kernel == REFERENCE
+    if setup.fast:
+        engine = fast_engine(setup)
+        attend = attention_bytes(1, config.n_head, config.kv_heads, T, T, config.head_size, 4, reference=reference)
+        return (engine.added_bytes() + attend,
+                f"what the fast engine holds for a pass over T = {T} positions (its buffers, weight copies and "
+                "static cache) + the attention's own")
+    return (setup.family.activation_bytes(config, 1, T, args.dtype, reference=reference),
+            f"one forward's activations at T = {T} ({setup.family.name}/model.py forward_activation_bytes)")
 
 
 def bandwidth(family: Family, config, dtype: str, decode_tokens_per_second) -> dict:

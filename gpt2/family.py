@@ -9,7 +9,7 @@ from . import backward, fast
 from .config import SIZES
 from .generate import generate
 from .load import load_folder, random_weights, save, to_json
-from .model import forward
+from .model import forward, forward_activation_bytes
 from .tokenizer import load_tokenizer
 
 
@@ -38,7 +38,7 @@ FAMILY = Family(
     stop_ids=stop_ids, generate=generate_run, forward=forward, backward=backward, fast_reason=fast.unsupported_reason,
     decode_layout=lambda params, config: fast.decode_layout(params),
     engine=lambda params, config, positions: fast.engine_for(params, config),
-    weight_bytes_per_token=fast.weight_bytes_per_token, config_json=to_json, save=save,
+    activation_bytes=forward_activation_bytes, weight_bytes_per_token=fast.weight_bytes_per_token, config_json=to_json, save=save,
     hf_classes=("GPT2LMHeadModel", "GPT2Config"), bos_ids=(),
     prompt_ids=(15496, 11, 314, 1101, 257, 3303, 2746, 11),  # "Hello, I'm a language model,"
 )

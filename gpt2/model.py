@@ -21,7 +21,8 @@ import math
 
 import numpy as np
 
-from lm.arrays import array_module, cast_params  # noqa: F401 (gpt2.model names them)
+from lm.arrays import array_module, cast_params, run_dtype  # noqa: F401 (gpt2.model names the first two)
+from lm.attention import attention_bytes, takes_short_queries
 from lm.kv_cache import KVCache
 from lm.products import matmul
 
@@ -56,7 +57,11 @@ def linear(x, w, name: str):
     return y.reshape(*lead, weight.shape[1]) + w[name + ".bias"]  # (B, T, out)
 
 
-def attention(x, w, name: str, config: GPT2Config, attend, cache: KVCache | None, layer: int):
+def attention(x, w, name: str, config: GPT2Config, attend, cache: KVCache | None, layer: int,
+              last_query: bool = False):
+    """The attention block's output (B, T, C); (B, 1, C) for the last position alone if last_query
+    (every position's keys and values still computed and cached; the attention over the last query
+    alone, where the attention takes fewer queries than keys)."""
     B, T, C = x.shape
     NH, hs = config.n_head, config.head_size
     qkv = linear(x, w, name + ".c_attn")  # (B, T, 3C): columns are [q | k | v], each NH heads of hs
@@ -65,8 +70,11 @@ def attention(x, w, name: str, config: GPT2Config, attend, cache: KVCache | None
     q, k, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))  # each (B, NH, T, hs), a view
     if cache is not None:
         k, v = cache.append(layer, k, v)  # each (B, NH, past + T, hs)
-    y = attend(q, k, v)  # (B, NH, T, hs)
-    y = y.transpose(0, 2, 1, 3).reshape(B, T, C)  # (B, T, C): the heads side by side again
+    one_query = last_query and takes_short_queries(attend)
+    y = attend(q[:, :, -1:] if one_query else q, k, v)  # (B, NH, T_q, hs): T_q = 1 sees every key (mask bottom-right)
+    if last_query and not one_query:
+        y = y[:, :, -1:]  # (B, NH, 1, hs)
+    y = y.transpose(0, 2, 1, 3).reshape(B, -1, C)  # (B, 1 or T, C): the heads side by side again
     return linear(y, w, name + ".c_proj")
 
 
@@ -90,15 +98,43 @@ def forward(params: dict, config: GPT2Config, idx, attend, *, cache: KVCache | N
     x = w["wte.weight"][idx].astype(np.float32, copy=False) + w["wpe.weight"][start:start + T]  # (B, T, C), float32
     for i in range(config.n_layer):
         h = f"h.{i}"
-        x = x + attention(layer_norm(x, w, h + ".ln_1", config.layer_norm_epsilon), w, h + ".attn",
-                          config, attend, cache, i)
+        # with last_only, only the last position reaches the logits: the last layer computes every
+        # position's keys and values, and its attention output and MLP for the last position alone
+        last = last_only and i == config.n_layer - 1
+        a = attention(layer_norm(x, w, h + ".ln_1", config.layer_norm_epsilon), w, h + ".attn",
+                      config, attend, cache, i, last_query=last)
+        x = (x[:, -1:] if last else x) + a  # (B, T, C), or (B, 1, C) after the last layer if last_only
         x = x + mlp(layer_norm(x, w, h + ".ln_2", config.layer_norm_epsilon), w, h + ".mlp")
     if cache is not None:
         cache.length += T
     if last_only:
-        x = x[:, -1:]  # (B, 1, C)
+        x = x[:, -1:]  # (B, 1, C) (already so after a last layer)
     x = layer_norm(x, w, "ln_f", config.layer_norm_epsilon)
     # lm_head is tied to wte, read through its transpose where it lies; a product like the others
     # (operands in the weights' dtype), its output float32, so that no logit is rounded to 16 bits
     logits = matmul(x.reshape(-1, config.n_embd), w["wte.weight"].T, np.float32)  # (B * T, vocab)
     return logits.reshape(B, -1, config.vocab_size)  # (B, T, vocab), or (B, 1, vocab) if last_only
+
+
+def forward_activation_bytes(config: GPT2Config, B: int, T: int, dtype, *, reference: bool, last_only: bool = True) -> int:
+    """The most bytes forward() over T positions without a cache holds at once beside the weights, as
+    the code above allocates on CuPy (every temporary its own array; NumPy elides some, so holds at
+    most this): the ids, and the largest of, per layer, the attention block (x, ln_1(x), qkv, then
+    the attention's own, lm.attention.attention_bytes: `reference` or a rung; then its heads merged,
+    c_proj and its bias) and the MLP (x, ln_2(x) and GELU's four (B, T, 4C) float32 temporaries at
+    once), the last layer's output rows one under last_only; and the logits (B, T or 1, vocab) float32.
+    `dtype`: the weights', that of qkv and the products' outputs."""
+    C, NH, hs, V = config.n_embd, config.n_head, config.head_size, config.vocab_size
+    s, f = run_dtype(dtype).itemsize, 4
+
+    def layer(rows: int) -> int:  # rows: the positions after the attention (T, or 1 in a trimmed last layer)
+        x, qkv = 2 * B * T * C * f, 3 * B * T * C * s  # the residual stream and ln_1(x); qkv
+        attend = x + qkv + attention_bytes(B, NH, NH, rows, T, hs, s, reference=reference)
+        project = x + qkv + 4 * B * rows * C * s  # the output, its heads merged, c_proj's product and + bias
+        mlp = 2 * B * rows * C * f + 4 * B * rows * 4 * C * f  # x, ln_2(x); GELU's four
+        return max(attend, project, mlp)
+
+    trimmed = 1 if last_only else T
+    layers = max(layer(T) if config.n_layer > 1 else 0, layer(trimmed))
+    logits = B * trimmed * (C * (f + s) + V * f)  # ln_f(x), its copy in the weights' dtype, the logits
+    return B * T * 8 + max(layers, logits)  # the ids, int64

@@ -8,7 +8,7 @@ from . import fast, tokenizer
 from .config import SIZES, LlamaConfig, to_json
 from .generate import generate
 from .load import load_folder, random_weights, save, weight_bytes_per_token
-from .model import forward
+from .model import forward, forward_activation_bytes
 
 DEFAULT_DTYPE = "bfloat16"  # Llama's checkpoints are stored in it
 BEGIN_OF_TEXT = LlamaConfig.bos_token_id  # <|begin_of_text|>
@@ -33,7 +33,7 @@ FAMILY = Family(
     backward=None,  # train.py refuses it: no backward pass yet
     fast_reason=fast.unsupported_reason, decode_layout=fast.decode_layout,
     engine=lambda params, config, positions: fast.engine_for(params, config, positions=positions),
-    weight_bytes_per_token=weight_bytes_per_token, config_json=to_json, save=save,
+    activation_bytes=forward_activation_bytes, weight_bytes_per_token=weight_bytes_per_token, config_json=to_json, save=save,
     hf_classes=("LlamaForCausalLM", "LlamaConfig"), bos_ids=(BEGIN_OF_TEXT,),
     prompt_ids=(BEGIN_OF_TEXT, 791, 4062, 14198, 39935, 35308, 927, 279, 16053, 5679, 13),  # then ids picked by hand
 )

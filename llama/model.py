@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from lm.arrays import array_module
+from lm.arrays import array_module, run_dtype
+from lm.attention import attention_bytes, takes_short_queries
 from lm.kv_cache import KVCache
 from lm.products import matmul
 
@@ -70,18 +71,26 @@ def rope(x, cos, sin):
     return x * cos + rotated * sin
 
 
-def attention(x, w, name: str, config: LlamaConfig, attend, cache: KVCache | None, layer: int, cos, sin):
+def attention(x, w, name: str, config: LlamaConfig, attend, cache: KVCache | None, layer: int, cos, sin,
+              last_query: bool = False):
+    """The attention block's output (B, T, C); (B, 1, C) for the last position alone if last_query
+    (every position's keys and values still computed and cached; the query of the last alone, where
+    the attention takes fewer queries than keys)."""
     B, T, C = x.shape
     NH, NKV, hs = config.num_attention_heads, config.num_key_value_heads, config.head_size
     dtype = w[name + ".q_proj.weight"].dtype  # q, k, v and the attention in the weights' dtype
-    q = linear(x, w[name + ".q_proj.weight"]).reshape(B, T, NH, hs).transpose(0, 2, 1, 3)  # (B, NH, T, hs)
+    one_query = last_query and takes_short_queries(attend)
+    xq, cq, sq = (x[:, -1:], cos[-1:], sin[-1:]) if one_query else (x, cos, sin)
+    q = linear(xq, w[name + ".q_proj.weight"]).reshape(B, -1, NH, hs).transpose(0, 2, 1, 3)  # (B, NH, T_q, hs)
     k = linear(x, w[name + ".k_proj.weight"]).reshape(B, T, NKV, hs).transpose(0, 2, 1, 3)  # (B, NKV, T, hs)
     v = linear(x, w[name + ".v_proj.weight"]).reshape(B, T, NKV, hs).transpose(0, 2, 1, 3)  # (B, NKV, T, hs)
-    q, k = rope(q, cos, sin).astype(dtype), rope(k, cos, sin).astype(dtype)  # contiguous (B, H, T, hs)
+    q, k = rope(q, cq, sq).astype(dtype), rope(k, cos, sin).astype(dtype)  # contiguous (B, H, T_q or T, hs)
     if cache is not None:
         k, v = cache.append(layer, k, v)  # each (B, NKV, past + T, hs)
-    y = attend(q, k, v)  # (B, NH, T, hs)
-    y = y.transpose(0, 2, 1, 3).reshape(B, T, NH * hs)  # (B, T, NH * hs): the heads side by side again
+    y = attend(q, k, v)  # (B, NH, T_q, hs): T_q = 1 sees every key (the mask aligned bottom-right)
+    if last_query and not one_query:
+        y = y[:, :, -1:]  # (B, NH, 1, hs)
+    y = y.transpose(0, 2, 1, 3).reshape(B, -1, NH * hs)  # (B, 1 or T, NH * hs): the heads side by side again
     return linear(y, w[name + ".o_proj.weight"])
 
 
@@ -108,16 +117,50 @@ def forward(params: dict, config: LlamaConfig, idx, attend, *, cache: KVCache | 
     x = w["model.embed_tokens.weight"][idx].astype(np.float32)  # (B, T, C), float32
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}"
+        # with last_only, only the last position reaches the logits: the last layer computes every
+        # position's keys and values, and its query, attention output and MLP for the last position alone
+        last = last_only and i == config.num_hidden_layers - 1
         h = rms_norm(x, w[p + ".input_layernorm.weight"], eps)
-        x = x + attention(h, w, p + ".self_attn", config, attend, cache, i, cos, sin)
+        a = attention(h, w, p + ".self_attn", config, attend, cache, i, cos, sin, last_query=last)
+        x = (x[:, -1:] if last else x) + a  # (B, T, C), or (B, 1, C) after the last layer if last_only
         x = x + mlp(rms_norm(x, w[p + ".post_attention_layernorm.weight"], eps), w, p + ".mlp")
     if cache is not None:
         cache.length += T
     if last_only:
-        x = x[:, -1:]  # (B, 1, C)
+        x = x[:, -1:]  # (B, 1, C) (already so after a last layer)
     x = rms_norm(x, w["model.norm.weight"], eps)
     head = w["model.embed_tokens.weight"] if config.tie_word_embeddings else w["lm_head.weight"]  # (vocab, C)
     # a product like the others (operands in the weights' dtype), its output float32, so that no
     # logit is rounded to 16 bits
     logits = matmul(x.reshape(-1, config.hidden_size), head.T, np.float32)  # (B * T, vocab)
     return logits.reshape(B, -1, config.vocab_size)  # (B, T, vocab), or (B, 1, vocab) if last_only
+
+
+def forward_activation_bytes(config: LlamaConfig, B: int, T: int, dtype, *, reference: bool,
+                             last_only: bool = True) -> int:
+    """The most bytes forward() over T positions without a cache holds at once beside the weights, as
+    the code above allocates on CuPy (every temporary its own array; NumPy elides some, so holds at
+    most this): the ids and RoPE's tables, and the largest of, per layer, the attention block (x,
+    RMSNorm(x), q, k, v and RoPE's five temporaries of k in float32; then the attention's own,
+    lm.attention.attention_bytes: `reference` or a rung; then its heads merged and o_proj) and the MLP
+    (x, RMSNorm(x) and four (B, T, F) float32 arrays at once: gate, up and SiLU's temporaries), the
+    last layer on one query row under last_only (where the attention takes it: a rung without short
+    queries is counted over every row, a little more); and the logits (B, T or 1, vocab) float32.
+    `dtype`: the weights', that of q, k, v and the products' outputs."""
+    C, F, V = config.hidden_size, config.intermediate_size, config.vocab_size
+    NH, NKV, hs = config.num_attention_heads, config.num_key_value_heads, config.head_size
+    s, f = run_dtype(dtype).itemsize, 4
+
+    def layer(rows: int) -> int:  # rows: the query rows and the positions after the attention
+        x, kv = 2 * B * T * C * f, 2 * B * T * NKV * hs * s  # the residual stream and RMSNorm(x); k and v
+        q = B * rows * NH * hs * s
+        rope = x + 2 * q + kv + 5 * B * T * NKV * hs * f  # q before and after RoPE beside k's
+        attend = x + q + kv + attention_bytes(B, NH, NKV, rows, T, hs, s, reference=reference)
+        project = x + 3 * q + kv + B * rows * C * s  # the output, its heads merged, o_proj's product
+        mlp = 2 * B * rows * C * f + 4 * B * rows * F * f  # x, RMSNorm(x); gate, up, SiLU's two
+        return max(rope, attend, project, mlp)
+
+    trimmed = 1 if last_only else T
+    layers = max(layer(T) if config.num_hidden_layers > 1 else 0, layer(trimmed))
+    logits = B * trimmed * (C * (f + s) + V * f)  # RMSNorm(x), its copy in the weights' dtype, the logits
+    return B * T * 8 + 2 * T * hs * f + max(layers, logits)  # the ids (int64), cos and sin

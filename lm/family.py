@@ -36,6 +36,8 @@ class Family:
     decode_layout: Callable  # (params, config): in place, the layout the fast engine reads without a copy
     engine: Callable  # (params, config, positions) -> the fast engine generate() ran on
     weight_bytes_per_token: Callable  # (config, dtype) -> bytes of weights one decode step reads
+    activation_bytes: Callable  # (config, B, T, dtype, *, reference) -> the most bytes one eager forward over T
+    #                             positions without a cache holds beside the weights (model.forward_activation_bytes)
     config_json: Callable  # (config) -> its config.json as a dict (what transformers' config class takes)
     save: Callable  # (checkpoint, folder): config.json and model.safetensors as transformers reads them
     hf_classes: tuple  # transformers' (model class, config class) names for the family's config.json

@@ -7,7 +7,8 @@ from __future__ import annotations
 from .generate import reference_attend
 
 WARMUP_TOKENS = 2  # one full step and, with the KV cache, one decode step: every kernel compiled
-# The memory a run may hold: MEMORY_FACTOR x (weights in the run's dtype + its KV cache) + MEMORY_HEADROOM
+# The memory a run may hold: MEMORY_FACTOR x (weights in the run's dtype + what the run holds beside them)
+# + MEMORY_HEADROOM; beside them, its KV cache, or without a cache one forward's activations at its longest
 MEMORY_FACTOR, MEMORY_HEADROOM = 1.15, 256 * 2**20
 PEAK_MEASURE = ("CuPy memory pool high-water mark (total_bytes: the pool never returns a block unasked), from the "
                 "weights in place (the load's transient float32 draws returned first) to the end of the timed run")
@@ -15,13 +16,19 @@ USED_MEASURE = ("device memory in use at the end, cudaMemGetInfo against before 
                 "cuBLAS's workspace, loaded modules and captured graphs")
 
 
-def memory_figures(peak: int, used: int, weight_bytes: int, kv_bytes: int, engine_bytes: int | None = None) -> dict:
+def memory_figures(peak: int, used: int, weight_bytes: int, kv_bytes: int, engine_bytes: int | None = None,
+                   activation_bytes: int | None = None, activation_basis: str | None = None) -> dict:
     """The run's memory against its bound: peak (the pool's high-water mark) and used (cudaMemGetInfo's
-    delta) beside the weights and the KV cache it holds, and what the fast engine holds beside the weights."""
-    bound = MEMORY_FACTOR * (weight_bytes + kv_bytes) + MEMORY_HEADROOM
+    delta) beside the weights and the KV cache it holds, and what the fast engine holds beside the weights.
+    With activation_bytes (the mode without a cache: what one forward at the longest length holds, as
+    activation_basis says), the bound is on the weights and those instead of the KV cache."""
+    held = kv_bytes if activation_bytes is None else activation_bytes
+    bound = MEMORY_FACTOR * (weight_bytes + held) + MEMORY_HEADROOM
     return {"weight_bytes": weight_bytes, "kv_cache_bytes": kv_bytes, "memory_bound_bytes": int(bound),
             "within_memory_bound": peak <= bound, "gpu_memory_used_bytes": used,
-            "gpu_memory_used_measure": USED_MEASURE, "engine_added_bytes": engine_bytes}
+            "gpu_memory_used_measure": USED_MEASURE, "engine_added_bytes": engine_bytes,
+            "activation_bytes": activation_bytes,
+            "memory_bound_basis": "weights + KV cache" if activation_bytes is None else f"weights + {activation_basis}"}
 
 
 def memory_rows(s: dict) -> list[tuple[str, str]]:
@@ -29,12 +36,15 @@ def memory_rows(s: dict) -> list[tuple[str, str]]:
     if s["peak_gpu_memory_bytes"] is None:
         return [("peak GPU memory", "n/a (cpu)")]
     mib = 2**20
-    peak, w, kv = s["peak_gpu_memory_bytes"], s["weight_bytes"], s["kv_cache_bytes"]
+    peak, w, kv, act = s["peak_gpu_memory_bytes"], s["weight_bytes"], s["kv_cache_bytes"], s.get("activation_bytes")
+    held, what = (kv, "KV cache") if act is None else (act, "activations")
     verdict = "within" if s["within_memory_bound"] else "OVER"
-    rows = [("peak GPU memory", f"{peak / mib:.1f} MiB = {peak / (w + kv):.2f} x (weights {w / mib:.1f} + KV cache "
-                                f"{kv / mib:.1f} MiB); bound {MEMORY_FACTOR} x that + {MEMORY_HEADROOM // mib} MiB = "
+    rows = [("peak GPU memory", f"{peak / mib:.1f} MiB = {peak / (w + held):.2f} x (weights {w / mib:.1f} + {what} "
+                                f"{held / mib:.1f} MiB); bound {MEMORY_FACTOR} x that + {MEMORY_HEADROOM // mib} MiB = "
                                 f"{s['memory_bound_bytes'] / mib:.1f} MiB: {verdict} (CuPy pool high-water mark, from "
                                 "the weights in place)"),
+            *([("bound", f"{s['memory_bound_basis']} (no KV cache: each step a forward over the whole sequence)")]
+              if act is not None else []),
             ("device memory", f"{s['gpu_memory_used_bytes'] / mib:.1f} MiB in use at the end (cudaMemGetInfo, against "
                               "before the weights: the pool, cuBLAS's workspace, modules, graphs)")]
     if s.get("engine_added_bytes") is not None:
