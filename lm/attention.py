@@ -4,14 +4,23 @@ query alone (the causal mask aligned bottom-right: that query sees every key).""
 
 from __future__ import annotations
 
+# Whether a rung that declares lab.supports cross gets the last layer's one query in a last_only forward.
+# Off until the GPU tests of the eager paths (tests/test_gpt2_gpu.py, tests/test_llama_gpu.py,
+# tests/test_lab_llama.py on the device) have run with it: until then a rung attends over every row of
+# the last layer, as before, and only its output projection and MLP are trimmed.
+RUNGS_TAKE_ONE_QUERY = False
+
 
 def takes_short_queries(attend) -> bool:
     """Whether attend(q, k, v) takes q (B, NH, T_q, hs) over k, v of T_k > T_q positions: a rung
-    (kernels.Attend, known by its path) only if it declares lab.supports cross; any other function
-    (the reference attention, a caller's wrapper) is taken to, as the KV cache's decode steps ask."""
+    (kernels.Attend, known by its path) only if it declares lab.supports cross (and RUNGS_TAKE_ONE_QUERY);
+    any other function (the reference attention, a caller's wrapper) is taken to, as the KV cache's
+    decode steps ask."""
     path = getattr(attend, "path", None)
     if path is None:
         return True
+    if not RUNGS_TAKE_ONE_QUERY:
+        return False
     from kernels import ladder
     from kernels import triton as triton_rungs
 

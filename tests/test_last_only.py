@@ -91,3 +91,22 @@ def test_a_rung_without_short_queries_gets_every_query_row(name):
     last = family.forward(params, config, ids, spy, last_only=True)
     assert spy.lengths == [(9, 9), (9, 9)]
     assert relative_err(last[:, 0], full[:, -1]) <= BOUND["float32"]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_rung_declaring_cross_gets_one_query_only_once_switched_on(name, monkeypatch):
+    """lm.attention.RUNGS_TAKE_ONE_QUERY (off until the eager paths' GPU tests have run with it): off, a
+    rung that declares lab.supports cross attends over every row of the last layer; on, with one query."""
+    import kernels
+    from lm import attention
+
+    family, config, params = weights(name, "float32")
+    ids = np.arange(2 * 9).reshape(2, 9) % config.vocab_size
+    full = family.forward(params, config, ids, reference_attend)
+    assert "cross" in kernels.ladder.load(kernels.Attend("v13").path).supports
+    for on, lengths in ((False, [(9, 9), (9, 9)]), (True, [(9, 9), (1, 9)])):
+        monkeypatch.setattr(attention, "RUNGS_TAKE_ONE_QUERY", on)
+        spy = Spy(path=kernels.Attend("v13").path)
+        last = family.forward(params, config, ids, spy, last_only=True)
+        assert spy.lengths == lengths
+        assert relative_err(last[:, 0], full[:, -1]) <= BOUND["float32"]
