@@ -277,7 +277,7 @@ def test_the_captured_multi_tensor_step_replays_with_each_steps_scalars(monkeypa
     lrs = [get_lr(step, lr=1e-2, min_lr=1e-3, warmup=2, steps=6) for step in range(6)]
     assert len(set(lrs)) == 6
     for lr in lrs:
-        for k, g in grads.items():  # the pass's replay rewrites the gradients in place
+        for g in grads.values():  # the pass's replay rewrites the gradients in place
             g[...] = rng.standard_normal(g.shape) * 3.0
         scalars = opt.advance(lr)
         opt.multi.load(params, grads, scalars)
