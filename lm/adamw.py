@@ -27,7 +27,8 @@ memory (the table of addresses, the step's scalars, the scale), so that a CUDA g
 
     scalars = opt.advance(lr)                          t += 1, the step's scalars (host floats)
     opt.multi.load(params, grads, scalars)             host to device: the addresses and the scalars
-    opt.multi.launch(max_norm)                         the two launches: no host copy, no host read
+    opt.multi.launch(max_norm)                         the two launches (the update's adamw_step_graph,
+                                                       its scalars read from memory): no host copy or read
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ BETAS = (0.9, 0.95)
 EPS = 1e-8
 THREADS = 256  # kernels/fused/adamw.cu's THREADS and CHUNK: a block takes CHUNK elements of one tensor
 CHUNK = THREADS * 32
-KERNELS = (f"adamw_sum_squares<{THREADS}>", f"adamw_step<{THREADS}>")
+KERNELS = (f"adamw_sum_squares<{THREADS}>", f"adamw_step<{THREADS}>", f"adamw_step_graph<{THREADS}>")
 OPTIONS = ("-fmad=false",)  # no contraction: the roundings of the NumPy form, as the per-tensor kernel's
 HYPER = ("keep_decay", "one_minus_beta1", "beta2", "one_minus_beta2", "step_size", "bc2_sqrt", "eps")  # advance()'s
 
@@ -156,23 +157,27 @@ class MultiTensor:
         self.norm, self.scale, self.one = cp.empty(1, np.float64), cp.empty(1, np.float32), cp.ones(1, np.float32)
 
     def step(self, params: dict, grads: dict, max_norm: float | None, scalars: tuple) -> float | None:
-        """load(), launch(), and the norm before clipping read back (None without max_norm)."""
-        self.load(params, grads, scalars)
-        self.launch(max_norm)
+        """load() of the addresses, launch() with the scalars by value (adamw_step), and the norm before
+        clipping read back (None without max_norm)."""
+        self.load(params, grads)
+        self.launch(max_norm, scalars)
         return None if max_norm is None else float(self.norm[0])
 
-    def load(self, params: dict, grads: dict, scalars: tuple) -> None:
-        """The addresses of params and grads and the step's scalars (AdamW.advance's), copied to the device
-        on the current stream: what the next launch() reads."""
+    def load(self, params: dict, grads: dict, scalars: tuple | None = None) -> None:
+        """The addresses of params and grads, and the step's scalars (AdamW.advance's) where given, copied to
+        the device on the current stream: what the next launch() reads."""
         self.addresses[0] = [self.address(params, k, shape) for k, shape in zip(self.names, self.shapes)]
         self.addresses[1] = [self.address(grads, k, shape) for k, shape in zip(self.names, self.shapes)]
         self.table.set(self.addresses)
-        self.hyper.set(np.array(scalars, dtype=np.float32))
+        if scalars is not None:
+            self.hyper.set(np.array(scalars, dtype=np.float32))
 
-    def launch(self, max_norm: float | None) -> None:
+    def launch(self, max_norm: float | None, scalars: tuple | None = None) -> None:
         """The norm's launch (with max_norm: the norm into self.norm, the clipping scale into self.scale)
-        and the update's, on the current stream: no host copy and no host read, so that a CUDA graph may
-        capture them; max_norm, passed by value, is the graph's for good."""
+        and the update's, on the current stream: with `scalars`, adamw_step takes them by value; without,
+        adamw_step_graph reads them from self.hyper (load()'s), so that a CUDA graph may capture the
+        launches (no host copy, no host read) and each replay takes its step's. max_norm, passed by value,
+        is the graph's for good."""
         from kernels import fused
 
         n = np.int32(len(self.names))
@@ -180,9 +185,10 @@ class MultiTensor:
             fused.launch(fused.function("adamw", KERNELS[0], OPTIONS), self.blocks, THREADS,
                          (self.table, *self.tables, n, np.float64(max_norm), self.partial, self.ticket, self.norm,
                           self.scale))
-        fused.launch(fused.function("adamw", KERNELS[1], OPTIONS), self.blocks, THREADS,
-                     (self.table, *self.tables, self.decays, n, self.one if max_norm is None else self.scale,
-                      self.hyper))
+        update = (self.hyper,) if scalars is None else tuple(np.float32(s) for s in scalars)
+        fused.launch(fused.function("adamw", KERNELS[1 if scalars is not None else 2], OPTIONS), self.blocks,
+                     THREADS, (self.table, *self.tables, self.decays, n, self.one if max_norm is None else self.scale,
+                               *update))
 
     @staticmethod
     def address(arrays: dict, name: str, shape) -> int:

@@ -202,7 +202,7 @@ class EmulatedDevice:
     def launch(self, expression, grid, block, args):
         assert block == adamw.THREADS and grid == len(args[2])
         table, sizes, block_tensor, first_block = args[:4]
-        n = int(args[5] if expression == adamw.KERNELS[1] else args[4])
+        n = int(args[4] if expression == adamw.KERNELS[0] else args[5])
         rows = [[self.arrays[int(a)] for a in table.reshape(4, n)[r]] for r in range(4)]
         elements = [kernel_elements(block_tensor, first_block, sizes, b) for b in range(grid)]
         if expression == adamw.KERNELS[0]:
@@ -214,7 +214,8 @@ class EmulatedDevice:
             scale[0] = coef if max_norm > 0 and coef < 1 else 1.0
             assert ticket[0] == 0
         else:
-            decays, _, scale, hyper = args[4:]
+            decays, _, scale, *by_value = args[4:]  # adamw_step's scalars, or adamw_step_graph's hyper
+            hyper = by_value[0] if expression == adamw.KERNELS[2] else np.array(by_value, dtype=np.float32)
             keep, *scalars = np.asarray(hyper, dtype=np.float32)  # HYPER's order, read at the launch
             for t, idx in elements:
                 p, g, m, v = (row[t] for row in rows)
@@ -273,7 +274,7 @@ def test_the_captured_multi_tensor_step_replays_with_each_steps_scalars(monkeypa
     monkeypatch.setattr(fused, "function", lambda name, expression, options: expression)
     monkeypatch.setattr(fused, "launch", lambda *launch: recorded.append(launch))
     opt.multi.launch(1.0)  # the capture: recorded, not run
-    assert [r[0] for r in recorded] == list(adamw.KERNELS)
+    assert [r[0] for r in recorded] == [adamw.KERNELS[0], adamw.KERNELS[2]]  # the update reads self.hyper
     lrs = [get_lr(step, lr=1e-2, min_lr=1e-3, warmup=2, steps=6) for step in range(6)]
     assert len(set(lrs)) == 6
     for lr in lrs:
