@@ -6,6 +6,7 @@ and the backward rung --backward inside every step; NumPy and the reference atte
     python train.py --data tiny.txt --steps 50 --lr 3e-5 --out finetuned     fine-tune GPT-2 small, save it
     python train.py --data train.bin --val-data val.bin --eval-every 25 --json run.json
     python train.py --device cpu --random-weights --size gpt2 --data input.txt --batch 2 --seq 64 --steps 5
+    python train.py --data train.bin --random-weights --dtype bfloat16 --batch 16 --graph    one launch a step
 
 Each step takes --accum micro-batches in llm.c's order (lm/token_data.py), averages their gradients,
 clips their global norm, and updates float32 master weights with AdamW (lm/adamw.py; PyTorch's formula).
@@ -13,6 +14,10 @@ clips their global norm, and updates float32 master weights with AdamW (lm/adamw
 reductions, softmax and loss in float32, the master weights and the optimizer's state float32. The
 model's forward and backward: the family's (lm.family.Family.backward, gpt2/backward.py's loss_and_grads;
 a family without one is refused). Prints a line per step as llm.c does.
+--graph (GPU): the first step runs eagerly (compiling every kernel), the second captures one whole step
+(every micro-batch's pass, the accumulation, clipping and AdamW) as a CUDA graph (lm/step_graph.py),
+and every step from there replays it with its batch copied into the graph's input buffers and its
+learning rate and AdamW's step count into the optimizer's device scalars: the same arithmetic.
 MFU: (6 x parameters + 6 x n_layer x n_embd x T) FLOPs per token (llm.c's count, the attention's causal
 half) over the step's time, against a GEMM ceiling in the run's dtype measured at start-up (GPU only).
 User errors print one line to stderr and exit 2; a loss that is not finite exits 1 at the end.
@@ -42,13 +47,15 @@ from lm.cli import Parser, command
 from lm.errors import LabError
 from lm.family import Family
 from lm.generate import reference_attend
+from lm.step_graph import StepGraph
 from lm.token_data import Batches, read_tokens
 
 FLOP_CONVENTION = ("6 x parameters x tokens (the products, forward and backward; wte counted once) + 6 x n_layer x "
                    "n_embd x T x tokens (attention's two T x T products, the causal half, forward and backward): "
                    "llm.c's count")
 PEAK_MEASURE = ("CuPy memory pool high-water mark (total_bytes: the pool never returns a block unasked), from the "
-                "weights in place (the load's and the ceiling's transients returned first) to the end of training")
+                "weights in place (the load's and the ceiling's transients returned first) to the end of training; "
+                "with --graph, the larger of the eager first step's and the default pool's plus the graph's own")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -90,6 +97,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--next-kernels", action="store_true",
                    help="the training pass's fused work on the kernels of kernels/fused/train_next.cu (not yet "
                         "measured on a GPU) instead of train.cu's; GPU only")
+    p.add_argument("--graph", action="store_true",
+                   help="replay each step from the second as one CUDA graph of the whole step (lm/step_graph.py), "
+                        "captured after an eager first step; GPU only, with the multi-tensor AdamW")
     p.add_argument("--sample-every", type=int, default=0, help="print a greedy sample every N steps (default 0: never)")
     p.add_argument("--sample-tokens", type=int, default=32, help="tokens of each sample (default 32)")
     p.add_argument("--out", metavar="DIR", help="save model.safetensors and config.json (Hugging Face's layout)")
@@ -105,6 +115,9 @@ def check_args(args) -> None:
     for name in ("eval_every", "sample_every", "warmup", "weight_decay", "grad_clip"):
         if getattr(args, name) < 0:
             raise LabError(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
+    if args.graph and args.per_tensor:
+        raise LabError("--graph captures the multi-tensor AdamW, which reads each step's scalars from the device; "
+                       "--per-tensor passes them by value")
     if args.model is not None and args.random_weights:
         raise LabError("--model and --random-weights exclude each other")
     if args.size is not None and not args.random_weights:
@@ -235,6 +248,9 @@ class Setup:
     min_lr: float
     tokens_per_step: int
     flops_per_step: int
+    graph: StepGraph | None = None  # --graph's, captured at the second step
+    graph_outputs: tuple | None = None  # the captured step's (micro-batch losses, gradients), rewritten by each replay
+    eager_peak: int = 0  # the pool's high-water mark before --graph's capture (the eager step's)
 
     @property
     def config(self):
@@ -262,6 +278,8 @@ def pick_xp(args) -> tuple[str, object]:
         raise LabError("--kernel and --backward run on the GPU; the CPU runs the reference attention and its backward")
     if args.next_kernels:
         raise LabError("--next-kernels are CUDA kernels; on the CPU the training pass runs the array code")
+    if args.graph:
+        raise LabError("--graph captures a CUDA graph; on the CPU the steps run eagerly in NumPy")
     return device, np
 
 
@@ -326,18 +344,20 @@ def set_up(args) -> Setup:
                  flops_per_step=flops_per_step)
 
 
-def train_step(s: Setup, step: int, lr: float) -> tuple[float, float, float]:
-    """One optimizer step over --accum micro-batches (micro-batch j of step i is batch i x accum + j), their
-    gradients averaged, clipped and applied: (the mean loss, the gradient norm before clipping, seconds)."""
-    args, params, xp = s.args, s.ckpt.params, s.xp
-    s.sync()
-    start = time.perf_counter()
-    loss, grads = 0.0, None
-    for micro in range(args.accum):
-        x, y = s.train_batches[step * args.accum + micro]
-        micro_loss, micro_grads = s.family.backward.loss_and_grads(params, s.config, xp.asarray(x), xp.asarray(y),
-                                                                   s.attn, dtype=args.dtype)
-        loss += micro_loss / args.accum
+def micro_batches(s: Setup, step: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Step i's --accum micro-batches, host arrays: micro-batch j is batch i x accum + j."""
+    return [s.train_batches[step * s.args.accum + micro] for micro in range(s.args.accum)]
+
+
+def passes(s: Setup, inputs, **kwargs) -> tuple[list, dict]:
+    """Each micro-batch's loss (loss_and_grads's; kwargs passed on) over `inputs` ((idx, targets) device
+    arrays), and their gradients averaged."""
+    args, params = s.args, s.ckpt.params
+    losses, grads = [], None
+    for x, y in inputs:
+        micro_loss, micro_grads = s.family.backward.loss_and_grads(params, s.config, x, y, s.attn, dtype=args.dtype,
+                                                                   **kwargs)
+        losses.append(micro_loss)
         if grads is None:  # a copy where more micro-batches add to it: the backward may reuse its arrays
             grads = micro_grads if args.accum == 1 else {k: g.copy() for k, g in micro_grads.items()}
         else:
@@ -346,9 +366,65 @@ def train_step(s: Setup, step: int, lr: float) -> tuple[float, float, float]:
     if args.accum > 1:
         for g in grads.values():
             g *= np.float32(1 / args.accum)
-    norm = s.opt.step(params, grads, lr, max_norm=args.grad_clip)  # clipped first
+    return losses, grads
+
+
+def mean_loss(losses: list) -> float:
+    """The micro-batches' mean loss, read on the host (float() of a device array waits for it)."""
+    loss = 0.0
+    for micro_loss in losses:
+        loss += float(micro_loss) / len(losses)
+    return loss
+
+
+def train_step(s: Setup, step: int, lr: float) -> tuple[float, float, float]:
+    """One optimizer step over --accum micro-batches, their gradients averaged, clipped and applied: (the
+    mean loss, the gradient norm before clipping, seconds). With --graph, from the second step on, a
+    replay of the captured step (the second captures it first)."""
+    args, xp = s.args, s.xp
+    s.sync()
+    start = time.perf_counter()
+    if args.graph and step > 0:
+        loss, norm = graph_step(s, step, lr)
+    else:
+        losses, grads = passes(s, ((xp.asarray(x), xp.asarray(y)) for x, y in micro_batches(s, step)))
+        norm = s.opt.step(s.ckpt.params, grads, lr, max_norm=args.grad_clip)  # clipped first
+        loss = mean_loss(losses)
     s.sync()
     return loss, norm, time.perf_counter() - start
+
+
+def graph_step(s: Setup, step: int, lr: float) -> tuple[float, float]:
+    """Step `step` as a replay of the whole step captured (at the first call) into s.graph: the batch into
+    its input buffers, the learning rate and AdamW's step count into the optimizer's device scalars, the
+    graph launched; (the mean loss, the norm), read back once it is done."""
+    batches = [a for pair in micro_batches(s, step) for a in pair]  # idx, targets of each micro-batch
+    if s.graph is None:
+        s.sync()
+        s.eager_peak = s.pool.total_bytes()
+        s.pool.free_all_blocks()  # the eager step's cached blocks, before the graph's pool takes its own
+        s.graph = StepGraph(s.xp, [a.shape for a in batches])
+        s.graph_outputs = s.graph.capture(lambda inputs: captured_step(s, inputs))
+    losses, grads = s.graph_outputs
+    s.graph.replay(batches, before=lambda: s.opt.multi.load(s.ckpt.params, grads, s.opt.advance(lr)))
+    s.sync()
+    return mean_loss(losses), float(s.opt.multi.norm[0])
+
+
+def captured_step(s: Setup, inputs: list) -> tuple[list, dict]:
+    """What the graph holds: every micro-batch's pass on the input buffers, the accumulation, and the
+    multi-tensor AdamW's launches (clipping and the update), reading nothing back to the host."""
+    losses, grads = passes(s, zip(inputs[0::2], inputs[1::2]), loss_on_host=False)
+    s.opt.multi.launch(s.args.grad_clip)
+    return losses, grads
+
+
+def peak_bytes(s: Setup) -> int | None:
+    """The run's peak GPU memory (PEAK_MEASURE): with --graph, the eager step's high-water mark or the
+    default pool's and the graph's together, whichever is higher."""
+    if s.pool is None:
+        return None
+    return max(s.eager_peak, s.pool.total_bytes() + (s.graph.total_bytes() if s.graph is not None else 0))
 
 
 def train(s: Setup) -> dict:
@@ -387,7 +463,7 @@ def evaluate_and_sample(s: Setup, done: int, log: dict) -> None:
 def finish(s: Setup, log: dict) -> int:
     """The mean step after the first (which compiles the rungs), --out's checkpoint and --json's summary;
     exit status 1 where a loss was not finite."""
-    args, peak = s.args, s.pool.total_bytes() if s.pool is not None else None
+    args, peak = s.args, peak_bytes(s)
     later = log["ms"][1:] or log["ms"]
     print(f"mean of step{f's 2-{args.steps}' if args.steps > 1 else ' 1'}: {np.mean(later):.1f} ms, "
           f"{s.tokens_per_step / np.mean(later) * 1e3:,.0f} tok/s"
@@ -402,7 +478,7 @@ def finish(s: Setup, log: dict) -> int:
                    "dtype": args.dtype, "tokens_per_step": s.tokens_per_step, "flop_convention": FLOP_CONVENTION,
                    "flops_per_step": s.flops_per_step, "ceiling_tflops": s.ceiling, "ceiling_measure": s.ceiling_what,
                    "timing": "host clock around each step, the device synchronized before and after; step 1 includes "
-                             "the rungs' compilation",
+                             "the rungs' compilation" + (", step 2 the graph's capture" if args.graph else ""),
                    **log, "peak_gpu_memory_bytes": peak, "peak_gpu_memory_measure": PEAK_MEASURE if peak is not None else None}
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
     return 0 if all(math.isfinite(v) for v in log["losses"]) else 1

@@ -320,10 +320,12 @@ def classifier_forward_backward(xf, wte, targets, rows: int | None = None, fused
 
 
 def loss_and_grads(params: dict, config: GPT2Config, idx, targets, attn: Attention, dtype="float32",
-                   fused: bool = True):
+                   fused: bool = True, loss_on_host: bool = True):
     """(loss, grads) of the mean cross-entropy of the next tokens `targets` (B, T) given `idx` (B, T);
     see the module's docstring for the precision and what is kept. fused: the non-GEMM work through
-    gpt2/train_kernels.py where it runs (CuPy arrays, float32 or bfloat16), else the array code."""
+    gpt2/train_kernels.py where it runs (CuPy arrays, float32 or bfloat16), else the array code.
+    loss_on_host=False: the loss stays a 0-d array on the arrays' device, read by no one here, so that
+    the pass reads nothing back to the host (a CUDA graph captures it: train.py --graph)."""
     xp = array_module(params["wte.weight"])
     idx, targets = xp.asarray(idx), xp.asarray(targets)
     if idx.ndim != 2 or targets.shape != idx.shape:
@@ -345,7 +347,7 @@ def loss_and_grads(params: dict, config: GPT2Config, idx, targets, attn: Attenti
                                                                       fused=fused)
     dx = layers_backward(dx, kept, w, grads, config, attn, cdtype, fused)
     encoder_backward(grads["wte.weight"], grads["wpe.weight"], dx.reshape(B, T, config.n_embd), idx)
-    return float(loss), {name: grads[name] for name in params}
+    return float(loss) if loss_on_host else loss, {name: grads[name] for name in params}
 
 
 def layers_forward(w: dict, config: GPT2Config, idx, attn: Attention, act, cdtype, fused: bool):

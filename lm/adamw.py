@@ -22,7 +22,13 @@ Python float to a float32 tensor. On CuPy the step of each parameter is one fuse
 The multi-tensor path (CuPy's default) does the same arithmetic with the same roundings, bit for bit, in one
 launch for the global norm (and the clipping scale, on the device) and one for every tensor's update,
 where the per-tensor path takes a launch or two per tensor; it leaves the gradients unscaled (the scale
-is applied inside the update).
+is applied inside the update). Its launches read everything that changes from step to step from device
+memory (the table of addresses, the step's scalars, the scale), so that a CUDA graph can capture them:
+
+    scalars = opt.advance(lr)                          t += 1, the step's scalars (host floats)
+    opt.multi.load(params, grads, scalars)             host to device: the addresses and the scalars
+    opt.multi.launch(max_norm)                         the two launches (the update's adamw_step_graph,
+                                                       its scalars read from memory): no host copy or read
 """
 
 from __future__ import annotations
@@ -37,8 +43,9 @@ BETAS = (0.9, 0.95)
 EPS = 1e-8
 THREADS = 256  # kernels/fused/adamw.cu's THREADS and CHUNK: a block takes CHUNK elements of one tensor
 CHUNK = THREADS * 32
-KERNELS = (f"adamw_sum_squares<{THREADS}>", f"adamw_step<{THREADS}>")
+KERNELS = (f"adamw_sum_squares<{THREADS}>", f"adamw_step<{THREADS}>", f"adamw_step_graph<{THREADS}>")
 OPTIONS = ("-fmad=false",)  # no contraction: the roundings of the NumPy form, as the per-tensor kernel's
+HYPER = ("keep_decay", "one_minus_beta1", "beta2", "one_minus_beta2", "step_size", "bc2_sqrt", "eps")  # advance()'s
 
 
 def decays(p) -> bool:
@@ -65,23 +72,26 @@ class AdamW:
         """One update of every float32 parameter in place, from its float32 gradient. With max_norm, the
         gradients are first clipped as clip_grad_norm(grads, max_norm) clips them, and the norm before
         clipping is returned (max_norm <= 0: measured, not clipped)."""
-        self.t += 1
-        beta1, beta2 = self.betas
-        step_size = lr / (1 - beta1 ** self.t)
-        bias_correction2_sqrt = math.sqrt(1 - beta2 ** self.t)
+        scalars = self.advance(lr)
         if self.multi is not None:
-            scalars = (1 - lr * self.weight_decay, 1 - beta1, beta2, 1 - beta2, step_size, bias_correction2_sqrt,
-                       self.eps)
             return self.multi.step(params, grads, max_norm, scalars)
         norm = None if max_norm is None else clip_grad_norm(grads, max_norm)
+        undecayed = (1.0, *scalars[1:])  # 1 - lr * 0, exactly
         for name, p in params.items():
-            wd = self.weight_decay if self.decay[name] else 0.0
-            scalars = (1 - lr * wd, 1 - beta1, beta2, 1 - beta2, step_size, bias_correction2_sqrt, self.eps)
+            own = scalars if self.decay[name] else undecayed
             if array_module(p) is np:
-                _step_numpy(p, grads[name], self.m[name], self.v[name], *(np.float32(s) for s in scalars))
+                _step_numpy(p, grads[name], self.m[name], self.v[name], *(np.float32(s) for s in own))
             else:
-                _step_kernel()(grads[name], *(np.float32(s) for s in scalars), p, self.m[name], self.v[name])
+                _step_kernel()(grads[name], *(np.float32(s) for s in own), p, self.m[name], self.v[name])
         return norm
+
+    def advance(self, lr: float) -> tuple[float, ...]:
+        """Count a step (t += 1) and return its scalars, formed in double on the host: (1 - lr * weight_decay,
+        1 - beta1, beta2, 1 - beta2, lr / (1 - beta1^t), sqrt(1 - beta2^t), eps)."""
+        self.t += 1
+        beta1, beta2 = self.betas
+        return (1 - lr * self.weight_decay, 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1 ** self.t),
+                math.sqrt(1 - beta2 ** self.t), self.eps)
 
 
 def _step_numpy(p, g, m, v, keep, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps):
@@ -124,8 +134,9 @@ def chunk_tables(sizes) -> tuple[np.ndarray, np.ndarray]:
 
 class MultiTensor:
     """kernels/fused/adamw.cu's two launches over every tensor. The chunk tables, sizes and decay flags
-    are built once (the shapes are fixed); the table of addresses of p, g, m and v each step (the
-    gradients are new arrays each step), in one host-to-device copy."""
+    are built once (the shapes are fixed); the table of addresses of p, g, m and v (the gradients are
+    new arrays each step) and the step's scalars are copied each step into device arrays of their own,
+    at fixed addresses, that the launches read."""
 
     def __init__(self, m: dict, v: dict, decay: dict):
         import cupy as cp
@@ -138,27 +149,46 @@ class MultiTensor:
         self.decays = cp.asarray(np.array([decay[k] for k in self.names], dtype=np.int32))
         self.addresses = np.zeros((4, len(self.names)), dtype=np.uint64)  # rows p, g, m, v: adamw.cu's table
         self.addresses[2:] = [[state[k].data.ptr for k in self.names] for state in (m, v)]
+        self.table = cp.asarray(self.addresses)  # rows p and g written by load()
+        self.hyper = cp.zeros(len(HYPER), np.float32)  # the step's scalars, in HYPER's order
         self.shapes = [m[k].shape for k in self.names]
         self.partial = cp.empty(self.blocks, dtype=np.float32)
         self.ticket = cp.zeros(1, dtype=np.uint32)  # adamw_sum_squares resets it after each launch
         self.norm, self.scale, self.one = cp.empty(1, np.float64), cp.empty(1, np.float32), cp.ones(1, np.float32)
 
     def step(self, params: dict, grads: dict, max_norm: float | None, scalars: tuple) -> float | None:
-        import cupy as cp
+        """load() of the addresses, launch() with the scalars by value (adamw_step), and the norm before
+        clipping read back (None without max_norm)."""
+        self.load(params, grads)
+        self.launch(max_norm, scalars)
+        return None if max_norm is None else float(self.norm[0])
 
-        from kernels import fused
-
+    def load(self, params: dict, grads: dict, scalars: tuple | None = None) -> None:
+        """The addresses of params and grads, and the step's scalars (AdamW.advance's) where given, copied to
+        the device on the current stream: what the next launch() reads."""
         self.addresses[0] = [self.address(params, k, shape) for k, shape in zip(self.names, self.shapes)]
         self.addresses[1] = [self.address(grads, k, shape) for k, shape in zip(self.names, self.shapes)]
-        table, n = cp.asarray(self.addresses), np.int32(len(self.names))
+        self.table.set(self.addresses)
+        if scalars is not None:
+            self.hyper.set(np.array(scalars, dtype=np.float32))
+
+    def launch(self, max_norm: float | None, scalars: tuple | None = None) -> None:
+        """The norm's launch (with max_norm: the norm into self.norm, the clipping scale into self.scale)
+        and the update's, on the current stream: with `scalars`, adamw_step takes them by value; without,
+        adamw_step_graph reads them from self.hyper (load()'s), so that a CUDA graph may capture the
+        launches (no host copy, no host read) and each replay takes its step's. max_norm, passed by value,
+        is the graph's for good."""
+        from kernels import fused
+
+        n = np.int32(len(self.names))
         if max_norm is not None:
             fused.launch(fused.function("adamw", KERNELS[0], OPTIONS), self.blocks, THREADS,
-                         (table, *self.tables, n, np.float64(max_norm), self.partial, self.ticket, self.norm,
+                         (self.table, *self.tables, n, np.float64(max_norm), self.partial, self.ticket, self.norm,
                           self.scale))
-        fused.launch(fused.function("adamw", KERNELS[1], OPTIONS), self.blocks, THREADS,
-                     (table, *self.tables, self.decays, n, self.one if max_norm is None else self.scale,
-                      *(np.float32(s) for s in scalars)))
-        return None if max_norm is None else float(self.norm[0])
+        update = (self.hyper,) if scalars is None else tuple(np.float32(s) for s in scalars)
+        fused.launch(fused.function("adamw", KERNELS[1 if scalars is not None else 2], OPTIONS), self.blocks,
+                     THREADS, (self.table, *self.tables, self.decays, n, self.one if max_norm is None else self.scale,
+                               *update))
 
     @staticmethod
     def address(arrays: dict, name: str, shape) -> int:

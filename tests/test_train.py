@@ -186,6 +186,11 @@ class OnDevice(np.ndarray):
     def data(self):
         return SimpleNamespace(ptr=self.ctypes.data)
 
+    def set(self, a, stream=None):
+        """CuPy's host-to-device copy."""
+        assert a.dtype == self.dtype and a.shape == self.shape
+        self[...] = a
+
 
 class EmulatedDevice:
     """fused.function and fused.launch for adamw.cu, run in NumPy: the kernels' arguments unpacked in
@@ -197,7 +202,7 @@ class EmulatedDevice:
     def launch(self, expression, grid, block, args):
         assert block == adamw.THREADS and grid == len(args[2])
         table, sizes, block_tensor, first_block = args[:4]
-        n = int(args[5] if expression == adamw.KERNELS[1] else args[4])
+        n = int(args[4] if expression == adamw.KERNELS[0] else args[5])
         rows = [[self.arrays[int(a)] for a in table.reshape(4, n)[r]] for r in range(4)]
         elements = [kernel_elements(block_tensor, first_block, sizes, b) for b in range(grid)]
         if expression == adamw.KERNELS[0]:
@@ -209,7 +214,9 @@ class EmulatedDevice:
             scale[0] = coef if max_norm > 0 and coef < 1 else 1.0
             assert ticket[0] == 0
         else:
-            decays, _, scale, keep, *scalars = args[4:]
+            decays, _, scale, *by_value = args[4:]  # adamw_step's scalars, or adamw_step_graph's hyper
+            hyper = by_value[0] if expression == adamw.KERNELS[2] else np.array(by_value, dtype=np.float32)
+            keep, *scalars = np.asarray(hyper, dtype=np.float32)  # HYPER's order, read at the launch
             for t, idx in elements:
                 p, g, m, v = (row[t] for row in rows)
                 pi, mi, vi = p[idx], m[idx], v[idx]
@@ -217,12 +224,14 @@ class EmulatedDevice:
                 p[idx], m[idx], v[idx] = pi, mi, vi
 
 
+FAKE_CUPY = SimpleNamespace(asarray=lambda a: np.array(a).view(OnDevice), empty=np.empty, ones=np.ones,
+                            zeros=lambda *a, **kw: np.zeros(*a, **kw).view(OnDevice))
+
+
 def test_multi_tensor_host_side_on_an_emulated_device(monkeypatch):
     """MultiTensor's tables and launches (lm/adamw.py) with NumPy for CuPy and the kernels emulated:
     bit for bit the per-tensor path over clipped, unclipped and unmeasured steps."""
-    fake = SimpleNamespace(asarray=lambda a: np.array(a).view(OnDevice), empty=np.empty, zeros=np.zeros,
-                           ones=np.ones)
-    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setitem(sys.modules, "cupy", FAKE_CUPY)
     rng = np.random.default_rng(4)
     shapes = [s for s in AWKWARD if s != (50257, 768)]
     params = {f"t{i}": rng.standard_normal(s).astype(np.float32).view(OnDevice) for i, s in enumerate(shapes)}
@@ -244,6 +253,62 @@ def test_multi_tensor_host_side_on_an_emulated_device(monkeypatch):
         per_tensor.step(ref, ref_grads, lr)
         for k in params:
             assert (np.asarray(params[k]).view(np.uint32) == ref[k].view(np.uint32)).all(), k
+
+
+def test_the_captured_multi_tensor_step_replays_with_each_steps_scalars(monkeypatch):
+    """train.py --graph's optimizer: MultiTensor.launch() captured once (the emulated launches recorded with
+    their arguments as they were, scalars by value, as a CUDA graph freezes them), then replayed over steps
+    of a warmup and cosine schedule, each after load() of that step's addresses and AdamW.advance(lr): bit
+    for bit the per-tensor path, step by step. The gradients live in fixed buffers that each step rewrites,
+    as the captured pass rewrites its outputs; a replay without load() keeps the last step's scalars."""
+    monkeypatch.setitem(sys.modules, "cupy", FAKE_CUPY)
+    rng = np.random.default_rng(5)
+    shapes = [s for s in AWKWARD if s != (50257, 768)]
+    params = {f"t{i}": rng.standard_normal(s).astype(np.float32).view(OnDevice) for i, s in enumerate(shapes)}
+    grads = {k: np.zeros(p.shape, np.float32).view(OnDevice) for k, p in params.items()}  # the graph's outputs
+    ref = {k: np.array(v) for k, v in params.items()}
+    opt, per_tensor = AdamW(params), AdamW(ref)
+    opt.m, opt.v = ({k: a.view(OnDevice) for k, a in state.items()} for state in (opt.m, opt.v))
+    opt.multi = adamw.MultiTensor(opt.m, opt.v, opt.decay)
+    device, recorded = EmulatedDevice(params, grads, opt.m, opt.v), []
+    monkeypatch.setattr(fused, "function", lambda name, expression, options: expression)
+    monkeypatch.setattr(fused, "launch", lambda *launch: recorded.append(launch))
+    opt.multi.launch(1.0)  # the capture: recorded, not run
+    assert [r[0] for r in recorded] == [adamw.KERNELS[0], adamw.KERNELS[2]]  # the update reads self.hyper
+    lrs = [get_lr(step, lr=1e-2, min_lr=1e-3, warmup=2, steps=6) for step in range(6)]
+    assert len(set(lrs)) == 6
+    for lr in lrs:
+        for g in grads.values():  # the pass's replay rewrites the gradients in place
+            g[...] = rng.standard_normal(g.shape) * 3.0
+        scalars = opt.advance(lr)
+        opt.multi.load(params, grads, scalars)
+        for launch in recorded:
+            device.launch(*launch)
+        norm = float(opt.multi.norm[0])
+        ref_grads = {k: np.array(g) for k, g in grads.items()}
+        assert norm == pytest.approx(clip_grad_norm({k: g.copy() for k, g in ref_grads.items()}, 0.0), rel=1e-6)
+        if 1.0 / (norm + 1e-6) < 1:
+            for g in ref_grads.values():
+                g *= np.float32(1.0 / (norm + 1e-6))
+        per_tensor.step(ref, ref_grads, lr)
+        for k in params:
+            assert (np.asarray(params[k]).view(np.uint32) == ref[k].view(np.uint32)).all(), (lr, k)
+    assert opt.t == per_tensor.t == 6
+    np.testing.assert_array_equal(opt.multi.hyper, np.array(scalars, dtype=np.float32))  # the last step's
+
+
+def test_the_pass_can_keep_its_loss_on_the_device():
+    """loss_and_grads(loss_on_host=False), what the captured step calls: the same loss as a 0-d array
+    (nothing read back), the same gradients."""
+    from gpt2.backward import Attention, loss_and_grads
+
+    params = random_weights(TINY, seed=1).params
+    idx, targets = np.random.default_rng(2).integers(0, TINY.vocab_size, (2, 2, 8))
+    loss, grads = loss_and_grads(params, TINY, idx, targets, Attention.reference())
+    kept, kept_grads = loss_and_grads(params, TINY, idx, targets, Attention.reference(), loss_on_host=False)
+    assert type(loss) is float and type(kept) is not float and np.ndim(kept) == 0  # NumPy: a float32 scalar
+    assert float(kept) == loss
+    assert all(np.array_equal(grads[k], kept_grads[k]) for k in grads)
 
 
 def test_schedule():
@@ -430,6 +495,8 @@ def test_cli_trains_writes_json_and_out_then_lab_generates(train, folder, data, 
     (["--steps", "0"], "--steps must be at least 1"),
     (["--random-weights"], "--model and --random-weights exclude each other"),
     (["--batch", "200"], "fewer than one batch of B x T + 1"),
+    (["--graph"], "--graph captures a CUDA graph; on the CPU the steps run eagerly"),
+    (["--graph", "--per-tensor"], "--graph captures the multi-tensor AdamW"),
 ])
 def test_user_errors_exit_2_with_one_line(train, folder, data, capsys, extra, message):
     argv = ["--device", "cpu", "--model", str(folder), "--data", str(data), "--steps", "1", "--batch", "2",

@@ -5,6 +5,7 @@ the fused kernels (gpt2/train_kernels.py) against the array code, with a breakdo
     python3 tools/train_step_profile.py --dtype float32 --batch 8 --kernel v13 --backward b02
     python3 tools/train_step_profile.py --classifier-mib 512 2048 4096   the classifier's chunk, swept
     python3 tools/train_step_profile.py --kernels --next-kernels       train.cu against train_next.cu
+    python3 tools/train_step_profile.py --graph --kernels              the whole step eager against a CUDA graph
 
 Random weights (nanoGPT's init), random tokens. Each mode: one warm-up call (compilation, cuBLAS's
 heuristics, the memory pool), then --repeats timed calls; the median is reported. Phases, from events
@@ -15,8 +16,10 @@ products (every cuBLAS product outside the classifier), the rest (everything els
 the fused kernels take, and Python); pool_gib, the CuPy memory pool's high-water mark (emptied before each
 mode; the weights included). Then the optimizer apart: clipping at 1.0 and AdamW on one pass's gradients
 (a fresh copy each call, so that every call clips), lm/adamw.py per tensor and multi-tensor, events
-around the call (which ends by reading the norm back) and the host's clock. Writes
-train_step_profile.json to $OUT (or --out) when given.
+around the call (which ends by reading the norm back) and the host's clock. --graph: the whole step
+(the fused pass, clipping at 1.0 and the multi-tensor AdamW) eagerly and as a replay of its CUDA graph
+(lm/step_graph.py, train.py --graph), events and the host's clock around each, the losses read back;
+with --kernels, the replay's kernel table too. Writes train_step_profile.json to $OUT (or --out) when given.
 """
 
 from __future__ import annotations
@@ -108,6 +111,54 @@ def time_optimizer(cp, params, grads, repeats: int) -> dict:
     return times
 
 
+def time_graph(cp, backward, params, config, idx, targets, attn, dtype: str, repeats: int) -> tuple[dict, object]:
+    """({mode: {events_ms, host_ms, losses}}, the replay as a function): the whole step on a copy of the
+    weights, eagerly (after one warm-up step) and then replayed from its CUDA graph, the median of
+    `repeats` steps each; the same batch every step (its copy into the graph's buffers included)."""
+    from lm.adamw import AdamW
+    from lm.step_graph import StepGraph
+
+    weights = {k: p.copy() for k, p in params.items()}
+    opt, host_batch = AdamW(weights), [idx.get(), targets.get()]
+
+    def eager():
+        loss, grads = backward.loss_and_grads(weights, config, idx, targets, attn, dtype)
+        opt.step(weights, grads, 6e-4, max_norm=1.0)
+        return loss
+
+    def captured(inputs):
+        loss, grads = backward.loss_and_grads(weights, config, *inputs, attn, dtype, loss_on_host=False)
+        opt.multi.launch(1.0)
+        return loss, grads
+
+    def timed(run) -> tuple[float, float, float]:
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        cp.cuda.Device().synchronize()
+        began = time.perf_counter()
+        start.record()
+        loss = run()
+        end.record()
+        end.synchronize()
+        return cp.cuda.get_elapsed_time(start, end), 1e3 * (time.perf_counter() - began), float(loss)
+
+    eager()  # compiles, chooses cuBLAS's heuristics
+    results = {"eager": [timed(eager) for _ in range(repeats)]}
+    cp.cuda.Device().synchronize()
+    cp.get_default_memory_pool().free_all_blocks()
+    graph = StepGraph(cp, [idx.shape, targets.shape], idx.dtype)
+    loss, grads = graph.capture(captured)
+
+    def replay():
+        graph.replay(host_batch, before=lambda: opt.multi.load(weights, grads, opt.advance(6e-4)))
+        return loss
+
+    results["graph"] = [timed(replay) for _ in range(repeats)]
+    times = {mode: {"events_ms": statistics.median(r[0] for r in runs), "host_ms": statistics.median(r[1] for r in runs),
+                    "losses": [r[2] for r in runs]} for mode, runs in results.items()}
+    times["graph"]["graph_pool_gib"] = graph.total_bytes() / 2**30
+    return times, replay
+
+
 def kernel_times(cp, run) -> dict:
     """One call of run() (after a warm-up) under torch.profiler, which traces every kernel of the process
     through CUPTI, CuPy's and cuBLAS's too: {wall_ms, busy_ms (the union of the kernels' intervals),
@@ -166,6 +217,9 @@ def main(argv=None) -> int:
     parser.add_argument("--next-kernels", action="store_true",
                         help="also time the fused pass on the kernels of kernels/fused/train_next.cu (not yet measured "
                              "on a GPU): the mode `next`, and its kernel table with --kernels")
+    parser.add_argument("--graph", action="store_true",
+                        help="also time the whole step (pass, clipping, AdamW) eagerly against its CUDA graph's replay "
+                             "(train.py --graph); with --kernels the replay's kernel table")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for train_step_profile.json")
     args = parser.parse_args(argv)
 
@@ -213,6 +267,12 @@ def main(argv=None) -> int:
         train_kernels.use_next(False)
     optimizer = time_optimizer(cp, params, backward.loss_and_grads(params, config, idx, targets, attn, args.dtype)[1],
                                args.repeats)
+    graph_times = graph_table = None
+    if args.graph:
+        graph_times, replay = time_graph(cp, backward, params, config, idx, targets, attn, args.dtype, args.repeats)
+        graph_table = kernel_times(cp, replay) if args.kernels else None
+        del replay
+        cp.get_default_memory_pool().free_all_blocks()
     device = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())["name"].decode()
     print(f"{device}, {args.size} {args.dtype}, B x T = {args.batch} x {args.seq}, attention {attn.name}, "
           f"median of {args.repeats} (ms)")
@@ -227,12 +287,20 @@ def main(argv=None) -> int:
     if next_table is not None:
         print("next kernels (kernels/fused/train_next.cu):")
         print_kernel_table(next_table)
+    if graph_times is not None:
+        print("whole step (pass, clipping, AdamW), median ms: " + ", ".join(
+            f"{mode} {t['events_ms']:.2f} (host {t['host_ms']:.2f})" for mode, t in graph_times.items())
+              + f"; graph pool {graph_times['graph']['graph_pool_gib']:.2f} GiB")
+    if graph_table is not None:
+        print("the step's CUDA graph, replayed:")
+        print_kernel_table(graph_table)
     if args.out:
         path = Path(args.out) / "train_step_profile.json"
         path.write_text(json.dumps({"device": device, "size": args.size, "dtype": args.dtype, "batch": args.batch,
                                     "seq": args.seq, "attention": attn.name, "repeats": args.repeats,
                                     "ms": results, "optimizer_ms": optimizer,
-                                    "kernels": kernel_table, "kernels_next": next_table}, indent=2))
+                                    "kernels": kernel_table, "kernels_next": next_table,
+                                    "step_ms": graph_times, "kernels_graph": graph_table}, indent=2))
         print(f"wrote {path}")
     return 0
 

@@ -15,6 +15,11 @@
  *   adamw_step<THREADS>            g = g * scale, then lm/adamw.py's update of p, m and v in its order
  *                                  of operations. Compiled with -fmad=false as the per-tensor
  *                                  ElementwiseKernel is, so that the two round alike, bit for bit.
+ *   adamw_step_graph<THREADS>      the same update, its step's scalars (the learning rate's, the bias
+ *                                  corrections') read from device memory, hyper[0..6], not passed by
+ *                                  value: a CUDA graph that captured the launch (train.py --graph)
+ *                                  replays it with the scalars copied there before each replay. The
+ *                                  same float32 values, whichever way they arrive, round alike.
  *
  * Template parameter THREADS, the block (256); CHUNK = 32 THREADS.
  *
@@ -89,7 +94,7 @@ __global__ void __launch_bounds__(THREADS) adamw_sum_squares(
 }
 
 template <int THREADS>
-__global__ void __launch_bounds__(THREADS) adamw_step(
+__device__ __forceinline__ void update(
     const unsigned long long* table, const long long* sizes, const int* block_tensor, const int* first_block,
     const int* decays, int n_tensors, const float* scale, float keep_decay, float one_minus_beta1, float beta2,
     float one_minus_beta2, float step_size, float bc2_sqrt, float eps)
@@ -112,4 +117,24 @@ __global__ void __launch_bounds__(THREADS) adamw_step(
         m[i] = mi;
         v[i] = vi;
     }
+}
+
+template <int THREADS>
+__global__ void __launch_bounds__(THREADS) adamw_step(
+    const unsigned long long* table, const long long* sizes, const int* block_tensor, const int* first_block,
+    const int* decays, int n_tensors, const float* scale, float keep_decay, float one_minus_beta1, float beta2,
+    float one_minus_beta2, float step_size, float bc2_sqrt, float eps)
+{
+    update<THREADS>(table, sizes, block_tensor, first_block, decays, n_tensors, scale, keep_decay, one_minus_beta1,
+                    beta2, one_minus_beta2, step_size, bc2_sqrt, eps);
+}
+
+// hyper: 1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1^t), sqrt(1 - beta2^t), eps
+template <int THREADS>
+__global__ void __launch_bounds__(THREADS) adamw_step_graph(
+    const unsigned long long* table, const long long* sizes, const int* block_tensor, const int* first_block,
+    const int* decays, int n_tensors, const float* scale, const float* hyper)
+{
+    update<THREADS>(table, sizes, block_tensor, first_block, decays, n_tensors, scale, hyper[0], hyper[1], hyper[2],
+                    hyper[3], hyper[4], hyper[5], hyper[6]);
 }
