@@ -22,8 +22,6 @@ the stores of cuBLAS's kernels here, and a CuPy kernel's report after a product 
 from __future__ import annotations
 
 import argparse
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -71,17 +69,9 @@ def run_case(name: str) -> int:
 
 def under_tool(sanitizer: str, name: str, timeout: float) -> dict:
     """One case in a child process under initcheck: errors, first report, result."""
-    cmd = [sanitizer, "--tool", "initcheck", "--error-exitcode", "99", "--print-limit", "5", sys.executable,
-           __file__, "--case", name]
-    try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
-        lines = proc.stdout.splitlines()
-    except subprocess.TimeoutExpired as exc:
-        lines = (exc.stdout or b"").decode(errors="replace").splitlines() + [f"{CASE_MARK}{name} timed out"]
-    child = sanitize.parse(lines)
-    mine = [line[len(CASE_MARK):].split() for line in lines if line.startswith(CASE_MARK)]
+    child, fields = sanitize.case_under_tool(sanitizer, "initcheck", __file__, name, timeout, CASE_MARK)
     first = child.reports[0] if child.reports else None
-    return {"case": name, "errors": child.summary, "result": mine[-1][1] if mine else "crashed",
+    return {"case": name, "errors": child.summary, "result": fields[1] if isinstance(fields, list) else fields,
             "report": f"{first.text} ({first.kernel or 'no kernel named'})" if first else "-"}
 
 
@@ -103,9 +93,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.case:
         return run_case(args.case)
-    sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
-    if not Path(sanitizer).exists():
-        print("compute-sanitizer not found (it ships with the CUDA toolkit)", file=sys.stderr)
+    sanitizer = sanitize.find_sanitizer()
+    if sanitizer is None:
         return 2
     rows = []
     for name in CASES:

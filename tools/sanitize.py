@@ -393,6 +393,31 @@ def first_reports(tools, runs: dict[str, list[Child]], fused: dict[str, str], ke
     return out
 
 
+def find_sanitizer() -> str | None:
+    """compute-sanitizer's path (PATH, else the toolkit's usual place), or None with a line on stderr."""
+    path = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    if Path(path).exists():
+        return path
+    print("compute-sanitizer not found (it ships with the CUDA toolkit)", file=sys.stderr)
+    return None
+
+
+def case_under_tool(sanitizer: str, tool: str, script: str, name: str, timeout: float, mark: str):
+    """A reproducer's case (`script --case name`) in a child process under the tool: (the tool's Child,
+    the fields after `mark` of the case's last line that starts with it, or where it printed none why:
+    "timed out" or "crashed"). tools/synccheck_cluster.py, initcheck_library.py and racecheck_ring.py."""
+    cmd = [sanitizer, "--tool", tool, "--error-exitcode", "99", "--print-limit", "5", sys.executable, script,
+           "--case", name]
+    why = "crashed"
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+        lines = proc.stdout.splitlines()
+    except subprocess.TimeoutExpired as exc:
+        lines, why = (exc.stdout or b"").decode(errors="replace").splitlines(), "timed out"
+    mine = [line[len(mark):].split() for line in lines if line.startswith(mark)]
+    return parse(lines), (mine[-1] if mine else why)
+
+
 def setup(sanitizer: str) -> dict:
     """The device and the tool's version, for the file's reader (nvidia-smi's and compute-sanitizer's words)."""
     def first(cmd):
@@ -464,9 +489,8 @@ def main(argv=None) -> int:
             if mine := [n for n in names if n in chosen]:
                 print(f"{group:9s} {' '.join(mine)}")
         return 0
-    sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
-    if not Path(sanitizer).exists():
-        print("compute-sanitizer not found (it ships with the CUDA toolkit)", file=sys.stderr)
+    sanitizer = find_sanitizer()
+    if sanitizer is None:
         return 2
     start, runs, tool_seconds = time.monotonic(), {}, {}
     for tool in args.tools:

@@ -28,8 +28,6 @@ shapes and is right there without the tool. tests/test_sanitize_gpu.py keeps bot
 from __future__ import annotations
 
 import argparse
-import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,16 +131,8 @@ def run_case(name: str) -> int:
 
 def under_tool(sanitizer: str, tool: str, name: str, timeout: float) -> dict:
     """One case in a child process under the tool: its clusters, resident clusters, errors, first report, result."""
-    cmd = [sanitizer, "--tool", tool, "--error-exitcode", "99", "--print-limit", "5", sys.executable, __file__,
-           "--case", name]
-    try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
-        lines = proc.stdout.splitlines()
-    except subprocess.TimeoutExpired as exc:
-        lines = (exc.stdout or b"").decode(errors="replace").splitlines() + [f"{CASE_MARK}{name} ? ? timed out"]
-    child = sanitize.parse(lines)
-    mine = [line[len(CASE_MARK):].split() for line in lines if line.startswith(CASE_MARK)]
-    clusters, resident, result = mine[-1][1:4] if mine else ("?", "?", "crashed")
+    child, fields = sanitize.case_under_tool(sanitizer, tool, __file__, name, timeout, CASE_MARK)
+    clusters, resident, result = fields[1:4] if isinstance(fields, list) else ("?", "?", fields)
     first = child.reports[0] if child.reports else None
     report = f"{first.text} ({first.kernel or 'no kernel named'})" if first else "-"
     return {"case": name, "clusters": clusters, "resident": resident, "errors": child.summary, "result": result,
@@ -177,9 +167,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.case:
         return run_case(args.case)
-    sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
-    if not Path(sanitizer).exists():
-        print("compute-sanitizer not found (it ships with the CUDA toolkit)", file=sys.stderr)
+    sanitizer = sanitize.find_sanitizer()
+    if sanitizer is None:
         return 2
     rows = []
     for name in CASES:
