@@ -71,6 +71,32 @@ class Named:
         return self.generation
 
 
+def interleave(rnd, agents, copies, land, copy_per_pending=False, limit=100_000):
+    """Run the agents (generators that yield None, or the condition they wait on) and land the pending
+    copies (land(copy), popped from `copies`, which the agents append to) in a random order until every
+    agent is done and every copy has landed: Fail on a deadlock or past `limit` picks. A pending copy is
+    one choice beside the ready agents, or one per copy with copy_per_pending."""
+    blocked = {i: None for i in range(len(agents))}  # agent -> condition it waits on
+    alive = set(blocked)
+    for _ in range(limit):
+        if not (alive or copies):
+            return
+        ready = [i for i in alive if blocked[i] is None or blocked[i]()]
+        choices = ready + ["copy"] * (len(copies) if copy_per_pending else min(len(copies), 1))
+        if not choices:
+            raise Fail(f"deadlock: {len(alive)} agents blocked")
+        pick = rnd.choice(choices)
+        if pick == "copy":
+            land(copies.pop(rnd.randrange(len(copies))))
+            continue
+        try:
+            blocked[pick] = next(agents[pick])
+        except StopIteration:
+            alive.discard(pick)
+            blocked[pick] = None
+    raise Fail(f"no end after {limit} picks: the agents keep working")
+
+
 def run(tiles_Tc, G, C, S, seed):
     rnd = random.Random(seed)
     N = len(tiles_Tc)
@@ -234,27 +260,7 @@ def run(tiles_Tc, G, C, S, seed):
         gens, check = block(b)
         agents.extend(gens)
         checks.append(check)
-    blocked = {i: None for i in range(len(agents))}  # agent -> condition it waits on
-    alive = set(range(len(agents)))
-    steps = 0
-    while alive or copies:
-        steps += 1
-        if steps > 100_000:
-            raise Fail("no end: the blocks keep drawing tiles")
-        ready = [i for i in alive if blocked[i] is None or blocked[i]()]
-        choices = ready + (["copy"] if copies else [])
-        if not choices:
-            raise Fail(f"deadlock: {len(alive)} agents blocked")
-        pick = rnd.choice(choices)
-        if pick == "copy":
-            _, land = copies.pop(rnd.randrange(len(copies)))
-            land()
-            continue
-        try:
-            blocked[pick] = next(agents[pick])
-        except StopIteration:
-            alive.discard(pick)
-            blocked[pick] = None
+    interleave(rnd, agents, copies, land=lambda copy: copy[1]())
     for check in checks:
         check()
     if counter[0] != 0:
@@ -357,23 +363,8 @@ def step_stream(kinds, steps, nslot, seed, release_early=False):
                 if w == 0:
                     stepped.arrive()
 
-    agents = [producer()] + [compute(w) for w in range(WARPS)]
-    blocked = {a: None for a in range(len(agents))}
-    alive = set(blocked)
-    while alive or copies:
-        ready = [a for a in alive if blocked[a] is None or blocked[a]()]
-        choices = ready + (["copy"] * len(copies))
-        if not choices:
-            raise Fail(f"deadlock: {len(alive)} agents blocked")
-        pick = rnd.choice(choices)
-        if pick == "copy":
-            copies.pop(rnd.randrange(len(copies)))()
-            continue
-        try:
-            blocked[pick] = next(agents[pick])
-        except StopIteration:
-            alive.discard(pick)
-            blocked[pick] = None
+    interleave(rnd, [producer()] + [compute(w) for w in range(WARPS)], copies, land=lambda copy: copy(),
+               copy_per_pending=True)
 
 
 def step_kinds(dtype, ring):
