@@ -14,9 +14,16 @@ an activation, is read through cuBLAS's transpose flag, never copied): float32 t
 (SGEMM, the handle's default math: no TF32), float16 and bfloat16 through Blas.gemm (gemmEx with
 CUBLAS_COMPUTE_32F), which writes the output in its dtype itself: no float32 copy of a 16-bit
 weight, per call or ever.
+
+Under stream capture (a CUDA graph: lm/step_graph.py) CuPy's cuBLAS binding refuses every call (its
+setStream raises while the stream captures), though cuBLAS itself supports capture (its workspace comes
+from the stream-ordered allocator since CUDA 12.2). There Blas calls the same four cuBLAS functions
+through ctypes (DirectCublas), and float32 products go through Blas too, not cupy.matmul.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import numpy as np
 
@@ -45,7 +52,7 @@ def matmul(a, b, out_dtype=None, out=None, accumulate: bool = False):
         else:
             out[...] = y
         return out
-    if b.dtype == np.float32 and out is None:
+    if b.dtype == np.float32 and out is None and not xp.cuda.get_current_stream().is_capturing():
         return (a @ b).astype(out_dtype, copy=False)
     device = xp.cuda.runtime.getDevice()
     if device not in _blas:
@@ -62,15 +69,16 @@ class Blas:
     SGEMM (the handle's default math mode: no TF32); float16 and bfloat16 ones (bfloat16 also as
     uint16 bits, as the fused kernels hold it: pass dtype="bfloat16") through gemmEx, products
     accumulated in float32, the output float32 or the operands' dtype; accumulate: out += a @ b
-    (beta = 1). `cublas`: CuPy's binding,
-    unless a test stands in for it."""
+    (beta = 1). `cublas`: CuPy's binding, unless a test stands in for it; `direct`: the binding used
+    while the current stream captures (DirectCublas, made at the first capture, unless a test's)."""
 
     TYPES = {"float32": 0, "float16": 2, "bfloat16": 14}  # cudaDataType: CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF
 
-    def __init__(self, cp, cublas=None):
+    def __init__(self, cp, cublas=None, direct=None):
         if cublas is None:
             from cupy_backends.cuda.libs import cublas
-        self.cp, self.cublas, self.handle = cp, cublas, cp.cuda.device.get_cublas_handle()
+        self.cp, self.cublas, self.direct = cp, cublas, direct
+        self.handle = cp.cuda.device.get_cublas_handle()
         self.one, self.zero = np.ones(1, np.float32), np.zeros(1, np.float32)
 
     def gemm(self, a, b, out, dtype: str | None = None, accumulate: bool = False) -> None:
@@ -88,9 +96,13 @@ class Blas:
                 out.fill(0)
             return
         beta = (self.one if accumulate else self.zero).ctypes.data
+        stream = self.cp.cuda.get_current_stream()
         c = self.cublas
+        if stream.is_capturing():
+            self.direct = self.direct or DirectCublas()
+            c = self.direct
         c.setPointerMode(self.handle, c.CUBLAS_POINTER_MODE_HOST)
-        c.setStream(self.handle, self.cp.cuda.get_current_stream().ptr)
+        c.setStream(self.handle, stream.ptr)
         # column-major view of row-major: out^T (N, M) = b^T (N, K) @ a^T (K, M)
         if dtype == "float32" and out.dtype == np.float32:
             c.sgemm(self.handle, op_b, op_a, N, M, K, self.one.ctypes.data, address(b), ld_b,
@@ -110,3 +122,48 @@ class Blas:
         if x.T.flags.c_contiguous:
             return self.cublas.CUBLAS_OP_T, cols
         raise ValueError(f"{name} {x.shape} with strides {x.strides} is neither row- nor column-major")
+
+
+class DirectCublas:
+    """The four cuBLAS calls Blas makes (CuPy's binding's names and constants), through ctypes on the
+    libcublas CuPy has loaded: for stream capture, which CuPy's binding refuses. alpha and beta are host
+    pointers (pointer mode host): a captured product keeps the values they held at capture."""
+
+    CUBLAS_OP_N, CUBLAS_OP_T, CUBLAS_POINTER_MODE_HOST = 0, 1, 0
+    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT = 68, -1
+
+    def __init__(self, path: str | None = None):
+        self.lib = ctypes.CDLL(path or loaded_library("libcublas.so"))
+        p, i = ctypes.c_void_p, ctypes.c_int
+        for name, args in {"cublasSetStream_v2": [p, p], "cublasSetPointerMode_v2": [p, i],
+                           "cublasSgemm_v2": [p, i, i, i, i, i, p, p, i, p, i, p, p, i],
+                           "cublasGemmEx": [p, i, i, i, i, i, p, p, i, i, p, i, i, p, p, i, i, i, i]}.items():
+            getattr(self.lib, name).argtypes, getattr(self.lib, name).restype = args, i
+
+    def _check(self, name: str, status: int) -> None:
+        if status != 0:
+            raise RuntimeError(f"{name} returned cuBLAS status {status}")
+
+    def setStream(self, handle, stream):
+        self._check("cublasSetStream", self.lib.cublasSetStream_v2(handle, stream))
+
+    def setPointerMode(self, handle, mode):
+        self._check("cublasSetPointerMode", self.lib.cublasSetPointerMode_v2(handle, mode))
+
+    def sgemm(self, handle, ta, tb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc):
+        self._check("cublasSgemm", self.lib.cublasSgemm_v2(handle, ta, tb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc))
+
+    def gemmEx(self, handle, ta, tb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc, compute, algo):
+        self._check("cublasGemmEx", self.lib.cublasGemmEx(handle, ta, tb, m, n, k, alpha, A, Atype, lda, B, Btype,
+                                                          ldb, beta, C, Ctype, ldc, compute, algo))
+
+
+def loaded_library(stem: str, maps: str = "/proc/self/maps") -> str:
+    """The path of the shared library named stem (e.g. libcublas.so, not libcublasLt.so) that this process
+    has mapped: the very library CuPy's binding calls, whatever its version suffix."""
+    with open(maps) as f:
+        for line in f:
+            path = line.split()[-1]
+            if path.rsplit("/", 1)[-1].startswith(stem + ".") or path.endswith("/" + stem):
+                return path
+    raise RuntimeError(f"no {stem} loaded in this process (CuPy's cuBLAS binding loads it)")

@@ -277,7 +277,7 @@ def test_blas_passes_cublas_each_operand_as_it_lies(dtype, stored, a_stored, out
     from lm.products import Blas
 
     cp = SimpleNamespace(cuda=SimpleNamespace(device=SimpleNamespace(get_cublas_handle=lambda: 0),
-                                              get_current_stream=lambda: SimpleNamespace(ptr=0)))
+                                              get_current_stream=lambda: SimpleNamespace(ptr=0, is_capturing=lambda: False)))
     blas = Blas(cp, cublas=FakeCublas())
     rng = np.random.default_rng(7)
     a = rng.standard_normal((5, 24)).astype(dtype)
@@ -309,3 +309,37 @@ def test_blas_passes_cublas_each_operand_as_it_lies(dtype, stored, a_stored, out
         blas.gemm(a, b, np.asfortranarray(out))
     with pytest.raises(ValueError, match="do not chain"):
         blas.gemm(a, b[:10], out)
+
+
+@pytest.mark.parametrize("capturing", [False, True])
+def test_blas_under_stream_capture_calls_cublas_directly(capturing):
+    """CuPy's binding refuses every call while the stream captures (a CUDA graph): there Blas makes the
+    same calls through its direct binding, and only there."""
+    from types import SimpleNamespace
+
+    from lm.products import Blas
+
+    stream = SimpleNamespace(ptr=0, is_capturing=lambda: capturing)
+    cp = SimpleNamespace(cuda=SimpleNamespace(device=SimpleNamespace(get_cublas_handle=lambda: 0),
+                                              get_current_stream=lambda: stream))
+    blas = Blas(cp, cublas=FakeCublas(), direct=FakeCublas())
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((4, 8)).astype(np.float32), rng.standard_normal((8, 6)).astype(np.float32)
+    out = np.full((4, 6), np.nan, np.float32)
+    blas.gemm(a, b, out)
+    np.testing.assert_array_equal(out, (a.astype(np.float64) @ b).astype(np.float32))
+    used, unused = (blas.direct, blas.cublas) if capturing else (blas.cublas, blas.direct)
+    assert len(used.calls) == 1 and unused.calls == []
+
+
+def test_loaded_library_finds_the_mapped_cublas_not_cublaslt(tmp_path):
+    from lm.products import loaded_library
+
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 00000000 08:01 1 /opt/cuda/lib/libcublasLt.so.13.1.0\n"
+                    "7f02-7f03 r-xp 00000000 08:01 2 /opt/cuda/lib/libcublas.so.13.1.0\n"
+                    "7f04-7f05 rw-p 00000000 00:00 0\n")
+    assert loaded_library("libcublas.so", str(maps)) == "/opt/cuda/lib/libcublas.so.13.1.0"
+    maps.write_text("7f00-7f01 r-xp 00000000 08:01 1 /opt/cuda/lib/libcublasLt.so.13\n")
+    with pytest.raises(RuntimeError, match="no libcublas.so loaded"):
+        loaded_library("libcublas.so", str(maps))

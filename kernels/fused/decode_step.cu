@@ -78,7 +78,8 @@
  * from stage A's handoff); in stage E its rows of wte past the first lm_keep, in chunks of `lm_rows`
  * rows with their folds (below); a share larger than the slot comes as several items (below).
  * Item i of the stream lands in slot i % nslot. A producer warp of its own issues the
- * copies: item i once the compute warps are done with item i - nslot (an "empty" mbarrier per slot)
+ * copies: item i once the compute warps are done with item i - nslot (an "empty" mbarrier per slot,
+ * on which every compute thread arrives: see release below)
  * and ISSUE_DELAY_NS more have passed (see "When to copy" below), so up to nslot items are in flight
  * or waiting, across stages and steps, and a copy that is slow to issue stalls only the producer; the
  * compute warps sync on a named barrier of their own (compute_sync). Every block consumes the same
@@ -202,9 +203,9 @@ struct Layer {
 
 __device__ __forceinline__ unsigned int smem_addr(const void* p) { return (unsigned int)__cvta_generic_to_shared(p); }
 
-__device__ __forceinline__ void mbar_init(unsigned long long* bar)
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned int count = 1)
 {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
 }
 
 // Expect `bytes` on bar and arrive: the phase completes when they have landed.
@@ -923,7 +924,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
     for (int i = tid; i < n_layer * (int)(sizeof(Layer<weight_t>) / 8); i += blockDim.x)
         reinterpret_cast<unsigned long long*>(layer_s)[i] = reinterpret_cast<const unsigned long long*>(layers)[i];
     if (tid == 0) {
-        for (int s = 0; s < nslot; ++s) { mbar_init(full + s); mbar_init(empty + s); }
+        for (int s = 0; s < nslot; ++s) { mbar_init(full + s); mbar_init(empty + s, THREADS); }
         mbar_init(&stepped);
         mbar_init(&kept_bar);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -957,8 +958,12 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
     int stage = 0;       // stages done in this step (the trace's index)
     // Wait for the next item; its slot.
     auto take = [&]() { mbar_wait(full + item % nslot, (unsigned int)((item / nslot) & 1)); return slots + (item % nslot) * slot_bytes; };
-    // Done with the item: once every compute thread is, the producer may refill its slot.
-    auto release = [&]() { compute_sync<THREADS>(); if (tid == 0) mbar_arrive(empty + item % nslot); ++item; };
+    // Done with the item: once every compute thread is, the producer may refill its slot. Every compute
+    // thread arrives for itself: the arrival orders that thread's reads of the slot before the copy that
+    // refills it. One arrival by thread 0 after the named barrier orders them as well, but compute-sanitizer's
+    // racecheck does not follow a bar.sync into an mbarrier and reports the refill as a race with lanes'
+    // reads (tools/racecheck_ring.py: the report goes with thread 0's arrival, and every thread's clears it).
+    auto release = [&]() { compute_sync<THREADS>(); mbar_arrive(empty + item % nslot); ++item; };
     // With a trace, thread 0 records the global timer: at a block's arrival (which 0) when its stage is
     // done, at its departure (which 1) when the next stage has its inputs.
     // (trace read from shared memory where used, not held in registers through the step: the larger
@@ -978,8 +983,10 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
         if (tid == 0) {
             unsigned int ticket;
             const bool last = grid_arrive(barrier, b == 0, G, ticket);
-            mbar_arrive(empty + item % nslot);
+            mbar_arrive(empty + item % nslot);  // the last arrival: the slot goes back after the grid's
             if (!last) grid_wait(barrier, ticket);
+        } else {
+            mbar_arrive(empty + item % nslot);
         }
         ++item;
         mark(step, stage++, 1);
