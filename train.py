@@ -38,7 +38,6 @@ import numpy as np
 import gpt2
 import kernels
 import lab
-from gpt2 import train_kernels
 from kernels import backward as backward_ladder
 from lm.adamw import AdamW, get_lr
 from lm.arrays import array_module, cast_params
@@ -94,9 +93,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="AdamW and clipping a launch or two per tensor, the reference of the default multi-tensor "
                         "path (every tensor in two launches of kernels/fused/adamw.cu); the CPU's NumPy AdamW is "
                         "per tensor")
-    p.add_argument("--next-kernels", action="store_true",
-                   help="the training pass's fused work on the kernels of kernels/fused/train_next.cu (not yet "
-                        "measured on a GPU) instead of train.cu's; GPU only")
     p.add_argument("--graph", action="store_true",
                    help="replay each step from the second as one CUDA graph of the whole step (lm/step_graph.py), "
                         "captured after an eager first step; GPU only, with the multi-tensor AdamW")
@@ -272,12 +268,9 @@ def pick_xp(args) -> tuple[str, object]:
     if device == "gpu":
         import cupy
 
-        train_kernels.use_next(args.next_kernels)
         return device, cupy
     if args.kernel or args.backward:
         raise LabError("--kernel and --backward run on the GPU; the CPU runs the reference attention and its backward")
-    if args.next_kernels:
-        raise LabError("--next-kernels are CUDA kernels; on the CPU the training pass runs the array code")
     if args.graph:
         raise LabError("--graph captures a CUDA graph; on the CPU the steps run eagerly in NumPy")
     return device, np

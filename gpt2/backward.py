@@ -44,7 +44,9 @@ padded logits are excluded from the softmax and the padded rows of dwte dropped.
 On the GPU (fused=True, float32 and bfloat16) the layer functions hand their non-GEMM work to
 gpt2/train_kernels.py (kernels/fused/train.cu): the same math in one or two launches a layer function
 where the array code below takes several CuPy kernels. Each `if fused:` line is that dispatch; the
-array code after it stays the spec, the CPU's path and the GPU tests' reference.
+array code after it stays the spec, the CPU's path and the GPU tests' reference. Two dispatches sit in
+layers_forward instead, where the fused path folds linear_forward's bias add into the pass after it
+(the heads' split of q, k, v; GELU).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ from kernels.runtime import lse_writers
 from lm.arrays import array_module, cast_params, run_dtype
 from lm.products import matmul
 
-from . import train_kernels, train_next
+from . import train_kernels
 from .config import GPT2Config
 from .errors import LabError
 from .model import GELU_C, gelu
@@ -70,12 +72,6 @@ from .model import GELU_C, gelu
 # more (float32 logits and bfloat16 dlogits), above PyTorch's peak memory
 CLASSIFIER_BYTES = 2**30
 VOCAB_MULTIPLE = 128  # the classifier pads the vocabulary to a multiple of this (cuBLAS's aligned kernels)
-
-
-def _kernels():
-    """The module of the fused kernels: train_kernels (train.cu), or train_next (train_next.cu) after
-    train_kernels.use_next()."""
-    return train_next if train_kernels.NEXT else train_kernels
 
 
 # -- attention: a forward that writes the log-sum-exp, and its backward ------------------------------
@@ -156,7 +152,7 @@ def layernorm_forward(x, weight, bias, eps: float, out_dtype=None, fused: bool =
     """x (N, C) -> (out (N, C) in out_dtype (default x's), mean (N, 1), rstd (N, 1) in x's dtype); out as
     gpt2/model.py's layer_norm computes it. Keeps mean and rstd (and the caller keeps x)."""
     if fused:
-        return _kernels().layernorm_forward(x, weight, bias, eps, out_dtype or x.dtype)
+        return train_kernels.layernorm_forward(x, weight, bias, eps, out_dtype or x.dtype)
     mean = x.mean(axis=-1, keepdims=True)
     xc = x - mean
     rstd = ((xc * xc).mean(axis=-1, keepdims=True) + eps) ** -0.5  # biased variance, like torch's
@@ -168,7 +164,7 @@ def residual_layernorm_forward(x, y, y_bias, weight, bias, eps: float, out_dtype
     and its bias, in the weights' dtype as linear_forward adds them, into the residual stream x (N, C);
     then layernorm_forward of x_new. The caller keeps x_new (the next residual stream)."""
     if fused:
-        return _kernels().residual_layernorm_forward(x, y, y_bias, weight, bias, eps, out_dtype or x.dtype)
+        return train_kernels.residual_layernorm_forward(x, y, y_bias, weight, bias, eps, out_dtype or x.dtype)
     x = x + (y + y_bias)
     return (x, *layernorm_forward(x, weight, bias, eps, out_dtype))
 
@@ -177,7 +173,7 @@ def layernorm_backward(dout, x, mean, rstd, weight, dresid=None, fused: bool = F
     """(dx, dweight, dbias) from dout (N, C) and the forward's x, mean, rstd; where dresid (the residual's
     gradient) is given, dx is dresid + the LayerNorm's (fused: added into dresid in place)."""
     if fused:
-        return _kernels().layernorm_backward(dout, x, mean, rstd, weight, dresid)
+        return train_kernels.layernorm_backward(dout, x, mean, rstd, weight, dresid)
     norm = (x - mean) * rstd  # recomputed: (N, C)
     dnorm = dout * weight
     dx = rstd * (dnorm - dnorm.mean(axis=-1, keepdims=True) - norm * (dnorm * norm).mean(axis=-1, keepdims=True))
@@ -199,7 +195,7 @@ def linear_backward(dout, x, weight, dx_dtype=None, gelu_of=None, fused: bool = 
     wide = np.result_type(weight.dtype, np.float32)
     if fused:  # GELU's backward, the bias's gradient and the products' operand, one pass
         cast = weight.dtype if gelu_of is not None or dout.dtype != weight.dtype else None
-        dbias, dout_w = _kernels().column_sums(dout, cast, gelu_of)
+        dbias, dout_w = train_kernels.column_sums(dout, cast, gelu_of)
         dout_w = dout if dout_w is None else dout_w
     else:
         if gelu_of is not None:
@@ -211,10 +207,8 @@ def linear_backward(dout, x, weight, dx_dtype=None, gelu_of=None, fused: bool = 
     return dx, dweight, dbias
 
 
-def gelu_forward(h, act, fused: bool = False):
+def gelu_forward(h, act):
     """GELU(h) in h's dtype (the operand of the MLP's second product), computed in act (float32)."""
-    if fused:
-        return train_kernels.gelu_forward(h)
     return gelu(h.astype(act, copy=False)).astype(h.dtype, copy=False)
 
 
@@ -225,7 +219,7 @@ def gelu_backward(dout, h):
     return dout * (0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * GELU_C * (1.0 + 3 * 0.044715 * u))
 
 
-def attention_forward(qkv, n_head: int, attn: Attention, fused: bool = False):
+def attention_forward(qkv, n_head: int, attn: Attention):
     """qkv (B, T, 3C), columns [q | k | v] of n_head heads each -> (y (B * T, C), q, k, v, o, lse): q, k,
     v (B, NH, T, hs) views of qkv, o (B, NH, T, hs) and lse (B, NH, T) the forward's, all kept."""
     B, T, C3 = qkv.shape
@@ -233,13 +227,13 @@ def attention_forward(qkv, n_head: int, attn: Attention, fused: bool = False):
     qkv = qkv.reshape(B, T, 3, n_head, C // n_head)
     q, k, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))  # each (B, NH, T, hs), a view
     o, lse = attn.forward(q, k, v)
-    return heads_side_by_side(o, fused), q, k, v, o, lse
+    return heads_side_by_side(o), q, k, v, o, lse
 
 
 def heads_side_by_side(o, fused: bool = False):
     """(B, NH, T, hs) -> (B * T, C), the output product's layout (a copy)."""
     if fused:
-        return _kernels().heads_to_rows([o])
+        return train_kernels.heads_to_rows([o])
     B, NH, T, hs = o.shape
     return o.transpose(0, 2, 1, 3).reshape(B * T, NH * hs)
 
@@ -248,13 +242,13 @@ def attention_backward(dy, q, k, v, o, lse, attn: Attention, fused: bool = False
     """dqkv (B * T, 3C) in q's dtype from dy (B * T, C), the gradient of the heads side by side."""
     B, NH, T, hs = q.shape
     xp = array_module(dy)
-    if fused and train_kernels.NEXT:  # the layout the backward rung reads, written once (not a view it copies)
-        (do,) = train_next.rows_to_heads(dy.astype(q.dtype, copy=False), B, NH)
+    if fused:  # the layout the backward rung reads, written once (not a view it copies)
+        (do,) = train_kernels.rows_to_heads(dy.astype(q.dtype, copy=False), B, NH)
     else:
         do = dy.astype(q.dtype, copy=False).reshape(B, T, NH, hs).transpose(0, 2, 1, 3)  # (B, NH, T, hs), a view
     dq, dk, dv = attn.backward(q, k, v, o, lse, do)
     if fused:
-        return _kernels().heads_to_rows([dq, dk, dv])  # one launch for the three copies below
+        return train_kernels.heads_to_rows([dq, dk, dv])  # one launch for the three copies below
     dqkv = xp.empty((B, T, 3, NH, hs), dtype=q.dtype)
     for i, d in enumerate((dq, dk, dv)):
         dqkv[:, :, i] = d.transpose(0, 2, 1, 3)
@@ -305,7 +299,7 @@ def classifier_forward_backward(xf, wte, targets, rows: int | None = None, fused
     dxf = xp.empty((N, C), dtype=wide)
     dwte = xp.zeros((Vp, C), dtype=wide)
     loss = xp.zeros((), dtype=wide)
-    cross_entropy = _kernels().softmax_cross_entropy if fused else softmax_cross_entropy
+    cross_entropy = train_kernels.softmax_cross_entropy if fused else softmax_cross_entropy
     for start in range(0, N, rows):
         x, t = xf[start:start + rows], targets[start:start + rows]
         logits = matmul(x, head.T, wide)  # (r, Vp)
@@ -337,7 +331,7 @@ def loss_and_grads(params: dict, config: GPT2Config, idx, targets, attn: Attenti
     w = params if run_dtype(dtype) == np.float32 else cast_params(params, dtype)  # cast once per call
     cdtype = w["wte.weight"].dtype  # the products', q's, k's and v's
     attn.check(xp, cdtype, config.head_size)
-    fused = fused and _kernels().applies(xp, cdtype, config.n_embd)
+    fused = fused and train_kernels.applies(xp, cdtype, config.n_embd, config.head_size)
     x, (xf, meanf, rstdf), kept = layers_forward(w, config, idx, attn, act, cdtype, fused)
 
     # the classifier and the loss, fused; then backward, layer by layer
@@ -362,23 +356,23 @@ def layers_forward(w: dict, config: GPT2Config, idx, attn: Attention, act, cdtyp
     kept = []
     for i in range(config.n_layer):
         p = f"h.{i}."
-        if fused and train_kernels.NEXT:  # the bias added on the way into contiguous q, k, v: no copies later
-            q, k, v = train_next.rows_to_heads(matmul(ln1, w[p + "attn.c_attn.weight"]), B, config.n_head,
-                                               w[p + "attn.c_attn.bias"])
+        if fused:  # the bias added on the way into contiguous q, k, v: no copies later
+            q, k, v = train_kernels.rows_to_heads(matmul(ln1, w[p + "attn.c_attn.weight"]), B, config.n_head,
+                                                  w[p + "attn.c_attn.bias"])
             o, lse = attn.forward(q, k, v)
             y = heads_side_by_side(o, fused)
         else:
             qkv = linear_forward(ln1, w[p + "attn.c_attn.weight"], w[p + "attn.c_attn.bias"]).astype(cdtype, copy=False)
-            y, q, k, v, o, lse = attention_forward(qkv.reshape(B, T, 3 * C), config.n_head, attn, fused)
+            y, q, k, v, o, lse = attention_forward(qkv.reshape(B, T, 3 * C), config.n_head, attn)
         x_mid, ln2, mean2, rstd2 = residual_layernorm_forward(  # x + the output product, then ln_2
             x, matmul(y, w[p + "attn.c_proj.weight"]), w[p + "attn.c_proj.bias"], w[p + "ln_2.weight"],
             w[p + "ln_2.bias"], eps, cdtype, fused)
         del y  # remade from o in the backward
-        if fused and train_kernels.NEXT:  # the bias added in GELU's pass, which writes h too
-            h, g = train_next.bias_gelu(matmul(ln2, w[p + "mlp.c_fc.weight"]), w[p + "mlp.c_fc.bias"])
+        if fused:  # the bias added in GELU's pass, which writes h too
+            h, g = train_kernels.bias_gelu(matmul(ln2, w[p + "mlp.c_fc.weight"]), w[p + "mlp.c_fc.bias"])
         else:
             h = linear_forward(ln2, w[p + "mlp.c_fc.weight"], w[p + "mlp.c_fc.bias"])  # (N, 4C) in cdtype
-            g = gelu_forward(h, act, fused)  # GELU in float32
+            g = gelu_forward(h, act)  # GELU in float32
         kept.append((x, ln1, mean1, rstd1, q, k, v, o, lse, x_mid, ln2, mean2, rstd2, h, g))
         x, ln1, mean1, rstd1 = residual_layernorm_forward(  # x_mid + the MLP's, then the next ln_1 (or ln_f)
             x_mid, matmul(g, w[p + "mlp.c_proj.weight"]), w[p + "mlp.c_proj.bias"], w[lns[i + 1] + "weight"],

@@ -41,7 +41,7 @@ def test_every_engine_kernel_compiles_for_sm90_without_spills(file, expr):
 @pytest.mark.parametrize("expr", TRAIN_CASES)
 def test_every_training_kernel_compiles_without_spills(expr, arch):
     r = fused.compile_report("train", expr, arch)
-    assert 0 < r.registers <= 128, r  # LN_THREADS = 256: at least two blocks an SM
+    assert 0 < r.registers <= 128, r  # layernorm_bwd's 512 threads fit an SM's 64K registers
     assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0, r
 
 
@@ -111,7 +111,7 @@ def test_the_engines_and_the_training_pass_launch_every_fused_file():
 
     llama_files = {file for config in llama.SIZES.values() for dtype in llama.fast.DTYPES
                    for file, _ in llama.fast.kernel_expressions(config, dtype).values()}
-    used = {file for file, _ in CASES} | {file for file, _ in fast.gemm_expressions().values()} | llama_files | {"train", "train_next", "adamw"}
+    used = {file for file, _ in CASES} | {file for file, _ in fast.gemm_expressions().values()} | llama_files | {"train", "adamw"}
     assert used == set(fused.names()), f"fused kernels nothing launches: {set(fused.names()) - used}"
 
 

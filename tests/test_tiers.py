@@ -31,7 +31,6 @@ FUSED_TESTS = {
     "rms_gemv": "::test_rms_gemv_rope_rotates_q_and_k_and_stores_k_and_v_at_pos[",
     "spin": "::test_profile_step_times_every_kernel",  # the per-kernel profile queues behind it
     "train": "tests/test_train_kernels_gpu.py::",
-    "train_next": "tests/test_train_next_gpu.py::",  # train.py --next-kernels
 }
 # both engines (gpt2.fast's persistent step and CUDA graphs, llama.fast) and lab.py on the GPU
 ENGINE_TESTS = [

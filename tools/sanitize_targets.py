@@ -364,12 +364,11 @@ def llama_step(cp, name: str, dtype: str) -> list[str]:
 
 
 def training_pass(cp, name: str, dtype: str) -> list[str]:
-    """loss_and_grads with the fused kernels (train.cu's, then train_next.cu's: train.py --next-kernels)
-    against the array code, on one batch; then AdamW's multi-tensor steps on its gradients (adamw_steps)."""
+    """loss_and_grads with the fused kernels (train.cu's) against the array code, on one batch; then
+    AdamW's multi-tensor steps on its gradients (adamw_steps)."""
     from dataclasses import replace
 
     import gpt2
-    from gpt2 import train_kernels
     from gpt2.backward import Attention, loss_and_grads
 
     config = replace(gpt2.GPT2Config(n_layer=2), vocab_size=1000)
@@ -377,20 +376,14 @@ def training_pass(cp, name: str, dtype: str) -> list[str]:
     idx, targets = cp.random.default_rng(0).integers(0, config.vocab_size, (2, 2, 97)).astype(cp.int64)
     want, want_grads = loss_and_grads(params, config, idx, targets, Attention.reference(), dtype)
     tolerance = 1e-4 if dtype == "float32" else 2e-2
-    problems = []
-    for kernels in ("train.cu", "train_next.cu"):
-        train_kernels.use_next(kernels == "train_next.cu")
-        try:
-            loss, grads = loss_and_grads(params, config, idx, targets, Attention.reference(), dtype, fused=True)
-        finally:
-            train_kernels.use_next(False)
-        worst = max(float(cp.linalg.norm(grads[k] - want_grads[k]) / cp.linalg.norm(want_grads[k])) for k in grads)
-        print(f"  {name}: {kernels} loss {loss:.5f} (array code {want:.5f}), worst gradient |fused - array| / "
-              f"|array| = {worst:.1e}", flush=True)
-        problems += not_finite(cp, **grads)
-        if not abs(loss - want) <= tolerance * abs(want) or not worst <= tolerance:
-            problems.append(f"{kernels}: loss {loss} or gradients (worst {worst:.1e}) off the array code's by more "
-                            f"than {tolerance}")
+    loss, grads = loss_and_grads(params, config, idx, targets, Attention.reference(), dtype, fused=True)
+    worst = max(float(cp.linalg.norm(grads[k] - want_grads[k]) / cp.linalg.norm(want_grads[k])) for k in grads)
+    print(f"  {name}: train.cu loss {loss:.5f} (array code {want:.5f}), worst gradient |fused - array| / "
+          f"|array| = {worst:.1e}", flush=True)
+    problems = not_finite(cp, **grads)
+    if not abs(loss - want) <= tolerance * abs(want) or not worst <= tolerance:
+        problems.append(f"train.cu: loss {loss} or gradients (worst {worst:.1e}) off the array code's by more "
+                        f"than {tolerance}")
     print(f"{MARK}covers {name} {' '.join(launched_files('train', config, dtype, gemm=False))}", flush=True)
     return problems + adamw_steps(cp, name, params, grads)
 
@@ -424,11 +417,11 @@ PREFILL = ("embed", "add_layernorm", "bias", "bias_gelu", "kv_store", "merge_hea
 def launched_files(kind: str, config, dtype: str, gemm: bool) -> list[str]:
     """The kernels/fused files an engine target's workload launches (gpt2/fast/plan.py's expressions, by
     key): a fused target every kernel but decode_step (gemm.cu's too where it runs the no-cache mode), a
-    step target the prefill's and decode_step, a train target train.cu, train_next.cu and adamw.cu."""
+    step target the prefill's and decode_step, a train target train.cu and adamw.cu."""
     import gpt2.fast as fast
 
     if kind == "train":
-        return ["adamw", "train", "train_next"]
+        return ["adamw", "train"]
     if kind == "llama":
         import llama.fast
 

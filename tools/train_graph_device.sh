@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # train.py --graph on one GPU, for a short device run: the graph's losses against the eager path's
-# (tests/test_train_graph_gpu.py, ten steps each, float32 and bfloat16, one micro-batch and two, the next
-# kernels too), the multi-tensor AdamW's GPU tests (its step now reads its scalars from device memory), then
+# (tests/test_train_graph_gpu.py, ten steps each, float32 and bfloat16, one micro-batch and two), the
+# multi-tensor AdamW's GPU tests (its step now reads its scalars from device memory), then
 # the A/B of the whole step eager against its graph's replay at GPT-2 small, bfloat16, B x T = 16 x 1024.
 #
 #     OUT=/tmp/out tools/train_graph_device.sh      (from the repository root; about 4 minutes on an H200)

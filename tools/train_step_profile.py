@@ -4,7 +4,6 @@ the fused kernels (gpt2/train_kernels.py) against the array code, with a breakdo
     python3 tools/train_step_profile.py                       GPT-2 small, bfloat16, B x T = 16 x 1024
     python3 tools/train_step_profile.py --dtype float32 --batch 8 --kernel v13 --backward b02
     python3 tools/train_step_profile.py --classifier-mib 512 2048 4096   the classifier's chunk, swept
-    python3 tools/train_step_profile.py --kernels --next-kernels       train.cu against train_next.cu
     python3 tools/train_step_profile.py --graph --kernels              the whole step eager against a CUDA graph
 
 Random weights (nanoGPT's init), random tokens. Each mode: one warm-up call (compilation, cuBLAS's
@@ -214,9 +213,6 @@ def main(argv=None) -> int:
     parser.add_argument("--kernels", action="store_true",
                         help="also list the fused pass's GPU kernels by time (torch.profiler's CUPTI trace), and "
                              "how much of the pass the GPU spent in any kernel")
-    parser.add_argument("--next-kernels", action="store_true",
-                        help="also time the fused pass on the kernels of kernels/fused/train_next.cu (not yet measured "
-                             "on a GPU): the mode `next`, and its kernel table with --kernels")
     parser.add_argument("--graph", action="store_true",
                         help="also time the whole step (pass, clipping, AdamW) eagerly against its CUDA graph's replay "
                              "(train.py --graph); with --kernels the replay's kernel table")
@@ -226,7 +222,7 @@ def main(argv=None) -> int:
     import cupy as cp
 
     import gpt2
-    from gpt2 import backward, train_kernels
+    from gpt2 import backward
     from gpt2.backward import Attention
 
     bf16 = args.dtype == "bfloat16"
@@ -242,13 +238,11 @@ def main(argv=None) -> int:
     default_bytes = backward.CLASSIFIER_BYTES
     modes = [("array", False, default_bytes), ("fused", True, default_bytes)]
     modes += [(f"fused {mib} MiB", True, mib * 2**20) for mib in args.classifier_mib]
-    modes += [("next", True, default_bytes)] if args.next_kernels else []
     for mode, fused, chunk_bytes in modes:
         def run(fused=fused):
             backward.loss_and_grads(params, config, idx, targets, attn, args.dtype, fused=fused)
 
         backward.CLASSIFIER_BYTES = chunk_bytes
-        train_kernels.use_next(mode == "next")
         phases.call(run)  # warm-up
         runs = [phases.call(run) for _ in range(args.repeats)]
         median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
@@ -257,14 +251,8 @@ def main(argv=None) -> int:
         results[mode] = median
         cp.get_default_memory_pool().free_all_blocks()
     backward.CLASSIFIER_BYTES = default_bytes
-    train_kernels.use_next(False)
     kernel_table = kernel_times(cp, lambda: backward.loss_and_grads(params, config, idx, targets, attn, args.dtype)) \
         if args.kernels else None
-    next_table = None
-    if args.kernels and args.next_kernels:
-        train_kernels.use_next(True)
-        next_table = kernel_times(cp, lambda: backward.loss_and_grads(params, config, idx, targets, attn, args.dtype))
-        train_kernels.use_next(False)
     optimizer = time_optimizer(cp, params, backward.loss_and_grads(params, config, idx, targets, attn, args.dtype)[1],
                                args.repeats)
     graph_times = graph_table = None
@@ -284,9 +272,6 @@ def main(argv=None) -> int:
         f"{mode} {t['events_ms']:.2f} (host {t['host_ms']:.2f})" for mode, t in optimizer.items()))
     if kernel_table is not None:
         print_kernel_table(kernel_table)
-    if next_table is not None:
-        print("next kernels (kernels/fused/train_next.cu):")
-        print_kernel_table(next_table)
     if graph_times is not None:
         print("whole step (pass, clipping, AdamW), median ms: " + ", ".join(
             f"{mode} {t['events_ms']:.2f} (host {t['host_ms']:.2f})" for mode, t in graph_times.items())
@@ -299,7 +284,7 @@ def main(argv=None) -> int:
         path.write_text(json.dumps({"device": device, "size": args.size, "dtype": args.dtype, "batch": args.batch,
                                     "seq": args.seq, "attention": attn.name, "repeats": args.repeats,
                                     "ms": results, "optimizer_ms": optimizer,
-                                    "kernels": kernel_table, "kernels_next": next_table,
+                                    "kernels": kernel_table,
                                     "step_ms": graph_times, "kernels_graph": graph_table}, indent=2))
         print(f"wrote {path}")
     return 0
