@@ -46,7 +46,7 @@ from lm.cli import Parser, command
 from lm.errors import LabError
 from lm.family import Family
 from lm.generate import reference_attend
-from lm.step_graph import StepGraph
+from lm.step_graph import TrainingGraph
 from lm.token_data import Batches, read_tokens
 
 FLOP_CONVENTION = ("6 x parameters x tokens (the products, forward and backward; wte counted once) + 6 x n_layer x "
@@ -244,8 +244,7 @@ class Setup:
     min_lr: float
     tokens_per_step: int
     flops_per_step: int
-    graph: StepGraph | None = None  # --graph's, captured at the second step
-    graph_outputs: tuple | None = None  # the captured step's (micro-batch losses, gradients), rewritten by each replay
+    graph: TrainingGraph | None = None  # --graph's, captured at the second step
     eager_peak: int = 0  # the pool's high-water mark before --graph's capture (the eager step's)
 
     @property
@@ -388,28 +387,19 @@ def train_step(s: Setup, step: int, lr: float) -> tuple[float, float, float]:
 
 
 def graph_step(s: Setup, step: int, lr: float) -> tuple[float, float]:
-    """Step `step` as a replay of the whole step captured (at the first call) into s.graph: the batch into
-    its input buffers, the learning rate and AdamW's step count into the optimizer's device scalars, the
-    graph launched; (the mean loss, the norm), read back once it is done."""
+    """Step `step` as a replay of the whole step captured (at the first call) into s.graph
+    (lm/step_graph.TrainingGraph: every micro-batch's pass on its input buffers, the accumulation, the
+    multi-tensor AdamW's clipping and update); (the mean loss, the norm), read back once it is done."""
     batches = [a for pair in micro_batches(s, step) for a in pair]  # idx, targets of each micro-batch
     if s.graph is None:
         s.sync()
         s.eager_peak = s.pool.total_bytes()
         s.pool.free_all_blocks()  # the eager step's cached blocks, before the graph's pool takes its own
-        s.graph = StepGraph(s.xp, [a.shape for a in batches])
-        s.graph_outputs = s.graph.capture(lambda inputs: captured_step(s, inputs))
-    losses, grads = s.graph_outputs
-    s.graph.replay(batches, before=lambda: s.opt.multi.load(s.ckpt.params, grads, s.opt.advance(lr)))
+        s.graph = TrainingGraph(s.xp, lambda inputs: passes(s, zip(inputs[0::2], inputs[1::2]), loss_on_host=False),
+                                s.opt, s.ckpt.params, [a.shape for a in batches], s.args.grad_clip)
+    s.graph.step(batches, lr)
     s.sync()
-    return mean_loss(losses), float(s.opt.multi.norm[0])
-
-
-def captured_step(s: Setup, inputs: list) -> tuple[list, dict]:
-    """What the graph holds: every micro-batch's pass on the input buffers, the accumulation, and the
-    multi-tensor AdamW's launches (clipping and the update), reading nothing back to the host."""
-    losses, grads = passes(s, zip(inputs[0::2], inputs[1::2]), loss_on_host=False)
-    s.opt.multi.launch(s.args.grad_clip)
-    return losses, grads
+    return mean_loss(s.graph.losses), float(s.opt.multi.norm[0])
 
 
 def peak_bytes(s: Setup) -> int | None:

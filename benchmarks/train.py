@@ -4,8 +4,9 @@ nanoGPT-style PyTorch GPT-2 (benchmarks/torch_gpt2.py) eager and under torch.com
 Per dtype (bfloat16: mixed precision; float32: TF32 off everywhere) and per batch (B = 16 and the largest
 power of two up to --max-batch at which a lab step fits, T = 1024): one row per backward rung that takes
 the dtype and runs here (the forward rung: train.py's default), the default backward rung again with
-train.py --per-tensor's AdamW (PER_TENSOR, variant_of that rung's row: the optimizer's share of a step), then `torch_eager` and
-`torch_compile`. A step is train.py's: forward and backward (gpt2.backward.loss_and_grads), global-norm
+train.py --graph's step (GRAPH: the whole step replayed from one CUDA graph, variant_of that rung's row) and
+with train.py --per-tensor's AdamW (PER_TENSOR, variant_of it too: the optimizer's share of a step), then
+`torch_eager` and `torch_compile`. A step is train.py's: forward and backward (gpt2.backward.loss_and_grads), global-norm
 clipping and AdamW on float32 master weights. Each row: the step's median time (CUDA events, warm-up first, no L2 flush: a
 step is far larger than L2), tokens/s, MFU against the run's measured GEMM ceiling of the dtype, and
 peak memory. Then a short run's losses, lab and torch_eager on the same batches of the lab's own docs,
@@ -37,7 +38,8 @@ T = 1024
 MEMORY_MEASURE = ("lab: CuPy memory pool high-water mark (total_bytes; the pool emptied before the row), less the "
                   "weights every row copies from (the run's own float32 master weights are counted); torch: "
                   "torch.cuda.max_memory_reserved (its caching allocator's high-water mark, reset before the row)")
-PER_TENSOR = "per-tensor AdamW"  # the optimizer of the extra row (lm/adamw.py's multi_tensor=False)
+PER_TENSOR = "per-tensor AdamW"  # the optimizer of an extra row (lm/adamw.py's multi_tensor=False)
+GRAPH = "CUDA graph"  # the step of an extra row: the whole step replayed from its graph (train.py --graph)
 CURVE_DOCS = ("README.md", "docs")  # the text of the loss curve: the lab's own Markdown, tokenized
 
 
@@ -92,27 +94,49 @@ def lab_step(params, config, attn, dtype: str, idx, targets, opt, lr: float = 6e
     return loss
 
 
+def graph_step(params, config, attn, dtype: str, idx, targets, opt):
+    """(the step as a replay of its CUDA graph, the graph): one eager step first (compiling every kernel,
+    choosing cuBLAS's heuristics), then the whole step captured (lm/step_graph.TrainingGraph); each replay
+    copies the batch in from the host, as train.py --graph does."""
+    from lm.step_graph import TrainingGraph
+
+    cupy = device.get_cupy()
+    lab_step(params, config, attn, dtype, idx, targets, opt)
+    cupy.cuda.Device().synchronize()
+    cupy.get_default_memory_pool().free_all_blocks()
+    graph = TrainingGraph(cupy, lambda inputs: trainer().loss_and_grads(params, config, *inputs, attn, dtype=dtype,
+                                                                         loss_on_host=False),
+                          opt, params, [idx.shape, targets.shape], 1.0)
+    host = [idx.get(), targets.get()]
+    return (lambda: graph.step(host, 6e-4)), graph
+
+
 def oom(exc: BaseException) -> bool:
     return "out of memory" in str(exc).lower() or type(exc).__name__ == "OutOfMemoryError"
 
 
-def lab_row(ckpt, dtype: str, forward: str, backward: str, B: int, method, per_tensor: bool = False) -> dict:
+def lab_row(ckpt, dtype: str, forward: str, backward: str, B: int, method, variant: str | None = None) -> dict:
+    """A lab row: train.py's eager step, or a variant of it (PER_TENSOR's optimizer, or GRAPH: the whole
+    step replayed from its CUDA graph, train.py --graph)."""
     cupy = device.get_cupy()
     r = {"name": backward, "kind": "rung", "label": backward, "forward": forward, "dtype": dtype, "B": B, "T": T,
          "status": None}
-    if per_tensor:
-        r |= {"name": f"{backward} + {PER_TENSOR}", "label": f"{backward} + {PER_TENSOR}", "variant_of": backward,
-              "optimizer": PER_TENSOR}
+    if variant is not None:
+        r |= {"name": f"{backward} + {variant}", "label": f"{backward} + {variant}", "variant_of": backward,
+              "optimizer" if variant == PER_TENSOR else "step": variant}
     device.release_memory()
     pool = cupy.get_default_memory_pool()
     params = {k: v.copy() for k, v in ckpt.params.items()}
     try:
         attn = trainer().Attention.make(kernel=forward, backward=backward)
-        opt = AdamW(params, multi_tensor=not per_tensor)
+        opt = AdamW(params, multi_tensor=variant != PER_TENSOR)
         idx, targets = batches_for(B)
-        r["timing"] = timing.time_gpu(lambda: lab_step(params, ckpt.config, attn, dtype, idx, targets, opt),
-                                      stream=cupy.cuda.get_current_stream(), flush=timing.no_flush, method=method)
-        r["status"], r["peak_bytes"] = "ok", pool.total_bytes() - held_bytes(ckpt.params.values())
+        step, graph = (lambda: lab_step(params, ckpt.config, attn, dtype, idx, targets, opt)), None
+        if variant == GRAPH:
+            step, graph = graph_step(params, ckpt.config, attn, dtype, idx, targets, opt)
+        r["timing"] = timing.time_gpu(step, stream=cupy.cuda.get_current_stream(), flush=timing.no_flush, method=method)
+        graph_bytes = graph.total_bytes() if graph is not None else 0
+        r["status"], r["peak_bytes"] = "ok", pool.total_bytes() + graph_bytes - held_bytes(ckpt.params.values())
     except Exception as exc:  # a rung that refuses, out of memory
         r["status"], r["reason"] = ("out of memory" if oom(exc) else "error"), first_line(exc)
     return r  # its weights, state and batch are freed with it: the next row starts by releasing them
@@ -222,7 +246,7 @@ def cmd_train(args) -> int:
                  f" and {biggest} (the largest that fits, up to {args.max_batch})"))
         for B in dict.fromkeys((16, biggest)):
             case = [lab_row(ckpt, dtype, forward, name, B, method) for name in rungs_for(dtype, dev["arch"])]
-            case.append(lab_row(ckpt, dtype, forward, default_backward, B, method, per_tensor=True))
+            case += [lab_row(ckpt, dtype, forward, default_backward, B, method, variant) for variant in (GRAPH, PER_TENSOR)]
             case += [torch_row(name, ckpt, dtype, B, method) for name in PEERS]
             for r in case:
                 r["flops"] = step_flops(ckpt.config, ckpt.n_params, B, T)
@@ -242,7 +266,8 @@ def cmd_train(args) -> int:
         "method": method.describe(0) | {"l2_flush": "none: a step is far larger than L2", "timed": (
             "one training step: forward, backward, global-norm clipping (1.0) and AdamW (lr 6e-4, weight decay 0.1); "
             "lab: gpt2.backward.loss_and_grads + lm.adamw on float32 master weights (every tensor in two "
-            f"launches; the {PER_TENSOR} row: a launch or two per tensor); torch: nanoGPT's step "
+            f"launches; the {PER_TENSOR} row: a launch or two per tensor; the {GRAPH} row: the whole step captured "
+            "once and replayed, the batch copied in from the host each step); torch: nanoGPT's step "
             "(benchmarks/torch_gpt2.py: SDPA, bf16 autocast, fused AdamW)"), "memory": MEMORY_MEASURE},
         "dtypes": dtypes, "quick": args.quick, "T": T, "seed": args.seed, "rows": rows, "loss_curve": curve,
         "compile_seconds": kernels.runtime.compile_seconds - compile_before,

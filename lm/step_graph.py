@@ -69,3 +69,36 @@ class StepGraph:
     def total_bytes(self) -> int:
         """The pool's bytes: the graph's arrays, inputs, outputs and temporaries."""
         return self.pool.total_bytes()
+
+
+class TrainingGraph:
+    """A whole training step as one graph: `passes(inputs)` (the forward and backward passes on the input
+    buffers: (losses, grads), no read back to the host), then the multi-tensor AdamW's clipping and update
+    (opt.multi), captured once; step() replays it on a batch at a learning rate. What train.py --graph,
+    bench.py train's graph row and tools/train_step_profile.py --graph run.
+
+        tg = TrainingGraph(cp, passes, opt, params, shapes, max_norm=1.0)
+        tg.step([idx, targets], lr)        host arrays in; tg.losses, tg.grads, opt.multi.norm rewritten
+    """
+
+    def __init__(self, cp, passes, opt, params: dict, shapes: list[tuple[int, ...]], max_norm: float,
+                 dtype=np.int32):
+        if opt.multi is None:
+            raise ValueError("a captured step needs the multi-tensor AdamW (its scalars live on the device)")
+        self.opt, self.params = opt, params
+        self.graph = StepGraph(cp, shapes, dtype)
+
+        def captured(inputs):
+            losses, grads = passes(inputs)
+            opt.multi.launch(max_norm)
+            return losses, grads
+
+        self.losses, self.grads = self.graph.capture(captured)
+
+    def step(self, arrays: list, lr: float) -> None:
+        """The batch (host arrays, in the order of `shapes`) into the input buffers, this step's learning
+        rate and AdamW's step count into the optimizer's device scalars, the graph launched."""
+        self.graph.replay(arrays, before=lambda: self.opt.multi.load(self.params, self.grads, self.opt.advance(lr)))
+
+    def total_bytes(self) -> int:
+        return self.graph.total_bytes()

@@ -588,3 +588,62 @@ def test_the_real_backward_overfits_one_repeated_batch(tmp_path):
     losses = json.loads(log.read_text())["losses"]
     assert losses[0] == pytest.approx(math.log(config.vocab_size), rel=0.05)  # random weights: about uniform
     assert losses[-1] < 0.1 * losses[0], losses
+
+
+def test_training_graph_captures_the_passes_and_the_optimizer_once_and_replays_with_each_lr():
+    """lm/step_graph.TrainingGraph on a stand-in CuPy: the capture runs passes(inputs) and the optimizer's
+    launch once, inside the capture; each step copies the batch in, loads the step's scalars (advance(lr))
+    and launches the graph, in that order, and never runs the passes again."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from lm.step_graph import TrainingGraph
+
+    events = []
+
+    class Stream:
+        def wait_event(self, e):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def begin_capture(self):
+            events.append("begin")
+
+        def end_capture(self):
+            events.append("end")
+            return SimpleNamespace(upload=lambda s: None, launch=lambda s: events.append("launch"))
+
+        def record(self):
+            return None
+
+    class Buffer(np.ndarray):
+        def set(self, a):
+            events.append(("copy", int(a[0])))
+            self[...] = a
+
+    cuda = SimpleNamespace(Stream=lambda non_blocking=True: Stream(), MemoryPool=lambda: SimpleNamespace(malloc=None),
+                           using_allocator=lambda malloc: nullcontext(), get_current_stream=lambda: Stream())
+    cp = SimpleNamespace(cuda=cuda, zeros=lambda shape, dtype: np.zeros(shape, dtype).view(Buffer))
+    multi = SimpleNamespace(launch=lambda max_norm: events.append(("launch_adamw", max_norm)),
+                            load=lambda params, grads, scalars: events.append(("load", scalars)))
+    opt = SimpleNamespace(multi=multi, advance=lambda lr: (lr, "t+1"))
+
+    def passes(inputs):
+        events.append(("passes", len(inputs)))
+        return ["loss"], {"w": "grad"}
+
+    tg = TrainingGraph(cp, passes, opt, {"w": 0}, [(2,), (2,)], 0.5)
+    assert events == ["begin", ("passes", 2), ("launch_adamw", 0.5), "end"]
+    assert (tg.losses, tg.grads) == (["loss"], {"w": "grad"})
+    events.clear()
+    for lr in (1e-3, 5e-4):
+        tg.step([np.array([7, 8]), np.array([9, 10])], lr)
+    assert events == [("copy", 7), ("copy", 9), ("load", (1e-3, "t+1")), "launch",
+                      ("copy", 7), ("copy", 9), ("load", (5e-4, "t+1")), "launch"]
+    with pytest.raises(ValueError, match="multi-tensor AdamW"):
+        TrainingGraph(cp, passes, SimpleNamespace(multi=None), {}, [(2,)], 1.0)

@@ -115,7 +115,7 @@ def time_graph(cp, backward, params, config, idx, targets, attn, dtype: str, rep
     weights, eagerly (after one warm-up step) and then replayed from its CUDA graph, the median of
     `repeats` steps each; the same batch every step (its copy into the graph's buffers included)."""
     from lm.adamw import AdamW
-    from lm.step_graph import StepGraph
+    from lm.step_graph import TrainingGraph
 
     weights = {k: p.copy() for k, p in params.items()}
     opt, host_batch = AdamW(weights), [idx.get(), targets.get()]
@@ -125,10 +125,8 @@ def time_graph(cp, backward, params, config, idx, targets, attn, dtype: str, rep
         opt.step(weights, grads, 6e-4, max_norm=1.0)
         return loss
 
-    def captured(inputs):
-        loss, grads = backward.loss_and_grads(weights, config, *inputs, attn, dtype, loss_on_host=False)
-        opt.multi.launch(1.0)
-        return loss, grads
+    def passes(inputs):
+        return backward.loss_and_grads(weights, config, *inputs, attn, dtype, loss_on_host=False)
 
     def timed(run) -> tuple[float, float, float]:
         start, end = cp.cuda.Event(), cp.cuda.Event()
@@ -144,12 +142,11 @@ def time_graph(cp, backward, params, config, idx, targets, attn, dtype: str, rep
     results = {"eager": [timed(eager) for _ in range(repeats)]}
     cp.cuda.Device().synchronize()
     cp.get_default_memory_pool().free_all_blocks()
-    graph = StepGraph(cp, [idx.shape, targets.shape], idx.dtype)
-    loss, grads = graph.capture(captured)
+    graph = TrainingGraph(cp, passes, opt, weights, [idx.shape, targets.shape], 1.0, idx.dtype)
 
     def replay():
-        graph.replay(host_batch, before=lambda: opt.multi.load(weights, grads, opt.advance(6e-4)))
-        return loss
+        graph.step(host_batch, 6e-4)
+        return graph.losses
 
     results["graph"] = [timed(replay) for _ in range(repeats)]
     times = {mode: {"events_ms": statistics.median(r[0] for r in runs), "host_ms": statistics.median(r[1] for r in runs),
