@@ -484,7 +484,8 @@ def test_the_initcheck_reproducer_says_whose_the_reports_are():
     def rows(drew):
         return [{"case": c, "errors": 3 if c in drew else 0} for c in initcheck_library.CASES]
 
-    assert "does not see the stores of cuBLAS" in initcheck_library.verdict(rows({"matmul-new", "batched-new"}))
+    assert "does not see those stores" in initcheck_library.verdict(rows({"matmul-new", "batched-new"}))
+    assert "does not see those stores" in initcheck_library.verdict(rows({"random-ints"}))
     assert "the controls draw reports" in initcheck_library.verdict(rows({"matmul-new", "kernel-empty"})).lower()
     assert "another explanation" in initcheck_library.verdict(rows(set()))
     # a failed case reads as errors unknown (None), not as a report
@@ -493,7 +494,10 @@ def test_the_initcheck_reproducer_says_whose_the_reports_are():
 
 def test_the_initcheck_reproducer_knows_every_case_and_its_product():
     """Each case's operands and expected c, on NumPy standing in for CuPy (the shapes the product takes)."""
-    fake = SimpleNamespace(asarray=np.asarray)
+    fake = SimpleNamespace(asarray=np.asarray, random=np.random)
     for name in initcheck_library.CASES:
         a, b, want = initcheck_library.operands(fake, name)
+        if name == "random-ints":  # the draw is c itself: no product
+            assert a.shape == (2, 97) and b is None and 0 <= a.min() and a.max() < 1000
+            continue
         assert want.shape == (a.shape if name == "kernel-empty" else (a @ b).shape)

@@ -14,6 +14,9 @@ the product against NumPy's. What differs is who writes c, and into what memory:
   matmul-empty   cp.matmul(a, b, out=c) into c = cp.empty(...)
   matmul-zeros   the same into c = cp.zeros(...): the bytes were set by a memset before cuBLAS's kernel
   batched-new    c = q @ k^T on (1, 12, 5, 64) float32 operands, the reference attention's first product
+  dgemm-new      c = a @ b in float64 (DGEMM): the step group's float32 reports are in cupy_add__float64
+  random-ints    c = CuPy's Generator.integers(...) cast to int32, as the train targets' batch is drawn, read
+                 by a kernel (c * 2): the train group's reports read such a batch (softmax_xent's targets)
   kernel-empty   c = cp.empty(...), written by a CuPy element-wise kernel (cp.add(a, 1, out=c)): the control
 If the matmul cases other than matmul-zeros draw reports and kernel-empty does not, initcheck does not see
 the stores of cuBLAS's kernels here, and a CuPy kernel's report after a product is the tool's.
@@ -33,18 +36,22 @@ sys.path.insert(0, str(HERE.parent))
 import sanitize  # noqa: E402  (beside this file)
 
 CASE_MARK = "@@ case "
-CASES = ("matmul-new", "matmul-empty", "matmul-zeros", "batched-new", "kernel-empty")
-LIBRARY = ("matmul-new", "matmul-empty", "batched-new")  # cuBLAS writes c, which nothing set before
+CASES = ("matmul-new", "matmul-empty", "matmul-zeros", "batched-new", "dgemm-new", "random-ints", "kernel-empty")
+LIBRARY = ("matmul-new", "matmul-empty", "batched-new", "dgemm-new", "random-ints")  # a library writes c, unset before
 
 
 def operands(cp, name: str):
     """(a, b) float32 on the device and what c should be (NumPy, float64 arithmetic)."""
     rng = np.random.default_rng(0)
+    if name == "random-ints":
+        return cp.random.default_rng(0).integers(0, 1000, (2, 97)), None, None
     if name == "batched-new":
         q, k = (rng.standard_normal((1, 12, 5, 64)).astype(np.float32) for _ in range(2))
         return cp.asarray(q), cp.asarray(k).swapaxes(-1, -2), q.astype(np.float64) @ k.astype(np.float64).swapaxes(-1, -2)
     a = rng.standard_normal((5, 768)).astype(np.float32)  # a prompt's rows by GPT-2 small's width
     b = rng.standard_normal((768, 2304)).astype(np.float32)  # c_attn's weight
+    if name == "dgemm-new":
+        a, b = a.astype(np.float64), b.astype(np.float64)
     want = a.astype(np.float64) + 1 if name == "kernel-empty" else a.astype(np.float64) @ b.astype(np.float64)
     return cp.asarray(a), cp.asarray(b), want
 
@@ -53,7 +60,10 @@ def run_case(name: str) -> int:
     import cupy as cp
 
     a, b, want = operands(cp, name)
-    if name in ("matmul-new", "batched-new"):
+    if name == "random-ints":
+        c = a.astype(cp.int32)
+        want = cp.asnumpy(a).astype(np.float64)  # the draw read back by a copy: then the kernel's read below
+    elif name in ("matmul-new", "batched-new", "dgemm-new"):
         c = a @ b
     elif name == "kernel-empty":
         c = cp.empty(a.shape, dtype=cp.float32)
@@ -81,8 +91,8 @@ def verdict(rows: list[dict]) -> str:
         return (f"The controls draw reports ({', '.join(sorted(drew & {'kernel-empty', 'matmul-zeros'}))}): the tool "
                 "reports memory that was written; look at the reports before trusting any row.")
     if drew and drew <= set(LIBRARY):
-        return (f"Only memory that cuBLAS alone wrote draws reports ({', '.join(sorted(drew))}): initcheck does not "
-                "see the stores of cuBLAS's kernels here, so a CuPy kernel's report on a product's output is the tool's.")
+        return (f"Only memory that a library alone wrote (cuBLAS, CuPy's random generator) draws reports ({', '.join(sorted(drew))}): initcheck does not "
+                "see those stores here, so a CuPy or lab kernel's report on such output is the tool's.")
     return "No case draws a report: the lab's initcheck rows in CuPy's kernels need another explanation."
 
 
