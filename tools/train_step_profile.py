@@ -18,7 +18,9 @@ mode; the weights included). Then the optimizer apart: clipping at 1.0 and AdamW
 around the call (which ends by reading the norm back) and the host's clock. --graph: the whole step
 (the fused pass, clipping at 1.0 and the multi-tensor AdamW) eagerly and as a replay of its CUDA graph
 (lm/step_graph.py, train.py --graph), events and the host's clock around each, the losses read back;
-with --kernels, the replay's kernel table too. Writes train_step_profile.json to $OUT (or --out) when given.
+with --kernels, the replay's kernel table too. Writes train_step_profile.json to $OUT (or --out) when given;
+committed as results/train_step_profile-DEVICE-STAMP.json (underscores: not a `bench.py train` result, which
+bench.py readme finds by the name train-DEVICE-STAMP.json).
 """
 
 from __future__ import annotations
