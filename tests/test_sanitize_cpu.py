@@ -501,3 +501,18 @@ def test_the_initcheck_reproducer_knows_every_case_and_its_product():
             assert a.shape == (2, 97) and b is None and 0 <= a.min() and a.max() < 1000
             continue
         assert want.shape == (a.shape if name == "kernel-empty" else (a @ b).shape)
+
+
+def test_engine_targets_take_weights_drawn_on_the_host():
+    """host_drawn: the engine targets' weights are NumPy's draws, copied and cast on the device (NumPy stands
+    in for CuPy here), so nothing of CuPy's random generator runs under the tool."""
+    import ml_dtypes
+
+    host = gpt2.random_weights(gpt2.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=96, n_positions=32)).params
+    fake = SimpleNamespace(asarray=np.asarray)
+    for dtype in ("float32", "bfloat16"):
+        drawn = targets.host_drawn(fake, host, dtype)
+        assert drawn.keys() == host.keys()
+        for k, v in drawn.items():
+            assert v.dtype == np.dtype(np.float32 if dtype == "float32" else ml_dtypes.bfloat16)
+            np.testing.assert_array_equal(v, host[k].astype(v.dtype))

@@ -276,6 +276,13 @@ def out_of_range(tokens: list[int], vocab: int) -> list[str]:
     return [f"tokens {tokens} outside 0..{vocab - 1}"] if any(not 0 <= t < vocab for t in tokens) else []
 
 
+def host_drawn(cp, params: dict, dtype: str = "float32") -> dict:
+    """Weights drawn on the host (NumPy's generator, float32), copied to the device and cast there: as the
+    rungs' inputs, nothing of CuPy's random generator under the tool (initcheck's reports in CuPy's
+    element-wise kernels just after its draws: tools/initcheck_library.py's random-ints case)."""
+    return {k: cp.asarray(v).astype(dtype, copy=False) for k, v in params.items()}
+
+
 def engine_target(cp, name: str) -> str:
     import gpt2
     import gpt2.fast as fast
@@ -285,7 +292,7 @@ def engine_target(cp, name: str) -> str:
         problems = (llama_step if kind == "llama" else training_pass)(cp, name, dtype)
         return "ok" if not problems else "wrong: " + "; ".join(problems)
     config = gpt2.GPT2Config(n_layer=2)  # GPT-2 small's widths and vocabulary, two of its layers
-    params = gpt2.random_weights(config, seed=0, xp=cp).params
+    params = host_drawn(cp, gpt2.random_weights(config, seed=0).params)
     params = params if dtype == "float32" else fast.as_bfloat16(params)
     if kind == "fused":
         problems = fused_kernels(cp, name, fast, params, config, dtype)
@@ -354,7 +361,8 @@ def llama_step(cp, name: str, dtype: str) -> list[str]:
     from gpt2 import reference_attend
 
     config = llama_config()
-    params = fast.decode_layout(llama.random_weights(config, seed=0, xp=cp, dtype=dtype).params, config)
+    params = host_drawn(cp, llama.random_weights(config, seed=0).params, dtype)
+    params = fast.decode_layout(params, config)
     engine = fast.Engine(params, config, dtype=dtype, max_len=256, pdl=False)
     poison(cp, [engine.x, engine.q, engine.y, engine.g, engine.attn_partial])
     out = engine.generate(PROMPT, NEW, attend=reference_attend, graph=False)
@@ -372,8 +380,8 @@ def training_pass(cp, name: str, dtype: str) -> list[str]:
     from gpt2.backward import Attention, loss_and_grads
 
     config = replace(gpt2.GPT2Config(n_layer=2), vocab_size=1000)
-    params = gpt2.random_weights(config, seed=0, xp=cp).params
-    idx, targets = cp.random.default_rng(0).integers(0, config.vocab_size, (2, 2, 97)).astype(cp.int64)
+    params = host_drawn(cp, gpt2.random_weights(config, seed=0).params)
+    idx, targets = cp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 2, 97)))
     want, want_grads = loss_and_grads(params, config, idx, targets, Attention.reference(), dtype)
     tolerance = 1e-4 if dtype == "float32" else 2e-2
     loss, grads = loss_and_grads(params, config, idx, targets, Attention.reference(), dtype, fused=True)
