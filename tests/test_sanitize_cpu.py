@@ -516,3 +516,15 @@ def test_engine_targets_take_weights_drawn_on_the_host():
         for k, v in drawn.items():
             assert v.dtype == np.dtype(np.float32 if dtype == "float32" else ml_dtypes.bfloat16)
             np.testing.assert_array_equal(v, host[k].astype(v.dtype))
+
+
+def test_a_reproducers_cases_run_in_order_and_print_as_they_come(monkeypatch, capsys):
+    """sanitize.cases_under_tool, the loop of the three reproducers: a row per case in order, its line printed,
+    and None (exit 2) where compute-sanitizer is missing."""
+    monkeypatch.setattr(sanitize, "find_sanitizer", lambda: "/bin/cs")
+    rows = sanitize.cases_under_tool(["a", "b"], lambda tool, name: {"case": name, "tool": tool},
+                                     lambda name, r: f"{name} under {r['tool']}")
+    assert rows == [{"case": "a", "tool": "/bin/cs"}, {"case": "b", "tool": "/bin/cs"}]
+    assert capsys.readouterr().out.splitlines() == ["a under /bin/cs", "b under /bin/cs"]
+    monkeypatch.setattr(sanitize, "find_sanitizer", lambda: None)
+    assert sanitize.cases_under_tool(["a"], lambda tool, name: {}, lambda name, r: "") is None

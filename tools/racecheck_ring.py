@@ -167,14 +167,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.case:
         return run_case(args.case)
-    sanitizer = sanitize.find_sanitizer()
-    if sanitizer is None:
+    rows = sanitize.cases_under_tool(
+        CASES, lambda sanitizer, name: under_tool(sanitizer, args.tool, name, args.timeout),
+        lambda name, r: f"{name:22s} {args.tool} errors {r['errors']}, result {r['result']}: {r['report']}")
+    if rows is None:
         return 2
-    rows = []
-    for name in CASES:
-        rows.append(under_tool(sanitizer, args.tool, name, args.timeout))
-        r = rows[-1]
-        print(f"{name:22s} {args.tool} errors {r['errors']}, result {r['result']}: {r['report']}", flush=True)
     print()
     for name, case in CASES.items():
         print(f"  {name:22s} {case.what}")

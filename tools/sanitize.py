@@ -402,6 +402,19 @@ def find_sanitizer() -> str | None:
     return None
 
 
+def cases_under_tool(names, under, line) -> list[dict] | None:
+    """A reproducer's run: each case in turn through under(sanitizer, name) (its row, a dict), line(name,
+    row) printed as it comes; the rows, or None (a line on stderr) where compute-sanitizer is missing."""
+    sanitizer = find_sanitizer()
+    if sanitizer is None:
+        return None
+    rows = []
+    for name in names:
+        rows.append(under(sanitizer, name))
+        print(line(name, rows[-1]), flush=True)
+    return rows
+
+
 def case_under_tool(sanitizer: str, tool: str, script: str, name: str, timeout: float, mark: str):
     """A reproducer's case (`script --case name`) in a child process under the tool: (the tool's Child,
     the fields after `mark` of the case's last line that starts with it, or where it printed none why:
