@@ -328,14 +328,15 @@ def test_persistent_rung_matches_its_one_block_per_tile_parent(name, B, NH, NH_k
     want = kernels.attention(q, k, v, kernel=parent, causal=causal)
     out = cp.empty_like(q)
     run = kernels.prepare(q, k, v, kernel=name, causal=causal, out=out)
+    cp.cuda.Device().synchronize()  # inputs and parent written before the non-blocking stream reads them
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()
         run()
         graph = stream.end_capture()
     for launch in [run, run, graph.launch, graph.launch, run]:
-        out.fill(cp.nan)
-        with stream:
+        with stream:  # the poison in the launch's stream order (the legacy default stream does not wait for it)
+            out.fill(cp.nan)
             launch()
         stream.synchronize()
         bad = int(cp.count_nonzero(out.view(cp.uint16) != want.view(cp.uint16)))
