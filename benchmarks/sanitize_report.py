@@ -41,8 +41,9 @@ def cell(result: dict, tool: str) -> str:
     counts, floor, other = {}, False, []
     for target, by_tool in result["cells"].items():
         value = by_tool.get(tool)
-        if isinstance(value, str) and (found := re.fullmatch(r"(\d+)\+", value)):
-            value, floor = int(found.group(1)), True
+        if isinstance(value, str) and (found := re.fullmatch(r"(\d+)(\+?)( not launched)?", value)):
+            # "N not launched" with N > 0: a child stopped before it named the files it launched (older files)
+            value, floor = int(found.group(1)), floor or bool(found.group(2))
         if isinstance(value, int):
             if value:
                 counts[target] = value
@@ -62,7 +63,9 @@ def render_sanitize(entries: list[tuple[Path, dict]], rel) -> str:
     for path, result in entries:
         seconds = result.get("tool_seconds", {})
         wall = " / ".join(f"{seconds[t]:.0f}" if t in seconds else "-" for t in TOOLS)
-        lines.append(f"| {group_of(result)} | {len(result['targets'])} | "
+        library = result.get("initcheck_library", "excluded")  # tools/sanitize.py --initcheck-library
+        label = group_of(result) + (f" (initcheck: cuBLAS {library})" if library != "excluded" else "")
+        lines.append(f"| {label} | {len(result['targets'])} | "
                      + " | ".join(cell(result, t) for t in TOOLS)
                      + f" | {wall} | [{path.name}]({rel(path)}) |")
         for target, by_tool in sorted(result.get("notes", {}).items()):

@@ -152,6 +152,15 @@ def test_summarize_counts_per_kernel_and_tool_and_says_what_failed():
     assert text.splitlines()[0].split() == ["kernel", "memcheck", "synccheck", "racecheck"]
 
 
+def test_a_fused_file_with_a_report_counts_as_launched_though_its_child_named_no_files():
+    stopped = [line for line in RACECHECK if "covers" not in line]  # as a child stopped by its timeout
+    rows, problems = sanitize.summarize(["racecheck"], runs(racecheck=stopped), ["step-float32"],
+                                        sanitize.fused_kernels())
+    assert rows["fused/decode_step"]["racecheck"] == "1 +1w"
+    assert rows["fused/gemm"]["racecheck"] == "0 not launched"
+    assert "racecheck fused/decode_step: 1 error" in problems
+
+
 def test_summarize_is_clean_for_clean_runs_and_wants_every_fused_file_launched():
     clean = [line for line in MEMCHECK if not line.startswith("=========") or "COMPUTE" in line]
     clean.append("========= ERROR SUMMARY: 0 errors")
@@ -220,6 +229,13 @@ def test_arguments():
     assert "--kernel-name-exclude" not in cmd  # cuBLAS's kernels are left out of initcheck alone
     cmd = sanitize.command("/cs", "initcheck", ["fused-bfloat16"], False, 50)
     assert cmd[7:11] == ["--kernel-name-exclude", "kns=nvjet", "--kernel-name-exclude", "kns=cublas"]
+    for mode in ("checked", "small-workspace"):  # cuBLAS's kernels checked: no exclusion
+        assert "--kernel-name-exclude" not in sanitize.command("/cs", "initcheck", ["fused-bfloat16"], False, 50, mode)
+    assert sanitize.child_env("initcheck", "small-workspace")["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    assert "CUBLAS_WORKSPACE_CONFIG" not in sanitize.child_env("racecheck", "small-workspace")  # initcheck's alone
+    assert sanitize.parse_args([]).initcheck_library == "excluded"
+    with pytest.raises(SystemExit):
+        sanitize.parse_args(["--initcheck-library", "ignored"])
 
 
 def test_main_lists_targets_and_refuses_unknown_ones(capsys):
@@ -252,7 +268,7 @@ def test_run_tool_goes_on_after_a_child_that_dies_or_hangs(tmp_path, capsys):
     fake = tmp_path / "compute-sanitizer"
     fake.write_text(f"#!{sys.executable}\n" + FAKE_TOOL)
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    args = argparse.Namespace(quick=False, print_limit=10, timeout=3.0)
+    args = argparse.Namespace(quick=False, print_limit=10, timeout=3.0, initcheck_library="excluded")
     children = sanitize.run_tool(str(fake), "memcheck", ["a", "crash", "b", "hang", "c"], args)
     assert [list(c.status) for c in children] == [["a", "crash"], ["b", "hang"], ["c"]]
     assert children[0].status["crash"] == "crashed (exit 3)"
@@ -358,7 +374,7 @@ def test_a_child_stops_after_the_target_that_reaches_the_print_limit(tmp_path):
     fake = tmp_path / "compute-sanitizer"
     fake.write_text(f"#!{sys.executable}\n" + FLOODING_TOOL)
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    args = argparse.Namespace(quick=False, print_limit=3, timeout=30.0)
+    args = argparse.Namespace(quick=False, print_limit=3, timeout=30.0, initcheck_library="excluded")
     children = sanitize.run_tool(str(fake), "initcheck", ["a", "flood", "b", "flood2"], args)
     assert [list(c.status) for c in children] == [["a", "flood"], ["b", "flood2"]]
     assert [c.capped for c in children] == ["flood", "flood2"]
@@ -480,16 +496,25 @@ def test_the_child_learns_its_tool_and_a_note_reaches_the_json():
 
 
 def test_the_initcheck_reproducer_says_whose_the_reports_are():
-    """tools/initcheck_library.py's verdict: the tool's when only memory cuBLAS alone wrote draws reports."""
-    def rows(drew):
-        return [{"case": c, "errors": 3 if c in drew else 0} for c in initcheck_library.CASES]
+    """tools/initcheck_library.py's verdict, mode by mode: the tool's when, with cuBLAS excluded, only reads of
+    what cuBLAS alone wrote draw reports; the mode to run the groups in is the clean one."""
+    def rows(mode, drew, library=()):
+        return [{"case": c, "mode": mode, "errors": 3 if c in drew else 0, "library": c in library}
+                for c in initcheck_library.CASES]
 
-    assert "does not see those stores" in initcheck_library.verdict(rows({"matmul-new", "batched-new"}))
-    assert "does not see those stores" in initcheck_library.verdict(rows({"random-ints"}))
-    assert "the controls draw reports" in initcheck_library.verdict(rows({"matmul-new", "kernel-empty"})).lower()
-    assert "another explanation" in initcheck_library.verdict(rows(set()))
+    said = initcheck_library.verdict(rows("excluded", {"matmul-new", "bf16-prefill"}) + rows("checked", set()))
+    assert "excluded: only reads of what cuBLAS alone wrote draw reports (bf16-prefill, matmul-new)" in said
+    assert "checked: no case draws a report." in said
+    assert said.endswith("sound here with --initcheck-library checked.")
+    said = initcheck_library.verdict(rows("checked", {"bf16-prefill"}, library={"bf16-prefill"})
+                                     + rows("small-workspace", set()))
+    assert "checked: reports in bf16-prefill; inside cuBLAS's own kernels in bf16-prefill." in said
+    assert said.endswith("--initcheck-library small-workspace.")
+    said = initcheck_library.verdict(rows("excluded", {"matmul-new", "kernel-empty"}))
+    assert "the controls draw reports (kernel-empty)" in said and said.endswith("stay open.")
     # a failed case reads as errors unknown (None), not as a report
-    assert "another explanation" in initcheck_library.verdict([{"case": "matmul-new", "errors": None}])
+    said = initcheck_library.verdict([{"case": "matmul-new", "mode": "checked", "errors": None, "library": False}])
+    assert said == "checked: no case draws a report.\nA full run's initcheck is sound here with --initcheck-library checked."
 
 
 def test_the_initcheck_reproducer_knows_every_case_and_its_product():
@@ -499,6 +524,9 @@ def test_the_initcheck_reproducer_knows_every_case_and_its_product():
         a, b, want = initcheck_library.operands(fake, name)
         if name == "random-ints":  # the draw is c itself: no product
             assert a.shape == (2, 97) and b is None and 0 <= a.min() and a.max() < 1000
+            continue
+        if name == "bf16-prefill":  # c = a @ W^T, W (out, in); want made on the device from the rounded operands
+            assert (a @ b.T).shape == (5, 2304) and want is None
             continue
         assert want.shape == (a.shape if name == "kernel-empty" else (a @ b).shape)
 

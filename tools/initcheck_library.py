@@ -1,10 +1,15 @@
 """initcheck's reports in CuPy's element-wise kernels (the fused, step and llama groups of tools/sanitize.py:
 "Uninitialized __global__ memory read" in cupy_multiply, cupy_true_divide, cupy_add, no row of a lab
-kernel): uninitialized memory in the lab's reference path, or stores of cuBLAS's kernels that the tool
-does not see? Each case runs in a process of its own under compute-sanitizer's initcheck; the table gives
-the errors the tool counted, its first report, and whether the result was right.
+kernel, each launched right after a cuBLAS product): uninitialized memory in the lab's reference path, or
+stores of cuBLAS's kernels that the tool does not see? The full run leaves cuBLAS's kernels out of
+initcheck (--kernel-name-exclude), and a kernel the tool leaves out is not instrumented: are its stores
+then unseen? Each case runs in a process of its own under compute-sanitizer's initcheck, once for each way
+tools/sanitize.py --initcheck-library treats cuBLAS's kernels (excluded, as the full run; checked;
+small-workspace: checked, with cuBLAS's workspace pool too small for split K); the table gives the
+errors the tool counted, the kernel its first report names, and whether the result was right.
 
-    python3 tools/initcheck_library.py                     every case under initcheck (under a minute)
+    python3 tools/initcheck_library.py                     every case in every mode (two or three minutes)
+    python3 tools/initcheck_library.py --modes excluded    every case, one mode
     python3 tools/initcheck_library.py --case matmul-new   one case, here, without the tool
 
 Every case writes every element of `c` before an element-wise kernel reads all of it (c * 2), and checks
@@ -15,11 +20,13 @@ the product against NumPy's. What differs is who writes c, and into what memory:
   matmul-zeros   the same into c = cp.zeros(...): the bytes were set by a memset before cuBLAS's kernel
   batched-new    c = q @ k^T on (1, 12, 5, 64) float32 operands, the reference attention's first product
   dgemm-new      c = a @ b in float64 (DGEMM): the step group's float32 reports are in cupy_add__float64
-  random-ints    c = CuPy's Generator.integers(...) cast to int32, as the train targets' batch is drawn, read
-                 by a kernel (c * 2): the train group's reports read such a batch (softmax_xent's targets)
+  bf16-prefill   c (float32) = a @ W^T on bfloat16 operands through lm.products.Blas (gemmEx), the
+                 prefill's product, whose split-K workspace made the full run leave cuBLAS out
+  random-ints    c = CuPy's Generator.integers(...) cast to int32, read by a kernel (c * 2)
   kernel-empty   c = cp.empty(...), written by a CuPy element-wise kernel (cp.add(a, 1, out=c)): the control
-If the matmul cases other than matmul-zeros draw reports and kernel-empty does not, initcheck does not see
-the stores of cuBLAS's kernels here, and a CuPy kernel's report after a product is the tool's.
+If, with cuBLAS's kernels excluded, the cases whose c cuBLAS alone wrote draw reports and the controls
+(matmul-zeros, kernel-empty) do not, while checked they draw none, the full run's rows after a product
+are the exclusion's; the mode that is clean here is the one to run the groups in.
 """
 
 from __future__ import annotations
@@ -36,8 +43,10 @@ sys.path.insert(0, str(HERE.parent))
 import sanitize  # noqa: E402  (beside this file)
 
 CASE_MARK = "@@ case "
-CASES = ("matmul-new", "matmul-empty", "matmul-zeros", "batched-new", "dgemm-new", "random-ints", "kernel-empty")
-LIBRARY = ("matmul-new", "matmul-empty", "batched-new", "dgemm-new", "random-ints")  # a library writes c, unset before
+CASES = ("matmul-new", "matmul-empty", "matmul-zeros", "batched-new", "dgemm-new", "bf16-prefill", "random-ints",
+         "kernel-empty")
+CUBLAS = ("matmul-new", "matmul-empty", "batched-new", "dgemm-new", "bf16-prefill")  # cuBLAS alone writes c
+CONTROLS = ("matmul-zeros", "kernel-empty")  # c's bytes set by a kernel the tool sees
 
 
 def operands(cp, name: str):
@@ -45,6 +54,10 @@ def operands(cp, name: str):
     rng = np.random.default_rng(0)
     if name == "random-ints":
         return cp.random.default_rng(0).integers(0, 1000, (2, 97)), None, None
+    if name == "bf16-prefill":
+        a = rng.standard_normal((5, 768)).astype(np.float32)
+        w = rng.standard_normal((2304, 768)).astype(np.float32)  # (out, in), as the engine holds c_attn
+        return cp.asarray(a), cp.asarray(w), None
     if name == "batched-new":
         q, k = (rng.standard_normal((1, 12, 5, 64)).astype(np.float32) for _ in range(2))
         return cp.asarray(q), cp.asarray(k).swapaxes(-1, -2), q.astype(np.float64) @ k.astype(np.float64).swapaxes(-1, -2)
@@ -60,7 +73,15 @@ def run_case(name: str) -> int:
     import cupy as cp
 
     a, b, want = operands(cp, name)
-    if name == "random-ints":
+    if name == "bf16-prefill":
+        from lm.bf16 import bf16_bits, to_float32
+        from lm.products import Blas
+
+        a16, w16 = bf16_bits(cp, a), bf16_bits(cp, b)
+        c = cp.empty((a.shape[0], b.shape[0]), dtype=cp.float32)
+        Blas(cp).gemm(a16, w16.T, c, dtype="bfloat16")
+        want = cp.asnumpy(to_float32(cp, a16)).astype(np.float64) @ cp.asnumpy(to_float32(cp, w16)).astype(np.float64).T
+    elif name == "random-ints":
         c = a.astype(cp.int32)
         want = cp.asnumpy(a).astype(np.float64)  # the draw read back by a copy: then the kernel's read below
     elif name in ("matmul-new", "batched-new", "dgemm-new"):
@@ -77,35 +98,59 @@ def run_case(name: str) -> int:
     return 0 if ok else 1
 
 
-def under_tool(sanitizer: str, name: str, timeout: float) -> dict:
-    """One case in a child process under initcheck: errors, first report, result."""
-    child, fields = sanitize.case_under_tool(sanitizer, "initcheck", __file__, name, timeout, CASE_MARK)
+def under_tool(sanitizer: str, name: str, mode: str, timeout: float) -> dict:
+    """One case in a child process under initcheck, cuBLAS's kernels treated as `mode`: errors, the first
+    report and the kernel it names, whether that is cuBLAS's, the result."""
+    child, fields = sanitize.case_under_tool(sanitizer, "initcheck", __file__, name, timeout, CASE_MARK, mode)
     first = child.reports[0] if child.reports else None
-    return {"case": name, "errors": child.summary, "result": fields[1] if isinstance(fields, list) else fields,
+    library = bool(first and first.kernel and any(k in first.kernel for k in sanitize.LIBRARY_KERNELS))
+    return {"case": name, "mode": mode, "errors": child.summary, "library": library,
+            "result": fields[1] if isinstance(fields, list) else fields,
             "report": f"{first.text} ({first.kernel or 'no kernel named'})" if first else "-"}
 
 
 def verdict(rows: list[dict]) -> str:
-    drew = {r["case"] for r in rows if (r["errors"] or 0) > 0}
-    if "kernel-empty" in drew or "matmul-zeros" in drew:
-        return (f"The controls draw reports ({', '.join(sorted(drew & {'kernel-empty', 'matmul-zeros'}))}): the tool "
-                "reports memory that was written; look at the reports before trusting any row.")
-    if drew and drew <= set(LIBRARY):
-        return (f"Only memory that a library alone wrote (cuBLAS, CuPy's random generator) draws reports ({', '.join(sorted(drew))}): initcheck does not "
-                "see those stores here, so a CuPy or lab kernel's report on such output is the tool's.")
-    return "No case draws a report: the lab's initcheck rows in CuPy's kernels need another explanation."
+    """What the table says, mode by mode, and the mode a full run should use."""
+    drew = {mode: {r["case"] for r in rows if r["mode"] == mode and (r["errors"] or 0) > 0}
+            for mode in dict.fromkeys(r["mode"] for r in rows)}
+    in_library = {mode: {r["case"] for r in rows if r["mode"] == mode and r["library"]} for mode in drew}
+    lines = []
+    for mode, cases in drew.items():
+        if set(CONTROLS) & cases:
+            lines.append(f"{mode}: the controls draw reports ({', '.join(sorted(set(CONTROLS) & cases))}): the tool "
+                         "reports memory that was written; look at the reports before trusting any row.")
+        elif not cases:
+            lines.append(f"{mode}: no case draws a report.")
+        elif cases <= set(CUBLAS) and not in_library[mode]:
+            lines.append(f"{mode}: only reads of what cuBLAS alone wrote draw reports ({', '.join(sorted(cases))}), "
+                         "in the kernel that reads it: the tool does not see cuBLAS's stores in this mode.")
+        else:
+            named = sorted(in_library[mode])
+            lines.append(f"{mode}: reports in {', '.join(sorted(cases))}"
+                         + (f"; inside cuBLAS's own kernels in {', '.join(named)}" if named else "") + ".")
+    clean = [mode for mode, cases in drew.items() if not cases]
+    lines.append(f"A full run's initcheck is sound here with --initcheck-library {clean[0]}." if clean else
+                 "No mode is clean: the lab's initcheck rows after a product stay open.")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", choices=CASES, help="run one case here, without the tool")
+    parser.add_argument("--modes", default=",".join(sanitize.LIBRARY_MODES),
+                        help=f"comma-separated, of {', '.join(sanitize.LIBRARY_MODES)} (default: all)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds a case may run under the tool")
     args = parser.parse_args(argv)
     if args.case:
         return run_case(args.case)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in sanitize.LIBRARY_MODES for m in modes):
+        parser.error(f"--modes: choose from {', '.join(sanitize.LIBRARY_MODES)}")
+    pairs = [f"{name} {mode}" for mode in modes for name in CASES]
     rows = sanitize.cases_under_tool(
-        CASES, lambda sanitizer, name: under_tool(sanitizer, name, args.timeout),
-        lambda name, r: f"{name:14s} initcheck errors {r['errors']}, result {r['result']}: {r['report']}")
+        pairs, lambda sanitizer, pair: under_tool(sanitizer, *pair.split(), args.timeout),
+        lambda pair, r: f"{r['case']:14s} {r['mode']:15s} initcheck errors {r['errors']}, result {r['result']}: "
+                        f"{r['report']}")
     if rows is None:
         return 2
     print(f"\n{verdict(rows)}")

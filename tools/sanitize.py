@@ -213,7 +213,8 @@ def summarize(tools, runs: dict[str, list[Child]], chosen: list[str], fused: dic
                 elif state != "ok":
                     cell += " " + next((w for w in STATES if state.startswith(w)), state)
                     problems.append(f"{tool} {row}: {state}")
-            elif row.startswith("fused/") and not any(row[6:] in covers.get(name, ()) for name in engine):
+            elif (row.startswith("fused/") and not errors[row]  # a file with a report was launched
+                  and not any(row[6:] in covers.get(name, ()) for name in engine)):
                 cell += " not launched"
                 if set(targets.ENGINE) <= set(chosen):
                     problems.append(f"{tool} {row}: no engine target launched it")
@@ -258,19 +259,33 @@ def select(spec: str | None, groups: dict[str, list[str]], resolve) -> list[str]
     return [name for name in every if name in chosen]
 
 
-# cuBLAS's kernels (the bfloat16 products of the prefill) are left out of initcheck, which floods on
+# cuBLAS's kernels (the bfloat16 products of the prefill) are left out of initcheck by default: it floods on
 # their split-K workspace (about 18,000 reports a run) and would hide the lab's own past --print-limit.
 # Only there: racecheck with them left out failed inside the tool (an internal error, then an illegal
-# address) where racecheck over them ran through.
+# address) where racecheck over them ran through. Left out, their kernels' stores go unseen too, and a
+# kernel that then reads a product may be reported; tools/initcheck_library.py runs its cases under each
+# way of treating them (LIBRARY_MODES) to tell which holds.
 LIBRARY_KERNELS = ("nvjet", "cublas")  # substrings of their names
+LIBRARY_MODES = {  # --initcheck-library: (the tool's extra arguments, the child's extra environment)
+    "excluded": ([arg for name in LIBRARY_KERNELS for arg in ("--kernel-name-exclude", f"kns={name}")], {}),
+    "checked": ([], {}),
+    # cuBLAS's default workspace pool cut to 8 buffers of 16 KiB (its reproducibility setting): too small
+    # for a split-K workspace, so its kernels can be checked with the rest
+    "small-workspace": ([], {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}),
+}
 
 
-def command(sanitizer: str, tool: str, names: list[str], quick: bool, print_limit: int) -> list[str]:
-    exclude = [arg for name in LIBRARY_KERNELS for arg in ("--kernel-name-exclude", f"kns={name}")
-               if tool == "initcheck"]
-    return [sanitizer, "--tool", tool, "--error-exitcode", "99", "--print-limit", str(print_limit), *exclude,
+def command(sanitizer: str, tool: str, names: list[str], quick: bool, print_limit: int,
+            library: str = "excluded") -> list[str]:
+    extra = LIBRARY_MODES[library][0] if tool == "initcheck" else []
+    return [sanitizer, "--tool", tool, "--error-exitcode", "99", "--print-limit", str(print_limit), *extra,
             sys.executable, str(Path(targets.__file__).resolve()), f"--tool={tool}", *(["--quick"] if quick else []),
             *names]
+
+
+def child_env(tool: str, library: str = "excluded") -> dict[str, str]:
+    """The child's environment: this process's, with the library mode's additions under initcheck."""
+    return {**os.environ, **(LIBRARY_MODES[library][1] if tool == "initcheck" else {})}
 
 
 @dataclass
@@ -285,12 +300,12 @@ class Streamed:
     capped: str
 
 
-def stream(cmd: list[str], timeout: float, tool: str, print_limit: int) -> Streamed:
+def stream(cmd: list[str], timeout: float, tool: str, print_limit: int, env: dict | None = None) -> Streamed:
     """Run cmd, echoing its output as it comes. Once the tool has printed print_limit reports it prints no
     more, and a later target's errors would be counted but not told apart: the child is stopped at the end
     of the target during which the limit was reached, and the caller goes on from the next one."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
     lines: queue.Queue = queue.Queue()
 
     def pump():
@@ -337,7 +352,8 @@ def run_tool(sanitizer: str, tool: str, names: list[str], args) -> list[Child]:
     where the tool's --print-limit was reached."""
     children, left = [], list(names)
     while left:
-        out = stream(command(sanitizer, tool, left, args.quick, args.print_limit), args.timeout, tool, args.print_limit)
+        out = stream(command(sanitizer, tool, left, args.quick, args.print_limit, args.initcheck_library),
+                     args.timeout, tool, args.print_limit, child_env(tool, args.initcheck_library))
         child = parse(out.lines)
         child.seconds, child.capped = out.seconds, out.capped
         children.append(child)
@@ -415,15 +431,19 @@ def cases_under_tool(names, under, line) -> list[dict] | None:
     return rows
 
 
-def case_under_tool(sanitizer: str, tool: str, script: str, name: str, timeout: float, mark: str):
-    """A reproducer's case (`script --case name`) in a child process under the tool: (the tool's Child,
-    the fields after `mark` of the case's last line that starts with it, or where it printed none why:
-    "timed out" or "crashed"). tools/synccheck_cluster.py, initcheck_library.py and racecheck_ring.py."""
-    cmd = [sanitizer, "--tool", tool, "--error-exitcode", "99", "--print-limit", "5", sys.executable, script,
-           "--case", name]
+def case_under_tool(sanitizer: str, tool: str, script: str, name: str, timeout: float, mark: str,
+                    library: str = "checked"):
+    """A reproducer's case (`script --case name`) in a child process under the tool, cuBLAS's kernels
+    treated under initcheck as --initcheck-library `library` treats them: (the tool's Child, the fields
+    after `mark` of the case's last line that starts with it, or where it printed none why: "timed out"
+    or "crashed"). tools/synccheck_cluster.py, initcheck_library.py and racecheck_ring.py."""
+    extra = LIBRARY_MODES[library][0] if tool == "initcheck" else []
+    cmd = [sanitizer, "--tool", tool, "--error-exitcode", "99", "--print-limit", "5", *extra, sys.executable,
+           script, "--case", name]
     why = "crashed"
     try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+                              env=child_env(tool, library))
         lines = proc.stdout.splitlines()
     except subprocess.TimeoutExpired as exc:
         lines, why = (exc.stdout or b"").decode(errors="replace").splitlines(), "timed out"
@@ -478,6 +498,10 @@ def parse_args(argv=None):
     parser.add_argument("--timeout", type=positive(float), default=540.0,
                         help="seconds one child process may run before it is stopped (default 540)")
     parser.add_argument("--print-limit", type=positive(int), default=100, help="reports the tool prints per child")
+    parser.add_argument("--initcheck-library", choices=list(LIBRARY_MODES), default="excluded",
+                        help="cuBLAS's kernels under initcheck: left out (excluded: their stores go unseen), "
+                             "checked, or checked with cuBLAS's workspace cut below a split-K's "
+                             "(small-workspace); tools/initcheck_library.py compares the three")
     parser.add_argument("--json", help="write the cells, each target's seconds per tool, the first reports of "
                                        "each row, the targets' notes and the problems to this file")
     return parser.parse_args(argv)
@@ -522,7 +546,8 @@ def main(argv=None) -> int:
     if args.json:
         result = {"command": "python3 tools/sanitize.py " + " ".join(sys.argv[1:] if argv is None else argv),
                   "setup": setup(sanitizer), "group": args.group or args.only or "everything",
-                  "quick": args.quick, "tools": args.tools, "targets": chosen,
+                  "quick": args.quick, "tools": args.tools, "initcheck_library": args.initcheck_library,
+                  "targets": chosen,
                   "cells": cells(args.tools, rows, runs), "seconds": per_target(args.tools, runs, "seconds"),
                   "tool_seconds": tool_seconds, "reports": first_reports(args.tools, runs, fused_kernels()),
                   "notes": told, "problems": problems}

@@ -45,6 +45,10 @@ def test_a_cell_names_the_targets_with_errors_and_the_skipped_ones():
     floors = result("fused", {"fused-float32": {"initcheck": "0+"}, "fused-float32 in cupy_add": {"initcheck": 100},
                               "fused/adamw": {"initcheck": "0 not launched"}})
     assert cell(floors, "initcheck") == "**100+** (fused-float32 in cupy_add 100)"
+    # a child stopped before naming the files it launched: its file's reports still count
+    stopped = result("train", {"train-bfloat16": {"initcheck": "0+ timed out"},
+                               "fused/train": {"initcheck": "100 not launched"}})
+    assert cell(stopped, "initcheck") == "**100** (fused/train 100); train-bfloat16: 0+ timed out"
 
 
 def test_the_table_links_each_file_and_carries_the_notes(tmp_path):
@@ -54,3 +58,5 @@ def test_the_table_links_each_file_and_carries_the_notes(tmp_path):
     assert f"| forward | 1 | 0 | 0 | 0 | 0 | 1 / 1 / 1 / 1 | [{path.name}](../results/{path.name}) |" in text
     assert "- v17 under synccheck: clusters of 16 only" in text
     assert "commit abc" in text
+    checked = dict(r, initcheck_library="small-workspace")
+    assert "| forward (initcheck: cuBLAS small-workspace) | 1 |" in render_sanitize([(path, checked)], str)
