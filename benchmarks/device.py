@@ -3,6 +3,7 @@ table is headed by; CuPy and torch, imported when first needed; the GPU memory b
 
 from __future__ import annotations
 
+import gc
 import os
 import platform
 import re
@@ -95,6 +96,10 @@ def free_memory() -> int:
 
 
 def release_memory():
+    """The last measurement's device memory back: unreachable objects collected first (a fast engine and
+    its parts refer to each other, so only the cycle collector frees them, and a row measured before it
+    runs would count the last row's engine), then CuPy's pool and torch's cache emptied."""
+    gc.collect()
     get_cupy().get_default_memory_pool().free_all_blocks()
     if _torch_module is not None:
         _torch_module.cuda.empty_cache()

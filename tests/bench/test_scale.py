@@ -129,3 +129,29 @@ def test_sizes_end_to_end_with_stand_ins(tmp_path, monkeypatch, capsys):
     assert rows["llama-3.2-1b", "bfloat16"]["prefill_target_met"] is False
     assert "| GPT-2 small | float32 | eager |" in out and f"wrote {path}" in out
     assert np.isfinite([r["decode_tokens_per_s"] for r in data["rows"]]).all()
+
+
+def test_release_memory_collects_cycles_before_emptying_the_pool(monkeypatch):
+    """A fast engine and its parts (the whole-sequence pass, the persistent step) refer to each other: the
+    next size's row must not count the last one's, so the cycle is collected before the pool is emptied."""
+    import gc
+    import weakref
+
+    from benchmarks import device
+
+    class Part:
+        pass
+
+    engine, part = Part(), Part()
+    engine.part, part.engine = part, engine  # a cycle, as an engine and its parts make
+    alive = weakref.ref(engine)
+    del engine, part
+    seen = []
+    pool = SimpleNamespace(free_all_blocks=lambda: seen.append(alive() is None))
+    monkeypatch.setattr(device, "get_cupy", lambda: SimpleNamespace(get_default_memory_pool=lambda: pool))
+    gc.disable()  # only release_memory's collection may free it
+    try:
+        device.release_memory()
+    finally:
+        gc.enable()
+    assert seen == [True]
