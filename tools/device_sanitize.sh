@@ -9,12 +9,16 @@
 #   tools/device_sanitize.sh initcheck      whether initcheck sees cuBLAS's stores, under each way of treating its
 #                                           kernels (tools/initcheck_library.py; two or three minutes)
 #   tools/device_sanitize.sh ring           decode_step's racecheck reproducer (tools/racecheck_ring.py), its cases' sums
+#   tools/device_sanitize.sh all            every group at once (the forward in three: 'v0*', 'v1*', 'v2*'; train
+#                                           in its two halves), each its own process; ~9 minutes on an H200's 16
+#                                           cores, each group's seconds longer than alone. Run `initcheck` first
+#                                           (its own device call) and pass the mode its last line names.
 #
 # The json's "seconds" holds each target's wall time under each tool: the groups to split a full run by.
 # INITCHECK_LIBRARY=checked|small-workspace (default excluded) is passed on as --initcheck-library.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-what="${1:?usage: tools/device_sanitize.sh quick|GROUP|SPEC|repro|initcheck|ring}"
+what="${1:?usage: tools/device_sanitize.sh quick|GROUP|SPEC|repro|initcheck|ring|all}"
 out="${OUT:-results}"
 mkdir -p "$out"
 label="$(echo "$what" | tr -c 'A-Za-z0-9_-' '_' | sed 's/_*$//')"
@@ -23,6 +27,12 @@ stamp="$(date -u +%Y%m%dT%H%M%SZ)"
 file="$out/sanitize-$label-${device:-nogpu}-$stamp.json"
 library="--initcheck-library ${INITCHECK_LIBRARY:-excluded}"
 case "$what" in
+  all)
+    for group in backward triton fused step llama train-float32 train-bfloat16 'v0*' 'v1*' 'v2*'; do
+      "$0" "$group" > "$out/sanitize-$(echo "$group" | tr -c 'A-Za-z0-9_-' '_').log" 2>&1 &
+    done
+    wait
+    tail -n 25 "$out"/sanitize-*.log ;;
   quick) python3 tools/sanitize.py --quick --timeout 420 $library --json "$file" ;;
   initcheck) python3 tools/initcheck_library.py --timeout 60 | tee "$out/initcheck-library-${device:-nogpu}-$stamp.txt" ;;
   repro)
