@@ -25,9 +25,8 @@ MAX_PERSISTENT_TILES = 2**31 - 1  # a persistent rung counts its tiles in a 32-b
 
 compile_seconds = 0.0  # total time spent compiling in this process (lab.py reports it apart)
 
-# Attend.prepare of inputs in another dtype than the rung's: casts into copies made once (one prepare a
-# pass), not a whole call per launch. Off until the GPU tests have run with it (tests/test_kernels_gpu.py,
-# tests/test_gpt2_gpu.py: the switched-on runs equal the switched-off ones bit for bit).
+# Attend.prepare of inputs not in the rung's dtype: casts into copies made once, one prepare a pass. Off until
+# the GPU tests have run with it (tests/test_kernels_gpu.py, tests/test_fused_gpu.py: -k prepared_cast).
 PREPARE_CASTS = False
 
 
