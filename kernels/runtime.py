@@ -25,6 +25,10 @@ MAX_PERSISTENT_TILES = 2**31 - 1  # a persistent rung counts its tiles in a 32-b
 
 compile_seconds = 0.0  # total time spent compiling in this process (lab.py reports it apart)
 
+# Attend.prepare of inputs not in the rung's dtype: casts into copies made once, one prepare a pass. Off until
+# the GPU tests have run with it (tests/test_kernels_gpu.py, tests/test_fused_gpu.py: -k prepared_cast).
+PREPARE_CASTS = False
+
 
 class KernelCompileError(RuntimeError):
     """A rung failed to compile; the message names the .cu file and line with NVRTC's log."""
@@ -586,7 +590,8 @@ class Attend:
     attend.prepare(q, k, v) returns run() -> o for callers that launch on the same arrays many times
     with new contents (gpt2.fast's whole-sequence pass: every layer of a step reads one qkv buffer):
     validated and compiled once, one output array reused. Where the rung needs copies of its inputs
-    (contiguous, 16-byte aligned, or cast), run() makes them anew."""
+    (contiguous, 16-byte aligned, or cast), run() makes them anew; with PREPARE_CASTS, inputs to cast
+    go into copies made once, on which the rung is prepared once (Attend._prepare_cast)."""
 
     def __init__(self, kernel, causal: bool = True, dtype: str | None = None):
         # resolving a name scans kernels/ (or kernels/triton/)
@@ -601,9 +606,32 @@ class Attend:
 
     def prepare(self, q, k, v):
         if self.dtype is not None and q.dtype.name != self.dtype:
-            return lambda: self(q, k, v)
+            return self._prepare_cast(q, k, v) if PREPARE_CASTS else (lambda: self(q, k, v))
         run = prepare(q, k, v, kernel=self.path, causal=self.causal)
         return run if run.reads_inputs else (lambda: self(q, k, v))
+
+    def _prepare_cast(self, q, k, v):
+        """prepare() for inputs not in the rung's dtype: the rung prepared once on contiguous copies in
+        its dtype, and run() casting q, k, v into them, launching, and casting the output back into an
+        array of q's dtype made once; each cast one element-wise copy on the current stream, the one
+        astype makes. The values of self(q, k, v): the same casts, rung and configuration (chosen by
+        dtype and shape, not strides)."""
+        if not triton_rungs.owns(self.path) and ladder.load(self.path).fp8:
+            return lambda: self(q, k, v)  # it quantizes its inputs when prepared: copies of nothing yet
+        cupy = _cupy()
+        copies = tuple(cupy.empty(x.shape, dtype=self.dtype) for x in (q, k, v))
+        run = prepare(*copies, kernel=self.path, causal=self.causal)
+        if not run.reads_inputs:  # copies of the copies (a strided rung's rows off 16 bytes)
+            return lambda: self(q, k, v)
+        out = cupy.empty(q.shape, dtype=q.dtype)
+
+        def cast_run():
+            for x, copy in zip((q, k, v), copies, strict=True):
+                cupy.copyto(copy, x, casting="unsafe")
+            cupy.copyto(out, run(), casting="unsafe")
+            return out
+
+        return cast_run
 
 
 def launcher(attend, q, k, v):

@@ -548,6 +548,34 @@ def test_bfloat16_weights_from_cast_params_take_the_fast_path(cp, small):
         assert out.tokens[0] == eager.tokens[0]
 
 
+@pytest.mark.parametrize("name", ["v15", "v24"])
+def test_prepared_casts_leave_the_bfloat16_prefill_and_tokens_as_they_were(cp, small, monkeypatch, name):
+    """kernels.runtime.PREPARE_CASTS (the bfloat16 engine's float32 q, k, v cast into copies made once a
+    pass, the rung prepared once): the 97-token prefill's logits, 64 greedy tokens after it, and the
+    eager model's tokens (which calls the rung per layer, not prepared) the same bits as with it off."""
+    from kernels import runtime
+
+    engine = fast.Engine(small.params, small.config, dtype="bfloat16", keep_logits=True, persistent=False)
+    attend = kernels.Attend(name, dtype="bfloat16")
+    prompt = np.random.default_rng(97).integers(0, small.config.vocab_size, 97).tolist()
+    runs = []
+    for on in (False, True):
+        monkeypatch.setattr(runtime, "PREPARE_CASTS", on)
+        engine.start(prompt, attend, kv_cache=True)
+        with engine.stream:  # the engine's stream does not wait for the legacy default one
+            logits = engine.logits.copy()
+        engine.stream.synchronize()
+        tokens = engine.generate(prompt, 64, attend=attend, kv_cache=True).tokens
+        eager = generate(small.params, small.config, PROMPT, 8, attend=attend, kv_cache=True, fast=False).tokens
+        runs.append((logits, tokens, eager))
+    (logits, tokens, eager), (cast_logits, cast_tokens, cast_eager) = runs
+    assert bool(cp.isfinite(logits).all()), "the prefill wrote no logits"
+    bad = int(cp.count_nonzero(cast_logits.view(cp.uint32) != logits.view(cp.uint32)))
+    assert bad == 0, f"{name}: {bad} prefill logits differ with PREPARE_CASTS on"
+    assert cast_tokens == tokens, f"{name}: tokens part at step {first_difference(cast_tokens, tokens)}"
+    assert cast_eager == eager
+
+
 def test_windows_end_of_text_and_streaming(cp, small):
     engine = fast.engine_for(small.params, small.config)
     full = engine.generate(PROMPT, 64, attend=reference_attend, kv_cache=True).tokens

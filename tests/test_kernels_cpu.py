@@ -5,6 +5,7 @@ import itertools
 import math
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -628,3 +629,90 @@ def test_return_lse_needs_a_rung_that_writes_it():
 def test_lse_declaration(tmp_path):
     assert not kernels.load(write(tmp_path, "plain.cu", MINIMAL)).lse
     assert kernels.load(write(tmp_path, "lse.cu", MINIMAL.replace(" * lab.workspace  2\n", " * lab.lse        true\n"))).lse
+
+
+# -- Attend.prepare of inputs in another dtype (a bfloat16 run's float32 prefill) ------------------
+
+
+class StandIn:
+    """kernels.prepare and CuPy's empty and copyto over NumPy: the rung is the reference attention on
+    what its arrays hold at launch; it counts the prepares and records each copyto's destination."""
+
+    def __init__(self, monkeypatch):
+        self.prepares, self.copied = [], []
+        monkeypatch.setattr(runtime, "prepare", self.prepare)
+        monkeypatch.setattr(runtime, "_cupy", lambda: SimpleNamespace(empty=np.empty, copyto=self.copyto))
+
+    def prepare(self, q, k, v, *, kernel, causal=True, **options):
+        self.prepares.append((q, k, v))
+        return kernels.Prepared(lambda: kernels.reference_attention(q, k, v, causal=causal), None, reads_inputs=True)
+
+    def copyto(self, dst, src, casting):
+        self.copied.append(dst)
+        np.copyto(dst, src, casting=casting)
+
+
+def prefill_views(T=9, NH=4, hs=64):
+    """q, k, v (1, NH, T, hs) float32 views of one packed (T, 3 * NH * hs) buffer, as gpt2.fast's pass
+    hands them, and the buffer (new contents each layer)."""
+    qkv = np.zeros((T, 3 * NH * hs), np.float32)
+    views = qkv.reshape(1, T, 3, NH, hs)  # (B, T, 3, NH, hs)
+    return qkv, *(views[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+
+
+def test_a_prepared_cast_prepares_once_and_casts_into_the_same_copies(monkeypatch):
+    """PREPARE_CASTS on: float32 inputs into a bfloat16 rung prepare it once, on contiguous bfloat16
+    copies; every run casts the inputs' new contents into those copies and the output back into one
+    float32 array, the values of a call (Attend.__call__) bit for bit."""
+    stand_in = StandIn(monkeypatch)
+    monkeypatch.setattr(runtime, "PREPARE_CASTS", True)
+    attend = kernels.Attend("v15", dtype="bfloat16")
+    qkv, q, k, v = prefill_views()
+    run = attend.prepare(q, k, v)
+    (copies,) = stand_in.prepares
+    assert all(c.dtype.name == "bfloat16" and c.flags.c_contiguous and c.shape == q.shape for c in copies)
+    rng, outs = np.random.default_rng(0), []
+    for _ in range(3):
+        qkv[...] = rng.standard_normal(qkv.shape)  # the layer's projection
+        stand_in.copied.clear()
+        prepared = len(stand_in.prepares)
+        got = run()
+        assert len(stand_in.prepares) == prepared and len(stand_in.copied) == 4
+        assert all(a is b for a, b in zip(stand_in.copied[:3], copies, strict=True)) and stand_in.copied[3] is got
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, attend(q, k, v))
+        outs.append(got)
+    assert outs[0] is outs[1] is outs[2]
+
+
+def test_a_prepared_cast_of_cross_lengths_and_shared_heads(monkeypatch):
+    """The copies take each input's own shape: 97 queries over 257 keys, 2 key/value heads for 8."""
+    stand_in = StandIn(monkeypatch)
+    monkeypatch.setattr(runtime, "PREPARE_CASTS", True)
+    attend = kernels.Attend("v24", dtype="bfloat16")
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, 8, 97, 64)).astype(np.float32)
+    k, v = rng.standard_normal((2, 1, 2, 257, 64)).astype(np.float32)
+    run = attend.prepare(q, k, v)
+    assert [c.shape for c in stand_in.prepares[0]] == [q.shape, k.shape, v.shape]
+    for _ in range(2):
+        np.testing.assert_array_equal(run(), attend(q, k, v))
+        q[...] = rng.standard_normal(q.shape)
+
+
+def test_without_prepare_casts_every_run_is_a_call(monkeypatch):
+    """PREPARE_CASTS off (and for an FP8 rung, which quantizes its inputs when prepared, either way):
+    nothing is prepared ahead, and each run casts, prepares and launches anew."""
+    for on, kernel in ((False, "v15"), (True, "v25")):
+        stand_in = StandIn(monkeypatch)
+        monkeypatch.setattr(runtime, "PREPARE_CASTS", on)
+        attend = kernels.Attend(kernel, dtype="bfloat16")
+        qkv, q, k, v = prefill_views()
+        run = attend.prepare(q, k, v)
+        assert stand_in.prepares == []
+        for seed in (1, 2):
+            qkv[...] = np.random.default_rng(seed).standard_normal(qkv.shape)
+            prepared = len(stand_in.prepares)
+            got = run()
+            assert len(stand_in.prepares) == prepared + 1 and stand_in.copied == [] and got.dtype == np.float32
+            np.testing.assert_array_equal(got, attend(q, k, v))

@@ -382,3 +382,53 @@ def test_rung_writes_the_log_sum_exp(name, d, dtype, T_q, T_k, causal):
     plain_err = float(cp.abs(plain.astype(cp.float64) - ref)[seen].max())
     bound = 8 * max(plain_err, EPS["float32"] * max(1.0, float(cp.abs(ref[seen]).max())))
     assert err <= bound, f"{name} d={d} {dtype} T_q={T_q} T_k={T_k}: lse error {err:.3e} > {bound:.3e} (plain {plain_err:.3e})"
+
+
+# float32 inputs into a bfloat16 rung (gpt2.fast's prefill in a bfloat16 run): (B, NH, NH_kv, T_q, T_k, d,
+# packed), packed: views of one (B, T, 3, NH, d) projection, as the engine hands them
+CAST_SHAPES = [(1, 12, 12, 97, 97, 64, True), (2, 8, 8, 97, 257, 64, False), (1, 32, 8, 257, 257, 64, False)]
+
+
+@pytest.mark.parametrize("name", ["v15", "v22", "v24"])
+@pytest.mark.parametrize("B,NH,NH_kv,T_q,T_k,d,packed", CAST_SHAPES)
+def test_a_prepared_cast_is_the_call_bit_for_bit(name, B, NH, NH_kv, T_q, T_k, d, packed, monkeypatch):
+    """kernels.runtime.PREPARE_CASTS: Attend.prepare of float32 inputs into a bfloat16 rung (prepared once
+    on bfloat16 copies that each run casts into) gives Attend.__call__'s bits (astype copies, the rung
+    prepared anew, the output cast back), run after run on new contents, and prepares nothing in a run."""
+    import cupy as cp
+
+    from kernels import runtime
+
+    rung = kernels.load(name)
+    if (T_q != T_k and "cross" not in rung.supports) or (NH_kv != NH and "gqa" not in rung.supports):
+        pytest.skip(f"{name} does not declare the case")
+    prepare, prepares = runtime.prepare, []
+
+    def counted(*args, **kwargs):
+        prepares.append(args)
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(runtime, "prepare", counted)
+    monkeypatch.setattr(runtime, "PREPARE_CASTS", True)
+    rng = cp.random.default_rng(0)
+    if packed:
+        qkv = cp.empty((B, T_q, 3, NH, d), dtype=cp.float32)
+        q, k, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+        arrays = (qkv,)
+    else:
+        q = cp.empty((B, NH, T_q, d), dtype=cp.float32)
+        k, v = (cp.empty((B, NH_kv, T_k, d), dtype=cp.float32) for _ in range(2))
+        arrays = (q, k, v)
+    attend = kernels.Attend(name, dtype="bfloat16")
+    run = attend.prepare(q, k, v)
+    assert len(prepares) == 1 and all(x.dtype.name == "bfloat16" and x.flags.c_contiguous for x in prepares[0])
+    for _ in range(3):
+        for x in arrays:  # the layer's new projection
+            x[...] = rng.standard_normal(x.shape, dtype=cp.float32)
+        before = len(prepares)
+        got = run()
+        assert len(prepares) == before, "a run of the prepared cast prepared the rung again"
+        want = attend(q, k, v)
+        assert got.dtype == cp.float32 and got.shape == want.shape
+        bad = int(cp.count_nonzero(got.view(cp.uint32) != want.view(cp.uint32)))
+        assert bad == 0, f"{name} q {q.shape} k {k.shape}: {bad} elements differ from Attend.__call__'s"

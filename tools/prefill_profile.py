@@ -1,0 +1,162 @@
+"""The prefill on the fast engines, host time beside wall time, with kernels.runtime.PREPARE_CASTS off and on.
+
+    python3 tools/prefill_profile.py                                   gpt2-xl and llama-3.2-1b, bfloat16, 1000 tokens
+    python3 tools/prefill_profile.py --sizes gpt2 --tokens 97 --out $OUT
+    python3 tools/prefill_profile.py --sizes gpt2-xl --cprofile 20     and the host's busiest functions per setting
+
+Each size from random weights as `bench.py e2e --sizes` loads them (benchmarks/scale.py: in the run's dtype,
+in the fast engine's layout; the newest rung that takes the model, or --kernel; lab.make_attend), one engine
+for every prompt: --tokens ids (benchmarks.scale.prefill_ids), then the first of them alone. Per setting
+of the switch and prompt: the engine's prefill (engine.start: the whole-sequence pass and the first token's
+argmax, queued on the engine's stream) timed on the host's clock twice, once when the call returns without
+synchronizing (host: what Python takes to queue the launches) and once after the stream's synchronization
+(wall); then the time to the first token as benchmarks/scale.py takes it (generate(prompt, 1), synchronized
+before and after). Medians of --repeats rounds after --warmup, the two settings interleaved in each round.
+
+Reading it: a pass whose host time is about its wall time is host-bound (the GPU waits for the launches),
+as is one whose 1-token prompt takes as long as the long one. PREPARE_CASTS on should leave the values as
+they are (tests/test_fused_gpu.py checks the bits) and take the per-layer casts and prepares out of the host
+time of a pass whose q, k, v are not in the rung's dtype (gpt2.fast's float32 work buffers in a bfloat16 run).
+Writes prefill_profile.json to --out (default $OUT) when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SETTINGS = (False, True)  # PREPARE_CASTS
+
+
+def measure(size: str, dtype: str, args) -> list[dict]:
+    """One row per (prompt length, PREPARE_CASTS): median host, wall and first-token milliseconds."""
+    import cupy
+
+    import kernels
+    import lab
+    from benchmarks import scale
+    from kernels import runtime
+
+    fam = scale.of_size(size)
+    ckpt = fam.random_weights(size, seed=args.seed, xp=cupy, dtype=dtype)
+    config, params = ckpt.config, ckpt.params
+    fam.decode_layout(params, config)
+    kernel = lab.fit_kernel(args.kernel or lab.REFERENCE, args.kernel, config, dtype, "gpu",
+                            kernels.device_limits().arch)
+    attend = lab.make_attend(kernel, dtype)
+    long_prompt = scale.prefill_ids(size, config, args.tokens)
+    prompts = {len(long_prompt): long_prompt, 1: long_prompt[:1]}
+    positions = len(long_prompt) + 1
+    why = fam.fast_reason(params, config, kv_cache=True, sampler=None)
+    if why is not None:
+        raise SystemExit(f"{size} {dtype}: the fast engine does not run it ({why})")
+
+    def first_token(ids) -> float:
+        cupy.cuda.Device().synchronize()
+        start = time.perf_counter()
+        fam.generate(params, config, ids, 1, attend=attend, kv_cache=True, sampler=None, max_len=positions)
+        cupy.cuda.Device().synchronize()
+        return time.perf_counter() - start
+
+    for on in SETTINGS:  # compiles every kernel, validates the rung at both lengths, warms cuBLAS
+        runtime.PREPARE_CASTS = on
+        for ids in prompts.values():
+            first_token(ids)
+    engine = fam.engine(params, config, positions)
+
+    def prefill(ids) -> tuple[float, float]:
+        cupy.cuda.Device().synchronize()
+        start = time.perf_counter()
+        engine.start(ids, attend, kv_cache=True)
+        host = time.perf_counter() - start
+        engine.stream.synchronize()
+        return host, time.perf_counter() - start
+
+    samples = {(T, on): [] for T in prompts for on in SETTINGS}
+    for round_ in range(args.warmup + args.repeats):
+        for on in SETTINGS:
+            runtime.PREPARE_CASTS = on
+            for T, ids in prompts.items():
+                times = (*prefill(ids), first_token(ids))
+                if round_ >= args.warmup:
+                    samples[(T, on)].append(times)
+    if args.cprofile:
+        for on in SETTINGS:
+            runtime.PREPARE_CASTS = on
+            print(f"{size} {dtype} {len(long_prompt)} tokens, PREPARE_CASTS={on}: the host's busiest functions")
+            print(host_profile(lambda: engine.start(long_prompt, attend, kv_cache=True), engine, args.cprofile))
+    rows = []
+    for (T, on), runs in samples.items():
+        host, wall, ttft = (1e3 * statistics.median(r[i] for r in runs) for i in range(3))
+        rows.append({"size": size, "dtype": dtype, "attention": kernel, "prompt_tokens": T, "prepare_casts": on,
+                     "host_ms": host, "wall_ms": wall, "first_token_ms": ttft, "host_over_wall": host / wall,
+                     "repeats": len(runs)})
+    return rows
+
+
+def host_profile(call, engine, top: int) -> str:
+    """cProfile's table of one call (by own time, the `top` first), the stream synchronized after it."""
+    profile = cProfile.Profile()
+    profile.enable()
+    call()
+    profile.disable()
+    engine.stream.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="gpt2-xl,llama-3.2-1b", help="comma-separated sizes (bench.py e2e's)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--kernel", default=None, help="the prefill's rung (default: the newest that takes the model)")
+    parser.add_argument("--tokens", type=int, default=1000, help="the long prompt's length")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2, help="rounds before the timed ones")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N",
+                        help="also print cProfile's N busiest functions of one long prefill per setting")
+    parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for prefill_profile.json")
+    args = parser.parse_args(argv)
+
+    from benchmarks import device, scale
+    from kernels import runtime
+
+    if problem := device.gpu_problem():
+        parser.error(f"needs a CUDA GPU ({problem}): run it on the GPU machine")
+    given = runtime.PREPARE_CASTS
+    rows = []
+    try:
+        for size in args.sizes.split(","):
+            rows += measure(size, args.dtype, args)
+            scale.release()
+    finally:
+        runtime.PREPARE_CASTS = given
+    info = device.device_info()
+    print(f"{info['name']}, driver {info['driver']}, CUDA {info['cuda_runtime']}; medians of {args.repeats} (ms)")
+    print(f"{'size':14s} {'dtype':9s} {'attention':22s} {'prompt':>6s} {'PREPARE_CASTS':>13s} {'host':>8s} "
+          f"{'wall':>8s} {'host/wall':>9s} {'first token':>11s}")
+    for r in rows:
+        print(f"{r['size']:14s} {r['dtype']:9s} {r['attention']:22s} {r['prompt_tokens']:6d} {str(r['prepare_casts']):>13s} "
+              f"{r['host_ms']:8.2f} {r['wall_ms']:8.2f} {r['host_over_wall']:9.2f} {r['first_token_ms']:11.2f}")
+    if args.out:
+        path = Path(args.out) / "prefill_profile.json"
+        path.write_text(json.dumps({"device": info, "command": ["python3", "tools/prefill_profile.py", *(sys.argv[1:] if argv is None else argv)],
+                                    "rows": rows}, indent=2))
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
