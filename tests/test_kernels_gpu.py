@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import kernels
-from tests.tiers import first_of_each_rung, tiered
+from tests.tiers import first_of_each_rung, spread, tiered
 
 pytestmark = pytest.mark.gpu
 
@@ -70,8 +70,7 @@ def check_against_reference(q, k, v, name, scale=None, config=None):
     assert err <= bound, f"{name} {q.shape}: max error {err:.3e} (mean {mean:.3e}) > {bound:.3e} (plain fp32 {plain:.3e})"
 
 
-@pytest.mark.parametrize("name,d,dtype", CASES)  # quick: every case, each a compile, at three awkward lengths
-@pytest.mark.parametrize("T", tiered(LENGTHS, quick=[1, 97, 257]))
+@pytest.mark.parametrize("T,name,d,dtype", spread(LENGTHS, CASES, quick=[1, 97, 257]))  # quick: every case, one awkward length each
 @pytest.mark.parametrize("B,NH", tiered([(1, 1), (1, 12), (3, 1), (3, 12)], quick=[(3, 12)]))
 def test_rung_matches_reference(name, d, dtype, T, B, NH):
     import cupy as cp

@@ -6,7 +6,8 @@ and is held to that by tests/test_tiers.py.
 
 A parametrization value that only the whole suite needs is marked `exhaustive`. In a stack of
 parametrize decorators a test is in the quick tier only when every one of its values is, so each list
-says its quick values beside it: `tiered(LENGTHS, quick=[1, 97, 257])`.
+says its quick values beside it: `tiered(LENGTHS, quick=[1, 97, 257])`. Where every case of a matrix
+compiles and runs at each quick length, `spread` gives each case one of them in turn instead.
 """
 
 import pytest
@@ -20,6 +21,21 @@ def tiered(values, quick, *, unpack=True):
     return [value if keep(value) else
             pytest.param(*(value if unpack and isinstance(value, tuple) else (value,)), marks=pytest.mark.exhaustive)
             for value in values]
+
+
+def spread(values, cases, quick):
+    """(*value, *case) for every value x case, for one parametrize over both (the value's names first,
+    as stacked decorators name the test), the quick tier running each case at one of the `quick` values:
+    case i at quick[(i + i // n) % n], n = len(quick), the turn shifted every n cases so that a period of
+    n in the cases (three dtypes of a head size, three head sizes of a rung) does not pin a value to one
+    dtype or head size. Every case and every quick value runs there; not every pairing of them."""
+    n = len(quick)
+
+    def flat(value):
+        return value if isinstance(value, tuple) else (value,)
+
+    return [pytest.param(*flat(value), *case, marks=() if value == quick[(i + i // n) % n] else pytest.mark.exhaustive)
+            for value in values for i, case in enumerate(cases)]
 
 
 def first_of_each_rung(cases):
