@@ -264,8 +264,8 @@ def check_nan_reaches(name, where, *, T_q, T_k, row, config=None, dtype=None):
     assert not bool(cp.isnan(out[0, 0]).any()), f"{what} leaked into another head"
 
 
-@pytest.mark.parametrize("name", RUNGS)
-@pytest.mark.parametrize("where", ["q", "k", "v"])
+# quick: each rung with its NaN in one of q, k, v in turn (the next test takes all three at a declared configuration)
+@pytest.mark.parametrize("where,name", spread(["q", "k", "v"], [(name,) for name in RUNGS], quick=["q", "k", "v"]))
 def test_nan_reaches_every_row_that_sees_it(name, where):
     """A NaN is never masked silently: with a NaN in query row 40, or in key/value row 40, every
     output row that attends to it is NaN (T = 100, the configuration the launcher picks)."""
