@@ -19,6 +19,9 @@ HAS_GPU = kernels.gpu_available()
 
 
 def pytest_collection_modifyitems(config, items):
+    # pytest-xdist hands tests out in collection order: a long one collected last would run alone at
+    # the end while the other workers idle, so the tests marked `long` go first
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="no CUDA device (GPU tests run on the device machine)")

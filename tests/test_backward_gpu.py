@@ -20,7 +20,7 @@ import pytest
 import kernels
 from kernels import backward
 from kernels.backward import launcher
-from tests.tiers import first_of_each_rung, tiered
+from tests.tiers import first_of_each_rung, spread, tiered
 
 pytestmark = pytest.mark.gpu
 
@@ -125,8 +125,9 @@ def check_gradients(name, q, k, v, do, *, causal=True, scale=None, config=None, 
     return got
 
 
-@pytest.mark.parametrize("name,d,dtype", CASES)
-@pytest.mark.parametrize("shape", tiered(SHAPES, quick=QUICK_SHAPES, unpack=False), ids=shape_id)
+# quick: every case at one of the quick shapes in turn
+@pytest.mark.parametrize("shape,name,d,dtype", spread(SHAPES, CASES, quick=QUICK_SHAPES, unpack=False),
+                         ids=lambda value: shape_id(value) if isinstance(value, tuple) else None)
 def test_backward_rung_matches_float64(name, d, dtype, shape):
     import cupy as cp
 

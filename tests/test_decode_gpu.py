@@ -18,7 +18,7 @@ import pytest
 import gpt2
 import kernels
 import lab
-from tests.tiers import first_of_each_rung, tiered
+from tests.tiers import first_of_each_rung, spread, tiered
 
 pytestmark = pytest.mark.gpu
 
@@ -78,9 +78,10 @@ def check_general(q, k, v, name, *, causal=True, scale=None, config=None):
 # -- the decode rung ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name,d,dtype", decode_cases())  # quick: every case, grouped heads, causal, awkward lengths
-@pytest.mark.parametrize("NH,NH_kv", tiered([(12, 12), (32, 8), (8, 1)], quick=[(32, 8)]))
-@pytest.mark.parametrize("T_k", tiered([1, 17, 257, 1000, 1024, 4096], quick=[1, 257, 4096]))
+# quick: every case, grouped heads, causal, one awkward cache length each (T_k = 1, 257 or 4096) at T_q = 1 and 7
+@pytest.mark.parametrize("T_k,NH,NH_kv,name,d,dtype", spread([(T_k, NH, NH_kv) for T_k in [1, 17, 257, 1000, 1024, 4096]
+                                                               for NH, NH_kv in [(12, 12), (32, 8), (8, 1)]],
+                                                              decode_cases(), quick=[(1, 32, 8), (257, 32, 8), (4096, 32, 8)]))
 @pytest.mark.parametrize("T_q", tiered([1, 2, 7, 16], quick=[1, 7]))
 @pytest.mark.parametrize("causal", tiered([True, False], quick=[True]), ids=["causal", "noncausal"])
 def test_decode_matches_reference(name, d, dtype, NH, NH_kv, T_k, T_q, causal):

@@ -1,11 +1,12 @@
 """GPT-2 on the GPU against transformers' GPT2LMHeadModel, for the reference and every rung.
 
-A random-weight GPT2LMHeadModel (4 layers, 4 heads, width 256, 256 positions) is saved with
-save_pretrained and read back with our loader. Logits on a 64-token prompt: our error against the
-peer run in float64 may be at most TOLERANCE_FACTOR times the peer's own float32 error against its
-float64 run (floored at float32 epsilon times the largest logit). Greedy generation of 64 tokens
-must give the peer's tokens exactly, with and without the KV cache. The seed is chosen so that no
-greedy step is a near tie (the peer's float32 and float64 runs agree, with a clear margin).
+A random-weight GPT2LMHeadModel (4 layers, 4 heads, width 256, 256 positions), run on the device in
+float32 (no TF32) and float64, is saved with save_pretrained and read back with our loader. Logits
+on a 64-token prompt: our error against the peer run in float64 may be at most TOLERANCE_FACTOR
+times the peer's own float32 error against its float64 run (floored at float32 epsilon times the
+largest logit). Greedy generation of 64 tokens must give the peer's tokens exactly, with and
+without the KV cache. The seed is chosen so that no greedy step is a near tie (the peer's float32 and
+float64 runs agree, with a clear margin).
 """
 
 import json
@@ -39,6 +40,7 @@ def peer(tmp_path_factory):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     folder = tmp_path_factory.mktemp("peer-gpt2")
+    torch.backends.cuda.matmul.allow_tf32 = False  # the peer's float32 is float32's rounding
     for seed in range(20):
         torch.manual_seed(seed)
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**PEER_CONFIG)).eval()
@@ -48,13 +50,14 @@ def peer(tmp_path_factory):
                     p.copy_(1.0 + 0.1 * torch.randn_like(p))
                 elif name.endswith("bias"):
                     p.copy_(0.02 * torch.randn_like(p))
-        ids = torch.from_numpy(np.random.default_rng(seed).integers(0, 50257, (1, PROMPT_LEN)))
+        model = model.to("cuda")  # on the device: the host runs made this the quick tier's slowest setup
+        ids = torch.from_numpy(np.random.default_rng(seed).integers(0, 50257, (1, PROMPT_LEN))).cuda()
         with torch.no_grad():
-            logits32 = model(ids).logits[0].numpy()
-            model64 = transformers.GPT2LMHeadModel(model.config).eval()
+            logits32 = model(ids).logits[0].cpu().numpy()
+            model64 = transformers.GPT2LMHeadModel(model.config).eval().to("cuda")
             model64.load_state_dict(model.state_dict())
             model64 = model64.double()
-            logits64 = model64(ids).logits[0].numpy()
+            logits64 = model64(ids).logits[0].cpu().numpy()
         greedy32, margin = peer_greedy(model, ids)
         greedy64, _ = peer_greedy(model64, ids)
         if greedy32 == greedy64 and margin >= MIN_MARGIN:
@@ -69,7 +72,7 @@ def peer(tmp_path_factory):
 def peer_greedy(model, ids):
     out = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, use_cache=True,
                          output_scores=True, return_dict_in_generate=True, pad_token_id=50256)
-    top2 = np.sort(np.stack([s[0].float().numpy() for s in out.scores]), axis=-1)[:, -2:]
+    top2 = np.sort(np.stack([s[0].float().cpu().numpy() for s in out.scores]), axis=-1)[:, -2:]
     return out.sequences[0, ids.shape[1]:].tolist(), float((top2[:, 1] - top2[:, 0]).min())
 
 
@@ -96,9 +99,11 @@ def test_logits_match_transformers(peer, ours, attention):
     assert err <= bound, f"{attention}: max |logits - fp64 peer| {err:.3e} > {bound:.3e} (peer fp32: {plain:.3e})"
 
 
-# quick: the KV cache (one query row a step); without it every step runs the whole prefix again
+# quick: the KV cache (one query row a step; without it every step runs the whole prefix again), with the
+# reference, the decode rungs and the newest rung (test_logits_match_transformers takes every rung)
 @pytest.mark.parametrize("kv_cache", tiered([False, True], quick=[True]), ids=["no-cache", "kv-cache"])
-@pytest.mark.parametrize("attention", ATTENTIONS)
+@pytest.mark.parametrize("attention", tiered(ATTENTIONS, quick=lambda name: name in ("reference", ATTENTIONS[-1])
+                                             or kernels.load(name).split_kv))
 def test_greedy_tokens_match_transformers(peer, ours, attention, kv_cache):
     out = gpt2.generate(ours.params, ours.config, peer["ids"], NEW_TOKENS, attend=attend_with(attention),
                         kv_cache=kv_cache)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import kernels
-from tests.tiers import first_of_each_rung, tiered
+from tests.tiers import first_of_each_rung, spread, tiered
 
 pytestmark = pytest.mark.gpu
 
@@ -70,8 +70,7 @@ def check_against_reference(q, k, v, name, scale=None, config=None):
     assert err <= bound, f"{name} {q.shape}: max error {err:.3e} (mean {mean:.3e}) > {bound:.3e} (plain fp32 {plain:.3e})"
 
 
-@pytest.mark.parametrize("name,d,dtype", CASES)  # quick: every case, each a compile, at three awkward lengths
-@pytest.mark.parametrize("T", tiered(LENGTHS, quick=[1, 97, 257]))
+@pytest.mark.parametrize("T,name,d,dtype", spread(LENGTHS, CASES, quick=[1, 97, 257]))  # quick: every case, one awkward length each
 @pytest.mark.parametrize("B,NH", tiered([(1, 1), (1, 12), (3, 1), (3, 12)], quick=[(3, 12)]))
 def test_rung_matches_reference(name, d, dtype, T, B, NH):
     import cupy as cp
@@ -265,8 +264,8 @@ def check_nan_reaches(name, where, *, T_q, T_k, row, config=None, dtype=None):
     assert not bool(cp.isnan(out[0, 0]).any()), f"{what} leaked into another head"
 
 
-@pytest.mark.parametrize("name", RUNGS)
-@pytest.mark.parametrize("where", ["q", "k", "v"])
+# quick: each rung with its NaN in one of q, k, v in turn (the next test takes all three at a declared configuration)
+@pytest.mark.parametrize("where,name", spread(["q", "k", "v"], [(name,) for name in RUNGS], quick=["q", "k", "v"]))
 def test_nan_reaches_every_row_that_sees_it(name, where):
     """A NaN is never masked silently: with a NaN in query row 40, or in key/value row 40, every
     output row that attends to it is NaN (T = 100, the configuration the launcher picks)."""

@@ -31,6 +31,7 @@ import lab
 import llama
 from lm.arrays import cast_params
 from lm.generate import reference_attend
+from tests.tiers import tiered
 
 pytestmark = pytest.mark.gpu
 
@@ -49,6 +50,10 @@ PEERS = {
                        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                          original_max_position_embeddings=64)),
 }
+
+
+# quick: the KV cache (one query row a step); without it every step runs the whole prefix again
+NO_CACHE_EXHAUSTIVE = tiered([False, True], quick=[True])
 
 
 def rungs(config, dtype):
@@ -145,7 +150,7 @@ def test_float32_logits_match_transformers(peer, ours):
         assert err <= bound, f"{peer['name']}, {name}: max |logits - transformers float64| = {err:.3g} > {bound:.3g}"
 
 
-@pytest.mark.parametrize("kv_cache", [False, True])
+@pytest.mark.parametrize("kv_cache", NO_CACHE_EXHAUSTIVE)
 def test_float32_greedy_matches_transformers(peer, ours, kv_cache):
     for name in ["reference", *rungs(ours.config, "float32")]:
         out = llama.generate(ours.params, ours.config, peer["ids"], NEW_TOKENS, attend=attend_with(name),
@@ -166,7 +171,7 @@ def test_bfloat16_logits_within_the_peer_s_own_error(peer, ours, ours16):
         assert err <= bound, f"{peer['name']}, {name} bfloat16: max |logits - float64| = {err:.3g} > {bound:.3g}"
 
 
-@pytest.mark.parametrize("kv_cache", [False, True])
+@pytest.mark.parametrize("kv_cache", NO_CACHE_EXHAUSTIVE)
 def test_bfloat16_greedy_follows_the_reference_attention(peer, ours, ours16, kv_cache):
     tie = 2 * BF16_FACTOR * peer_error(peer, "bfloat16")
     ref = llama.generate(ours16, ours.config, peer["ids"], NEW_TOKENS, attend=reference_attend, kv_cache=kv_cache,

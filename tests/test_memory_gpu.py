@@ -14,6 +14,7 @@ import gpt2
 import gpt2.fast as fast
 from lm.arrays import held_bytes
 from lm.products import matmul
+from tests.tiers import tiered
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,14 +73,15 @@ def test_the_engine_holds_views_of_weights_laid_out_once(cp, dtype):
     assert kv + heads <= added <= kv + heads + (64 << 20), (added, kv, heads)
 
 
-@pytest.mark.parametrize("args", [
+# quick: GPT-2 small's runs and Llama's KV-cache run; GPT-2 medium and Llama without the cache are the same bound, longer
+@pytest.mark.parametrize("args", tiered([
     ["--kv-cache", "--dtype", "bfloat16"],
     ["--kv-cache"],
     ["--kv-cache", "--dtype", "bfloat16", "--size", "gpt2-medium"],
     ["--kv-cache", "--no-graph", "--dtype", "bfloat16"],
     ["--kv-cache", "--size", "llama-3.2-1b", "--prompt-ids", "128000,791,1888"],
     ["--size", "llama-3.2-1b", "--prompt-ids", "128000,791,1888"],
-], ids=["gpt2-bf16", "gpt2-fp32", "medium-bf16", "gpt2-bf16-eager", "llama-1b-kv", "llama-1b-no-cache"])
+], quick=lambda args: "gpt2-medium" not in args and "--kv-cache" in args), ids=["gpt2-bf16", "gpt2-fp32", "medium-bf16", "gpt2-bf16-eager", "llama-1b-kv", "llama-1b-no-cache"])
 def test_lab_runs_within_the_memory_bound(tmp_path, args):
     """Each run in a process of its own, as a user starts it: the pool's high-water mark is the run's,
     not that of whatever else the test process holds (other tests' arrays, engines, workspaces)."""

@@ -22,6 +22,7 @@ from tests.test_fused_gpu import (
     persistent_engine,
     teacher_forced,
 )
+from tests.tiers import tiered
 
 pytestmark = pytest.mark.gpu
 
@@ -36,7 +37,7 @@ def cp():
     return cupy
 
 
-@pytest.fixture(scope="module", params=SIZES)
+@pytest.fixture(scope="module", params=tiered(SIZES, quick=SIZES[:1]))  # quick: the smallest
 def model(request, cp):
     checkpoint = random_weights(request.param, seed=0, xp=cp)
     yield request.param, checkpoint
@@ -45,6 +46,7 @@ def model(request, cp):
     cp.get_default_memory_pool().free_all_blocks()
 
 
+@pytest.mark.exhaustive  # 512 eager steps a size; the quick tier holds GPT-2 small's fast decode to eager (test_fused_gpu)
 def test_float32_fast_decode_equals_the_eager_model_over_512_tokens(cp, model):
     size, ckpt = model
     why = fast.unsupported_reason(ckpt.params, ckpt.config, kv_cache=True)

@@ -35,6 +35,7 @@ def test_plain_attention_matches_the_reference(mode, causal):
     assert not math.isnan(err) and err <= bound, f"{mode}: max error {err:.2e} > {bound:.2e}"
 
 
+@pytest.mark.exhaustive  # bench.py's harness over five levels, torch.compile's included; the quick tier checks the peers above
 def test_levels_runs_end_to_end(tmp_path, capsys):
     import json
 

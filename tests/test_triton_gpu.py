@@ -15,7 +15,7 @@ from kernels import triton as triton_rungs
 from tests.test_decode_gpu import check_general
 from tests.test_decode_gpu import random_qkv as random_qkv_gqa
 from tests.test_kernels_gpu import LENGTHS, check_against_reference, check_nan_reaches, random_qkv
-from tests.tiers import first_of_each_rung, tiered
+from tests.tiers import first_of_each_rung, spread, tiered
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(kernels.triton_unavailable() is not None, reason=str(kernels.triton_unavailable()))]
@@ -32,8 +32,7 @@ def precision_cases():
     return [(name, p) for name in RUNGS for p in triton_rungs.load(name).precisions[1:]]
 
 
-@pytest.mark.parametrize("name,d,dtype", CASES)  # quick: every case at three awkward lengths
-@pytest.mark.parametrize("T", tiered(LENGTHS, quick=[1, 97, 257]))
+@pytest.mark.parametrize("T,name,d,dtype", spread(LENGTHS, CASES, quick=[1, 97, 257]))  # quick: every case, one awkward length each
 @pytest.mark.parametrize("B,NH", tiered([(1, 1), (1, 12), (3, 1), (3, 12)], quick=[(3, 12)]))
 def test_triton_matches_reference(name, d, dtype, T, B, NH):
     import cupy as cp
@@ -103,7 +102,8 @@ def test_triton_grouped_query_heads(name, d, dtype, NH, NH_kv):
     check_general(*random_qkv_gqa(cp, 2, NH, NH_kv, 1, 700, d, dtype=dtype), name)
 
 
-@pytest.mark.parametrize("name,precision", precision_cases())
+# quick: plain "tf32"; "ieee" (float32 FMAs, no tensor cores) is far slower to compile and autotune
+@pytest.mark.parametrize("name,precision", tiered(precision_cases(), quick=lambda case: case[1] == "tf32"))
 @pytest.mark.parametrize("T_q,T_k,causal", tiered([(257, 257, True), (97, 1024, False), (300, 97, True)], quick=[(97, 1024, False)]))
 def test_triton_every_float32_precision(name, precision, T_q, T_k, causal):
     """"ieee" (no tensor cores) and plain "tf32", each held to its declared factor."""
@@ -113,6 +113,7 @@ def test_triton_every_float32_precision(name, precision, T_q, T_k, causal):
     check_general(q, k, v, name, causal=causal, config=precision)
 
 
+@pytest.mark.exhaustive  # every tile shape x head size x dtype, each a compile: the quick tier runs the autotuner's picks
 @pytest.mark.parametrize("name", RUNGS)
 def test_triton_every_declared_tile_shape(name):
     """Each of the autotuner's tile shapes pinned, for every dtype and head size, self and cross,

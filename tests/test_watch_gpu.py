@@ -25,6 +25,7 @@ def checked(watcher: Watcher, timeout: float = 300.0) -> tuple[list[str], float]
     return lines + watcher.report(120.0), float(TIMED.match(lines[-1]).group(1))
 
 
+@pytest.mark.long  # a hang is only reported after --timeout seconds of silence
 def test_watch_on_the_gpu(tmp_path):
     source = kernels.resolve("v05")
     path = tmp_path / source.name
