@@ -29,6 +29,12 @@ compile_seconds = 0.0  # total time spent compiling in this process (lab.py repo
 # the GPU tests have run with it (tests/test_kernels_gpu.py, tests/test_fused_gpu.py: -k prepared_cast).
 PREPARE_CASTS = False
 
+# prepare() of a persistent or split-KV rung: its zeroed workspace waited for by a CUDA event, and only by a
+# launch on another stream than the one that zeroed it (ZeroedOn), where today the host synchronizes the
+# stream at every prepare (the eager prefill's layers then run host and device in turn). Off until the GPU
+# tests have run with it (tests/test_kernels_gpu.py, tests/test_decode_gpu.py: -k waits_by_event).
+WAIT_BY_EVENT = False
+
 
 class KernelCompileError(RuntimeError):
     """A rung failed to compile; the message names the .cu file and line with NVRTC's log."""
@@ -432,13 +438,18 @@ def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, ou
         key = (cupy.cuda.runtime.getDevice(), id(inst), floats)
         if key not in _split_workspaces:
             _split_workspaces[key] = cupy.zeros(floats, dtype=np.float32)
+            cupy.cuda.get_current_stream().synchronize()  # once: later prepares may be on other streams
         workspace = _split_workspaces[key]
     else:  # written before it is read
         workspace = cupy.empty(floats, dtype=np.float32)
+    zeroed = None
     if rung.persistent or rung.split_kv:
         # the zeros are written on this stream: wait for them, so that run() may launch on any stream
         # (a non-blocking stream does not wait for this one, and would read the pool's old bytes)
-        cupy.cuda.get_current_stream().synchronize()
+        if WAIT_BY_EVENT:
+            zeroed = ZeroedOn(cupy)
+        else:
+            cupy.cuda.get_current_stream().synchronize()
 
     tensors = {"Q": q, "K": k, "V": v, "O": out}
     tensor_maps = [driver.encode_tensor_map(a, t) for t, a in
@@ -447,10 +458,33 @@ def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, ou
     lse = cupy.empty((B, NH, T), dtype=np.float32) if return_lse else None
 
     def run():
+        if zeroed is not None:
+            zeroed.wait()
         inst.launch(q, k, v, out, workspace, scale, causal, tensor_maps, lse)
         return (out, lse) if return_lse else out
 
     return Prepared(run, inst, reads_inputs=all(a is b for a, b in zip((q, k, v), given, strict=True)))
+
+
+class ZeroedOn:
+    """Work queued on the current stream (a workspace's zeros), marked by an event recorded after it. A
+    launch on that stream follows it in the stream's order and needs nothing; one on another stream waits
+    for the event: on the device (the stream waits), or, while that stream captures a graph (which cannot
+    wait on an event recorded outside it), on the host."""
+
+    def __init__(self, cupy):
+        self.cupy = cupy
+        self.stream = cupy.cuda.get_current_stream()
+        self.event = self.stream.record()
+
+    def wait(self) -> None:
+        stream = self.cupy.cuda.get_current_stream()
+        if stream.ptr == self.stream.ptr:
+            return
+        if stream.is_capturing():
+            self.event.synchronize()
+        else:
+            stream.wait_event(self.event)
 
 
 def fp8_rung() -> str:

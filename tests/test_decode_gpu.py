@@ -122,11 +122,17 @@ def test_decode_over_kv_cache_views(name, d, dtype, T_k):
     check_general(q, k, v, name)
 
 
+@pytest.mark.parametrize("wait", [False, True], ids=["synchronized", "waits_by_event"])  # runtime.WAIT_BY_EVENT
 @pytest.mark.parametrize("name,dtype", [(n, t) for n in DECODE_RUNGS for t in kernels.load(n).dtypes])
-def test_decode_workspace_reused_across_launches(name, dtype):
+def test_decode_workspace_reused_across_launches(name, dtype, wait, monkeypatch):
     """prepare() allocates the counters once: each launch must leave them at zero for the next, and
-    give the same bits (the combine runs in split order whichever block finishes last)."""
+    give the same bits (the combine runs in split order whichever block finishes last); with the zeros
+    waited for by the host at every prepare, or (WAIT_BY_EVENT) once, where they are made."""
     import cupy as cp
+
+    from kernels import runtime
+
+    monkeypatch.setattr(runtime, "WAIT_BY_EVENT", wait)
 
     for B, NH, NH_kv, T_q, T_k in [(1, 12, 12, 1, 1024), (1, 32, 8, 7, 4096), (3, 8, 1, 16, 1000)]:
         q, k, v = random_qkv(cp, B, NH, NH_kv, T_q, T_k, 64, dtype=dtype)

@@ -716,3 +716,38 @@ def test_without_prepare_casts_every_run_is_a_call(monkeypatch):
             got = run()
             assert len(stand_in.prepares) == prepared + 1 and stand_in.copied == [] and got.dtype == np.float32
             np.testing.assert_array_equal(got, attend(q, k, v))
+
+
+def test_zeroed_on_waits_only_across_streams_and_on_the_host_while_capturing():
+    """runtime.ZeroedOn (WAIT_BY_EVENT): a launch on the stream that queued the zeros waits for nothing; one on
+    another stream waits for their event on the device, or, while that stream captures a graph, on the host."""
+    said = []
+
+    class Event:
+        def synchronize(self):
+            said.append("host waits")
+
+    class Stream:
+        def __init__(self, ptr, capturing=False):
+            self.ptr, self.capturing = ptr, capturing
+
+        def record(self):
+            said.append(f"recorded on {self.ptr}")
+            return Event()
+
+        def is_capturing(self):
+            return self.capturing
+
+        def wait_event(self, event):
+            said.append(f"stream {self.ptr} waits")
+
+    current = [Stream(0)]
+    cupy = SimpleNamespace(cuda=SimpleNamespace(get_current_stream=lambda: current[0]))
+    zeroed = runtime.ZeroedOn(cupy)
+    zeroed.wait()  # the same stream (the legacy one, ptr 0): its order suffices
+    current[0] = Stream(7)
+    zeroed.wait()
+    current[0] = Stream(9, capturing=True)
+    zeroed.wait()
+    assert said == ["recorded on 0", "stream 7 waits", "host waits"]
+    assert runtime.WAIT_BY_EVENT is False  # opt-in until the GPU tests have run with it

@@ -311,14 +311,21 @@ PERSISTENT_SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("wait", [False, True], ids=["synchronized", "waits_by_event"])  # runtime.WAIT_BY_EVENT
 @pytest.mark.parametrize("name", PERSISTENT)  # quick: grouped heads, and the causal cross
 @pytest.mark.parametrize("B,NH,NH_kv,T_q,T_k,d,causal,dtype", tiered(PERSISTENT_SHAPES, quick=PERSISTENT_SHAPES[1::2]))
-def test_persistent_rung_matches_its_one_block_per_tile_parent(name, B, NH, NH_kv, T_q, T_k, d, causal, dtype):
+def test_persistent_rung_matches_its_one_block_per_tile_parent(name, B, NH, NH_kv, T_q, T_k, d, causal, dtype,
+                                                                wait, monkeypatch):
     """A persistent rung does its parent's arithmetic per tile (the rung before it, launched a block
     per tile), so its output is the parent's bit for bit, launch after launch and replayed from a
     CUDA graph: a launch that left its tile counter off zero would leave the next one's poisoned
-    output partly unwritten."""
+    output partly unwritten. Prepared on the legacy stream and launched on another, its workspace's
+    zeros waited for by the host at prepare, or by an event (captured: by the host at the capture)."""
     import cupy as cp
+
+    from kernels import runtime
+
+    monkeypatch.setattr(runtime, "WAIT_BY_EVENT", wait)
 
     parent = RUNGS[RUNGS.index(name) - 1]
     rng = cp.random.default_rng(0)
@@ -340,6 +347,39 @@ def test_persistent_rung_matches_its_one_block_per_tile_parent(name, B, NH, NH_k
         stream.synchronize()
         bad = int(cp.count_nonzero(out.view(cp.uint16) != want.view(cp.uint16)))
         assert bad == 0, f"{name} {q.shape} k {k.shape} causal={causal}: {bad} elements differ from {parent}'s"
+
+
+@pytest.mark.parametrize("name", PERSISTENT)
+def test_waits_by_event_a_launch_on_another_stream_waits_for_the_workspace_s_zeros(name, monkeypatch):
+    """runtime.WAIT_BY_EVENT: prepared on a stream still busy with products, so that the workspace's zeros
+    land late, in a block of the pool that held NaN; launched at once on another stream. Right only if
+    that launch waited for the zeros: a tile counter read from the NaN's bits ends every block at once
+    and leaves the poisoned output unwritten."""
+    import cupy as cp
+
+    from kernels import runtime
+
+    monkeypatch.setattr(runtime, "WAIT_BY_EVENT", True)
+    rng = cp.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 8, 1000, 64), dtype=cp.float32).astype("bfloat16") for _ in range(3))
+    want = kernels.attention(q, k, v, kernel=name)  # prepared and launched on one stream: no wait
+    cp.cuda.Device().synchronize()
+    junk = cp.full(1 << 24, cp.nan, dtype=cp.float32)  # 64 MiB of NaN back to the pool, for the zeros to reuse
+    cp.cuda.Device().synchronize()
+    del junk
+    busy_stream, launch_stream = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    out = cp.empty_like(q)
+    with busy_stream:
+        busy = cp.full((4096, 4096), 1e-4, dtype=cp.float32)
+        for _ in range(20):
+            busy = busy @ busy  # tens of milliseconds before the zeros, in this stream's order
+        run = kernels.prepare(q, k, v, kernel=name, out=out)
+    with launch_stream:
+        out.fill(cp.nan)
+        run()
+    launch_stream.synchronize()
+    bad = int(cp.count_nonzero(out.view(cp.uint16) != want.view(cp.uint16)))
+    assert bad == 0, f"{name}: {bad} elements differ from the same-stream launch's"
 
 
 # every rung declaring lab.lse x head size x dtype, each over lengths that leave rows seeing no key

@@ -1,4 +1,5 @@
-"""The prefill on the fast engines, host time beside wall time, with kernels.runtime.PREPARE_CASTS off and on.
+"""The prefill on the fast engines, host time beside wall time, with kernels.runtime's opt-in switches of its
+launches off and on: off; casts (PREPARE_CASTS); casts+event (and WAIT_BY_EVENT).
 
     python3 tools/prefill_profile.py                                   gpt2-xl and llama-3.2-1b, bfloat16, 1000 tokens
     python3 tools/prefill_profile.py --sizes gpt2 --tokens 97 --out $OUT
@@ -7,16 +8,18 @@
 Each size from random weights as `bench.py e2e --sizes` loads them (benchmarks/scale.py: in the run's dtype,
 in the fast engine's layout; the newest rung that takes the model, or --kernel; lab.make_attend), one engine
 for every prompt: --tokens ids (benchmarks.scale.prefill_ids), then the first of them alone. Per setting
-of the switch and prompt: the engine's prefill (engine.start: the whole-sequence pass and the first token's
+and prompt: the engine's prefill (engine.start: the whole-sequence pass and the first token's
 argmax, queued on the engine's stream) timed on the host's clock twice, once when the call returns without
 synchronizing (host: what Python takes to queue the launches) and once after the stream's synchronization
 (wall); then the time to the first token as benchmarks/scale.py takes it (generate(prompt, 1), synchronized
-before and after). Medians of --repeats rounds after --warmup, the two settings interleaved in each round.
+before and after). Medians of --repeats rounds after --warmup, the settings interleaved in each round.
 
 Reading it: a pass whose host time is about its wall time is host-bound (the GPU waits for the launches),
 as is one whose 1-token prompt takes as long as the long one. PREPARE_CASTS on should leave the values as
 they are (tests/test_fused_gpu.py checks the bits) and take the per-layer casts and prepares out of the host
-time of a pass whose q, k, v are not in the rung's dtype (gpt2.fast's float32 work buffers in a bfloat16 run).
+time of a pass whose q, k, v are not in the rung's dtype (gpt2.fast's float32 work buffers in a bfloat16 run);
+WAIT_BY_EVENT takes out the host's wait for a persistent or split-KV rung's zeroed workspace at each prepare
+(Llama's eager prefill prepares its rung every layer), so that the host queues while the device runs.
 Writes prefill_profile.json to --out (default $OUT) when given.
 """
 
@@ -35,11 +38,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SETTINGS = (False, True)  # PREPARE_CASTS
+SWITCHES = ("PREPARE_CASTS", "WAIT_BY_EVENT")  # kernels.runtime's opt-in switches of the prefill's launches
+SETTINGS = {"off": (), "casts": ("PREPARE_CASTS",), "casts+event": SWITCHES}  # the switches each setting turns on
+
+
+def turn(runtime, setting: str) -> None:
+    """kernels.runtime's switches as `setting` has them."""
+    for switch in SWITCHES:
+        setattr(runtime, switch, switch in SETTINGS[setting])
 
 
 def measure(size: str, dtype: str, args) -> list[dict]:
-    """One row per (prompt length, PREPARE_CASTS): median host, wall and first-token milliseconds."""
+    """One row per (prompt length, setting): median host, wall and first-token milliseconds."""
     import cupy
 
     import kernels
@@ -69,7 +79,7 @@ def measure(size: str, dtype: str, args) -> list[dict]:
         return time.perf_counter() - start
 
     for on in SETTINGS:  # compiles every kernel, validates the rung at both lengths, warms cuBLAS
-        runtime.PREPARE_CASTS = on
+        turn(runtime, on)
         for ids in prompts.values():
             first_token(ids)
     engine = fam.engine(params, config, positions)
@@ -85,20 +95,20 @@ def measure(size: str, dtype: str, args) -> list[dict]:
     samples = {(T, on): [] for T in prompts for on in SETTINGS}
     for round_ in range(args.warmup + args.repeats):
         for on in SETTINGS:
-            runtime.PREPARE_CASTS = on
+            turn(runtime, on)
             for T, ids in prompts.items():
                 times = (*prefill(ids), first_token(ids))
                 if round_ >= args.warmup:
                     samples[(T, on)].append(times)
     if args.cprofile:
         for on in SETTINGS:
-            runtime.PREPARE_CASTS = on
-            print(f"{size} {dtype} {len(long_prompt)} tokens, PREPARE_CASTS={on}: the host's busiest functions")
+            turn(runtime, on)
+            print(f"{size} {dtype} {len(long_prompt)} tokens, switches {on}: the host's busiest functions")
             print(host_profile(lambda: engine.start(long_prompt, attend, kv_cache=True), engine, args.cprofile))
     rows = []
     for (T, on), runs in samples.items():
         host, wall, ttft = (1e3 * statistics.median(r[i] for r in runs) for i in range(3))
-        rows.append({"size": size, "dtype": dtype, "attention": kernel, "prompt_tokens": T, "prepare_casts": on,
+        rows.append({"size": size, "dtype": dtype, "attention": kernel, "prompt_tokens": T, "switches": on,
                      "host_ms": host, "wall_ms": wall, "first_token_ms": ttft, "host_over_wall": host / wall,
                      "repeats": len(runs)})
     return rows
@@ -135,20 +145,21 @@ def main(argv=None) -> int:
 
     if problem := device.gpu_problem():
         parser.error(f"needs a CUDA GPU ({problem}): run it on the GPU machine")
-    given = runtime.PREPARE_CASTS
+    given = {switch: getattr(runtime, switch) for switch in SWITCHES}
     rows = []
     try:
         for size in args.sizes.split(","):
             rows += measure(size, args.dtype, args)
             scale.release()
     finally:
-        runtime.PREPARE_CASTS = given
+        for switch, value in given.items():
+            setattr(runtime, switch, value)
     info = device.device_info()
     print(f"{info['name']}, driver {info['driver']}, CUDA {info['cuda_runtime']}; medians of {args.repeats} (ms)")
-    print(f"{'size':14s} {'dtype':9s} {'attention':22s} {'prompt':>6s} {'PREPARE_CASTS':>13s} {'host':>8s} "
+    print(f"{'size':14s} {'dtype':9s} {'attention':22s} {'prompt':>6s} {'switches':>13s} {'host':>8s} "
           f"{'wall':>8s} {'host/wall':>9s} {'first token':>11s}")
     for r in rows:
-        print(f"{r['size']:14s} {r['dtype']:9s} {r['attention']:22s} {r['prompt_tokens']:6d} {str(r['prepare_casts']):>13s} "
+        print(f"{r['size']:14s} {r['dtype']:9s} {r['attention']:22s} {r['prompt_tokens']:6d} {r['switches']:>13s} "
               f"{r['host_ms']:8.2f} {r['wall_ms']:8.2f} {r['host_over_wall']:9.2f} {r['first_token_ms']:11.2f}")
     if args.out:
         path = Path(args.out) / "prefill_profile.json"
