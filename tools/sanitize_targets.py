@@ -379,7 +379,7 @@ def training_pass(cp, name: str, dtype: str) -> list[str]:
     import gpt2
     from gpt2.backward import Attention, loss_and_grads
 
-    config = replace(gpt2.GPT2Config(n_layer=2), vocab_size=1000)
+    config = replace(gpt2.GPT2Config(n_layer=1), vocab_size=1000)  # one layer launches every kernel: half the time under racecheck
     params = host_drawn(cp, gpt2.random_weights(config, seed=0).params)
     idx, targets = cp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 2, 97)))
     want, want_grads = loss_and_grads(params, config, idx, targets, Attention.reference(), dtype)
