@@ -363,16 +363,15 @@ def test_waits_by_event_a_launch_on_another_stream_waits_for_the_workspace_s_zer
     rng = cp.random.default_rng(0)
     q, k, v = (rng.standard_normal((2, 8, 1000, 64), dtype=cp.float32).astype("bfloat16") for _ in range(3))
     want = kernels.attention(q, k, v, kernel=name)  # prepared and launched on one stream: no wait
-    cp.cuda.Device().synchronize()
-    junk = cp.full(1 << 24, cp.nan, dtype=cp.float32)  # 64 MiB of NaN back to the pool, for the zeros to reuse
-    cp.cuda.Device().synchronize()
-    del junk
-    busy_stream, launch_stream = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
     out = cp.empty_like(q)
-    with busy_stream:
+    cp.cuda.Device().synchronize()
+    busy_stream, launch_stream = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    with busy_stream:  # CuPy's pool reuses a block freed on a stream for that stream's allocations
         busy = cp.full((4096, 4096), 1e-4, dtype=cp.float32)
         for _ in range(20):
             busy = busy @ busy  # tens of milliseconds before the zeros, in this stream's order
+        junk = cp.full(1 << 24, cp.nan, dtype=cp.float32)
+        del junk  # 64 MiB of NaN (or a freed product's bits) for the zeros' block: never zeros by chance
         run = kernels.prepare(q, k, v, kernel=name, out=out)
     with launch_stream:
         out.fill(cp.nan)
