@@ -367,9 +367,9 @@ def test_waits_by_event_a_launch_on_another_stream_waits_for_the_workspace_s_zer
     cp.cuda.Device().synchronize()
     busy_stream, launch_stream = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
     with busy_stream:  # CuPy's pool reuses a block freed on a stream for that stream's allocations
-        busy = cp.full((4096, 4096), 1e-4, dtype=cp.float32)
+        busy = cp.full((4096, 4096), 2.0**-12, dtype=cp.float32)
         for _ in range(20):
-            busy = busy @ busy  # tens of milliseconds before the zeros, in this stream's order
+            busy = busy @ busy  # tens of milliseconds before the zeros, in this stream's order (2^-12 again)
         junk = cp.full(1 << 24, cp.nan, dtype=cp.float32)
         del junk  # 64 MiB of NaN (or a freed product's bits) for the zeros' block: never zeros by chance
         run = kernels.prepare(q, k, v, kernel=name, out=out)
