@@ -438,7 +438,8 @@ def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, ou
         key = (cupy.cuda.runtime.getDevice(), id(inst), floats)
         if key not in _split_workspaces:
             _split_workspaces[key] = cupy.zeros(floats, dtype=np.float32)
-            cupy.cuda.get_current_stream().synchronize()  # once: later prepares may be on other streams
+            if WAIT_BY_EVENT:  # the host waits once, here: a later prepare's event marks only its own stream
+                cupy.cuda.get_current_stream().synchronize()
         workspace = _split_workspaces[key]
     else:  # written before it is read
         workspace = cupy.empty(floats, dtype=np.float32)

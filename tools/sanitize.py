@@ -431,6 +431,18 @@ def cases_under_tool(names, under, line) -> list[dict] | None:
     return rows
 
 
+def told(rows: list[dict] | None, cases: dict, verdict) -> int:
+    """A reproducer's ending: 2 where compute-sanitizer is missing (rows None); else each case's `what`
+    and the verdict on the rows, and 0."""
+    if rows is None:
+        return 2
+    print()
+    for name, case in cases.items():
+        print(f"  {name:22s} {case.what}")
+    print(f"\n{verdict(rows)}")
+    return 0
+
+
 def case_under_tool(sanitizer: str, tool: str, script: str, name: str, timeout: float, mark: str,
                     library: str = "checked"):
     """A reproducer's case (`script --case name`) in a child process under the tool, cuBLAS's kernels

@@ -171,13 +171,7 @@ def main(argv=None) -> int:
         CASES, lambda sanitizer, name: under_tool(sanitizer, args.tool, name, args.timeout),
         lambda name, r: f"{name:22s} clusters {r['clusters']:>5}, resident {r['resident']:>4}, {args.tool} errors "
                         f"{r['errors']}, result {r['result']}: {r['report']}")
-    if rows is None:
-        return 2
-    print()
-    for name, case in CASES.items():
-        print(f"  {name:22s} {case.what}")
-    print(f"\n{verdict(rows)}")
-    return 0
+    return sanitize.told(rows, CASES, verdict)
 
 
 if __name__ == "__main__":
