@@ -25,14 +25,16 @@ MAX_PERSISTENT_TILES = 2**31 - 1  # a persistent rung counts its tiles in a 32-b
 
 compile_seconds = 0.0  # total time spent compiling in this process (lab.py reports it apart)
 
-# Attend.prepare of inputs not in the rung's dtype: casts into copies made once, one prepare a pass. Off until
-# the GPU tests have run with it (tests/test_kernels_gpu.py, tests/test_fused_gpu.py: -k prepared_cast).
-PREPARE_CASTS = False
+# Attend.prepare of inputs not in the rung's dtype: casts into copies made once, one prepare a pass (the
+# values bit for bit those of a call: tests/test_kernels_gpu.py, tests/test_fused_gpu.py, -k prepared_cast).
+# Off, each layer casts, validates and prepares anew: tools/prefill_profile.py compares the two.
+PREPARE_CASTS = True
 
 # prepare() of a persistent or split-KV rung: its zeroed workspace waited for by a CUDA event, and only by a
 # launch on another stream than the one that zeroed it (ZeroedOn), where today the host synchronizes the
-# stream at every prepare (the eager prefill's layers then run host and device in turn). Off until the GPU
-# tests have run with it (tests/test_kernels_gpu.py, tests/test_decode_gpu.py: -k waits_by_event).
+# stream at every prepare (the eager prefill's layers then run host and device in turn). Its GPU tests pass
+# (tests/test_kernels_gpu.py, tests/test_decode_gpu.py: -k waits_by_event), but tools/prefill_profile.py
+# measured no gain from it beside PREPARE_CASTS: off, the simpler path, until a pass it speeds up.
 WAIT_BY_EVENT = False
 
 

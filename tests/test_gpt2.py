@@ -206,6 +206,17 @@ def test_random_weights_are_gpt2_shaped_and_seeded():
         random_weights("gpt3")
 
 
+def test_random_weights_in_bfloat16_are_the_float32_draws_rounded():
+    """Each tensor allocated before the draws and the draw cast into it: the same values as the float32
+    draw cast by astype, tensor by tensor, for one seed."""
+    import ml_dtypes
+
+    wide, narrow = (random_weights(SMALL, seed=5, dtype=d) for d in (np.float32, ml_dtypes.bfloat16))
+    assert {k: v.dtype for k, v in narrow.params.items()} == {k: np.dtype(ml_dtypes.bfloat16) for k in wide.params}
+    for name, a in wide.params.items():
+        assert np.array_equal(narrow.params[name].view(np.uint16), a.astype(ml_dtypes.bfloat16).view(np.uint16)), name
+
+
 def test_hub_id_is_read_from_the_cache_offline(tmp_path, monkeypatch, tiny):
     """A hub id resolves through huggingface_hub's cache layout (HF_HUB_CACHE) without network."""
     import huggingface_hub.constants as hub_constants

@@ -22,6 +22,11 @@ the product against NumPy's. What differs is who writes c, and into what memory:
   dgemm-new      c = a @ b in float64 (DGEMM): the step group's float32 reports are in cupy_add__float64
   bf16-prefill   c (float32) = a @ W^T on bfloat16 operands through lm.products.Blas (gemmEx), the
                  prefill's product, whose split-K workspace made the full run leave cuBLAS out
+  bf16-out       c (bfloat16) = a @ W^T on bfloat16 operands, the output in the operands' dtype, read by a cast
+                 to float32: the llama group's report in cupy_copy__bfloat16_float32 after a product
+  bf16-rows      the same on 256 rows by GPT-2 small's c_attn, as training's QKV product, which the
+                 train group's heads_rows reads with its bias
+  bf16-zeros     bf16-out into c = cp.zeros(...): the control, c's bytes set by a memset first
   random-ints    c = CuPy's Generator.integers(...) cast to int32, read by a kernel (c * 2)
   kernel-empty   c = cp.empty(...), written by a CuPy element-wise kernel (cp.add(a, 1, out=c)): the control
 If, with cuBLAS's kernels excluded, the cases whose c cuBLAS alone wrote draw reports and the controls
@@ -43,10 +48,10 @@ sys.path.insert(0, str(HERE.parent))
 import sanitize  # noqa: E402  (beside this file)
 
 CASE_MARK = "@@ case "
-CASES = ("matmul-new", "matmul-empty", "matmul-zeros", "batched-new", "dgemm-new", "bf16-prefill", "random-ints",
-         "kernel-empty")
-CUBLAS = ("matmul-new", "matmul-empty", "batched-new", "dgemm-new", "bf16-prefill")  # cuBLAS alone writes c
-CONTROLS = ("matmul-zeros", "kernel-empty")  # c's bytes set by a kernel the tool sees
+CASES = ("matmul-new", "matmul-empty", "matmul-zeros", "batched-new", "dgemm-new", "bf16-prefill", "bf16-out",
+         "bf16-rows", "bf16-zeros", "random-ints", "kernel-empty")
+CUBLAS = ("matmul-new", "matmul-empty", "batched-new", "dgemm-new", "bf16-prefill", "bf16-out", "bf16-rows")  # cuBLAS alone writes c
+CONTROLS = ("matmul-zeros", "bf16-zeros", "kernel-empty")  # c's bytes set by a kernel the tool sees
 
 
 def operands(cp, name: str):
@@ -54,8 +59,9 @@ def operands(cp, name: str):
     rng = np.random.default_rng(0)
     if name == "random-ints":
         return cp.random.default_rng(0).integers(0, 1000, (2, 97)), None, None
-    if name == "bf16-prefill":
-        a = rng.standard_normal((5, 768)).astype(np.float32)
+    if name.startswith("bf16"):
+        rows = 256 if name == "bf16-rows" else 5
+        a = rng.standard_normal((rows, 768)).astype(np.float32)
         w = rng.standard_normal((2304, 768)).astype(np.float32)  # (out, in), as the engine holds c_attn
         return cp.asarray(a), cp.asarray(w), None
     if name == "batched-new":
@@ -73,13 +79,15 @@ def run_case(name: str) -> int:
     import cupy as cp
 
     a, b, want = operands(cp, name)
-    if name == "bf16-prefill":
+    if name.startswith("bf16"):
         from lm.bf16 import bf16_bits, to_float32
         from lm.products import Blas
 
         a16, w16 = bf16_bits(cp, a), bf16_bits(cp, b)
-        c = cp.empty((a.shape[0], b.shape[0]), dtype=cp.float32)
+        out_dtype = cp.float32 if name == "bf16-prefill" else cp.uint16  # uint16: bfloat16 bits, as the engines hold them
+        c = (cp.zeros if name == "bf16-zeros" else cp.empty)((a.shape[0], b.shape[0]), dtype=out_dtype)
         Blas(cp).gemm(a16, w16.T, c, dtype="bfloat16")
+        c = c if name == "bf16-prefill" else to_float32(cp, c)  # the cast reads the product: the read checked
         want = cp.asnumpy(to_float32(cp, a16)).astype(np.float64) @ cp.asnumpy(to_float32(cp, w16)).astype(np.float64).T
     elif name == "random-ints":
         c = a.astype(cp.int32)
