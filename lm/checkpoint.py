@@ -214,8 +214,8 @@ def random_params(config, sizes: dict, shapes, draw, *, seed: int, xp, dtype) ->
     Every tensor's memory is allocated before the first draw. CuPy's pool cuts a request from a larger
     free block, and a chunk that holds one live array cannot go back to the device: a tensor cast into
     the freed block of the draw before it would pin the rest of that block for the model's life
-    (Llama 3.2 3B's random weights in bfloat16: the pool held close to 2 GB beside the live arrays). Allocated first,
-    the tensors never sit in a draw's block, and the draws' blocks go back whole."""
+    (Llama 3.2 3B's random weights in bfloat16: the pool held close to 2 GB beside the live arrays).
+    Allocated first, the tensors never sit in a draw's block, and the draws' blocks go back whole."""
     dtype = run_dtype(dtype)
     label = None
     if isinstance(config, str):
