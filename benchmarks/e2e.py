@@ -149,11 +149,8 @@ def time_hf_model(model, prompt: list[int], n_new: int, kv_cache: bool, warmup: 
             pass
 
     ids = torch.tensor([prompt], device="cuda")
-    eos = model.config.eos_token_id
-    options = dict(attention_mask=torch.ones_like(ids), do_sample=False, use_cache=kv_cache,
-                   pad_token_id=eos[0] if isinstance(eos, list) else eos)
+    options = hf_greedy(torch, model, ids, kv_cache)
     if kv_cache:
-        options["cache_implementation"] = "static"
         warmup = n_new
     with torch.inference_mode():
         model.generate(ids, max_new_tokens=warmup, min_new_tokens=warmup, **options)
@@ -167,6 +164,38 @@ def time_hf_model(model, prompt: list[int], n_new: int, kv_cache: bool, warmup: 
     peak = torch.cuda.max_memory_reserved()
     return {"seconds": seconds, "elapsed": [t - start for t in clock.stamps], "tokens": out[0, len(prompt):].tolist(),
             "peak_bytes": peak, "peak_what": "torch.cuda.max_memory_reserved() during the run, weights included"}
+
+
+def time_hf_first_token(model, prompt: list[int], runs: int = 3) -> list[float]:
+    """Seconds for an HF model on the device to choose its first token after prompt, greedily with its
+    static cache, as the lab's first token is timed: a warm-up generation at the prompt's length (the
+    cache and anything compiled for it get the timed runs' shape), then `runs` generations of one token,
+    each synchronized before and after, from the prompt's ids on the host to the token on the host."""
+    torch = device.get_torch()
+
+    def first_token() -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        ids = torch.tensor([prompt], device="cuda")
+        out = model.generate(ids, max_new_tokens=1, min_new_tokens=1, **hf_greedy(torch, model, ids, True))
+        out[0, -1].item()  # on the host, as the lab's generate hands its token back
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    with torch.inference_mode():
+        first_token()  # the warm-up
+        return [first_token() for _ in range(runs)]
+
+
+def hf_greedy(torch, model, ids, kv_cache: bool) -> dict:
+    """generate()'s options for greedy tokens after ids (one prompt, all of it attended): with kv_cache,
+    the static cache, as the lab's engines hold a static cache."""
+    eos = model.config.eos_token_id
+    options = dict(attention_mask=torch.ones_like(ids), do_sample=False, use_cache=kv_cache,
+                   pad_token_id=eos[0] if isinstance(eos, list) else eos)
+    if kv_cache:
+        options["cache_implementation"] = "static"
+    return options
 
 
 DECODE_TARGETS = {"float32": 4000.0, "bfloat16": 7000.0}  # decode tokens/s with the KV cache, GPT-2 small

@@ -12,12 +12,14 @@ that takes the model for the prefill, as lab.py picks it:
 - time to first token of a --prefill-tokens prompt (1,000 by default), and the rate of the prefill's
   matrix products over that whole time against the bf16 GEMM ceiling measured in the same run;
 - HF transformers beside each size (bfloat16, static cache; its own random weights of the same config:
-  decode speed does not depend on the values).
+  decode speed does not depend on the values): its decode tokens/s, and its first token after the same
+  prompt timed as the lab's.
 
 gpt2/ and llama/ are imported only when the subcommand runs."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import numpy as np
@@ -54,6 +56,25 @@ def prefill_ids(size: str, config, n: int) -> list[int]:
     ids = np.random.default_rng(25).integers(0, min(config.vocab_size, 50000), n).tolist()
     bos = list(of_size(size).bos_ids)
     return [*bos, *ids[len(bos):]]
+
+
+_LAYER = re.compile(r"(^|\.)(h|layers)\.\d+\.")  # h.0., model.layers.0., and HF's transformer.h.0.
+
+
+def layer_matrices(shapes) -> int:
+    """Elements of the layers' matrices among (name, shape) pairs, named as the lab's params or HF's
+    parameters: the prefill's FLOP convention counts 2 x these per prompt token (the embeddings and the
+    head left out)."""
+    return sum(int(np.prod(shape)) for name, shape in shapes if len(shape) == 2 and _LAYER.search(name))
+
+
+def prefill_rate(row: dict, matrices: int, seconds: list[float], bf16_tflops: float | None) -> dict:
+    """A row's first-token figures from the timed generations' seconds: their median, and the rate of
+    the layers' products over that whole time against the bf16 GEMM ceiling (None where not measured)."""
+    median = float(np.median(seconds))
+    tflops = 2 * matrices * row["prefill_tokens"] / median / 1e12
+    return {"ttft_ms": 1e3 * median, "prefill_tflops": tflops,
+            "pct_bf16_gemm": 100 * tflops / bf16_tflops if bf16_tflops else None}
 
 
 def measure(size: str, dtype: str, args, copy_bps: float, bf16_tflops: float | None) -> dict:
@@ -112,16 +133,13 @@ def measure(size: str, dtype: str, args, copy_bps: float, bf16_tflops: float | N
         kv, added, path = kv_cache_bytes(config, positions, dtype), None, "eager"
     rate = (len(stamps) - 1) / (stamps[-1] - stamps[0])
     bpt = fam.weight_bytes_per_token(config, dtype)
-    matrices = sum(int(a.size) for name, a in params.items() if a.ndim == 2 and name.startswith(("h.", "model.layers.")))
-    seconds = float(np.median(ttft))
     row = {"size": size, "model": SIZES[size], "family": fam.name, "dtype": dtype, "kind": "lab", "status": "ok",
            "engine": path, "attention": kernel, "n_params": ckpt.n_params, "new_tokens": len(stamps),
            "decode_tokens_per_s": rate, "us_per_token": 1e6 / rate, "weight_bytes_per_token": bpt,
            "weight_tbps": bpt * rate / 1e12, "pct_copy": 100 * bpt * rate / copy_bps,
-           "floor_tokens_per_s": copy_bps / bpt, "prefill_tokens": len(long_prompt), "ttft_ms": 1e3 * seconds,
-           "prefill_tflops": 2 * matrices * len(long_prompt) / seconds / 1e12, "peak_bytes": peak,
+           "floor_tokens_per_s": copy_bps / bpt, "prefill_tokens": len(long_prompt), "peak_bytes": peak,
            **memory_figures(peak, used, held_bytes(params.values()), kv, added)}
-    row["pct_bf16_gemm"] = 100 * row["prefill_tflops"] / bf16_tflops if bf16_tflops else None
+    row |= prefill_rate(row, layer_matrices((name, a.shape) for name, a in params.items()), ttft, bf16_tflops)
     return row | targets(row)
 
 
@@ -145,10 +163,11 @@ def targets(row: dict) -> dict:
             "prefill_target_met": row["pct_bf16_gemm"] >= PREFILL_TARGET if prefill else None}
 
 
-def measure_hf(size: str, args, copy_bps: float) -> dict:
-    """HF transformers on the same config in bfloat16 with a static cache (its own random weights), decode
-    tokens/s after the first token as e2e's HF peer measures them."""
-    from .e2e import hf_transformers, time_hf_model
+def measure_hf(size: str, args, copy_bps: float, bf16_tflops: float | None) -> dict:
+    """HF transformers on the same config in bfloat16 with a static cache (its own random weights): decode
+    tokens/s after the first token as e2e's HF peer measures them, then the first token after the lab's
+    long prompt, timed as measure times the lab's."""
+    from .e2e import hf_transformers, time_hf_first_token, time_hf_model
 
     torch, transformers = hf_transformers()
     fam = of_size(size)
@@ -164,14 +183,19 @@ def measure_hf(size: str, args, copy_bps: float) -> dict:
     finally:
         torch.set_default_dtype(saved)
     out = time_hf_model(hf, list(fam.prompt_ids), args.tokens, True, args.warmup)
+    long_prompt = prefill_ids(size, config, args.prefill_tokens)
+    ttft = time_hf_first_token(hf, long_prompt)
+    peak = max(out["peak_bytes"], torch.cuda.max_memory_reserved())  # to the end of the size's runs, as the lab's
     t = out["elapsed"]
     rate = (len(t) - 1) / (t[-1] - t[0])
     bpt = fam.weight_bytes_per_token(config, "bfloat16")
-    return {"size": size, "model": SIZES[size], "family": fam.name, "dtype": "bfloat16", "kind": "hf",
-            "status": "ok", "engine": f"HF transformers {transformers.__version__} ({args.hf_attn}, static cache)",
-            "decode_tokens_per_s": rate, "us_per_token": 1e6 / rate, "weight_bytes_per_token": bpt,
-            "weight_tbps": bpt * rate / 1e12, "pct_copy": 100 * bpt * rate / copy_bps,
-            "floor_tokens_per_s": copy_bps / bpt, "peak_bytes": out["peak_bytes"]}
+    row = {"size": size, "model": SIZES[size], "family": fam.name, "dtype": "bfloat16", "kind": "hf",
+           "status": "ok", "engine": f"HF transformers {transformers.__version__} ({args.hf_attn}, static cache)",
+           "decode_tokens_per_s": rate, "us_per_token": 1e6 / rate, "weight_bytes_per_token": bpt,
+           "weight_tbps": bpt * rate / 1e12, "pct_copy": 100 * bpt * rate / copy_bps,
+           "floor_tokens_per_s": copy_bps / bpt, "prefill_tokens": len(long_prompt), "peak_bytes": peak}
+    matrices = layer_matrices((name, tuple(p.shape)) for name, p in hf.named_parameters())
+    return row | prefill_rate(row, matrices, ttft, bf16_tflops)
 
 
 def cmd_scale(args) -> int:
@@ -202,7 +226,7 @@ def cmd_scale(args) -> int:
         if not args.no_hf:
             row = {"size": size, "model": SIZES[size], "family": family(size), "dtype": "bfloat16", "kind": "hf"}
             try:
-                row = measure_hf(size, args, copy_bps)
+                row = measure_hf(size, args, copy_bps, tensor["bf16_tflops"])
             except Exception as exc:  # Unavailable (no torch or transformers), out of memory
                 row |= {"status": "unavailable", "reason": first_line(exc)}
             release()
@@ -243,7 +267,10 @@ METHOD = {
               "to 256), or the eager path's longest; cudaMemGetInfo's count beside it",
     "hf": "transformers' model of the same config, initialised on the device in bfloat16 (its own random "
           "weights), generate(do_sample=False, cache_implementation='static') after a warm-up of all --tokens "
-          "tokens; peak: torch.cuda.max_memory_reserved()",
+          "tokens; its first token after the same --prefill-tokens prompt as the prefill's (a warm-up at that "
+          "length, then the median of 3 generations of one token, from the ids on the host to the token on "
+          "the host), the products' rate by the same convention from its own layers' matrices; peak: "
+          "torch.cuda.max_memory_reserved() from the timed decode to the end of the first-token runs",
 }
 
 
@@ -254,8 +281,8 @@ def progress_line(row: dict) -> str:
     line = (f"{where} {row['decode_tokens_per_s']:9.1f} tokens/s ({row['pct_copy']:4.0f}% of copy), peak "
             f"{row['peak_bytes'] / 2**30:6.2f} GiB")
     if row["kind"] == "lab":
-        line += f" (bound {row['memory_bound_bytes'] / 2**30:.2f}), first token {row['ttft_ms']:.1f} ms"
-    return line
+        line += f" (bound {row['memory_bound_bytes'] / 2**30:.2f})"
+    return line + f", first token {row['ttft_ms']:.1f} ms"
 
 
 # -- rendering ----------------------------------------------------------------------------------------
@@ -267,6 +294,23 @@ def _gb(n: float) -> str:
 
 def _met(value) -> str:
     return "-" if value is None else ("met" if value else "missed")
+
+
+def _first_token(r: dict, lab_ms: float | None) -> str:
+    """The first token's ms, and on an HF row the lab's (same size, bfloat16) over HF's; "-" on the HF
+    rows of runs before HF's first token was timed."""
+    if r.get("ttft_ms") is None:
+        return "-"
+    ratio = f" (lab / HF {lab_ms / r['ttft_ms']:.2f})" if r["kind"] == "hf" and lab_ms else ""
+    return f"{r['ttft_ms']:,.1f}{ratio}"
+
+
+def _prefill(r: dict) -> str:
+    if r.get("prefill_tflops") is None:
+        return "-"
+    pct = f" ({r['pct_bf16_gemm']:.0f}%)" if r.get("pct_bf16_gemm") is not None else ""
+    met = f": {_met(r['prefill_target_met'])}" if r.get("prefill_target_met") is not None else ""
+    return f"{r['prefill_tflops']:.0f}{pct}{met}"
 
 
 def render_scale(result: dict, image: str | None = None) -> str:
@@ -289,6 +333,8 @@ def render_scale(result: dict, image: str | None = None) -> str:
     if image:
         lines += ["", f"![decode tokens/s per model against its bandwidth floor]({image})"]
     decode, memory = [], []
+    lab_ms = {r["size"]: r["ttft_ms"] for r in result["rows"]
+              if r["kind"] == "lab" and r["status"] == "ok" and r["dtype"] == "bfloat16"}  # HF's dtype
     for r in result["rows"]:
         who = r["engine"] if r["status"] == "ok" else ("HF transformers" if r["kind"] == "hf" else "lab")
         if r["status"] != "ok":
@@ -300,16 +346,14 @@ def render_scale(result: dict, image: str | None = None) -> str:
         decode.append([r["model"], r["dtype"], who, f"{r['decode_tokens_per_s']:,.1f}", f"{r['us_per_token']:,.0f}",
                        _gb(r["weight_bytes_per_token"]), f"{r['weight_tbps']:.2f} ({r['pct_copy']:.0f}%)",
                        f"{r['floor_tokens_per_s']:,.0f}", met, r.get("attention", "")])
+        first = [_first_token(r, lab_ms.get(r["size"])), _prefill(r)]
         if r["kind"] == "lab":
-            pct = f" ({r['pct_bf16_gemm']:.0f}%)" if r.get("pct_bf16_gemm") is not None else ""
             memory.append([r["model"], r["dtype"], _gb(r["weight_bytes"]), _gb(r["kv_cache_bytes"]),
                            _gb(r["peak_bytes"]), f"{r['peak_bytes'] / (r['weight_bytes'] + r['kv_cache_bytes']):.2f}x",
                            _gb(r["memory_bound_bytes"]), "within" if r["within_memory_bound"] else "**over**",
-                           _gb(r["gpu_memory_used_bytes"]), f"{r['ttft_ms']:,.1f}",
-                           f"{r['prefill_tflops']:.0f}{pct}" + (f": {_met(r['prefill_target_met'])}"
-                                                                if r.get("prefill_target_met") is not None else "")])
+                           _gb(r["gpu_memory_used_bytes"]), *first])
         else:
-            memory.append([r["model"], r["dtype"] + " (HF)", "-", "-", _gb(r["peak_bytes"]), "-", "-", "-", "-", "-", "-"])
+            memory.append([r["model"], r["dtype"] + " (HF)", "-", "-", _gb(r["peak_bytes"]), "-", "-", "-", "-", *first])
     lines += ["", "**Decode**", ""] + table(
         ["model", "dtype", "engine", "decode tokens/s", "us/token", "weights GB/token", "weights TB/s (% of copy)",
          "floor tokens/s", "target", "attention"], decode, "lllrrrrrll")

@@ -87,8 +87,9 @@ def e2e_result(modes=("no-cache", "kv-cache"), date="2026-01-02T03:04:05Z"):
             "rows": rows, "plot": None}
 
 
-def scale_row(size, dtype, rate, kind="lab", peak_gib=1.0, bpt=0.5e9):
-    """A row of `bench.py e2e --sizes` as scale.measure (kind lab) or measure_hf (kind hf) writes it."""
+def scale_row(size, dtype, rate, kind="lab", peak_gib=1.0, bpt=0.5e9, hf_ttft_ms=None):
+    """A row of `bench.py e2e --sizes` as scale.measure (kind lab) or measure_hf (kind hf) writes it; an HF
+    row without hf_ttft_ms as runs before HF's first token was timed wrote it."""
     from benchmarks import scale
     from lm.summary import memory_figures
 
@@ -98,7 +99,9 @@ def scale_row(size, dtype, rate, kind="lab", peak_gib=1.0, bpt=0.5e9):
            "weight_tbps": bpt * rate / 1e12, "pct_copy": 100 * bpt * rate / 4e12, "floor_tokens_per_s": 4e12 / bpt,
            "peak_bytes": int(peak_gib * 2**30)}
     if kind == "hf":
-        return row
+        if hf_ttft_ms is None:
+            return row
+        return row | {"prefill_tokens": 1000, "ttft_ms": hf_ttft_ms, "prefill_tflops": 120.0, "pct_bf16_gemm": 20.0}
     row |= {"attention": "v18_wgmma", "n_params": int(bpt / 2), "new_tokens": 512, "prefill_tokens": 1000,
             "ttft_ms": 12.5, "prefill_tflops": 250.0, "pct_bf16_gemm": 250.0 / 6.0,
             **memory_figures(row["peak_bytes"], row["peak_bytes"] + 2**28, int(bpt), 2**26, 2**25)}

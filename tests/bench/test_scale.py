@@ -2,6 +2,7 @@
 synthetic result, its command line, and the command end to end with NumPy standing in for CuPy on tiny
 stand-ins for the sizes."""
 
+import contextlib
 import json
 import shutil
 from types import SimpleNamespace
@@ -12,9 +13,18 @@ import pytest
 import gpt2
 import kernels
 import llama
-from benchmarks import plots, scale, timing
+from benchmarks import device, plots, scale, timing
 from benchmarks.results import write_result
-from tests.bench.helpers import FIXTURES, FakePyplot, cells_of, install_stand_ins, run, scale_result, table_rows
+from tests.bench.helpers import (
+    FIXTURES,
+    FakePyplot,
+    cells_of,
+    install_stand_ins,
+    run,
+    scale_result,
+    scale_row,
+    table_rows,
+)
 from tests.bench.test_readme import docs_page
 
 
@@ -45,9 +55,121 @@ def test_scale_tables_render_every_row():
     assert rows[0][:8] == ["GPT-2 small", "bfloat16", "0.25", "0.07", "0.32", "1.02x", "0.63", "within"]
     assert rows[1][7] == "**over**"
     assert rows[2][:2] == ["GPT-2 small", "bfloat16 (HF)"] and rows[2][4] == "0.54"
+    assert rows[2][9:] == ["-", "-"]  # an HF row of a run before HF's first token was timed
     (big,) = [cells_of(line) for line in table_rows(memory, "Llama 3.1 8B")]
     assert big[7] == "within" and big[9] == "12.5" and big[10] == "250 (42%): missed"
     assert not table_rows(memory, "GPT-2 XL")  # an error row has no memory to show
+
+
+def test_hf_rows_show_their_first_token_beside_the_labs():
+    result = scale_result()
+    result["rows"][1]["ttft_ms"] = 50.0  # GPT-2 small float32: not HF's dtype, so not its ratio
+    result["rows"][2] = scale_row("gpt2", "bfloat16", 200.0, kind="hf", peak_gib=0.5, bpt=0.25e9, hf_ttft_ms=25.0)
+    result["rows"].insert(4, scale_row("gpt2-xl", "bfloat16", 50.0, kind="hf", hf_ttft_ms=80.0))  # its lab row failed
+    memory = scale.render_scale(result).split("**Memory and the first token**")[1]
+    small = [cells_of(line) for line in table_rows(memory, "GPT-2 small")]
+    assert [r[9:] for r in small] == [["12.5", "250 (42%)"], ["50.0", "250 (42%)"], ["25.0 (lab / HF 0.50)", "120 (20%)"]]
+    (xl,) = [cells_of(line) for line in table_rows(memory, "GPT-2 XL")]
+    assert xl[1] == "bfloat16 (HF)" and xl[9:] == ["80.0", "120 (20%)"]
+
+
+def test_progress_line_shows_the_first_token_of_lab_and_hf_rows():
+    lab = scale.progress_line(scale_row("gpt2", "bfloat16", 11000.0))
+    hf = scale.progress_line(scale_row("gpt2", "bfloat16", 200.0, kind="hf", hf_ttft_ms=25.0))
+    assert lab.endswith("(bound 0.86), first token 12.5 ms")
+    assert hf.startswith("GPT-2 small   bfloat16 HF ") and hf.endswith("peak   1.00 GiB, first token 25.0 ms")
+
+
+def test_layer_matrices_count_the_labs_and_hfs_names_alike():
+    """2 x these per token is the prefill's FLOP convention for lab and HF rows alike: the layers'
+    matrices, under the lab's checkpoint names and HF's (GPT-2's under transformer.), nothing else."""
+    params = gpt2.random_weights(TINY).params
+    lab = scale.layer_matrices((name, a.shape) for name, a in params.items())
+    C, F = TINY.n_embd, TINY.mlp_width
+    assert lab == TINY.n_layer * (C * 3 * C + C * C + C * F + F * C)
+    assert scale.layer_matrices((f"transformer.{name}", a.shape) for name, a in params.items()) == lab
+    params = llama.random_weights(TINY_LLAMA).params
+    C, F, kv = TINY_LLAMA.hidden_size, TINY_LLAMA.intermediate_size, TINY_LLAMA.kv_heads * TINY_LLAMA.head_size
+    assert scale.layer_matrices((name, a.shape) for name, a in params.items()) == \
+        TINY_LLAMA.n_layer * (2 * C * C + 2 * kv * C + 3 * C * F)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+class FakeHF:
+    """An HF model's generate() that takes the next of `seconds` on the clock and appends token 7, logging
+    each call beside the synchronizations."""
+
+    config = SimpleNamespace(eos_token_id=[50256])
+
+    def __init__(self, seconds, clock, log, parameters=()):
+        self.seconds, self.clock, self.log, self.parameters = list(seconds), clock, log, parameters
+
+    def generate(self, ids, max_new_tokens, min_new_tokens, **options):
+        self.log.append(("generate", ids.shape[1], max_new_tokens, options["cache_implementation"]))
+        self.clock.now += self.seconds.pop(0)
+        return np.concatenate([ids, [[7]]], axis=1)
+
+    def eval(self):
+        return self
+
+    def named_parameters(self):
+        return [(name, SimpleNamespace(shape=shape)) for name, shape in self.parameters]
+
+
+def fake_torch(log, reserved=0):
+    cuda = SimpleNamespace(synchronize=lambda: log.append("sync"), max_memory_reserved=lambda: reserved)
+    return SimpleNamespace(tensor=lambda data, device: np.array(data), ones_like=np.ones_like, cuda=cuda,
+                           inference_mode=contextlib.nullcontext, device=lambda name: contextlib.nullcontext(),
+                           bfloat16="bfloat16", get_default_dtype=lambda: "float32", set_default_dtype=lambda dtype: None)
+
+
+def test_hf_first_token_is_timed_after_a_warm_up_each_run_synchronized(monkeypatch):
+    from benchmarks import e2e
+
+    clock, log = FakeClock(), []
+    monkeypatch.setattr(e2e, "time", clock)
+    monkeypatch.setattr(device, "get_torch", lambda: fake_torch(log))
+    model = FakeHF([5.0, 0.03, 0.01, 0.02], clock, log)
+    assert e2e.time_hf_first_token(model, list(range(40))) == pytest.approx([0.03, 0.01, 0.02])
+    assert log == ["sync", ("generate", 40, 1, "static"), "sync"] * 4  # the warm-up at the prompt's length first
+
+
+def test_measure_hf_times_the_first_token_after_the_labs_long_prompt(monkeypatch):
+    """measure_hf with a fake torch and model: the first token after prefill_ids' prompt, the median of
+    the 3 timed runs, the products' rate from HF's layer matrices, the peak to the end of the runs."""
+    from benchmarks import e2e
+
+    clock, log = FakeClock(), []
+    torch = fake_torch(log, reserved=7 * 2**30)
+    parameters = [("transformer.wte.weight", (50257, 768)), ("transformer.h.0.attn.c_attn.weight", (768, 2304)),
+                  ("transformer.h.0.attn.c_attn.bias", (2304,)), ("transformer.h.0.mlp.c_fc.weight", (768, 3072)),
+                  ("lm_head.weight", (50257, 768))]
+    model = FakeHF([5.0, 0.03, 0.01, 0.02], clock, log, parameters)
+    transformers = SimpleNamespace(__version__="5.17.0", GPT2LMHeadModel=lambda config: model,
+                                   GPT2Config=lambda **settings: SimpleNamespace(**settings))
+    monkeypatch.setattr(e2e, "time", clock)
+    monkeypatch.setattr(device, "get_torch", lambda: torch)
+    monkeypatch.setattr(e2e, "hf_transformers", lambda: (torch, transformers))
+    monkeypatch.setattr(e2e, "time_hf_model", lambda hf, prompt, n, kv, warmup: {
+        "elapsed": [0.0, 0.5, 1.0], "peak_bytes": 5 * 2**30})  # decode: 2 tokens in a second
+    args = SimpleNamespace(tokens=3, warmup=2, prefill_tokens=1000, hf_attn="sdpa")
+    row = scale.measure_hf("gpt2", args, 4e12, 600.0)
+    assert [entry[1] for entry in log if entry != "sync"] == [1000] * 4
+    assert row["kind"] == "hf" and row["decode_tokens_per_s"] == pytest.approx(2.0)
+    assert row["prefill_tokens"] == 1000 and row["ttft_ms"] == pytest.approx(20.0)
+    flops = 2 * (768 * 2304 + 768 * 3072) * 1000
+    assert row["prefill_tflops"] == pytest.approx(flops / 0.02 / 1e12)
+    assert row["pct_bf16_gemm"] == pytest.approx(100 * row["prefill_tflops"] / 600.0)
+    assert row["peak_bytes"] == 7 * 2**30
+    model.seconds = [5.0, 0.03, 0.01, 0.02]
+    assert scale.measure_hf("gpt2", args, 4e12, None)["pct_bf16_gemm"] is None  # no bf16 ceiling measured
 
 
 def test_scale_plot_draws_each_dtype_against_its_floor():
