@@ -576,6 +576,55 @@ def test_prepared_casts_leave_the_bfloat16_prefill_and_tokens_as_they_were(cp, s
     assert cast_eager == eager
 
 
+@pytest.mark.parametrize("dtype, name, persistent", [("float32", "v20", True), ("bfloat16", "v24", True),
+                                                     ("bfloat16", "v24", False)])
+def test_prefill_graphs_replay_the_eager_pass_and_keep_the_tokens(cp, small, monkeypatch, dtype, name, persistent):
+    """gpt2.fast.sequence.PREFILL_GRAPHS: a bucket's first prompt runs eagerly over its 128 rows, its second
+    is captured, every later one replays; the padded passes' logits the same bits whichever ran them,
+    within float32's rounding of the unpadded pass's (whose last layer runs its tail on one row, other
+    products), the same first token, and the decode after a replayed prefill (over cache positions the
+    padding filled) the same greedy tokens as after the eager prefill: all 32 in float32, the first 8
+    in bfloat16 (whose logits move by more than a near-tie's margin between other products)."""
+    from gpt2.fast import sequence
+
+    engine = fast.Engine(small.params, small.config, dtype=dtype, keep_logits=True, persistent=persistent)
+    attend = kernels.Attend(name, dtype=dtype)
+    rng = np.random.default_rng(117)
+    prompts = [rng.integers(0, small.config.vocab_size, T).tolist() for T in (100, 117)]
+
+    def prefill(prompt):
+        engine.start(prompt, attend, kv_cache=True)
+        with engine.stream:  # the engine's stream does not wait for the legacy default one
+            logits = engine.logits.copy()
+        engine.stream.synchronize()
+        return logits
+
+    monkeypatch.setattr(sequence, "PREFILL_GRAPHS", False)
+    plain = [prefill(p) for p in prompts]
+    plain_tokens = [engine.generate(p, 32, attend=attend, kv_cache=True).tokens for p in prompts]
+    monkeypatch.setattr(sequence, "PREFILL_GRAPHS", True)
+    eager = prefill(prompts[0])  # the bucket's first prompt: eager, over 128 rows
+    assert not engine.whole.graphs
+    captured = prefill(prompts[0])  # its second: captured, then launched
+    assert list(engine.whole.graphs) == [(128, attend)] and engine.whole.graphs[(128, attend)] is not None
+    replayed = prefill(prompts[0])
+    other = prefill(prompts[1])  # another length of the bucket: the same graph
+    assert len(engine.whole.graphs) == 1
+    for got, what in ((captured, "captured"), (replayed, "replayed")):
+        bad = int(cp.count_nonzero(got.view(cp.uint32) != eager.view(cp.uint32)))
+        assert bad == 0, f"{bad} logits of the {what} pass differ from the eager padded pass's"
+    for got, want, T in ((replayed, plain[0], 100), (other, plain[1], 117)):
+        assert bool(cp.isfinite(got).all())
+        assert int(got.argmax()) == int(want.argmax()), f"T = {T}: another first token"
+        scale = float(cp.abs(want).max())
+        tol = (1e-4 if dtype == "float32" else 2e-2) * scale
+        assert float(cp.abs(got - want).max()) <= tol, f"T = {T}: padded logits off the unpadded pass's"
+    for prompt, want in zip(prompts, plain_tokens, strict=True):
+        tokens = engine.generate(prompt, 32, attend=attend, kv_cache=True).tokens  # its prefill replayed
+        n = 32 if dtype == "float32" else 8
+        assert tokens[:n] == want[:n], f"tokens part at step {first_difference(tokens, want)}"
+
+
 def test_windows_end_of_text_and_streaming(cp, small):
     engine = fast.engine_for(small.params, small.config)
     full = engine.generate(PROMPT, 64, attend=reference_attend, kv_cache=True).tokens

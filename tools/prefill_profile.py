@@ -1,5 +1,6 @@
-"""The prefill on the fast engines, host time beside wall time, with kernels.runtime's opt-in switches of its
-launches off and on: off; casts (PREPARE_CASTS); casts+event (and WAIT_BY_EVENT).
+"""The prefill on the fast engines, host time beside wall time, with the switches of its launches off and
+on: off; casts (kernels.runtime.PREPARE_CASTS, the default); casts+event (and WAIT_BY_EVENT);
+casts+graphs (and gpt2.fast.sequence.PREFILL_GRAPHS: GPT-2's pass replayed from a CUDA graph a bucket).
 
     python3 tools/prefill_profile.py                                   gpt2-xl and llama-3.2-1b, bfloat16, 1000 tokens
     python3 tools/prefill_profile.py --sizes gpt2 --tokens 97 --out $OUT
@@ -20,6 +21,10 @@ they are (tests/test_fused_gpu.py checks the bits) and take the per-layer casts 
 time of a pass whose q, k, v are not in the rung's dtype (gpt2.fast's float32 work buffers in a bfloat16 run);
 WAIT_BY_EVENT takes out the host's wait for a persistent or split-KV rung's zeroed workspace at each prepare
 (Llama's eager prefill prepares its rung every layer), so that the host queues while the device runs.
+PREFILL_GRAPHS should leave a host time of a few launches and a wall time of the GPU's work; its
+one-time costs at each prompt's bucket (the bucket's first prompt, run eagerly, and its second,
+captured) are measured before the rounds and kept in its rows. Llama's prefill has no graphed pass:
+its casts+graphs rows are its casts rows again.
 Writes prefill_profile.json to --out (default $OUT) when given.
 """
 
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib
 import io
 import json
 import os
@@ -38,14 +44,28 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SWITCHES = ("PREPARE_CASTS", "WAIT_BY_EVENT")  # kernels.runtime's opt-in switches of the prefill's launches
-SETTINGS = {"off": (), "casts": ("PREPARE_CASTS",), "casts+event": SWITCHES}  # the switches each setting turns on
+# the switches of the prefill's launches, by the module that holds each
+SWITCHES = {"PREPARE_CASTS": "kernels.runtime", "WAIT_BY_EVENT": "kernels.runtime",
+            "PREFILL_GRAPHS": "gpt2.fast.sequence"}
+SETTINGS = {"off": (), "casts": ("PREPARE_CASTS",), "casts+event": ("PREPARE_CASTS", "WAIT_BY_EVENT"),
+            "casts+graphs": ("PREPARE_CASTS", "PREFILL_GRAPHS")}  # the switches each setting turns on
 
 
-def turn(runtime, setting: str) -> None:
-    """kernels.runtime's switches as `setting` has them."""
-    for switch in SWITCHES:
-        setattr(runtime, switch, switch in SETTINGS[setting])
+def turn(setting: str) -> None:
+    """The switches as `setting` has them."""
+    for switch, module in SWITCHES.items():
+        setattr(importlib.import_module(module), switch, switch in SETTINGS[setting])
+
+
+def bucket_costs(engine, prefill, ids) -> dict:
+    """A graphed prefill's one-time costs at ids' bucket (PREFILL_GRAPHS on), its graphs dropped first:
+    the bucket's first prompt (eager, over the bucket's rows) and its second (captured, then launched),
+    wall milliseconds each. Empty for an engine without the graphed pass (Llama's)."""
+    whole = getattr(engine, "whole", None)
+    if whole is None:
+        return {}
+    whole.graphs, whole.seen = {}, set()
+    return {"bucket_first_ms": 1e3 * prefill(ids)[1], "bucket_capture_ms": 1e3 * prefill(ids)[1]}
 
 
 def measure(size: str, dtype: str, args) -> list[dict]:
@@ -55,7 +75,6 @@ def measure(size: str, dtype: str, args) -> list[dict]:
     import kernels
     import lab
     from benchmarks import scale
-    from kernels import runtime
 
     fam = scale.of_size(size)
     ckpt = fam.random_weights(size, seed=args.seed, xp=cupy, dtype=dtype)
@@ -79,7 +98,7 @@ def measure(size: str, dtype: str, args) -> list[dict]:
         return time.perf_counter() - start
 
     for on in SETTINGS:  # compiles every kernel, validates the rung at both lengths, warms cuBLAS
-        turn(runtime, on)
+        turn(on)
         for ids in prompts.values():
             first_token(ids)
     engine = fam.engine(params, config, positions)
@@ -92,17 +111,21 @@ def measure(size: str, dtype: str, args) -> list[dict]:
         engine.stream.synchronize()
         return host, time.perf_counter() - start
 
+    once = {}
+    for T, ids in prompts.items():
+        turn("casts+graphs")
+        once[T] = bucket_costs(engine, prefill, ids)
     samples = {(T, on): [] for T in prompts for on in SETTINGS}
     for round_ in range(args.warmup + args.repeats):
         for on in SETTINGS:
-            turn(runtime, on)
+            turn(on)
             for T, ids in prompts.items():
                 times = (*prefill(ids), first_token(ids))
                 if round_ >= args.warmup:
                     samples[(T, on)].append(times)
     if args.cprofile:
         for on in SETTINGS:
-            turn(runtime, on)
+            turn(on)
             print(f"{size} {dtype} {len(long_prompt)} tokens, switches {on}: the host's busiest functions")
             print(host_profile(lambda: engine.start(long_prompt, attend, kv_cache=True), engine, args.cprofile))
     rows = []
@@ -110,7 +133,7 @@ def measure(size: str, dtype: str, args) -> list[dict]:
         host, wall, ttft = (1e3 * statistics.median(r[i] for r in runs) for i in range(3))
         rows.append({"size": size, "dtype": dtype, "attention": kernel, "prompt_tokens": T, "switches": on,
                      "host_ms": host, "wall_ms": wall, "first_token_ms": ttft, "host_over_wall": host / wall,
-                     "repeats": len(runs)})
+                     "repeats": len(runs), **(once[T] if on == "casts+graphs" else {})})
     return rows
 
 
@@ -141,11 +164,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from benchmarks import device, scale
-    from kernels import runtime
 
     if problem := device.gpu_problem():
         parser.error(f"needs a CUDA GPU ({problem}): run it on the GPU machine")
-    given = {switch: getattr(runtime, switch) for switch in SWITCHES}
+    given = {switch: getattr(importlib.import_module(module), switch) for switch, module in SWITCHES.items()}
     rows = []
     try:
         for size in args.sizes.split(","):
@@ -153,14 +175,16 @@ def main(argv=None) -> int:
             scale.release()
     finally:
         for switch, value in given.items():
-            setattr(runtime, switch, value)
+            setattr(importlib.import_module(SWITCHES[switch]), switch, value)
     info = device.device_info()
     print(f"{info['name']}, driver {info['driver']}, CUDA {info['cuda_runtime']}; medians of {args.repeats} (ms)")
     print(f"{'size':14s} {'dtype':9s} {'attention':22s} {'prompt':>6s} {'switches':>13s} {'host':>8s} "
           f"{'wall':>8s} {'host/wall':>9s} {'first token':>11s}")
     for r in rows:
         print(f"{r['size']:14s} {r['dtype']:9s} {r['attention']:22s} {r['prompt_tokens']:6d} {r['switches']:>13s} "
-              f"{r['host_ms']:8.2f} {r['wall_ms']:8.2f} {r['host_over_wall']:9.2f} {r['first_token_ms']:11.2f}")
+              f"{r['host_ms']:8.2f} {r['wall_ms']:8.2f} {r['host_over_wall']:9.2f} {r['first_token_ms']:11.2f}"
+              + (f"  (the bucket's first prompt {r['bucket_first_ms']:.2f}, its capture {r['bucket_capture_ms']:.2f})"
+                 if "bucket_first_ms" in r else ""))
     if args.out:
         path = Path(args.out) / "prefill_profile.json"
         path.write_text(json.dumps({"device": info, "command": ["python3", "tools/prefill_profile.py", *(sys.argv[1:] if argv is None else argv)],

@@ -1,9 +1,20 @@
 """GPT-2's whole-sequence pass on the fast engine: the prefill (keys and values into the cache) and the
 mode without a KV cache (the whole sequence every step), eager launches of the fused kernels around the
 products (cuBLAS: lm/products.py; or gemm.cu's 3xTF32 on wgmma in the no-cache mode's float32 passes,
-launched by gemm) and the attention under test."""
+launched by gemm) and the attention under test.
+
+The prefill is host-bound: some twenty launches a layer, each a few tens of microseconds of Python,
+take longer than the GPU's work on a 1,000-token prompt (tools/prefill_profile.py: a 1-token prompt
+as slow as a 1,000-token one). With PREFILL_GRAPHS, the prefill runs over its length rounded up to
+PREFILL_BUCKET rows, and a bucket seen before replays a CUDA graph of the whole pass (captured at
+its second prompt, the first having run it eagerly, compiled and warmed up), then launches the head
+on the last real row. The rows past the prompt are padding that nothing real reads: the attention is
+causal, every other kernel works row by row, and the cache positions they fill are written again by
+the decode step before it reads them."""
 
 from __future__ import annotations
+
+import warnings
 
 import numpy as np
 
@@ -13,6 +24,11 @@ from lm.products import Blas
 
 from .plan import GEMM_BIAS, GEMM_BIAS_GELU, GEMM_NONE, GEMM_SMEM, GEMM_TILE, NULL, gemm_splits
 from .weights import gemm_weight
+
+# Opt-in until its GPU tests have run (tests/test_fused_gpu.py -k prefill_graph): the prefill as a CUDA
+# graph a bucket of lengths, replayed (see the module's docstring).
+PREFILL_GRAPHS = False
+PREFILL_BUCKET = 128  # rows: at most 127 padding rows a pass, one graph for 128 prompt lengths
 
 
 def choose_products(cp, products: str | None) -> str:
@@ -56,6 +72,8 @@ class WholeSequence:
         # split K: the splits' sums (fewer than 2 x SMs tiles of 64 x 64) and a ticket per output tile
         self.gemm_partials = cp.zeros(2 * engine.sm_count * GEMM_TILE * GEMM_TILE, dtype=cp.float32)
         self.gemm_tickets = cp.zeros(engine.sm_count, dtype=cp.uint32)
+        # PREFILL_GRAPHS: (rows, attend) -> PrefillGraph, and the keys whose first pass ran eagerly
+        self.graphs, self.seen = {}, set()
 
     def reserve(self, T: int) -> None:
         """Activations for passes of up to T positions: allocated for the longest pass a run asks for (the
@@ -65,6 +83,7 @@ class WholeSequence:
         e = self.engine
         cp, C, F = e.cp, e.config.n_embd, e.config.mlp_width
         self.work = {}  # the shorter buffers go back to the pool first
+        self.graphs, self.seen = {}, set()  # their graphs read the old buffers
         with e.stream:
             self.work = {name: cp.zeros((T, width), dtype=cp.float32)
                          for name, width in (("x", C), ("h", C), ("qkv", 3 * C), ("merged", C), ("y", C), ("f", F))}
@@ -103,21 +122,63 @@ class WholeSequence:
                 (min(-(-M * N // 1024), 4 * e.sm_count),), (256,), (out, b, np.int32(M), np.int32(N)))
 
     def run(self, T: int, attend, *, store_kv: bool) -> None:
-        """The forward pass over history[0:T] (eager launches), then ln_f + lm_head + argmax on
-        position T - 1, which writes the next token into history[T] and state. With store_kv, every
-        layer's keys and values go into the cache (the prefill). Only position T - 1 reaches the
-        logits, so the last layer runs its keys and values (and the attention) over every position,
-        and everything after the attention on position T - 1 alone. The products run on gemm.cu in the
-        no-cache mode's float32 passes where products="3xtf32", else on cuBLAS."""
+        """The forward pass over history[0:T], then ln_f + lm_head + argmax on position T - 1, which
+        writes the next token into history[T] and state. With store_kv, every layer's keys and values go
+        into the cache (the prefill): eager launches, or with PREFILL_GRAPHS a pass over a bucket of
+        rows (prefill_rows), replayed from a graph where the bucket was seen before. The products run
+        on gemm.cu in the no-cache mode's float32 passes where products="3xtf32", else on cuBLAS."""
+        e = self.engine
+        if store_kv and PREFILL_GRAPHS:
+            rows = self.prefill_rows(T)
+            self.reserve(rows)
+            key = (rows, attend)
+            if key in self.seen and key not in self.graphs:  # its second prompt: compiled, cuBLAS's choices made
+                self.graphs[key] = self._capture(rows, attend)
+            graph = self.graphs.get(key)
+            if graph is not None:
+                graph.launch(e.stream)
+            else:  # a bucket's first prompt, or an attention that cannot be captured
+                self.seen.add(key)
+                self.layers(rows, launcher(attend, *self.qkv_views(rows)), store_kv=True, tiled=False, last_row=None)
+        else:
+            self.reserve(T)
+            tiled = not store_kv and self.products == "3xtf32" and e.dtype == "float32"
+            self.layers(T, launcher(attend, *self.qkv_views(T)), store_kv=store_kv, tiled=tiled, last_row=T - 1)
+        self.head(T)
+
+    def _capture(self, rows: int, attend):
+        """The PrefillGraph of a bucket, or None (with a warning) where the attention cannot be captured:
+        one that reads back to the host as it runs (the FP8 rung checks its block maxima there)."""
+        e = self.engine
+        try:
+            return PrefillGraph(e.cp, e.stream, lambda run_attention: self.layers(
+                rows, run_attention, store_kv=True, tiled=False, last_row=None), self.qkv_views(rows), attend)
+        except Exception as exc:  # CuPy refuses a synchronizing call while the stream captures
+            warnings.warn(f"the prefill's pass could not be captured as a CUDA graph ({exc}); it runs eagerly",
+                          stacklevel=3)
+            return None
+
+    def prefill_rows(self, T: int) -> int:
+        """The rows a graphed prefill of T positions runs over: T rounded up to PREFILL_BUCKET, within the
+        engine's positions (the cache's length, at most the model's)."""
+        return min(-(-T // PREFILL_BUCKET) * PREFILL_BUCKET, self.engine.max_len)
+
+    def qkv_views(self, T: int) -> tuple:
+        """q, k, v (1, NH, T, hs) views of the qkv buffer's first T rows, columns [q | k | v]."""
+        c = self.engine.config
+        views = self.work["qkv"][:T].reshape(1, T, 3, c.n_head, c.head_size)  # (B, T, 3, NH, hs)
+        return tuple(views[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+
+    def layers(self, T: int, run_attention, *, store_kv: bool, tiled: bool, last_row: int | None) -> None:
+        """Embeddings and every layer over rows 0..T-1 of the work buffers; run_attention() -> o is the
+        attention prepared on qkv_views(T). With last_row, only that row reaches the logits, so the last
+        layer runs its keys and values (and the attention) over every row and everything after the
+        attention on that row alone; without it (a graphed pass, whose last real row varies within its
+        bucket) over every row."""
         e = self.engine
         c, p, fn = e.config, e.vectors, e.fn
         C, NH, HS = c.n_embd, c.n_head, c.head_size
-        tiled = not store_kv and self.products == "3xtf32" and e.dtype == "float32"
-        self.reserve(T)
         x, h, qkv, merged, y, f = (self.work[k][:T] for k in ("x", "h", "qkv", "merged", "y", "f"))
-        views = qkv.reshape(1, T, 3, NH, HS)  # (B, T, 3, NH, hs): columns [q | k | v]
-        q, k, v = (views[:, :, i].transpose(0, 2, 1, 3) for i in range(3))  # each (B, NH, T, hs), a view
-        run_attention = launcher(attend, q, k, v)  # every layer reads the same views: a rung validated once a pass
         grid = (min(-(-T * C // 256), 4 * e.sm_count),)
         fn["embed"]((T,), (256,), (e.wte, e.wpe, e.history, NULL, np.int32(C), x, NULL, np.uint64(0)))
         for i in range(c.n_layer):
@@ -131,20 +192,26 @@ class WholeSequence:
                 fn["kv_store"](grid, (256,), (qkv, e.k_cache[i], e.v_cache[i], np.int32(T), np.int32(NH),
                                               np.int32(HS), np.int32(e.max_len)))
             self._merge_heads(run_attention(), merged, grid, T)
-            if i == c.n_layer - 1:  # from here on, position T - 1 alone
-                x, h, merged, y, f = (a[T - 1:] for a in (x, h, merged, y, f))
+            if i == c.n_layer - 1 and last_row is not None:  # from here on, that position alone
+                x, h, merged, y, f = (a[last_row:last_row + 1] for a in (x, h, merged, y, f))
             self.product(merged, i, "attn.c_proj", y, GEMM_NONE, tiled=tiled)
             # x += attn.c_proj output + bias; h = ln_2(x)
             fn["add_layernorm"]((x.shape[0],), (256,), (x, y, p[pre + "attn.c_proj.bias"], p[pre + "ln_2.weight"],
                                                         p[pre + "ln_2.bias"], e.eps, h, np.int32(C)), shared_mem=4 * C)
             self.product(h, i, "mlp.c_fc", f, GEMM_BIAS_GELU, tiled=tiled)
             self.product(f, i, "mlp.c_proj", y, GEMM_NONE, tiled=tiled)
-        # the last position: ln_f(x + mlp.c_proj output + bias), the logits, their argmax
+
+    def head(self, T: int) -> None:
+        """Position T - 1: ln_f(x + mlp.c_proj output + bias), the logits, their argmax into history[T]
+        and state."""
+        e = self.engine
+        c, p = e.config, e.vectors
+        x, y = self.work["x"][T - 1], self.work["y"][T - 1]
         last = f"h.{c.n_layer - 1}.mlp.c_proj.bias"
-        fn["lm_head"]((e.lm_blocks,), (e.lm_warps * 32,),
-                      (e.wte, x[-1], y[-1], p[last], p["ln_f.weight"], p["ln_f.bias"], e.eps,
-                       np.int32(c.vocab_size), e.logits if e.logits is not None else NULL, e.block_max,
-                       e.block_arg, e.lm_counter, e.state, e.history, NULL, np.uint64(0)))
+        e.fn["lm_head"]((e.lm_blocks,), (e.lm_warps * 32,),
+                        (e.wte, x, y, p[last], p["ln_f.weight"], p["ln_f.bias"], e.eps,
+                         np.int32(c.vocab_size), e.logits if e.logits is not None else NULL, e.block_max,
+                         e.block_arg, e.lm_counter, e.state, e.history, NULL, np.uint64(0)))
 
     def _merge_heads(self, o, merged, grid, T: int) -> None:
         """The attention's output o (B, NH, T, hs), any strides, into merged (T, C): heads side by side."""
@@ -154,3 +221,33 @@ class WholeSequence:
             o = cp.ascontiguousarray(o, dtype=cp.float32)
         e.fn["merge_heads"](grid, (256,), (o, np.int64(o.strides[1] // 4), np.int64(o.strides[2] // 4), merged,
                                            np.int32(T), np.int32(c.n_head), np.int32(c.head_size)))
+
+
+class PrefillGraph:
+    """A prefill's pass over a bucket of rows as one CUDA graph: passes(run_attention) (every layer's
+    launches on fixed buffers, no read back to the host) captured once on the engine's stream, the
+    attention prepared on `views` before the capture (a prepare may synchronize, which a capture
+    refuses). The graph reads and writes whatever the capture allocates at every replay, so no other
+    array may ever get those addresses: every block allocated while capturing (and in the prepare,
+    whose copies the graph reads) is held here, never handed back, for as long as the graph lives. They
+    come from CuPy's default pool, so that they count in its bytes as every other array of the run."""
+
+    def __init__(self, cp, stream, passes, views: tuple, attend):
+        pool, self.held = cp.get_default_memory_pool(), []
+
+        def malloc(size: int):
+            block = pool.malloc(size)
+            self.held.append(block)
+            return block
+
+        with cp.cuda.using_allocator(malloc), stream:
+            self.run_attention = launcher(attend, *views)
+            stream.begin_capture()
+            try:
+                passes(self.run_attention)
+            finally:
+                self.graph = stream.end_capture()
+        self.graph.upload(stream)
+
+    def launch(self, stream) -> None:
+        self.graph.launch(stream)
