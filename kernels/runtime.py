@@ -448,8 +448,10 @@ def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, ou
     zeroed = None
     if rung.persistent or rung.split_kv:
         # the zeros are written on this stream: wait for them, so that run() may launch on any stream
-        # (a non-blocking stream does not wait for this one, and would read the pool's old bytes)
-        if WAIT_BY_EVENT:
+        # (a non-blocking stream does not wait for this one, and would read the pool's old bytes); a
+        # stream capturing a graph (a prefill's, lm/prefill_graph.py) cannot be synchronized, and holds
+        # the zeros in its own order
+        if WAIT_BY_EVENT or cupy.cuda.get_current_stream().is_capturing():
             zeroed = ZeroedOn(cupy)
         else:
             cupy.cuda.get_current_stream().synchronize()

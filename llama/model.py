@@ -103,6 +103,13 @@ def mlp(x, w, name: str):
 def forward(params: dict, config: LlamaConfig, idx, attend, *, cache: KVCache | None = None, last_only: bool = False):
     """Logits (B, T, vocab) for token ids idx (B, T); (B, 1, vocab) for the last position only if
     last_only. With a cache, idx continues the cached sequence and its keys and values are added."""
+    return logits_of(params, config, hidden_states(params, config, idx, attend, cache=cache, last_only=last_only))
+
+
+def hidden_states(params: dict, config: LlamaConfig, idx, attend, *, cache: KVCache | None = None,
+                  last_only: bool = False):
+    """forward() up to the final norm: the residual stream after the last layer, (B, T, C) float32, or
+    (B, 1, C) for the last position if last_only; the cache advanced by T."""
     w = params
     eps = config.rms_norm_eps
     xp = array_module(w["model.embed_tokens.weight"])
@@ -126,14 +133,17 @@ def forward(params: dict, config: LlamaConfig, idx, attend, *, cache: KVCache | 
         x = x + mlp(rms_norm(x, w[p + ".post_attention_layernorm.weight"], eps), w, p + ".mlp")
     if cache is not None:
         cache.length += T
-    if last_only:
-        x = x[:, -1:]  # (B, 1, C) (already so after a last layer)
-    x = rms_norm(x, w["model.norm.weight"], eps)
-    head = w["model.embed_tokens.weight"] if config.tie_word_embeddings else w["lm_head.weight"]  # (vocab, C)
-    # a product like the others (operands in the weights' dtype), its output float32, so that no
-    # logit is rounded to 16 bits
+    return x[:, -1:] if last_only else x  # (B, 1, C) already so after a last layer under last_only
+
+
+def logits_of(params: dict, config: LlamaConfig, x):
+    """The logits (B, T, vocab) float32 of the residual stream x (B, T, C) after the last layer: the final
+    RMSNorm, then the head, a product like the others (operands in the weights' dtype), its output
+    float32, so that no logit is rounded to 16 bits."""
+    x = rms_norm(x, params["model.norm.weight"], config.rms_norm_eps)
+    head = params["model.embed_tokens.weight"] if config.tie_word_embeddings else params["lm_head.weight"]  # (vocab, C)
     logits = matmul(x.reshape(-1, config.hidden_size), head.T, np.float32)  # (B * T, vocab)
-    return logits.reshape(B, -1, config.vocab_size)  # (B, T, vocab), or (B, 1, vocab) if last_only
+    return logits.reshape(x.shape[0], -1, config.vocab_size)
 
 
 def forward_activation_bytes(config: LlamaConfig, B: int, T: int, dtype, *, reference: bool,

@@ -579,13 +579,13 @@ def test_prepared_casts_leave_the_bfloat16_prefill_and_tokens_as_they_were(cp, s
 @pytest.mark.parametrize("dtype, name, persistent", [("float32", "v20", True), ("bfloat16", "v24", True),
                                                      ("bfloat16", "v24", False)])
 def test_prefill_graphs_replay_the_eager_pass_and_keep_the_tokens(cp, small, monkeypatch, dtype, name, persistent):
-    """gpt2.fast.sequence.PREFILL_GRAPHS: a bucket's first prompt runs eagerly over its 128 rows, its second
+    """lm.prefill_graph.PREFILL_GRAPHS: a bucket's first prompt runs eagerly over its 128 rows, its second
     is captured, every later one replays; the padded passes' logits the same bits whichever ran them,
     within float32's rounding of the unpadded pass's (whose last layer runs its tail on one row, other
     products), the same first token, and the decode after a replayed prefill (over cache positions the
     padding filled) the same greedy tokens as after the eager prefill: all 32 in float32, the first 8
     in bfloat16 (whose logits move by more than a near-tie's margin between other products)."""
-    from gpt2.fast import sequence
+    from lm import prefill_graph
 
     engine = fast.Engine(small.params, small.config, dtype=dtype, keep_logits=True, persistent=persistent)
     attend = kernels.Attend(name, dtype=dtype)
@@ -599,17 +599,18 @@ def test_prefill_graphs_replay_the_eager_pass_and_keep_the_tokens(cp, small, mon
         engine.stream.synchronize()
         return logits
 
-    monkeypatch.setattr(sequence, "PREFILL_GRAPHS", False)
+    monkeypatch.setattr(prefill_graph, "PREFILL_GRAPHS", False)
     plain = [prefill(p) for p in prompts]
     plain_tokens = [engine.generate(p, 32, attend=attend, kv_cache=True).tokens for p in prompts]
-    monkeypatch.setattr(sequence, "PREFILL_GRAPHS", True)
+    monkeypatch.setattr(prefill_graph, "PREFILL_GRAPHS", True)
+    graphs = engine.prefill_graphs().graphs
     eager = prefill(prompts[0])  # the bucket's first prompt: eager, over 128 rows
-    assert not engine.whole.graphs
+    assert not graphs
     captured = prefill(prompts[0])  # its second: captured, then launched
-    assert list(engine.whole.graphs) == [(128, attend)] and engine.whole.graphs[(128, attend)] is not None
+    assert list(graphs) == [(128, attend)] and graphs[(128, attend)] is not None, "not captured"
     replayed = prefill(prompts[0])
     other = prefill(prompts[1])  # another length of the bucket: the same graph
-    assert len(engine.whole.graphs) == 1
+    assert len(graphs) == 1
     for got, what in ((captured, "captured"), (replayed, "replayed")):
         bad = int(cp.count_nonzero(got.view(cp.uint32) != eager.view(cp.uint32)))
         assert bad == 0, f"{bad} logits of the {what} pass differ from the eager padded pass's"

@@ -1,6 +1,6 @@
 """The prefill on the fast engines, host time beside wall time, with the switches of its launches off and
 on: off; casts (kernels.runtime.PREPARE_CASTS, the default); casts+event (and WAIT_BY_EVENT);
-casts+graphs (and gpt2.fast.sequence.PREFILL_GRAPHS: GPT-2's pass replayed from a CUDA graph a bucket).
+casts+graphs (and lm.prefill_graph.PREFILL_GRAPHS: the pass replayed from a CUDA graph a bucket).
 
     python3 tools/prefill_profile.py                                   gpt2-xl and llama-3.2-1b, bfloat16, 1000 tokens
     python3 tools/prefill_profile.py --sizes gpt2 --tokens 97 --out $OUT
@@ -23,8 +23,7 @@ WAIT_BY_EVENT takes out the host's wait for a persistent or split-KV rung's zero
 (Llama's eager prefill prepares its rung every layer), so that the host queues while the device runs.
 PREFILL_GRAPHS should leave a host time of a few launches and a wall time of the GPU's work; its
 one-time costs at each prompt's bucket (the bucket's first prompt, run eagerly, and its second,
-captured) are measured before the rounds and kept in its rows. Llama's prefill has no graphed pass:
-its casts+graphs rows are its casts rows again.
+captured) are measured before the rounds and kept in its rows.
 Writes prefill_profile.json to --out (default $OUT) when given.
 """
 
@@ -46,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # the switches of the prefill's launches, by the module that holds each
 SWITCHES = {"PREPARE_CASTS": "kernels.runtime", "WAIT_BY_EVENT": "kernels.runtime",
-            "PREFILL_GRAPHS": "gpt2.fast.sequence"}
+            "PREFILL_GRAPHS": "lm.prefill_graph"}
 SETTINGS = {"off": (), "casts": ("PREPARE_CASTS",), "casts+event": ("PREPARE_CASTS", "WAIT_BY_EVENT"),
             "casts+graphs": ("PREPARE_CASTS", "PREFILL_GRAPHS")}  # the switches each setting turns on
 
@@ -60,11 +59,9 @@ def turn(setting: str) -> None:
 def bucket_costs(engine, prefill, ids) -> dict:
     """A graphed prefill's one-time costs at ids' bucket (PREFILL_GRAPHS on), its graphs dropped first:
     the bucket's first prompt (eager, over the bucket's rows) and its second (captured, then launched),
-    wall milliseconds each. Empty for an engine without the graphed pass (Llama's)."""
-    whole = getattr(engine, "whole", None)
-    if whole is None:
-        return {}
-    whole.graphs, whole.seen = {}, set()
+    wall milliseconds each."""
+    graphs = engine.prefill_graphs()
+    graphs.clear()
     return {"bucket_first_ms": 1e3 * prefill(ids)[1], "bucket_capture_ms": 1e3 * prefill(ids)[1]}
 
 

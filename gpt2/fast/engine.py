@@ -185,6 +185,10 @@ class Engine(FastEngine):
             self.state.set(np.asarray([prompt[-1], T - 1], dtype=np.int32), stream=self.stream)
             self.whole.run(T, attend, store_kv=kv_cache)
 
+    def prefill_graphs(self):
+        """The prefill's graphs (lm.prefill_graph.PrefillGraphs), with PREFILL_GRAPHS."""
+        return self.whole.prefills
+
     def recompute(self, T: int, attend) -> None:
         self.whole.run(T, attend, store_kv=False)
 

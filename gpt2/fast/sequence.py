@@ -3,32 +3,21 @@ mode without a KV cache (the whole sequence every step), eager launches of the f
 products (cuBLAS: lm/products.py; or gemm.cu's 3xTF32 on wgmma in the no-cache mode's float32 passes,
 launched by gemm) and the attention under test.
 
-The prefill is host-bound: some twenty launches a layer, each a few tens of microseconds of Python,
-take longer than the GPU's work on a 1,000-token prompt (tools/prefill_profile.py: a 1-token prompt
-as slow as a 1,000-token one). With PREFILL_GRAPHS, the prefill runs over its length rounded up to
-PREFILL_BUCKET rows, and a bucket seen before replays a CUDA graph of the whole pass (captured at
-its second prompt, the first having run it eagerly, compiled and warmed up), then launches the head
-on the last real row. The rows past the prompt are padding that nothing real reads: the attention is
-causal, every other kernel works row by row, and the cache positions they fill are written again by
-the decode step before it reads them."""
+With lm.prefill_graph.PREFILL_GRAPHS, the prefill's layers run over a bucket of rows, replayed from a
+CUDA graph where the bucket was seen before, and the head on the prompt's last row after them."""
 
 from __future__ import annotations
-
-import warnings
 
 import numpy as np
 
 from kernels import launcher
+from lm import prefill_graph
 from lm.bf16 import ROUND_BF16
+from lm.prefill_graph import PassGraph, PrefillGraphs, bucket_rows
 from lm.products import Blas
 
 from .plan import GEMM_BIAS, GEMM_BIAS_GELU, GEMM_NONE, GEMM_SMEM, GEMM_TILE, NULL, gemm_splits
 from .weights import gemm_weight
-
-# Opt-in until its GPU tests have run (tests/test_fused_gpu.py -k prefill_graph): the prefill as a CUDA
-# graph a bucket of lengths, replayed (see the module's docstring).
-PREFILL_GRAPHS = False
-PREFILL_BUCKET = 128  # rows: at most 127 padding rows a pass, one graph for 128 prompt lengths
 
 
 def choose_products(cp, products: str | None) -> str:
@@ -72,8 +61,7 @@ class WholeSequence:
         # split K: the splits' sums (fewer than 2 x SMs tiles of 64 x 64) and a ticket per output tile
         self.gemm_partials = cp.zeros(2 * engine.sm_count * GEMM_TILE * GEMM_TILE, dtype=cp.float32)
         self.gemm_tickets = cp.zeros(engine.sm_count, dtype=cp.uint32)
-        # PREFILL_GRAPHS: (rows, attend) -> PrefillGraph, and the keys whose first pass ran eagerly
-        self.graphs, self.seen = {}, set()
+        self.prefills = PrefillGraphs()  # the prefill's graphs, with PREFILL_GRAPHS
 
     def reserve(self, T: int) -> None:
         """Activations for passes of up to T positions: allocated for the longest pass a run asks for (the
@@ -83,7 +71,7 @@ class WholeSequence:
         e = self.engine
         cp, C, F = e.cp, e.config.n_embd, e.config.mlp_width
         self.work = {}  # the shorter buffers go back to the pool first
-        self.graphs, self.seen = {}, set()  # their graphs read the old buffers
+        self.prefills.clear()  # they read the old buffers
         with e.stream:
             self.work = {name: cp.zeros((T, width), dtype=cp.float32)
                          for name, width in (("x", C), ("h", C), ("qkv", 3 * C), ("merged", C), ("y", C), ("f", F))}
@@ -128,40 +116,26 @@ class WholeSequence:
         rows (prefill_rows), replayed from a graph where the bucket was seen before. The products run
         on gemm.cu in the no-cache mode's float32 passes where products="3xtf32", else on cuBLAS."""
         e = self.engine
-        if store_kv and PREFILL_GRAPHS:
-            rows = self.prefill_rows(T)
+        if store_kv and prefill_graph.PREFILL_GRAPHS:
+            rows = bucket_rows(T, e.max_len)
             self.reserve(rows)
-            key = (rows, attend)
-            if key in self.seen and key not in self.graphs:  # its second prompt: compiled, cuBLAS's choices made
-                self.graphs[key] = self._capture(rows, attend)
-            graph = self.graphs.get(key)
-            if graph is not None:
+
+            def passes(run_attention):
+                self.layers(rows, run_attention, store_kv=True, tiled=False, last_row=None)
+
+            def prepare():
+                return launcher(attend, *self.qkv_views(rows))
+
+            graph = self.prefills.get((rows, attend), lambda: PassGraph(e.cp, e.stream, passes, prepare))
+            if graph is None:  # the bucket's first pass, or one that cannot be captured
+                passes(prepare())
+            else:
                 graph.launch(e.stream)
-            else:  # a bucket's first prompt, or an attention that cannot be captured
-                self.seen.add(key)
-                self.layers(rows, launcher(attend, *self.qkv_views(rows)), store_kv=True, tiled=False, last_row=None)
         else:
             self.reserve(T)
             tiled = not store_kv and self.products == "3xtf32" and e.dtype == "float32"
             self.layers(T, launcher(attend, *self.qkv_views(T)), store_kv=store_kv, tiled=tiled, last_row=T - 1)
         self.head(T)
-
-    def _capture(self, rows: int, attend):
-        """The PrefillGraph of a bucket, or None (with a warning) where the attention cannot be captured:
-        one that reads back to the host as it runs (the FP8 rung checks its block maxima there)."""
-        e = self.engine
-        try:
-            return PrefillGraph(e.cp, e.stream, lambda run_attention: self.layers(
-                rows, run_attention, store_kv=True, tiled=False, last_row=None), self.qkv_views(rows), attend)
-        except Exception as exc:  # CuPy refuses a synchronizing call while the stream captures
-            warnings.warn(f"the prefill's pass could not be captured as a CUDA graph ({exc}); it runs eagerly",
-                          stacklevel=3)
-            return None
-
-    def prefill_rows(self, T: int) -> int:
-        """The rows a graphed prefill of T positions runs over: T rounded up to PREFILL_BUCKET, within the
-        engine's positions (the cache's length, at most the model's)."""
-        return min(-(-T // PREFILL_BUCKET) * PREFILL_BUCKET, self.engine.max_len)
 
     def qkv_views(self, T: int) -> tuple:
         """q, k, v (1, NH, T, hs) views of the qkv buffer's first T rows, columns [q | k | v]."""
@@ -222,32 +196,3 @@ class WholeSequence:
         e.fn["merge_heads"](grid, (256,), (o, np.int64(o.strides[1] // 4), np.int64(o.strides[2] // 4), merged,
                                            np.int32(T), np.int32(c.n_head), np.int32(c.head_size)))
 
-
-class PrefillGraph:
-    """A prefill's pass over a bucket of rows as one CUDA graph: passes(run_attention) (every layer's
-    launches on fixed buffers, no read back to the host) captured once on the engine's stream, the
-    attention prepared on `views` before the capture (a prepare may synchronize, which a capture
-    refuses). The graph reads and writes whatever the capture allocates at every replay, so no other
-    array may ever get those addresses: every block allocated while capturing (and in the prepare,
-    whose copies the graph reads) is held here, never handed back, for as long as the graph lives. They
-    come from CuPy's default pool, so that they count in its bytes as every other array of the run."""
-
-    def __init__(self, cp, stream, passes, views: tuple, attend):
-        pool, self.held = cp.get_default_memory_pool(), []
-
-        def malloc(size: int):
-            block = pool.malloc(size)
-            self.held.append(block)
-            return block
-
-        with cp.cuda.using_allocator(malloc), stream:
-            self.run_attention = launcher(attend, *views)
-            stream.begin_capture()
-            try:
-                passes(self.run_attention)
-            finally:
-                self.graph = stream.end_capture()
-        self.graph.upload(stream)
-
-    def launch(self, stream) -> None:
-        self.graph.launch(stream)

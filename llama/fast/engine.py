@@ -10,14 +10,16 @@ import math
 import numpy as np
 
 from kernels import driver, fused
+from lm import prefill_graph
 from lm.arena import Buffer
 from lm.engine import FastEngine, Launch, prefetch_targets
 from lm.errors import LabError
 from lm.kv_cache import KVCache
+from lm.prefill_graph import PassGraph, PrefillGraphs, bucket_rows
 from lm.switch import Switch
 
 from ..config import LlamaConfig
-from ..model import forward, rope_tables
+from ..model import hidden_states, logits_of, rope_tables
 from .plan import (
     ATTENTION_WARPS,
     DEFAULT_POSITIONS,
@@ -73,6 +75,7 @@ class Engine(FastEngine):
             # decode_layout, else one copy each (weights.decode_weights)
             self.weights = decode_weights(cp, params, config, self.dtype)
             self.params = dict(params)  # the arrays the views view, and what the prefill's eager forward reads
+            self.prefills = PrefillGraphs()  # the prefill's graphs, with PREFILL_GRAPHS
             self._compile()
             self._allocate(keep_logits)
         self.stream.synchronize()
@@ -188,15 +191,40 @@ class Engine(FastEngine):
             raise LabError(f"the prompt has {T} tokens; the fast engine holds {self.max_len} positions")
         with self.stream:
             self.history[:T].set(np.asarray(prompt, dtype=np.int32), stream=self.stream)
-            self.cache.length = 0
-            logits = forward(self.params, self.config, self.history[None, :T], attend, cache=self.cache,
-                             last_only=True)[0, -1]  # (vocab,) float32
+            logits = logits_of(self.params, self.config, self.prefill(T, attend))[0, -1]  # (vocab,) float32
             if self.logits is not None:
                 self.logits[...] = logits
             token = logits.argmax()  # the first of equal values, as the eager Sampler's
             self.history[T:T + 1] = token
             self.state[0:1] = token
             self.state[1:2].fill(T)
+
+    def prefill(self, T: int, attend):
+        """The eager model over history[0:T] into the cache (cache.length = T after it): the residual
+        stream at position T - 1 after the last layer, (1, 1, C) float32. With PREFILL_GRAPHS, the pass
+        runs over a bucket of rows (lm/prefill_graph.py), the last layer over every row, replayed from
+        a graph where the bucket was seen before; the row T - 1 is taken after it."""
+        if not prefill_graph.PREFILL_GRAPHS:
+            self.cache.length = 0
+            return hidden_states(self.params, self.config, self.history[None, :T], attend, cache=self.cache,
+                                 last_only=True)
+        rows = bucket_rows(T, self.max_len)
+
+        def passes(_):
+            self.cache.length = 0
+            return hidden_states(self.params, self.config, self.history[None, :rows], attend, cache=self.cache)
+
+        graph = self.prefills.get((rows, attend), lambda: PassGraph(self.cp, self.stream, passes))
+        if graph is None:  # the bucket's first pass, or one that cannot be captured
+            x = passes(None)
+        else:
+            graph.launch(self.stream)
+            x = graph.out  # (1, rows, C), in the graph's pool: rewritten by the launch
+        self.cache.length = T
+        return x[:, T - 1:T]
+
+    def prefill_graphs(self) -> PrefillGraphs:
+        return self.prefills
 
     def _setup_persistent(self) -> Switch:
         return Switch.off("Llama: CUDA graphs of the fused kernels")
