@@ -18,6 +18,8 @@ RMSNorm statistics, RoPE, SiLU and the logits stay float32.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from lm.arrays import array_module, run_dtype
@@ -52,10 +54,17 @@ def linear(x, weight):
     return y.reshape(*shape[:-1], weight.shape[0])  # (..., out)
 
 
+@functools.lru_cache(maxsize=8)
+def _inv_freq(config: LlamaConfig, xp):
+    """rope_inv_freq(config) on xp, copied once a config: a graphed prefill (lm/prefill_graph.py) runs
+    rope_tables inside a capture, which cannot copy from the host."""
+    return xp.asarray(rope_inv_freq(config))
+
+
 def rope_tables(config: LlamaConfig, start: int, T: int, xp):
     """cos and sin (T, hs) for positions start .. start + T - 1, float32: angle pos * inv_freq[i] in
     both halves of a head (HF's layout: element i is rotated with element i + hs / 2)."""
-    inv_freq = xp.asarray(rope_inv_freq(config))  # (hs / 2,)
+    inv_freq = _inv_freq(config, xp)  # (hs / 2,)
     pos = xp.arange(start, start + T, dtype=np.float32)  # (T,)
     angles = pos[:, None] * inv_freq[None, :]  # (T, hs / 2)
     angles = xp.concatenate([angles, angles], axis=-1)  # (T, hs)
