@@ -517,6 +517,24 @@ def test_the_initcheck_reproducer_says_whose_the_reports_are():
     assert said == "checked: no case draws a report.\nA full run's initcheck is sound here with --initcheck-library checked."
 
 
+def test_the_initcheck_reproducer_tells_whether_the_tool_sees_bulk_stores():
+    """The bulk-store case is the tool's reach, not a mode's fault: it does not decide the mode, and the
+    verdict says whether stores through the async proxy are seen (its plain-store control clean)."""
+    def row(case, mode, errors):
+        return {"case": case, "mode": mode, "errors": errors, "library": False}
+
+    unseen = [row("bulk-store", m, 1024) for m in ("excluded", "checked")] + [
+        row("plain-store", m, 0) for m in ("excluded", "checked")] + [row("matmul-new", "excluded", 5),
+                                                                      row("matmul-new", "checked", 0)]
+    said = initcheck_library.verdict(unseen)
+    assert "does not see stores through the async proxy" in said
+    assert said.endswith("sound here with --initcheck-library checked.")
+    seen = [row(c, "checked", 0) for c in ("bulk-store", "plain-store", "matmul-new")]
+    assert "sees stores through the async proxy" in initcheck_library.verdict(seen)
+    control = unseen[:2] + [row("plain-store", "checked", 3)]  # a plain store drawing reports: no claim
+    assert "does not see" not in initcheck_library.verdict(control)
+
+
 def test_the_initcheck_reproducer_knows_every_case_and_its_product():
     """Each case's operands and expected c, on NumPy standing in for CuPy (the shapes the product takes)."""
     fake = SimpleNamespace(asarray=np.asarray, random=np.random)
@@ -524,6 +542,9 @@ def test_the_initcheck_reproducer_knows_every_case_and_its_product():
         a, b, want = initcheck_library.operands(fake, name)
         if name == "random-ints":  # the draw is c itself: no product
             assert a.shape == (2, 97) and b is None and 0 <= a.min() and a.max() < 1000
+            continue
+        if name in ("bulk-store", "plain-store"):  # no operands: the kernel writes 0, 1, 2, ...
+            assert a is None and b is None and want.tolist() == list(range(initcheck_library.STORE_N))
             continue
         if name.startswith("bf16"):  # c = a @ W^T, W (out, in); want made on the device from the rounded operands
             assert (a @ b.T).shape == (256 if name == "bf16-rows" else 5, 2304) and want is None

@@ -27,6 +27,10 @@ the product against NumPy's. What differs is who writes c, and into what memory:
   bf16-rows      the same on 256 rows by GPT-2 small's c_attn, as training's QKV product, which the
                  train group's heads_rows reads with its bias
   bf16-zeros     bf16-out into c = cp.zeros(...): the control, c's bytes set by a memset first
+  bulk-store     c written by a kernel of this file through the async proxy: its block's values staged in
+                 shared memory, then one cp.async.bulk copy to global memory (sm_90), as Hopper's GEMM
+                 epilogues store their tiles (TMA): does the tool see such stores?
+  plain-store    the same kernel's values written with plain st.global: its control
   random-ints    c = CuPy's Generator.integers(...) cast to int32, read by a kernel (c * 2)
   kernel-empty   c = cp.empty(...), written by a CuPy element-wise kernel (cp.add(a, 1, out=c)): the control
 If, with cuBLAS's kernels excluded, the cases whose c cuBLAS alone wrote draw reports and the controls
@@ -49,9 +53,32 @@ import sanitize  # noqa: E402  (beside this file)
 
 CASE_MARK = "@@ case "
 CASES = ("matmul-new", "matmul-empty", "matmul-zeros", "batched-new", "dgemm-new", "bf16-prefill", "bf16-out",
-         "bf16-rows", "bf16-zeros", "random-ints", "kernel-empty")
+         "bf16-rows", "bf16-zeros", "bulk-store", "plain-store", "random-ints", "kernel-empty")
 CUBLAS = ("matmul-new", "matmul-empty", "batched-new", "dgemm-new", "bf16-prefill", "bf16-out", "bf16-rows")  # cuBLAS alone writes c
-CONTROLS = ("matmul-zeros", "bf16-zeros", "kernel-empty")  # c's bytes set by a kernel the tool sees
+CONTROLS = ("matmul-zeros", "bf16-zeros", "plain-store", "kernel-empty")  # c's bytes set by a kernel the tool sees
+ASYNC = ("bulk-store",)  # c written through the async proxy: the tool's reach, whatever the mode
+
+STORES = r"""
+extern "C" __global__ void store(float* out, int n, int bulk)  // one block; n <= 1024, n % 4 == 0
+{
+    __shared__ __align__(16) float tile[1024];
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        if (bulk) tile[i] = (float)i;
+        else out[i] = (float)i;
+    }
+    if (!bulk) return;
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the block's stores, seen by the async proxy
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned src = (unsigned)__cvta_generic_to_shared(tile);
+        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                     :: "l"(out), "r"(src), "r"(4 * n) : "memory");
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    }
+}
+"""
+STORE_N = 1024
 
 
 def operands(cp, name: str):
@@ -59,6 +86,8 @@ def operands(cp, name: str):
     rng = np.random.default_rng(0)
     if name == "random-ints":
         return cp.random.default_rng(0).integers(0, 1000, (2, 97)), None, None
+    if name in ("bulk-store", "plain-store"):  # no operands: the kernel writes 0, 1, 2, ...
+        return None, None, np.arange(STORE_N, dtype=np.float64)
     if name.startswith("bf16"):
         rows = 256 if name == "bf16-rows" else 5
         a = rng.standard_normal((rows, 768)).astype(np.float32)
@@ -89,6 +118,10 @@ def run_case(name: str) -> int:
         Blas(cp).gemm(a16, w16.T, c, dtype="bfloat16")
         c = c if name == "bf16-prefill" else to_float32(cp, c)  # the cast reads the product: the read checked
         want = cp.asnumpy(to_float32(cp, a16)).astype(np.float64) @ cp.asnumpy(to_float32(cp, w16)).astype(np.float64).T
+    elif name in ("bulk-store", "plain-store"):
+        store = cp.RawModule(code=STORES).get_function("store")  # for the device: sm_90 on an H100 or H200
+        c = cp.empty(STORE_N, dtype=cp.float32)
+        store((1,), (256,), (c, np.int32(STORE_N), np.int32(name == "bulk-store")))
     elif name == "random-ints":
         c = a.astype(cp.int32)
         want = cp.asnumpy(a).astype(np.float64)  # the draw read back by a copy: then the kernel's read below
@@ -119,8 +152,9 @@ def under_tool(sanitizer: str, name: str, mode: str, timeout: float) -> dict:
 
 def verdict(rows: list[dict]) -> str:
     """What the table says, mode by mode, and the mode a full run should use."""
-    drew = {mode: {r["case"] for r in rows if r["mode"] == mode and (r["errors"] or 0) > 0}
-            for mode in dict.fromkeys(r["mode"] for r in rows)}
+    drew_all = {mode: {r["case"] for r in rows if r["mode"] == mode and (r["errors"] or 0) > 0}
+                for mode in dict.fromkeys(r["mode"] for r in rows)}
+    drew = {mode: cases - set(ASYNC) for mode, cases in drew_all.items()}  # the modes judged without them
     in_library = {mode: {r["case"] for r in rows if r["mode"] == mode and r["library"]} for mode in drew}
     lines = []
     for mode, cases in drew.items():
@@ -136,6 +170,14 @@ def verdict(rows: list[dict]) -> str:
             named = sorted(in_library[mode])
             lines.append(f"{mode}: reports in {', '.join(sorted(cases))}"
                          + (f"; inside cuBLAS's own kernels in {', '.join(named)}" if named else "") + ".")
+    ran = {r["case"] for r in rows}
+    if set(ASYNC) <= ran and "plain-store" in ran:
+        unseen = all(set(ASYNC) <= cases and "plain-store" not in cases for cases in drew_all.values())
+        seen = not any(set(ASYNC) & cases for cases in drew_all.values())
+        lines.append("The tool does not see stores through the async proxy (cp.async.bulk, as TMA stores a "
+                     "tile): reads of memory written so draw reports, plain stores' none." if unseen else
+                     "The tool sees stores through the async proxy (cp.async.bulk) as it sees plain ones."
+                     if seen else "Stores through the async proxy: the modes disagree; read the rows.")
     clean = [mode for mode, cases in drew.items() if not cases]
     lines.append(f"A full run's initcheck is sound here with --initcheck-library {clean[0]}." if clean else
                  "No mode is clean: the lab's initcheck rows after a product stay open.")
