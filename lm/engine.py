@@ -9,6 +9,7 @@ with reserve for its activations) and the objects beside it whose arrays it hold
 
 from __future__ import annotations
 
+import re
 import warnings
 from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
@@ -138,6 +139,21 @@ class FastEngine(ABC):
     def _decode_launches(self, prefetch: bool, pdl: bool) -> list[Launch]:
         """The decode step as a list of launches on fixed buffers, in one variant: it reads the token
         and its position from `state`, writes the next token into `history` and advances `state`."""
+
+    @abstractmethod
+    def step_reads(self) -> list[tuple[str, object]]:
+        """The decode step's launches in order, (name, the matrix it reads, or None): what the L2
+        prefetch hints chain and step_bytes counts. Layers' names start h.N.; the attention's kind
+        (its name after h.N.) is the class's attention_kind."""
+
+    def step_bytes(self, position: int) -> list[tuple[str, int]]:
+        """The bytes each launch of the decode step at `position` must read: its matrix, or the
+        attention's one layer of cached keys and values up to the position, else none counted (the
+        embedding's row, the vectors)."""
+        cache = (self.k_cache[0].nbytes + self.v_cache[0].nbytes) * (position + 1) // self.max_len  # one layer's
+        attention = re.compile(rf"h\.\d+\.{re.escape(self.attention_kind)}$")
+        return [(name, int(matrix.nbytes) if matrix is not None else cache if attention.match(name) else 0)
+                for name, matrix in self.step_reads()]
 
     @abstractmethod
     def start(self, prompt: list[int], attend, *, kv_cache: bool = True) -> None:

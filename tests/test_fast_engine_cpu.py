@@ -140,6 +140,11 @@ class ToyEngine(FastEngine):
         self.fn = {"step": Kernel(self.stream, step), "spin": Kernel(self.stream, lambda n: None)}
         self.choose_launches(True, pdl, persistent=None)
 
+    attention_kind = "attn"
+
+    def step_reads(self):  # what step_bytes counts: a layer's attention and matrix, and a head
+        return [("embed", None), ("h.0.attn", None), ("h.0.proj", self.x), ("lm_head", self.y)]
+
     def _decode_launches(self, prefetch, pdl):
         return [Launch("step", self.fn["step"], (1,), (1,), (self.state, self.history, self.x))]
 
@@ -247,3 +252,13 @@ def test_the_engine_cache_keeps_the_newest_and_rebuilds_one_too_small():
     cache.get(lambda: build(3), params, "config", "bfloat16", {})
     cache.get(lambda: build(4), params, "config", "float32", {"pdl": False})
     assert cache.get(lambda: build(5), params, "config", "float32", {}).size == 5  # the oldest went
+
+
+@pytest.mark.parametrize("position", [0, 15, 62])
+def test_step_bytes_counts_each_launchs_matrix_and_the_attentions_cache_up_to_the_position(position):
+    """FastEngine.step_bytes: a matrix's bytes for the launch that reads it; for the attention one layer's
+    keys and values at positions 0..position (the toy's cache: one layer of 64 positions x 2 floats, k
+    and v the same buffer), nothing for a launch that reads no matrix."""
+    engine = ToyEngine()
+    cache = 2 * (position + 1) * 2 * 4
+    assert engine.step_bytes(position) == [("embed", 0), ("h.0.attn", cache), ("h.0.proj", 4), ("lm_head", 4)]

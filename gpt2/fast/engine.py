@@ -126,18 +126,24 @@ class Engine(FastEngine):
 
     # -- what the base runs: the decode step, the prefill, the pass without a cache, the persistent step --
 
-    def _decode_launches(self, prefetch: bool, pdl: bool) -> list[Launch]:
-        """The decode step as a list of launches on fixed buffers. Each kernel that reads a matrix
-        also asks L2 to prefetch the next one (the last wraps to the first layer's c_attn)."""
-        c, p = self.config, self.vectors
-        C, NH, HS = c.n_embd, c.n_head, c.head_size
-        plan = [("embed", None)]  # (name, matrix read)
+    attention_kind = "attn"  # step_reads' name of the attention over the cache, after h.N.
+
+    def step_reads(self) -> list[tuple[str, object]]:
+        """The decode step's launches in order, (name, the matrix it reads, or None)."""
+        plan = [("embed", None)]
         for i, layer in enumerate(self.layers):
             plan += [(f"h.{i}.ln_1+attn.c_attn", layer["attn.c_attn"]), (f"h.{i}.attn", None),
                      (f"h.{i}.attn.c_proj+residual", layer["attn.c_proj"]),
                      (f"h.{i}.ln_2+mlp.c_fc+gelu", layer["mlp.c_fc"]),
                      (f"h.{i}.mlp.c_proj+residual", layer["mlp.c_proj"])]
-        plan.append(("ln_f+lm_head+argmax", self.wte))
+        return plan + [("ln_f+lm_head+argmax", self.wte)]
+
+    def _decode_launches(self, prefetch: bool, pdl: bool) -> list[Launch]:
+        """The decode step as a list of launches on fixed buffers. Each kernel that reads a matrix
+        also asks L2 to prefetch the next one (the last wraps to the first layer's c_attn)."""
+        c, p = self.config, self.vectors
+        C, NH, HS = c.n_embd, c.n_head, c.head_size
+        plan = self.step_reads()
         target = prefetch_targets(plan, prefetch, PREFETCH_CAP, NULL)
 
         def pf(k):

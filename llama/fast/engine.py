@@ -134,6 +134,17 @@ class Engine(FastEngine):
 
     # -- what the base runs: the decode step and the prefill -------------------------------------------
 
+    attention_kind = STEP_KINDS[1]  # step_reads' name of the attention over the cache, after h.N.
+
+    def step_reads(self) -> list[tuple[str, object]]:
+        """The decode step's launches in order, (name, the matrix it reads, or None)."""
+        plan = [("embed", None)]
+        for i, layer in enumerate(self.weights.layers):
+            plan += [(f"h.{i}.{STEP_KINDS[0]}", layer["qkv"]), (f"h.{i}.{STEP_KINDS[1]}", None),
+                     (f"h.{i}.{STEP_KINDS[2]}", layer["o_proj"]), (f"h.{i}.{STEP_KINDS[3]}", layer["gate_up"]),
+                     (f"h.{i}.{STEP_KINDS[4]}", layer["down_proj"])]
+        return plan + [("norm+lm_head+argmax", self.weights.head)]
+
     def _decode_launches(self, prefetch: bool, pdl: bool) -> list[Launch]:
         """The decode step as a list of launches on fixed buffers: embed, five per layer, the head. Each
         stream of a matrix asks L2, at its end, to prefetch the next matrix (the head wraps to the first
@@ -141,12 +152,7 @@ class Engine(FastEngine):
         c, w, norms = self.config, self.weights, self.weights.norms
         C, NH, NKV, HS = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_size
         eps = self.eps
-        plan = [("embed", None)]  # (name, matrix read)
-        for i, layer in enumerate(w.layers):
-            plan += [(f"h.{i}.{STEP_KINDS[0]}", layer["qkv"]), (f"h.{i}.{STEP_KINDS[1]}", None),
-                     (f"h.{i}.{STEP_KINDS[2]}", layer["o_proj"]), (f"h.{i}.{STEP_KINDS[3]}", layer["gate_up"]),
-                     (f"h.{i}.{STEP_KINDS[4]}", layer["down_proj"])]
-        plan.append(("norm+lm_head+argmax", w.head))
+        plan = self.step_reads()
         target = prefetch_targets(plan, prefetch, PREFETCH_CAP, NULL)
 
         def stream(k, key, args):
