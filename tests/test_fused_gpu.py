@@ -576,24 +576,21 @@ def test_prepared_casts_leave_the_bfloat16_prefill_and_tokens_as_they_were(cp, s
     assert cast_eager == eager
 
 
-@pytest.mark.parametrize("dtype, name, persistent", [("float32", "v20", True), ("bfloat16", "v24", True),
-                                                     ("bfloat16", "v24", False)])
-def test_prefill_graphs_replay_the_eager_pass_and_keep_the_tokens(cp, small, monkeypatch, dtype, name, persistent):
-    """lm.prefill_graph.PREFILL_GRAPHS: a bucket's first prompt runs eagerly over its 128 rows, its second
-    is captured, every later one replays; the padded passes' logits the same bits whichever ran them,
-    within float32's rounding of the unpadded pass's (whose last layer runs its tail on one row, other
-    products), the same first token, and the decode after a replayed prefill (over cache positions the
-    padding filled) the same greedy tokens as after the eager prefill: all 32 in float32, the first 8
-    in bfloat16 (whose logits move by more than a near-tie's margin between other products)."""
+def check_prefill_graphs(cp, monkeypatch, engine, attend, vocab_size: int, dtype: str) -> None:
+    """lm.prefill_graph.PREFILL_GRAPHS on an engine (GPT-2's or Llama's): a bucket's first prompt runs
+    eagerly over its 128 rows, its second is captured, every later one replays; the padded passes' logits
+    the same bits whichever ran them, within float32's rounding of the unpadded prefill's (whose last
+    layer runs on one row: other products), the same first token, and the decode after a replayed
+    prefill (over cache positions the padding filled) the same greedy tokens as after the unpadded one:
+    all 32 in float32, the first 8 in bfloat16 (whose logits move by more than a near-tie's margin
+    between other products)."""
     from lm import prefill_graph
 
-    engine = fast.Engine(small.params, small.config, dtype=dtype, keep_logits=True, persistent=persistent)
-    attend = kernels.Attend(name, dtype=dtype)
     rng = np.random.default_rng(117)
-    prompts = [rng.integers(0, small.config.vocab_size, T).tolist() for T in (100, 117)]
+    prompts = [rng.integers(0, vocab_size, T).tolist() for T in (100, 117)]
 
     def prefill(prompt):
-        engine.start(prompt, attend, kv_cache=True)
+        engine.start(prompt, attend)
         with engine.stream:  # the engine's stream does not wait for the legacy default one
             logits = engine.logits.copy()
         engine.stream.synchronize()
@@ -601,7 +598,7 @@ def test_prefill_graphs_replay_the_eager_pass_and_keep_the_tokens(cp, small, mon
 
     monkeypatch.setattr(prefill_graph, "PREFILL_GRAPHS", False)
     plain = [prefill(p) for p in prompts]
-    plain_tokens = [engine.generate(p, 32, attend=attend, kv_cache=True).tokens for p in prompts]
+    plain_tokens = [engine.generate(p, 32, attend=attend).tokens for p in prompts]
     monkeypatch.setattr(prefill_graph, "PREFILL_GRAPHS", True)
     graphs = engine.prefill_graphs().graphs
     eager = prefill(prompts[0])  # the bucket's first prompt: eager, over 128 rows
@@ -617,13 +614,20 @@ def test_prefill_graphs_replay_the_eager_pass_and_keep_the_tokens(cp, small, mon
     for got, want, T in ((replayed, plain[0], 100), (other, plain[1], 117)):
         assert bool(cp.isfinite(got).all())
         assert int(got.argmax()) == int(want.argmax()), f"T = {T}: another first token"
-        scale = float(cp.abs(want).max())
-        tol = (1e-4 if dtype == "float32" else 2e-2) * scale
-        assert float(cp.abs(got - want).max()) <= tol, f"T = {T}: padded logits off the unpadded pass's"
+        tol = (1e-4 if dtype == "float32" else 2e-2) * float(cp.abs(want).max())
+        assert float(cp.abs(got - want).max()) <= tol, f"T = {T}: padded logits off the unpadded prefill's"
+    n = 32 if dtype == "float32" else 8
     for prompt, want in zip(prompts, plain_tokens, strict=True):
-        tokens = engine.generate(prompt, 32, attend=attend, kv_cache=True).tokens  # its prefill replayed
-        n = 32 if dtype == "float32" else 8
+        tokens = engine.generate(prompt, 32, attend=attend).tokens  # its prefill replayed
         assert tokens[:n] == want[:n], f"tokens part at step {first_difference(tokens, want)}"
+
+
+@pytest.mark.parametrize("dtype, name, persistent", [("float32", "v20", True), ("bfloat16", "v24", True),
+                                                     ("bfloat16", "v24", False)])
+def test_prefill_graphs_replay_the_eager_pass_and_keep_the_tokens(cp, small, monkeypatch, dtype, name, persistent):
+    """check_prefill_graphs on GPT-2's whole-sequence pass, after it the persistent step or the graphs."""
+    engine = fast.Engine(small.params, small.config, dtype=dtype, keep_logits=True, persistent=persistent)
+    check_prefill_graphs(cp, monkeypatch, engine, kernels.Attend(name, dtype=dtype), small.config.vocab_size, dtype)
 
 
 def test_windows_end_of_text_and_streaming(cp, small):

@@ -29,7 +29,7 @@ from lm.bf16 import bf16_bits, to_float32
 from lm.generate import reference_attend
 from lm.kv_cache import KVCache
 from lm.measure import by_kind
-from tests.test_fused_gpu import check_close, weights
+from tests.test_fused_gpu import check_close, check_prefill_graphs, weights
 
 pytestmark = pytest.mark.gpu
 
@@ -385,54 +385,15 @@ def test_bfloat16_logits_are_no_further_off_than_the_eager_bfloat16_path_s(cp, o
 
 @pytest.mark.parametrize("dtype, name", [("float32", None), ("bfloat16", "v24")])
 def test_prefill_graphs_replay_the_eager_pass_and_keep_the_tokens(cp, one_b, monkeypatch, dtype, name):
-    """lm.prefill_graph.PREFILL_GRAPHS on Llama's eager prefill: a bucket's first prompt runs over its 128
-    rows, its second is captured (the model's CuPy code and the rung the run gets, prepared per layer
-    inside the capture: v24's persistent workspace zeroed there), every later one replays; the padded passes'
-    logits the same bits whichever ran them, within float32's rounding of the unpadded prefill's, the
-    same first token, and the decode after a replayed prefill the same greedy tokens as after the
-    eager one: all 32 in float32, the first 8 in bfloat16."""
+    """check_prefill_graphs on Llama's eager prefill: the model's CuPy code captured with the rung a run
+    gets (not the reference: it reads back to the host, checking for NaN), prepared per layer inside the
+    capture (v24's persistent workspace zeroed there)."""
     import kernels
-    from lm import prefill_graph
 
     config, p32, p16 = one_b
-    params = p32 if dtype == "float32" else p16
     name = name or kernels.default_rung(dtype, config.head_size, True, kernels.device_limits().arch)
-    attend = kernels.Attend(name, dtype=dtype)  # not the reference: it reads back to the host (NaN checks)
-    engine = fast.Engine(params, config, max_len=256, keep_logits=True)
-    rng = np.random.default_rng(117)
-    prompts = [rng.integers(0, config.vocab_size, T).tolist() for T in (100, 117)]
-
-    def prefill(prompt):
-        engine.start(prompt, attend)
-        with engine.stream:  # the engine's stream does not wait for the legacy default one
-            logits = engine.logits.copy()
-        engine.stream.synchronize()
-        return logits
-
-    monkeypatch.setattr(prefill_graph, "PREFILL_GRAPHS", False)
-    plain = [prefill(p) for p in prompts]
-    plain_tokens = [engine.generate(p, 32, attend=attend).tokens for p in prompts]
-    monkeypatch.setattr(prefill_graph, "PREFILL_GRAPHS", True)
-    graphs = engine.prefill_graphs().graphs
-    eager = prefill(prompts[0])  # the bucket's first prompt: eager, over 128 rows
-    assert not graphs
-    captured = prefill(prompts[0])  # its second: captured, then launched
-    assert list(graphs) == [(128, attend)] and graphs[(128, attend)] is not None, "not captured"
-    replayed = prefill(prompts[0])
-    other = prefill(prompts[1])  # another length of the bucket: the same graph
-    assert len(graphs) == 1
-    for got, what in ((captured, "captured"), (replayed, "replayed")):
-        bad = int(cp.count_nonzero(got.view(cp.uint32) != eager.view(cp.uint32)))
-        assert bad == 0, f"{bad} logits of the {what} pass differ from the eager padded pass's"
-    for got, want, T in ((replayed, plain[0], 100), (other, plain[1], 117)):
-        assert bool(cp.isfinite(got).all())
-        assert int(got.argmax()) == int(want.argmax()), f"T = {T}: another first token"
-        tol = (1e-4 if dtype == "float32" else 2e-2) * float(cp.abs(want).max())
-        assert float(cp.abs(got - want).max()) <= tol, f"T = {T}: padded logits off the unpadded prefill's"
-    for prompt, want in zip(prompts, plain_tokens, strict=True):
-        tokens = engine.generate(prompt, 32, attend=attend).tokens  # its prefill replayed
-        n = 32 if dtype == "float32" else 8
-        assert tokens[:n] == want[:n], f"tokens part at step {first_difference(tokens, want)}"
+    engine = fast.Engine(p32 if dtype == "float32" else p16, config, max_len=256, keep_logits=True)
+    check_prefill_graphs(cp, monkeypatch, engine, kernels.Attend(name, dtype=dtype), config.vocab_size, dtype)
 
 
 def test_graph_replay_equals_plain_launches_and_programmatic_dependent_launch(cp, one_b):
