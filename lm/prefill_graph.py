@@ -19,11 +19,13 @@ are written again by the decode step before it reads them.
 
 from __future__ import annotations
 
+import os
 import warnings
 
-# Opt-in until the GPU tests have run with it (tests/test_fused_gpu.py, tests/test_llama_fast_gpu.py:
-# -k prefill_graph); tools/prefill_profile.py's casts+graphs setting measures it.
-PREFILL_GRAPHS = False
+# Opt-in (LAB_PREFILL_GRAPHS=1 in the environment, or this set) until the whole GPU tier and bench.py e2e
+# have run with it; its own GPU tests pass (tests/test_fused_gpu.py, tests/test_llama_fast_gpu.py:
+# -k prefill_graph), and tools/prefill_profile.py's casts+graphs setting measures it.
+PREFILL_GRAPHS = os.environ.get("LAB_PREFILL_GRAPHS") == "1"
 PREFILL_BUCKET = 128  # rows: at most 127 padding rows a pass, one graph for 128 prompt lengths
 
 
@@ -68,8 +70,9 @@ class PrefillGraphs:
         self.graphs, self.seen = {}, set()
 
     def clear(self) -> None:
-        """Drop every graph (the buffers they read were reallocated)."""
-        self.graphs, self.seen = {}, set()
+        """Drop every graph (the buffers they read were reallocated), in place."""
+        self.graphs.clear()
+        self.seen.clear()
 
     def get(self, key, capture):
         """The graph to launch for key, or None: run the pass eagerly. capture() -> PassGraph is called

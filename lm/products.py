@@ -24,6 +24,7 @@ through ctypes (DirectCublas), and float32 products go through Blas too, not cup
 from __future__ import annotations
 
 import ctypes
+import os
 
 import numpy as np
 
@@ -63,6 +64,14 @@ def matmul(a, b, out_dtype=None, out=None, accumulate: bool = False):
     return out
 
 
+# For compute-sanitizer's initcheck alone (tools/sanitize.py --initcheck-library zeroed sets it): every
+# product's output zeroed before cuBLAS writes it. initcheck does not see stores made through the async
+# proxy (tools/initcheck_library.py's bulk-store case), as Hopper's GEMM kernels store their tiles, so
+# without it a kernel reading a product is reported for memory cuBLAS wrote; the memset it does see.
+# The product still overwrites every element, and the targets' result checks catch one that does not.
+ZERO_OUTPUTS = os.environ.get("LAB_ZERO_PRODUCTS") == "1"
+
+
 class Blas:
     """out (M, N) = a (M, K) @ b (K, N) through cuBLAS on CuPy's handle and current stream, row-major
     out, a and b each row-major or the transpose of a row-major array. float32 operands through
@@ -95,6 +104,8 @@ class Blas:
             if not accumulate:
                 out.fill(0)
             return
+        if ZERO_OUTPUTS and not accumulate:
+            out.fill(0)  # a memset initcheck sees: the product's own stores it may not (see ZERO_OUTPUTS)
         beta = (self.one if accumulate else self.zero).ctypes.data
         stream = self.cp.cuda.get_current_stream()
         c = self.cublas

@@ -332,6 +332,40 @@ def test_blas_under_stream_capture_calls_cublas_directly(capturing):
     assert len(used.calls) == 1 and unused.calls == []
 
 
+@pytest.mark.parametrize("zero", [False, True])
+def test_blas_zeroes_a_products_output_first_only_for_initcheck(monkeypatch, zero):
+    """lm.products.ZERO_OUTPUTS (LAB_ZERO_PRODUCTS=1, tools/sanitize.py --initcheck-library zeroed): out set
+    to zeros before cuBLAS writes it (a memset initcheck sees), never before an accumulating product;
+    the product's values either way."""
+    from types import SimpleNamespace
+
+    import lm.products as products
+
+    class Recording(np.ndarray):  # records fill(0) calls among cuBLAS's writes
+        def fill(self, value):
+            events.append(("fill", value))
+            super().fill(value)
+
+    class Cublas(FakeCublas):
+        def sgemm(self, *args):
+            events.append(("sgemm",))
+            return super().sgemm(*args)
+
+    events = []
+    monkeypatch.setattr(products, "ZERO_OUTPUTS", zero)
+    stream = SimpleNamespace(ptr=0, is_capturing=lambda: False)
+    cp = SimpleNamespace(cuda=SimpleNamespace(device=SimpleNamespace(get_cublas_handle=lambda: 0),
+                                              get_current_stream=lambda: stream))
+    blas = products.Blas(cp, cublas=Cublas())
+    rng = np.random.default_rng(5)
+    a, b = rng.standard_normal((4, 8)).astype(np.float32), rng.standard_normal((8, 6)).astype(np.float32)
+    out = np.full((4, 6), np.nan, np.float32).view(Recording)
+    blas.gemm(a, b, out)
+    blas.gemm(a, b, out, accumulate=True)
+    np.testing.assert_allclose(np.asarray(out), 2 * (a.astype(np.float64) @ b), rtol=1e-6)
+    assert events == ([("fill", 0), ("sgemm",), ("sgemm",)] if zero else [("sgemm",), ("sgemm",)])
+
+
 def test_loaded_library_finds_the_mapped_cublas_not_cublaslt(tmp_path):
     from lm.products import loaded_library
 

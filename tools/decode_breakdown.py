@@ -94,11 +94,11 @@ def table(row: dict) -> str:
     lines = [f"{row['size']} {row['dtype']} at position {row['position']}: {row['step_bytes'] / 1e6:,.1f} MB a step, "
              f"{row['ms_per_token']:.3f} ms a token as it runs ({row['runs_as']}: {pct(row['step'])} of copy), "
              f"{row['kernel_ms_sum']:.3f} ms its kernels alone ({pct(row['kernels_alone'])})",
-             f"  {'kind':30s} {'launches':>8s} {'ms':>8s} {'MB':>9s} {'% copy':>7s}"]
-    lines += [f"  {k['kind']:30s} {k['launches']:8d} {k['ms']:8.3f} {k['bytes'] / 1e6:9.1f} {pct(k):>7s}"
+             f"  {'kind':36s} {'launches':>8s} {'ms':>8s} {'MB':>9s} {'% copy':>7s}"]
+    lines += [f"  {k['kind']:36s} {k['launches']:8d} {k['ms']:8.3f} {k['bytes'] / 1e6:9.1f} {pct(k):>7s}"
               for k in row["kinds"]]
     for s in row["stages"] or []:
-        lines.append(f"  stage {s['kind']:24s} {s['stages']:8d} {s['ms']:8.3f} {s['bytes'] / 1e6:9.1f} {pct(s):>7s}"
+        lines.append(f"  stage {s['kind']:30s} {s['stages']:8d} {s['ms']:8.3f} {s['bytes'] / 1e6:9.1f} {pct(s):>7s}"
                      f"  (work {s['work_ms']:.3f}, wait {s['wait_ms']:.3f})")
     return "\n".join(lines)
 

@@ -272,6 +272,10 @@ LIBRARY_MODES = {  # --initcheck-library: (the tool's extra arguments, the child
     # cuBLAS's default workspace pool cut to 8 buffers of 16 KiB (its reproducibility setting): too small
     # for a split-K workspace, so its kernels can be checked with the rest
     "small-workspace": ([], {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}),
+    # checked, and every product's output zeroed first (lm.products.ZERO_OUTPUTS): the tool does not see
+    # stores through the async proxy (tools/initcheck_library.py's bulk-store case), which cuBLAS's Hopper
+    # kernels make for some products, and then reports the kernel that reads one
+    "zeroed": ([], {"LAB_ZERO_PRODUCTS": "1"}),
 }
 
 
@@ -512,8 +516,10 @@ def parse_args(argv=None):
     parser.add_argument("--print-limit", type=positive(int), default=100, help="reports the tool prints per child")
     parser.add_argument("--initcheck-library", choices=list(LIBRARY_MODES), default="excluded",
                         help="cuBLAS's kernels under initcheck: left out (excluded: their stores go unseen), "
-                             "checked, or checked with cuBLAS's workspace cut below a split-K's "
-                             "(small-workspace); tools/initcheck_library.py compares the three")
+                             "checked, checked with cuBLAS's workspace cut below a split-K's "
+                             "(small-workspace), or checked with every product's output zeroed first "
+                             "(zeroed: stores through the async proxy go unseen); tools/initcheck_library.py "
+                             "compares them")
     parser.add_argument("--json", help="write the cells, each target's seconds per tool, the first reports of "
                                        "each row, the targets' notes and the problems to this file")
     return parser.parse_args(argv)
