@@ -73,6 +73,17 @@ def test_hf_rows_show_their_first_token_beside_the_labs():
     assert xl[1] == "bfloat16 (HF)" and xl[9:] == ["80.0", "120 (20%)"]
 
 
+def test_a_graphed_prefill_is_named_beside_its_first_token():
+    """A row measured with LAB_PREFILL_GRAPHS=1 (its timed first tokens replay the bucket's graph) says so
+    in the first-token cell; the ratio to HF's stays beside it."""
+    result = scale_result()
+    result["rows"][0] |= {"prefill_graphs": True, "prefill_first_ms": [30.0, 60.0]}
+    result["rows"][2] = scale_row("gpt2", "bfloat16", 200.0, kind="hf", peak_gib=0.5, bpt=0.25e9, hf_ttft_ms=25.0)
+    memory = scale.render_scale(result).split("**Memory and the first token**")[1]
+    small = [cells_of(line) for line in table_rows(memory, "GPT-2 small")]
+    assert small[0][9] == "12.5 graphed" and small[1][9] == "12.5" and small[2][9] == "25.0 (lab / HF 0.50)"
+
+
 def test_progress_line_shows_the_first_token_of_lab_and_hf_rows():
     lab = scale.progress_line(scale_row("gpt2", "bfloat16", 11000.0))
     hf = scale.progress_line(scale_row("gpt2", "bfloat16", 200.0, kind="hf", hf_ttft_ms=25.0))
