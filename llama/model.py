@@ -12,8 +12,9 @@ key/value heads are kept, and the causal mask is aligned bottom-right.
 
 Precision, as gpt2/model.py: float32 weights give float32 everywhere. With 16-bit weights each
 product takes its operands in the weights' dtype (accumulating in float32, lm/products.py: no
-float32 copy of a weight), and so do q, k, v, the attention and the KV cache; the residual stream,
-RMSNorm statistics, RoPE, SiLU and the logits stay float32.
+float32 copy of a weight), and so do q, k, v, the attention and the KV cache; the residual stream and
+the logits stay float32, and RMSNorm, RoPE and SiLU compute in float32, writing the dtype the next
+product takes (llama/pointwise.py: one launch each on CuPy).
 """
 
 from __future__ import annotations
@@ -28,22 +29,12 @@ from lm.kv_cache import KVCache
 from lm.products import matmul
 
 from .config import LlamaConfig, rope_inv_freq
+from .pointwise import rms_norm, rope, silu_mul
 
 
 def compute_dtype(params: dict):
     """The dtype of the blocks' products, of q, k, v and of the KV cache: the weights' own."""
     return params["model.layers.0.self_attn.q_proj.weight"].dtype
-
-
-def rms_norm(x, weight, eps: float):
-    """RMSNorm of the float32 residual stream: x / sqrt(mean(x^2) + eps) * weight."""
-    ms = (x * x).mean(axis=-1, keepdims=True)  # (B, T, 1)
-    return x * (ms + eps) ** -0.5 * weight
-
-
-def silu(x):
-    xp = array_module(x)
-    return x / (1.0 + xp.exp(-x))
 
 
 def linear(x, weight):
@@ -71,15 +62,6 @@ def rope_tables(config: LlamaConfig, start: int, T: int, xp):
     return xp.cos(angles), xp.sin(angles)
 
 
-def rope(x, cos, sin):
-    """x (B, H, T, hs) rotated: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1], in float32."""
-    xp = array_module(x)
-    x = x.astype(np.float32, copy=False)
-    half = x.shape[-1] // 2
-    rotated = xp.concatenate([-x[..., half:], x[..., :half]], axis=-1)  # (B, H, T, hs)
-    return x * cos + rotated * sin
-
-
 def attention(x, w, name: str, config: LlamaConfig, attend, cache: KVCache | None, layer: int, cos, sin,
               last_query: bool = False):
     """The attention block's output (B, T, C); (B, 1, C) for the last position alone if last_query
@@ -93,7 +75,7 @@ def attention(x, w, name: str, config: LlamaConfig, attend, cache: KVCache | Non
     q = linear(xq, w[name + ".q_proj.weight"]).reshape(B, -1, NH, hs).transpose(0, 2, 1, 3)  # (B, NH, T_q, hs)
     k = linear(x, w[name + ".k_proj.weight"]).reshape(B, T, NKV, hs).transpose(0, 2, 1, 3)  # (B, NKV, T, hs)
     v = linear(x, w[name + ".v_proj.weight"]).reshape(B, T, NKV, hs).transpose(0, 2, 1, 3)  # (B, NKV, T, hs)
-    q, k = rope(q, cq, sq).astype(dtype), rope(k, cos, sin).astype(dtype)  # contiguous (B, H, T_q or T, hs)
+    q, k = rope(q, cq, sq, dtype), rope(k, cos, sin, dtype)  # contiguous (B, H, T_q or T, hs)
     if cache is not None:
         k, v = cache.append(layer, k, v)  # each (B, NKV, past + T, hs)
     y = attend(q, k, v)  # (B, NH, T_q, hs): T_q = 1 sees every key (the mask aligned bottom-right)
@@ -104,9 +86,9 @@ def attention(x, w, name: str, config: LlamaConfig, attend, cache: KVCache | Non
 
 
 def mlp(x, w, name: str):
-    gate = linear(x, w[name + ".gate_proj.weight"]).astype(np.float32, copy=False)  # (B, T, F): SiLU in float32
-    up = linear(x, w[name + ".up_proj.weight"]).astype(np.float32, copy=False)  # (B, T, F)
-    return linear(silu(gate) * up, w[name + ".down_proj.weight"])
+    gate = linear(x, w[name + ".gate_proj.weight"])  # (B, T, F), in the weights' dtype
+    up = linear(x, w[name + ".up_proj.weight"])  # (B, T, F)
+    return linear(silu_mul(gate, up), w[name + ".down_proj.weight"])  # SiLU and the product in float32
 
 
 def forward(params: dict, config: LlamaConfig, idx, attend, *, cache: KVCache | None = None, last_only: bool = False):
@@ -121,6 +103,7 @@ def hidden_states(params: dict, config: LlamaConfig, idx, attend, *, cache: KVCa
     (B, 1, C) for the last position if last_only; the cache advanced by T."""
     w = params
     eps = config.rms_norm_eps
+    dtype = compute_dtype(params)
     xp = array_module(w["model.embed_tokens.weight"])
     idx = xp.asarray(idx)
     B, T = idx.shape
@@ -136,10 +119,10 @@ def hidden_states(params: dict, config: LlamaConfig, idx, attend, *, cache: KVCa
         # with last_only, only the last position reaches the logits: the last layer computes every
         # position's keys and values, and its query, attention output and MLP for the last position alone
         last = last_only and i == config.num_hidden_layers - 1
-        h = rms_norm(x, w[p + ".input_layernorm.weight"], eps)
+        h = rms_norm(x, w[p + ".input_layernorm.weight"], eps, dtype)  # the products' operand
         a = attention(h, w, p + ".self_attn", config, attend, cache, i, cos, sin, last_query=last)
         x = (x[:, -1:] if last else x) + a  # (B, T, C), or (B, 1, C) after the last layer if last_only
-        x = x + mlp(rms_norm(x, w[p + ".post_attention_layernorm.weight"], eps), w, p + ".mlp")
+        x = x + mlp(rms_norm(x, w[p + ".post_attention_layernorm.weight"], eps, dtype), w, p + ".mlp")
     if cache is not None:
         cache.length += T
     return x[:, -1:] if last_only else x  # (B, 1, C) already so after a last layer under last_only
@@ -149,7 +132,7 @@ def logits_of(params: dict, config: LlamaConfig, x):
     """The logits (B, T, vocab) float32 of the residual stream x (B, T, C) after the last layer: the final
     RMSNorm, then the head, a product like the others (operands in the weights' dtype), its output
     float32, so that no logit is rounded to 16 bits."""
-    x = rms_norm(x, params["model.norm.weight"], config.rms_norm_eps)
+    x = rms_norm(x, params["model.norm.weight"], config.rms_norm_eps, compute_dtype(params))  # the head's operand
     head = params["model.embed_tokens.weight"] if config.tie_word_embeddings else params["lm_head.weight"]  # (vocab, C)
     logits = matmul(x.reshape(-1, config.hidden_size), head.T, np.float32)  # (B * T, vocab)
     return logits.reshape(x.shape[0], -1, config.vocab_size)

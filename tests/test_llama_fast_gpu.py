@@ -23,6 +23,7 @@ import pytest
 
 import llama
 import llama.fast as fast
+import llama.pointwise
 from kernels import fused, reference_attention
 from lm.arrays import held_bytes
 from lm.bf16 import bf16_bits, to_float32
@@ -158,7 +159,7 @@ def test_residual_and_silu_streams_match_the_eager_products(cp, kind, N, K, dtyp
         gu64 = W32.astype(cp.float64) @ rms64(cp, x, norm_w, float(eps))
         ref = gu64[:N] / (1 + cp.exp(-gu64[:N])) * gu64[N:]
         gu32 = W32 @ llama.model.rms_norm(x, norm_w, float(eps))
-        plain = llama.model.silu(gu32[:N]) * gu32[N:]
+        plain = llama.pointwise.silu(gu32[:N]) * gu32[N:]
     first = None
     for blocks in grids(fn, N, 4 * K):
         out = out0.copy() if kind == "residual" else cp.full(N, cp.nan, dtype=cp.float32)
