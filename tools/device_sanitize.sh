@@ -15,7 +15,7 @@
 #                                           (its own device call) and pass the mode its last line names.
 #
 # The json's "seconds" holds each target's wall time under each tool: the groups to split a full run by.
-# INITCHECK_LIBRARY=checked|small-workspace (default excluded) is passed on as --initcheck-library.
+# INITCHECK_LIBRARY=checked|small-workspace|zeroed (default excluded) is passed on as --initcheck-library.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what="${1:?usage: tools/device_sanitize.sh quick|GROUP|SPEC|repro|initcheck|ring|all}"
