@@ -264,7 +264,8 @@ METHOD = {
                  "device-to-device copy (bytes read + written) measured in the same run; the floor is the tokens/s "
                  "at which the weights would stream at that ceiling",
     "prefill": "median of 3 generations of one token after a --prefill-tokens prompt (compiled before; with "
-               "LAB_PREFILL_GRAPHS=1, 'graphed', the prompt's bucket passed eagerly and then captured before them, "
+               "lm.prefill_graph.PREFILL_GRAPHS (the default), 'graphed', the prompt's bucket passed eagerly and "
+               "then captured before them, "
                "so that they replay its CUDA graph: those passes' ms are the row's prefill_first_ms); the "
                "products' rate is 2 x the layers' matrix weights x the prompt's tokens over that whole time (a "
                "lower bound on the products' own rate), against torch.matmul bf16 8192^3 measured in the same run",

@@ -21,10 +21,6 @@ def bf16_bits(cp, a32):
     return ((bits + cp.uint32(0x7FFF) + ((bits >> 16) & cp.uint32(1))) >> 16).astype(cp.uint16)
 
 
-# bf16_bits as one CuPy elementwise kernel (float32 x -> uint16 y): what the bfloat16 prefill's products take
-ROUND_BF16 = "unsigned int b = __float_as_uint(x); y = (unsigned short)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);"
-
-
 def round_to_bf16(cp, a32):
     """float32 values rounded to bfloat16, held in float32."""
     return (bf16_bits(cp, a32).astype(cp.uint32) << 16).view(cp.float32)

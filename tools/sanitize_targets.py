@@ -261,10 +261,13 @@ def backward_rung(cp, name: str, quick: bool) -> str:
 
 
 def poison(cp, arrays) -> None:
-    """NaN in arrays that every kernel writes before it reads them (float32, or bfloat16 bits): a read
-    of an element nobody wrote then shows as NaN downstream."""
+    """NaN in arrays that every kernel writes before it reads them (float32, or bfloat16 as its bits or as
+    CuPy's bfloat16): a read of an element nobody wrote then shows as NaN downstream."""
     for a in arrays:
-        a.fill(BF16_NAN if a.dtype == cp.uint16 else np.nan)
+        if a.itemsize == 2:
+            a.view(cp.uint16).fill(BF16_NAN)
+        else:
+            a.fill(np.nan)
 
 
 def not_finite(cp, **arrays) -> list[str]:

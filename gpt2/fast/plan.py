@@ -101,11 +101,12 @@ def kernel_expressions(config: GPT2Config, dtype: str) -> dict[str, tuple[str, s
         "attention": ("decode_attention", f"decode_attention<{wt}, {HS}, {attention_warps(config)}>"),
         "embed": ("embed", f"embed<{wt}>"),
         "lm_head": ("lm_head_argmax", f"lm_head_argmax<{wt}, {C}, {lm_warps}, {lm_rows}>"),
-        "add_layernorm": ("layernorm", "add_layernorm<256>"),
-        "bias": ("bias_act", "bias_act<false>"),
-        "bias_gelu": ("bias_act", "bias_act<true>"),
+        # the whole-sequence pass (engine.sequence): its activations in the run's dtype, the residual float32
+        "add_layernorm": ("layernorm", f"add_layernorm<256, {wt}>"),
+        "bias": ("bias_act", f"bias_act<false, {wt}>"),
+        "bias_gelu": ("bias_act", f"bias_act<true, {wt}>"),
         "kv_store": ("kv_store", f"kv_store<{wt}>"),
-        "merge_heads": ("merge_heads", "merge_heads"),
+        "merge_heads": ("merge_heads", f"merge_heads<{wt}>"),
         "spin": ("spin", "spin"),
         **({"decode_step": ("decode_step", f"decode_step<{wt}, {C}, {config.n_head}, {HS}, {F}, {STEP_THREADS}>")}
            if HS % 32 == 0 and STEP_THREADS % HS == 0 else {}),

@@ -3,6 +3,12 @@ mode without a KV cache (the whole sequence every step), eager launches of the f
 products (cuBLAS: lm/products.py; or gemm.cu's 3xTF32 on wgmma in the no-cache mode's float32 passes,
 launched by gemm) and the attention under test.
 
+The activations a product takes or the attention reads (h, qkv, merged, f) are in the run's dtype: a
+bfloat16 run's LayerNorm writes its operand in bfloat16, cuBLAS writes qkv and the MLP's hidden layer in
+bfloat16 (their bias and GELU added in place), the attention reads q, k, v where they lie and writes o in
+bfloat16, as the eager model's products and attention do; the residual stream x and the products that
+add into it (y) stay float32.
+
 With lm.prefill_graph.PREFILL_GRAPHS, the prefill's layers run over a bucket of rows, replayed from a
 CUDA graph where the bucket was seen before, and the head on the prompt's last row after them."""
 
@@ -12,7 +18,6 @@ import numpy as np
 
 from kernels import launcher
 from lm import prefill_graph
-from lm.bf16 import ROUND_BF16
 from lm.prefill_graph import PassGraph, PrefillGraphs, bucket_rows
 from lm.products import Blas
 
@@ -53,8 +58,6 @@ class WholeSequence:
         self.engine, self.products = engine, products
         self.rows, self.work = 0, {}
         self.blas = Blas(cp)
-        bf16 = engine.dtype == "bfloat16"
-        self.round_bf16 = cp.ElementwiseKernel("float32 x", "uint16 y", ROUND_BF16, "round_bf16") if bf16 else None
         # gemm.cu's weights, split and tiled on the no-cache mode's first pass (gemm_weight: two float32
         # copies of every linear weight, which a KV-cache run never makes)
         self.gemm_weights = None
@@ -72,12 +75,21 @@ class WholeSequence:
         cp, C, F = e.cp, e.config.n_embd, e.config.mlp_width
         self.work = {}  # the shorter buffers go back to the pool first
         self.prefills.clear()  # they read the old buffers
+        run = self.activation_dtype()
         with e.stream:
-            self.work = {name: cp.zeros((T, width), dtype=cp.float32)
-                         for name, width in (("x", C), ("h", C), ("qkv", 3 * C), ("merged", C), ("y", C), ("f", F))}
-            if e.dtype == "bfloat16":  # a product's input rounded to bfloat16, (rows, K) for any K
-                self.work["a16"] = cp.zeros(T * max(C, F), dtype=cp.uint16)
+            self.work = {name: cp.zeros((T, width), dtype=dtype) for name, width, dtype in
+                         (("x", C, cp.float32), ("h", C, run), ("qkv", 3 * C, run), ("merged", C, run),
+                          ("y", C, cp.float32), ("f", F, run))}
         self.rows = T
+
+    def activation_dtype(self):
+        """The dtype of the activations the products and the attention read: the run's (bfloat16 as
+        CuPy's bfloat16, which the attention takes; the kernels see its bits)."""
+        if self.engine.dtype != "bfloat16":
+            return np.float32
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
 
     def tiles(self) -> list[dict]:
         """gemm.cu's split and tiled copies of every layer's linear weights (gemm_weight), made on the
@@ -91,8 +103,8 @@ class WholeSequence:
     def product(self, a, layer: int, linear: str, out, epi: int, *, tiled: bool) -> None:
         """out = a @ W, then + bias (GEMM_BIAS) or gelu(. + bias) (GEMM_BIAS_GELU), W the layer's linear
         weight: gemm.cu's 3xTF32 on its tiles (tiled), else cuBLAS on the (out, in) matrix the decode
-        step reads (float32: SGEMM; bfloat16: gemmEx on `a` rounded to bfloat16, accumulated in float32)
-        and bias_act.cu."""
+        step reads (float32: SGEMM; bfloat16: gemmEx, accumulated in float32, out in its own dtype:
+        bfloat16 or float32) and bias_act.cu."""
         e = self.engine
         M, N = a.shape[0], out.shape[1]
         W, b = e.layers[layer][linear], e.vectors[f"h.{layer}.{linear}.bias"]
@@ -100,11 +112,7 @@ class WholeSequence:
             gemm(e.fn[f"gemm_{epi}"], a, self.tiles()[layer][linear], b, out, self.gemm_partials,
                  self.gemm_tickets, e.sm_count)
             return
-        if e.dtype == "bfloat16":  # the operands in the weights' dtype, as the eager model's products
-            a16 = self.work["a16"][:a.size].reshape(a.shape)
-            self.round_bf16(a, a16)
-            a = a16
-        self.blas.gemm(a, W.T, out, dtype=e.dtype)
+        self.blas.gemm(a, W.T, out, dtype=e.dtype)  # a in the weights' dtype, as the eager model's products
         if epi != GEMM_NONE:
             e.fn["bias_gelu" if epi == GEMM_BIAS_GELU else "bias"](
                 (min(-(-M * N // 1024), 4 * e.sm_count),), (256,), (out, b, np.int32(M), np.int32(N)))
@@ -188,11 +196,13 @@ class WholeSequence:
                          e.block_arg, e.lm_counter, e.state, e.history, NULL, np.uint64(0)))
 
     def _merge_heads(self, o, merged, grid, T: int) -> None:
-        """The attention's output o (B, NH, T, hs), any strides, into merged (T, C): heads side by side."""
+        """The attention's output o (B, NH, T, hs), any strides, into merged (T, C): heads side by side,
+        in the run's dtype."""
         e = self.engine
         cp, c = e.cp, e.config
-        if o.dtype != cp.float32 or o.strides[3] != 4:
-            o = cp.ascontiguousarray(o, dtype=cp.float32)
-        e.fn["merge_heads"](grid, (256,), (o, np.int64(o.strides[1] // 4), np.int64(o.strides[2] // 4), merged,
+        item = merged.itemsize
+        if o.dtype != merged.dtype or o.strides[3] != item:
+            o = cp.ascontiguousarray(o, dtype=merged.dtype)
+        e.fn["merge_heads"](grid, (256,), (o, np.int64(o.strides[1] // item), np.int64(o.strides[2] // item), merged,
                                            np.int32(T), np.int32(c.n_head), np.int32(c.head_size)))
 

@@ -3,23 +3,55 @@
  * (the eager path's matrix products) leaves out.
  *
  * Replaces `x @ w + b` (the `+ b`) and `gelu(linear(...))` of gpt2/model.py for whole sequences:
- * GELU is the tanh form with 0.044715, as gelu() there.
+ * GELU is the tanh form with 0.044715, as gelu() there. In bfloat16 (the product's output as cuBLAS
+ * wrote it), y + b is rounded to bfloat16 before GELU and the result rounded again, as the eager
+ * model's `linear` output (in the weights' dtype) and its float32 GELU are.
  *
- * Template parameter: GELU. Geometry: a grid-stride loop over float4s; N % 4 == 0 (every GPT-2
- * width is), y 16-byte aligned.
+ * Template parameters: GELU; T, float or bfloat16 bits (unsigned short). Geometry: a grid-stride loop
+ * over groups of 4 elements (a float4, or 8 bytes of bfloat16); N % 4 == 0 (every GPT-2 width is), y
+ * aligned to a group.
  */
 #include "common.cuh"
 
-template <bool GELU>
+__device__ __forceinline__ void load4(const float* p, float (&v)[4])
+{
+    const float4 f = *reinterpret_cast<const float4*>(p);
+    v[0] = f.x; v[1] = f.y; v[2] = f.z; v[3] = f.w;
+}
+
+__device__ __forceinline__ void load4(const bf16_bits* p, float (&v)[4])
+{
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    v[0] = bf16_to_float(u.x & 0xffffu); v[1] = bf16_to_float(u.x >> 16);
+    v[2] = bf16_to_float(u.y & 0xffffu); v[3] = bf16_to_float(u.y >> 16);
+}
+
+__device__ __forceinline__ void store4(float* p, const float (&v)[4])
+{
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+}
+
+__device__ __forceinline__ void store4(bf16_bits* p, const float (&v)[4])
+{
+    uint2 u;
+    u.x = float_to_bf16(v[0]) | ((unsigned int)float_to_bf16(v[1]) << 16);
+    u.y = float_to_bf16(v[2]) | ((unsigned int)float_to_bf16(v[3]) << 16);
+    *reinterpret_cast<uint2*>(p) = u;
+}
+
+template <bool GELU, typename T>
 __global__ void __launch_bounds__(256)
-bias_act(float* __restrict__ y, const float* __restrict__ bias, int rows, int N)
+bias_act(T* __restrict__ y, const float* __restrict__ bias, int rows, int N)
 {
     const long long total = (long long)rows * N / 4;
     for (long long i = blockIdx.x * 256LL + threadIdx.x; i < total; i += (long long)gridDim.x * 256) {
-        float4 v = reinterpret_cast<float4*>(y)[i];
+        float v[4];
+        load4(y + 4 * i, v);
         const float4 b = reinterpret_cast<const float4*>(bias)[(i * 4 % N) / 4];
-        v.x += b.x; v.y += b.y; v.z += b.z; v.w += b.w;
-        if (GELU) { v.x = gelu_tanh(v.x); v.y = gelu_tanh(v.y); v.z = gelu_tanh(v.z); v.w = gelu_tanh(v.w); }
-        reinterpret_cast<float4*>(y)[i] = v;
+        v[0] += b.x; v[1] += b.y; v[2] += b.z; v[3] += b.w;
+        if (GELU) {
+            for (int j = 0; j < 4; ++j) v[j] = gelu_tanh(round_as<T>(v[j]));
+        }
+        store4(y + 4 * i, v);
     }
 }

@@ -10,15 +10,17 @@
  * two passes over the row held in shared memory (mean, then the centred sum of squares), biased
  * variance, eps inside the square root.
  *
- * Template parameter: THREADS (the block size). Geometry: grid (rows), block THREADS; dynamic shared
- * memory C floats. Limits: none on C beyond shared memory (C * 4 bytes per block).
+ * Template parameters: THREADS (the block size); out_t, float or bfloat16 bits (unsigned short: a
+ * bfloat16 run's next product takes its operand so, rounded to nearest even once). Geometry: grid
+ * (rows), block THREADS; dynamic shared memory C floats. Limits: none on C beyond shared memory (C * 4
+ * bytes per block).
  */
 #include "common.cuh"
 
-template <int THREADS>
+template <int THREADS, typename out_t>
 __global__ void __launch_bounds__(THREADS)
 add_layernorm(float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ y_bias,
-              const float* __restrict__ ln_w, const float* __restrict__ ln_b, float eps, float* __restrict__ out,
+              const float* __restrict__ ln_w, const float* __restrict__ ln_b, float eps, out_t* __restrict__ out,
               int C)
 {
     extern __shared__ float row[];
@@ -43,5 +45,5 @@ add_layernorm(float* __restrict__ x, const float* __restrict__ y, const float* _
         ss += d * d;
     }
     const float rstd = 1.0f / sqrtf(block_sum<THREADS>(ss, scratch) / C + eps);
-    for (int c = threadIdx.x; c < C; c += THREADS) out[r * C + c] = (row[c] - mean) * rstd * ln_w[c] + ln_b[c];
+    for (int c = threadIdx.x; c < C; c += THREADS) store_as(out + r * C + c, (row[c] - mean) * rstd * ln_w[c] + ln_b[c]);
 }
