@@ -6,6 +6,7 @@ import argparse
 import stat
 import sys
 import textwrap
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -480,6 +481,27 @@ def test_under_synccheck_v17_runs_where_the_tool_is_sound():
     none_fits = targets.synccheck_launches(v17, "float32", shapes, lambda c, s: (resident + 1, resident))
     assert [(s, c) for s, c, _ in none_fits] == [(s, (64, 8, 64, 0, 8)) for s in shapes]
     assert "tools/synccheck_cluster.py" in targets.SYNCCHECK_NOTE
+
+
+def test_parallel_runs_the_tools_at_once_each_with_its_own_children(tmp_path, capsys):
+    """--parallel: each tool's children as a run one after another makes them, the tools side by side (two
+    tools over a target that takes two seconds finish a second or more sooner than one after the other)."""
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text(f"#!{sys.executable}\n" + FAKE_TOOL.replace('if name == "hang":', 'if name == "slow":\n        time.sleep(2)\n    if name == "hang":'))
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    took = {}
+    for parallel in (False, True):
+        args = argparse.Namespace(quick=True, print_limit=10, timeout=20.0, initcheck_library="excluded",
+                                  parallel=parallel, tools=["memcheck", "racecheck"])
+        began = time.monotonic()
+        runs, seconds = sanitize.run_tools(str(fake), ["a", "crash", "slow"], args)
+        took[parallel] = time.monotonic() - began
+        assert [[list(c.status) for c in runs[tool]] for tool in args.tools] == [[["a", "crash"], ["slow"]]] * 2
+        assert all(runs[tool][1].status == {"slow": "ok"} for tool in args.tools)
+        assert set(seconds) == {"memcheck", "racecheck"} and all(s >= 2.0 for s in seconds.values())
+    assert took[False] >= 4.0 and took[True] < took[False] - 1.0, took
+    out = capsys.readouterr().out
+    assert "[racecheck] slow: ok" in out and "    [memcheck] ========= COMPUTE-SANITIZER" in out
 
 
 def test_the_child_learns_its_tool_and_a_note_reaches_the_json():

@@ -2,7 +2,7 @@
 # One device call of the sanitizer run: a group of targets (or --quick over all of them) under all four tools,
 # the table on stdout and the json in $OUT (or results/ without $OUT), named after the group.
 #
-#   tools/device_sanitize.sh quick          every target, one launch a rung (--quick)
+#   tools/device_sanitize.sh quick          every target, one launch a rung (--quick), the four tools at once
 #   tools/device_sanitize.sh forward        a group: forward, backward, triton, fused, step, llama, train
 #   tools/device_sanitize.sh 'v0*,v1*'      any --only spec (the forward group split in two: 'v0*,v1*' and 'v2*')
 #   tools/device_sanitize.sh repro          v17's synccheck reproducer (both barrier forms) and v17/v23's device tests
@@ -33,7 +33,7 @@ case "$what" in
     done
     wait
     tail -n 25 "$out"/sanitize-*.log ;;
-  quick) python3 tools/sanitize.py --quick --timeout 420 $library --json "$file" ;;
+  quick) python3 tools/sanitize.py --quick --parallel --timeout 420 $library --json "$file" ;;
   initcheck) python3 tools/initcheck_library.py --timeout 60 | tee "$out/initcheck-library-${device:-nogpu}-$stamp.txt" ;;
   repro)
     python3 tools/synccheck_cluster.py --timeout 120 | tee "$out/synccheck-cluster-${device:-nogpu}-$stamp.txt"

@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -339,7 +340,7 @@ def stream(cmd: list[str], timeout: float, tool: str, print_limit: int, env: dic
             reports += is_report(line)
             if reports >= print_limit and not capped and running not in ("", targets.SETUP):
                 capped = running
-            print("    " + line, flush=True)
+            print(f"    [{tool}] {line}", flush=True)
             continue
         word, name, rest = split_mark(line)
         if word == "begin":
@@ -374,6 +375,26 @@ def run_tool(sanitizer: str, tool: str, names: list[str], args) -> list[Child]:
             break
         left = left[left.index(begun[-1]) + 1:]
     return children
+
+
+def run_tools(sanitizer: str, names: list[str], args) -> tuple[dict, dict]:
+    """Every tool of args.tools over the targets: one after another, or with --parallel all at once, each
+    tool its own children on the GPU beside the others' (the run takes about its slowest tool's time,
+    each tool's seconds longer than alone). Each tool's children, and its wall seconds."""
+
+    def one(tool: str) -> tuple[list[Child], float]:
+        began = time.monotonic()
+        children = run_tool(sanitizer, tool, names, args)
+        seconds = round(time.monotonic() - began, 1)
+        print(f"[{tool}] {len(names)} targets in {seconds:.0f} s", flush=True)
+        return children, seconds
+
+    if args.parallel:
+        with ThreadPoolExecutor(len(args.tools)) as pool:
+            done = dict(zip(args.tools, pool.map(one, args.tools), strict=True))
+    else:
+        done = {tool: one(tool) for tool in args.tools}
+    return {tool: d[0] for tool, d in done.items()}, {tool: d[1] for tool, d in done.items()}
 
 
 # -- the json --------------------------------------------------------------------------------------
@@ -512,6 +533,9 @@ def parse_args(argv=None):
     parser.add_argument("--tools", type=tool_list, default=list(TOOLS), help=f"comma-separated: {', '.join(TOOLS)}")
     parser.add_argument("--quick", action="store_true", help="one shape a rung (the awkward one; a split-KV rung "
                                                              "also its decode step)")
+    parser.add_argument("--parallel", action="store_true",
+                        help="run the tools at once, each its own children (tools/device_sanitize.sh quick does): "
+                             "the run takes about its slowest tool's time")
     parser.add_argument("--list", action="store_true", help="print the chosen targets by group, and exit")
     parser.add_argument("--timeout", type=positive(float), default=540.0,
                         help="seconds one child process may run before it is stopped (default 540)")
@@ -549,12 +573,8 @@ def main(argv=None) -> int:
     sanitizer = find_sanitizer()
     if sanitizer is None:
         return 2
-    start, runs, tool_seconds = time.monotonic(), {}, {}
-    for tool in args.tools:
-        began = time.monotonic()
-        runs[tool] = run_tool(sanitizer, tool, chosen, args)
-        tool_seconds[tool] = round(time.monotonic() - began, 1)
-        print(f"[{tool}] {len(chosen)} targets in {tool_seconds[tool]:.0f} s", flush=True)
+    start = time.monotonic()
+    runs, tool_seconds = run_tools(sanitizer, chosen, args)
     rows, problems = summarize(args.tools, runs, chosen, fused_kernels())
     print(f"\n{table(args.tools, rows)}\n")
     told = per_target(args.tools, runs, "notes")
@@ -566,7 +586,7 @@ def main(argv=None) -> int:
     if args.json:
         result = {"command": "python3 tools/sanitize.py " + " ".join(sys.argv[1:] if argv is None else argv),
                   "setup": setup(sanitizer), "group": args.group or args.only or "everything",
-                  "quick": args.quick, "tools": args.tools, "initcheck_library": args.initcheck_library,
+                  "quick": args.quick, "parallel": args.parallel, "tools": args.tools, "initcheck_library": args.initcheck_library,
                   "targets": chosen,
                   "cells": cells(args.tools, rows, runs), "seconds": per_target(args.tools, runs, "seconds"),
                   "tool_seconds": tool_seconds, "reports": first_reports(args.tools, runs, fused_kernels()),
