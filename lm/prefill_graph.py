@@ -1,6 +1,6 @@
-"""The fast engines' prefill as a CUDA graph a bucket of prompt lengths (PREFILL_GRAPHS, opt-in).
+"""The fast engines' prefill as a CUDA graph a bucket of prompt lengths (PREFILL_GRAPHS, on by default).
 
-The prefill is host-bound: some twenty launches a layer, each tens of microseconds of Python, take
+The eager prefill is host-bound: some twenty launches a layer, each tens of microseconds of Python, take
 longer than the GPU's work on a 1,000-token prompt (tools/prefill_profile.py: a 1-token prompt as slow
 as a 1,000-token one). With PREFILL_GRAPHS, a prompt of T tokens runs over bucket_rows(T) rows (T
 rounded up to PREFILL_BUCKET), and the pass over a bucket seen before is one graph launch:
