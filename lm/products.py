@@ -53,7 +53,7 @@ def matmul(a, b, out_dtype=None, out=None, accumulate: bool = False):
         else:
             out[...] = y
         return out
-    if b.dtype == np.float32 and out is None and not xp.cuda.get_current_stream().is_capturing():
+    if through_cupy(b.dtype, out, xp.cuda.get_current_stream().is_capturing()):
         return (a @ b).astype(out_dtype, copy=False)
     device = xp.cuda.runtime.getDevice()
     if device not in _blas:
@@ -62,6 +62,13 @@ def matmul(a, b, out_dtype=None, out=None, accumulate: bool = False):
     _blas[device].gemm(a if a.flags.c_contiguous or a.T.flags.c_contiguous else xp.ascontiguousarray(a), b, out,
                        accumulate=accumulate)
     return out
+
+
+def through_cupy(dtype, out, capturing: bool) -> bool:
+    """Whether a product goes through cupy.matmul: float32 operands and no out given, unless the stream
+    captures (CuPy's binding refuses) or ZERO_OUTPUTS asks for the output zeroed first (cupy.matmul
+    makes its own; its split-K reduction's stores are the ones initcheck's zeroed mode leaves out)."""
+    return dtype == np.float32 and out is None and not capturing and not ZERO_OUTPUTS
 
 
 # For compute-sanitizer's initcheck alone (tools/sanitize.py --initcheck-library zeroed sets it): every

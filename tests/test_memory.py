@@ -366,6 +366,20 @@ def test_blas_zeroes_a_products_output_first_only_for_initcheck(monkeypatch, zer
     assert events == ([("fill", 0), ("sgemm",), ("sgemm",)] if zero else [("sgemm",), ("sgemm",)])
 
 
+@pytest.mark.parametrize("zero", [False, True])
+def test_float32_products_leave_cupy_matmul_where_initcheck_needs_their_outputs_zeroed(monkeypatch, zero):
+    """cupy.matmul makes its own output, which ZERO_OUTPUTS could not zero first: under it (and under
+    capture, and wherever out is given or the operands are 16-bit) a product goes through Blas."""
+    import lm.products as products
+
+    monkeypatch.setattr(products, "ZERO_OUTPUTS", zero)
+    assert products.through_cupy(np.dtype(np.float32), None, capturing=False) is not zero
+    out = np.empty((2, 2), np.float32)
+    assert not any(products.through_cupy(np.dtype(dtype), given, capturing)
+                   for dtype, given, capturing in [(np.float32, None, True), (np.float32, out, False),
+                                                   (np.float16, None, False), (np.uint16, None, False)])
+
+
 def test_loaded_library_finds_the_mapped_cublas_not_cublaslt(tmp_path):
     from lm.products import loaded_library
 

@@ -3,6 +3,7 @@ the tool's format), the table, the child processes it restarts (a stand-in for c
 what its targets cover; tools/synccheck_cluster.py's kernel compiled for sm_90."""
 
 import argparse
+import json
 import stat
 import sys
 import textwrap
@@ -496,12 +497,34 @@ def test_parallel_runs_the_tools_at_once_each_with_its_own_children(tmp_path, ca
         began = time.monotonic()
         runs, seconds = sanitize.run_tools(str(fake), ["a", "crash", "slow"], args)
         took[parallel] = time.monotonic() - began
-        assert [[list(c.status) for c in runs[tool]] for tool in args.tools] == [[["a", "crash"], ["slow"]]] * 2
-        assert all(runs[tool][1].status == {"slow": "ok"} for tool in args.tools)
+        assert [list(c.status) for c in runs["memcheck"]] == [["a", "crash"], ["slow"]]
+        assert runs["memcheck"][1].status == {"slow": "ok"}
+        raced = sorted(list(c.status) for c in runs["racecheck"])  # under --parallel a child a target here
+        assert raced == ([["a"], ["crash"], ["slow"]] if parallel else [["a", "crash"], ["slow"]]), raced
+        assert {name: state for c in runs["racecheck"] for name, state in c.status.items()}["slow"] == "ok"
         assert set(seconds) == {"memcheck", "racecheck"} and all(s >= 2.0 for s in seconds.values())
     assert took[False] >= 4.0 and took[True] < took[False] - 1.0, took
     out = capsys.readouterr().out
     assert "[racecheck] slow: ok" in out and "    [memcheck] ========= COMPUTE-SANITIZER" in out
+
+
+def test_shards_balance_a_tool_s_targets_by_their_committed_seconds(tmp_path):
+    cost = {"llama": 54.0, "train": 57.0, "step": 29.0, "fused": 25.0, "v01": 1.4, "v02": 1.7}
+    names = ["v01", "v02", "fused", "step", "llama", "train", "new"]  # "new": no seconds yet, the mean's
+    parts = sanitize.shards(names, 4, cost)
+    assert sorted(n for part in parts for n in part) == sorted(names) and len(parts) == 4
+    assert all(part == [n for n in names if n in part] for part in parts)  # each in the run's order
+    mean = sum(cost.values()) / len(cost)
+    totals = sorted(sum(cost.get(n, mean) for n in part) for part in parts)
+    assert totals[-1] == 57.0 and totals[0] >= 25.0, totals  # no part above the costliest target's own
+    assert sanitize.shards(["a", "b"], 4, {}) == [["a"], ["b"]] and sanitize.shards(["a"], 1, {}) == [["a"]]
+    for stamp, quick, seconds in (("2026-01-01", True, {"v01": {"racecheck": 9.0}, "v02": {"racecheck": 2.0}}),
+                                  ("2026-02-01", True, {"v01": {"racecheck": 1.0}}),
+                                  ("2026-03-01", False, {"v01": {"racecheck": 50.0}})):
+        (tmp_path / f"sanitize-{stamp}.json").write_text(json.dumps({"quick": quick, "setup": {"date": stamp},
+                                                                     "seconds": seconds}))
+    assert sanitize.past_seconds(True, tmp_path) == {"v01": {"racecheck": 1.0}, "v02": {"racecheck": 2.0}}
+    assert sanitize.past_seconds(False, tmp_path) == {"v01": {"racecheck": 50.0}}
 
 
 def test_the_child_learns_its_tool_and_a_note_reaches_the_json():

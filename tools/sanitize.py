@@ -377,24 +377,66 @@ def run_tool(sanitizer: str, tool: str, names: list[str], args) -> list[Child]:
     return children
 
 
+# Under --parallel, racecheck's targets are split among this many children at once: one racecheck child
+# over everything takes five times as long as any other tool (the engine targets' thousands of launches,
+# each one's shared memory tracked), and the run would wait on it alone.
+PARALLEL_SHARDS = {"racecheck": 4}
+
+
+def past_seconds(quick: bool, folder: Path = ROOT / "results") -> dict[str, dict[str, float]]:
+    """{target: {tool: seconds}} from the committed runs of the same kind (--quick or not), the newest
+    one's where several hold a target: what --parallel balances a tool's shards by."""
+    runs = []
+    for path in folder.glob("sanitize-*.json"):
+        run = json.loads(path.read_text())
+        if run.get("quick") == quick:
+            runs.append((run.get("setup", {}).get("date", ""), run.get("seconds", {})))
+    out: dict[str, dict[str, float]] = {}
+    for _, seconds in sorted(runs, key=lambda r: r[0]):
+        for name, by_tool in seconds.items():
+            out.setdefault(name, {}).update(by_tool)
+    return out
+
+
+def shards(names: list[str], n: int, cost: dict[str, float]) -> list[list[str]]:
+    """names in at most n groups of about equal cost, each group in names' order: the costliest first, each
+    to the group with the least so far (a target of unknown cost counts the known ones' mean, else 1)."""
+    known = [cost[name] for name in names if name in cost]
+    mean = sum(known) / len(known) if known else 1.0
+    groups: list[list[str]] = [[] for _ in range(max(1, min(n, len(names))))]
+    totals = [0.0] * len(groups)
+    for name in sorted(names, key=lambda name: -cost.get(name, mean)):
+        least = totals.index(min(totals))
+        groups[least].append(name)
+        totals[least] += cost.get(name, mean)
+    return [[name for name in names if name in group] for group in groups if group]
+
+
 def run_tools(sanitizer: str, names: list[str], args) -> tuple[dict, dict]:
     """Every tool of args.tools over the targets: one after another, or with --parallel all at once, each
-    tool its own children on the GPU beside the others' (the run takes about its slowest tool's time,
-    each tool's seconds longer than alone). Each tool's children, and its wall seconds."""
+    tool its own children on the GPU beside the others' (racecheck's targets split among PARALLEL_SHARDS
+    children by their committed seconds; the run takes about its slowest child's time, each tool's seconds
+    longer than alone). Each tool's children, and its wall seconds."""
 
-    def one(tool: str) -> tuple[list[Child], float]:
+    def one(tool: str, mine: list[str]) -> tuple[list[Child], float]:
         began = time.monotonic()
-        children = run_tool(sanitizer, tool, names, args)
+        children = run_tool(sanitizer, tool, mine, args)
         seconds = round(time.monotonic() - began, 1)
-        print(f"[{tool}] {len(names)} targets in {seconds:.0f} s", flush=True)
+        print(f"[{tool}] {len(mine)} targets in {seconds:.0f} s", flush=True)
         return children, seconds
 
-    if args.parallel:
-        with ThreadPoolExecutor(len(args.tools)) as pool:
-            done = dict(zip(args.tools, pool.map(one, args.tools), strict=True))
-    else:
-        done = {tool: one(tool) for tool in args.tools}
-    return {tool: d[0] for tool, d in done.items()}, {tool: d[1] for tool, d in done.items()}
+    if not args.parallel:
+        done = {tool: one(tool, names) for tool in args.tools}
+        return {tool: d[0] for tool, d in done.items()}, {tool: d[1] for tool, d in done.items()}
+    cost = past_seconds(args.quick)
+    jobs = [(tool, part) for tool in args.tools
+            for part in shards(names, PARALLEL_SHARDS.get(tool, 1),
+                               {name: by_tool[tool] for name, by_tool in cost.items() if tool in by_tool})]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        done = list(pool.map(lambda job: one(*job), jobs))
+    runs = {tool: [child for (t, _), (children, _) in zip(jobs, done) if t == tool for child in children]
+            for tool in args.tools}
+    return runs, {tool: max(s for (t, _), (_, s) in zip(jobs, done) if t == tool) for tool in args.tools}
 
 
 # -- the json --------------------------------------------------------------------------------------
@@ -534,8 +576,9 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true", help="one shape a rung (the awkward one; a split-KV rung "
                                                              "also its decode step)")
     parser.add_argument("--parallel", action="store_true",
-                        help="run the tools at once, each its own children (tools/device_sanitize.sh quick does): "
-                             "the run takes about its slowest tool's time")
+                        help="run the tools at once, each its own children, racecheck's targets split among "
+                             f"{PARALLEL_SHARDS['racecheck']} (tools/device_sanitize.sh quick does): the run "
+                             "takes about its slowest child's time")
     parser.add_argument("--list", action="store_true", help="print the chosen targets by group, and exit")
     parser.add_argument("--timeout", type=positive(float), default=540.0,
                         help="seconds one child process may run before it is stopped (default 540)")
