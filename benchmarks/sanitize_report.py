@@ -1,7 +1,8 @@
 """docs/ladder.md's sanitizer table, from tools/sanitize.py --json files in results/ (sanitize-GROUP-*.json,
 one a group of the full run, tools/device_sanitize.sh GROUP): the newest file of each group, a row a group
 with its error count under each tool (the targets that have any named), its wall time under each tool, and
-the run's notes (where a target ran otherwise under one tool, and why)."""
+the run's notes (where a target ran otherwise under one tool, and why); the newest --quick run last, its
+own row."""
 
 from __future__ import annotations
 
@@ -21,15 +22,21 @@ def group_of(result: dict) -> str:
     return found.group(1) if found else "everything"
 
 
+def label_of(result: dict) -> str:
+    """A row's name: the group, `(--quick)` after a quick run's (`--parallel` too where the tools ran at once)."""
+    flags = ["--quick"] * bool(result.get("quick")) + ["--parallel"] * bool(result.get("parallel"))
+    return group_of(result) + (f" ({' '.join(flags)})" if result.get("quick") else "")
+
+
 def newest_per_group(paths: list[Path]) -> list[tuple[Path, dict]]:
-    """The newest full-run (not --quick) file of each group: GROUPS' order, then any other group by name."""
-    chosen: dict[str, tuple[Path, dict]] = {}
+    """The newest full-run file of each group, GROUPS' order, then any other group by name; then the newest
+    --quick run of each group (`everything`: tools/device_sanitize.sh quick)."""
+    chosen: dict[tuple[bool, str], tuple[Path, dict]] = {}
     for path in sorted(paths, key=lambda p: p.stem.rsplit("-", 1)[-1]):
         result = json.loads(path.read_text())
-        if not result.get("quick"):
-            chosen[group_of(result)] = (path, result)
+        chosen[bool(result.get("quick")), group_of(result)] = (path, result)
     order = {g: k for k, g in enumerate(GROUPS)}
-    return [chosen[g] for g in sorted(chosen, key=lambda g: (order.get(g, len(order)), g))]
+    return [chosen[key] for key in sorted(chosen, key=lambda key: (key[0], order.get(key[1], len(order)), key[1]))]
 
 
 def cell(result: dict, tool: str) -> str:
@@ -64,7 +71,7 @@ def render_sanitize(entries: list[tuple[Path, dict]], rel) -> str:
         seconds = result.get("tool_seconds", {})
         wall = " / ".join(f"{seconds[t]:.0f}" if t in seconds else "-" for t in TOOLS)
         library = result.get("initcheck_library", "excluded")  # tools/sanitize.py --initcheck-library
-        label = group_of(result) + (f" (initcheck: cuBLAS {library})" if library != "excluded" else "")
+        label = label_of(result) + (f" (initcheck: cuBLAS {library})" if library != "excluded" else "")
         lines.append(f"| {label} | {len(result['targets'])} | "
                      + " | ".join(cell(result, t) for t in TOOLS)
                      + f" | {wall} | [{path.name}]({rel(path)}) |")
@@ -73,6 +80,9 @@ def render_sanitize(entries: list[tuple[Path, dict]], rel) -> str:
         notes += [f"- {group_of(result)}: {problem}" for problem in result.get("problems", [])]
     devices = sorted({r["setup"].get("device", "?") for _, r in entries})
     commits = sorted({r["setup"].get("git", "?") for _, r in entries})
-    head = (f"Every group of the full run (`tools/device_sanitize.sh GROUP`), its newest file: {', '.join(devices)}; "
-            f"commit {', '.join(commits)}. A cell counts the tool's errors over the group's targets.")
+    head = (f"Every group of the full run (`tools/device_sanitize.sh GROUP`), its newest file, and the newest quick "
+            f"run (`tools/device_sanitize.sh quick`, one shape a target), last: {', '.join(devices)}; "
+            f"commit {', '.join(commits)}. A cell counts the tool's errors over the group's targets; a run with "
+            f"`--parallel` ran its tools at once, each one's seconds the longest of its children's.")
+    notes = list(dict.fromkeys(notes))  # a note the full run's group and the quick run both carry: once
     return "\n".join([head, ""] + lines + ([""] + notes if notes else []))

@@ -26,14 +26,19 @@ def test_the_group_comes_from_the_field_or_else_the_command():
     assert group_of({"command": "python3 tools/sanitize.py --quick"}) == "everything"
 
 
-def test_the_newest_full_run_of_each_group_is_kept_and_quick_runs_are_not(tmp_path):
+def test_the_newest_full_run_of_each_group_is_kept_then_the_newest_quick_run(tmp_path):
     clean = {"b01": {t: 0 for t in TOOLS}}
     old = write(tmp_path, "sanitize-backward-nvidia-h200-20261101T000000Z.json", result("backward", clean))
     new = write(tmp_path, "sanitize-backward-nvidia-h200-20261102T000000Z.json", result("backward", clean))
-    quick = write(tmp_path, "sanitize-quick-nvidia-h200-20261103T000000Z.json", result("backward", clean, quick=True))
+    quick = write(tmp_path, "sanitize-quick-nvidia-h200-20261103T000000Z.json",
+                  result("everything", clean, quick=True, parallel=True))
+    older_quick = write(tmp_path, "sanitize-quick-nvidia-h200-20261102T000000Z.json",
+                        result("everything", clean, quick=True))
     step = write(tmp_path, "sanitize-step-nvidia-h200-20261101T000000Z.json", result("step", clean))
-    chosen = [p for p, _ in newest_per_group([quick, step, new, old])]
-    assert chosen == [new, step]  # tools/sanitize.py's order of groups
+    entries = newest_per_group([quick, older_quick, step, new, old])
+    assert [p for p, _ in entries] == [new, step, quick]  # tools/sanitize.py's order of groups, the quick run last
+    text = render_sanitize(entries, str)
+    assert "| everything (--quick --parallel) | 1 |" in text and "| backward | 1 |" in text
 
 
 def test_a_cell_names_the_targets_with_errors_and_the_skipped_ones():
@@ -57,6 +62,8 @@ def test_the_table_links_each_file_and_carries_the_notes(tmp_path):
     text = render_sanitize([(path, r)], lambda p: "../results/" + p.name)
     assert f"| forward | 1 | 0 | 0 | 0 | 0 | 1 / 1 / 1 / 1 | [{path.name}](../results/{path.name}) |" in text
     assert "- v17 under synccheck: clusters of 16 only" in text
+    twice = render_sanitize([(path, r), (path, dict(r, quick=True))], str)
+    assert twice.count("- v17 under synccheck: clusters of 16 only") == 1  # a note two runs carry, told once
     assert "commit abc" in text
     checked = dict(r, initcheck_library="small-workspace")
     assert "| forward (initcheck: cuBLAS small-workspace) | 1 |" in render_sanitize([(path, checked)], str)
