@@ -84,11 +84,15 @@ def test_bias_act_matches_bias_and_gelu(cp, rows, N, gelu, dtype):
 
 
 @pytest.mark.parametrize("kv", fast.DTYPES)
-@pytest.mark.parametrize("T,NH,HS,max_len", [(1, 12, 64, 1024), (9, 12, 64, 1024), (64, 2, 16, 64)])
-def test_kv_store_fills_the_static_cache(cp, T, NH, HS, max_len, kv):
+@pytest.mark.parametrize("T,NH,HS,max_len,offset", [(1, 12, 64, 1024, 0), (9, 12, 64, 1024, 1), (64, 2, 16, 64, 0),
+                                                    (17, 3, 20, 40, 0), (7, 2, 6, 16, 0)])
+def test_kv_store_fills_the_static_cache(cp, T, NH, HS, max_len, offset, kv):
+    """16 bytes a thread where a head is whole vectors (HS 64, 16; 20 in float32), one element else (HS 6;
+    20 in bfloat16) and where qkv starts off a 16-byte boundary (offset: one element into its buffer)."""
     rng = cp.random.default_rng()
     C = NH * HS
-    qkv, _ = weights(cp, rng, (T, 3 * C), kv, scale=1.0)  # the projection, in the run's dtype
+    flat, _ = weights(cp, rng, (offset + T * 3 * C,), kv, scale=1.0)  # the projection, in the run's dtype
+    qkv = flat[offset:].reshape(T, 3 * C)
     k_cache, v_cache = nan_bits(cp, (NH, max_len, HS), kv), nan_bits(cp, (NH, max_len, HS), kv)
     fused.function("kv_store", f"kv_store<{WT[kv]}>")(
         (5,), (256,), (qkv, k_cache, v_cache, np.int32(T), np.int32(NH), np.int32(HS), np.int32(max_len)))
@@ -102,10 +106,13 @@ def test_kv_store_fills_the_static_cache(cp, T, NH, HS, max_len, kv):
 
 
 @pytest.mark.parametrize("dtype", fast.DTYPES)
-def test_merge_heads_reads_any_strides(cp, dtype):
+@pytest.mark.parametrize("HS,pad", [(64, 0), (64, 1), (20, 0), (6, 0)])
+def test_merge_heads_reads_any_strides(cp, dtype, HS, pad):
+    """Strided input (the heads' rows interleaved), at 16 bytes a thread and at one element: HS 6, 20 in
+    bfloat16, and rows padded by one element (pad: strides off the 16-byte grid)."""
     rng = cp.random.default_rng()
-    T, NH, HS = 97, 12, 64
-    y = weights(cp, rng, (1, T, NH, HS), dtype, scale=1.0)[0].transpose(0, 2, 1, 3)  # (1, NH, T, HS), strided
+    T, NH = 97, 12
+    y = weights(cp, rng, (1, T, NH, HS + pad), dtype, scale=1.0)[0][..., :HS].transpose(0, 2, 1, 3)  # (1, NH, T, HS)
     out = nan_bits(cp, (T, NH * HS), dtype)
     item = y.itemsize
     fused.function("merge_heads", f"merge_heads<{WT[dtype]}>")(

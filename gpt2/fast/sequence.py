@@ -113,9 +113,9 @@ class WholeSequence:
                  self.gemm_tickets, e.sm_count)
             return
         self.blas.gemm(a, W.T, out, dtype=e.dtype)  # a in the weights' dtype, as the eager model's products
-        if epi != GEMM_NONE:
+        if epi != GEMM_NONE:  # 8 elements a thread (16 bytes of bfloat16), 8 blocks of 256 an SM at most
             e.fn["bias_gelu" if epi == GEMM_BIAS_GELU else "bias"](
-                (min(-(-M * N // 1024), 4 * e.sm_count),), (256,), (out, b, np.int32(M), np.int32(N)))
+                (min(-(-M * N // 2048), 8 * e.sm_count),), (256,), (out, b, np.int32(M), np.int32(N)))
 
     def run(self, T: int, attend, *, store_kv: bool) -> None:
         """The forward pass over history[0:T], then ln_f + lm_head + argmax on position T - 1, which
@@ -161,7 +161,7 @@ class WholeSequence:
         c, p, fn = e.config, e.vectors, e.fn
         C, NH, HS = c.n_embd, c.n_head, c.head_size
         x, h, qkv, merged, y, f = (self.work[k][:T] for k in ("x", "h", "qkv", "merged", "y", "f"))
-        grid = (min(-(-T * C // 256), 4 * e.sm_count),)
+        rows = (T,)  # kv_store's and merge_heads' grid: a block a row
         fn["embed"]((T,), (256,), (e.wte, e.wpe, e.history, NULL, np.int32(C), x, NULL, np.uint64(0)))
         for i in range(c.n_layer):
             pre = f"h.{i}."
@@ -171,9 +171,9 @@ class WholeSequence:
                                                np.int32(C)), shared_mem=4 * C)
             self.product(h, i, "attn.c_attn", qkv, GEMM_BIAS, tiled=tiled)
             if store_kv:
-                fn["kv_store"](grid, (256,), (qkv, e.k_cache[i], e.v_cache[i], np.int32(T), np.int32(NH),
+                fn["kv_store"](rows, (256,), (qkv, e.k_cache[i], e.v_cache[i], np.int32(T), np.int32(NH),
                                               np.int32(HS), np.int32(e.max_len)))
-            self._merge_heads(run_attention(), merged, grid, T)
+            self._merge_heads(run_attention(), merged, T)
             if i == c.n_layer - 1 and last_row is not None:  # from here on, that position alone
                 x, h, merged, y, f = (a[last_row:last_row + 1] for a in (x, h, merged, y, f))
             self.product(merged, i, "attn.c_proj", y, GEMM_NONE, tiled=tiled)
@@ -195,7 +195,7 @@ class WholeSequence:
                          np.int32(c.vocab_size), e.logits if e.logits is not None else NULL, e.block_max,
                          e.block_arg, e.lm_counter, e.state, e.history, NULL, np.uint64(0)))
 
-    def _merge_heads(self, o, merged, grid, T: int) -> None:
+    def _merge_heads(self, o, merged, T: int) -> None:
         """The attention's output o (B, NH, T, hs), any strides, into merged (T, C): heads side by side,
         in the run's dtype."""
         e = self.engine
@@ -203,6 +203,6 @@ class WholeSequence:
         item = merged.itemsize
         if o.dtype != merged.dtype or o.strides[3] != item:
             o = cp.ascontiguousarray(o, dtype=merged.dtype)
-        e.fn["merge_heads"](grid, (256,), (o, np.int64(o.strides[1] // item), np.int64(o.strides[2] // item), merged,
+        e.fn["merge_heads"]((T,), (256,), (o, np.int64(o.strides[1] // item), np.int64(o.strides[2] // item), merged,
                                            np.int32(T), np.int32(c.n_head), np.int32(c.head_size)))
 

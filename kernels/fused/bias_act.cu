@@ -8,8 +8,10 @@
  * model's `linear` output (in the weights' dtype) and its float32 GELU are.
  *
  * Template parameters: GELU; T, float or bfloat16 bits (unsigned short). Geometry: a grid-stride loop
- * over groups of 4 elements (a float4, or 8 bytes of bfloat16); N % 4 == 0 (every GPT-2 width is), y
- * aligned to a group.
+ * over groups of 16 bytes (4 floats, or 8 bfloat16 where N % 8 == 0 and y lies on a 16-byte boundary:
+ * every GPT-2 width), else of 4 elements (8 bytes of bfloat16); N % 4 == 0 (every GPT-2 width is), y
+ * aligned to a group. The group is the bandwidth's question: at 8 bytes a thread the prefill's MLP
+ * epilogue ran at about half of it.
  */
 #include "common.cuh"
 
@@ -39,19 +41,52 @@ __device__ __forceinline__ void store4(bf16_bits* p, const float (&v)[4])
     *reinterpret_cast<uint2*>(p) = u;
 }
 
+__device__ __forceinline__ void store8(bf16_bits* p, const float (&v)[8])
+{
+    uint4 u;
+    u.x = float_to_bf16(v[0]) | ((unsigned int)float_to_bf16(v[1]) << 16);
+    u.y = float_to_bf16(v[2]) | ((unsigned int)float_to_bf16(v[3]) << 16);
+    u.z = float_to_bf16(v[4]) | ((unsigned int)float_to_bf16(v[5]) << 16);
+    u.w = float_to_bf16(v[6]) | ((unsigned int)float_to_bf16(v[7]) << 16);
+    *reinterpret_cast<uint4*>(p) = u;
+}
+
+__device__ __forceinline__ void store8(float*, const float (&)[8]) {}  // never called: float takes the 4-group loop
+
+// y[0..G) += bias[0..G), then GELU (after rounding to T, as the eager model's linear output) where asked.
+template <bool GELU, typename T, int G>
+__device__ __forceinline__ void add_bias(float (&v)[G], const float* bias)
+{
+#pragma unroll
+    for (int j = 0; j < G; j += 4) {
+        const float4 b = *reinterpret_cast<const float4*>(bias + j);
+        v[j] += b.x; v[j + 1] += b.y; v[j + 2] += b.z; v[j + 3] += b.w;
+    }
+    if (GELU) {
+#pragma unroll
+        for (int j = 0; j < G; ++j) v[j] = gelu_tanh(round_as<T>(v[j]));
+    }
+}
+
 template <bool GELU, typename T>
 __global__ void __launch_bounds__(256)
 bias_act(T* __restrict__ y, const float* __restrict__ bias, int rows, int N)
 {
+    if (sizeof(T) == 2 && N % 8 == 0 && aligned16(y)) {  // 8 bfloat16: one 16-byte load and store
+        const long long total = (long long)rows * N / 8;
+        for (long long i = blockIdx.x * 256LL + threadIdx.x; i < total; i += (long long)gridDim.x * 256) {
+            float v[8];
+            unpack(*reinterpret_cast<const uint4*>(y + 8 * i), v);
+            add_bias<GELU, T, 8>(v, bias + i * 8 % N);
+            store8(y + 8 * i, v);
+        }
+        return;
+    }
     const long long total = (long long)rows * N / 4;
     for (long long i = blockIdx.x * 256LL + threadIdx.x; i < total; i += (long long)gridDim.x * 256) {
         float v[4];
         load4(y + 4 * i, v);
-        const float4 b = reinterpret_cast<const float4*>(bias)[(i * 4 % N) / 4];
-        v[0] += b.x; v[1] += b.y; v[2] += b.z; v[3] += b.w;
-        if (GELU) {
-            for (int j = 0; j < 4; ++j) v[j] = gelu_tanh(round_as<T>(v[j]));
-        }
+        add_bias<GELU, T, 4>(v, bias + i * 4 % N);
         store4(y + 4 * i, v);
     }
 }

@@ -55,6 +55,14 @@ __device__ __forceinline__ void unpack(const uint4& v, float (&out)[8])
     out[6] = __uint_as_float(v.w << 16); out[7] = __uint_as_float(v.w & 0xffff0000u);
 }
 
+// Whether p lies on a 16-byte boundary (a 16-byte access there is legal), and 16 bytes moved as one
+// load and one store (a copy kernel's unit: kv_store.cu, merge_heads.cu).
+__device__ __forceinline__ bool aligned16(const void* p) { return ((unsigned long long)p & 15u) == 0; }
+__device__ __forceinline__ void move16(void* dst, const void* src)
+{
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+}
+
 // A read-only 16-byte load through the non-coherent path (the weights never change in a step).
 __device__ __forceinline__ uint4 load16(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 

@@ -5,18 +5,31 @@
  * eager fast path; the input is read through its head and row strides (in elements), so any
  * attention's output layout works.
  * Template parameter: T, float or bfloat16 bits (unsigned short), the attention's dtype: copied as is.
- * Geometry: a grid-stride loop over the T * C outputs.
+ * Geometry: a block an output row (a grid-stride loop over the rows), its threads over the row's C
+ * columns: 16 bytes a thread at a time (Vec16) where a head's HS elements are whole vectors and the
+ * strides and addresses keep them on 16-byte boundaries (every GPT-2 size, with the attention's own
+ * output), else one element (as kv_store.cu, for the bandwidth).
  */
+#include "common.cuh"
+
 template <typename T>
 __global__ void __launch_bounds__(256)
 merge_heads(const T* __restrict__ y, long long stride_h, long long stride_t, T* __restrict__ out, int n_rows,
             int n_head, int head_size)
 {
+    constexpr int V = Vec16<T>::N;
     const int C = n_head * head_size;
-    const long long total = (long long)n_rows * C;
-    for (long long i = blockIdx.x * 256LL + threadIdx.x; i < total; i += (long long)gridDim.x * 256) {
-        const long long t = i / C;
-        const int c = (int)(i % C), h = c / head_size, d = c % head_size;
-        out[i] = y[h * stride_h + t * stride_t + d];
+    const bool wide = head_size % V == 0 && stride_h % V == 0 && stride_t % V == 0 && aligned16(y) && aligned16(out);
+    const int step = wide ? V : 1;
+    for (int t = blockIdx.x; t < n_rows; t += gridDim.x) {
+        for (int c = threadIdx.x * step; c < C; c += blockDim.x * step) {
+            const int h = c / head_size, d = c % head_size;
+            const T* from = y + h * stride_h + t * stride_t + d;
+            T* to = out + (long long)t * C + c;
+            if (wide)
+                move16(to, from);
+            else
+                *to = *from;
+        }
     }
 }
