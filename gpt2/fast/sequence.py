@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from kernels import launcher
-from lm import prefill_graph
+from lm import lt, prefill_graph
 from lm.prefill_graph import PassGraph, PrefillGraphs, bucket_rows
 from lm.products import Blas
 
@@ -58,6 +58,8 @@ class WholeSequence:
         self.engine, self.products = engine, products
         self.rows, self.work = 0, {}
         self.blas = Blas(cp)
+        # the bfloat16 products with a bias (and GELU) in cuBLASLt's epilogue, with LAB_LT_EPILOGUES=1
+        self.lt = lt.Lt(cp) if lt.ENABLED and engine.dtype == "bfloat16" else None
         # gemm.cu's weights, split and tiled on the no-cache mode's first pass (gemm_weight: two float32
         # copies of every linear weight, which a KV-cache run never makes)
         self.gemm_weights = None
@@ -104,7 +106,8 @@ class WholeSequence:
         """out = a @ W, then + bias (GEMM_BIAS) or gelu(. + bias) (GEMM_BIAS_GELU), W the layer's linear
         weight: gemm.cu's 3xTF32 on its tiles (tiled), else cuBLAS on the (out, in) matrix the decode
         step reads (float32: SGEMM; bfloat16: gemmEx, accumulated in float32, out in its own dtype:
-        bfloat16 or float32) and bias_act.cu."""
+        bfloat16 or float32) and bias_act.cu; with LAB_LT_EPILOGUES=1, a bfloat16 product with a bias
+        on cuBLASLt, its bias and GELU in the product's epilogue (lm/lt.py)."""
         e = self.engine
         M, N = a.shape[0], out.shape[1]
         W, b = e.layers[layer][linear], e.vectors[f"h.{layer}.{linear}.bias"]
@@ -112,6 +115,8 @@ class WholeSequence:
             gemm(e.fn[f"gemm_{epi}"], a, self.tiles()[layer][linear], b, out, self.gemm_partials,
                  self.gemm_tickets, e.sm_count)
             return
+        if epi != GEMM_NONE and self.lt is not None and self.lt.gemm(a, W, b, out, gelu=epi == GEMM_BIAS_GELU):
+            return  # one kernel: the product, its bias and GELU (lm/lt.py)
         self.blas.gemm(a, W.T, out, dtype=e.dtype)  # a in the weights' dtype, as the eager model's products
         if epi != GEMM_NONE:  # 8 elements a thread (16 bytes of bfloat16), 8 blocks of 256 an SM at most
             e.fn["bias_gelu" if epi == GEMM_BIAS_GELU else "bias"](

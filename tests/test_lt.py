@@ -1,0 +1,85 @@
+"""lm/lt.py on the CPU: the row-major product's column-major form (checked in NumPy, as cuBLASLt reads the
+layouts), and what gemm() declines without a call into the library."""
+
+import numpy as np
+import pytest
+
+from lm import lt
+
+
+def column_major_product(a, W, shape):
+    """What cuBLASLt computes from the stored bytes: each operand a column-major (rows, cols, ld) view of
+    its buffer, op() applied, D = op(A) @ op(B), read back as the row-major out's buffer."""
+
+    def view(buffer, rows, cols, ld):
+        assert ld == rows
+        return buffer.reshape(cols, rows).T  # column-major: element (i, j) at j * ld + i
+
+    A, B = view(W.ravel(), *shape["A"]), view(a.ravel(), *shape["B"])
+    A = A.T if shape["transa"] == lt.OP_T else A
+    B = B.T if shape["transb"] == lt.OP_T else B
+    D = A @ B  # (N, M) column-major
+    rows, cols, ld = shape["D"]
+    assert D.shape == (rows, cols) and ld == rows
+    return D.T.ravel().reshape(cols, rows)  # its bytes, row-major (M, N)
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 96, 32), (17, 2304, 768), (1000, 6400, 1600)])
+def test_the_row_major_product_reads_as_cublaslt_s_column_major_one(M, N, K):
+    rng = np.random.default_rng(M)
+    a, W = rng.standard_normal((M, K)), rng.standard_normal((N, K))
+    if M * N * K > 1e8:  # the shapes' bookkeeping alone at the prefill's size
+        a, W = a[:, :8], W[:, :8]
+        K = 8
+    np.testing.assert_allclose(column_major_product(a, W, lt.column_major(M, N, K)), a @ W.T, rtol=1e-12)
+
+
+class Recording:
+    """A stand-in library: every call recorded, status 0; the heuristic offers `found` algorithms."""
+
+    def __init__(self, found: int):
+        self.calls, self.found = [], found
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls.append(name)
+            if name == "cublasLtMatmulAlgoGetHeuristic":
+                args[-1]._obj.value = self.found
+            return 0
+
+        return call
+
+
+def stand_in(found: int) -> lt.Lt:
+    import types
+
+    me = lt.Lt.__new__(lt.Lt)
+    me.cp = types.SimpleNamespace(float32=np.float32,
+                                  cuda=types.SimpleNamespace(get_current_stream=lambda: types.SimpleNamespace(ptr=0)))
+    me.lib, me.handle, me.plans = Recording(found), None, {}
+    me.workspace = np.zeros(16, np.uint8)
+    me.one, me.zero = lt.ctypes.c_float(1.0), lt.ctypes.c_float(0.0)
+    return me
+
+
+def test_gemm_declines_what_it_cannot_take_without_calling_the_library(monkeypatch):
+    monkeypatch.setattr(lt, "address", lambda x: 0)
+    bf16 = np.uint16
+    a, W, out, bias = np.zeros((4, 8), bf16), np.zeros((6, 8), bf16), np.zeros((4, 6), bf16), np.zeros(6, np.float32)
+    me = stand_in(found=1)
+    for args in [(a.astype(np.float32), W, bias, out), (a, W.T.copy().T, bias, out), (a, W, bias.astype(bf16), out),
+                 (a, W, bias, np.zeros((4, 5), bf16)), (a[:, ::2], W[:, ::2], bias, out)]:
+        assert me.gemm(*args) is False
+    assert me.lib.calls == []
+    assert me.gemm(a, W, bias, out, gelu=True) is True
+    assert me.lib.calls[-1] == "cublasLtMatmul" and "cublasLtMatmulAlgoGetHeuristic" in me.lib.calls
+    planned = me.lib.calls.count("cublasLtMatmulAlgoGetHeuristic")
+    assert me.gemm(a, W, bias, out, gelu=True) is True  # the plan kept: no second heuristic
+    assert me.lib.calls.count("cublasLtMatmulAlgoGetHeuristic") == planned
+    none = stand_in(found=0)  # no algorithm for the shape: declined, and remembered
+    assert none.gemm(a, W, bias, out) is False and none.gemm(a, W, bias, out) is False
+    assert none.lib.calls.count("cublasLtMatmulAlgoGetHeuristic") == 1 and "cublasLtMatmul" not in none.lib.calls
+
+
+def test_the_epilogues_are_cublaslt_s_codes():
+    assert (lt.epilogue_of(False), lt.epilogue_of(True)) == (4, 36)  # CUBLASLT_EPILOGUE_BIAS, _GELU_BIAS
