@@ -6,13 +6,17 @@
 a (M, K) and out (M, N) row-major bfloat16, W the (N, K) row-major weight the decode step reads, bias (N,)
 float32. The bias and GELU (the tanh form, GPT-2's) are applied to the float32 accumulator in the
 product's own epilogue, and the result rounded to bfloat16 once: one kernel where cuBLAS's product and
-bias_act.cu made two passes over the output (the eager model rounds the product to bfloat16 before it
-adds the bias: the two differ by up to a bfloat16 step, the fused one the closer to float64).
+bias_act.cu made two passes over the output. cuBLASLt takes a bfloat16 output's bias in bfloat16 only
+(a float32 one: no algorithm, on an H200 with CUDA 13's cuBLASLt), so the bias is rounded to bfloat16
+once, a copy kept per bias array; the eager model rounds the product before it adds the float32 bias
+instead. The two differ by about a bfloat16 step where bias and product cancel.
 
 Through ctypes on the libcublasLt this process has loaded (cuBLAS loads it), as DirectCublas: the calls
 work under stream capture, and the algorithm is chosen once per shape by cuBLASLt's heuristic, with a
 workspace of its own allocated at the first product (never during a capture). A shape for which the
-heuristic offers no algorithm is remembered, and gemm() returns False: the caller takes its unfused path.
+heuristic offers no algorithm is remembered, and gemm() returns False: the caller takes its unfused path,
+as it does for a shape or bias first seen while the stream captures (planned and copied on the pass
+before).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import ctypes
 import os
 
 from .arrays import address
+from .bf16 import bf16_bits
 from .products import loaded_library
 
 ENABLED = os.environ.get("LAB_LT_EPILOGUES") == "1"
@@ -62,6 +67,7 @@ class Lt:
         self._check("cublasLtCreate", self.lib.cublasLtCreate(ctypes.byref(self.handle)))
         self.workspace = cp.empty(WORKSPACE_BYTES, dtype=cp.uint8)
         self.plans: dict[tuple, tuple | None] = {}
+        self.biases: dict[int, object] = {}  # a float32 bias's address -> its bfloat16 copy (bits)
         self.one, self.zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
     @staticmethod
@@ -87,7 +93,7 @@ class Lt:
         self._set(desc, DESC_TRANSA, ctypes.c_int32(shape["transa"]))
         self._set(desc, DESC_TRANSB, ctypes.c_int32(shape["transb"]))
         self._set(desc, DESC_EPILOGUE, ctypes.c_int32(epilogue_of(gelu)))
-        self._set(desc, DESC_BIAS_DATA_TYPE, ctypes.c_int32(R_32F))
+        self._set(desc, DESC_BIAS_DATA_TYPE, ctypes.c_int32(R_16BF))
         layouts = [self._layout(*shape[m]) for m in ("A", "B", "D")]
         preference = ctypes.c_void_p()
         self._check("cublasLtMatmulPreferenceCreate", self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(preference)))
@@ -110,14 +116,16 @@ class Lt:
         if not (W.shape == (N, K) and out.shape == (M, N) and bias.shape == (N,) and bias.dtype == self.cp.float32
                 and all(x.flags.c_contiguous and x.dtype.itemsize == 2 for x in (a, W, out))):
             return False
-        key = (M, N, K, gelu)
-        if key not in self.plans:
+        key, capturing = (M, N, K, gelu), self.cp.cuda.get_current_stream().is_capturing()
+        if key not in self.plans and not capturing:
             self.plans[key] = self._plan(M, N, K, gelu)
-        plan = self.plans[key]
-        if plan is None:
+        if address(bias) not in self.biases and not capturing:  # made on a pass before any capture
+            self.biases[address(bias)] = bf16_bits(self.cp, bias)
+        plan, bias16 = self.plans.get(key), self.biases.get(address(bias))
+        if plan is None or bias16 is None:
             return False
         desc, A, B, D, found = plan
-        self._set(desc, DESC_BIAS_POINTER, ctypes.c_void_p(address(bias)))
+        self._set(desc, DESC_BIAS_POINTER, ctypes.c_void_p(address(bias16)))
         stream = self.cp.cuda.get_current_stream().ptr
         self._check("cublasLtMatmul", self.lib.cublasLtMatmul(
             self.handle, desc, ctypes.byref(self.one), ctypes.c_void_p(address(W)), A, ctypes.c_void_p(address(a)), B,

@@ -50,20 +50,21 @@ class Recording:
         return call
 
 
-def stand_in(found: int) -> lt.Lt:
+def stand_in(found: int, capturing: bool = False) -> lt.Lt:
     import types
 
     me = lt.Lt.__new__(lt.Lt)
-    me.cp = types.SimpleNamespace(float32=np.float32,
-                                  cuda=types.SimpleNamespace(get_current_stream=lambda: types.SimpleNamespace(ptr=0)))
-    me.lib, me.handle, me.plans = Recording(found), None, {}
+    stream = types.SimpleNamespace(ptr=0, is_capturing=lambda: capturing)
+    me.cp = types.SimpleNamespace(float32=np.float32, cuda=types.SimpleNamespace(get_current_stream=lambda: stream))
+    me.lib, me.handle, me.plans, me.biases = Recording(found), None, {}, {}
     me.workspace = np.zeros(16, np.uint8)
     me.one, me.zero = lt.ctypes.c_float(1.0), lt.ctypes.c_float(0.0)
     return me
 
 
 def test_gemm_declines_what_it_cannot_take_without_calling_the_library(monkeypatch):
-    monkeypatch.setattr(lt, "address", lambda x: 0)
+    monkeypatch.setattr(lt, "address", lambda x: id(x))
+    monkeypatch.setattr(lt, "bf16_bits", lambda cp, x: x.astype(np.uint16))  # the bias's bfloat16 copy
     bf16 = np.uint16
     a, W, out, bias = np.zeros((4, 8), bf16), np.zeros((6, 8), bf16), np.zeros((4, 6), bf16), np.zeros(6, np.float32)
     me = stand_in(found=1)
@@ -79,6 +80,9 @@ def test_gemm_declines_what_it_cannot_take_without_calling_the_library(monkeypat
     none = stand_in(found=0)  # no algorithm for the shape: declined, and remembered
     assert none.gemm(a, W, bias, out) is False and none.gemm(a, W, bias, out) is False
     assert none.lib.calls.count("cublasLtMatmulAlgoGetHeuristic") == 1 and "cublasLtMatmul" not in none.lib.calls
+    capturing = stand_in(found=1, capturing=True)  # nothing planned or copied during a capture: declined
+    assert capturing.gemm(a, W, bias, out) is False and capturing.lib.calls == [] and not capturing.biases
+    assert me.biases and all(copy.dtype == np.uint16 for copy in me.biases.values())
 
 
 def test_the_epilogues_are_cublaslt_s_codes():
