@@ -1,4 +1,5 @@
-"""cuBLASLt's fused epilogues for the whole-sequence pass's bfloat16 products (opt-in: LAB_LT_EPILOGUES=1):
+"""cuBLASLt's fused epilogues for the whole-sequence pass's bfloat16 products (LAB_LT_EPILOGUES=0 turns
+them off: cuBLAS's product, then bias_act.cu):
 
     lt.gemm(a, W, bias, out)              out = a @ W^T + bias           (CUBLASLT_EPILOGUE_BIAS)
     lt.gemm(a, W, bias, out, gelu=True)   out = gelu(a @ W^T + bias)     (CUBLASLT_EPILOGUE_GELU_BIAS)
@@ -28,7 +29,7 @@ from .arrays import address
 from .bf16 import bf16_bits
 from .products import loaded_library
 
-ENABLED = os.environ.get("LAB_LT_EPILOGUES") == "1"
+ENABLED = os.environ.get("LAB_LT_EPILOGUES", "1") != "0"
 
 COMPUTE_32F, R_32F, R_16BF = 68, 0, 14  # cublasComputeType_t, cudaDataType_t
 OP_N, OP_T = 0, 1

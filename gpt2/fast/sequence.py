@@ -58,7 +58,7 @@ class WholeSequence:
         self.engine, self.products = engine, products
         self.rows, self.work = 0, {}
         self.blas = Blas(cp)
-        # the bfloat16 products with a bias (and GELU) in cuBLASLt's epilogue, with LAB_LT_EPILOGUES=1
+        # the bfloat16 products with a bias (and GELU) in cuBLASLt's epilogue (LAB_LT_EPILOGUES=0: not)
         self.lt = lt.Lt(cp) if lt.ENABLED and engine.dtype == "bfloat16" else None
         # gemm.cu's weights, split and tiled on the no-cache mode's first pass (gemm_weight: two float32
         # copies of every linear weight, which a KV-cache run never makes)
@@ -106,7 +106,7 @@ class WholeSequence:
         """out = a @ W, then + bias (GEMM_BIAS) or gelu(. + bias) (GEMM_BIAS_GELU), W the layer's linear
         weight: gemm.cu's 3xTF32 on its tiles (tiled), else cuBLAS on the (out, in) matrix the decode
         step reads (float32: SGEMM; bfloat16: gemmEx, accumulated in float32, out in its own dtype:
-        bfloat16 or float32) and bias_act.cu; with LAB_LT_EPILOGUES=1, a bfloat16 product with a bias
+        bfloat16 or float32) and bias_act.cu; in bfloat16 (unless LAB_LT_EPILOGUES=0), a product with a bias
         on cuBLASLt, its bias and GELU in the product's epilogue (lm/lt.py)."""
         e = self.engine
         M, N = a.shape[0], out.shape[1]
