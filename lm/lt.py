@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import os
 
+from . import products
 from .arrays import address
 from .bf16 import bf16_bits
 from .products import loaded_library
@@ -126,6 +127,8 @@ class Lt:
         if plan is None or bias16 is None:
             return False
         desc, A, B, D, found = plan
+        if products.ZERO_OUTPUTS:
+            out.fill(0)  # initcheck's zeroed mode, as Blas.gemm does (lm/products.py's ZERO_OUTPUTS)
         self._set(desc, DESC_BIAS_POINTER, ctypes.c_void_p(address(bias16)))
         stream = self.cp.cuda.get_current_stream().ptr
         self._check("cublasLtMatmul", self.lib.cublasLtMatmul(

@@ -83,6 +83,9 @@ def test_gemm_declines_what_it_cannot_take_without_calling_the_library(monkeypat
     capturing = stand_in(found=1, capturing=True)  # nothing planned or copied during a capture: declined
     assert capturing.gemm(a, W, bias, out) is False and capturing.lib.calls == [] and not capturing.biases
     assert me.biases and all(copy.dtype == np.uint16 for copy in me.biases.values())
+    monkeypatch.setattr(lt.products, "ZERO_OUTPUTS", True)  # initcheck's zeroed mode: out zeroed first
+    out[...] = 7
+    assert me.gemm(a, W, bias, out) is True and not out.any()
 
 
 def test_the_epilogues_are_cublaslt_s_codes():
