@@ -58,6 +58,21 @@ def prefill_ids(size: str, config, n: int) -> list[int]:
     return [*bos, *ids[len(bos):]]
 
 
+def lab_model(size: str, dtype: str, seed: int, kernel: str | None = None) -> tuple:
+    """(family, checkpoint, rung, attend): a size as the tools that profile its prefill load it, as `measure`
+    does: random weights in the run's dtype, laid out for the fast engine; the newest rung that takes the
+    model (or `kernel`) and lab.make_attend's attention of it."""
+    import kernels
+    import lab
+
+    cupy = device.get_cupy()
+    fam = of_size(size)
+    ckpt = fam.random_weights(size, seed=seed, xp=cupy, dtype=dtype)
+    fam.decode_layout(ckpt.params, ckpt.config)
+    name = lab.fit_kernel(kernel or lab.REFERENCE, kernel, ckpt.config, dtype, "gpu", kernels.device_limits().arch)
+    return fam, ckpt, name, lab.make_attend(name, dtype)
+
+
 _LAYER = re.compile(r"(^|\.)(h|layers)\.\d+\.")  # h.0., model.layers.0., and HF's transformer.h.0.
 
 

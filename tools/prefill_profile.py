@@ -69,17 +69,10 @@ def measure(size: str, dtype: str, args) -> list[dict]:
     """One row per (prompt length, setting): median host, wall and first-token milliseconds."""
     import cupy
 
-    import kernels
-    import lab
     from benchmarks import scale
 
-    fam = scale.of_size(size)
-    ckpt = fam.random_weights(size, seed=args.seed, xp=cupy, dtype=dtype)
+    fam, ckpt, kernel, attend = scale.lab_model(size, dtype, args.seed, args.kernel)
     config, params = ckpt.config, ckpt.params
-    fam.decode_layout(params, config)
-    kernel = lab.fit_kernel(args.kernel or lab.REFERENCE, args.kernel, config, dtype, "gpu",
-                            kernels.device_limits().arch)
-    attend = lab.make_attend(kernel, dtype)
     long_prompt = scale.prefill_ids(size, config, args.tokens)
     prompts = {len(long_prompt): long_prompt, 1: long_prompt[:1]}
     positions = len(long_prompt) + 1

@@ -97,17 +97,10 @@ def profile_first_token(size: str, dtype: str, args) -> dict:
     import cupy
     from torch.profiler import ProfilerActivity, profile
 
-    import kernels
-    import lab
     from benchmarks import scale
 
-    fam = scale.of_size(size)
-    ckpt = fam.random_weights(size, seed=args.seed, xp=cupy, dtype=dtype)
+    fam, ckpt, kernel, attend = scale.lab_model(size, dtype, args.seed, args.kernel)
     config, params = ckpt.config, ckpt.params
-    fam.decode_layout(params, config)
-    kernel = lab.fit_kernel(args.kernel or lab.REFERENCE, args.kernel, config, dtype, "gpu",
-                            kernels.device_limits().arch)
-    attend = lab.make_attend(kernel, dtype)
     ids = scale.prefill_ids(size, config, args.tokens)
 
     def first_token() -> float:
