@@ -366,7 +366,8 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                    help="the training page, whose train section is rewritten when there are train results (bench.py "
                         "train; default: docs/training.md)")
     m.add_argument("--replot", action="store_true",
-                   help="also redraw the newest sweep and e2e plots from their JSON (after a change to the plotting)")
+                   help="also redraw the newest sweep, e2e and scale plots and the rooflines shown from their JSON (after a "
+                        "change to the plotting)")
     return parser
 
 

@@ -190,9 +190,66 @@ def roofline_points(result: dict) -> list[tuple[str, float, float]]:
             for r in result["rows"] if r["status"] == "ok" and r.get("intensity") and r.get("tflops")]
 
 
+def spread(targets: list[float], gap: float) -> list[float]:
+    """Positions as near their targets as may be (least squares), in the targets' order, each at least gap
+    from the next: labels stacked apart where their points crowd. Pool adjacent violators: a run of labels
+    that would overlap moves as one block, centred on its targets."""
+    order = sorted(range(len(targets)), key=targets.__getitem__)
+    blocks: list[list[float]] = []  # [the block's first position, its labels, the sum of target - k * gap]
+    for i in order:
+        blocks.append([targets[i], 1, targets[i]])
+        while len(blocks) > 1 and blocks[-2][0] + blocks[-2][1] * gap > blocks[-1][0]:
+            _, n1, sum1 = blocks.pop()
+            _, n0, sum0 = blocks[-1]
+            total = sum0 + sum1 - n0 * n1 * gap  # the upper block's labels now sit n0 gaps higher
+            blocks[-1] = [total / (n0 + n1), n0 + n1, total]
+    positions = [start + k * gap for start, count, _ in blocks for k in range(int(count))]
+    out = [0.0] * len(targets)
+    for rank, i in enumerate(order):
+        out[i] = positions[rank]
+    return out
+
+
+def columns(spans: list[tuple[float, float]]) -> list[list[int]]:
+    """The indices of (left, right) spans grouped where they overlap, directly or through others."""
+    groups: list[list[int]] = []
+    reach = float("-inf")
+    for i in sorted(range(len(spans)), key=lambda i: spans[i][0]):
+        if spans[i][0] > reach:
+            groups.append([])
+        groups[-1].append(i)
+        reach = max(reach, spans[i][1]) if groups[-1] != [i] else spans[i][1]
+    return groups
+
+
+def place_labels(ax, texts, anchors, align: str = "left") -> None:
+    """Move texts (placed at their anchors, in data coordinates) apart vertically where their boxes would
+    overlap, each column of overlapping boxes spread (spread()) in display space; a thin line from a moved
+    label back to its point."""
+    fig = ax.figure
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    boxes = [t.get_window_extent(renderer) for t in texts]
+    for group in columns([(b.x0 - 2, b.x1 + 2) for b in boxes]):
+        heights = max(boxes[i].height for i in group) + 1
+        ys = spread([boxes[i].y0 for i in group], heights)
+        for i, y in zip(group, ys):
+            dy = y - boxes[i].y0
+            if abs(dy) < 0.5:
+                continue
+            x0, y0 = texts[i].get_position()
+            x_px, y_px = ax.transData.transform((x0, y0))
+            texts[i].set_position(ax.transData.inverted().transform((x_px, y_px + dy)))
+            if anchors[i] is not None:
+                ax.plot(*zip(anchors[i], ax.transData.inverted().transform((x_px + (4 if align == "left" else -4),
+                                                                            y_px + dy))),
+                        color="gray", linewidth=0.5)
+
+
 def plot_roofline(plt, points: list[tuple[str, float, float]], roofs: dict[str, float], copy_tbps: float | None,
                   title: str):
-    """Log-log: the points, each compute roof (TFLOP/s) flat from where the copy bandwidth's slant meets it."""
+    """Log-log: the points, each compute roof (TFLOP/s) flat from where the copy bandwidth's slant meets it;
+    labels that would print over each other stacked apart (place_labels)."""
     from matplotlib.ticker import FuncFormatter  # matplotlib is there: plt came from it
 
     fig, ax = plt.subplots(figsize=(9, 6))
@@ -204,19 +261,26 @@ def plot_roofline(plt, points: list[tuple[str, float, float]], roofs: dict[str, 
         ax.plot([lo, top], [copy_tbps * lo, copy_tbps * top], color="gray", linestyle="-")
         ax.text(lo * 1.6, copy_tbps * lo * 1.1, f"copy {copy_tbps:.2f} TB/s", color="gray", fontsize="small",
                 ha="left", va="top")
+    roof_labels = []
     for (name, tflops), ridge in zip(roofs.items(), ridges or [lo] * len(roofs)):
         ax.plot([ridge, hi], [tflops, tflops], linestyle="--")
-        ax.text(hi / 1.1, tflops * 1.05, f"{name} {tflops:.0f} TFLOP/s", ha="right", va="bottom", fontsize="small")
-    for label, x, y in points:
+        roof_labels.append(ax.text(hi / 1.1, tflops * 1.05, f"{name} {tflops:.0f} TFLOP/s", ha="right",
+                                   va="bottom", fontsize="small"))
+    for _, x, y in points:
         ax.plot([x], [y], marker="o", color="C0")
-        ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize="x-small")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(*ax.get_ylim())  # the limits fixed before the labels are placed in display space
+    nudge = 10 ** 0.012  # a few points right of and above its point, on these log axes
+    point_labels = [ax.text(x * nudge, y * nudge, label, fontsize="x-small", ha="left", va="bottom")
+                    for label, x, y in points]
+    place_labels(ax, point_labels, [(x, y) for _, x, y in points])
+    place_labels(ax, roof_labels, [None] * len(roof_labels), align="right")
     plain = FuncFormatter(lambda v, _: f"{v:g}")
     ax.xaxis.set_major_formatter(plain)
     ax.yaxis.set_major_formatter(plain)
     ax.yaxis.set_minor_formatter(plain)
-    ax.set_xlim(lo, hi)
     ax.set_xlabel("arithmetic intensity: FLOPs / DRAM bytes read + written (ncu)")
     ax.set_ylabel("achieved TFLOP/s (FLOPs / ncu's duration)")
     ax.set_title(title)

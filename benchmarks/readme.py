@@ -284,6 +284,10 @@ def cmd_readme(args) -> int:
             shown = [p for p, _ in newest_sweeps(found[kind])] if kind == "sweep" else found[kind][:1]
             for p in shown:
                 plots.plot_or_none(plot, load_result(p), p.with_suffix(".png"))  # the JSON already names this PNG
+        for p, result in [*newest_per_dtype(found["profile"], lambda r: not at_frontier(r)),  # the rooflines shown
+                          *newest_per_dtype(found["profile"], at_frontier)]:
+            if result.get("plot"):
+                plots.plot_or_none(profile_render.plot_result, result, p.with_suffix(".png"))
     written, available = {}, set()
     for path, (text, spans) in read.items():
         blocks = readme_blocks(found, path.parent)

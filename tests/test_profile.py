@@ -451,6 +451,33 @@ def test_roofline_plot(tmp_path):
     plt.close(fig)
 
 
+def test_spread_keeps_labels_apart_and_near_their_points():
+    assert profile_render.spread([0.0, 1.0, 2.0, 10.0], 3.0) == [-2.0, 1.0, 4.0, 10.0]  # a crowd centred on itself
+    assert profile_render.spread([5.0, 5.0, 5.0], 2.0) == [3.0, 5.0, 7.0]
+    assert profile_render.spread([9.0, 0.0], 1.0) == [9.0, 0.0]  # apart already: left where they are, in order
+    assert profile_render.columns([(0, 5), (3, 8), (10, 12), (11, 13), (20, 21)]) == [[0, 1], [2, 3], [4]]
+
+
+def test_roofline_labels_do_not_print_over_each_other():
+    """A crowd of points at one intensity (as the scalar rungs are) and two roofs a few TFLOP/s apart (fp16's
+    and bf16's): no two labels' boxes intersect once drawn."""
+    pytest.importorskip("matplotlib")
+    plt = plots._pyplot()
+    points = [(f"v{i:02d}_a_rung_name", 135.0 + i % 3, 6.0 + 0.15 * i) for i in range(12)]
+    points += [("v14_tf32_mma", 66.0, 55.0), ("v20_tf32_wgmma", 95.0, 60.0)]
+    fig = profile_render.plot_roofline(plt, points, {"fp16 tensor": 753.0, "bf16 tensor": 740.0, "FFMA": 51.0},
+                                       4.24, "crowded")
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    labels = [t for t in fig.axes[0].texts if "TFLOP/s" in t.get_text() or t.get_text().startswith("v")]
+    assert len(labels) == len(points) + 3
+    boxes = [t.get_window_extent(renderer) for t in labels]
+    crossing = [(labels[i].get_text(), labels[j].get_text()) for i in range(len(boxes)) for j in range(i)
+                if boxes[i].overlaps(boxes[j])]
+    assert not crossing, crossing
+    plt.close(fig)
+
+
 def test_cmd_profile_end_to_end_with_a_fake_ncu(tmp_path, monkeypatch, capsys):
     """The whole command on a fake ncu (which answers every target with v13's report) and a fake device:
     a skipped rung, a profiled one, the decode step, the result file, the table."""
