@@ -69,7 +69,8 @@ class Lt:
         self._check("cublasLtCreate", self.lib.cublasLtCreate(ctypes.byref(self.handle)))
         self.workspace = cp.empty(WORKSPACE_BYTES, dtype=cp.uint8)
         self.plans: dict[tuple, tuple | None] = {}
-        self.biases: dict[int, object] = {}  # a float32 bias's address -> its bfloat16 copy (bits)
+        self.biases: dict[int, tuple] = {}  # a float32 bias's address -> (the bias, kept so that the address
+        #                                     stays its own, and its bfloat16 copy in bits)
         self.one, self.zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
     @staticmethod
@@ -122,8 +123,8 @@ class Lt:
         if key not in self.plans and not capturing:
             self.plans[key] = self._plan(M, N, K, gelu)
         if address(bias) not in self.biases and not capturing:  # made on a pass before any capture
-            self.biases[address(bias)] = bf16_bits(self.cp, bias)
-        plan, bias16 = self.plans.get(key), self.biases.get(address(bias))
+            self.biases[address(bias)] = bias, bf16_bits(self.cp, bias)
+        plan, (_, bias16) = self.plans.get(key), self.biases.get(address(bias), (None, None))
         if plan is None or bias16 is None:
             return False
         desc, A, B, D, found = plan

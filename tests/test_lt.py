@@ -82,7 +82,7 @@ def test_gemm_declines_what_it_cannot_take_without_calling_the_library(monkeypat
     assert none.lib.calls.count("cublasLtMatmulAlgoGetHeuristic") == 1 and "cublasLtMatmul" not in none.lib.calls
     capturing = stand_in(found=1, capturing=True)  # nothing planned or copied during a capture: declined
     assert capturing.gemm(a, W, bias, out) is False and capturing.lib.calls == [] and not capturing.biases
-    assert me.biases and all(copy.dtype == np.uint16 for copy in me.biases.values())
+    assert me.biases and all(kept is bias and copy.dtype == np.uint16 for kept, copy in me.biases.values())
     monkeypatch.setattr(lt.products, "ZERO_OUTPUTS", True)  # initcheck's zeroed mode: out zeroed first
     out[...] = 7
     assert me.gemm(a, W, bias, out) is True and not out.any()

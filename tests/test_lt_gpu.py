@@ -50,8 +50,9 @@ def test_a_captured_product_replays_with_the_operands_new_values(cp):
     a, W = weights(cp, rng, (M, K), "bfloat16", 1.0)[0], weights(cp, rng, (N, K), "bfloat16", 0.05)[0]
     bias, out = rng.standard_normal(N, dtype=cp.float32), nan_bits(cp, (M, N), "bfloat16")
     stream = cp.cuda.Stream(non_blocking=True)
+    stream.wait_event(cp.cuda.get_current_stream().record())  # the operands, written on the legacy stream, first
     with stream:
-        assert me.gemm(a, W, bias, out, gelu=True)  # planned outside the capture
+        assert me.gemm(a, W, bias, out, gelu=True)  # planned (and the bias's bfloat16 copy made) outside the capture
         stream.synchronize()
         stream.begin_capture()
         me.gemm(a, W, bias, out, gelu=True)
