@@ -3,11 +3,9 @@ them off: cuBLAS's product, then bias_act.cu):
 
     lt.gemm(a, W, bias, out)              out = a @ W^T + bias           (CUBLASLT_EPILOGUE_BIAS)
     lt.gemm(a, W, bias, out, gelu=True)   out = gelu(a @ W^T + bias)     (CUBLASLT_EPILOGUE_GELU_BIAS)
-    lt.gemm(a, W, None, out)              out = a @ W^T                  (CUBLASLT_EPILOGUE_DEFAULT)
 
 a (M, K) and out (M, N) row-major bfloat16, W the (N, K) row-major weight the decode step reads, bias (N,)
-float32; without a bias, out may be float32 too (the products the residual stream adds, which cuBLAS's
-gemmEx ran a few percent slower at GPT-2 XL's prefill shapes on an H200). The bias and GELU (the tanh form, GPT-2's) are applied to the float32 accumulator in the
+float32. The bias and GELU (the tanh form, GPT-2's) are applied to the float32 accumulator in the
 product's own epilogue, and the result rounded to bfloat16 once: one kernel where cuBLAS's product and
 bias_act.cu made two passes over the output. cuBLASLt takes a bfloat16 output's bias in bfloat16 only
 (a float32 one: no algorithm, on an H200 with CUDA 13's cuBLASLt), so the bias is rounded to bfloat16
@@ -37,7 +35,7 @@ ENABLED = os.environ.get("LAB_LT_EPILOGUES", "1") != "0"
 COMPUTE_32F, R_32F, R_16BF = 68, 0, 14  # cublasComputeType_t, cudaDataType_t
 OP_N, OP_T = 0, 1
 DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_BIAS_POINTER, DESC_BIAS_DATA_TYPE = 3, 4, 7, 8, 26
-EPILOGUE_DEFAULT, EPILOGUE_BIAS, EPILOGUE_GELU_BIAS = 1, 4, 36
+EPILOGUE_BIAS, EPILOGUE_GELU_BIAS = 4, 36
 PREFERENCE_MAX_WORKSPACE_BYTES = 1
 WORKSPACE_BYTES = 16 << 20
 
@@ -49,8 +47,8 @@ class Heuristic(ctypes.Structure):
                 ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
 
 
-def epilogue_of(gelu: bool, bias: bool = True) -> int:
-    return EPILOGUE_GELU_BIAS if gelu else EPILOGUE_BIAS if bias else EPILOGUE_DEFAULT
+def epilogue_of(gelu: bool) -> int:
+    return EPILOGUE_GELU_BIAS if gelu else EPILOGUE_BIAS
 
 
 def column_major(M: int, N: int, K: int) -> dict:
@@ -84,24 +82,22 @@ class Lt:
         self._check("cublasLtMatmulDescSetAttribute", self.lib.cublasLtMatmulDescSetAttribute(
             desc, attribute, ctypes.byref(value), ctypes.c_size_t(ctypes.sizeof(value))))
 
-    def _layout(self, rows: int, cols: int, ld: int, dtype: int = R_16BF):
+    def _layout(self, rows: int, cols: int, ld: int):
         layout = ctypes.c_void_p()
         self._check("cublasLtMatrixLayoutCreate", self.lib.cublasLtMatrixLayoutCreate(
-            ctypes.byref(layout), dtype, ctypes.c_uint64(rows), ctypes.c_uint64(cols), ctypes.c_int64(ld)))
+            ctypes.byref(layout), R_16BF, ctypes.c_uint64(rows), ctypes.c_uint64(cols), ctypes.c_int64(ld)))
         return layout
 
-    def _plan(self, M: int, N: int, K: int, epilogue: int, out_type: int):
-        """(desc, A, B, D layouts, algorithm) for the shape, epilogue and output type, or None where none
-        is offered."""
+    def _plan(self, M: int, N: int, K: int, gelu: bool):
+        """(desc, A, B, D layouts, algorithm) for the shape and epilogue, or None where none is offered."""
         shape = column_major(M, N, K)
         desc = ctypes.c_void_p()
         self._check("cublasLtMatmulDescCreate", self.lib.cublasLtMatmulDescCreate(ctypes.byref(desc), COMPUTE_32F, R_32F))
         self._set(desc, DESC_TRANSA, ctypes.c_int32(shape["transa"]))
         self._set(desc, DESC_TRANSB, ctypes.c_int32(shape["transb"]))
-        self._set(desc, DESC_EPILOGUE, ctypes.c_int32(epilogue))
-        if epilogue != EPILOGUE_DEFAULT:
-            self._set(desc, DESC_BIAS_DATA_TYPE, ctypes.c_int32(R_16BF))
-        layouts = [self._layout(*shape["A"]), self._layout(*shape["B"]), self._layout(*shape["D"], out_type)]
+        self._set(desc, DESC_EPILOGUE, ctypes.c_int32(epilogue_of(gelu)))
+        self._set(desc, DESC_BIAS_DATA_TYPE, ctypes.c_int32(R_16BF))
+        layouts = [self._layout(*shape[m]) for m in ("A", "B", "D")]
         preference = ctypes.c_void_p()
         self._check("cublasLtMatmulPreferenceCreate", self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(preference)))
         limit = ctypes.c_size_t(WORKSPACE_BYTES)
@@ -117,33 +113,24 @@ class Lt:
         return desc, *layouts, found
 
     def gemm(self, a, W, bias, out, gelu: bool = False) -> bool:
-        """out = a @ W^T + bias, or its GELU, or (bias None) the product alone, on the current stream; False
-        (nothing launched) where the arrays are not as the module's docstring says or cuBLASLt offers no
-        algorithm for the shape."""
+        """out = a @ W^T + bias, or its GELU, on the current stream; False (nothing launched) where the
+        arrays are not as the module's docstring says or cuBLASLt offers no algorithm for the shape."""
         (M, K), N = a.shape, W.shape[0]
-        out_type = R_32F if out.dtype == self.cp.float32 else R_16BF if out.dtype.itemsize == 2 else None
-        if not (W.shape == (N, K) and out.shape == (M, N) and out_type is not None
-                and all(x.flags.c_contiguous for x in (a, W, out)) and a.dtype.itemsize == W.dtype.itemsize == 2
-                and (bias is None and not gelu or bias is not None and bias.shape == (N,)
-                     and bias.dtype == self.cp.float32 and out_type == R_16BF)):
+        if not (W.shape == (N, K) and out.shape == (M, N) and bias.shape == (N,) and bias.dtype == self.cp.float32
+                and all(x.flags.c_contiguous and x.dtype.itemsize == 2 for x in (a, W, out))):
             return False
-        epilogue = epilogue_of(gelu, bias is not None)
-        key, capturing = (M, N, K, epilogue, out_type), self.cp.cuda.get_current_stream().is_capturing()
+        key, capturing = (M, N, K, gelu), self.cp.cuda.get_current_stream().is_capturing()
         if key not in self.plans and not capturing:
-            self.plans[key] = self._plan(M, N, K, epilogue, out_type)
-        bias16 = None
-        if bias is not None:
-            if address(bias) not in self.biases and not capturing:  # made on a pass before any capture
-                self.biases[address(bias)] = bias, bf16_bits(self.cp, bias)
-            bias16 = self.biases.get(address(bias), (None, None))[1]
-        plan = self.plans.get(key)
-        if plan is None or bias is not None and bias16 is None:
+            self.plans[key] = self._plan(M, N, K, gelu)
+        if address(bias) not in self.biases and not capturing:  # made on a pass before any capture
+            self.biases[address(bias)] = bias, bf16_bits(self.cp, bias)
+        plan, (_, bias16) = self.plans.get(key), self.biases.get(address(bias), (None, None))
+        if plan is None or bias16 is None:
             return False
         desc, A, B, D, found = plan
         if products.ZERO_OUTPUTS:
             out.fill(0)  # initcheck's zeroed mode, as Blas.gemm does (lm/products.py's ZERO_OUTPUTS)
-        if bias16 is not None:
-            self._set(desc, DESC_BIAS_POINTER, ctypes.c_void_p(address(bias16)))
+        self._set(desc, DESC_BIAS_POINTER, ctypes.c_void_p(address(bias16)))
         stream = self.cp.cuda.get_current_stream().ptr
         self._check("cublasLtMatmul", self.lib.cublasLtMatmul(
             self.handle, desc, ctypes.byref(self.one), ctypes.c_void_p(address(W)), A, ctypes.c_void_p(address(a)), B,

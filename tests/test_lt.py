@@ -69,10 +69,8 @@ def test_gemm_declines_what_it_cannot_take_without_calling_the_library(monkeypat
     a, W, out, bias = np.zeros((4, 8), bf16), np.zeros((6, 8), bf16), np.zeros((4, 6), bf16), np.zeros(6, np.float32)
     me = stand_in(found=1)
     for args in [(a.astype(np.float32), W, bias, out), (a, W.T.copy().T, bias, out), (a, W, bias.astype(bf16), out),
-                 (a, W, bias, np.zeros((4, 5), bf16)), (a[:, ::2], W[:, ::2], bias, out),
-                 (a, W, bias, np.zeros((4, 6), np.float32)), (a, W, None, np.zeros((4, 6), np.float64))]:
-        assert me.gemm(*args) is False  # ... and a bias with a float32 output, an output neither float32 nor 2 bytes
-    assert me.gemm(a, W, None, out, gelu=True) is False  # GELU's epilogue takes the bias with it
+                 (a, W, bias, np.zeros((4, 5), bf16)), (a[:, ::2], W[:, ::2], bias, out)]:
+        assert me.gemm(*args) is False
     assert me.lib.calls == []
     assert me.gemm(a, W, bias, out, gelu=True) is True
     assert me.lib.calls[-1] == "cublasLtMatmul" and "cublasLtMatmulAlgoGetHeuristic" in me.lib.calls
@@ -85,10 +83,6 @@ def test_gemm_declines_what_it_cannot_take_without_calling_the_library(monkeypat
     capturing = stand_in(found=1, capturing=True)  # nothing planned or copied during a capture: declined
     assert capturing.gemm(a, W, bias, out) is False and capturing.lib.calls == [] and not capturing.biases
     assert me.biases and all(kept is bias and copy.dtype == np.uint16 for kept, copy in me.biases.values())
-    out32 = np.zeros((4, 6), np.float32)  # the product alone, into float32 (the residual's products): a plan of its own
-    assert me.gemm(a, W, None, out32) is True and me.lib.calls.count("cublasLtMatmulAlgoGetHeuristic") == planned + 1
-    assert len(me.plans) == 2 and {key[3:] for key in me.plans} == {(lt.EPILOGUE_GELU_BIAS, lt.R_16BF),
-                                                                       (lt.EPILOGUE_DEFAULT, lt.R_32F)}
     monkeypatch.setattr(lt.products, "ZERO_OUTPUTS", True)  # initcheck's zeroed mode: out zeroed first
     out[...] = 7
     assert me.gemm(a, W, bias, out) is True and not out.any()
@@ -96,4 +90,3 @@ def test_gemm_declines_what_it_cannot_take_without_calling_the_library(monkeypat
 
 def test_the_epilogues_are_cublaslt_s_codes():
     assert (lt.epilogue_of(False), lt.epilogue_of(True)) == (4, 36)  # CUBLASLT_EPILOGUE_BIAS, _GELU_BIAS
-    assert lt.epilogue_of(False, bias=False) == 1  # CUBLASLT_EPILOGUE_DEFAULT

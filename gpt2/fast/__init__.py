@@ -39,7 +39,6 @@ from .plan import (
     GEMM_OPTIONS,
     GEMM_SMEM,
     LAYER_POINTERS,
-    LAYERNORM_THREADS,
     STEP_SPLITS,
     STEP_STAGES,
     STEP_STATIC_SMEM,
@@ -98,7 +97,7 @@ def clear_cache() -> None:
 
 __all__ = [
     "CACHE_SIZE", "DTYPES", "LINEAR", "DecodeWeights", "decode_layout", "decode_weights", "EPI_BIAS", "EPI_GELU", "EPI_RESIDUAL", "GEMM_BIAS", "GEMM_BIAS_GELU", "GEMM_NONE",
-    "GEMM_OPTIONS", "GEMM_SMEM", "LAYER_POINTERS", "LAYERNORM_THREADS", "STEPS_PER_GRAPH", "STEPS_PER_LAUNCH", "STEP_SPLITS",
+    "GEMM_OPTIONS", "GEMM_SMEM", "LAYER_POINTERS", "STEPS_PER_GRAPH", "STEPS_PER_LAUNCH", "STEP_SPLITS",
     "STEP_STAGES", "STEP_STATIC_SMEM", "Engine", "Generation", "Launch", "StepPlan", "as_bfloat16",
     "attention_staging", "bf16_bits", "by_kind", "clear_cache", "copy_ceiling", "engine_for", "gemm",
     "gemm_expressions", "gemm_splits", "gemm_weight", "gemv_shape", "generate", "is_matrix", "kernel_expressions",

@@ -19,7 +19,6 @@ STEPS_PER_GRAPH = 8  # decode steps per captured graph, and tokens per copy back
 STEPS_PER_LAUNCH = 32
 PREFETCH_CAP = 16 << 20  # bytes of the next kernel's weights a kernel asks L2 to fetch (L2: 50 MB on H100/H200)
 DTYPES = ("float32", "bfloat16")
-LAYERNORM_THREADS = 64  # the whole-sequence pass's add_layernorm: a block a row (layernorm.cu)
 EPI_BIAS, EPI_GELU, EPI_RESIDUAL = 0, 1, 2  # gemv.cu's epilogues
 NULL = np.uint64(0)  # a null pointer argument
 GEMM_OPTIONS = ("-arch=sm_90a",)  # gemm.cu: TF32 wgmma
@@ -103,7 +102,7 @@ def kernel_expressions(config: GPT2Config, dtype: str) -> dict[str, tuple[str, s
         "embed": ("embed", f"embed<{wt}>"),
         "lm_head": ("lm_head_argmax", f"lm_head_argmax<{wt}, {C}, {lm_warps}, {lm_rows}>"),
         # the whole-sequence pass (engine.sequence): its activations in the run's dtype, the residual float32
-        "add_layernorm": ("layernorm", f"add_layernorm<{LAYERNORM_THREADS}, {wt}>"),
+        "add_layernorm": ("layernorm", f"add_layernorm<256, {wt}>"),
         "bias": ("bias_act", f"bias_act<false, {wt}>"),
         "bias_gelu": ("bias_act", f"bias_act<true, {wt}>"),
         "kv_store": ("kv_store", f"kv_store<{wt}>"),

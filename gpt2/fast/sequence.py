@@ -21,7 +21,7 @@ from lm import lt, prefill_graph
 from lm.prefill_graph import PassGraph, PrefillGraphs, bucket_rows
 from lm.products import Blas
 
-from .plan import GEMM_BIAS, GEMM_BIAS_GELU, GEMM_NONE, GEMM_SMEM, GEMM_TILE, LAYERNORM_THREADS, NULL, gemm_splits
+from .plan import GEMM_BIAS, GEMM_BIAS_GELU, GEMM_NONE, GEMM_SMEM, GEMM_TILE, NULL, gemm_splits
 from .weights import gemm_weight
 
 
@@ -106,8 +106,8 @@ class WholeSequence:
         """out = a @ W, then + bias (GEMM_BIAS) or gelu(. + bias) (GEMM_BIAS_GELU), W the layer's linear
         weight: gemm.cu's 3xTF32 on its tiles (tiled), else cuBLAS on the (out, in) matrix the decode
         step reads (float32: SGEMM; bfloat16: gemmEx, accumulated in float32, out in its own dtype:
-        bfloat16 or float32) and bias_act.cu; in bfloat16 (unless LAB_LT_EPILOGUES=0), every product on
-        cuBLASLt, a bias and GELU in the product's epilogue (lm/lt.py)."""
+        bfloat16 or float32) and bias_act.cu; in bfloat16 (unless LAB_LT_EPILOGUES=0), a product with a bias
+        on cuBLASLt, its bias and GELU in the product's epilogue (lm/lt.py)."""
         e = self.engine
         M, N = a.shape[0], out.shape[1]
         W, b = e.layers[layer][linear], e.vectors[f"h.{layer}.{linear}.bias"]
@@ -115,8 +115,8 @@ class WholeSequence:
             gemm(e.fn[f"gemm_{epi}"], a, self.tiles()[layer][linear], b, out, self.gemm_partials,
                  self.gemm_tickets, e.sm_count)
             return
-        if self.lt is not None and self.lt.gemm(a, W, None if epi == GEMM_NONE else b, out, gelu=epi == GEMM_BIAS_GELU):
-            return  # one kernel: the product, its bias and GELU, or the product alone (lm/lt.py)
+        if epi != GEMM_NONE and self.lt is not None and self.lt.gemm(a, W, b, out, gelu=epi == GEMM_BIAS_GELU):
+            return  # one kernel: the product, its bias and GELU (lm/lt.py)
         self.blas.gemm(a, W.T, out, dtype=e.dtype)  # a in the weights' dtype, as the eager model's products
         if epi != GEMM_NONE:  # 8 elements a thread (16 bytes of bfloat16), 8 blocks of 256 an SM at most
             e.fn["bias_gelu" if epi == GEMM_BIAS_GELU else "bias"](
@@ -172,7 +172,7 @@ class WholeSequence:
             pre = f"h.{i}."
             # h = ln_1(x), after the previous layer's x += mlp.c_proj output + bias
             residual = (NULL, NULL) if i == 0 else (y, p[f"h.{i - 1}.mlp.c_proj.bias"])
-            fn["add_layernorm"]((T,), (LAYERNORM_THREADS,), (x, *residual, p[pre + "ln_1.weight"], p[pre + "ln_1.bias"], e.eps, h,
+            fn["add_layernorm"]((T,), (256,), (x, *residual, p[pre + "ln_1.weight"], p[pre + "ln_1.bias"], e.eps, h,
                                                np.int32(C)), shared_mem=4 * C)
             self.product(h, i, "attn.c_attn", qkv, GEMM_BIAS, tiled=tiled)
             if store_kv:
@@ -183,7 +183,7 @@ class WholeSequence:
                 x, h, merged, y, f = (a[last_row:last_row + 1] for a in (x, h, merged, y, f))
             self.product(merged, i, "attn.c_proj", y, GEMM_NONE, tiled=tiled)
             # x += attn.c_proj output + bias; h = ln_2(x)
-            fn["add_layernorm"]((x.shape[0],), (LAYERNORM_THREADS,), (x, y, p[pre + "attn.c_proj.bias"], p[pre + "ln_2.weight"],
+            fn["add_layernorm"]((x.shape[0],), (256,), (x, y, p[pre + "attn.c_proj.bias"], p[pre + "ln_2.weight"],
                                                         p[pre + "ln_2.bias"], e.eps, h, np.int32(C)), shared_mem=4 * C)
             self.product(h, i, "mlp.c_fc", f, GEMM_BIAS_GELU, tiled=tiled)
             self.product(f, i, "mlp.c_proj", y, GEMM_NONE, tiled=tiled)
