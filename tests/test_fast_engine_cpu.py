@@ -254,6 +254,39 @@ def test_the_engine_cache_keeps_the_newest_and_rebuilds_one_too_small():
     assert cache.get(lambda: build(5), params, "config", "float32", {}).size == 5  # the oldest went
 
 
+def test_the_engine_cache_finds_the_last_engine_by_its_arrays_identity():
+    """The engine returned last, for params holding the very arrays it keeps, without the key's addresses;
+    another array in their place (a new address), or other settings, through the key."""
+    reads = []
+
+    class Counted(DeviceArray):
+        @property
+        def data(self):
+            reads.append(1)
+            return SimpleNamespace(ptr=self.ctypes.data)
+
+    cache, built = EngineCache(2), []
+    params = {name: np.zeros(3, np.float32).view(Counted) for name in ("a", "b", "c")}
+
+    def build(weights):
+        built.append(weights)
+        return SimpleNamespace(params=dict(weights))
+
+    first = cache.get(lambda: build(params), params, "config", "float32", {})
+    reads.clear()
+    assert cache.get(lambda: build(params), dict(params), "config", "float32", {}) is first and not reads
+    other = dict(params, b=np.zeros(3, np.float32).view(Counted))  # a new array (new address) for one name
+    second = cache.get(lambda: build(other), other, "config", "float32", {})
+    assert second is not first and len(reads) == 3 and len(built) == 2
+    reads.clear()
+    assert cache.get(lambda: build(params), params, "config", "float32", {}) is first and len(reads) == 3
+    assert cache.get(lambda: build(params), params, "config", "bfloat16", {}) is not first and len(built) == 3
+    cache.clear()
+    reads.clear()
+    cache.get(lambda: build(params), params, "config", "float32", {})
+    assert len(reads) == 3 and len(built) == 4
+
+
 @pytest.mark.parametrize("position", [0, 15, 62])
 def test_step_bytes_counts_each_launchs_matrix_and_the_attentions_cache_up_to_the_position(position):
     """FastEngine.step_bytes: a matrix's bytes for the launch that reads it; for the attention one layer's
