@@ -21,11 +21,16 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections import OrderedDict
 
 # On unless LAB_PREFILL_GRAPHS=0 in the environment (or this set False): the eager prefill, every pass
 # launched from Python, is what tools/prefill_profile.py's other settings measure beside it.
 PREFILL_GRAPHS = os.environ.get("LAB_PREFILL_GRAPHS", "1") != "0"
-PREFILL_BUCKET = 128  # rows: at most 127 padding rows a pass, one graph for 128 prompt lengths
+# Rows: at most 7 padding rows a pass, one graph for 8 prompt lengths. Buckets of 128 rows made GPT-2 XL's
+# first token up to a tenth slower on an H200 (900 tokens over 1,024 rows), and at no length tried were
+# fewer padding rows slower: cuBLAS's choice for the exact rows was never worse than for the padded ones.
+PREFILL_BUCKET = 8
+PREFILL_GRAPHS_KEPT = 16  # graphs an engine keeps, the most recently launched (each holds its own buffers)
 
 
 def bucket_rows(T: int, max_len: int) -> int:
@@ -62,11 +67,11 @@ class PassGraph:
 
 
 class PrefillGraphs:
-    """One engine's prefill graphs, by key ((rows, attend): a bucket and the attention under test), and
-    the keys whose first pass ran eagerly."""
+    """One engine's prefill graphs, by key ((rows, attend): a bucket and the attention under test), the
+    PREFILL_GRAPHS_KEPT most recently launched, and the keys whose first pass ran eagerly."""
 
     def __init__(self):
-        self.graphs, self.seen = {}, set()
+        self.graphs, self.seen = OrderedDict(), set()
 
     def clear(self) -> None:
         """Drop every graph (the buffers they read were reallocated), in place."""
@@ -84,5 +89,9 @@ class PrefillGraphs:
                 warnings.warn(f"the prefill's pass could not be captured as a CUDA graph ({exc}); it runs "
                               "eagerly", stacklevel=3)
                 self.graphs[key] = None
+            while len(self.graphs) > PREFILL_GRAPHS_KEPT:  # the least recently launched goes, its buffers with it
+                self.graphs.popitem(last=False)
         self.seen.add(key)
+        if key in self.graphs:
+            self.graphs.move_to_end(key)
         return self.graphs.get(key)

@@ -534,6 +534,7 @@ def check_prefill_graphs(cp, monkeypatch, engine, attend, vocab_size: int, dtype
     plain = [prefill(p) for p in prompts]
     plain_tokens = [engine.generate(p, 32, attend=attend).tokens for p in prompts]
     monkeypatch.setattr(prefill_graph, "PREFILL_GRAPHS", True)
+    monkeypatch.setattr(prefill_graph, "PREFILL_BUCKET", 128)  # more padding rows than the default's 8
     graphs = engine.prefill_graphs().graphs
     eager = prefill(prompts[0])  # the bucket's first prompt: eager, over 128 rows
     assert not graphs

@@ -60,6 +60,7 @@ def test_a_bucket_runs_eagerly_first_then_is_captured_then_replays(monkeypatch):
     """A bucket's first prompt runs eagerly over the bucket's rows (compiling, cuBLAS choosing), its second
     is captured and launched, every later one replays; the head always reads the prompt's own last row."""
     monkeypatch.setattr(prefill_graph, "PREFILL_GRAPHS", True)
+    monkeypatch.setattr(prefill_graph, "PREFILL_BUCKET", 128)  # the mechanism at a bucket of 128 rows
     r = Recorder(monkeypatch)
     assert r.prefill(100) == [("layers", 128, 128, None), ("head", 100)]
     assert r.prefill(117) == [("capture", 128), ("replay",), ("head", 117)]
@@ -71,13 +72,40 @@ def test_a_bucket_runs_eagerly_first_then_is_captured_then_replays(monkeypatch):
 
 
 @pytest.mark.parametrize("T, rows", [(1, 128), (128, 128), (129, 200), (190, 200), (200, 200)])
-def test_the_bucket_stays_within_the_engines_positions(T, rows):
+def test_the_bucket_stays_within_the_engines_positions(monkeypatch, T, rows):
+    monkeypatch.setattr(prefill_graph, "PREFILL_BUCKET", 128)
     assert bucket_rows(T, 200) == rows
     assert bucket_rows(T, 4096) == -(-T // 128) * 128
 
 
+@pytest.mark.parametrize("T, rows", [(1, 8), (8, 8), (9, 16), (97, 104), (1000, 1000), (1021, 1024)])
+def test_the_default_bucket_pads_at_most_7_rows(T, rows):
+    assert bucket_rows(T, 1024) == rows
+
+
+def test_an_engine_keeps_its_most_recently_launched_graphs(monkeypatch):
+    monkeypatch.setattr(prefill_graph, "PREFILL_GRAPHS_KEPT", 2)
+    graphs, made = PrefillGraphs(), []
+
+    def capture(key):
+        made.append(key)
+        return key
+
+    def launch(key):
+        return graphs.get(key, lambda: capture(key))
+
+    for key in ("a", "b"):
+        assert launch(key) is None and launch(key) == key  # the first pass eager, the second captured
+    assert launch("a") == "a"  # replayed: now the most recent
+    assert launch("c") is None and launch("c") == "c"  # a third: "b", the least recently launched, goes
+    assert list(graphs.graphs) == ["a", "c"] and made == ["a", "b", "c"]
+    assert launch("b") == "b" and made[-1] == "b"  # seen before: captured again at once
+    assert list(graphs.graphs) == ["c", "b"]
+
+
 def test_an_attention_that_cannot_be_captured_runs_eagerly_and_is_tried_once(monkeypatch):
     monkeypatch.setattr(prefill_graph, "PREFILL_GRAPHS", True)
+    monkeypatch.setattr(prefill_graph, "PREFILL_BUCKET", 128)
     r = Recorder(monkeypatch, capturable=False)
     r.prefill(50)
     with pytest.warns(UserWarning, match="could not be captured"):
@@ -88,6 +116,7 @@ def test_an_attention_that_cannot_be_captured_runs_eagerly_and_is_tried_once(mon
 def test_regrown_work_buffers_drop_the_graphs_that_read_the_old_ones(monkeypatch):
     """reserve() for a longer pass allocates new buffers: the graphs captured on the old ones go."""
     monkeypatch.setattr(prefill_graph, "PREFILL_GRAPHS", True)
+    monkeypatch.setattr(prefill_graph, "PREFILL_BUCKET", 128)
     r = Recorder(monkeypatch)
     r.whole.reserve = WholeSequence.reserve.__get__(r.whole)
     r.prefill(100)
