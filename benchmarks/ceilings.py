@@ -2,7 +2,8 @@
 (timing.measure_ceilings). A float32 rung on FFMA (v01..v13) against cuBLAS SGEMM with TF32 off; a
 float32 rung on the TF32 tensor cores (lab.tf32_products) against cuBLAS with TF32 allowed, over the TF32
 products it issues per product (3xTF32: a third of the TF32 ceiling, since every product counted is three
-on the tensor cores); bfloat16 and float16 rows against their tensor GEMM. Peers are held to their dtype's
+on the tensor cores); bfloat16 and float16 rows against their tensor GEMM; an FP8 rung (lab.fp8: bfloat16
+in and out, e4m3 on the tensor cores) against the e4m3 GEMM. Peers are held to their dtype's
 natural ceiling: float32 SDPA and the CuPy reference to FFMA (whatever arithmetic they use inside)."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ MATHS = {  # what a row computes with -> the ceilings' key, and the name its tab
     "tf32": ("tf32_tflops", "TF32 tensor"),
     "bf16": ("bf16_tflops", "bf16 tensor"),
     "fp16": ("fp16_tflops", "fp16 tensor"),
+    "fp8": ("fp8_tflops", "fp8 tensor (e4m3)"),
 }
 DTYPE_MATH = {"float32": "ffma", "bfloat16": "bf16", "float16": "fp16"}
 _TF32X = re.compile(r"^tf32x(\d+)$")
@@ -28,9 +30,11 @@ def config_params(text: str | None) -> dict[str, int]:
 
 
 def rung_math(rung, dtype: str, params: dict[str, int]) -> str | None:
-    """"ffma", "tf32", "tf32x3" (3xTF32) for float32; the dtype's ("bf16", "fp16") for 16-bit inputs. The
-    TF32 products come from the configs matching `params` (the row's config; every config where none
-    matches); None if they disagree."""
+    """"fp8" for an FP8 rung (lab.fp8); "ffma", "tf32", "tf32x3" (3xTF32) for float32; the dtype's ("bf16",
+    "fp16") for 16-bit inputs. The TF32 products come from the configs matching `params` (the row's config;
+    every config where none matches); None if they disagree."""
+    if rung.fp8:
+        return "fp8"
     if dtype != "float32":
         return DTYPE_MATH.get(dtype)
     configs = [c for c in rung.configs if all(params.get(k, v) == v for k, v in rung.params(c).items())]
@@ -42,16 +46,16 @@ def rung_math(rung, dtype: str, params: dict[str, int]) -> str | None:
 
 
 def row_math(r: dict, paths: dict[str, Path] | None = None) -> str | None:
-    """What a kernels or sweep row computes with: its "math" where the run recorded it; else, for an older
-    result, from its dtype and (a float32 rung) the rung's declarations; None for a rung no longer found."""
+    """What a kernels or sweep row computes with: its "math" where the run recorded it; else from its dtype
+    and (a rung) the rung's declarations; for a rung no longer found, its dtype's, or None in float32."""
     if r.get("math"):
         return r["math"]
-    if r["kind"] != "rung" or r["dtype"] != "float32":
+    if r["kind"] != "rung":
         return DTYPE_MATH.get(r["dtype"])
     try:
         rung = kernels.load((paths or {}).get(r["name"], r["name"]))
     except (ValueError, OSError):
-        return None
+        return None if r["dtype"] == "float32" else DTYPE_MATH.get(r["dtype"])
     return rung_math(rung, r["dtype"], config_params(r.get("config")))
 
 
@@ -85,7 +89,7 @@ def annotate(rows: list[dict], ceilings: dict, paths: list[Path]) -> None:
 
 def math_name(math: str) -> str:
     m = _TF32X.match(math)
-    return f"{m[1]}xTF32" if m else {"ffma": "FFMA", "tf32": "TF32", "bf16": "bf16", "fp16": "fp16"}[math]
+    return f"{m[1]}xTF32" if m else {"ffma": "FFMA", "tf32": "TF32", "bf16": "bf16", "fp16": "fp16", "fp8": "FP8 (e4m3)"}[math]
 
 
 def describe(rows: list[dict], ceilings: dict) -> str:

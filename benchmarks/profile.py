@@ -358,8 +358,8 @@ def decode_skip_reason(dtype: str) -> str | None:
 
 
 def roofs_of(ceilings: dict) -> dict[str, float]:
-    """The compute roofs among a run's ceilings (TFLOP/s), those it measured: fp32 FFMA, TF32, bf16 and
-    fp16 tensor GEMM (benchmarks/ceilings.py names them)."""
+    """The compute roofs among a run's ceilings (TFLOP/s), those it measured: fp32 FFMA, TF32, bf16, fp16
+    and e4m3 tensor GEMM (benchmarks/ceilings.py names them)."""
     return {label: ceilings[key] for key, label in precision.MATHS.values() if ceilings.get(key)}
 
 
@@ -375,7 +375,8 @@ def cmd_profile(args) -> int:
     version = ncu_version(ncu)
     progress(f"{dev['name']} ({dev['arch']}, {dev['sm_count']} SMs), driver {dev['driver']}, CUDA "
              f"{dev['cuda_runtime']}; ncu {version or '?'} at {ncu}")
-    progress("measuring the ceilings (fp32 SGEMM 8192^3 without TF32; TF32, bf16, fp16 GEMM 8192^3; device copy) ...")
+    progress("measuring the ceilings (fp32 SGEMM 8192^3 without TF32; TF32, bf16, fp16, e4m3 GEMM 8192^3; device "
+             "copy) ...")
     ceilings = timing.measure_ceilings(timing.Method())
     roofs = roofs_of(ceilings)
     progress(", ".join(f"{k} {v:.1f} TFLOP/s" for k, v in roofs.items()) + f"; copy {ceilings['copy_tbps']:.2f} TB/s")
@@ -391,7 +392,7 @@ def cmd_profile(args) -> int:
                 continue
             target = target_args(str(path), told, args.dtype)
             row = profile_row(ncu, name, "rung", target, flops)
-            rows.append({**row, "shape": shape})
+            rows.append({**row, "shape": shape, "math": precision.rung_math(kernels.load(path), args.dtype, {})})
             progress(profile_render.progress_line(rows[-1]))
     if args.decode and (why := decode_skip_reason(args.dtype)):
         rows.append({"name": "decode step", "kind": "decode", "shape": None, "status": "skipped", "reason": why})

@@ -4,7 +4,8 @@ from its result dict (benchmarks/profile.py).
 The roofline: x = arithmetic intensity, the FLOPs of the launch (bench's attention_flops convention) over
 the DRAM bytes ncu counted (read + written); y = achieved TFLOP/s, those FLOPs over ncu's duration; the
 roof is the ceilings measured in the same run: each compute ceiling flat, the copy bandwidth slanted
-(TFLOP/s = TB/s x FLOP/byte), log-log.
+(TFLOP/s = TB/s x FLOP/byte), log-log. An FP8 rung's point is drawn in the color of the e4m3 roof it is
+held against (benchmarks/ceilings.py), apart from the points under the other roofs.
 """
 
 from __future__ import annotations
@@ -15,7 +16,11 @@ import statistics
 
 import kernels
 
+from . import ceilings as precision
 from .tables import setup_header, table
+
+FP8_COLOR = "C3"  # the e4m3 roof and the FP8 rungs' points
+ROOF_COLORS = ("C1", "C2", "C4", "C5", "C6")  # the other roofs: neither the points' C0 nor FP8's
 
 COLUMNS = ["rung", "kernel (grid x block)", "us", "TFLOP/s", "occupancy % achieved / theoretical (limit)", "SM %",
            "memory %", "DRAM read / write MB", "DRAM TB/s (% peak)", "L2 hit %", "shared ld / st TB/s",
@@ -183,10 +188,21 @@ def progress_line(r: dict) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def roofline_points(result: dict) -> list[tuple[str, float, float]]:
-    """(label, FLOP per DRAM byte, TFLOP/s) of every profiled rung with both."""
+def point_math(r: dict, dtype: str) -> str | None:
+    """What a profiled row computes with: as the run recorded it, else (an older result) from its rung."""
+    if r.get("math") or r.get("kind") != "rung":
+        return r.get("math")
+    try:
+        return precision.rung_math(kernels.load(r["name"]), dtype, {})
+    except (ValueError, OSError):  # a rung no longer found
+        return None
+
+
+def roofline_points(result: dict) -> list[tuple[str, float, float, str | None]]:
+    """(label, FLOP per DRAM byte, TFLOP/s, what it computes with) of every profiled rung with both."""
     shapes = len(result["shapes"])
-    return [(r["name"] + (f" {shape_text(r['shape'])}" if shapes > 1 else ""), r["intensity"], r["tflops"])
+    return [(r["name"] + (f" {shape_text(r['shape'])}" if shapes > 1 else ""), r["intensity"], r["tflops"],
+             point_math(r, result["dtype"]))
             for r in result["rows"] if r["status"] == "ok" and r.get("intensity") and r.get("tflops")]
 
 
@@ -246,15 +262,16 @@ def place_labels(ax, texts, anchors, align: str = "left") -> None:
                         color="gray", linewidth=0.5)
 
 
-def plot_roofline(plt, points: list[tuple[str, float, float]], roofs: dict[str, float], copy_tbps: float | None,
-                  title: str):
-    """Log-log: the points, each compute roof (TFLOP/s) flat from where the copy bandwidth's slant meets it;
-    labels that would print over each other stacked apart (place_labels)."""
+def plot_roofline(plt, points: list[tuple[str, float, float, str | None]], roofs: dict[str, float],
+                  copy_tbps: float | None, title: str):
+    """Log-log: the points, each compute roof (TFLOP/s) flat from where the copy bandwidth's slant meets it,
+    an FP8 rung's point (math "fp8") and the e4m3 roof in one color of their own; labels that would print
+    over each other stacked apart (place_labels)."""
     from matplotlib.ticker import FuncFormatter  # matplotlib is there: plt came from it
 
     fig, ax = plt.subplots(figsize=(9, 6))
     ridges = [p / copy_tbps for p in roofs.values()] if copy_tbps else []
-    xs = [x for _, x, _ in points] + ridges
+    xs = [x for _, x, _, _ in points] + ridges
     lo, hi = (min(xs) / 4, max(xs) * 4) if xs else (0.1, 1000.0)
     if copy_tbps:
         top = max(ridges) if ridges else hi
@@ -262,20 +279,29 @@ def plot_roofline(plt, points: list[tuple[str, float, float]], roofs: dict[str, 
         ax.text(lo * 1.6, copy_tbps * lo * 1.1, f"copy {copy_tbps:.2f} TB/s", color="gray", fontsize="small",
                 ha="left", va="top")
     roof_labels = []
-    for (name, tflops), ridge in zip(roofs.items(), ridges or [lo] * len(roofs)):
-        ax.plot([ridge, hi], [tflops, tflops], linestyle="--")
+    fp8_roof = precision.MATHS["fp8"][1]
+    for i, ((name, tflops), ridge) in enumerate(zip(roofs.items(), ridges or [lo] * len(roofs))):
+        color = FP8_COLOR if name == fp8_roof else ROOF_COLORS[i % len(ROOF_COLORS)]
+        ax.plot([ridge, hi], [tflops, tflops], linestyle="--", color=color)
         roof_labels.append(ax.text(hi / 1.1, tflops * 1.05, f"{name} {tflops:.0f} TFLOP/s", ha="right",
-                                   va="bottom", fontsize="small"))
-    for _, x, y in points:
-        ax.plot([x], [y], marker="o", color="C0")
+                                   va="bottom", fontsize="small", color=color if name == fp8_roof else None))
+    for _, x, y, held in points:
+        ax.plot([x], [y], marker="D" if held == "fp8" else "o", color=FP8_COLOR if held == "fp8" else "C0")
+    if any(held == "fp8" for *_, held in points):
+        from matplotlib.lines import Line2D
+
+        ax.legend(handles=[Line2D([], [], marker="o", color="C0", linestyle="", label="rungs"),
+                           Line2D([], [], marker="D", color=FP8_COLOR, linestyle="",
+                                  label=f"FP8 rungs: against the {fp8_roof} roof")],
+                  loc="lower right", fontsize="small")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlim(lo, hi)
     ax.set_ylim(*ax.get_ylim())  # the limits fixed before the labels are placed in display space
     nudge = 10 ** 0.012  # a few points right of and above its point, on these log axes
     point_labels = [ax.text(x * nudge, y * nudge, label, fontsize="x-small", ha="left", va="bottom")
-                    for label, x, y in points]
-    place_labels(ax, point_labels, [(x, y) for _, x, y in points])
+                    for label, x, y, _ in points]
+    place_labels(ax, point_labels, [(x, y) for _, x, y, _ in points])
     place_labels(ax, roof_labels, [None] * len(roof_labels), align="right")
     plain = FuncFormatter(lambda v, _: f"{v:g}")
     ax.xaxis.set_major_formatter(plain)

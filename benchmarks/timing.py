@@ -253,15 +253,27 @@ def time_torch_gemm(torch, dtype: str, n: int, stream, method: Method) -> dict:
     return time_gpu(lambda: torch.matmul(a, b, out=c), stream=stream, flush=no_flush, method=method)
 
 
+def time_torch_fp8_gemm(torch, n: int, stream, method: Method) -> dict:
+    """time_gpu of torch._scaled_mm on two random n x n e4m3 matrices (per-tensor scales of 1, bfloat16 out;
+    the second operand column-major, as the FP8 GEMM takes it), freed on return."""
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    a, b = (torch.randn((n, n), device="cuda", generator=gen).to(torch.float8_e4m3fn) for _ in range(2))
+    b = b.t()  # column-major
+    one = torch.ones((), device="cuda", dtype=torch.float32)
+    return time_gpu(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                    stream=stream, flush=no_flush, method=method)
+
+
 def measure_tensor_ceilings(method: Method, n: int = 8192) -> dict:
     """The tensor-core GEMM ceilings, torch.matmul of n^3 (cuBLAS, float32 accumulate): float32 with TF32
-    allowed (tf32_tflops), bfloat16 (bf16_tflops), float16 (fp16_tflops); each None, its `_what` saying
-    why, where torch or the GEMM is unavailable."""
+    allowed (tf32_tflops), bfloat16 (bf16_tflops), float16 (fp16_tflops); and torch._scaled_mm of e4m3
+    (fp8_tflops), what an FP8 rung is held against. Each None, its `_what` saying why, where torch or the
+    GEMM is unavailable (FP8: before sm_89)."""
     quick = Method(budget_ms=min(method.budget_ms, 300.0), min_runs=5, max_runs=50, warmup=2)
     try:
         torch = device.get_torch()
     except device.Unavailable as exc:
-        return {f"{key}_{field}": value for key, _ in TENSOR_GEMMS
+        return {f"{key}_{field}": value for key in [k for k, _ in TENSOR_GEMMS] + ["fp8"]
                 for field, value in (("tflops", None), ("what", f"unavailable: {exc}"))}
     cupy = device.get_cupy()
     ptr = torch.cuda.current_stream().cuda_stream
@@ -280,6 +292,13 @@ def measure_tensor_ceilings(method: Method, n: int = 8192) -> dict:
         except Exception as exc:  # out of memory, a dtype cuBLAS refuses here
             out |= {f"{key}_tflops": None, f"{key}_what": f"unavailable: {what}: {device.first_line(exc)}"}
         device.release_memory()
+    what = f"torch._scaled_mm float8_e4m3fn {n}^3 (cuBLASLt, per-tensor scales, bfloat16 out)"
+    try:
+        gemm = time_torch_fp8_gemm(torch, n, stream, quick)
+        out |= {"fp8_tflops": 2 * n**3 / (gemm["median_ms"] * 1e-3) / 1e12, "fp8_what": what, "fp8_timing": gemm}
+    except Exception as exc:  # no float8 in this torch, a device before sm_89, out of memory
+        out |= {"fp8_tflops": None, "fp8_what": f"unavailable: {what}: {device.first_line(exc)}"}
+    device.release_memory()
     return out
 
 

@@ -385,8 +385,8 @@ def test_roofline_arithmetic():
     several = make_result()["rows"][1]
     assert several["duration_s"] == pytest.approx(2 * 202.976e-6)
     assert profile_render.roofline_points(make_result()) == [
-        ("v13_fa2_partitioning", pytest.approx(95.2, rel=1e-3), pytest.approx(35.367, rel=1e-4)),
-        ("v16_decode_split_kv", pytest.approx(flops / 19_006_464), pytest.approx(flops / 405.952e-6 / 1e12))]
+        ("v13_fa2_partitioning", pytest.approx(95.2, rel=1e-3), pytest.approx(35.367, rel=1e-4), "ffma"),
+        ("v16_decode_split_kv", pytest.approx(flops / 19_006_464), pytest.approx(flops / 405.952e-6 / 1e12), "ffma")]
 
 
 def test_table():
@@ -463,8 +463,8 @@ def test_roofline_labels_do_not_print_over_each_other():
     and bf16's): no two labels' boxes intersect once drawn."""
     pytest.importorskip("matplotlib")
     plt = plots._pyplot()
-    points = [(f"v{i:02d}_a_rung_name", 135.0 + i % 3, 6.0 + 0.15 * i) for i in range(12)]
-    points += [("v14_tf32_mma", 66.0, 55.0), ("v20_tf32_wgmma", 95.0, 60.0)]
+    points = [(f"v{i:02d}_a_rung_name", 135.0 + i % 3, 6.0 + 0.15 * i, "ffma") for i in range(12)]
+    points += [("v14_tf32_mma", 66.0, 55.0, "tf32x3"), ("v20_tf32_wgmma", 95.0, 60.0, "tf32x3")]
     fig = profile_render.plot_roofline(plt, points, {"fp16 tensor": 753.0, "bf16 tensor": 740.0, "FFMA": 51.0},
                                        4.24, "crowded")
     fig.canvas.draw()
@@ -656,3 +656,25 @@ def test_readme_writes_the_counters_into_the_ladder_page(tmp_path, capsys):
     elsewhere.write_text("<!-- bench:counters:start -->\n<!-- bench:counters:end -->\n")
     assert cli.main(argv + ["--results", str(store), "--ladder-doc", str(elsewhere)], "doc") == 0
     assert "**bfloat16**" in elsewhere.read_text()
+
+
+def test_an_fp8_rung_is_drawn_against_the_e4m3_roof():
+    """v25 (lab.fp8) computes on e4m3: its point takes the e4m3 roof's color and marker, a legend says so;
+    an older result's row without "math" is read from its rung."""
+    pytest.importorskip("matplotlib")
+    assert profile_render.point_math({"name": "v25_fp8", "kind": "rung"}, "bfloat16") == "fp8"
+    assert profile_render.point_math({"name": "v24_persistent", "kind": "rung"}, "bfloat16") == "bf16"
+    assert profile_render.point_math({"name": "v99_gone", "kind": "rung"}, "bfloat16") is None
+    plt = plots._pyplot()
+    roofs = {"bf16 tensor": 740.0, "fp8 tensor (e4m3)": 1450.0}
+    fig = profile_render.plot_roofline(plt, [("v24_persistent", 300.0, 480.0, "bf16"), ("v25_fp8", 400.0, 700.0, "fp8")],
+                                       roofs, 4.24, "fp8")
+    ax = fig.axes[0]
+    marks = {line.get_marker(): line.get_color() for line in ax.lines if line.get_marker() in ("o", "D")}
+    roof = next(line for line in ax.lines if line.get_ydata()[0] == 1450.0)
+    assert marks == {"o": "C0", "D": profile_render.FP8_COLOR} and roof.get_color() == profile_render.FP8_COLOR
+    assert "against the fp8 tensor (e4m3) roof" in [t.get_text() for t in ax.get_legend().get_texts()][1]
+    plt.close(fig)
+    fig = profile_render.plot_roofline(plt, [("v24_persistent", 300.0, 480.0, "bf16")], roofs, 4.24, "no fp8 point")
+    assert fig.axes[0].get_legend() is None
+    plt.close(fig)

@@ -150,7 +150,9 @@ def test_tensor_ceilings_without_torch(monkeypatch):
 
     monkeypatch.setattr(device, "get_torch", no_torch)
     got = timing.measure_tensor_ceilings(timing.Method())
-    assert set(got) == {"tf32_tflops", "tf32_what", "bf16_tflops", "bf16_what", "fp16_tflops", "fp16_what"}
+    assert set(got) == {"tf32_tflops", "tf32_what", "bf16_tflops", "bf16_what", "fp16_tflops", "fp16_what",
+                        "fp8_tflops", "fp8_what"}
+    assert got["fp8_tflops"] is None and got["fp8_what"].startswith("unavailable: torch is not importable")
     assert got["bf16_tflops"] is None and got["bf16_what"].startswith("unavailable: torch is not importable")
 
 
@@ -165,3 +167,15 @@ def test_cublas_math_restores_torch_settings():
     with pytest.raises(RuntimeError), timing.cublas_math(torch, tf32=True):
         raise RuntimeError("out of memory")
     assert matmul.allow_tf32 is False
+
+
+def test_an_fp8_rung_is_held_to_the_e4m3_ceiling():
+    v25 = {"name": "v25_fp8", "kind": "rung", "dtype": "bfloat16", "status": "ok", "tflops": 700.0}
+    assert ceilings.rung_math(kernels.load("v25_fp8"), "bfloat16", {}) == "fp8"
+    assert ceilings.row_math(v25) == "fp8" and ceilings.row_math({**v25, "math": "bf16"}) == "bf16"  # as recorded
+    assert ceilings.ceiling("fp8", {"bf16_tflops": 740.0, "fp8_tflops": 1400.0}) == (1400.0, "fp8 tensor (e4m3)")
+    assert ceilings.pct_of_ceiling(v25, {"bf16_tflops": 740.0, "fp8_tflops": 1400.0}) == pytest.approx(50.0)
+    assert ceilings.pct_of_ceiling(v25, {"bf16_tflops": 740.0}) is None  # a run that measured no e4m3 GEMM
+    assert ceilings.math_name("fp8") == "FP8 (e4m3)"
+    gone = {"name": "v99_gone", "kind": "rung", "dtype": "bfloat16"}
+    assert ceilings.row_math(gone) == "bf16" and ceilings.row_math({**gone, "dtype": "float32"}) is None
