@@ -4,13 +4,16 @@
     python3 bench.py profile --kernels v13,v18 --dtype bfloat16 --no-decode
     python3 bench.py profile --ncu /usr/local/cuda/bin/ncu --save
     python3 bench.py profile --kernels v21,v22,v23,v24 --dtype bfloat16 --cases 16x12x2048-d64,2x32x4096-d128 --no-decode
+    python3 bench.py profile --backward b04,b05 --dtype bfloat16 --cases 16x12x2048-d64,2x32x4096-d128
 
 Each rung runs in a child process under ncu (benchmarks/profile_target.py): prepared and compiled, warmed
 up, then one launch between cudaProfilerStart and cudaProfilerStop, which ncu (--profile-from-start off)
 replays once per counter pass. Clocks are left as they are (--clock-control none; ncu would lock them to
 base), and the SM clock ncu saw is in the table's header. A rung that launches several kernels (a split
 and a combine) gets one row per kernel and a row with its total. The decode step's kernels are one step of
-gpt2.fast's engine after a warm-up generation.
+gpt2.fast's engine after a warm-up generation. --backward profiles backward rungs instead: one backward pass
+each (every phase a kernel of its own row, beside the rung's total), after the newest forward rung that writes
+the log-sum-exp, its TFLOP/s at bench.py backward's convention (2.5 x the forward's FLOPs).
 
 Parsing reads ncu's raw page as CSV (--csv --page raw): a header row of metric names, a row of units
 ("ns", "%", "byte", "byte/s", "hz", scaled ones such as "Kbyte" or "usecond" too), then one row per
@@ -30,7 +33,9 @@ import sys
 from pathlib import Path
 
 import kernels
+from kernels import backward as backward_ladder
 
+from . import backward as backward_bench
 from . import ceilings as precision
 from . import device, frontier, plots, profile_render, timing
 from .cases import DTYPES, FLOP_CONVENTION, attention_flops, shape_flops
@@ -255,14 +260,24 @@ def find_ncu(given: str | None) -> str:
     return path
 
 
-def target_args(kernel: str | None, shape: tuple[int, int] | str | None, dtype: str) -> list[str]:
-    """The child ncu profiles: one rung at one shape (B x T, or a frontier case's id), or (kernel None) one
-    decode step."""
+def target_args(kernel: str | None, shape: tuple[int, int] | str | None, dtype: str, backward: bool = False) -> list[str]:
+    """The child ncu profiles: one rung at one shape (B x T, or a frontier case's id), a backward rung's
+    pass (backward), or (kernel None) one decode step."""
     base = [sys.executable, "-m", "benchmarks.profile_target", "--dtype", dtype]
     if kernel is None:
         return base + ["--decode"]
     where = ["--case", shape] if isinstance(shape, str) else ["--shape", f"{shape[0]}x{shape[1]}"]
-    return base + ["--kernel", kernel, *where]
+    return base + ["--backward" if backward else "--kernel", kernel, *where]
+
+
+def backward_list(text: str) -> list[Path]:
+    """'b04,b5' or 'all' -> backward rung files (kernels.backward.resolve)."""
+    try:
+        if text.strip() == "all":
+            return [backward_ladder.resolve(n) for n in backward_ladder.names()]
+        return [backward_ladder.resolve(s.strip()) for s in text.split(",") if s.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def case_list(text: str) -> list:
@@ -341,9 +356,12 @@ def profile_row(ncu: str, name: str, kind: str, target: list[str], flops: int | 
     return {**row, "status": "ok"}
 
 
-def skip_reason(path: Path, dtype: str, arch: str) -> str | None:
-    """Why a rung is not profiled here, in one line; None if it is."""
-    rung = kernels.load(path)
+def skip_reason(path: Path, dtype: str, arch: str, d: int | None = None, backward: bool = False) -> str | None:
+    """Why a rung (a backward rung) is not profiled here, in one line; None if it is. d: the shape's head
+    size, which a backward rung must declare."""
+    rung = backward_ladder.load(path) if backward else kernels.load(path)
+    if backward and d is not None and d not in rung.head_sizes():
+        return f"has no configuration for d={d} (head sizes {', '.join(map(str, rung.head_sizes()))})"
     if dtype not in rung.dtypes:
         return f"does not take {dtype} (lab.dtypes {', '.join(rung.dtypes)})"
     if not rung.runs_on(arch):
@@ -366,12 +384,17 @@ def roofs_of(ceilings: dict) -> dict[str, float]:
 def cmd_profile(args) -> int:
     if args.cases and args.shape:
         raise CannotRun("--shape and --cases: name the shapes one way (B x T at GPT-2's heads, or frontier cases)")
+    if args.backward is not None and args.kernels is not None:
+        raise CannotRun("--kernels and --backward: name the forward rungs or the backward ones")
     ncu = find_ncu(args.ncu)
     device.require_gpu()
     setup = device.setup_info(args.argv)
     dev = setup["device"]
     shapes = profiled_shapes(args)
-    rungs = args.kernels if args.kernels is not None else [kernels.resolve(n) for n in kernels.names()]
+    backward = args.backward is not None
+    rungs = (args.backward if backward else args.kernels if args.kernels is not None
+             else [kernels.resolve(n) for n in kernels.names()])
+    decode = args.decode and not backward
     version = ncu_version(ncu)
     progress(f"{dev['name']} ({dev['arch']}, {dev['sm_count']} SMs), driver {dev['driver']}, CUDA "
              f"{dev['cuda_runtime']}; ncu {version or '?'} at {ncu}")
@@ -385,28 +408,30 @@ def cmd_profile(args) -> int:
     for shape, told, flops in shapes:
         for path in rungs:
             name = path.stem
-            why = skip_reason(path, args.dtype, dev["arch"])
+            why = skip_reason(path, args.dtype, dev["arch"], shape["d"], backward)
             if why:
                 rows.append({"name": name, "kind": "rung", "shape": shape, "status": "skipped", "reason": why})
                 progress(f"{name} {profile_render.shape_text(shape)}: skipped: {why}")
                 continue
-            target = target_args(str(path), told, args.dtype)
-            row = profile_row(ncu, name, "rung", target, flops)
-            rows.append({**row, "shape": shape, "math": precision.rung_math(kernels.load(path), args.dtype, {})})
+            target = target_args(str(path), told, args.dtype, backward)
+            row = profile_row(ncu, name, "rung", target, flops * 5 // 2 if backward else flops)
+            math = None if backward else precision.rung_math(kernels.load(path), args.dtype, {})
+            rows.append({**row, "shape": shape, "math": math})
             progress(profile_render.progress_line(rows[-1]))
-    if args.decode and (why := decode_skip_reason(args.dtype)):
+    if decode and (why := decode_skip_reason(args.dtype)):
         rows.append({"name": "decode step", "kind": "decode", "shape": None, "status": "skipped", "reason": why})
         progress(f"decode step: skipped: {why}")
-    elif args.decode:
+    elif decode:
         row = profile_row(ncu, "decode step", "decode", target_args(None, None, args.dtype), None)
         rows.append({**row, "shape": None})
         progress(profile_render.progress_line(rows[-1]))
 
     result = {
-        "schema": SCHEMA, "kind": "profile", "setup": setup, "flop_convention": FLOP_CONVENTION,
-        "ceilings": ceilings, "roofs": roofs, "dtype": args.dtype,
+        "schema": SCHEMA, "kind": "profile", "setup": setup,
+        "flop_convention": backward_bench.FLOP_CONVENTION if backward else FLOP_CONVENTION,
+        "direction": "backward" if backward else "forward", "ceilings": ceilings, "roofs": roofs, "dtype": args.dtype,
         "shapes": [shape for shape, _, _ in shapes],
-        "kernels": [p.stem for p in rungs], "decode": args.decode,
+        "kernels": [p.stem for p in rungs], "decode": decode,
         "ncu": {"path": ncu, "version": version, "clock_control": "none",
                 "command": " ".join(ncu_command("ncu", ["<target>"]))},
         "sm_clock_hz": profile_render.median_clock(rows), "rows": rows,
@@ -436,6 +461,10 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--cases", type=case_list, default=None, metavar="LIST",
                    help="shapes of bench.py frontier in place of --shape (their heads, head size, K/V heads, "
                         "mask), comma-separated ids such as 16x12x2048-d64,2x32x4096-d128-gqa8, or all")
+    p.add_argument("--backward", type=backward_list, default=None, metavar="LIST",
+                   help="backward rungs instead of the forward ones (b04,b05, or all): one backward pass each, "
+                        "every phase's kernel a row, after the newest forward rung that writes the log-sum-exp; "
+                        "TFLOP/s at 2.5 x the forward's FLOPs (bench.py backward's convention); no decode step")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="input dtype (default float32)")
     p.add_argument("--decode", action=argparse.BooleanOptionalAction, default=True,
                    help="also the decode step's kernels (gpt2.fast's engine, GPT-2 small, one step; default on)")

@@ -159,7 +159,9 @@ def render_profile(result: dict) -> str:
     copy = (result.get("ceilings") or {}).get("copy_tbps")
     lines = setup_header(result) + [
         "",
-        f"{result['dtype']}, {shapes}: one launch per rung after warm-up under Nsight Compute "
+        f"{result['dtype']}, {shapes}: "
+        f"{'one backward pass per rung (every phase its kernel)' if result.get('direction') == 'backward' else 'one launch per rung'}"
+        f" after warm-up under Nsight Compute "
         f"{ncu.get('version') or '?'}, clocks not locked (--clock-control {ncu.get('clock_control', 'none')}): "
         f"**SM clock {clock / 1e9:.2f} GHz** (gpc__cycles_elapsed.avg.per_second, median over the kernels)."
         if clock else f"{result['dtype']}, {shapes}: no kernel was profiled.",
@@ -317,7 +319,8 @@ def plot_roofline(plt, points: list[tuple[str, float, float, str | None]], roofs
 def plot_result(plt, result: dict):
     """The roofline of one profile result (bench's plot_or_none calls this)."""
     dev = result["setup"].get("device") or {}
-    title = f"roofline, causal attention forward, {result['dtype']}: {dev.get('name', 'no GPU')}, {result['setup']['date'][:10]}"
+    title = (f"roofline, causal attention {result.get('direction', 'forward')}, {result['dtype']}: "
+             f"{dev.get('name', 'no GPU')}, {result['setup']['date'][:10]}")
     return plot_roofline(plt, roofline_points(result), result.get("roofs") or {},
                          (result.get("ceilings") or {}).get("copy_tbps"), title)
 

@@ -3,10 +3,13 @@
     python -m benchmarks.profile_target --kernel v13 --shape 8x1024 --dtype float32
     python -m benchmarks.profile_target --kernel v24 --case 2x32x4096-d128-gqa8 --dtype bfloat16
     python -m benchmarks.profile_target --decode --dtype bfloat16
+    python -m benchmarks.profile_target --backward b05 --case 16x12x2048-d64 --dtype bfloat16
 
 A rung: random q, k, v (B, 12, T, 64), or a shape of `bench.py frontier` (--case: its heads, head size,
 grouped K/V heads and mask), prepared and compiled (kernels.prepare), three warm-up launches,
-then one launch profiled. --decode: GPT-2 small with random weights on gpt2.fast's engine, a warm-up
+then one launch profiled. --backward: a backward rung on the same inputs and a random dO, after the
+newest forward rung that writes the log-sum-exp (as `bench.py backward` runs it), every phase of one
+backward pass profiled (--deterministic: its deterministic configuration). --decode: GPT-2 small with random weights on gpt2.fast's engine, a warm-up
 generation of WARMUP tokens, then one decode step profiled. ncu (--profile-from-start off) sees only
 the profiled launch. Nothing goes to stdout, where ncu writes its CSV; errors are one line on stderr,
 exit status 2.
@@ -82,6 +85,41 @@ def rung_launch(kernel: str, B: int, T: int, dtype: str, case=None):
     return run
 
 
+def backward_launch(kernel: str, B: int, T: int, dtype: str, case=None, deterministic: bool = False):
+    """The backward rung prepared (kernels.backward.launcher.prepare_backward) on random inputs, or a
+    frontier case's, their forward's output and log-sum-exp from the newest rung that writes it, warm: the
+    function that launches every phase once."""
+    import cupy
+
+    import kernels
+    from benchmarks.backward import forward_rung
+    from benchmarks.cases import Case
+    from kernels import backward
+    from kernels.backward import launcher
+
+    try:
+        path = backward.resolve(kernel)
+    except ValueError as exc:
+        raise TargetError(str(exc)) from None
+    case = case or Case("profile", B, NH, NH, T, T, D_HEAD)
+    forward = forward_rung(case, dtype, kernels.device_limits().arch)
+    if forward is None:
+        raise TargetError(f"no forward rung writes the log-sum-exp for {dtype}, d={case.d} on this device")
+    rng = cupy.random.default_rng(0)
+    q, k, v, do = (rng.standard_normal(shape, dtype=cupy.float32).astype(array_dtype(dtype)) for shape in
+                   ((case.B, case.NH, case.T_q, case.d), *[(case.B, case.NH_kv, case.T_k, case.d)] * 2,
+                    (case.B, case.NH, case.T_q, case.d)))
+    try:
+        o, lse = kernels.attention(q, k, v, kernel=forward, causal=case.causal, return_lse=True)
+        run = launcher.prepare_backward(q, k, v, o, lse, do, kernel=path, causal=case.causal,
+                                        deterministic=deterministic)
+    except (TypeError, ValueError, kernels.KernelCompileError) as exc:
+        raise TargetError(f"{path.stem}: {str(exc).splitlines()[0]}") from None
+    for _ in range(3):
+        run()
+    return run
+
+
 def decode_launch(dtype: str):
     """gpt2.fast's engine on GPT-2 small (random weights) after a warm-up generation: one decode step."""
     import cupy
@@ -103,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--kernel", help="the rung (v13, v13_fa2_partitioning or a .cu path)")
     what.add_argument("--decode", action="store_true", help="one decode step of gpt2.fast's engine")
+    what.add_argument("--backward", metavar="KERNEL", help="a backward rung (b05, b05_wgmma or a .cu path)")
+    parser.add_argument("--deterministic", action="store_true", help="with --backward: its deterministic mode")
     parser.add_argument("--shape", type=shape_arg, default=(8, 1024), metavar="BxT", help="default 8x1024")
     parser.add_argument("--case", default=None, metavar="ID",
                         help="a shape of bench.py frontier in place of --shape, e.g. 2x32x4096-d128-gqa8")
@@ -113,8 +153,11 @@ def main(argv: list[str] | None = None) -> int:
         from cupy.cuda import profiler
 
         case = frontier_case(args.case) if args.case else None
+        if args.deterministic and not args.backward:
+            raise TargetError("--deterministic goes with --backward")
         launch = (decode_launch(args.dtype) if args.decode
-                  else rung_launch(args.kernel, *args.shape, args.dtype, case))
+                  else backward_launch(args.backward, *args.shape, args.dtype, case, args.deterministic)
+                  if args.backward else rung_launch(args.kernel, *args.shape, args.dtype, case))
         cupy.cuda.Device().synchronize()
         profiler.start()
         launch()

@@ -40,9 +40,10 @@ FRONTIER_COUNTERS = ("frontier-counters",)  # docs/results.md's: the counters at
 DECODE_DOC = ROOT / "docs" / "decode.md"  # decode at scale (bench.py e2e --sizes): rewritten when there are results
 TRAINING_DOC = ROOT / "docs" / "training.md"  # bench.py train's table and loss curve: rewritten when there are results
 WATCH_DOC = ROOT / "docs" / "watch.md"  # watch mode's save-to-report times (tools/watch_demo.py's output files)
+BACKWARD_PROFILE = ("backward-profile",)  # docs/backward.md's: bench.py profile --backward's table, phase by phase
 FULL_TABLES = tuple(s for s in SECTIONS if s not in PROFILE + ("levels", "scale", "train"))  # docs/results.md's
 SANITIZE = ("sanitize",)  # docs/ladder.md's: the sanitizer's full run (tools/sanitize.py --json files)
-KNOWN = SUMMARIES + SECTIONS + COUNTERS + FRONTIER_COUNTERS + ("watch",) + SANITIZE
+KNOWN = SUMMARIES + SECTIONS + COUNTERS + FRONTIER_COUNTERS + ("watch",) + SANITIZE + BACKWARD_PROFILE
 
 _MARKER = re.compile(r"<!--\s*bench:([A-Za-z0-9_-]+):(start|end)\s*-->")
 
@@ -91,8 +92,13 @@ def newest_per_dtype(paths: list[Path], keep=lambda result: True) -> list[tuple[
 
 
 def at_frontier(result: dict) -> bool:
-    """Whether a profile ran at bench.py frontier's shapes (--cases) rather than GPT-2's B x T."""
-    return any("case" in shape for shape in result["shapes"])
+    """Whether a forward profile ran at bench.py frontier's shapes (--cases) rather than GPT-2's B x T."""
+    return forward(result) and any("case" in shape for shape in result["shapes"])
+
+
+def forward(result: dict) -> bool:
+    """Whether a profile ran the forward rungs (every profile before bench.py profile --backward did)."""
+    return result.get("direction", "forward") == "forward"
 
 
 def newest_sweeps(paths: list[Path]) -> list[tuple[Path, dict]]:
@@ -196,7 +202,7 @@ def readme_blocks(found: dict[str, list[Path]], base: Path) -> dict[str, str]:
     if found["features"]:
         p = found["features"][0]
         blocks["features"] = source(p) + "\n" + from_file(p, render_features(load_result(p)))
-    per_dtype = newest_per_dtype(found["profile"], lambda r: not at_frontier(r))
+    per_dtype = newest_per_dtype(found["profile"], lambda r: forward(r) and not at_frontier(r))
     if per_dtype:  # the newest profile of each dtype at GPT-2's shapes, each with its roofline
         blocks["profile"] = "\n\n".join(
             from_file(p, profile_render.render_profile_doc(result, rel(p), rel(p.parent / result["plot"])
@@ -210,6 +216,9 @@ def readme_blocks(found: dict[str, list[Path]], base: Path) -> dict[str, str]:
                       + (f"\n\n![roofline of the rungs at the frontier's shapes, under the ceilings of the same run]"
                          f"({rel(p.parent / result['plot'])})" if result.get("plot") else ""))
             for p, result in at_cases)
+    if backward := newest_per_dtype(found["profile"], lambda r: not forward(r)):  # the backward rungs, phase by phase
+        blocks["backward-profile"] = source(*[p for p, _ in backward]) + "\n" + "\n\n".join(
+            from_file(p, profile_render.render_profile(result)) for p, result in backward)
     if found["scale"]:  # the newest decode-at-scale run, with its plot
         p = found["scale"][0]
         result = load_result(p)
@@ -275,6 +284,8 @@ def cmd_readme(args) -> int:
         pages[getattr(args, "decode_doc", None) or DECODE_DOC] = ("scale",)
     if found["train"]:
         pages[getattr(args, "training_doc", None) or TRAINING_DOC] = ("train",)
+    if any(not forward(load_result(p)) for p in found["profile"]):
+        pages[args.results_doc.parent / "backward.md"] = BACKWARD_PROFILE
     found["watch"] = sorted(Path(results).glob("watch-*.txt"), key=lambda p: p.name.rsplit("-", 1)[-1], reverse=True)
     if found["watch"]:
         pages[getattr(args, "watch_doc", None) or WATCH_DOC] = ("watch",)
@@ -284,7 +295,7 @@ def cmd_readme(args) -> int:
             shown = [p for p, _ in newest_sweeps(found[kind])] if kind == "sweep" else found[kind][:1]
             for p in shown:
                 plots.plot_or_none(plot, load_result(p), p.with_suffix(".png"))  # the JSON already names this PNG
-        for p, result in [*newest_per_dtype(found["profile"], lambda r: not at_frontier(r)),  # the rooflines shown
+        for p, result in [*newest_per_dtype(found["profile"], lambda r: forward(r) and not at_frontier(r)),  # shown
                           *newest_per_dtype(found["profile"], at_frontier)]:
             if result.get("plot"):
                 plots.plot_or_none(profile_render.plot_result, result, p.with_suffix(".png"))
