@@ -478,14 +478,19 @@ def test_roofline_labels_do_not_print_over_each_other():
     plt.close(fig)
 
 
+def fake_device(monkeypatch, ceilings: dict) -> None:
+    """cmd_profile on no GPU: make_result()'s setup, these ceilings, no plot."""
+    setup = make_result()["setup"]
+    monkeypatch.setattr(device, "require_gpu", lambda: None)
+    monkeypatch.setattr(device, "setup_info", lambda argv: copy.deepcopy(setup))
+    monkeypatch.setattr(timing, "measure_ceilings", lambda method: dict(ceilings))
+    monkeypatch.setattr(plots, "plot_or_none", lambda plot, r, path: None)
+
+
 def test_cmd_profile_end_to_end_with_a_fake_ncu(tmp_path, monkeypatch, capsys):
     """The whole command on a fake ncu (which answers every target with v13's report) and a fake device:
     a skipped rung, a profiled one, the decode step, the result file, the table."""
-    result = make_result()
-    monkeypatch.setattr(device, "require_gpu", lambda: None)
-    monkeypatch.setattr(device, "setup_info", lambda argv: copy.deepcopy(result["setup"]))
-    monkeypatch.setattr(timing, "measure_ceilings", lambda method: {"ffma_tflops": 51.0, "copy_tbps": 4.27})
-    monkeypatch.setattr(plots, "plot_or_none", lambda plot, r, path: None)
+    fake_device(monkeypatch, {"ffma_tflops": 51.0, "copy_tbps": 4.27})
     ncu = fake_ncu(tmp_path, f"cat '{FIXTURES / 'ncu-v13-float32.csv'}'")
     args = parse(["profile", "--kernels", "v13,v18", "--ncu", ncu, "--results", str(tmp_path / "results")])
     assert profile.cmd_profile(args) == 0
@@ -507,14 +512,21 @@ def test_decode_step_dtypes():
     assert "float32 and bfloat16" in profile.decode_skip_reason("float16")
 
 
-def test_readme_writes_the_newest_profile_of_each_dtype_into_docs_profile(tmp_path, capsys):
-    from benchmarks import cli
+def docs_folder(tmp_path: Path) -> Path:
+    """A checkout's README.md and docs/results.md (bench's fixtures) under tmp_path: the docs folder."""
     from tests.bench.helpers import FIXTURES as BENCH_FIXTURES
 
     docs = tmp_path / "docs"
     docs.mkdir()
     (tmp_path / "README.md").write_text((BENCH_FIXTURES / "bench_readme.md").read_text())
     (docs / "results.md").write_text((BENCH_FIXTURES / "bench_results_doc.md").read_text())
+    return docs
+
+
+def test_readme_writes_the_newest_profile_of_each_dtype_into_docs_profile(tmp_path, capsys):
+    from benchmarks import cli
+
+    docs = docs_folder(tmp_path)
     page = docs / "profile.md"
     page.write_text("# Profile\n\nIntro.\n\n<!-- bench:profile:start -->\nold\n<!-- bench:profile:end -->\n\nEnd.\n")
     store = tmp_path / "results"

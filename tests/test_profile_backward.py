@@ -2,16 +2,15 @@
 on a fake ncu (every phase a kernel of its row, 2.5 x the forward's FLOPs, no decode step), and bench.py
 readme putting the newest backward profile into docs/backward.md and nowhere the forward ones go."""
 
-import copy
 
 import pytest
 
 from benchmarks import backward as backward_bench
-from benchmarks import device, plots, profile, profile_target, results, timing
+from benchmarks import profile, profile_target, results
 from benchmarks.cases import attention_flops
 from benchmarks.device import CannotRun
 from kernels import backward
-from tests.test_profile import FIXTURES, fake_ncu, make_result, parse
+from tests.test_profile import FIXTURES, docs_folder, fake_device, fake_ncu, make_result, parse
 
 
 def test_the_target_of_a_backward_rung():
@@ -42,11 +41,7 @@ def test_the_target_refuses_what_it_cannot_run(capsys):
 
 def run_backward_profile(tmp_path, monkeypatch, argv: list[str]) -> dict:
     """cmd_profile on a fake ncu that answers every target with v13's report (one kernel)."""
-    result = make_result()
-    monkeypatch.setattr(device, "require_gpu", lambda: None)
-    monkeypatch.setattr(device, "setup_info", lambda argv: copy.deepcopy(result["setup"]))
-    monkeypatch.setattr(timing, "measure_ceilings", lambda method: {"ffma_tflops": 51.0, "copy_tbps": 4.27})
-    monkeypatch.setattr(plots, "plot_or_none", lambda plot, r, path: None)
+    fake_device(monkeypatch, {"ffma_tflops": 51.0, "copy_tbps": 4.27})
     ncu = fake_ncu(tmp_path, f"cat '{FIXTURES / 'ncu-v13-float32.csv'}'")
     args = parse(["profile", *argv, "--ncu", ncu, "--results", str(tmp_path / "results")])
     assert profile.cmd_profile(args) == 0
@@ -73,12 +68,8 @@ def test_backward_and_forward_rungs_are_named_one_way_at_a_time(tmp_path):
 
 def test_readme_puts_the_backward_profile_in_docs_backward_only(tmp_path, monkeypatch):
     from benchmarks import cli
-    from tests.bench.helpers import FIXTURES as BENCH_FIXTURES
 
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    (tmp_path / "README.md").write_text((BENCH_FIXTURES / "bench_readme.md").read_text())
-    (docs / "results.md").write_text((BENCH_FIXTURES / "bench_results_doc.md").read_text())
+    docs = docs_folder(tmp_path)
     profile_page = docs / "profile.md"
     profile_page.write_text("# Profile\n\n<!-- bench:profile:start -->\nold\n<!-- bench:profile:end -->\n")
     backward_page = docs / "backward.md"

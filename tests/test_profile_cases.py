@@ -3,14 +3,12 @@ counters go in the docs. CPU only: ncu is a fake that answers with a recorded re
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 
-from benchmarks import device, frontier, plots, profile, profile_render, results, timing
+from benchmarks import frontier, profile, profile_render, results
 from benchmarks.cases import shape_flops
 from benchmarks.device import CannotRun
-from tests.test_profile import FIXTURES, fake_ncu, ladder_result, make_result, parse
+from tests.test_profile import FIXTURES, fake_device, fake_ncu, ladder_result, make_result, parse
 
 
 def test_cases_flag_takes_frontier_ids():
@@ -51,11 +49,7 @@ def test_profiled_shapes_carry_heads_head_size_and_mask():
 
 
 def test_cmd_profile_at_the_cases(tmp_path, monkeypatch, capsys):
-    result = make_result()
-    monkeypatch.setattr(device, "require_gpu", lambda: None)
-    monkeypatch.setattr(device, "setup_info", lambda argv: copy.deepcopy(result["setup"]))
-    monkeypatch.setattr(timing, "measure_ceilings", lambda method: {"bf16_tflops": 700.0, "copy_tbps": 3.0})
-    monkeypatch.setattr(plots, "plot_or_none", lambda plot, r, path: None)
+    fake_device(monkeypatch, {"bf16_tflops": 700.0, "copy_tbps": 3.0})
     ncu = fake_ncu(tmp_path, f"cat '{FIXTURES / 'ncu-v18-bfloat16.csv'}'")
     args = parse(["profile", "--kernels", "v18", "--dtype", "bfloat16", "--no-decode", "--ncu", ncu,
                   "--cases", "16x12x2048-d64,1x16x16384-d128", "--results", str(tmp_path / "results")])
