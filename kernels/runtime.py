@@ -276,10 +276,13 @@ _choices: dict[tuple, Instance] = {}
 
 
 def _fill(rung: ladder.Rung, first: Instance, others: list[tuple[int, ...]], grid: tuple[int, int, int]) -> Instance:
-    """The rung's first choice when its grid fills the device: at least as many blocks as the SMs
-    hold at once. A smaller grid leaves warps unused that another declared tile shape may put to
-    work, so then the launcher takes the shape with the most warps resident,
-    min(blocks, SMs x blocks per SM) x warps per block, the earlier declared winning ties."""
+    """The rung's first choice when its grid fills the device for two waves or more. A grid smaller
+    than the SMs hold at once leaves warps unused that another declared tile shape may put to work:
+    then the launcher takes the shape with the most warps resident, min(blocks, SMs x blocks per SM) x
+    warps per block. A grid of one wave and part of another leaves most SMs idle in its last: then it
+    takes the shape whose busiest SM has the fewest rows to do, waves x B_r (GPT-2 XL's 1,000-token
+    prefill, 25 heads: 150 tiles of 192 rows on 132 SMs run as 2 x 192 rows, 200 of 128 as 2 x 128).
+    The earlier declared wins ties."""
     B, NH, T_q = grid
     key = (id(first), tuple(others), B, NH, T_q)
     if key in _choices:
@@ -292,14 +295,19 @@ def _fill(rung: ladder.Rung, first: Instance, others: list[tuple[int, ...]], gri
     def resident_warps(inst):
         return min(blocks(inst), sms * inst.blocks_per_sm()) * -(-math.prod(inst.block) // 32)
 
+    def busiest_rows(inst):
+        return -(-blocks(inst) // (sms * inst.blocks_per_sm())) * inst.B_r
+
     best = first
-    if others and blocks(first) < sms * first.blocks_per_sm():
+    slots = sms * first.blocks_per_sm()
+    if others and blocks(first) < 2 * slots:
+        under = blocks(first) < slots
         for c in others:
             try:
                 inst = _compiled(rung, c)
             except ValueError:
                 continue
-            if resident_warps(inst) > resident_warps(best):
+            if (resident_warps(inst) > resident_warps(best)) if under else (busiest_rows(inst) < busiest_rows(best)):
                 best = inst
     _choices[key] = best
     return best

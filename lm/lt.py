@@ -3,14 +3,17 @@ them off: cuBLAS's product, then bias_act.cu):
 
     lt.gemm(a, W, bias, out)              out = a @ W^T + bias           (CUBLASLT_EPILOGUE_BIAS)
     lt.gemm(a, W, bias, out, gelu=True)   out = gelu(a @ W^T + bias)     (CUBLASLT_EPILOGUE_GELU_BIAS)
+    lt.gemm(a, W, bias, x, add=True)      x += a @ W^T + bias           (CUBLASLT_EPILOGUE_BIAS, beta = 1)
 
 a (M, K) and out (M, N) row-major bfloat16, W the (N, K) row-major weight the decode step reads, bias (N,)
-float32. The bias and GELU (the tanh form, GPT-2's) are applied to the float32 accumulator in the
+float32; with add, x (M, N) row-major float32, the residual stream, read and written by the epilogue (the
+products that feed the residual: no separate pass over x and the product's output to add them). The bias and GELU (the tanh form, GPT-2's) are applied to the float32 accumulator in the
 product's own epilogue, and the result rounded to bfloat16 once: one kernel where cuBLAS's product and
 bias_act.cu made two passes over the output. cuBLASLt takes a bfloat16 output's bias in bfloat16 only
 (a float32 one: no algorithm, on an H200 with CUDA 13's cuBLASLt), so the bias is rounded to bfloat16
 once, a copy kept per bias array; the eager model rounds the product before it adds the float32 bias
-instead. The two differ by about a bfloat16 step where bias and product cancel.
+instead. The two differ by about a bfloat16 step where bias and product cancel. A float32 output (add)
+takes its float32 bias as it is.
 
 Through ctypes on the libcublasLt this process has loaded (cuBLAS loads it), as DirectCublas: the calls
 work under stream capture, and the algorithm is chosen once per shape by cuBLASLt's heuristic, with a
@@ -82,22 +85,24 @@ class Lt:
         self._check("cublasLtMatmulDescSetAttribute", self.lib.cublasLtMatmulDescSetAttribute(
             desc, attribute, ctypes.byref(value), ctypes.c_size_t(ctypes.sizeof(value))))
 
-    def _layout(self, rows: int, cols: int, ld: int):
+    def _layout(self, rows: int, cols: int, ld: int, dtype: int = R_16BF):
         layout = ctypes.c_void_p()
         self._check("cublasLtMatrixLayoutCreate", self.lib.cublasLtMatrixLayoutCreate(
-            ctypes.byref(layout), R_16BF, ctypes.c_uint64(rows), ctypes.c_uint64(cols), ctypes.c_int64(ld)))
+            ctypes.byref(layout), dtype, ctypes.c_uint64(rows), ctypes.c_uint64(cols), ctypes.c_int64(ld)))
         return layout
 
-    def _plan(self, M: int, N: int, K: int, gelu: bool):
-        """(desc, A, B, D layouts, algorithm) for the shape and epilogue, or None where none is offered."""
+    def _plan(self, M: int, N: int, K: int, gelu: bool, add: bool = False):
+        """(desc, A, B, D layouts, algorithm) for the shape and epilogue (add: D float32, read as C with
+        beta = 1), or None where none is offered."""
         shape = column_major(M, N, K)
         desc = ctypes.c_void_p()
         self._check("cublasLtMatmulDescCreate", self.lib.cublasLtMatmulDescCreate(ctypes.byref(desc), COMPUTE_32F, R_32F))
         self._set(desc, DESC_TRANSA, ctypes.c_int32(shape["transa"]))
         self._set(desc, DESC_TRANSB, ctypes.c_int32(shape["transb"]))
         self._set(desc, DESC_EPILOGUE, ctypes.c_int32(epilogue_of(gelu)))
-        self._set(desc, DESC_BIAS_DATA_TYPE, ctypes.c_int32(R_16BF))
-        layouts = [self._layout(*shape[m]) for m in ("A", "B", "D")]
+        out_type = R_32F if add else R_16BF
+        self._set(desc, DESC_BIAS_DATA_TYPE, ctypes.c_int32(out_type))
+        layouts = [self._layout(*shape[m], dtype=out_type if m == "D" else R_16BF) for m in ("A", "B", "D")]
         preference = ctypes.c_void_p()
         self._check("cublasLtMatmulPreferenceCreate", self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(preference)))
         limit = ctypes.c_size_t(WORKSPACE_BYTES)
@@ -112,29 +117,33 @@ class Lt:
             return None
         return desc, *layouts, found
 
-    def gemm(self, a, W, bias, out, gelu: bool = False) -> bool:
-        """out = a @ W^T + bias, or its GELU, on the current stream; False (nothing launched) where the
-        arrays are not as the module's docstring says or cuBLASLt offers no algorithm for the shape."""
+    def gemm(self, a, W, bias, out, gelu: bool = False, add: bool = False) -> bool:
+        """out = a @ W^T + bias, or its GELU, or (add) out += a @ W^T + bias, on the current stream; False
+        (nothing launched) where the arrays are not as the module's docstring says or cuBLASLt offers no
+        algorithm for the shape."""
         (M, K), N = a.shape, W.shape[0]
+        out_size = 4 if add else 2
         if not (W.shape == (N, K) and out.shape == (M, N) and bias.shape == (N,) and bias.dtype == self.cp.float32
-                and all(x.flags.c_contiguous and x.dtype.itemsize == 2 for x in (a, W, out))):
+                and not (gelu and add) and out.flags.c_contiguous and out.dtype.itemsize == out_size
+                and all(x.flags.c_contiguous and x.dtype.itemsize == 2 for x in (a, W))):
             return False
-        key, capturing = (M, N, K, gelu), self.cp.cuda.get_current_stream().is_capturing()
+        key, capturing = (M, N, K, gelu, add), self.cp.cuda.get_current_stream().is_capturing()
         if key not in self.plans and not capturing:
-            self.plans[key] = self._plan(M, N, K, gelu)
-        if address(bias) not in self.biases and not capturing:  # made on a pass before any capture
+            self.plans[key] = self._plan(M, N, K, gelu, add)
+        if not add and address(bias) not in self.biases and not capturing:  # made on a pass before any capture
             self.biases[address(bias)] = bias, bf16_bits(self.cp, bias)
-        plan, (_, bias16) = self.plans.get(key), self.biases.get(address(bias), (None, None))
-        if plan is None or bias16 is None:
+        plan = self.plans.get(key)
+        bias_used = bias if add else self.biases.get(address(bias), (None, None))[1]
+        if plan is None or bias_used is None:
             return False
         desc, A, B, D, found = plan
-        if products.ZERO_OUTPUTS:
+        if products.ZERO_OUTPUTS and not add:
             out.fill(0)  # initcheck's zeroed mode, as Blas.gemm does (lm/products.py's ZERO_OUTPUTS)
-        self._set(desc, DESC_BIAS_POINTER, ctypes.c_void_p(address(bias16)))
+        self._set(desc, DESC_BIAS_POINTER, ctypes.c_void_p(address(bias_used)))
         stream = self.cp.cuda.get_current_stream().ptr
         self._check("cublasLtMatmul", self.lib.cublasLtMatmul(
             self.handle, desc, ctypes.byref(self.one), ctypes.c_void_p(address(W)), A, ctypes.c_void_p(address(a)), B,
-            ctypes.byref(self.zero), ctypes.c_void_p(address(out)), D, ctypes.c_void_p(address(out)), D,
+            ctypes.byref(self.one if add else self.zero), ctypes.c_void_p(address(out)), D, ctypes.c_void_p(address(out)), D,
             ctypes.byref(found.algo), ctypes.c_void_p(address(self.workspace)), ctypes.c_size_t(WORKSPACE_BYTES),
             ctypes.c_void_p(stream)))
         return True

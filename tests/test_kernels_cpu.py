@@ -402,10 +402,30 @@ def test_small_grids_take_the_tile_shape_with_most_warps_resident(monkeypatch, t
     chosen = runtime.instance(path, 64, grid=(1, 12, 512))  # 96 blocks of 64 rows: one per SM at most
     assert chosen.config == (64, 64, 64)  # 96 x 8 warps beats 96 x 4, and ties 192 x 4 (declared earlier)
     compiled.clear()
-    chosen = runtime.instance(path, 64, grid=(8, 12, 1024))  # 1536 blocks: more than 132 x 4
+    chosen = runtime.instance(path, 64, grid=(8, 12, 1024))  # 1536 blocks: more than 2 x 132 x 4
     assert chosen.config == (64, 64, 32) and compiled == [(64, 64, 32)]  # nothing else compiled
     assert runtime.instance(path, 64, config=(64, 32, 64), grid=(1, 1, 1)).config == (64, 32, 64)  # asked for
     assert runtime.instance(path, 64).config == (64, 64, 32)  # no shape: the first declared
+
+
+def test_a_grid_of_a_wave_and_a_part_takes_the_shape_whose_busiest_sm_has_fewest_rows(monkeypatch, tmp_path):
+    """Between one and two waves of the first declared shape, the last wave leaves SMs idle: the shape
+    with the fewest rows on its busiest SM (waves x B_r) wins, the earlier declared on a tie; from two
+    waves on, the first declared runs (GPT-2 XL's prefill: 25 heads x 1,000 rows, one block an SM)."""
+    path = tmp_path / "v01_waves.cu"
+    path.write_text(" * lab.template   d_head, B_r, B_c\n"
+                    " * lab.configs    (64, 192, 128), (64, 128, 128)\n"
+                    " * lab.threads    384\n"
+                    " * lab.smem       0\n")
+    made = {(64, 192, 128): StandInInstance((64, 192, 128), 512, 1),
+            (64, 128, 128): StandInInstance((64, 128, 128), 384, 1)}
+    monkeypatch.setattr(runtime, "_compiled", lambda rung, c: made[c])
+    monkeypatch.setattr(runtime, "device_limits", lambda: runtime.DeviceLimits("stand-in", "sm_90", 132, 1024, 0))
+    runtime._choices.clear()
+    assert runtime.instance(path, 64, grid=(1, 25, 1000)).config == (64, 128, 128)  # 150 tiles: 2 x 192 vs 2 x 128
+    assert runtime.instance(path, 64, grid=(1, 22, 1152)).config == (64, 192, 128)  # 132 tiles: one wave of 192
+    assert runtime.instance(path, 64, grid=(1, 40, 1024)).config == (64, 192, 128)  # 240 tiles: 2 x 192 vs 3 x 128
+    assert runtime.instance(path, 64, grid=(8, 12, 1024)).config == (64, 192, 128)  # 576 tiles: past two waves
 
 
 # -- the reference -------------------------------------------------------------------------------

@@ -88,5 +88,24 @@ def test_gemm_declines_what_it_cannot_take_without_calling_the_library(monkeypat
     assert me.gemm(a, W, bias, out) is True and not out.any()
 
 
+def test_an_adding_product_takes_a_float32_output_and_its_bias_as_it_is(monkeypatch):
+    """add=True: x (float32) += a @ W^T + bias, planned apart from the bfloat16 epilogues; x is read, so
+    initcheck's zeroed mode leaves it, and the float32 bias needs no bfloat16 copy."""
+    monkeypatch.setattr(lt, "address", lambda x: id(x))
+    monkeypatch.setattr(lt.products, "ZERO_OUTPUTS", True)
+    bf16 = np.uint16
+    a, W, bias = np.zeros((4, 8), bf16), np.zeros((6, 8), bf16), np.zeros(6, np.float32)
+    x = np.full((4, 6), 3.0, np.float32)
+    me = stand_in(found=1)
+    for args, kw in [((a, W, bias, np.zeros((4, 6), bf16)), {"add": True}),  # a bfloat16 x: declined
+                     ((a, W, bias, x), {"add": True, "gelu": True}),         # GELU of a residual: not offered
+                     ((a, W, bias, x), {})]:                                   # a float32 out without add
+        assert me.gemm(*args, **kw) is False
+    assert me.lib.calls == []
+    assert me.gemm(a, W, bias, x, add=True) is True
+    assert me.lib.calls[-1] == "cublasLtMatmul" and (x == 3.0).all() and not me.biases
+    assert list(me.plans) == [(4, 6, 8, False, True)]
+
+
 def test_the_epilogues_are_cublaslt_s_codes():
     assert (lt.epilogue_of(False), lt.epilogue_of(True)) == (4, 36)  # CUBLASLT_EPILOGUE_BIAS, _GELU_BIAS

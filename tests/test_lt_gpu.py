@@ -1,4 +1,4 @@
-"""lm/lt.py on the GPU: cuBLASLt's bias and GELU epilogues on bfloat16 products against float64, eagerly
+"""lm/lt.py on the GPU: cuBLASLt's bias, GELU and residual-adding epilogues on bfloat16 products against float64, eagerly
 and replayed from a CUDA graph; and GPT-2's whole-sequence pass with them (the default) and without (LAB_LT_EPILOGUES=0)
 against the unfused one's logits."""
 
@@ -41,6 +41,19 @@ def test_epilogues_match_float64(cp, M, N, K, gelu):
     assert lt.Lt(cp).gemm(a, W, bias, out, gelu=gelu)
     want = a32.astype(cp.float64) @ W32.astype(cp.float64).T + round_to_bf16(cp, bias)  # the bias as cuBLASLt takes it
     within_a_bf16_step(cp, out, gelu64(cp, want) if gelu else want, f"{M}x{N}x{K}")
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 768, 3072), (97, 1600, 1600), (1000, 1600, 6400)])
+def test_an_adding_product_matches_float64(cp, M, N, K):
+    """x += a @ W^T + bias (the residual products): x float32, the bias float32 as given."""
+    rng = cp.random.default_rng()
+    (a, a32), (W, W32) = weights(cp, rng, (M, K), "bfloat16", 1.0), weights(cp, rng, (N, K), "bfloat16", 0.05)
+    bias = rng.standard_normal(N, dtype=cp.float32)
+    x = rng.standard_normal((M, N), dtype=cp.float32)
+    want = x.astype(cp.float64) + a32.astype(cp.float64) @ W32.astype(cp.float64).T + bias
+    assert lt.Lt(cp).gemm(a, W, bias, x, add=True)
+    err = float(cp.abs(x - want).max() / cp.abs(want).max())
+    assert err < 1e-5, err  # float32 accumulation of exact bfloat16 products
 
 
 def test_a_captured_product_replays_with_the_operands_new_values(cp):

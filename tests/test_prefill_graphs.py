@@ -17,9 +17,12 @@ from gpt2.fast.sequence import WholeSequence
 from lm import prefill_graph
 from lm.prefill_graph import PrefillGraphs, bucket_rows
 
+LAST = ("y", "bias")  # what the stand-in passes return: the residual the head adds
+
 
 class Recorder:
-    """A WholeSequence whose kernels, prepares and captures are calls recorded."""
+    """A WholeSequence whose kernels, prepares and captures are calls recorded; the head checks that it
+    gets the residual its pass returned (eager, or the captured pass's through the graph)."""
 
     def __init__(self, monkeypatch, max_len=1024, capturable=True):
         monkeypatch.setattr(sequence, "launcher", lambda attend, q, k, v: ("prepared", attend, q.shape[2]))
@@ -30,6 +33,7 @@ class Recorder:
                 calls.append(("capture", prepare()[2]))
                 if not capturable:
                     raise RuntimeError("operation not permitted when stream is capturing")
+                self.out = LAST
 
             def launch(self, stream):
                 calls.append(("replay",))
@@ -39,8 +43,13 @@ class Recorder:
         whole.engine = SimpleNamespace(cp=np, stream=contextlib.nullcontext(), max_len=max_len, dtype="float32",
                                        config=SimpleNamespace(n_embd=8, n_head=2, head_size=4, mlp_width=32))
         whole.products, whole.rows, whole.work, whole.prefills = "cublas", 0, {}, PrefillGraphs()
-        whole.layers = lambda T, run_attention, **kw: calls.append(("layers", T, run_attention[2], kw["last_row"]))
-        whole.head = lambda T: calls.append(("head", T))
+        whole.layers = lambda T, run_attention, **kw: calls.append(("layers", T, run_attention[2], kw["last_row"])) or LAST
+
+        def head(T, residual):
+            assert residual is LAST
+            calls.append(("head", T))
+
+        whole.head = head
         self.whole = whole
 
     def prefill(self, T, attend="v24"):

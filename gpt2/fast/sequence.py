@@ -134,21 +134,23 @@ class WholeSequence:
             self.reserve(rows)
 
             def passes(run_attention):
-                self.layers(rows, run_attention, store_kv=True, tiled=False, last_row=None)
+                return self.layers(rows, run_attention, store_kv=True, tiled=False, last_row=None)
 
             def prepare():
                 return launcher(attend, *self.qkv_views(rows))
 
             graph = self.prefills.get((rows, attend), lambda: PassGraph(e.cp, e.stream, passes, prepare))
             if graph is None:  # the bucket's first pass, or one that cannot be captured
-                passes(prepare())
+                residual = passes(prepare())
             else:
                 graph.launch(e.stream)
+                residual = graph.out
         else:
             self.reserve(T)
             tiled = not store_kv and self.products == "3xtf32" and e.dtype == "float32"
-            self.layers(T, launcher(attend, *self.qkv_views(T)), store_kv=store_kv, tiled=tiled, last_row=T - 1)
-        self.head(T)
+            residual = self.layers(T, launcher(attend, *self.qkv_views(T)), store_kv=store_kv, tiled=tiled,
+                                   last_row=T - 1)
+        self.head(T, residual)
 
     def qkv_views(self, T: int) -> tuple:
         """q, k, v (1, NH, T, hs) views of the qkv buffer's first T rows, columns [q | k | v]."""
@@ -156,22 +158,22 @@ class WholeSequence:
         views = self.work["qkv"][:T].reshape(1, T, 3, c.n_head, c.head_size)  # (B, T, 3, NH, hs)
         return tuple(views[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
 
-    def layers(self, T: int, run_attention, *, store_kv: bool, tiled: bool, last_row: int | None) -> None:
+    def layers(self, T: int, run_attention, *, store_kv: bool, tiled: bool, last_row: int | None) -> tuple:
         """Embeddings and every layer over rows 0..T-1 of the work buffers; run_attention() -> o is the
         attention prepared on qkv_views(T). With last_row, only that row reaches the logits, so the last
         layer runs its keys and values (and the attention) over every row and everything after the
         attention on that row alone; without it (a graphed pass, whose last real row varies within its
-        bucket) over every row."""
+        bucket) over every row. Returns what the head still adds to x (add_product's residual)."""
         e = self.engine
         c, p, fn = e.config, e.vectors, e.fn
         C, NH, HS = c.n_embd, c.n_head, c.head_size
         x, h, qkv, merged, y, f = (self.work[k][:T] for k in ("x", "h", "qkv", "merged", "y", "f"))
         rows = (T,)  # kv_store's and merge_heads' grid: a block a row
         fn["embed"]((T,), (256,), (e.wte, e.wpe, e.history, NULL, np.int32(C), x, NULL, np.uint64(0)))
+        residual = (NULL, NULL)
         for i in range(c.n_layer):
             pre = f"h.{i}."
-            # h = ln_1(x), after the previous layer's x += mlp.c_proj output + bias
-            residual = (NULL, NULL) if i == 0 else (y, p[f"h.{i - 1}.mlp.c_proj.bias"])
+            # h = ln_1(x), after the previous layer's x += mlp.c_proj output + bias where that is left to do
             fn["add_layernorm"]((T,), (256,), (x, *residual, p[pre + "ln_1.weight"], p[pre + "ln_1.bias"], e.eps, h,
                                                np.int32(C)), shared_mem=4 * C)
             self.product(h, i, "attn.c_attn", qkv, GEMM_BIAS, tiled=tiled)
@@ -181,22 +183,34 @@ class WholeSequence:
             self._merge_heads(run_attention(), merged, T)
             if i == c.n_layer - 1 and last_row is not None:  # from here on, that position alone
                 x, h, merged, y, f = (a[last_row:last_row + 1] for a in (x, h, merged, y, f))
-            self.product(merged, i, "attn.c_proj", y, GEMM_NONE, tiled=tiled)
-            # x += attn.c_proj output + bias; h = ln_2(x)
-            fn["add_layernorm"]((x.shape[0],), (256,), (x, y, p[pre + "attn.c_proj.bias"], p[pre + "ln_2.weight"],
-                                                        p[pre + "ln_2.bias"], e.eps, h, np.int32(C)), shared_mem=4 * C)
+            residual = self.add_product(merged, i, "attn.c_proj", x, y, tiled=tiled)
+            # x += attn.c_proj output + bias, where the product left it; h = ln_2(x)
+            fn["add_layernorm"]((x.shape[0],), (256,), (x, *residual, p[pre + "ln_2.weight"], p[pre + "ln_2.bias"],
+                                                        e.eps, h, np.int32(C)), shared_mem=4 * C)
             self.product(h, i, "mlp.c_fc", f, GEMM_BIAS_GELU, tiled=tiled)
-            self.product(f, i, "mlp.c_proj", y, GEMM_NONE, tiled=tiled)
+            residual = self.add_product(f, i, "mlp.c_proj", x, y, tiled=tiled)
+        return residual
 
-    def head(self, T: int) -> None:
-        """Position T - 1: ln_f(x + mlp.c_proj output + bias), the logits, their argmax into history[T]
-        and state."""
+    def add_product(self, a, layer: int, linear: str, x, y, *, tiled: bool) -> tuple:
+        """A product that feeds the residual stream: x += a @ W + bias in the product's own epilogue where
+        it can (bfloat16 on cuBLASLt, lm/lt.py), then (NULL, NULL), nothing left to add; else y = a @ W
+        and (y, bias), which the next add_layernorm (or the head) adds into x."""
+        e = self.engine
+        b = e.vectors[f"h.{layer}.{linear}.bias"]
+        if not tiled and self.lt is not None and self.lt.gemm(a, e.layers[layer][linear], b, x, add=True):
+            return NULL, NULL
+        self.product(a, layer, linear, y, GEMM_NONE, tiled=tiled)
+        return y, b
+
+    def head(self, T: int, residual: tuple) -> None:
+        """Position T - 1: ln_f(x + the last layer's residual, as layers() returned it), the logits, their
+        argmax into history[T] and state."""
         e = self.engine
         c, p = e.config, e.vectors
-        x, y = self.work["x"][T - 1], self.work["y"][T - 1]
-        last = f"h.{c.n_layer - 1}.mlp.c_proj.bias"
+        x = self.work["x"][T - 1]
+        y, bias = (NULL, NULL) if residual[0] is NULL else (self.work["y"][T - 1], residual[1])
         e.fn["lm_head"]((e.lm_blocks,), (e.lm_warps * 32,),
-                        (e.wte, x, y, p[last], p["ln_f.weight"], p["ln_f.bias"], e.eps,
+                        (e.wte, x, y, bias, p["ln_f.weight"], p["ln_f.bias"], e.eps,
                          np.int32(c.vocab_size), e.logits if e.logits is not None else NULL, e.block_max,
                          e.block_arg, e.lm_counter, e.state, e.history, NULL, np.uint64(0)))
 
