@@ -63,25 +63,25 @@ def rope_tables(config: LlamaConfig, start: int, T: int, xp):
 
 
 def attention(x, w, name: str, config: LlamaConfig, attend, cache: KVCache | None, layer: int, cos, sin,
-              last_query: bool = False):
-    """The attention block's output (B, T, C); (B, 1, C) for the last position alone if last_query
-    (every position's keys and values still computed and cached; the query of the last alone, where
-    the attention takes fewer queries than keys)."""
+              last_query: bool = False, tail: int = 1):
+    """The attention block's output (B, T, C); (B, tail, C) for the last `tail` positions alone if
+    last_query (every position's keys and values still computed and cached; those positions' queries
+    alone, where the attention takes fewer queries than keys)."""
     B, T, C = x.shape
     NH, NKV, hs = config.num_attention_heads, config.num_key_value_heads, config.head_size
     dtype = w[name + ".q_proj.weight"].dtype  # q, k, v and the attention in the weights' dtype
-    one_query = last_query and takes_short_queries(attend)
-    xq, cq, sq = (x[:, -1:], cos[-1:], sin[-1:]) if one_query else (x, cos, sin)
+    short = last_query and takes_short_queries(attend)
+    xq, cq, sq = (x[:, -tail:], cos[-tail:], sin[-tail:]) if short else (x, cos, sin)
     q = linear(xq, w[name + ".q_proj.weight"]).reshape(B, -1, NH, hs).transpose(0, 2, 1, 3)  # (B, NH, T_q, hs)
     k = linear(x, w[name + ".k_proj.weight"]).reshape(B, T, NKV, hs).transpose(0, 2, 1, 3)  # (B, NKV, T, hs)
     v = linear(x, w[name + ".v_proj.weight"]).reshape(B, T, NKV, hs).transpose(0, 2, 1, 3)  # (B, NKV, T, hs)
     q, k = rope(q, cq, sq, dtype), rope(k, cos, sin, dtype)  # contiguous (B, H, T_q or T, hs)
     if cache is not None:
         k, v = cache.append(layer, k, v)  # each (B, NKV, past + T, hs)
-    y = attend(q, k, v)  # (B, NH, T_q, hs): T_q = 1 sees every key (the mask aligned bottom-right)
-    if last_query and not one_query:
-        y = y[:, :, -1:]  # (B, NH, 1, hs)
-    y = y.transpose(0, 2, 1, 3).reshape(B, -1, NH * hs)  # (B, 1 or T, NH * hs): the heads side by side again
+    y = attend(q, k, v)  # (B, NH, T_q, hs): the mask aligned bottom-right, the last query sees every key
+    if last_query and not short:
+        y = y[:, :, -tail:]  # (B, NH, tail, hs)
+    y = y.transpose(0, 2, 1, 3).reshape(B, -1, NH * hs)  # (B, tail or T, NH * hs): the heads side by side again
     return linear(y, w[name + ".o_proj.weight"])
 
 
@@ -98,9 +98,10 @@ def forward(params: dict, config: LlamaConfig, idx, attend, *, cache: KVCache | 
 
 
 def hidden_states(params: dict, config: LlamaConfig, idx, attend, *, cache: KVCache | None = None,
-                  last_only: bool = False):
+                  last_only: bool = False, tail: int = 1):
     """forward() up to the final norm: the residual stream after the last layer, (B, T, C) float32, or
-    (B, 1, C) for the last position if last_only; the cache advanced by T."""
+    (B, tail, C) for the last `tail` positions if last_only (a graphed prefill's: its prompt ends
+    somewhere in its bucket's last rows); the cache advanced by T."""
     w = params
     eps = config.rms_norm_eps
     dtype = compute_dtype(params)
@@ -116,16 +117,16 @@ def hidden_states(params: dict, config: LlamaConfig, idx, attend, *, cache: KVCa
     x = w["model.embed_tokens.weight"][idx].astype(np.float32)  # (B, T, C), float32
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}"
-        # with last_only, only the last position reaches the logits: the last layer computes every
-        # position's keys and values, and its query, attention output and MLP for the last position alone
+        # with last_only, only the last `tail` positions reach the logits: the last layer computes every
+        # position's keys and values, and its queries, attention output and MLP for those alone
         last = last_only and i == config.num_hidden_layers - 1
         h = rms_norm(x, w[p + ".input_layernorm.weight"], eps, dtype)  # the products' operand
-        a = attention(h, w, p + ".self_attn", config, attend, cache, i, cos, sin, last_query=last)
-        x = (x[:, -1:] if last else x) + a  # (B, T, C), or (B, 1, C) after the last layer if last_only
+        a = attention(h, w, p + ".self_attn", config, attend, cache, i, cos, sin, last_query=last, tail=tail)
+        x = (x[:, -tail:] if last else x) + a  # (B, T, C), or (B, tail, C) after the last layer if last_only
         x = x + mlp(rms_norm(x, w[p + ".post_attention_layernorm.weight"], eps, dtype), w, p + ".mlp")
     if cache is not None:
         cache.length += T
-    return x[:, -1:] if last_only else x  # (B, 1, C) already so after a last layer under last_only
+    return x[:, -tail:] if last_only else x  # (B, tail, C) already so after a last layer under last_only
 
 
 def logits_of(params: dict, config: LlamaConfig, x):

@@ -43,7 +43,7 @@ class Recorder:
         whole.engine = SimpleNamespace(cp=np, stream=contextlib.nullcontext(), max_len=max_len, dtype="float32",
                                        config=SimpleNamespace(n_embd=8, n_head=2, head_size=4, mlp_width=32))
         whole.products, whole.rows, whole.work, whole.prefills = "cublas", 0, {}, PrefillGraphs()
-        whole.layers = lambda T, run_attention, **kw: calls.append(("layers", T, run_attention[2], kw["last_row"])) or LAST
+        whole.layers = lambda T, run_attention, **kw: calls.append(("layers", T, run_attention[2], kw["tail"])) or LAST
 
         def head(T, residual):
             assert residual is LAST
@@ -62,7 +62,7 @@ def test_without_prefill_graphs_each_prefill_runs_eagerly_over_its_own_rows(monk
     monkeypatch.setattr(prefill_graph, "PREFILL_GRAPHS", False)
     r = Recorder(monkeypatch)
     for _ in range(3):
-        assert r.prefill(97) == [("layers", 97, 97, 96), ("head", 97)]
+        assert r.prefill(97) == [("layers", 97, 97, 1), ("head", 97)]
 
 
 def test_a_bucket_runs_eagerly_first_then_is_captured_then_replays(monkeypatch):
@@ -71,13 +71,13 @@ def test_a_bucket_runs_eagerly_first_then_is_captured_then_replays(monkeypatch):
     monkeypatch.setattr(prefill_graph, "PREFILL_GRAPHS", True)
     monkeypatch.setattr(prefill_graph, "PREFILL_BUCKET", 128)  # the mechanism at a bucket of 128 rows
     r = Recorder(monkeypatch)
-    assert r.prefill(100) == [("layers", 128, 128, None), ("head", 100)]
+    assert r.prefill(100) == [("layers", 128, 128, 128), ("head", 100)]
     assert r.prefill(117) == [("capture", 128), ("replay",), ("head", 117)]
     assert r.prefill(128) == [("replay",), ("head", 128)]
     assert r.prefill(1) == [("replay",), ("head", 1)]
-    assert r.prefill(129) == [("layers", 256, 256, None), ("head", 129)]  # the next bucket: its own
-    assert r.prefill(1000) == [("layers", 1024, 1024, None), ("head", 1000)]
-    assert r.prefill(1000, attend="v20") == [("layers", 1024, 1024, None), ("head", 1000)]  # another rung: its own
+    assert r.prefill(129) == [("layers", 256, 256, 128), ("head", 129)]  # the next bucket: its own
+    assert r.prefill(1000) == [("layers", 1024, 1024, 128), ("head", 1000)]
+    assert r.prefill(1000, attend="v20") == [("layers", 1024, 1024, 128), ("head", 1000)]  # another rung: its own
 
 
 @pytest.mark.parametrize("T, rows", [(1, 128), (128, 128), (129, 200), (190, 200), (200, 200)])
@@ -118,8 +118,8 @@ def test_an_attention_that_cannot_be_captured_runs_eagerly_and_is_tried_once(mon
     r = Recorder(monkeypatch, capturable=False)
     r.prefill(50)
     with pytest.warns(UserWarning, match="could not be captured"):
-        assert r.prefill(50) == [("capture", 128), ("layers", 128, 128, None), ("head", 50)]
-    assert r.prefill(60) == [("layers", 128, 128, None), ("head", 60)]
+        assert r.prefill(50) == [("capture", 128), ("layers", 128, 128, 128), ("head", 50)]
+    assert r.prefill(60) == [("layers", 128, 128, 128), ("head", 60)]
 
 
 def test_regrown_work_buffers_drop_the_graphs_that_read_the_old_ones(monkeypatch):
@@ -133,7 +133,7 @@ def test_regrown_work_buffers_drop_the_graphs_that_read_the_old_ones(monkeypatch
     assert r.prefill(100) == [("replay",), ("head", 100)]
     r.prefill(300)  # the buffers grow to 384 rows
     assert r.whole.rows == 384 and r.whole.prefills.graphs == {}
-    assert r.prefill(100) == [("layers", 128, 128, None), ("head", 100)]  # eager again, then captured anew
+    assert r.prefill(100) == [("layers", 128, 128, 128), ("head", 100)]  # eager again, then captured anew
     assert r.prefill(100) == [("capture", 128), ("replay",), ("head", 100)]
 
 

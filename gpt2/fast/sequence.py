@@ -133,8 +133,9 @@ class WholeSequence:
             rows = bucket_rows(T, e.max_len)
             self.reserve(rows)
 
-            def passes(run_attention):
-                return self.layers(rows, run_attention, store_kv=True, tiled=False, last_row=None)
+            def passes(run_attention):  # the prompt's last row is one of the bucket's last PREFILL_BUCKET
+                return self.layers(rows, run_attention, store_kv=True, tiled=False,
+                                   tail=min(prefill_graph.PREFILL_BUCKET, rows))
 
             def prepare():
                 return launcher(attend, *self.qkv_views(rows))
@@ -148,8 +149,7 @@ class WholeSequence:
         else:
             self.reserve(T)
             tiled = not store_kv and self.products == "3xtf32" and e.dtype == "float32"
-            residual = self.layers(T, launcher(attend, *self.qkv_views(T)), store_kv=store_kv, tiled=tiled,
-                                   last_row=T - 1)
+            residual = self.layers(T, launcher(attend, *self.qkv_views(T)), store_kv=store_kv, tiled=tiled, tail=1)
         self.head(T, residual)
 
     def qkv_views(self, T: int) -> tuple:
@@ -158,12 +158,13 @@ class WholeSequence:
         views = self.work["qkv"][:T].reshape(1, T, 3, c.n_head, c.head_size)  # (B, T, 3, NH, hs)
         return tuple(views[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
 
-    def layers(self, T: int, run_attention, *, store_kv: bool, tiled: bool, last_row: int | None) -> tuple:
+    def layers(self, T: int, run_attention, *, store_kv: bool, tiled: bool, tail: int) -> tuple:
         """Embeddings and every layer over rows 0..T-1 of the work buffers; run_attention() -> o is the
-        attention prepared on qkv_views(T). With last_row, only that row reaches the logits, so the last
-        layer runs its keys and values (and the attention) over every row and everything after the
-        attention on that row alone; without it (a graphed pass, whose last real row varies within its
-        bucket) over every row. Returns what the head still adds to x (add_product's residual)."""
+        attention prepared on qkv_views(T). Only the last position reaches the logits, so the last layer
+        runs its keys and values (and the attention) over every row and everything after the attention
+        on its last `tail` rows alone: 1 where T is the prompt's length, the bucket's step in a graphed
+        pass (whose prompt ends somewhere in them). Returns what the head still adds to x (add_product's
+        residual)."""
         e = self.engine
         c, p, fn = e.config, e.vectors, e.fn
         C, NH, HS = c.n_embd, c.n_head, c.head_size
@@ -181,8 +182,8 @@ class WholeSequence:
                 fn["kv_store"](rows, (256,), (qkv, e.k_cache[i], e.v_cache[i], np.int32(T), np.int32(NH),
                                               np.int32(HS), np.int32(e.max_len)))
             self._merge_heads(run_attention(), merged, T)
-            if i == c.n_layer - 1 and last_row is not None:  # from here on, that position alone
-                x, h, merged, y, f = (a[last_row:last_row + 1] for a in (x, h, merged, y, f))
+            if i == c.n_layer - 1:  # from here on, the last `tail` rows alone
+                x, h, merged, y, f = (a[T - tail:T] for a in (x, h, merged, y, f))
             residual = self.add_product(merged, i, "attn.c_proj", x, y, tiled=tiled)
             # x += attn.c_proj output + bias, where the product left it; h = ln_2(x)
             fn["add_layernorm"]((x.shape[0],), (256,), (x, *residual, p[pre + "ln_2.weight"], p[pre + "ln_2.bias"],

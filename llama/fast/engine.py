@@ -208,26 +208,30 @@ class Engine(FastEngine):
     def prefill(self, T: int, attend):
         """The eager model over history[0:T] into the cache (cache.length = T after it): the residual
         stream at position T - 1 after the last layer, (1, 1, C) float32. With PREFILL_GRAPHS, the pass
-        runs over a bucket of rows (lm/prefill_graph.py), the last layer over every row, replayed from
-        a graph where the bucket was seen before; the row T - 1 is taken after it."""
+        runs over a bucket of rows (lm/prefill_graph.py), the last layer after its keys and values over
+        the bucket's last PREFILL_BUCKET rows (the prompt's last is one of them), replayed from a graph
+        where the bucket was seen before; the row T - 1 is taken after it."""
         if not prefill_graph.PREFILL_GRAPHS:
             self.cache.length = 0
             return hidden_states(self.params, self.config, self.history[None, :T], attend, cache=self.cache,
                                  last_only=True)
         rows = bucket_rows(T, self.max_len)
+        tail = min(prefill_graph.PREFILL_BUCKET, rows)  # rows - T < PREFILL_BUCKET: row T - 1 is in them
 
         def passes(_):
             self.cache.length = 0
-            return hidden_states(self.params, self.config, self.history[None, :rows], attend, cache=self.cache)
+            return hidden_states(self.params, self.config, self.history[None, :rows], attend, cache=self.cache,
+                                 last_only=True, tail=tail)
 
         graph = self.prefills.get((rows, attend), lambda: PassGraph(self.cp, self.stream, passes))
         if graph is None:  # the bucket's first pass, or one that cannot be captured
             x = passes(None)
         else:
             graph.launch(self.stream)
-            x = graph.out  # (1, rows, C), in the graph's pool: rewritten by the launch
+            x = graph.out  # (1, tail, C), in the graph's pool: rewritten by the launch
         self.cache.length = T
-        return x[:, T - 1:T]
+        last = T - 1 - (rows - tail)  # row T - 1 among the last `tail`
+        return x[:, last:last + 1]
 
     def prefill_graphs(self) -> PrefillGraphs:
         return self.prefills
