@@ -27,18 +27,25 @@ from .results import SCHEMA, result_path, write_result, wrote
 from .rungs import add_speedups
 from .tables import fmt_ms, fmt_tflops, fmt_x, setup_header, table
 
-CASE_SETS = {  # --cases key -> the cases, each q (B, NH, T, d) over k, v (B, NH, T, d)
+CASE_SETS = {  # --cases key -> the cases, each q (B, NH, T, d) over k, v (B, NH_kv, T, d)
     "gpt2": tuple(Case("gpt2", B, 12, 12, T, T, 64) for B, T in GPT2_SHAPES),
     "d128": (Case("d128", 4, 16, 16, 2048, 2048, 128), Case("d128", 2, 16, 16, 4096, 4096, 128)),
     "noncausal": (Case("noncausal", 4, 12, 12, 2048, 2048, 64, causal=False),
                   Case("noncausal", 4, 16, 16, 2048, 2048, 128, causal=False)),
+    # grouped-query heads as Llama 3's: 32 query heads over 8 key/value heads, d = 128
+    "gqa": (Case("gqa", 2, 32, 8, 4096, 4096, 128), Case("gqa", 2, 32, 8, 4096, 4096, 128, causal=False)),
+    # FlashAttention-3's backward shapes: d = 128, non-causal, 16k tokens a batch, 4k to 16k long
+    "long": tuple(Case("long", 16384 // T, 16, 16, T, T, 128, causal=False) for T in (4096, 8192, 16384)),
 }
+DEFAULT_CASES = ("gpt2", "d128", "noncausal")  # gqa and long when asked: d = 128's largest, for the bf16 rungs
 PEERS_OF = {"float32": ("sdpa_efficient",), "bfloat16": ("sdpa_flash", "sdpa_cudnn"),
             "float16": ("sdpa_flash", "sdpa_cudnn")}
-TARGETS = {  # dtype -> (peer, speed-up at least, the cases it applies to, in words)
-    "float32": ("sdpa_efficient", 1.5, lambda s: s["part"] == "gpt2" and s["T_q"] >= 1024,
-                "every GPT-2 shape with T >= 1024"),
-    "bfloat16": ("sdpa_cudnn", 1.0, lambda s: s["T_q"] >= 2048, "every case with T >= 2048"),
+TARGETS = {  # dtype -> [(peer, speed-up at least, the cases it applies to, in words)]
+    "float32": [("sdpa_efficient", 1.5, lambda s: s["part"] == "gpt2" and s["T_q"] >= 1024,
+                 "every GPT-2 shape with T >= 1024")],
+    "bfloat16": [("sdpa_cudnn", 1.0, lambda s: s["T_q"] >= 2048, "every case with T >= 2048"),
+                 ("sdpa_cudnn", 1.2, lambda s: s["d"] == 128 and not s["causal"] and s["T_q"] >= 4096,
+                  "d=128 without the mask, T >= 4096 (where FlashAttention-3 leads cuDNN)")],
 }
 FLOP_CONVENTION = ("backward = 2.5 x the forward's FLOPs, the forward's counted as the kernels table does (4 d per "
                    "(query, key) pair the mask lets through: 4 * B * NH * T^2 * d / 2 causal, without the / 2 "
@@ -289,17 +296,21 @@ def cmd_backward(args) -> int:
 def case_title(shape: dict, dtype: str) -> str:
     mask = "causal" if shape["causal"] else "non-causal"
     gflop = backward_flops(Case(**shape)) / 1e9
-    return (f"**B={shape['B']}, T={shape['T_q']}** (NH={shape['NH']}, d={shape['d']}, {mask}, {dtype}, "
+    heads = f"NH={shape['NH']}" + (f", NH_kv={shape['NH_kv']}" if shape["NH_kv"] != shape["NH"] else "")
+    return (f"**B={shape['B']}, T={shape['T_q']}** ({heads}, d={shape['d']}, {mask}, {dtype}, "
             f"{gflop:.1f} GFLOP)")
 
 
 def targets(result: dict) -> list[str]:
-    """One line per target that applies to the result's dtype: the best rung's speed-up over the peer at
-    the worst case the target covers, met or missed."""
-    if result["dtype"] not in TARGETS:
-        return []
-    peer, at_least, applies, where = TARGETS[result["dtype"]]
+    """One line per target of the result's dtype whose cases the run has: the best rung's speed-up over
+    the peer at the worst case the target covers, met or missed."""
+    return [line for target in TARGETS.get(result["dtype"], []) for line in target_line(result, *target)]
+
+
+def target_line(result: dict, peer: str, at_least: float, applies, where: str) -> list[str]:
     cases = [s for s in result["cases"] if applies(s)]
+    if not cases:
+        return []
     best = None
     for name in result["kernels"]:
         worst = [r["speedup"].get(peer) for s in cases for r in result["rows"]

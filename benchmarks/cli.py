@@ -13,6 +13,7 @@ from kernels import triton as triton_rungs
 
 from . import frontier, results
 from .backward import CASE_SETS as BACKWARD_CASES
+from .backward import DEFAULT_CASES as BACKWARD_DEFAULT
 from .backward import cmd_backward
 from .cases import DTYPES
 from .device import CannotRun
@@ -307,8 +308,9 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                     help="SDPA backends from sdpa_math, sdpa_efficient, sdpa_flash, sdpa_cudnn or none; default "
                          "float32: sdpa_efficient; bfloat16/float16: sdpa_flash,sdpa_cudnn")
     bw.add_argument("--dtype", choices=DTYPES, default="float32", help="input dtype (default float32)")
-    bw.add_argument("--cases", type=lambda t: _choices(t, BACKWARD_CASES, "case set"), default=list(BACKWARD_CASES),
-                    metavar="LIST", help=f"case sets from {', '.join(BACKWARD_CASES)} (default: all)")
+    bw.add_argument("--cases", type=lambda t: _choices(t, BACKWARD_CASES, "case set"), default=list(BACKWARD_DEFAULT),
+                    metavar="LIST", help=f"case sets from {', '.join(BACKWARD_CASES)} (default: "
+                                         f"{','.join(BACKWARD_DEFAULT)}; gqa and long at d=128 asked for)")
     bw.add_argument("--budget-ms", type=float, default=200.0,
                     help="GPU time to spend on the timed runs of each entry (default 200; 10-200 runs)")
     bw.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")

@@ -15,13 +15,20 @@ from benchmarks.timing import Method
 from tests.bench.helpers import FIXTURES, cells_of, fixture_setup, outside_markers, run, table_rows
 
 
-def test_cases_are_the_gpt2_shapes_d128_and_noncausal():
+def test_cases_are_the_gpt2_shapes_d128_and_noncausal_and_asked_for_gqa_and_long():
     gpt2 = backward.CASE_SETS["gpt2"]
     assert [(c.B, c.T_q) for c in gpt2] == [(1, 512), (8, 1024), (16, 2048), (6, 4096), (1, 8192)]
     assert all(c.NH == 12 and c.d == 64 and c.causal and c.T_k == c.T_q for c in gpt2)
     assert {c.d for c in backward.CASE_SETS["d128"]} == {128}
     assert not any(c.causal for c in backward.CASE_SETS["noncausal"])
     assert {c.d for c in backward.CASE_SETS["noncausal"]} == {64, 128}
+    gqa = backward.CASE_SETS["gqa"]
+    assert {(c.NH, c.NH_kv, c.d) for c in gqa} == {(32, 8, 128)} and {c.causal for c in gqa} == {True, False}
+    assert all(c.needs() == ({"gqa"} if c.causal else {"gqa", "noncausal"}) for c in gqa)
+    long = backward.CASE_SETS["long"]
+    assert [(c.B, c.T_q) for c in long] == [(4, 4096), (2, 8192), (1, 16384)]
+    assert all(c.d == 128 and not c.causal and c.NH == c.NH_kv == 16 for c in long)
+    assert backward.DEFAULT_CASES == ("gpt2", "d128", "noncausal")
 
 
 def test_backward_flops_are_two_and_a_half_forwards():
@@ -130,6 +137,26 @@ def test_targets_say_missed_and_skip_dtypes_without_one():
             r["speedup"]["sdpa_efficient"] = 1.3
     assert backward.targets(result)[0].endswith("`b03_tf32_mma`, at worst 1.30x: missed.")
     assert backward.targets(backward_result(dtype="float16")) == []
+
+
+def test_bfloat16_targets_each_cover_their_cases_and_a_gqa_title_names_its_heads():
+    """bfloat16's two targets: 1x cuDNN at T >= 2048, and 1.2x at d=128 without the mask from T = 4096 (a
+    run without such a case says nothing of it); a GQA case's title gives its key/value heads."""
+    cases = [backward.CASE_SETS["d128"][1], backward.CASE_SETS["gqa"][1], backward.CASE_SETS["long"][0]]
+    rows = []
+    for case, speedup in zip(cases, (0.9, 1.3, 1.25), strict=True):
+        r = timed(case, "b05_wgmma", "rung", 1.0) | {"speedup": {"sdpa_cudnn": speedup}}
+        rows += [r, timed(case, "sdpa_cudnn", "peer", speedup) | {"speedup": {}}]
+    result = {"dtype": "bfloat16", "cases": [c.as_dict() for c in cases], "kernels": ["b05_wgmma"], "rows": rows}
+    first, second = backward.targets(result)
+    assert first.startswith("Target: at least 1x SDPA cuDNN's backward at every case with T >= 2048") and \
+        first.endswith("`b05_wgmma`, at worst 0.90x: missed.")
+    assert "at least 1.2x SDPA cuDNN's backward at d=128 without the mask, T >= 4096" in second and \
+        second.endswith("at worst 1.25x: met.")  # the causal d128 case is not one of its cases
+    result["cases"], result["rows"] = result["cases"][:1], rows[:2]
+    assert len(backward.targets(result)) == 1  # no non-causal d=128 case: no second line
+    assert "(NH=32, NH_kv=8, d=128, non-causal, bfloat16," in backward.case_title(cases[1].as_dict(), "bfloat16")
+    assert "(NH=16, d=128, non-causal" in backward.case_title(cases[2].as_dict(), "bfloat16")
 
 
 def test_readme_writes_the_backward_section(tmp_path, capsys):
