@@ -6,14 +6,15 @@ them off: cuBLAS's product, then bias_act.cu):
     lt.gemm(a, W, bias, x, add=True)      x += a @ W^T + bias           (CUBLASLT_EPILOGUE_BIAS, beta = 1)
 
 a (M, K) and out (M, N) row-major bfloat16, W the (N, K) row-major weight the decode step reads, bias (N,)
-float32; with add, x (M, N) row-major float32, the residual stream, read and written by the epilogue (the
-products that feed the residual: no separate pass over x and the product's output to add them). The bias and GELU (the tanh form, GPT-2's) are applied to the float32 accumulator in the
-product's own epilogue, and the result rounded to bfloat16 once: one kernel where cuBLAS's product and
-bias_act.cu made two passes over the output. cuBLASLt takes a bfloat16 output's bias in bfloat16 only
-(a float32 one: no algorithm, on an H200 with CUDA 13's cuBLASLt), so the bias is rounded to bfloat16
-once, a copy kept per bias array; the eager model rounds the product before it adds the float32 bias
-instead. The two differ by about a bfloat16 step where bias and product cancel. A float32 output (add)
-takes its float32 bias as it is.
+float32; with add, x (M, N) row-major float32, the residual stream, read and written by the epilogue
+(the products that feed the residual: no pass of its own over x and the product's output to add them).
+The bias and GELU (the tanh form, GPT-2's) are applied to the float32 accumulator in the product's own
+epilogue, and the result rounded to bfloat16 once: one kernel where cuBLAS's product and bias_act.cu made
+two passes over the output. cuBLASLt takes a bfloat16 output's bias in bfloat16 only (a float32 one: no
+algorithm, on an H200 with CUDA 13's cuBLASLt), so the bias is rounded to bfloat16 once, a copy kept per
+bias array; the eager model rounds the product before it adds the float32 bias instead. The two differ
+by about a bfloat16 step where bias and product cancel. A float32 output (add) takes its float32 bias as
+it is.
 
 Through ctypes on the libcublasLt this process has loaded (cuBLAS loads it), as DirectCublas: the calls
 work under stream capture, and the algorithm is chosen once per shape by cuBLASLt's heuristic, with a
