@@ -42,14 +42,21 @@
  *   at the barrier in between. Before that barrier, the issuing thread waits until its last reduction
  *   has read dQ's tile (cp.async.bulk.wait_group.read).
  *
- * The ring: per stage of Q_i and dO_i a full barrier (32 arrivals: the producer warp's lanes, lane 0
- * with expect_tx of both tiles' bytes) and an empty barrier (256 arrivals: every consumer thread after
+ * The ring: per stage of Q_i and dO_i a full barrier (32 arrivals: the producer warp's lanes, once
+ * lane 0 has announced both tiles' bytes with expect_tx and issued their copies, and every lane has
+ * written its rows of lse_i and D_i, loaded into its registers while it waited for the stage) and an empty barrier (256 arrivals: every consumer thread after
  * wait_group 0). Every thread that wrote (full) or read (empty) lse_i and D_i with plain shared-memory
  * accesses arrives itself, so each access is ordered by its own thread's release; one lane per warp after
  * __syncwarp is as right under the memory model, but racecheck reports the producer's next writes as
  * racing with the other lanes' reads (16 hazards at the sanitizer's shapes). Step n is use n / 2 of stage n % 2, waited for with parity (n / 2) & 1; the
  * producer refills a stage for step n after the release of step n - 2 (parity ((n / 2) & 1) ^ 1).
  * K_j and V_j have one barrier, used once. The producer leaves after its last copies have landed.
+ * Loading lse_i and D_i only after the stage came free, then issuing the copies, left both latencies
+ * in front of the consumers' next step: against that order this one measured 1.00-1.04x from T = 1024
+ * (H200, bfloat16, `bench.py backward --cases gpt2,d128,noncausal`, one run: 1.04x at 16x12x2048 d64
+ * causal, 1.01x at d128 2x16x4096, level at 1x12x8192; 0.97x at 1x12x512, inside that case's
+ * spread); a third stage of Q_i and dO_i at d = 64 (133,632
+ * bytes) measured 0.98-1.00x either way, so the ring stays at two.
  *
  * Deterministic (deterministic = 1): b02's turns, counted: dQ_turns holds per query tile the number of
  * reductions done; warpgroup c of key tile j waits (ld.acquire) until it is at least 2 j, every
@@ -250,6 +257,12 @@ __device__ __forceinline__ void mbarrier_init_fence()
 __device__ __forceinline__ void mbarrier_arrive_expect(unsigned barrier, unsigned bytes)
 {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(barrier), "r"(bytes) : "memory");
+}
+
+// `bytes` more to come in the current phase from the copies that complete_tx on it; no arrival.
+__device__ __forceinline__ void mbarrier_expect(unsigned barrier, unsigned bytes)
+{
+    asm volatile("mbarrier.expect_tx.shared::cta.b64 [%0], %1;" ::"r"(barrier), "r"(bytes) : "memory");
 }
 
 // This thread's arrival (release: its reads and writes of shared memory come before it).
@@ -479,25 +492,42 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
                 load_tile<d_head, B_c>(K_smem, &K_map, col_start, kv_head, batch, KV_full);
                 load_tile<d_head, B_c>(V_smem, &V_map, col_start, kv_head, batch, KV_full);
             }
+            // lse_i and D_i of step n are loaded into registers before the wait for step n's stage, so
+            // that their latency passes while the consumers still work; the tiles' copies go out first
+            // (writing them after the wait, then copying, was 0-4% slower: the header).
+            float lse_r[B_r / 32], D_r[B_r / 32];
+            auto fetch = [&](int n) {
+                const long long bh = (long long)batch * gridDim.y * kv_group + head_of(n);
+                const int row_start = row_start_of(n);
+#pragma unroll
+                for (int k = 0; k < B_r / 32; ++k) {
+                    const int r = lane + 32 * k;
+                    const bool valid = row_start + r < T_q;
+                    lse_r[k] = valid ? lse[bh * T_q + row_start + r] * LOG2_E : INFINITY;
+                    D_r[k] = valid ? D[bh * T_q + row_start + r] : 0.0f;
+                }
+            };
+            if (steps > 0)
+                fetch(0);
             for (int n = 0; n < steps; ++n) {
                 if (n >= STAGES)
                     mbarrier_wait(QdO_empty(n), parity(n) ^ 1u);
                 const int head = head_of(n), row_start = row_start_of(n);
-                const long long bh = (long long)batch * gridDim.y * kv_group + head;  // = batch * NH + head
-                float* lse_s = lse_smem + (n % STAGES) * B_r;
-                float* D_s = D_smem + (n % STAGES) * B_r;
-                for (int r = lane; r < B_r; r += 32) {
-                    const bool valid = row_start + r < T_q;
-                    lse_s[r] = valid ? lse[bh * T_q + row_start + r] * LOG2_E : INFINITY;
-                    D_s[r] = valid ? D[bh * T_q + row_start + r] : 0.0f;
-                }
                 if (lane == 0) {
-                    mbarrier_arrive_expect(QdO_full(n), 2 * QO_BYTES);
+                    mbarrier_expect(QdO_full(n), 2 * QO_BYTES);
                     load_tile<d_head, B_r>(Q_smem + (n % STAGES) * QO_BYTES, &Q_map, row_start, head, batch, QdO_full(n));
                     load_tile<d_head, B_r>(dO_smem + (n % STAGES) * QO_BYTES, &dO_map, row_start, head, batch, QdO_full(n));
-                } else {
-                    mbarrier_arrive(QdO_full(n));
                 }
+                float* lse_s = lse_smem + (n % STAGES) * B_r;
+                float* D_s = D_smem + (n % STAGES) * B_r;
+#pragma unroll
+                for (int k = 0; k < B_r / 32; ++k) {
+                    lse_s[lane + 32 * k] = lse_r[k];
+                    D_s[lane + 32 * k] = D_r[k];
+                }
+                mbarrier_arrive(QdO_full(n));
+                if (n + 1 < steps)
+                    fetch(n + 1);
             }
             // Leave with no copy in flight: K_j, V_j and the last stages have landed (the earlier
             // stages were released, so theirs had).

@@ -128,7 +128,12 @@
  * layers (evict-last) made the step 4-5% slower (H100). Stage B's item in two (the keys and values;
  * the rows of W_proj[h], released once o is done) made the slot 44 KB in place of 60 and left room
  * for 49 kept rows of wte in place of 18, and the step slower: 152.8 against 148.5 us a token
- * (bfloat16, H200, position 264, same run; 154.3 with 18 rows kept).
+ * (bfloat16, H200, position 264, same run; 154.3 with 18 rows kept). Keeping the memory busy through
+ * the latency-bound stage B by asking L2 for the stream's items ahead of the ring (the producer, as it
+ * copies item i, prefetching item i + k with cp.async.bulk.prefetch.L2) was slower at every size and
+ * depth tried (H200, `tools/step_variants.py`, us a token at 264): gpt2-xl bfloat16 k = 0 / 2 / 3 / 5
+ * 1,536 / 1,591 / 1,618 / 1,684; gpt2-xl float32 k = 3 2,215 against 2,385; gpt2-large bfloat16
+ * 818 against 843; GPT-2 small k = 0 / 2 / 4 bfloat16 155 / 160 / 163, float32 205 / 220 / 254.
  *
  * The barrier. One counter, never reset: block 0 adds 2^31 - (G - 1), every other block adds 1, so
  * the top bit flips exactly when all G blocks have arrived and the low bits return to zero, and the
