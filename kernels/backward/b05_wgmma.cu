@@ -44,19 +44,20 @@
  *
  * The ring: per stage of Q_i and dO_i a full barrier (32 arrivals: the producer warp's lanes, once
  * lane 0 has announced both tiles' bytes with expect_tx and issued their copies, and every lane has
- * written its rows of lse_i and D_i, loaded into its registers while it waited for the stage) and an empty barrier (256 arrivals: every consumer thread after
- * wait_group 0). Every thread that wrote (full) or read (empty) lse_i and D_i with plain shared-memory
- * accesses arrives itself, so each access is ordered by its own thread's release; one lane per warp after
- * __syncwarp is as right under the memory model, but racecheck reports the producer's next writes as
- * racing with the other lanes' reads (16 hazards at the sanitizer's shapes). Step n is use n / 2 of stage n % 2, waited for with parity (n / 2) & 1; the
- * producer refills a stage for step n after the release of step n - 2 (parity ((n / 2) & 1) ^ 1).
- * K_j and V_j have one barrier, used once. The producer leaves after its last copies have landed.
- * Loading lse_i and D_i only after the stage came free, then issuing the copies, left both latencies
- * in front of the consumers' next step: against that order this one measured 1.00-1.04x from T = 1024
- * (H200, bfloat16, `bench.py backward --cases gpt2,d128,noncausal`, one run: 1.04x at 16x12x2048 d64
- * causal, 1.01x at d128 2x16x4096, level at 1x12x8192; 0.97x at 1x12x512, inside that case's
- * spread); a third stage of Q_i and dO_i at d = 64 (133,632
- * bytes) measured 0.98-1.00x either way, so the ring stays at two.
+ * written its rows of lse_i and D_i, loaded into its registers while it waited for the stage) and an
+ * empty barrier (256 arrivals: every consumer thread after wait_group 0). Every thread that wrote
+ * (full) or read (empty) lse_i and D_i with plain shared-memory accesses arrives itself, so each access
+ * is ordered by its own thread's release; one lane per warp after __syncwarp is as right under the
+ * memory model, but racecheck reports the producer's next writes as racing with the other lanes' reads
+ * (16 hazards at the sanitizer's shapes). Step n is use n / 2 of stage n % 2, waited for with parity
+ * (n / 2) & 1; the producer refills a stage for step n after the release of step n - 2 (parity
+ * ((n / 2) & 1) ^ 1). K_j and V_j have one barrier, used once. The producer leaves after its last
+ * copies have landed. Loading lse_i and D_i only after the stage came free, then issuing the copies,
+ * left both latencies in front of the consumers' next step: against that order this one measured
+ * 1.00-1.04x from T = 1024 (H200, bfloat16, `bench.py backward --cases gpt2,d128,noncausal`, one run:
+ * 1.04x at 16x12x2048 d64 causal, 1.01x at d128 2x16x4096, level at 1x12x8192; 0.97x at 1x12x512,
+ * inside that case's spread). A third stage of Q_i and dO_i at d = 64 (133,632 bytes) measured
+ * 0.98-1.00x either way, so the ring stays at two.
  *
  * Deterministic (deterministic = 1): b02's turns, counted: dQ_turns holds per query tile the number of
  * reductions done; warpgroup c of key tile j waits (ld.acquire) until it is at least 2 j, every
@@ -494,7 +495,7 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
             }
             // lse_i and D_i of step n are loaded into registers before the wait for step n's stage, so
             // that their latency passes while the consumers still work; the tiles' copies go out first
-            // (writing them after the wait, then copying, was 0-4% slower: the header).
+            // (the header has what that gained).
             float lse_r[B_r / 32], D_r[B_r / 32];
             auto fetch = [&](int n) {
                 const long long bh = (long long)batch * gridDim.y * kv_group + head_of(n);
