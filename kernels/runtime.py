@@ -406,6 +406,34 @@ def _aligned(x, boundary: int = 16) -> bool:
     return x.data.ptr % boundary == 0 and all(st % boundary == 0 for st in x.strides[:3])
 
 
+def _workspace(inst: Instance, B: int, NH: int, T_q: int, T_k: int):
+    """The launch's float32 workspace, and a ZeroedOn to wait for (None: nothing to wait for). A persistent
+    rung's tile counter and a split-KV rung's counters start at zero and every launch leaves them there."""
+    cupy, rung = _cupy(), inst.rung
+    floats = max(1, inst.workspace_floats(B, NH, T_q, T_k))
+    if rung.persistent:
+        # a workspace of this call's own, so that calls prepared apart may run on different streams at once
+        workspace = cupy.zeros(floats, dtype=np.float32)
+    elif rung.split_kv:
+        # zero once, reuse
+        key = (cupy.cuda.runtime.getDevice(), id(inst), floats)
+        if key not in _split_workspaces:
+            _split_workspaces[key] = cupy.zeros(floats, dtype=np.float32)
+            if WAIT_BY_EVENT:  # the host waits once, here: a later prepare's event marks only its own stream
+                cupy.cuda.get_current_stream().synchronize()
+        workspace = _split_workspaces[key]
+    else:  # written before it is read
+        return cupy.empty(floats, dtype=np.float32), None
+    # the zeros are written on this stream: wait for them, so that run() may launch on any stream (a
+    # non-blocking stream does not wait for this one, and would read the pool's old bytes); a stream
+    # capturing a graph (a prefill's, lm/prefill_graph.py) cannot be synchronized, and holds the zeros in
+    # its own order
+    if WAIT_BY_EVENT or cupy.cuda.get_current_stream().is_capturing():
+        return workspace, ZeroedOn(cupy)
+    cupy.cuda.get_current_stream().synchronize()
+    return workspace, None
+
+
 def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, out=None, return_lse: bool = False):
     """Validate and compile once; return a Prepared that launches the rung when called (for timing
     loops), its `instance` the compiled configuration chosen for these inputs. With return_lse (a
@@ -438,31 +466,7 @@ def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, ou
         if k.strides != v.strides:  # the kernel reads K and V through one set of strides
             k, v = cupy.ascontiguousarray(k), cupy.ascontiguousarray(v)
     out = _output(q, out)
-    floats = max(1, inst.workspace_floats(B, NH, T, k.shape[2]))
-    if rung.persistent:
-        # the tile counter starts at zero and every launch leaves it there; a workspace of this
-        # call's own, so that calls prepared apart may run on different streams at once
-        workspace = cupy.zeros(floats, dtype=np.float32)
-    elif rung.split_kv:
-        # the counters must start at zero and every launch leaves them there: zero once, reuse
-        key = (cupy.cuda.runtime.getDevice(), id(inst), floats)
-        if key not in _split_workspaces:
-            _split_workspaces[key] = cupy.zeros(floats, dtype=np.float32)
-            if WAIT_BY_EVENT:  # the host waits once, here: a later prepare's event marks only its own stream
-                cupy.cuda.get_current_stream().synchronize()
-        workspace = _split_workspaces[key]
-    else:  # written before it is read
-        workspace = cupy.empty(floats, dtype=np.float32)
-    zeroed = None
-    if rung.persistent or rung.split_kv:
-        # the zeros are written on this stream: wait for them, so that run() may launch on any stream
-        # (a non-blocking stream does not wait for this one, and would read the pool's old bytes); a
-        # stream capturing a graph (a prefill's, lm/prefill_graph.py) cannot be synchronized, and holds
-        # the zeros in its own order
-        if WAIT_BY_EVENT or cupy.cuda.get_current_stream().is_capturing():
-            zeroed = ZeroedOn(cupy)
-        else:
-            cupy.cuda.get_current_stream().synchronize()
+    workspace, zeroed = _workspace(inst, B, NH, T, k.shape[2])
 
     tensors = {"Q": q, "K": k, "V": v, "O": out}
     tensor_maps = [driver.encode_tensor_map(a, t) for t, a in
@@ -588,12 +592,15 @@ def _prepare_fp8(inst: Instance, inputs, causal: bool, scale, out):
     scale = 1.0 / math.sqrt(inputs.shape[3]) if scale is None else float(scale)
     q, k, v_t = (cupy.ascontiguousarray(x) for x in (inputs.q, inputs.k, inputs.v_t))
     scales = tuple(cupy.ascontiguousarray(x) for x in (inputs.q_scale, inputs.k_scale, inputs.v_scale))
-    workspace = cupy.empty(1, dtype=np.float32)
+    B, NH, T_q, _ = q.shape
+    workspace, zeroed = _workspace(inst, B, NH, T_q, inputs.T_k)
     tensors = {"Q": q, "K": k, "V": v_t, "O": out}
     tensor_maps = [driver.encode_tensor_map(a, t) for t, a in
                    zip(dict(inst.rung.tma), tensor_map_arguments(inst.rung, inst.config, tensors), strict=True)]
 
     def run():
+        if zeroed is not None:
+            zeroed.wait()
         inst.launch(q, k, v_t, out, workspace, scale, bool(causal), tensor_maps, scales=scales)
         return out
 
@@ -696,7 +703,7 @@ def attention(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, 
     row's log-sum-exp of its scaled scores in natural log (+inf for a row that sees no key), what
     kernels.attention_backward takes.
 
-    The FP8 rung (kernel="v25") quantizes q, k and v to e4m3 first. Its error is an order of magnitude above
+    The FP8 rungs (kernel="v25" or "v26") quantize q, k and v to e4m3 first. Its error is an order of magnitude above
     bfloat16's even on N(0, 1) inputs and grows with the spread of the scaled scores (3 mantissa bits under a
     peaked softmax), fastest when q and k share an offset: use it where a few percent of relative error is
     acceptable and the scores' std stays small (measured: `bench.py fp8 --envelope`, docs/results.md#envelope;

@@ -273,7 +273,7 @@ def test_fp8_inputs_are_checked_before_the_gpu_is_asked():
     runtime.check_fp8_inputs(good, rung, causal=False, scale=None)
     with pytest.raises(TypeError, match="must be kernels.Fp8Inputs"):
         runtime.check_fp8_inputs((good.q, good.k, good.v_t), rung, True, None)
-    with pytest.raises(ValueError, match="v24_persistent does not compute in FP8 .*; v25_fp8 does"):
+    with pytest.raises(ValueError, match=f"v24_persistent does not compute in FP8 .*; {runtime.fp8_rung()} does"):
         runtime.check_fp8_inputs(good, kernels.load("v24"), True, None)
     with pytest.raises(TypeError, match=r"inputs.k_scale must be a 3-d float32 array, got float64"):
         runtime.check_fp8_inputs(dataclasses.replace(good, k_scale=good.k_scale.astype(np.float64)), rung, True, None)
@@ -283,17 +283,18 @@ def test_fp8_inputs_are_checked_before_the_gpu_is_asked():
         runtime.check_fp8_inputs(numpy_inputs(d=32), rung, True, None)
     with pytest.raises(ValueError, match="finite"):
         runtime.check_fp8_inputs(good, rung, True, float("inf"))
-    with pytest.raises(TypeError, match="NumPy arrays; kernel v25_fp8 runs on the GPU"):
+    with pytest.raises(TypeError, match=f"NumPy arrays; kernel {runtime.fp8_rung()} runs on the GPU"):
         kernels.attention_fp8(good, causal=False)
 
 
-def test_the_packed_probabilities_meet_the_v_t_columns_of_their_keys():
-    """A model of v25's round_P on the documented fragment layouts (PTX ISA, wgmma register fragments;
+@pytest.mark.parametrize("name", FP8_RUNGS)
+def test_the_packed_probabilities_meet_the_v_t_columns_of_their_keys(name):
+    """A model of the FP8 rungs' round_P on the documented fragment layouts (PTX ISA, wgmma register fragments;
     CUTLASS's CLayout_64xN and ALayout_64x32), per lane of a warp: the accumulator of S holds, at entry
     4 n + e, row g + 8 (e // 2) and key 8 n + 2 t + e % 2; the e4m3 A operand of key step kk holds in byte
     b of register r row g + 8 (r % 2) and slot 4 t + b + 16 (r // 2), which the product pairs with column
     32 kk + slot of V^T_j, i.e. with key KEY_ORDER of that column. Every byte must carry its slot's key."""
-    source = kernels.resolve("v25").read_text()
+    source = kernels.resolve(name).read_text()
     assert "const int n = 4 * kk + 2 * (r / 2), e = 2 * (r % 2);" in source  # the model's mapping is the kernel's
     assert "pack_e4m3(S[4 * n + e], S[4 * n + e + 1], S[4 * n + 4 + e], S[4 * n + 4 + e + 1])" in source
     B_c = 128
