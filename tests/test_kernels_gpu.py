@@ -328,6 +328,8 @@ def test_persistent_rung_matches_its_one_block_per_tile_parent(name, B, NH, NH_k
     monkeypatch.setattr(runtime, "WAIT_BY_EVENT", wait)
 
     parent = RUNGS[RUNGS.index(name) - 1]
+    if dtype not in kernels.load(name).dtypes:  # the shape is the point (an FP8 rung takes bfloat16 alone)
+        dtype = kernels.load(name).dtypes[0]
     rng = cp.random.default_rng(0)
     q = rng.standard_normal((B, NH, T_q, d), dtype=cp.float32).astype(dtype)
     k, v = (rng.standard_normal((B, NH_kv, T_k, d), dtype=cp.float32).astype(dtype) for _ in range(2))

@@ -44,6 +44,12 @@
  * P's relative error) and added in float32; each query tile's share of dV_j, dK_j (and each key tile's of
  * dQ_i) goes into fresh accumulators, big x big and the corrections apart, joined in float32: no
  * accumulator runs a chain longer than a tile.
+ * Tolerance: the scores still carry about twice plain float32's error (the split keeps 23 of float32's
+ * 24 bits, the small x small product is dropped, the tensor core truncates), and where a row sees one
+ * key P = exp(scale S - lse) is 1 with that error and dV = P dO shows it against the rule's floor: 3x
+ * the plain error is broken by a few draws in 100 at T = 1 (tests/test_backward_numerics.py emulates
+ * it), so the rung declares 8. Scores to float32's accuracy (the truncation of each k-block's big x big
+ * given back by a second product from -R, Kahan adds) broke 3x far less often, at 1.27-1.29x the time.
  *
  * Pipeline: Q_i and dO_i are double-buffered; the copies (cp.async) of the next query tile start after
  * the first barrier of this one and land while it is computed. Two barriers per query tile: the
@@ -75,6 +81,7 @@
  * lab.deterministic deterministic
  * lab.supports   noncausal, cross, gqa
  * lab.tf32_products 3
+ * lab.tolerance  8
  */
 
 #ifndef INFINITY
