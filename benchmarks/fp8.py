@@ -148,10 +148,8 @@ def accuracy_rows(paths: list[Path], seed: int) -> list[dict]:
                 rung = kernels.load(path)
                 if d not in rung.head_sizes():
                     raise ValueError(f"kernel {rung.name} supports head sizes {rung.head_sizes()}; got d={d}")
-                tiles = rung.params(rung.configs_for(d)[0])
-                block = kernels.quantize_fp8(q, k, v, block_q=tiles["B_r"], block_k=tiles["B_c"])
-                tensor = kernels.quantize_fp8(q, k, v, block_q=tiles["B_r"], block_k=tiles["B_c"], hadamard=False,
-                                              per_tensor=True)
+                block = kernels.runtime.quantize_for(path, q, k, v)
+                tensor = kernels.runtime.quantize_for(path, q, k, v, hadamard=False, per_tensor=True)
                 r |= {"quantized": block.describe(), "baseline": tensor.describe(),
                       "rmse": rmse(kernels.attention_fp8(block, kernel=path), ref),
                       "rmse_emulated": rmse(fp8.emulated_attention(block), ref),

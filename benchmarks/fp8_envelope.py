@@ -80,9 +80,9 @@ def point(cp, family: str, std: float, seed: int) -> dict:
            "estimate": fp8.score_scale_estimate(fp8.quantize_fp8(q, k, v, block_q=128, block_k=128))}
     rung = kernels.runtime.fp8_rung()
     B, NH, T, d = q.shape
-    tiles = kernels.load(rung).params(kernels.instance(rung, d, None, dtype="bfloat16", grid=(B, NH, T)).config)
+    config = kernels.instance(rung, d, None, dtype="bfloat16", grid=(B, NH, T)).config
     for name, switches in VARIANTS.items():
-        inputs = fp8.quantize_fp8(q, k, v, block_q=tiles["B_r"], block_k=tiles["B_c"], **switches)
+        inputs = kernels.runtime.quantize_for(rung, q, k, v, config=config, **switches)
         row[name] = relative_error(kernels.attention_fp8(inputs, kernel=rung), ref)
         row[name + " emulated"] = relative_error(fp8.emulated_attention(inputs), ref)
     row["bfloat16"] = relative_error(kernels.attention(q, k, v, kernel=BF16_BASELINE), ref)

@@ -124,6 +124,7 @@ class Fp8Inputs:
     hadamard: bool
     seed: int
     per_tensor: bool
+    v_per_head: bool = False  # every block of a head of V has the head's scale (quantize_fp8(..., v_per_head=True))
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -137,6 +138,7 @@ class Fp8Inputs:
     def describe(self) -> str:
         """"block scales (128, 128 rows), Hadamard (seed 0)": how these inputs were quantized, in words."""
         scales = "one scale per tensor" if self.per_tensor else f"block scales ({self.block_q}, {self.block_k} rows)"
+        scales += ", V per head" if self.v_per_head and not self.per_tensor else ""
         return scales + (f", Hadamard (seed {self.seed})" if self.hadamard else ", no rotation")
 
     def dequantized(self):
@@ -156,16 +158,18 @@ class Fp8Inputs:
                 values(v, self.v_scale, self.block_k))
 
 
-def scales_of(x, rows: int, per_tensor: bool = False):
+def scales_of(x, rows: int, per_tensor: bool = False, per_head: bool = False):
     """One float32 scale per block of `rows` rows of each head of x (B, NH, T, d), (B, NH, ceil(T / rows)):
     the block's largest finite magnitude over 448, or 1 where it has none; per_tensor: the whole
-    tensor's, in every block."""
+    tensor's, in every block; per_head: the head's, in every block of the head."""
     xp = array_module(x)
     B, NH, T, _ = x.shape
     n = -(-T // rows)
     row_max = xp.where(xp.isfinite(x), xp.abs(x), 0).max(axis=-1).astype(np.float32)  # (B, NH, T)
     if per_tensor:
         amax = xp.ones((B, NH, n), dtype=np.float32) * row_max.max()
+    elif per_head:
+        amax = xp.ones((B, NH, n), dtype=np.float32) * row_max.max(axis=-1, keepdims=True)
     else:
         padded = xp.zeros((B, NH, n * rows), dtype=np.float32)
         padded[..., :T] = row_max
@@ -173,21 +177,23 @@ def scales_of(x, rows: int, per_tensor: bool = False):
     return xp.where(amax > 0, amax / np.float32(E4M3_MAX), np.float32(1)).astype(np.float32)
 
 
-def _quantized(x32, rows: int, per_tensor: bool):
+def _quantized(x32, rows: int, per_tensor: bool, per_head: bool = False):
     """(codes, scales) of a float32 (B, NH, T, d) array."""
     xp = array_module(x32)
-    scales = scales_of(x32, rows, per_tensor)
+    scales = scales_of(x32, rows, per_tensor, per_head)
     per_row = xp.repeat(scales, rows, axis=-1)[..., : x32.shape[2], None]
     return to_e4m3(x32 / per_row), scales
 
 
 def quantize_fp8(q, k, v, *, block_q: int, block_k: int, hadamard: bool = True, seed: int = 0,
-                 per_tensor: bool = False) -> Fp8Inputs:
+                 per_tensor: bool = False, v_per_head: bool = False) -> Fp8Inputs:
     """Q (B, NH, T_q, d), K and V (B, NH_kv, T_k, d) of any float dtype (bfloat16, float16, float32,
     float64), NumPy or CuPy arrays of any strides, quantized to e4m3 for the FP8 rung: one scale per
     block of block_q rows of Q and of block_k rows of K and V (the rung's B_r and B_c); Q and K
-    rotated by rotation(d, seed) first when hadamard; per_tensor: one scale per tensor instead.
-    CuPy arrays are quantized on the GPU (CuPy's elementwise and reduction kernels)."""
+    rotated by rotation(d, seed) first when hadamard; per_tensor: one scale per tensor instead;
+    v_per_head: V's blocks of a head all take the head's scale (what a rung declaring lab.fp8_v head
+    needs; runtime.quantize_for knows). CuPy arrays are quantized on the GPU (CuPy's elementwise and
+    reduction kernels)."""
     xp = check_qkv(q, k, v)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dtype.kind != "f" and x.dtype.name != "bfloat16":
@@ -204,7 +210,7 @@ def quantize_fp8(q, k, v, *, block_q: int, block_k: int, hadamard: bool = True, 
         q32, k32 = q32 @ R, k32 @ R
     q8, q_scale = _quantized(q32, block_q, per_tensor)
     k8, k_scale = _quantized(k32, block_k, per_tensor)
-    v8, v_scale = _quantized(v32, block_k, per_tensor)
+    v8, v_scale = _quantized(v32, block_k, per_tensor, v_per_head)
     B, NH_kv, T_k, _ = v.shape
     T_pad = -(-(-(-T_k // block_k) * block_k) // 16) * 16  # whole blocks of keys, then a multiple of 16
     v_t = xp.zeros((B, NH_kv, d, T_pad), dtype=np.uint8)
@@ -213,7 +219,8 @@ def quantize_fp8(q, k, v, *, block_q: int, block_k: int, hadamard: bool = True, 
     v_t = xp.ascontiguousarray(v_t.reshape(B, NH_kv, d, T_pad // 16, 16)[..., order].reshape(v_t.shape))
     return Fp8Inputs(q=xp.ascontiguousarray(q8), k=xp.ascontiguousarray(k8), v_t=v_t, q_scale=q_scale,
                      k_scale=k_scale, v_scale=v_scale, block_q=int(block_q), block_k=int(block_k),
-                     hadamard=bool(hadamard), seed=int(seed), per_tensor=bool(per_tensor))
+                     hadamard=bool(hadamard), seed=int(seed), per_tensor=bool(per_tensor),
+                     v_per_head=bool(v_per_head))
 
 
 def score_scale_estimate(inputs: Fp8Inputs, scale: float | None = None) -> float:
@@ -240,11 +247,13 @@ def warn_if_peaked(inputs: Fp8Inputs, scale: float | None = None) -> None:
                       "(docs/ladder.md, v25); a bfloat16 rung is the safe choice", stacklevel=3)
 
 
-def emulated_attention(inputs: Fp8Inputs, *, causal: bool = True, scale: float | None = None):
+def emulated_attention(inputs: Fp8Inputs, *, causal: bool = True, scale: float | None = None,
+                       rounded_row_sums: bool = False):
     """What the FP8 rung computes on `inputs`, in float64 on their array module: the scores of the
     dequantized Q and K, the online softmax over key tiles of block_k keys, each tile's probabilities
     stored as e4m3 codes of 256 p (relative to the row's running maximum) before they multiply the
-    dequantized V, the row sums from the unrounded probabilities. (B, NH, T_q, d) float64; rows that
+    dequantized V, the row sums from the unrounded probabilities (rounded_row_sums: from the e4m3
+    codes, as a rung that sums them on the tensor cores does). (B, NH, T_q, d) float64; rows that
     see no key are zero. Its error against float64 attention is the FP8 scheme's."""
     xp = array_module(inputs.q)
     q, k, v = inputs.dequantized()
@@ -265,8 +274,9 @@ def emulated_attention(inputs: Fp8Inputs, *, causal: bool = True, scale: float |
         m_shift = xp.where(xp.isneginf(m_new), 0.0, m_new)  # a row that has seen no key yet
         alpha = xp.exp(m - m_shift)  # exp(-inf) = 0 for a row's first visible tile
         P = xp.exp(S_j - m_shift)
-        l = l * alpha + P.sum(axis=-1, keepdims=True)
-        o = o * alpha + (round_e4m3(P_SCALE * P).astype(np.float64) / P_SCALE) @ v[..., start:start + inputs.block_k, :]
+        P_rounded = round_e4m3(P_SCALE * P).astype(np.float64) / P_SCALE
+        l = l * alpha + (P_rounded if rounded_row_sums else P).sum(axis=-1, keepdims=True)
+        o = o * alpha + P_rounded @ v[..., start:start + inputs.block_k, :]
         m = m_new
     return o / xp.where(l == 0, 1.0, l)
 

@@ -40,6 +40,9 @@ A rung declares what the launcher needs in its header comment, one `lab.<key>` l
                                               the tiles itself (default: one block per tile)
     lab.fp8        true                       computes on e4m3 copies of its inputs with one scale per
                                               tile (see below; default false)
+    lab.fp8_v      head                       V's scales: one per tile of B_c keys (tile, the default) or
+                                              the head's in every tile (head: the rung's O never changes
+                                              units, and may carry what the scale would break)
 
 Every rung exports the same entry point, `attention_forward<...>`, with one signature (PARAMETERS
 below: the order, and the declarations that add parameters), launched on a grid of (ceil(T_q / B_r),
@@ -105,7 +108,7 @@ _DECL = re.compile(r"^\s*(?:\*|//)\s*lab\.(\w+)\s+(.*?)\s*$")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 _KEYS = {"template", "configs", "threads", "smem", "workspace", "strided", "options", "stack", "tolerance", "dtypes",
          "dtype_param", "supports", "split_kv", "cluster", "min_arch", "tf32_products", "tma", "persistent", "lse",
-         "fp8"}
+         "fp8", "fp8_v"}
 FEATURES = ("noncausal", "cross", "gqa")
 TMA_TENSORS = ("Q", "K", "V", "O")
 
@@ -134,6 +137,7 @@ class Rung:
     lse: bool = False  # takes a float* lse after the strides: each query row's log-sum-exp (null: not wanted)
     persistent: bool = False  # a grid of the resident blocks, the kernel walking the tiles (lab.persistent)
     fp8: bool = False  # computes on e4m3 copies of its inputs, one scale per tile (lab.fp8)
+    fp8_v: str = "tile"  # V's scales: "tile" (one per tile) or "head" (the head's in every tile; lab.fp8_v)
     source: str = field(default="", repr=False, compare=False)
     files: tuple = field(default=(), repr=False, compare=False)  # (path, stamp) of the file and its includes
 
@@ -383,6 +387,7 @@ def build(path: Path, decl: dict, cls=Rung, tma_tensors=TMA_TENSORS, **extra) ->
         lse=decl.get("lse", "false").lower() == "true",
         persistent=decl.get("persistent", "false").lower() == "true",
         fp8=decl.get("fp8", "false").lower() == "true",
+        fp8_v=decl.get("fp8_v", "tile").strip(),
         source=source,
         files=tuple((p, _stamp(p)) for p in files),
         **extra,
@@ -398,6 +403,8 @@ def build(path: Path, decl: dict, cls=Rung, tma_tensors=TMA_TENSORS, **extra) ->
     unknown = set(rung.supports) - set(FEATURES)
     if unknown:
         raise ValueError(f"{path}: lab.supports {', '.join(sorted(unknown))} not among {', '.join(FEATURES)}")
+    if rung.fp8_v not in ("tile", "head") or (rung.fp8_v != "tile" and not rung.fp8):
+        raise ValueError(f"{path}: lab.fp8_v {rung.fp8_v!r}: tile or head, and only with lab.fp8 true")
     for c in configs:  # fail at load, not at launch, on a bad expression
         rung.block(c), rung.shared_bytes(c), rung.workspace_per_row(c), rung.tolerance_factor(c)
         rung.tf32_products_of(c)

@@ -452,7 +452,8 @@ def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, ou
     causal = bool(causal)
     inst = instance(rung.path, d, config, dtype=q.dtype.name, grid=(B, NH, T))
     if rung.fp8:  # e4m3 copies, quantized here once with the configuration's tiles as the blocks
-        inputs = fp8.quantize_fp8(q, k, v, block_q=inst.B_r, block_k=rung.params(inst.config)["B_c"])
+        inputs = fp8.quantize_fp8(q, k, v, block_q=inst.B_r, block_k=rung.params(inst.config)["B_c"],
+                                  v_per_head=rung.fp8_v == "head")
         fp8.warn_if_peaked(inputs, scale)
         run = _prepare_fp8(inst, inputs, causal, scale, _output(q, out))
         return Prepared(run.run, inst, reads_inputs=False)  # it reads the e4m3 copies
@@ -504,11 +505,14 @@ class ZeroedOn:
             stream.wait_event(self.event)
 
 
-def fp8_rung() -> str:
-    """The newest rung declaring lab.fp8 (ValueError if none does)."""
+def fp8_rung(inputs=None) -> str:
+    """The newest rung declaring lab.fp8 (ValueError if none does); given Fp8Inputs, the newest that takes
+    them (a rung declaring lab.fp8_v head takes V quantized with one scale per head)."""
     able = [n for n in ladder.names() if ladder.load(n).fp8]
+    if inputs is not None and not (inputs.v_per_head or inputs.per_tensor):
+        able = [n for n in able if ladder.load(n).fp8_v == "tile"]
     if not able:
-        raise ValueError("no rung computes in FP8 (lab.fp8)")
+        raise ValueError("no rung computes in FP8 (lab.fp8)" + (" on these inputs" if inputs is not None else ""))
     return able[-1]
 
 
@@ -543,7 +547,26 @@ def check_fp8_inputs(inputs, rung: ladder.Rung, causal: bool, scale) -> None:
         raise ValueError(f"kernel {rung.name} supports head sizes {', '.join(map(str, rung.head_sizes()))}; got d={d}")
     if B > MAX_GRID_YZ or NH > MAX_GRID_YZ:
         raise ValueError(f"B and NH must each be at most {MAX_GRID_YZ}; got B={B}, NH={NH}")
+    if rung.fp8_v == "head" and not (inputs.v_per_head or inputs.per_tensor):
+        raise ValueError(f"kernel {rung.name} needs V with one scale per head (lab.fp8_v head): quantize with "
+                         f"kernels.quantize_fp8(..., v_per_head=True), or runtime.quantize_for({rung.name!r}, q, k, v)")
     check_features(rung, causal, T_q, T_k, NH, NH_kv, scale)
+
+
+def quantize_for(kernel, q, k, v, *, config=None, **options):
+    """kernels.quantize_fp8 of q, k, v as the FP8 rung `kernel` takes them: blocks of its configuration's
+    B_r and B_c rows (`config`, or the one the launcher picks for the head size), V's scales per head where
+    it declares lab.fp8_v head; `options` (hadamard, seed, per_tensor) go to quantize_fp8."""
+    rung = ladder.load(kernel)
+    if not rung.fp8:
+        raise ValueError(f"kernel {rung.name} does not compute in FP8 (lab.fp8); {fp8_rung()} does")
+    configs = [_as_config(rung, config)] if config is not None else rung.configs_for(q.shape[3])
+    if not configs:
+        raise ValueError(f"kernel {rung.name} supports head sizes {', '.join(map(str, rung.head_sizes()))}; "
+                         f"got d={q.shape[3]}")
+    params = rung.params(configs[0])
+    return fp8.quantize_fp8(q, k, v, block_q=params["B_r"], block_k=params["B_c"],
+                            v_per_head=rung.fp8_v == "head", **options)
 
 
 def fp8_config(rung: ladder.Rung, inputs, config=None) -> tuple[int, ...]:
@@ -568,8 +591,8 @@ def fp8_config(rung: ladder.Rung, inputs, config=None) -> tuple[int, ...]:
 def prepare_fp8(inputs, *, kernel=None, causal: bool = True, scale=None, config=None, out=None):
     """prepare() for kernels.Fp8Inputs (kernels.quantize_fp8 of CuPy arrays): validate and compile once,
     return run() -> out, the bfloat16 (B, NH, T_q, d) output. `kernel` defaults to the newest rung
-    declaring lab.fp8; its configuration is the one whose tiles are the inputs' blocks."""
-    rung = ladder.load(kernel if kernel is not None else fp8_rung())
+    declaring lab.fp8 that takes the inputs; its configuration is the one whose tiles are the inputs' blocks."""
+    rung = ladder.load(kernel if kernel is not None else fp8_rung(inputs if isinstance(inputs, fp8.Fp8Inputs) else None))
     check_fp8_inputs(inputs, rung, causal, scale)
     cupy = _cupy()
     if not all(isinstance(x, cupy.ndarray) for x in (inputs.q, inputs.k, inputs.v_t, inputs.q_scale)):

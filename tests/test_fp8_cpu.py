@@ -283,7 +283,7 @@ def test_fp8_inputs_are_checked_before_the_gpu_is_asked():
         runtime.check_fp8_inputs(numpy_inputs(d=32), rung, True, None)
     with pytest.raises(ValueError, match="finite"):
         runtime.check_fp8_inputs(good, rung, True, float("inf"))
-    with pytest.raises(TypeError, match=f"NumPy arrays; kernel {runtime.fp8_rung()} runs on the GPU"):
+    with pytest.raises(TypeError, match=f"NumPy arrays; kernel {runtime.fp8_rung(good)} runs on the GPU"):
         kernels.attention_fp8(good, causal=False)
 
 
@@ -309,3 +309,50 @@ def test_the_packed_probabilities_meet_the_v_t_columns_of_their_keys(name):
                     column = 32 * kk + slot
                     assert row == g + 8 * (r % 2), (lane, kk, r, byte)
                     assert key == 16 * (column // 16) + fp8.KEY_ORDER[column % 16], (lane, kk, r, byte)
+
+
+def test_v_per_head_gives_every_tile_of_a_head_the_heads_scale():
+    """quantize_fp8(..., v_per_head=True): V's scale per tile is the head's largest magnitude over 448 in
+    every tile (the format unchanged), Q's and K's untouched; its values within e4m3's half step."""
+    rng = np.random.default_rng(6)
+    q = rng.standard_normal((2, 4, 300, 64)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 2, 300, 64)).astype(np.float32) for _ in range(2))
+    v[1, 0, 250, 7] = 40.0  # one head's outlier, in its last tile
+    tile, head = (kernels.quantize_fp8(q, k, v, block_q=128, block_k=128, v_per_head=p) for p in (False, True))
+    assert head.v_per_head and not tile.v_per_head and "V per head" in head.describe()
+    assert head.v_scale.shape == tile.v_scale.shape == (2, 2, 3)
+    np.testing.assert_array_equal(head.v_scale, np.repeat(tile.v_scale.max(axis=-1, keepdims=True), 3, axis=-1))
+    assert head.v_scale[1, 0, 0] == np.float32(40.0 / 448) and tile.v_scale[1, 0, 0] < head.v_scale[1, 0, 0]
+    for a, b in ((head.q, tile.q), (head.k, tile.k), (head.q_scale, tile.q_scale), (head.k_scale, tile.k_scale)):
+        np.testing.assert_array_equal(a, b)
+    got = head.dequantized()[2]
+    assert (np.abs(got - v) <= (2.0**-4 + 1e-6) * np.abs(v) + 2.0**-10 * head.v_scale[..., :1, None]).all()
+
+
+def test_a_rung_that_needs_v_per_head_refuses_tile_scales_and_the_default_picks_one_that_takes_them():
+    head_rungs = [n for n in FP8_RUNGS if kernels.load(n).fp8_v == "head"]
+    assert head_rungs == ["v27_fp8_row_sums"]
+    rung = kernels.load("v27")
+    tile = numpy_inputs()
+    with pytest.raises(ValueError, match=r"v27_fp8_row_sums needs V with one scale per head .*v_per_head=True"):
+        runtime.check_fp8_inputs(tile, rung, True, None)
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 100, 64)).astype(np.float32) for _ in range(3))
+    head = runtime.quantize_for("v27", q, k, v)
+    assert head.v_per_head and (head.block_q, head.block_k) == (192, 128)
+    runtime.check_fp8_inputs(head, rung, True, None)
+    runtime.check_fp8_inputs(kernels.quantize_fp8(q, k, v, block_q=192, block_k=128, per_tensor=True), rung, True, None)
+    assert runtime.fp8_rung(tile) == "v26_fp8_persistent" and runtime.fp8_rung(head) == "v27_fp8_row_sums"
+    assert not runtime.quantize_for("v26", q, k, v).v_per_head
+    with pytest.raises(ValueError, match="v24_persistent does not compute in FP8"):
+        runtime.quantize_for("v24", q, k, v)
+
+
+def test_row_sums_of_the_rounded_probabilities_change_the_error_little():
+    """v27 sums the e4m3 codes of P on the tensor cores where v25 and v26 sum the unrounded p: on the
+    outlier inputs, with V per head, the two emulations' RMSE against float64 within 2% of each other."""
+    q, k, v = fp8.outlier_inputs(np, (1, 2, 512, 64), seed=1)
+    ref = kernels.reference_attention(*(x.astype(np.float64) for x in (q, k, v)))
+    inputs = kernels.quantize_fp8(q, k, v, block_q=192, block_k=128, v_per_head=True)
+    exact, rounded = (rmse(fp8.emulated_attention(inputs, rounded_row_sums=r), ref) for r in (False, True))
+    assert exact != rounded and abs(rounded - exact) <= 0.02 * exact, (exact, rounded)

@@ -57,6 +57,11 @@ def check_against_emulation(cp, inputs, name, *, causal=True, scale=None, config
     assert worst <= 0.15 * float(cp.abs(want).max()), f"{what}: max error against the emulation {worst:.3e}"
 
 
+def quantize(name, q, k, v, **options):
+    """kernels.quantize_fp8 as the rung takes its inputs: V's scales per head where it declares lab.fp8_v head."""
+    return kernels.quantize_fp8(q, k, v, v_per_head=kernels.load(name).fp8_v == "head", **options)
+
+
 def random_inputs(cp, B, NH, NH_kv, T_q, T_k, d, seed=0, dtype=ml_dtypes.bfloat16):
     rng = cp.random.default_rng(seed)
     q = rng.standard_normal((B, NH, T_q, d), dtype=cp.float32).astype(dtype)
@@ -76,7 +81,7 @@ def test_rung_matches_its_emulation(name, d, T, B, NH):
 
     B_r, B_c = blocks(name, d)
     q, k, v = random_inputs(cp, B, NH, NH, T, T, d, seed=T)
-    check_against_emulation(cp, kernels.quantize_fp8(q, k, v, block_q=B_r, block_k=B_c), name)
+    check_against_emulation(cp, quantize(name, q, k, v, block_q=B_r, block_k=B_c), name)
 
 
 @pytest.mark.parametrize("name", FP8_RUNGS)
@@ -93,7 +98,7 @@ def test_rung_features_match_the_emulation(name, d, B, NH, NH_kv, T_q, T_k, caus
 
     B_r, B_c = blocks(name, d)
     q, k, v = random_inputs(cp, B, NH, NH_kv, T_q, T_k, d, seed=T_q + T_k)
-    check_against_emulation(cp, kernels.quantize_fp8(q, k, v, block_q=B_r, block_k=B_c), name, causal=causal)
+    check_against_emulation(cp, quantize(name, q, k, v, block_q=B_r, block_k=B_c), name, causal=causal)
 
 
 @pytest.mark.parametrize("name", FP8_RUNGS)
@@ -104,7 +109,7 @@ def test_rung_custom_and_negative_scale(name, scale):
 
     q, k, v = random_inputs(cp, 1, 2, 2, 300, 300, 64, seed=5)
     B_r, B_c = blocks(name, 64)
-    check_against_emulation(cp, kernels.quantize_fp8(q, k, v, block_q=B_r, block_k=B_c), name, scale=scale)
+    check_against_emulation(cp, quantize(name, q, k, v, block_q=B_r, block_k=B_c), name, scale=scale)
 
 
 @pytest.mark.parametrize("name", FP8_RUNGS)
@@ -115,7 +120,7 @@ def test_rung_every_declared_config(name):
     for config in rung.configs:
         B_r, B_c = rung.params(config)["B_r"], rung.params(config)["B_c"]
         q, k, v = random_inputs(cp, 2, 2, 2, 401, 401, config[0], seed=1)
-        inputs = kernels.quantize_fp8(q, k, v, block_q=B_r, block_k=B_c)
+        inputs = quantize(name, q, k, v, block_q=B_r, block_k=B_c)
         for causal in (True, False):
             check_against_emulation(cp, inputs, name, causal=causal, config=config)
 
@@ -128,7 +133,7 @@ def test_rung_per_tensor_and_unrotated_inputs(name):
     q, k, v = random_inputs(cp, 1, 4, 2, 500, 500, 128, seed=2)
     B_r, B_c = blocks(name, 128)
     for kw in ({"per_tensor": True, "hadamard": False}, {"hadamard": False}, {"seed": 7}):
-        check_against_emulation(cp, kernels.quantize_fp8(q, k, v, block_q=B_r, block_k=B_c, **kw), name)
+        check_against_emulation(cp, quantize(name, q, k, v, block_q=B_r, block_k=B_c, **kw), name)
 
 
 @pytest.mark.parametrize("name", FP8_RUNGS)
@@ -137,7 +142,7 @@ def test_rung_long_sequence(name):
 
     q, k, v = random_inputs(cp, 1, 2, 2, 4096, 4096, 128, seed=3)
     B_r, B_c = blocks(name, 128)
-    check_against_emulation(cp, kernels.quantize_fp8(q, k, v, block_q=B_r, block_k=B_c), name)
+    check_against_emulation(cp, quantize(name, q, k, v, block_q=B_r, block_k=B_c), name)
 
 
 # -- against float64 ------------------------------------------------------------------------------
@@ -154,8 +159,8 @@ def test_rmse_on_the_outlier_distribution(name, causal):
     q, k, v = fp8.outlier_inputs(cp, (1, 2, 1024, 128), seed=0)
     ref = kernels.reference_attention(*(x.astype(cp.float64) for x in (q, k, v)), causal=causal)
     B_r, B_c = blocks(name, 128)
-    block = kernels.quantize_fp8(q, k, v, block_q=B_r, block_k=B_c)
-    tensor = kernels.quantize_fp8(q, k, v, block_q=B_r, block_k=B_c, hadamard=False, per_tensor=True)
+    block = quantize(name, q, k, v, block_q=B_r, block_k=B_c)
+    tensor = quantize(name, q, k, v, block_q=B_r, block_k=B_c, hadamard=False, per_tensor=True)
     got = rmse(cp, kernels.attention_fp8(block, kernel=name, causal=causal), ref)
     emulated = rmse(cp, fp8.emulated_attention(block, causal=causal), ref)
     baseline = rmse(cp, kernels.attention_fp8(tensor, kernel=name, causal=causal), ref)
@@ -177,7 +182,7 @@ def test_rmse_on_normal_inputs(name, d, causal):
     run = kernels.prepare(q, k, v, kernel=name, causal=causal)
     got = rmse(cp, run(), ref)
     B_r, B_c = blocks(name, d, run.instance.config)  # the tiles the launcher quantized with
-    emulated = rmse(cp, fp8.emulated_attention(kernels.quantize_fp8(q, k, v, block_q=B_r, block_k=B_c),
+    emulated = rmse(cp, fp8.emulated_attention(quantize(name, q, k, v, block_q=B_r, block_k=B_c),
                                                causal=causal), ref)
     assert got <= RMSE_TARGET, f"{name} d={d}: RMSE {got:.3e} > {RMSE_TARGET:.1e}"
     assert abs(got - emulated) <= EMULATION_SLACK * emulated + 2.0**-9 * float(cp.sqrt(cp.mean(ref**2))), \
@@ -218,7 +223,7 @@ def test_bfloat16_inputs_are_quantized_with_the_configurations_tiles(name):
     q, k, v = random_inputs(cp, 2, 3, 3, 333, 333, 64, seed=8)
     run = kernels.prepare(q, k, v, kernel=name)
     params = run.instance.rung.params(run.instance.config)
-    inputs = kernels.quantize_fp8(q, k, v, block_q=params["B_r"], block_k=params["B_c"])
+    inputs = quantize(name, q, k, v, block_q=params["B_r"], block_k=params["B_c"])
     want = kernels.attention_fp8(inputs, kernel=name)
     assert not run.reads_inputs and kernels.prepare_fp8(inputs, kernel=name).reads_inputs
     assert bool((run().view(cp.uint16) == want.view(cp.uint16)).all())
@@ -245,9 +250,9 @@ def test_inputs_quantized_for_other_tiles_are_refused(name):
     import cupy as cp
 
     q, k, v = random_inputs(cp, 1, 1, 1, 64, 64, 64)
-    inputs = kernels.quantize_fp8(q, k, v, block_q=100, block_k=128)
+    inputs = quantize(name, q, k, v, block_q=100, block_k=128)
     with pytest.raises(ValueError, match=r"blocks of 100 x 128 rows .* quantize with block_q=B_r"):
         kernels.attention_fp8(inputs, kernel=name)
-    on_cpu = kernels.quantize_fp8(*(x.get() for x in (q, k, v)), block_q=128, block_k=128)
+    on_cpu = quantize(name, *(x.get() for x in (q, k, v)), block_q=128, block_k=128)
     with pytest.raises(TypeError, match="NumPy arrays"):
         kernels.attention_fp8(on_cpu, kernel=name)
