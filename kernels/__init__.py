@@ -15,8 +15,9 @@
                                                       (kernels/backward/bNN_*.cu): the gradients
     kernels.reference_attention_backward(q, k, v, o, lse, do)   the same in plain array code
     inputs = kernels.quantize_fp8(q, k, v, block_q=128, block_k=128)   e4m3 codes and per-tile scales (kernels.fp8)
-    o = kernels.attention_fp8(inputs)                 the newest FP8 rung (v26) on them; kernels.attention(q, k,
-                                                      v, kernel="v26") quantizes bfloat16 inputs itself
+    o = kernels.attention_fp8(inputs)                 the newest FP8 rung that takes them (v26 here; v27 takes
+                                                      V per head: kernels.runtime.quantize_for("v27", q, k, v));
+                                                      kernels.attention(q, k, v, kernel="v27") quantizes itself
     kernels.backward_names()                          the backward rungs in ladder order
 
 names(), load(), resolve() and resources() are the .cu ladder's (NVRTC); kernels.triton has the

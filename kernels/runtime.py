@@ -726,7 +726,7 @@ def attention(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, 
     row's log-sum-exp of its scaled scores in natural log (+inf for a row that sees no key), what
     kernels.attention_backward takes.
 
-    The FP8 rungs (kernel="v25" or "v26") quantize q, k and v to e4m3 first. Its error is an order of magnitude above
+    The FP8 rungs (kernel="v25", "v26" or "v27") quantize q, k and v to e4m3 first. Its error is an order of magnitude above
     bfloat16's even on N(0, 1) inputs and grows with the spread of the scaled scores (3 mantissa bits under a
     peaked softmax), fastest when q and k share an offset: use it where a few percent of relative error is
     acceptable and the scores' std stays small (measured: `bench.py fp8 --envelope`, docs/results.md#envelope;

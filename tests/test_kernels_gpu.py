@@ -300,7 +300,8 @@ def test_nan_reaches_every_row_that_sees_it_every_config(name, config, shape, wh
         check_nan_reaches(name, where, T_q=300, T_k=97, row=250 if where == "q" else 40, config=config)
 
 
-PERSISTENT = [name for name in RUNGS if kernels.load(name).persistent]
+# the rungs that make their parent persistent (v27's parent, v26, is persistent already, and v27 changes the arithmetic)
+PERSISTENT = [name for name in RUNGS[1:] if kernels.load(name).persistent and not kernels.load(RUNGS[RUNGS.index(name) - 1]).persistent]
 
 
 PERSISTENT_SHAPES = [
