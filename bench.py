@@ -24,6 +24,8 @@
                                                 scale per tensor (target <= 1.0e-2)
     python3 bench.py profile                    Nsight Compute's counters for every rung (one launch each, 8x1024)
                                                 and the decode step, with a roofline plot
+    python3 bench.py sass --kernels v27         where a rung's warps wait, by SASS instruction (Nsight Compute's
+                                                source view) at a frontier case
     python3 bench.py levels                     seed 004's four levels: PyTorch, torch.compile, Triton, CUDA
                                                 (and SDPA) at the GPT-2 and two d=128 shapes, with lines of code
     python3 bench.py backward --dtype bfloat16  every backward rung beside SDPA's backward (GPT-2 shapes, d=128,

@@ -28,6 +28,7 @@ from .readme import DECODE_DOC, LEVELS_DOC, README, RESULTS_DOC, TRAINING_DOC, c
 from .resources import cmd_resources
 from .results import E2E_MODEL, E2E_MODELS
 from .rungs import cmd_kernels
+from .sass import add_sass_parser, cmd_sass
 from .scale import PREFILL_TOKENS, cmd_scale
 from .scale import SIZES as SCALE_SIZES
 from .sweep import cmd_sweep
@@ -272,6 +273,7 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
 
     add_fp8_parser(sub)
     add_profile_parser(sub)
+    add_sass_parser(sub)
 
     lv = sub.add_parser("levels", help="seed 004's four levels on one problem: plain PyTorch, torch.compile, "
                                        "Triton, CUDA, beside SDPA; TFLOP/s and lines of code",
@@ -387,7 +389,7 @@ def cmd_e2e_model(args) -> int:
 
 COMMANDS = {"kernels": cmd_kernels, "sweep": cmd_sweep, "e2e": cmd_e2e_model, "resources": cmd_resources,
             "features": cmd_features, "frontier": frontier.cmd_frontier, "fp8": cmd_fp8, "profile": cmd_profile,
-            "levels": cmd_levels,
+            "sass": cmd_sass, "levels": cmd_levels,
             "backward": cmd_backward,
             "train": cmd_train,
             "readme": cmd_readme}
@@ -405,7 +407,7 @@ def main(argv: list[str] | None, doc: str) -> int:
     if args.command == "e2e" and not args.sizes and (args.dtypes or args.prefill_tokens != PREFILL_TOKENS):
         parser.error("--dtypes and --prefill-tokens go with --sizes")
     if getattr(args, "kernels", False) is None and args.command not in ("e2e", "features", "frontier", "fp8",
-                                                                          "profile", "backward"):
+                                                                          "profile", "sass", "backward"):
         # e2e takes the rungs that take its model; features and frontier pick per case, fp8 takes the FP8 rungs;
         # profile takes every rung and reports those it cannot run as skipped;
         # backward runs the backward ladder (benchmarks/backward.py picks those that take the dtype)
