@@ -148,8 +148,8 @@ def accuracy_rows(paths: list[Path], seed: int) -> list[dict]:
                 rung = kernels.load(path)
                 if d not in rung.head_sizes():
                     raise ValueError(f"kernel {rung.name} supports head sizes {rung.head_sizes()}; got d={d}")
-                block = kernels.runtime.quantize_for(path, q, k, v)
-                tensor = kernels.runtime.quantize_for(path, q, k, v, hadamard=False, per_tensor=True)
+                block = kernels.quantize_for(path, q, k, v)
+                tensor = kernels.quantize_for(path, q, k, v, hadamard=False, per_tensor=True)
                 r |= {"quantized": block.describe(), "baseline": tensor.describe(),
                       "rmse": rmse(kernels.attention_fp8(block, kernel=path), ref),
                       "rmse_emulated": rmse(fp8.emulated_attention(block), ref),

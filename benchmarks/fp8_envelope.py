@@ -82,7 +82,7 @@ def point(cp, family: str, std: float, seed: int) -> dict:
     B, NH, T, d = q.shape
     config = kernels.instance(rung, d, None, dtype="bfloat16", grid=(B, NH, T)).config
     for name, switches in VARIANTS.items():
-        inputs = kernels.runtime.quantize_for(rung, q, k, v, config=config, **switches)
+        inputs = kernels.quantize_for(rung, q, k, v, config=config, **switches)
         row[name] = relative_error(kernels.attention_fp8(inputs, kernel=rung), ref)
         row[name + " emulated"] = relative_error(fp8.emulated_attention(inputs), ref)
     row["bfloat16"] = relative_error(kernels.attention(q, k, v, kernel=BF16_BASELINE), ref)

@@ -16,7 +16,7 @@
     kernels.reference_attention_backward(q, k, v, o, lse, do)   the same in plain array code
     inputs = kernels.quantize_fp8(q, k, v, block_q=128, block_k=128)   e4m3 codes and per-tile scales (kernels.fp8)
     o = kernels.attention_fp8(inputs)                 the newest FP8 rung that takes them (v26 here; v27 takes
-                                                      V per head: kernels.runtime.quantize_for("v27", q, k, v));
+                                                      V per head: kernels.quantize_for("v27", q, k, v));
                                                       kernels.attention(q, k, v, kernel="v27") quantizes itself
     kernels.backward_names()                          the backward rungs in ladder order
 
@@ -44,6 +44,7 @@ from .runtime import (
     launcher,
     prepare,
     prepare_fp8,
+    quantize_for,
     resources,
 )
 from .triton import names as triton_names
@@ -69,6 +70,7 @@ __all__ = [
     "names",
     "prepare",
     "prepare_fp8",
+    "quantize_for",
     "quantize_fp8",
     "reference_attention",
     "reference_attention_backward",

@@ -192,7 +192,7 @@ def quantize_fp8(q, k, v, *, block_q: int, block_k: int, hadamard: bool = True, 
     block of block_q rows of Q and of block_k rows of K and V (the rung's B_r and B_c); Q and K
     rotated by rotation(d, seed) first when hadamard; per_tensor: one scale per tensor instead;
     v_per_head: V's blocks of a head all take the head's scale (what a rung declaring lab.fp8_v head
-    needs; runtime.quantize_for knows). CuPy arrays are quantized on the GPU (CuPy's elementwise and
+    needs; kernels.quantize_for knows). CuPy arrays are quantized on the GPU (CuPy's elementwise and
     reduction kernels)."""
     xp = check_qkv(q, k, v)
     for name, x in (("q", q), ("k", k), ("v", v)):

@@ -549,7 +549,7 @@ def check_fp8_inputs(inputs, rung: ladder.Rung, causal: bool, scale) -> None:
         raise ValueError(f"B and NH must each be at most {MAX_GRID_YZ}; got B={B}, NH={NH}")
     if rung.fp8_v == "head" and not (inputs.v_per_head or inputs.per_tensor):
         raise ValueError(f"kernel {rung.name} needs V with one scale per head (lab.fp8_v head): quantize with "
-                         f"kernels.quantize_fp8(..., v_per_head=True), or runtime.quantize_for({rung.name!r}, q, k, v)")
+                         f"kernels.quantize_fp8(..., v_per_head=True), or kernels.quantize_for({rung.name!r}, q, k, v)")
     check_features(rung, causal, T_q, T_k, NH, NH_kv, scale)
 
 

@@ -338,14 +338,14 @@ def test_a_rung_that_needs_v_per_head_refuses_tile_scales_and_the_default_picks_
         runtime.check_fp8_inputs(tile, rung, True, None)
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 2, 100, 64)).astype(np.float32) for _ in range(3))
-    head = runtime.quantize_for("v27", q, k, v)
+    head = kernels.quantize_for("v27", q, k, v)
     assert head.v_per_head and (head.block_q, head.block_k) == (192, 128)
     runtime.check_fp8_inputs(head, rung, True, None)
     runtime.check_fp8_inputs(kernels.quantize_fp8(q, k, v, block_q=192, block_k=128, per_tensor=True), rung, True, None)
     assert runtime.fp8_rung(tile) == "v26_fp8_persistent" and runtime.fp8_rung(head) == "v27_fp8_row_sums"
-    assert not runtime.quantize_for("v26", q, k, v).v_per_head
+    assert not kernels.quantize_for("v26", q, k, v).v_per_head
     with pytest.raises(ValueError, match="v24_persistent does not compute in FP8"):
-        runtime.quantize_for("v24", q, k, v)
+        kernels.quantize_for("v24", q, k, v)
 
 
 def test_row_sums_of_the_rounded_probabilities_change_the_error_little():

@@ -132,7 +132,7 @@ def attend_case(cp, name: str, dtype: str, shape: tuple, config=None, fp8: bool 
     run = kernels.prepare(*(cp.asarray(x) for x in (q, k, v)), kernel=name, out=out, config=config)
     run()
     if fp8:
-        ref = kernels.fp8.emulated_attention(kernels.runtime.quantize_for(name, q, k, v, config=run.instance.config))
+        ref = kernels.fp8.emulated_attention(kernels.quantize_for(name, q, k, v, config=run.instance.config))
     else:
         ref = kernels.reference_attention(*(x.astype(np.float64) for x in (q, k, v)))
     err = float(np.abs(cp.asnumpy(out).astype(np.float64) - ref).max())
