@@ -31,13 +31,12 @@ from .fp8 import Fp8Inputs, quantize_fp8
 from .ladder import default_rung, load, names, resolve, rungs_for
 from .prepared import Prepared
 from .reference import reference_attention, reference_attention_backward
+from .reports import Resources, compile_report, resources
 from .runtime import (
     Attend,
     KernelCompileError,
-    Resources,
     attention,
     attention_fp8,
-    compile_report,
     device_limits,
     gpu_available,
     instance,
@@ -45,7 +44,6 @@ from .runtime import (
     prepare,
     prepare_fp8,
     quantize_for,
-    resources,
 )
 from .triton import names as triton_names
 from .triton import unavailable as triton_unavailable

@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import ladder, nvrtc, runtime
+from . import ladder, nvrtc, reports, runtime
 from .runtime import KernelCompileError
 
 FUSED_DIR = Path(__file__).resolve().parent / "fused"
@@ -111,7 +111,7 @@ class Report:
         return asdict(self)
 
 
-_PTXAS = runtime._PTXAS  # the same ptxas report lines as the rungs
+_PTXAS = reports.PTXAS  # the same ptxas report lines as the rungs
 
 
 def ptx(name: str, expression: str, arch: str = "sm_90", options: tuple[str, ...] = OPTIONS) -> str:
@@ -149,5 +149,5 @@ def compile_report(name: str, expression: str, arch: str = "sm_90", options: tup
     if not _PTXAS["registers"].search(log):
         raise RuntimeError(f"{path_of(name)}: no register count in ptxas's report for {expression}:\n{log}")
     values = {k: int(m.group(1)) if (m := rx.search(log)) else 0 for k, rx in _PTXAS.items()}
-    return Report(kernel=name, expression=expression, arch=arch, performance_warnings=runtime.performance_warnings(log),
+    return Report(kernel=name, expression=expression, arch=arch, performance_warnings=reports.performance_warnings(log),
                   **values)

@@ -9,7 +9,8 @@ import time
 import numpy as np
 
 from .. import backward, driver, runtime
-from ..runtime import KernelCompileError, Resources
+from ..reports import Resources, ptxas_reports
+from ..runtime import KernelCompileError
 
 
 class BackwardInstance:
@@ -196,7 +197,7 @@ def compile_report(kernel, arch: str, configs=None) -> list[Resources]:
     rung = backward.load(kernel)
     configs = [runtime._as_config(rung, c) for c in configs] if configs else list(rung.configs)
     pairs = [(c, p) for c in configs for p in rung.phases]
-    reports = runtime.ptxas_reports(rung, arch, [rung.entry_expression(p, c) for c, p in pairs])
+    reports = ptxas_reports(rung, arch, [rung.entry_expression(p, c) for c, p in pairs])
     return [Resources(kernel=f"{rung.name}:{p.entry}", config=rung.params(c), arch=arch,
                       threads=math.prod(rung.phase_block(p, c)), dynamic_smem=rung.phase_smem(p, c), **values)
             for (c, p), values in zip(pairs, reports)]
