@@ -41,8 +41,8 @@ A rung declares what the launcher needs in its header comment, one `lab.<key>` l
     lab.fp8        true                       computes on e4m3 copies of its inputs with one scale per
                                               tile (see below; default false)
     lab.fp8_v      head                       V's scales: one per tile of B_c keys (tile, the default) or
-                                              the head's in every tile (head: the rung's O never changes
-                                              units, and may carry what the scale would break)
+                                              the head's in every tile (head: O keeps one unit across the
+                                              tiles; the launcher quantizes so and refuses other Fp8Inputs)
 
 Every rung exports the same entry point, `attention_forward<...>`, with one signature (PARAMETERS
 below: the order, and the declarations that add parameters), launched on a grid of (ceil(T_q / B_r),
