@@ -543,8 +543,8 @@ def bandwidth(family: Family, config, dtype: str, decode_tokens_per_second) -> d
 def profile_step(engine, position: int) -> dict:
     """Where a fast decode step's time goes at `position` (GPT-2's engine or Llama's): the per-operation
     kernels each timed alone (events), their graph replay per token with and without the L2 prefetch
-    hints and PDL, and, where the persistent step runs, its time per token and its stages (global-timer
-    trace, by kind)."""
+    hints and PDL and without each kind of launch, and, where the persistent step runs, its time per
+    token and its stages (global-timer trace, by kind)."""
     position = max(0, min(position, engine.max_len - 3))
     kernels_ms = engine.profile_step(position)
     steps = max(1, min(64, engine.max_len - 1 - position) // engine.steps_per_graph) * engine.steps_per_graph
@@ -557,6 +557,10 @@ def profile_step(engine, position: int) -> dict:
         "graph_ms_per_token": engine.replay_ms(replay_from, steps, persistent=False),
         "graph_ms_per_token_without_prefetch": engine.replay_ms(replay_from, steps, prefetch=False),
         "graph_ms_per_token_without_pdl": engine.replay_ms(replay_from, steps, pdl=False) if engine.pdl else None,
+        # each kind's cost inside the graph: the replay without its launches (the steps then compute
+        # nothing meaningful; only their time is kept), against the whole replay
+        "graph_ms_per_token_without": {kind: engine.replay_ms(replay_from, steps, persistent=False, drop={kind})
+                                       for kind, _, _ in by_kind(kernels_ms)},
         "pdl": engine.pdl_note,
         "graph_replay": f"{steps} steps from position {replay_from}, graphs of {engine.steps_per_graph} steps",
         "persistent": engine.persistent_note,

@@ -24,6 +24,7 @@ from .arrays import held_bytes
 from .bf16 import bf16_bits
 from .errors import LabError
 from .generate import Generation
+from .measure import kind_of
 from .switch import FAILED, ON, Switch, decide
 
 
@@ -242,11 +243,13 @@ class FastEngine(ABC):
             self._variants[key] = launches
         return self._variants[key]
 
-    def graph(self, steps: int, prefetch: bool | None = None, pdl: bool | None = None):
-        """A CUDA graph of `steps` decode steps in one launch variant (captured once, then kept)."""
-        key = (steps, self.prefetch if prefetch is None else prefetch, self.pdl if pdl is None else pdl)
+    def graph(self, steps: int, prefetch: bool | None = None, pdl: bool | None = None, drop: frozenset = frozenset()):
+        """A CUDA graph of `steps` decode steps in one launch variant (captured once, then kept); without
+        the launches of the kinds in `drop` (by_kind's names: a measurement of what they cost in the
+        graph, whose steps then compute nothing meaningful)."""
+        key = (steps, self.prefetch if prefetch is None else prefetch, self.pdl if pdl is None else pdl, frozenset(drop))
         if key not in self.graphs:
-            launches = self.launches(*key[1:])
+            launches = [launch for launch in self.launches(*key[1:3]) if kind_of(launch.name) not in key[3]]
             with self.stream:
                 self.stream.begin_capture()
                 try:
@@ -376,22 +379,24 @@ class FastEngine(ABC):
     # -- measuring -----------------------------------------------------------------------------------
 
     def replay_ms(self, position: int, steps: int = 64, *, prefetch: bool | None = None, pdl: bool | None = None,
-                  persistent: bool | None = None, repeats: int = 5) -> float:
+                  persistent: bool | None = None, repeats: int = 5, drop: frozenset = frozenset()) -> float:
         """Milliseconds per decode step from `position` as generate() runs them (median of `repeats` runs
         of `steps` steps): persistent launches of up to steps_per_launch steps where the engine is
         persistent (persistent=False: the per-operation graphs), else replays of graphs of
         steps_per_graph steps (`steps` rounded down to whole graphs), in a launch variant (default: the
-        engine's)."""
+        engine's; `drop`: graphs without those kinds of launch, as graph() makes them)."""
         cp = self.cp
         if persistent is None:  # the engine's step, unless a graph variant is asked for
-            persistent = self.persistent and prefetch is None and pdl is None
+            persistent = self.persistent and prefetch is None and pdl is None and not drop
         if persistent and not self.persistent:
             raise LabError(f"the persistent step is {self.persistent_note}")
         if not persistent:
             steps = steps // self.steps_per_graph * self.steps_per_graph
         if steps < 1 or position + steps >= self.max_len:
             raise LabError(f"{steps} steps from position {position} do not fit the engine's {self.max_len} positions")
-        big = None if persistent else self.graph(self.steps_per_graph, prefetch, pdl)
+        if persistent and drop:
+            raise LabError("drop: the persistent step is one kernel; only the graphs drop launches")
+        big = None if persistent else self.graph(self.steps_per_graph, prefetch, pdl, drop)
         start = np.asarray([0, position], dtype=np.int32)
         times = []
         with self.stream:

@@ -8,12 +8,17 @@ import re
 import numpy as np
 
 
+def kind_of(name: str) -> str:
+    """A launch's kind: its name without the layer's `h.N.` prefix."""
+    return re.sub(r"^h\.\d+\.", "", name)
+
+
 def by_kind(kernels_ms: list[tuple[str, float]]) -> list[tuple[str, int, float]]:
     """(kind, launches, total ms) from profile_step's rows: the layers' kernels summed by their name
     without the `h.N.` prefix, in order of first appearance."""
     totals: dict[str, list] = {}
     for name, ms in kernels_ms:
-        kind = re.sub(r"^h\.\d+\.", "", name)
+        kind = kind_of(name)
         entry = totals.setdefault(kind, [0, 0.0])
         entry[0] += 1
         entry[1] += ms

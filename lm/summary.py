@@ -161,6 +161,10 @@ def print_profile(p: dict) -> None:
           f"{1e3 * p['graph_ms_per_token_without_prefetch']:.1f} us without the prefetch hints"
           + (f", {1e3 * p['graph_ms_per_token_without_pdl']:.1f} us with plain launches"
              if p["graph_ms_per_token_without_pdl"] is not None else ""))
+    if p.get("graph_ms_per_token_without"):
+        print("each kind's cost inside the graph (the replay per token, less the replay without that kind's launches):")
+        for kind, ms in p["graph_ms_per_token_without"].items():
+            print(f"  {kind:<28}{1e3 * (p['graph_ms_per_token'] - ms):8.1f} us")
     if p.get("persistent_stages"):
         print(f"persistent step: {1e3 * p['persistent_ms_per_token']:.1f} us per token as generate() runs it; its "
               "stages (second of two steps; from the previous stage's last start to this one's, the slowest "

@@ -23,6 +23,8 @@ def profile(persistent: bool) -> dict:
                         {"kind": "ln_1+attn.c_attn", "launches": 2, "ms": 0.01},
                         {"kind": "attn", "launches": 2, "ms": 0.008},
                         {"kind": "ln_f+lm_head+argmax", "launches": 1, "ms": 0.03}],
+            "graph_ms_per_token_without": {"embed": 0.039, "ln_1+attn.c_attn": 0.035, "attn": 0.036,
+                                           "ln_f+lm_head+argmax": 0.025},
             "persistent_stages": [{"kind": "ln_1+attn.c_attn", "stages": 2, "ms": 0.01, "work_ms": 0.008,
                                    "wait_ms": 0.001},
                                   {"kind": "attn+attn.c_proj", "stages": 2, "ms": 0.02, "work_ms": 0.015,
@@ -46,6 +48,17 @@ def test_each_kind_gets_its_launches_bytes_and_their_rate():
     assert out["step"]["pct_copy"] == pytest.approx(100 * 107e6 / 0.04e-3 / COPY)
     assert out["kernels_alone"]["pct_copy"] == pytest.approx(100 * 107e6 / 0.05e-3 / COPY)
     assert out["stages"] is None
+    assert kinds["attn"]["in_graph_ms"] == pytest.approx(0.004)  # 0.04 with it, 0.036 without
+    assert kinds["ln_f+lm_head+argmax"]["in_graph_ms"] == pytest.approx(0.015)
+    text = decode_breakdown.table({"size": "gpt2", "dtype": "bfloat16", "status": "ok", **out})
+    assert "in graph" in text and "    0.004" in text
+
+
+def test_a_profile_without_the_graphs_ablation_leaves_in_graph_empty():
+    p = profile(False)
+    del p["graph_ms_per_token_without"]
+    out = decode_breakdown.breakdown(p, STEP, COPY)
+    assert all(k["in_graph_ms"] is None for k in out["kinds"])
 
 
 def test_a_persistent_stage_counts_the_bytes_of_the_launches_it_fuses():

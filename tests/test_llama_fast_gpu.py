@@ -470,3 +470,6 @@ def test_lab_runs_llama_on_the_fast_path_and_profiles_its_step(tmp_path):
     assert s["weight_bytes_per_token"] == fast.weight_bytes_per_token(llama.SIZES["llama-3.2-1b"], "bfloat16")
     p = s["profile_step"]
     assert len(p["kernels"]) == 5 * 16 + 2 and p["graph_ms_per_token"] > 0 and p["persistent_stages"] is None
+    without = p["graph_ms_per_token_without"]  # a graph without each kind of launch, timed
+    assert set(without) == {row["kind"] for row in p["by_kind"]} and all(ms > 0 for ms in without.values())
+    assert without["rms+gate_up+silu"] < 0.9 * p["graph_ms_per_token"]  # 67 of the step's 122 MB a layer

@@ -1,6 +1,7 @@
 """Where a decode step's time goes, size by size: per kind of launch (the layers' launches of one kind
 summed), its milliseconds each timed alone (lab.profile_step: CUDA events around each kernel, queued
-behind a spin kernel), the bytes it must read (FastEngine.step_bytes: its matrices; the attention's
+behind a spin kernel) and inside the graph (the graph replay's ms per token less the replay's without
+that kind's launches), the bytes it must read (FastEngine.step_bytes: its matrices; the attention's
 cached keys and values up to the position) and the rate those imply against the copy ceiling measured
 in the same run. Beside them the step as it runs: a graph replay's milliseconds per token and, where
 the persistent step runs, its own and its stages' (global-timer trace; a stage's bytes are those of
@@ -44,14 +45,17 @@ def breakdown(profile: dict, step_bytes: list[tuple[str, int]], copy_bps: float)
     launches, ms, bytes and rate; the step's bytes against its time per token as it runs (the persistent
     step's where it runs, else the graph replay's); the persistent stages with their launches' bytes."""
     nbytes = {kind: total for kind, _, total in by_kind(step_bytes)}
+    graph_ms = profile["graph_ms_per_token"]
+    without = profile.get("graph_ms_per_token_without") or {}
     kinds = [{"kind": k["kind"], "launches": k["launches"], "ms": k["ms"], **rate(nbytes.get(k["kind"], 0), k["ms"],
-                                                                                 copy_bps)}
+                                                                                 copy_bps),
+              "in_graph_ms": graph_ms - without[k["kind"]] if k["kind"] in without else None}
              for k in profile["by_kind"]]
     step = sum(nbytes.values())
     per_token = profile["persistent_ms_per_token"] or profile["graph_ms_per_token"]
     out = {"position": profile["position"], "step_bytes": step, "kernel_ms_sum": profile["kernel_ms_sum"],
            "ms_per_token": per_token, "runs_as": "persistent step" if profile["persistent_ms_per_token"] else "graphs",
-           "step": rate(step, per_token, copy_bps), "kernels_alone": rate(step, profile["kernel_ms_sum"], copy_bps),
+           "graph_ms_per_token": graph_ms, "step": rate(step, per_token, copy_bps), "kernels_alone": rate(step, profile["kernel_ms_sum"], copy_bps),
            "kinds": kinds, "stages": None}
     if profile["persistent_stages"]:
         out["stages"] = [{**s, **rate(sum(nbytes.get(k, 0) for k in STAGE_LAUNCHES.get(s["kind"], ())), s["ms"],
@@ -94,8 +98,9 @@ def table(row: dict) -> str:
     lines = [f"{row['size']} {row['dtype']} at position {row['position']}: {row['step_bytes'] / 1e6:,.1f} MB a step, "
              f"{row['ms_per_token']:.3f} ms a token as it runs ({row['runs_as']}: {pct(row['step'])} of copy), "
              f"{row['kernel_ms_sum']:.3f} ms its kernels alone ({pct(row['kernels_alone'])})",
-             f"  {'kind':36s} {'launches':>8s} {'ms':>8s} {'MB':>9s} {'% copy':>7s}"]
+             f"  {'kind':36s} {'launches':>8s} {'ms':>8s} {'MB':>9s} {'% copy':>7s} {'in graph':>9s}"]
     lines += [f"  {k['kind']:36s} {k['launches']:8d} {k['ms']:8.3f} {k['bytes'] / 1e6:9.1f} {pct(k):>7s}"
+              + ("" if k.get("in_graph_ms") is None else f" {k['in_graph_ms']:9.3f}")
               for k in row["kinds"]]
     for s in row["stages"] or []:
         lines.append(f"  stage {s['kind']:30s} {s['stages']:8d} {s['ms']:8.3f} {s['bytes'] / 1e6:9.1f} {pct(s):>7s}"
