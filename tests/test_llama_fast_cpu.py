@@ -147,6 +147,28 @@ def test_attention_plan_fills_the_sms_and_fits_shared_memory(size, max_len, item
     assert p.smem + 17 * 1024 < 227 * 1024  # with the static outputs: within an H100's block
 
 
+def kernel_splits(max_len: int, S: int, T_k: int, min_keys: int) -> list[tuple[int, int]]:
+    """gqa_decode_attention.cu's split arithmetic, as its blocks do it: the key range of each split in use."""
+    cap = -(-max_len // S)
+    used = min(S, -(-T_k // min(min_keys, cap)))
+    chunk = -(-T_k // used)
+    assert chunk <= cap, (max_len, S, T_k)  # the scores of a split fit the shared memory sized for cap keys
+    return [(min(s * chunk, T_k), min(min(s * chunk, T_k) + chunk, T_k)) for s in range(used)]
+
+
+def test_attention_uses_fewer_splits_than_launched_at_short_positions_and_covers_every_key():
+    source = fused.source("gqa_decode_attention")
+    min_keys = int(re.search(r"#define MIN_SPLIT_KEYS (\d+)", source).group(1))
+    for max_len, S in [(2, 1), (17, 2), (256, 16), (1033, 7), (1033, 66), (2048, 16), (131072, 64)]:
+        for T_k in {1, 2, 17, 63, 64, 65, 129, 1000, max_len // 2, max_len - 1, max_len} - {0}:
+            if T_k > max_len:
+                continue
+            ranges = kernel_splits(max_len, S, T_k, min_keys)
+            assert ranges[0][0] == 0 and ranges[-1][1] == T_k and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+            assert len(ranges) == min(S, -(-T_k // min(min_keys, -(-max_len // S))))
+    assert len(kernel_splits(2048, 16, 129, min_keys)) == 3  # at position 128, 3 of 16 splits
+
+
 def test_the_cache_holds_the_run_not_the_model():
     c = llama.SIZES["llama-3.2-1b"]
     assert fast.cache_positions(523, c) == 768 and fast.cache_positions(512, c) == 512

@@ -17,14 +17,20 @@
  *
  * Why it is shaped this way: with one query a head is a matrix-vector product over its cached rows,
  * memory- and latency-bound; 8 key/value heads would put 8 SMs to work, so the keys are split across
- * S blocks (flash-decoding): block (s, g) takes keys [s * chunk, (s + 1) * chunk), chunk = ceil(T_k / S),
+ * S blocks (flash-decoding): block (s, g) takes keys [s * chunk, (s + 1) * chunk), chunk = ceil(T_k / used),
+ * where only used = min(S, ceil(T_k / MIN_SPLIT_KEYS)) of the launch's S splits take keys (the rest
+ * return at once: a split's loops take 64 keys in about the time they take 8, and each split more
+ * is a partial more for the combine to wait for),
  *   S_jt = q_j . k_t / sqrt(HS) (HS / 8 lanes per key, each lane 8 elements: one 16-byte bf16 load or
  *   two float4), m_j = max_t S_jt, p_jt = exp(S_jt - m_j), l_j = sum_t p_jt, o_j = sum_t p_jt v_t
  * for the group's heads j, and writes (o_j, m_j, l_j) to `partial`; the last block of the key/value
- * head to finish (a ticket from counters[g], reset to 0 by that block) combines the S partials of
+ * head to finish (a ticket from counters[g], reset to 0 by that block) combines the used partials of
  * each of its heads: y_h = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s, M = max_s m_s, in split order
- * whichever block is last, so the result does not depend on scheduling. Empty splits (T_k < S)
- * contribute m = -inf, l = 0.
+ * whichever block is last, so the result does not depend on scheduling. Empty splits contribute
+ * m = -inf, l = 0. The combine is a chain of loads from L2 on the step's critical path, so it runs a
+ * warp per head with the splits across the lanes (M and the denominator by shuffles), and each lane's
+ * loads of o_s, one per split, do not wait for each other: with a thread per element looping over
+ * the splits, M's loads and then each split's were one L2 round trip after another.
  *
  * Under programmatic dependent launch the block starts while the projection runs; by then the state
  * and every cache row before pos are final (common.cuh's rule: written two or more launches back), so
@@ -42,7 +48,8 @@
  */
 #include "common.cuh"
 
-#define UNROLL 4  // keys per lane loaded before their use
+#define UNROLL 4          // keys per lane loaded before their use
+#define MIN_SPLIT_KEYS 64  // keys a split takes before the next split is used (one pass of the loops at HS = 64)
 
 // Widen 8 elements held in 16-byte vectors: two vectors of float, one of bfloat16 bits.
 __device__ __forceinline__ void widen8(const uint4* raw, float (&v)[8], float)
@@ -113,10 +120,13 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
     const int S = gridDim.x, s = blockIdx.x, g = blockIdx.y;
     const int pos = fresh(state + 1);
     const int T_k = pos + 1;
-    const int chunk = (T_k + S - 1) / S;
+    const int cap = (max_len + S - 1) / S;  // keys in the longest split the shared memory holds
+    const int used = min(S, (T_k + min(MIN_SPLIT_KEYS, cap) - 1) / min(MIN_SPLIT_KEYS, cap));  // splits in use
+    if (s >= used) return;  // nothing to read: the launch's other splits take T_k keys
+    const int chunk = (T_k + used - 1) / used;  // <= cap
     const int start = min(s * chunk, T_k), end = min(start + chunk, T_k);
     const long long head = (long long)g * max_len * HS;  // this key/value head's rows
-    const int row_p = ((max_len + S - 1) / S + 3) / 4 * 4;  // one query head's scores: cap, in whole 16 bytes
+    const int row_p = (cap + 3) / 4 * 4;  // one query head's scores: cap, in whole 16 bytes
     kv_t* k_s = reinterpret_cast<kv_t*>(p_s + GROUP * row_p);
     kv_t* v_s = k_s + (long long)staged_rows * HS;
     const int staged = max(0, min(min(end, pos) - start, staged_rows));  // rows [start, start + staged)
@@ -257,25 +267,49 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
         }
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) is_last = atomicAdd(counters + g, 1u) == (unsigned int)S - 1;
+    if (threadIdx.x == 0) is_last = atomicAdd(counters + g, 1u) == (unsigned int)used - 1;
     __syncthreads();
     if (!is_last) return;
     __threadfence();
 
-    // The last block of key/value head g: y_h = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s per head h
-    for (int i = threadIdx.x; i < GROUP * HS; i += THREADS) {
-        const int h = g * GROUP + i / HS, d = i % HS;
+    // The last block of key/value head g, a warp per head h of the group: M = max_s m_s and
+    // den = sum_s e^(m_s - M) l_s across the lanes (split s in lane s % 32), then
+    // y_h = sum_s e^(m_s - M) o_s / den, each lane its elements of y_h over the splits in split order,
+    // every split's weight broadcast from its lane: the loads of o_s do not wait on each other.
+    for (int j = warp; j < GROUP; j += WARPS) {
+        const int h = g * GROUP + j;
         const float* mine_h = partial + (long long)h * S * (HS + 2);
         float M = -INFINITY;
-        for (int r = 0; r < S; ++r) M = fmaxf(M, __ldcg(mine_h + r * (HS + 2) + HS));
-        float num = 0.0f, den = 0.0f;
-        for (int r = 0; r < S; ++r) {
+        for (int r = lane; r < used; r += 32) M = fmaxf(M, __ldcg(mine_h + r * (HS + 2) + HS));
+#pragma unroll
+        for (int o = 16; o > 0; o /= 2) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+        float den = 0.0f;
+        for (int r = lane; r < used; r += 32) {
             const float* pr = mine_h + r * (HS + 2);
-            const float weight = expf(__ldcg(pr + HS) - M);  // 0 for an empty split (m = -inf)
-            num = fmaf(weight, __ldcg(pr + d), num);
-            den = fmaf(weight, __ldcg(pr + HS + 1), den);
+            den = fmaf(expf(__ldcg(pr + HS) - M), __ldcg(pr + HS + 1), den);  // 0 for an empty split (m = -inf)
         }
-        y[h * HS + d] = num / den;
+#pragma unroll
+        for (int o = 16; o > 0; o /= 2) den += __shfl_xor_sync(0xffffffffu, den, o);
+        constexpr int PER_LANE = (HS + 31) / 32;  // elements of y_h a lane computes: lane, lane + 32, ...
+        float num[PER_LANE];
+#pragma unroll
+        for (int e = 0; e < PER_LANE; ++e) num[e] = 0.0f;
+        for (int base = 0; base < used; base += 32) {
+            const int r = base + lane;
+            const float weight = r < used ? expf(__ldcg(mine_h + r * (HS + 2) + HS) - M) : 0.0f;
+            const int n = min(32, used - base);
+#pragma unroll 4
+            for (int i = 0; i < n; ++i) {
+                const float w_i = __shfl_sync(0xffffffffu, weight, i);
+                const float* pr = mine_h + (base + i) * (HS + 2);
+#pragma unroll
+                for (int e = 0; e < PER_LANE; ++e)
+                    if (lane + 32 * e < HS) num[e] = fmaf(w_i, __ldcg(pr + lane + 32 * e), num[e]);
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < PER_LANE; ++e)
+            if (lane + 32 * e < HS) y[h * HS + lane + 32 * e] = num[e] / den;
     }
     if (threadIdx.x == 0) counters[g] = 0u;
 }
