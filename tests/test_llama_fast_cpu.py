@@ -57,7 +57,8 @@ def test_llama_3_2_1b_step_kernels():
         "gate_up": ("rms_gemv", "rms_gemv_silu<unsigned short, 2048, 8, 4>"),
         "down_proj": ("rms_gemv", "rms_gemv_residual<unsigned short, 8192, 8, 8>"),
         "lm_head": ("rms_gemv", "rms_gemv_argmax<unsigned short, 2048, 8, 4>"),
-        "attention": ("gqa_decode_attention", "gqa_decode_attention<unsigned short, 64, 4, 4>"),
+        **{f"attention/{w}": ("gqa_decode_attention", f"gqa_decode_attention<unsigned short, 64, 4, {w}>")
+           for w in (4, 8, 16)},
         "embed": ("embed", "embed<unsigned short>"),
         "spin": ("spin", "spin"),
     }
@@ -86,7 +87,7 @@ def test_streams_read_16_byte_vectors_two_items_ahead(key, dtype):
 
 
 def test_attention_stages_cached_rows_before_its_wait():
-    file, expr = fast.kernel_expressions(llama.SIZES["llama-3.2-1b"], "bfloat16")["attention"]
+    file, expr = fast.kernel_expressions(llama.SIZES["llama-3.2-1b"], "bfloat16")["attention/4"]
     body = fused.ptx(file, expr)
     body = body[body.index(".entry"):]
     wait = body.index("griddepcontrol.wait")
@@ -138,7 +139,8 @@ def test_attention_plan_fills_the_sms_and_fits_shared_memory(size, max_len, item
     c = llama.SIZES[size]
     group, sms = c.num_attention_heads // c.num_key_value_heads, 132
     p = fast.attention_plan(c, max_len, sms, itemsize)
-    cap = -(-max_len // p.splits)
+    cap = p.split_keys
+    assert cap == -(-max_len // p.splits) and p.warps == fast.plan.attention_warps(cap, c.head_size)
     assert p.splits >= 1 and 4 * group * cap <= max(fast.plan.SCORE_BYTES, 4 * group * 16)
     if max_len >= 16 * sms // c.num_key_value_heads:
         assert p.splits * c.num_key_value_heads >= sms - c.num_key_value_heads + 1  # a block per SM, about
@@ -147,26 +149,33 @@ def test_attention_plan_fills_the_sms_and_fits_shared_memory(size, max_len, item
     assert p.smem + 17 * 1024 < 227 * 1024  # with the static outputs: within an H100's block
 
 
-def kernel_splits(max_len: int, S: int, T_k: int, min_keys: int) -> list[tuple[int, int]]:
+def kernel_splits(S: int, split_keys: int, T_k: int) -> list[tuple[int, int]]:
     """gqa_decode_attention.cu's split arithmetic, as its blocks do it: the key range of each split in use."""
-    cap = -(-max_len // S)
-    used = min(S, -(-T_k // min(min_keys, cap)))
+    used = min(S, -(-T_k // split_keys))
     chunk = -(-T_k // used)
-    assert chunk <= cap, (max_len, S, T_k)  # the scores of a split fit the shared memory sized for cap keys
+    assert chunk <= split_keys, (S, split_keys, T_k)  # the split's scores fit their room
     return [(min(s * chunk, T_k), min(min(s * chunk, T_k) + chunk, T_k)) for s in range(used)]
 
 
-def test_attention_uses_fewer_splits_than_launched_at_short_positions_and_covers_every_key():
-    source = fused.source("gqa_decode_attention")
-    min_keys = int(re.search(r"#define MIN_SPLIT_KEYS (\d+)", source).group(1))
-    for max_len, S in [(2, 1), (17, 2), (256, 16), (1033, 7), (1033, 66), (2048, 16), (131072, 64)]:
-        for T_k in {1, 2, 17, 63, 64, 65, 129, 1000, max_len // 2, max_len - 1, max_len} - {0}:
-            if T_k > max_len:
-                continue
-            ranges = kernel_splits(max_len, S, T_k, min_keys)
-            assert ranges[0][0] == 0 and ranges[-1][1] == T_k and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
-            assert len(ranges) == min(S, -(-T_k // min(min_keys, -(-max_len // S))))
-    assert len(kernel_splits(2048, 16, 129, min_keys)) == 3  # at position 128, 3 of 16 splits
+@pytest.mark.parametrize("size", list(llama.SIZES))
+@pytest.mark.parametrize("max_len", [2, 17, 256, 1033, 2048, 131072])
+def test_attention_uses_as_few_splits_as_hold_the_keys_and_covers_every_key(size, max_len):
+    p = fast.attention_plan(llama.SIZES[size], max_len, 132, 2)
+    for T_k in {1, 2, 17, 63, 64, 65, 127, 128, 129, 1000, max_len // 2, max_len - 1, max_len} - {0}:
+        if T_k > max_len:
+            continue
+        ranges = kernel_splits(p.splits, p.split_keys, T_k)
+        assert ranges[0][0] == 0 and ranges[-1][1] == T_k and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        assert len(ranges) == -(-T_k // p.split_keys) or len(ranges) == p.splits
+    assert len(kernel_splits(p.splits, p.split_keys, p.split_keys)) == 1  # one split, no combine
+    assert len(kernel_splits(p.splits, p.split_keys, max_len)) == p.splits
+
+
+def test_attention_warps_take_a_split_in_one_pass_of_the_loops():
+    assert [fast.plan.attention_warps(k, 64) for k in (1, 32, 64, 65, 128, 129, 256, 4096)] == [4, 4, 4, 8, 8, 16, 16, 16]
+    assert [fast.plan.attention_warps(k, 128) for k in (16, 32, 33, 64, 65, 128)] == [4, 4, 8, 8, 16, 16]
+    c = llama.SIZES["llama-3.2-1b"]  # 8 key/value heads, 16 splits on 132 SMs
+    assert fast.attention_plan(c, 512, 132, 2).warps == 4 and fast.attention_plan(c, 2048, 132, 2).warps == 8
 
 
 def test_the_cache_holds_the_run_not_the_model():

@@ -245,12 +245,13 @@ ATTENTION = [(32, 8, 64), (24, 8, 128), (32, 8, 128), (8, 2, 64), (4, 2, 128)]  
 
 
 @pytest.mark.parametrize("dtype", fast.DTYPES)
-@pytest.mark.parametrize("T_k", [1, 17, 1000])
+@pytest.mark.parametrize("T_k", [1, 17, 129, 1000])
 @pytest.mark.parametrize("heads", ATTENTION, ids=[f"NH{h}-NKV{k}-HS{s}" for h, k, s in ATTENTION])
 def test_gqa_decode_attention_matches_softmax_attention_over_the_cache(cp, heads, T_k, dtype):
     """One query per head over the cache rows 0..pos (pos = T_k - 1), each key/value head serving its
     group of query heads; rows past pos hold NaN (nothing may read them). The plan's splits and others
-    (one, seven); for each, the plan's staged rows, none and five: the same bits whatever is staged."""
+    (one; seven holding a seventh of the cache each, or 400 keys: one, two or three of them in use);
+    for each, the plan's staged rows, none and five: the same bits whatever is staged."""
     NH, NKV, HS = heads
     max_len, pos = 1024 + 9, T_k - 1
     config = llama.LlamaConfig(hidden_size=NH * HS, num_attention_heads=NH, num_key_value_heads=NKV, head_dim=HS)
@@ -266,23 +267,23 @@ def test_gqa_decode_attention_matches_softmax_attention_over_the_cache(cp, heads
     ref = reference_attention(q.reshape(1, NH, 1, HS).astype(cp.float64), k.astype(cp.float64),
                               v.astype(cp.float64), causal=True).reshape(-1)
     plain = reference_attention(q.reshape(1, NH, 1, HS), k, v, causal=True).reshape(-1)
-    fn = fused.function("gqa_decode_attention",
-                        f"gqa_decode_attention<{WT[dtype]}, {HS}, {group}, {fast.plan.ATTENTION_WARPS}>")
     plan = fast.attention_plan(config, max_len, 132, item)
     state = cp.asarray([3, pos], dtype=cp.int32)
-    for splits in sorted({plan.splits, 1, 7}):
-        cap = -(-max_len // splits)
+    for splits, keys in sorted({(plan.splits, plan.split_keys), (1, max_len), (7, -(-max_len // 7)), (7, 400)}):
+        warps = fast.plan.attention_warps(keys, HS)
+        fn = fused.function("gqa_decode_attention", f"gqa_decode_attention<{WT[dtype]}, {HS}, {group}, {warps}>")
         first = None
-        for staged in sorted({min(plan.staged_rows, cap), 0, 5}):
-            smem = 4 * group * (-(-cap // 4) * 4) + 2 * staged * HS * item
+        for staged in sorted({min(plan.staged_rows, keys), 0, 5}):
+            smem = 4 * group * (-(-keys // 4) * 4) + 2 * staged * HS * item
             fn.max_dynamic_shared_size_bytes = max(fn.max_dynamic_shared_size_bytes, smem)
             y = cp.full(NH * HS, cp.nan, dtype=cp.float32)
             partial = cp.full((NH, splits, HS + 2), cp.nan, dtype=cp.float32)
             counters = cp.zeros(NKV, dtype=cp.uint32)
-            fn((splits, NKV), (fast.plan.ATTENTION_WARPS * 32,),
-               (q, caches[0], caches[1], state, np.int32(max_len), np.int32(staged), np.float32(1 / math.sqrt(HS)),
+            fn((splits, NKV), (32 * warps,),
+               (q, caches[0], caches[1], state, np.int32(max_len), np.int32(keys), np.int32(staged),
+                np.float32(1 / math.sqrt(HS)),
                 partial, counters, y, NULL, np.uint64(0)), shared_mem=smem)
-            what = f"gqa {dtype} {heads} T_k={T_k} splits {splits} staged {staged}"
+            what = f"gqa {dtype} {heads} T_k={T_k} splits {splits} of {keys} keys, {warps} warps, staged {staged}"
             check_close(cp, y, ref, plain, what)
             assert int(counters.sum()) == 0, f"{what}: the last blocks must put the counters back to 0"
             first = y if first is None else first

@@ -18,9 +18,10 @@
  * Why it is shaped this way: with one query a head is a matrix-vector product over its cached rows,
  * memory- and latency-bound; 8 key/value heads would put 8 SMs to work, so the keys are split across
  * S blocks (flash-decoding): block (s, g) takes keys [s * chunk, (s + 1) * chunk), chunk = ceil(T_k / used),
- * where only used = min(S, ceil(T_k / MIN_SPLIT_KEYS)) of the launch's S splits take keys (the rest
- * return at once: a split's loops take 64 keys in about the time they take 8, and each split more
- * is a partial more for the combine to wait for),
+ * where only used = min(S, ceil(T_k / split_keys)) of the launch's S splits take keys, split_keys
+ * (>= ceil(max_len / S)) being what a split's scores have room for: the rest return at once, and
+ * where one split takes every key it writes y itself, with no partials and no combine (every split
+ * more adds a partial result to wait for and combine, a chain of round trips through L2),
  *   S_jt = q_j . k_t / sqrt(HS) (HS / 8 lanes per key, each lane 8 elements: one 16-byte bf16 load or
  *   two float4), m_j = max_t S_jt, p_jt = exp(S_jt - m_j), l_j = sum_t p_jt, o_j = sum_t p_jt v_t
  * for the group's heads j, and writes (o_j, m_j, l_j) to `partial`; the last block of the key/value
@@ -40,16 +41,15 @@
  *
  * Template parameters: kv_t (float or bfloat16 bits), HS (head size; a multiple of 8 with HS / 8
  * dividing 32: 8 to 256), GROUP (query heads per key/value head), WARPS.
- * Geometry: grid (S, NKV), block WARPS * 32. Shared memory: dynamic, GROUP rows of cap floats for the
- * scores (cap = ceil(max_len / S), each row rounded up to 16 bytes), then staged_rows rows of K and of
- * V (llama/fast/plan.py attention_plan); static WARPS x GROUP x HS floats for the per-warp outputs.
+ * Geometry: grid (S, NKV), block WARPS * 32. Shared memory: dynamic, GROUP rows of split_keys floats
+ * for the scores (each row rounded up to 16 bytes), then staged_rows rows of K and of V
+ * (llama/fast/plan.py attention_plan); static WARPS x GROUP x HS floats for the per-warp outputs.
  * Register use: GROUP x 8 of q and of o per lane. Caches are (NKV, max_len, HS) for this layer; q is
  * (NH * HS,) float32, not yet scaled; partial is (NH, S, HS + 2) floats.
  */
 #include "common.cuh"
 
-#define UNROLL 4          // keys per lane loaded before their use
-#define MIN_SPLIT_KEYS 64  // keys a split takes before the next split is used (one pass of the loops at HS = 64)
+#define UNROLL 4  // keys per lane loaded before their use
 
 // Widen 8 elements held in 16-byte vectors: two vectors of float, one of bfloat16 bits.
 __device__ __forceinline__ void widen8(const uint4* raw, float (&v)[8], float)
@@ -100,7 +100,8 @@ __device__ __forceinline__ void block_reduce(float (&v)[GROUP], float (*scratch)
 template <typename kv_t, int HS, int GROUP, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32)
 gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cache, const kv_t* __restrict__ v_cache,
-                     const int* __restrict__ state, int max_len, int staged_rows, float scale, float* partial,
+                     const int* __restrict__ state, int max_len, int split_keys, int staged_rows, float scale,
+                     float* partial,
                      unsigned int* counters, float* __restrict__ y, const char* prefetch,
                      unsigned long long prefetch_bytes)
 {
@@ -120,13 +121,12 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
     const int S = gridDim.x, s = blockIdx.x, g = blockIdx.y;
     const int pos = fresh(state + 1);
     const int T_k = pos + 1;
-    const int cap = (max_len + S - 1) / S;  // keys in the longest split the shared memory holds
-    const int used = min(S, (T_k + min(MIN_SPLIT_KEYS, cap) - 1) / min(MIN_SPLIT_KEYS, cap));  // splits in use
-    if (s >= used) return;  // nothing to read: the launch's other splits take T_k keys
-    const int chunk = (T_k + used - 1) / used;  // <= cap
+    const int used = min(S, (T_k + split_keys - 1) / split_keys);  // splits in use
+    if (s >= used) return;  // nothing to read: the splits before it take the T_k keys
+    const int chunk = (T_k + used - 1) / used;  // <= split_keys (split_keys >= ceil(max_len / S))
     const int start = min(s * chunk, T_k), end = min(start + chunk, T_k);
     const long long head = (long long)g * max_len * HS;  // this key/value head's rows
-    const int row_p = (cap + 3) / 4 * 4;  // one query head's scores: cap, in whole 16 bytes
+    const int row_p = (split_keys + 3) / 4 * 4;  // one query head's scores, in whole 16 bytes
     kv_t* k_s = reinterpret_cast<kv_t*>(p_s + GROUP * row_p);
     kv_t* v_s = k_s + (long long)staged_rows * HS;
     const int staged = max(0, min(min(end, pos) - start, staged_rows));  // rows [start, start + staged)
@@ -249,6 +249,18 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
 #pragma unroll
             for (int e = 0; e < 8; ++e) o_s[warp][j][part * 8 + e] = o[j][e];
     __syncthreads();
+
+    if (used == 1) {  // the only split: y_j = o_j / l_j, what the combine below gives for one split
+#pragma unroll
+        for (int j = 0; j < GROUP; ++j)  // l[j] by a constant index: l stays in registers
+            for (int d = threadIdx.x; d < HS; d += THREADS) {
+                float acc = 0.0f;
+#pragma unroll
+                for (int w = 0; w < WARPS; ++w) acc += o_s[w][j][d];
+                y[(g * GROUP + j) * HS + d] = acc / l[j];
+            }
+        return;
+    }
 
     // This split's (o_j, m_j, l_j) for each head of the group, then a ticket per key/value head.
     for (int i = threadIdx.x; i < GROUP * HS; i += THREADS) {

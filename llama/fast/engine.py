@@ -21,7 +21,6 @@ from lm.switch import Switch
 from ..config import LlamaConfig
 from ..model import hidden_states, logits_of, rope_tables
 from .plan import (
-    ATTENTION_WARPS,
     DEFAULT_POSITIONS,
     GEMV_WARPS,
     NULL,
@@ -121,7 +120,9 @@ class Engine(FastEngine):
         """Compile every kernel; each matrix's stream gets its one-wave grid (the kernel's occupancy with
         its input's K floats of dynamic shared memory) and opts in to that shared memory."""
         c = self.config
-        self.fn = {key: fused.function(file, expr) for key, (file, expr) in kernel_expressions(c, self.dtype).items()}
+        exprs = kernel_expressions(c, self.dtype)
+        exprs["attention"] = exprs[f"attention/{self.attn.warps}"]  # the warps its plan picks, of those listed
+        self.fn = {key: fused.function(file, expr) for key, (file, expr) in exprs.items() if "/" not in key}
         self.gemv = {}
         for key, m in matrices(c).items():
             fn, smem = self.fn[key], 4 * m.K
@@ -169,8 +170,9 @@ class Engine(FastEngine):
                 stream(k, "qkv", (self.x, norms[pre + "input_layernorm.weight"], eps, np.int32(NH), np.int32(NKV),
                                   self.state, self.rope_cos, self.rope_sin, self.q, k_cache, v_cache,
                                   np.int32(self.max_len))),
-                Launch(plan[k + 1][0], self.fn["attention"], (self.attn.splits, NKV), (ATTENTION_WARPS * 32,),
-                       (self.q, k_cache, v_cache, self.state, np.int32(self.max_len), np.int32(self.attn.staged_rows),
+                Launch(plan[k + 1][0], self.fn["attention"], (self.attn.splits, NKV), (32 * self.attn.warps,),
+                       (self.q, k_cache, v_cache, self.state, np.int32(self.max_len), np.int32(self.attn.split_keys),
+                        np.int32(self.attn.staged_rows),
                         np.float32(1.0 / math.sqrt(HS)), self.attn_partial, self.attn_counters, self.y, NULL,
                         np.uint64(0)), shared_mem=self.attn.smem),
                 stream(k + 2, "o_proj", (self.y, np.int32(C), self.x)),

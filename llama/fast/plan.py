@@ -19,7 +19,7 @@ STEPS_PER_GRAPH = 8  # decode steps per captured graph, and tokens per copy back
 PREFETCH_CAP = 8 << 20  # bytes of the next matrix a kernel asks L2 to fetch at its end (L2: 50 MB on H100/H200)
 GEMV_WARPS = 8  # rms_gemv.cu's warps per block
 ITEM_LOADS = 8  # rms_gemv.cu: 16-byte loads per lane in one item (rows x UNROLL); two items in flight
-ATTENTION_WARPS = 4  # gqa_decode_attention.cu's warps per block
+ATTENTION_WARPS = (4, 8, 16)  # gqa_decode_attention.cu's warps per block: the engine's plan picks one
 MAX_GROUP = 8  # query heads per key/value head that gqa_decode_attention.cu keeps in registers
 SCORE_BYTES = 32 << 10  # at most this much shared memory for a split's scores (GROUP rows of its keys)
 STAGE_BYTES = 64 << 10  # shared memory for the K and V rows an attention block copies before its wait
@@ -114,8 +114,8 @@ def kernel_expressions(config: LlamaConfig, dtype: str) -> dict[str, tuple[str, 
         head = f", {config.head_size}" if m.kernel == "rms_gemv_rope" else ""
         out[key] = ("rms_gemv", f"{m.kernel}<{wt}, {m.K}{head}, {GEMV_WARPS}, {unroll}>")
     return out | {
-        "attention": ("gqa_decode_attention",
-                      f"gqa_decode_attention<{wt}, {config.head_size}, {group}, {ATTENTION_WARPS}>"),
+        **{f"attention/{w}": ("gqa_decode_attention", f"gqa_decode_attention<{wt}, {config.head_size}, {group}, {w}>")
+           for w in ATTENTION_WARPS},  # the engine launches the one its attention plan picks
         "embed": ("embed", f"embed<{wt}>"),
         "spin": ("spin", "spin"),
     }
@@ -123,25 +123,41 @@ def kernel_expressions(config: LlamaConfig, dtype: str) -> dict[str, tuple[str, 
 
 @dataclass(frozen=True)
 class AttentionPlan:
-    """gqa_decode_attention.cu's geometry: `splits` key splits per key/value head, `staged_rows` K and V
-    rows a block copies to shared memory before its wait, `smem` dynamic bytes (scores, then the rows)."""
+    """gqa_decode_attention.cu's geometry: `splits` key splits per key/value head launched, `split_keys`
+    the keys a split holds (its scores' room; a position uses ceil(T_k / split_keys) splits), `warps`
+    a block's, `staged_rows` K and V rows a block copies to shared memory before its wait, `smem`
+    dynamic bytes (scores, then the rows)."""
 
     splits: int
+    split_keys: int
+    warps: int
     staged_rows: int
     smem: int
 
 
+def attention_warps(split_keys: int, head_size: int) -> int:
+    """The fewest of ATTENTION_WARPS whose block takes a split's keys in one pass of its loops
+    (1024 / head_size keys a warp: head_size / 8 lanes a key, UNROLL = 4 keys a lane), else the most.
+    Measured (H200, Llama 3.2 1B and 3B, bfloat16, graph replay): with 32 keys a split 4 warps were the
+    fastest or within 0.5%, 8 and 16 up to 1.5% and 2% slower; with 128, 4 warps were 6.5% (1B) and
+    6% (3B) slower than 8 (1B) and 16 (3B)."""
+    need = -(-split_keys * head_size // 1024)
+    return next((w for w in ATTENTION_WARPS if w >= need), ATTENTION_WARPS[-1])
+
+
 def attention_plan(config: LlamaConfig, max_len: int, sm_count: int, itemsize: int) -> AttentionPlan:
     """Enough splits to give every SM a block (at least 16 keys a split), more where a split's scores
-    (GROUP rows of ceil(max_len / splits) floats) would pass SCORE_BYTES; as many rows staged as the
-    longest split has, up to STAGE_BYTES."""
+    (GROUP rows of ceil(max_len / splits) floats) would pass SCORE_BYTES; a position takes the keys in
+    as few of them as hold them (ceil(T_k / split_keys)); warps by attention_warps; as many rows staged
+    as a split holds, up to STAGE_BYTES."""
     NKV, HS = config.num_key_value_heads, config.head_size
     group = config.num_attention_heads // NKV
     most = SCORE_BYTES // (4 * group)  # keys whose scores fit SCORE_BYTES
     splits = max(1, min(sm_count // NKV, -(-max_len // 16)), -(-max_len // most))
-    cap = -(-max_len // splits)  # keys in the longest split
-    rows = min(cap, STAGE_BYTES // (2 * HS * itemsize))
-    return AttentionPlan(splits=splits, staged_rows=rows, smem=4 * group * (-(-cap // 4) * 4) + 2 * rows * HS * itemsize)
+    keys = -(-max_len // splits)  # keys in the longest split
+    rows = min(keys, STAGE_BYTES // (2 * HS * itemsize))
+    return AttentionPlan(splits=splits, split_keys=keys, warps=attention_warps(keys, HS), staged_rows=rows,
+                         smem=4 * group * (-(-keys // 4) * 4) + 2 * rows * HS * itemsize)
 
 
 def cache_positions(positions: int, config: LlamaConfig) -> int:
