@@ -138,9 +138,12 @@ class AttentionPlan:
 def attention_warps(split_keys: int, head_size: int) -> int:
     """The fewest of ATTENTION_WARPS whose block takes a split's keys in one pass of its loops
     (1024 / head_size keys a warp: head_size / 8 lanes a key, UNROLL = 4 keys a lane), else the most.
-    Measured (H200, Llama 3.2 1B and 3B, bfloat16, graph replay): with 32 keys a split 4 warps were the
-    fastest or within 0.5%, 8 and 16 up to 1.5% and 2% slower; with 128, 4 warps were 6.5% (1B) and
-    6% (3B) slower than 8 (1B) and 16 (3B)."""
+    Measured (H200, bfloat16, graph replay, us a token, two rounds alike within 0.5%): with a
+    512-position cache (32 keys a split) 4 warps were the fastest or within 0.6% at positions 40, 128
+    and 260 (Llama 3.2 1B at 128: 4 / 8 / 16 warps 955.5 / 955.7 / 969.2; 3B 2321 / 2347 / 2362;
+    3.1 8B 4400 / 4410 / 4443); with 2,048 (128 keys a split) at position 1000, 1B 1040 / 975 / 997,
+    3B 2561 / 2444 / 2391. Two blocks an SM (32 splits a key/value head) were no faster at any of
+    those (1B at 1000 with 8 warps: 1001 against 975)."""
     need = -(-split_keys * head_size // 1024)
     return next((w for w in ATTENTION_WARPS if w >= need), ATTENTION_WARPS[-1])
 
@@ -149,7 +152,11 @@ def attention_plan(config: LlamaConfig, max_len: int, sm_count: int, itemsize: i
     """Enough splits to give every SM a block (at least 16 keys a split), more where a split's scores
     (GROUP rows of ceil(max_len / splits) floats) would pass SCORE_BYTES; a position takes the keys in
     as few of them as hold them (ceil(T_k / split_keys)); warps by attention_warps; as many rows staged
-    as a split holds, up to STAGE_BYTES."""
+    as a split holds, up to STAGE_BYTES. Splits holding more keys than that, fewer of them in use,
+    measured slower but once (H200, bfloat16, 4 warps, us a token). With a 512-position cache (32 keys
+    a split), 32 / 64 / 128 / 256 / 512 keys a split: 3B at position 400 2358 / 2508 / 2604 / 2972 /
+    3459; 1B at 400, the exception, 990 / 970 / 1003 / 1175 / 1184. With 2,048 (128 keys a split),
+    1B at 1000: 128 / 256 / 512 keys 1040 / 1186 / 1213."""
     NKV, HS = config.num_key_value_heads, config.head_size
     group = config.num_attention_heads // NKV
     most = SCORE_BYTES // (4 * group)  # keys whose scores fit SCORE_BYTES
