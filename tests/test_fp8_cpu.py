@@ -5,8 +5,6 @@ within the issue's 1.0e-2 RMSE against float64."""
 
 import dataclasses
 import math
-import re
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -358,34 +356,3 @@ def test_row_sums_of_the_rounded_probabilities_change_the_error_little():
     inputs = kernels.quantize_fp8(q, k, v, block_q=192, block_k=128, v_per_head=True)
     exact, rounded = (rmse(fp8.emulated_attention(inputs, rounded_row_sums=r), ref) for r in (False, True))
     assert exact != rounded and abs(rounded - exact) <= 0.02 * exact, (exact, rounded)
-
-
-def exp2_poly(x: np.ndarray, source: str) -> np.ndarray:
-    """v28's exp2_poly step by step in float32 (its constants read from the source), as the FMA pipe
-    computes it: the clamp, rint by 1.5 x 2^23, the degree-3 polynomial of the rest, 2^j into the
-    exponent bits."""
-    body = source[source.index("float exp2_poly(float x)"):]
-    c3, c2, c1, c0 = (np.float32(float(v)) for v in
-                      re.findall(r"(-?\d+\.\d+)f", body[body.index("const float p"):body.index("return")]))
-    f32 = np.float32
-    x = np.maximum(x.astype(f32), f32(-125.0))
-    t = (x + f32(12582912.0)).astype(f32)
-    r = (x - (t - f32(12582912.0)).astype(f32)).astype(f32)
-    # each FMA rounded once to float32 (a float64 product of float32 values is exact)
-    p = ((c3.astype(np.float64) * r + c2).astype(f32))
-    p = ((p.astype(np.float64) * r + c1).astype(f32))
-    p = ((p.astype(np.float64) * r + c0).astype(f32))
-    bits = p.view(np.int32) + (t.view(np.int32) << np.int32(23))
-    return bits.view(f32)
-
-
-def test_v28_exponentials_on_the_fma_pipe_are_2_to_the_x_and_the_masked_scores_round_to_zero():
-    source = (Path(kernels.__file__).parent / "v28_fp8_exp2_split.cu").read_text()
-    x = np.concatenate([np.linspace(-125.0, 8.0, 400_001, dtype=np.float32),
-                        np.float32([0.0, 0.5, -0.5, 1.5, -1.5, 8.0, -124.5])])
-    got = exp2_poly(x, source).astype(np.float64)
-    want = np.exp2(x.astype(np.float64))
-    assert np.max(np.abs(got / want - 1)) < 8e-5  # the fit's 7.5e-5, in float32
-    masked = exp2_poly(np.float32([-np.inf, -1e30, -200.0, -126.0]), source)
-    assert np.all(masked > 0) and np.all(masked <= 2.0 ** -124)  # normal floats, no sign flip
-    assert np.all(fp8.round_e4m3(masked) == 0)  # P's codes: 0, as ex2(-inf) gives
