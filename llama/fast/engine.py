@@ -48,7 +48,7 @@ class Engine(FastEngine):
 
     def __init__(self, params: dict, config: LlamaConfig, *, dtype: str | None = None, max_len: int | None = None,
                  prefetch: bool = True, pdl: bool | None = None, steps_per_graph: int = STEPS_PER_GRAPH,
-                 keep_logits: bool = False):
+                 keep_logits: bool = False, attention: dict | None = None):
         import cupy as cp
 
         import kernels
@@ -68,7 +68,11 @@ class Engine(FastEngine):
         super().__init__(cp, config, dtype, max_len, steps_per_graph=steps_per_graph)
         self.sm_count = limits.sm_count
         self.eps = np.float32(config.rms_norm_eps)
-        self.attn = attention_plan(config, self.max_len, self.sm_count, 2 if self.dtype == "bfloat16" else 4)
+        try:  # attention: attention_plan's overrides (splits, split_keys, warps), for measuring
+            self.attn = attention_plan(config, self.max_len, self.sm_count, 2 if self.dtype == "bfloat16" else 4,
+                                       **(attention or {}))
+        except (TypeError, ValueError) as exc:
+            raise LabError(f"attention {attention}: {exc}") from None
         with self.stream:
             # the weights as the kernels read them: views of params in the run's dtype laid out by
             # decode_layout, else one copy each (weights.decode_weights)

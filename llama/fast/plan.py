@@ -23,6 +23,7 @@ ATTENTION_WARPS = (4, 8, 16)  # gqa_decode_attention.cu's warps per block: the e
 MAX_GROUP = 8  # query heads per key/value head that gqa_decode_attention.cu keeps in registers
 SCORE_BYTES = 32 << 10  # at most this much shared memory for a split's scores (GROUP rows of its keys)
 STAGE_BYTES = 64 << 10  # shared memory for the K and V rows an attention block copies before its wait
+BLOCK_SMEM = 227 << 10  # shared memory a block may have on H100 and H200 (dynamic and static)
 CACHE_QUANTUM = 256  # the static cache's length is the run's positions rounded up to this
 DEFAULT_POSITIONS = 2048  # an engine's positions when nobody says how many the run needs
 NULL = np.uint64(0)  # a null pointer argument
@@ -142,13 +143,14 @@ def attention_warps(split_keys: int, head_size: int) -> int:
     512-position cache (32 keys a split) 4 warps were the fastest or within 0.6% at positions 40, 128
     and 260 (Llama 3.2 1B at 128: 4 / 8 / 16 warps 955.5 / 955.7 / 969.2; 3B 2321 / 2347 / 2362;
     3.1 8B 4400 / 4410 / 4443); with 2,048 (128 keys a split) at position 1000, 1B 1040 / 975 / 997,
-    3B 2561 / 2444 / 2391. Two blocks an SM (32 splits a key/value head) were no faster at any of
+    3B 2561 / 2444 / 2391. Two blocks an SM (33 splits a key/value head) were no faster at any of
     those (1B at 1000 with 8 warps: 1001 against 975)."""
     need = -(-split_keys * head_size // 1024)
     return next((w for w in ATTENTION_WARPS if w >= need), ATTENTION_WARPS[-1])
 
 
-def attention_plan(config: LlamaConfig, max_len: int, sm_count: int, itemsize: int) -> AttentionPlan:
+def attention_plan(config: LlamaConfig, max_len: int, sm_count: int, itemsize: int, *, splits: int | None = None,
+                   split_keys: int | None = None, warps: int | None = None) -> AttentionPlan:
     """Enough splits to give every SM a block (at least 16 keys a split), more where a split's scores
     (GROUP rows of ceil(max_len / splits) floats) would pass SCORE_BYTES; a position takes the keys in
     as few of them as hold them (ceil(T_k / split_keys)); warps by attention_warps; as many rows staged
@@ -156,15 +158,25 @@ def attention_plan(config: LlamaConfig, max_len: int, sm_count: int, itemsize: i
     measured slower but once (H200, bfloat16, 4 warps, us a token). With a 512-position cache (32 keys
     a split), 32 / 64 / 128 / 256 / 512 keys a split: 3B at position 400 2358 / 2508 / 2604 / 2972 /
     3459; 1B at 400, the exception, 990 / 970 / 1003 / 1175 / 1184. With 2,048 (128 keys a split),
-    1B at 1000: 128 / 256 / 512 keys 1040 / 1186 / 1213."""
+    1B at 1000: 128 / 256 / 512 keys 1040 / 1186 / 1213.
+    splits, split_keys (at least the cache's length over the splits) and warps override the choices,
+    for measuring (tools/llama_attention_variants.py); a geometry the kernel cannot take is a ValueError."""
     NKV, HS = config.num_key_value_heads, config.head_size
     group = config.num_attention_heads // NKV
     most = SCORE_BYTES // (4 * group)  # keys whose scores fit SCORE_BYTES
-    splits = max(1, min(sm_count // NKV, -(-max_len // 16)), -(-max_len // most))
-    keys = -(-max_len // splits)  # keys in the longest split
+    if splits is not None and not 1 <= splits <= max_len:
+        raise ValueError(f"splits {splits}: 1 to the cache's {max_len} positions")
+    splits = splits or max(1, min(sm_count // NKV, -(-max_len // 16)), -(-max_len // most))
+    keys = max(-(-max_len // splits), split_keys or 0)  # keys in the longest split
+    warps = warps or attention_warps(keys, HS)
+    if warps not in ATTENTION_WARPS:
+        raise ValueError(f"warps {warps}: gqa_decode_attention is compiled for {ATTENTION_WARPS}")
     rows = min(keys, STAGE_BYTES // (2 * HS * itemsize))
-    return AttentionPlan(splits=splits, split_keys=keys, warps=attention_warps(keys, HS), staged_rows=rows,
-                         smem=4 * group * (-(-keys // 4) * 4) + 2 * rows * HS * itemsize)
+    smem = 4 * group * (-(-keys // 4) * 4) + 2 * rows * HS * itemsize
+    if smem + 4 * warps * group * HS > BLOCK_SMEM:  # with the static per-warp outputs
+        raise ValueError(f"{keys} keys a split and {warps} warps: {smem + 4 * warps * group * HS} bytes of "
+                         f"shared memory, past a block's {BLOCK_SMEM}")
+    return AttentionPlan(splits=splits, split_keys=keys, warps=warps, staged_rows=rows, smem=smem)
 
 
 def cache_positions(positions: int, config: LlamaConfig) -> int:

@@ -1,0 +1,146 @@
+"""Llama's decode step time per token with gqa_decode_attention's geometry varied: the splits launched,
+the keys a split holds and the warps a block has (llama.fast.attention_plan's overrides), each a fresh
+engine on the same random weights, timed as generate() replays its graphs (FastEngine.replay_ms) at a
+few positions, the variants interleaved over --rounds rounds. What llama/fast/plan.py's figures come from.
+
+    python3 tools/llama_attention_variants.py --sizes llama-3.2-1b --cache 512:40,128,260 --cache 2048:1000
+    python3 tools/llama_attention_variants.py --variants plan,keys=64,keys=256,warps=8,splits=32 --out $OUT
+
+A variant is `plan` (the engine's own choice) or comma-free `name=value` pairs joined by `+`
+(`keys=256+warps=8`): splits (launched per key/value head), keys (split_keys: at least the cache's
+length over the splits) and warps (4, 8 or 16). Writes llama_attention_variants.json to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+NAMES = {"splits": "splits", "keys": "split_keys", "warps": "warps"}
+DEFAULT_VARIANTS = "plan,keys=64,keys=128,keys=256,keys=512,warps=4,warps=8,warps=16"
+
+
+def parse_variant(text: str) -> dict:
+    """`plan` -> {}; `keys=256+warps=8` -> {"split_keys": 256, "warps": 8}."""
+    if text == "plan":
+        return {}
+    out = {}
+    for part in text.split("+"):
+        name, _, value = part.partition("=")
+        if name not in NAMES or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"variant {text!r}: {part!r} is not one of {', '.join(f'{n}=N' for n in NAMES)}")
+        out[NAMES[name]] = int(value)
+    return out
+
+
+def parse_cache(text: str) -> tuple[int, list[int]]:
+    """`512:40,128,260` -> (512, [40, 128, 260]): a cache length and the positions timed in it."""
+    length, _, positions = text.partition(":")
+    try:
+        max_len, at = int(length), [int(p) for p in positions.split(",")]
+    except ValueError:
+        raise ValueError(f"--cache {text!r}: LENGTH:POSITION,POSITION,...") from None
+    if not at or any(not 0 <= p < max_len - 65 for p in at):
+        raise ValueError(f"--cache {text!r}: positions from 0 to {max_len - 66} (64 steps are timed from each)")
+    return max_len, at
+
+
+def measure(size: str, caches: list[tuple[int, list[int]]], variants: list[str], rounds: int, seed: int) -> list[dict]:
+    import cupy
+
+    import llama.fast as fast
+    from benchmarks import scale
+    from lm.errors import LabError
+
+    fam = scale.of_size(size)
+    ckpt = fam.random_weights(size, seed=seed, xp=cupy, dtype="bfloat16")
+    config, params = ckpt.config, ckpt.params
+    fam.decode_layout(params, config)
+    rows = []
+    for max_len, positions in caches:
+        times: dict[tuple[str, int], list[float]] = {}
+        plans = {}
+        for _ in range(rounds):
+            for variant in variants:
+                try:
+                    engine = fast.Engine(params, config, max_len=max_len, attention=parse_variant(variant))
+                except LabError as exc:
+                    plans[variant] = str(exc)
+                    continue
+                plans[variant] = engine.attn
+                for position in positions:
+                    times.setdefault((variant, position), []).append(engine.replay_ms(position, 64, repeats=5))
+                del engine
+        for variant in variants:
+            plan = plans[variant]
+            for position in positions:
+                ms = times.get((variant, position))
+                rows.append({"size": size, "max_len": max_len, "variant": variant, "position": position,
+                             "plan": plan if isinstance(plan, str) else vars(plan),
+                             "us_per_token": None if ms is None else [1e3 * m for m in ms]})
+    del ckpt, params
+    scale.release()
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'size':14s} {'cache':>6s} {'position':>8s} {'variant':22s} {'splits':>6s} {'keys':>5s} {'warps':>5s}  us a token"]
+    for r in rows:
+        p = r["plan"]
+        if isinstance(p, str):
+            lines.append(f"{r['size']:14s} {r['max_len']:6d} {r['position']:8d} {r['variant']:22s} {p}")
+            continue
+        us = " ".join(f"{u:8.1f}" for u in r["us_per_token"])
+        lines.append(f"{r['size']:14s} {r['max_len']:6d} {r['position']:8d} {r['variant']:22s} {p['splits']:6d} "
+                     f"{p['split_keys']:5d} {p['warps']:5d}  {us}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="llama-3.2-1b,llama-3.2-3b", help="comma-separated Llama sizes")
+    parser.add_argument("--cache", action="append", help="LENGTH:POSITIONS, the cache's length and the positions "
+                        "timed (repeatable; default 512:40,128,260 and 2048:1000)")
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma-separated (default {DEFAULT_VARIANTS})")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds over the variants, interleaved (default 2)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for llama_attention_variants.json")
+    args = parser.parse_args(argv)
+
+    from benchmarks import device, scale
+
+    try:
+        caches = [parse_cache(c) for c in (args.cache or ["512:40,128,260", "2048:1000"])]
+        variants = args.variants.split(",")
+        for v in variants:
+            parse_variant(v)
+    except ValueError as exc:
+        parser.error(str(exc))
+    sizes = args.sizes.split(",")
+    if bad := [s for s in sizes if s not in scale.SIZES or scale.family(s) != "llama"]:
+        parser.error(f"not a Llama size: {', '.join(bad)}")
+    if args.rounds < 1:
+        parser.error("--rounds: at least 1")
+    if problem := device.gpu_problem():
+        parser.error(f"needs a CUDA GPU ({problem}): run it on the GPU machine")
+    info = device.device_info()
+    print(f"{info['name']}, driver {info['driver']}", flush=True)
+    rows = []
+    for size in sizes:
+        rows += measure(size, caches, variants, args.rounds, args.seed)
+        print(table([r for r in rows if r["size"] == size]), flush=True)
+    if args.out:
+        path = Path(args.out) / "llama_attention_variants.json"
+        path.write_text(json.dumps({"device": info, "command": ["python3", "tools/llama_attention_variants.py",
+                                    *(sys.argv[1:] if argv is None else argv)], "rows": rows}, indent=2))
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
