@@ -247,9 +247,10 @@ class FastEngine(ABC):
         """A CUDA graph of `steps` decode steps in one launch variant (captured once, then kept); without
         the launches of the kinds in `drop` (by_kind's names: a measurement of what they cost in the
         graph, whose steps then compute nothing meaningful)."""
-        key = (steps, self.prefetch if prefetch is None else prefetch, self.pdl if pdl is None else pdl, frozenset(drop))
+        key = (steps, self.prefetch if prefetch is None else prefetch, self.pdl if pdl is None else pdl)
+        key += (frozenset(drop),) if drop else ()  # the step's graphs keep their (steps, prefetch, pdl)
         if key not in self.graphs:
-            launches = [launch for launch in self.launches(*key[1:3]) if kind_of(launch.name) not in key[3]]
+            launches = [launch for launch in self.launches(*key[1:3]) if kind_of(launch.name) not in drop]
             with self.stream:
                 self.stream.begin_capture()
                 try:
@@ -388,14 +389,14 @@ class FastEngine(ABC):
         cp = self.cp
         if persistent is None:  # the engine's step, unless a graph variant is asked for
             persistent = self.persistent and prefetch is None and pdl is None and not drop
+        if persistent and drop:
+            raise LabError("drop: the persistent step is one kernel; only the graphs drop launches")
         if persistent and not self.persistent:
             raise LabError(f"the persistent step is {self.persistent_note}")
         if not persistent:
             steps = steps // self.steps_per_graph * self.steps_per_graph
         if steps < 1 or position + steps >= self.max_len:
             raise LabError(f"{steps} steps from position {position} do not fit the engine's {self.max_len} positions")
-        if persistent and drop:
-            raise LabError("drop: the persistent step is one kernel; only the graphs drop launches")
         big = None if persistent else self.graph(self.steps_per_graph, prefetch, pdl, drop)
         start = np.asarray([0, position], dtype=np.int32)
         times = []

@@ -295,3 +295,16 @@ def test_step_bytes_counts_each_launchs_matrix_and_the_attentions_cache_up_to_th
     engine = ToyEngine()
     cache = 2 * (position + 1) * 2 * 4
     assert engine.step_bytes(position) == [("embed", 0), ("h.0.attn", cache), ("h.0.proj", 4), ("lm_head", 4)]
+
+
+def test_a_graph_without_a_kind_of_launch_leaves_the_others_and_the_step_s_graphs_alone():
+    engine = ToyEngine()
+    before = set(engine.graphs)
+    assert engine.replay_ms(10, 8, drop={"step"}) == 1.0 / 8  # timed as ever
+    assert int(engine.state[1]) == 10  # the step's one launch dropped: nothing advanced
+    dropped = engine.graph(4, drop={"step"})
+    assert dropped.calls == [] and dropped is not engine.graph(4) and set(engine.graphs) - before == {
+        (4, True, False, frozenset({"step"}))}
+    assert engine.graph(4, drop={"attn"}).calls != []  # a kind the step has none of: every launch stays
+    with pytest.raises(LabError, match="only the graphs drop"):
+        engine.replay_ms(10, 8, persistent=True, drop={"step"})

@@ -23,6 +23,7 @@ from ..model import hidden_states, logits_of, rope_tables
 from .plan import (
     DEFAULT_POSITIONS,
     GEMV_WARPS,
+    ITEM_LOADS,
     NULL,
     PREFETCH_CAP,
     STEPS_PER_GRAPH,
@@ -39,6 +40,20 @@ from .weights import decode_weights
 STEP_KINDS = ("rms+qkv+rope+kv_store", "gqa_attention", "o_proj+residual", "rms+gate_up+silu", "down_proj+residual")
 
 
+def gemv_options(given: dict | None) -> dict:
+    """The streams' overrides, for measuring (tools/llama_step_variants.py): spread (rms_gemv.cu's
+    SPREAD), blocks_per_sm (at most this many blocks of a stream an SM) and item_loads (gemv_unroll's);
+    by default the plan's: off, as many as fit, ITEM_LOADS."""
+    out = {"spread": False, "blocks_per_sm": 1 << 30, "item_loads": ITEM_LOADS}
+    if unknown := set(given or {}) - set(out):
+        raise LabError(f"gemv {given}: unknown {', '.join(sorted(unknown))} (spread, blocks_per_sm, item_loads)")
+    out.update(given or {})
+    if not isinstance(out["spread"], bool) or out["blocks_per_sm"] < 1 or not 1 <= out["item_loads"] <= ITEM_LOADS:
+        raise LabError(f"gemv {given}: spread is True or False, blocks_per_sm at least 1, item_loads 1 to "
+                       f"{ITEM_LOADS} (more spills under rms_gemv.cu's 128 registers)")
+    return out
+
+
 class Engine(FastEngine):
     """Everything the fast path needs for one set of weights, allocated once: the weights as its kernels
     read them (views of params laid out by decode_layout, else copies), the static KV cache of max_len
@@ -48,7 +63,7 @@ class Engine(FastEngine):
 
     def __init__(self, params: dict, config: LlamaConfig, *, dtype: str | None = None, max_len: int | None = None,
                  prefetch: bool = True, pdl: bool | None = None, steps_per_graph: int = STEPS_PER_GRAPH,
-                 keep_logits: bool = False, attention: dict | None = None):
+                 keep_logits: bool = False, attention: dict | None = None, gemv: dict | None = None):
         import cupy as cp
 
         import kernels
@@ -73,6 +88,7 @@ class Engine(FastEngine):
                                        **(attention or {}))
         except (TypeError, ValueError) as exc:
             raise LabError(f"attention {attention}: {exc}") from None
+        self.gemv_options = gemv_options(gemv)  # the streams' overrides (spread, blocks_per_sm, item_loads)
         with self.stream:
             # the weights as the kernels read them: views of params in the run's dtype laid out by
             # decode_layout, else one copy each (weights.decode_weights)
@@ -124,14 +140,16 @@ class Engine(FastEngine):
         """Compile every kernel; each matrix's stream gets its one-wave grid (the kernel's occupancy with
         its input's K floats of dynamic shared memory) and opts in to that shared memory."""
         c = self.config
-        exprs = kernel_expressions(c, self.dtype)
+        exprs = kernel_expressions(c, self.dtype, spread=self.gemv_options["spread"],
+                                   item_loads=self.gemv_options["item_loads"])
         exprs["attention"] = exprs[f"attention/{self.attn.warps}"]  # the warps its plan picks, of those listed
         self.fn = {key: fused.function(file, expr) for key, (file, expr) in exprs.items() if "/" not in key}
         self.gemv = {}
         for key, m in matrices(c).items():
             fn, smem = self.fn[key], 4 * m.K
             fn.max_dynamic_shared_size_bytes = smem
-            grid = gemv_grid(m.tasks, driver.blocks_per_sm(fn, GEMV_WARPS * 32, smem), self.sm_count)
+            held = min(driver.blocks_per_sm(fn, GEMV_WARPS * 32, smem), self.gemv_options["blocks_per_sm"])
+            grid = gemv_grid(m.tasks, held, self.sm_count, self.gemv_options["spread"])
             self.gemv[key] = (fn, grid, smem)
         # the compiled kernel is shared by every engine of this model and dtype: its opt-in only grows
         attention = self.fn["attention"]

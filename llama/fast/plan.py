@@ -85,35 +85,38 @@ def unsupported_reason(params: dict, config: LlamaConfig, *, kv_cache: bool, sam
 # -- launch shapes ---------------------------------------------------------------------------------
 
 
-def gemv_unroll(K: int, itemsize: int, rows: int) -> int:
+def gemv_unroll(K: int, itemsize: int, rows: int, item_loads: int = ITEM_LOADS) -> int:
     """rms_gemv.cu's UNROLL for rows of K elements: about ITEM_LOADS 16-byte loads per lane and item
     (rows x UNROLL), in items of equal size, and at least two items per task unless a task is a few
     loads. With one item per task the compiler hoists the next task's loads above the current one's
     sums: at K = 2048 in bfloat16 a thread then needs ~170 registers (one block per SM, or spills under
     rms_gemv.cu's cap of 128); with two items, 63 to 106."""
     per_lane = -(-(K // (16 // itemsize)) // 32)  # 16-byte vectors of a row, per lane
-    groups = -(-per_lane // max(1, ITEM_LOADS // rows))
-    if per_lane * rows > ITEM_LOADS // 2:
+    groups = -(-per_lane // max(1, item_loads // rows))
+    if per_lane * rows > item_loads // 2:
         groups = max(2, groups)
     return max(1, -(-per_lane // groups))
 
 
-def gemv_grid(tasks: int, blocks_per_sm: int, sm_count: int) -> int:
-    """rms_gemv.cu's grid: one wave, as many blocks as the SMs hold at once, no more than the tasks fill."""
-    return max(1, min(sm_count * max(1, blocks_per_sm), -(-tasks // GEMV_WARPS)))
+def gemv_grid(tasks: int, blocks_per_sm: int, sm_count: int, spread: bool = False) -> int:
+    """rms_gemv.cu's grid: one wave, as many blocks as the SMs hold at once, no more than the tasks fill
+    (GEMV_WARPS tasks a block; with spread, one task a block: its tasks are dealt out block by block)."""
+    return max(1, min(sm_count * max(1, blocks_per_sm), tasks if spread else -(-tasks // GEMV_WARPS)))
 
 
-def kernel_expressions(config: LlamaConfig, dtype: str) -> dict[str, tuple[str, str]]:
+def kernel_expressions(config: LlamaConfig, dtype: str, *, spread: bool = False,
+                       item_loads: int = ITEM_LOADS) -> dict[str, tuple[str, str]]:
     """Every kernel the engine compiles for this model and dtype: key -> (kernels/fused file, name
-    expression). No device needed: the CPU tests compile exactly these."""
+    expression). No device needed: the CPU tests compile exactly these. spread and item_loads: the
+    streams' variants for measuring (Engine's gemv overrides; rms_gemv.cu's SPREAD, gemv_unroll's)."""
     item = 2 if dtype == "bfloat16" else 4
     wt = "unsigned short" if dtype == "bfloat16" else "float"
     group = config.num_attention_heads // config.num_key_value_heads
     out = {}
     for key, m in matrices(config).items():
-        unroll = gemv_unroll(m.K, item, m.rows)
+        unroll = gemv_unroll(m.K, item, m.rows, item_loads)
         head = f", {config.head_size}" if m.kernel == "rms_gemv_rope" else ""
-        out[key] = ("rms_gemv", f"{m.kernel}<{wt}, {m.K}{head}, {GEMV_WARPS}, {unroll}>")
+        out[key] = ("rms_gemv", f"{m.kernel}<{wt}, {m.K}{head}, {GEMV_WARPS}, {unroll}{', true' if spread else ''}>")
     return out | {
         **{f"attention/{w}": ("gqa_decode_attention", f"gqa_decode_attention<{wt}, {config.head_size}, {group}, {w}>")
            for w in ATTENTION_WARPS},  # the engine launches the one its attention plan picks
@@ -160,7 +163,7 @@ def attention_plan(config: LlamaConfig, max_len: int, sm_count: int, itemsize: i
     3459; 1B at 400, the exception, 990 / 970 / 1003 / 1175 / 1184. With 2,048 (128 keys a split),
     1B at 1000: 128 / 256 / 512 keys 1040 / 1186 / 1213.
     splits, split_keys (at least the cache's length over the splits) and warps override the choices,
-    for measuring (tools/llama_attention_variants.py); a geometry the kernel cannot take is a ValueError."""
+    for measuring (tools/llama_step_variants.py); a geometry the kernel cannot take is a ValueError."""
     NKV, HS = config.num_key_value_heads, config.head_size
     group = config.num_attention_heads // NKV
     most = SCORE_BYTES // (4 * group)  # keys whose scores fit SCORE_BYTES

@@ -1,14 +1,17 @@
-"""Llama's decode step time per token with gqa_decode_attention's geometry varied: the splits launched,
-the keys a split holds and the warps a block has (llama.fast.attention_plan's overrides), each a fresh
-engine on the same random weights, timed as generate() replays its graphs (FastEngine.replay_ms) at a
-few positions, the variants interleaved over --rounds rounds. What llama/fast/plan.py's figures come from.
+"""Llama's decode step time per token with its kernels' geometry varied: gqa_decode_attention's splits
+launched, keys a split holds and warps a block has (llama.fast.attention_plan's overrides), and the
+matrix streams' (rms_gemv.cu: the tasks dealt out block by block, blocks an SM, 16-byte loads a lane
+in an item); each variant a fresh engine on the same random weights, timed as generate() replays its
+graphs (FastEngine.replay_ms) at a few positions, the variants interleaved over --rounds rounds. What
+llama/fast/plan.py's figures come from.
 
-    python3 tools/llama_attention_variants.py --sizes llama-3.2-1b --cache 512:40,128,260 --cache 2048:1000
-    python3 tools/llama_attention_variants.py --variants plan,keys=64,keys=256,warps=8,splits=32 --out $OUT
+    python3 tools/llama_step_variants.py --sizes llama-3.2-1b --cache 512:40,128,260 --cache 2048:1000
+    python3 tools/llama_step_variants.py --variants plan,spread=1,gemv_bps=1+item_loads=4 --out $OUT
 
-A variant is `plan` (the engine's own choice) or comma-free `name=value` pairs joined by `+`
-(`keys=256+warps=8`): splits (launched per key/value head), keys (split_keys: at least the cache's
-length over the splits) and warps (4, 8 or 16). Writes llama_attention_variants.json to --out.
+A variant is `plan` (the engine's own choices) or `name=value` pairs joined by `+` (`keys=256+warps=8`):
+splits (launched per key/value head), keys (split_keys: at least the cache's length over the splits),
+warps (4, 8 or 16); spread (0 or 1), gemv_bps (at most this many blocks of a stream an SM), item_loads
+(1 to 8: more spills under rms_gemv.cu's register cap). Writes llama_step_variants.json to --out.
 """
 
 from __future__ import annotations
@@ -21,20 +24,26 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-NAMES = {"splits": "splits", "keys": "split_keys", "warps": "warps"}
-DEFAULT_VARIANTS = "plan,keys=64,keys=128,keys=256,keys=512,warps=4,warps=8,warps=16"
+# a variant's names: (the Engine argument, its key there)
+NAMES = {"splits": ("attention", "splits"), "keys": ("attention", "split_keys"), "warps": ("attention", "warps"),
+         "spread": ("gemv", "spread"), "gemv_bps": ("gemv", "blocks_per_sm"), "item_loads": ("gemv", "item_loads")}
+DEFAULT_VARIANTS = "plan,keys=64,keys=256,warps=8,spread=1,gemv_bps=1,spread=1+gemv_bps=1,item_loads=4"
 
 
 def parse_variant(text: str) -> dict:
-    """`plan` -> {}; `keys=256+warps=8` -> {"split_keys": 256, "warps": 8}."""
+    """`plan` -> {"attention": {}, "gemv": {}}; `keys=256+spread=1` -> {"attention": {"split_keys": 256},
+    "gemv": {"spread": True}}: the Engine's attention= and gemv= arguments."""
+    out = {"attention": {}, "gemv": {}}
     if text == "plan":
-        return {}
-    out = {}
+        return out
     for part in text.split("+"):
         name, _, value = part.partition("=")
-        if name not in NAMES or not value.isdigit() or int(value) < 1:
-            raise ValueError(f"variant {text!r}: {part!r} is not one of {', '.join(f'{n}=N' for n in NAMES)}")
-        out[NAMES[name]] = int(value)
+        if name not in NAMES or not value.isdigit() or (name != "spread" and int(value) < 1) or \
+                (name == "spread" and value not in ("0", "1")):
+            raise ValueError(f"variant {text!r}: {part!r} is not one of "
+                             f"{', '.join(f'{n}=N' for n in NAMES)} (spread=0 or 1)")
+        where, key = NAMES[name]
+        out[where][key] = value == "1" if name == "spread" else int(value)
     return out
 
 
@@ -68,11 +77,12 @@ def measure(size: str, caches: list[tuple[int, list[int]]], variants: list[str],
         for _ in range(rounds):
             for variant in variants:
                 try:
-                    engine = fast.Engine(params, config, max_len=max_len, attention=parse_variant(variant))
+                    engine = fast.Engine(params, config, max_len=max_len, **parse_variant(variant))
                 except LabError as exc:
                     plans[variant] = str(exc)
                     continue
-                plans[variant] = engine.attn
+                plans[variant] = {**vars(engine.attn), "gemv": engine.gemv_options,
+                                  "grids": {key: grid for key, (_, grid, _) in engine.gemv.items()}}
                 for position in positions:
                     times.setdefault((variant, position), []).append(engine.replay_ms(position, 64, repeats=5))
                 del engine
@@ -81,7 +91,7 @@ def measure(size: str, caches: list[tuple[int, list[int]]], variants: list[str],
             for position in positions:
                 ms = times.get((variant, position))
                 rows.append({"size": size, "max_len": max_len, "variant": variant, "position": position,
-                             "plan": plan if isinstance(plan, str) else vars(plan),
+                             "plan": plan,
                              "us_per_token": None if ms is None else [1e3 * m for m in ms]})
     del ckpt, params
     scale.release()
@@ -89,7 +99,8 @@ def measure(size: str, caches: list[tuple[int, list[int]]], variants: list[str],
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'size':14s} {'cache':>6s} {'position':>8s} {'variant':22s} {'splits':>6s} {'keys':>5s} {'warps':>5s}  us a token"]
+    lines = [f"{'size':14s} {'cache':>6s} {'position':>8s} {'variant':22s} {'splits':>6s} {'keys':>5s} {'warps':>5s} "
+             f"{'qkv grid':>8s}  us a token"]
     for r in rows:
         p = r["plan"]
         if isinstance(p, str):
@@ -97,7 +108,7 @@ def table(rows: list[dict]) -> str:
             continue
         us = " ".join(f"{u:8.1f}" for u in r["us_per_token"])
         lines.append(f"{r['size']:14s} {r['max_len']:6d} {r['position']:8d} {r['variant']:22s} {p['splits']:6d} "
-                     f"{p['split_keys']:5d} {p['warps']:5d}  {us}")
+                     f"{p['split_keys']:5d} {p['warps']:5d} {p['grids']['qkv']:8d}  {us}")
     return "\n".join(lines)
 
 
@@ -109,7 +120,7 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma-separated (default {DEFAULT_VARIANTS})")
     parser.add_argument("--rounds", type=int, default=2, help="rounds over the variants, interleaved (default 2)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for llama_attention_variants.json")
+    parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for llama_step_variants.json")
     args = parser.parse_args(argv)
 
     from benchmarks import device, scale
@@ -135,8 +146,8 @@ def main(argv=None) -> int:
         rows += measure(size, caches, variants, args.rounds, args.seed)
         print(table([r for r in rows if r["size"] == size]), flush=True)
     if args.out:
-        path = Path(args.out) / "llama_attention_variants.json"
-        path.write_text(json.dumps({"device": info, "command": ["python3", "tools/llama_attention_variants.py",
+        path = Path(args.out) / "llama_step_variants.json"
+        path.write_text(json.dumps({"device": info, "command": ["python3", "tools/llama_step_variants.py",
                                     *(sys.argv[1:] if argv is None else argv)], "rows": rows}, indent=2))
         print(f"wrote {path}")
     return 0
