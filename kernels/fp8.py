@@ -111,10 +111,11 @@ def rotation(d: int, seed: int = 0, xp=np):
 class Fp8Inputs:
     """Q, K and V quantized for the FP8 rung (quantize_fp8): e4m3 codes as uint8 and float32 scales,
     all NumPy or all CuPy arrays. The value of q[b, h, i, :] is from_e4m3(q) * q_scale[b, h, i // block_q]
-    (and likewise k and v), in the rotated basis when `hadamard`."""
+    (and likewise k and v), in the rotated basis when `hadamard`. With qk "bf16", q and k are bfloat16
+    values (their scales all 1): only V, and the rung's P, are e4m3."""
 
-    q: object  # uint8 (B, NH, T_q, d): Q (times R when hadamard)
-    k: object  # uint8 (B, NH_kv, T_k, d): K (times R when hadamard)
+    q: object  # uint8 (B, NH, T_q, d): Q (times R when hadamard); bfloat16 with qk "bf16"
+    k: object  # uint8 (B, NH_kv, T_k, d): K (times R when hadamard); bfloat16 with qk "bf16"
     v_t: object  # uint8 (B, NH_kv, d, T_pad): V^T, each 16 keys in KEY_ORDER, zeros past T_k to whole blocks
     q_scale: object  # float32 (B, NH, ceil(T_q / block_q))
     k_scale: object  # float32 (B, NH_kv, ceil(T_k / block_k))
@@ -125,6 +126,7 @@ class Fp8Inputs:
     seed: int
     per_tensor: bool
     v_per_head: bool = False  # every block of a head of V has the head's scale (quantize_fp8(..., v_per_head=True))
+    qk: str = "e4m3"  # Q and K: e4m3 codes, or "bf16" values (quantize_fp8(..., qk="bf16"))
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -139,6 +141,7 @@ class Fp8Inputs:
         """"block scales (128, 128 rows), Hadamard (seed 0)": how these inputs were quantized, in words."""
         scales = "one scale per tensor" if self.per_tensor else f"block scales ({self.block_q}, {self.block_k} rows)"
         scales += ", V per head" if self.v_per_head and not self.per_tensor else ""
+        scales += ", Q and K in bfloat16" if self.qk == "bf16" else ""
         return scales + (f", Hadamard (seed {self.seed})" if self.hadamard else ", no rotation")
 
     def dequantized(self):
@@ -147,6 +150,8 @@ class Fp8Inputs:
         xp = array_module(self.q)
 
         def values(codes, scales, rows):
+            if codes.dtype != np.uint8:  # bfloat16 values (qk "bf16"): their scales are 1
+                return codes.astype(np.float64)
             per_row = xp.repeat(scales.astype(np.float64), rows, axis=-1)[..., : codes.shape[2], None]
             return from_e4m3(codes).astype(np.float64) * per_row
 
@@ -186,14 +191,15 @@ def _quantized(x32, rows: int, per_tensor: bool, per_head: bool = False):
 
 
 def quantize_fp8(q, k, v, *, block_q: int, block_k: int, hadamard: bool = True, seed: int = 0,
-                 per_tensor: bool = False, v_per_head: bool = False) -> Fp8Inputs:
+                 per_tensor: bool = False, v_per_head: bool = False, qk: str = "e4m3") -> Fp8Inputs:
     """Q (B, NH, T_q, d), K and V (B, NH_kv, T_k, d) of any float dtype (bfloat16, float16, float32,
     float64), NumPy or CuPy arrays of any strides, quantized to e4m3 for the FP8 rung: one scale per
     block of block_q rows of Q and of block_k rows of K and V (the rung's B_r and B_c); Q and K
     rotated by rotation(d, seed) first when hadamard; per_tensor: one scale per tensor instead;
     v_per_head: V's blocks of a head all take the head's scale (what a rung declaring lab.fp8_v head
-    needs; kernels.quantize_for knows). CuPy arrays are quantized on the GPU (CuPy's elementwise and
-    reduction kernels)."""
+    needs; kernels.quantize_for knows); qk "bf16": Q and K (rotated or not) rounded to bfloat16 instead,
+    their scales 1, for a rung that computes the scores on bfloat16 tensor cores (lab.fp8_qk bf16). CuPy
+    arrays are quantized on the GPU (CuPy's elementwise and reduction kernels)."""
     xp = check_qkv(q, k, v)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dtype.kind != "f" and x.dtype.name != "bfloat16":
@@ -203,13 +209,22 @@ def quantize_fp8(q, k, v, *, block_q: int, block_k: int, hadamard: bool = True, 
     for name, rows in (("block_q", block_q), ("block_k", block_k)):
         if not isinstance(rows, (int, np.integer)) or rows < 1:
             raise ValueError(f"{name} must be a positive number of rows, got {rows!r}")
+    if qk not in ("e4m3", "bf16"):
+        raise ValueError(f"qk {qk!r}: e4m3 (Q and K quantized) or bf16 (Q and K rounded to bfloat16)")
     d = q.shape[3]
     q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))
     if hadamard:
         R = rotation(d, seed, xp)
         q32, k32 = q32 @ R, k32 @ R
-    q8, q_scale = _quantized(q32, block_q, per_tensor)
-    k8, k_scale = _quantized(k32, block_k, per_tensor)
+    if qk == "bf16":
+        import ml_dtypes
+
+        ones = lambda x, rows: xp.ones(x.shape[:2] + (-(-x.shape[2] // rows),), dtype=np.float32)  # noqa: E731
+        q8, q_scale = q32.astype(ml_dtypes.bfloat16), ones(q32, block_q)
+        k8, k_scale = k32.astype(ml_dtypes.bfloat16), ones(k32, block_k)
+    else:
+        q8, q_scale = _quantized(q32, block_q, per_tensor)
+        k8, k_scale = _quantized(k32, block_k, per_tensor)
     v8, v_scale = _quantized(v32, block_k, per_tensor, v_per_head)
     B, NH_kv, T_k, _ = v.shape
     T_pad = -(-(-(-T_k // block_k) * block_k) // 16) * 16  # whole blocks of keys, then a multiple of 16
@@ -220,7 +235,7 @@ def quantize_fp8(q, k, v, *, block_q: int, block_k: int, hadamard: bool = True, 
     return Fp8Inputs(q=xp.ascontiguousarray(q8), k=xp.ascontiguousarray(k8), v_t=v_t, q_scale=q_scale,
                      k_scale=k_scale, v_scale=v_scale, block_q=int(block_q), block_k=int(block_k),
                      hadamard=bool(hadamard), seed=int(seed), per_tensor=bool(per_tensor),
-                     v_per_head=bool(v_per_head))
+                     v_per_head=bool(v_per_head), qk=qk)
 
 
 def score_scale_estimate(inputs: Fp8Inputs, scale: float | None = None) -> float:
@@ -231,7 +246,10 @@ def score_scale_estimate(inputs: Fp8Inputs, scale: float | None = None) -> float
     xp = array_module(inputs.q)
     d = inputs.shape[3]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    q_max, k_max = (float(xp.max(s)) * E4M3_MAX for s in (inputs.q_scale, inputs.k_scale))
+    if inputs.qk == "bf16":  # values, not codes: their own maxima (a pass over them)
+        q_max, k_max = (float(xp.abs(x.astype(np.float32)).max()) for x in (inputs.q, inputs.k))
+    else:
+        q_max, k_max = (float(xp.max(s)) * E4M3_MAX for s in (inputs.q_scale, inputs.k_scale))
     return scale * math.sqrt(d) * q_max * k_max
 
 

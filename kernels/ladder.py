@@ -43,6 +43,9 @@ A rung declares what the launcher needs in its header comment, one `lab.<key>` l
     lab.fp8_v      head                       V's scales: one per tile of B_c keys (tile, the default) or
                                               the head's in every tile (head: O keeps one unit across the
                                               tiles; the launcher quantizes so and refuses other Fp8Inputs)
+    lab.fp8_qk     bf16                       Q and K: e4m3 codes (e4m3, the default) or bfloat16 values
+                                              (bf16: the scores on bfloat16 tensor cores, only V and P in
+                                              e4m3; the launcher quantizes so and refuses other Fp8Inputs)
 
 Every rung exports the same entry point, `attention_forward<...>`, with one signature (PARAMETERS
 below: the order, and the declarations that add parameters), launched on a grid of (ceil(T_q / B_r),
@@ -56,7 +59,7 @@ A rung with lab.fp8 computes on e4m3 copies of its inputs: the launcher quantize
 (kernels.quantize_fp8, with the chosen configuration's B_r and B_c as the blocks, Hadamard on) or
 takes kernels.Fp8Inputs made beforehand (runtime.prepare_fp8), and launches the kernel on uint8
 arrays: Q (B, NH, T_q, d), K (B, NH_kv, T_k, d) and V^T (B, NH_kv, d, T_pad), V transposed (its
-lab.tma box in that array's order), output bfloat16. It takes three more parameters, q_scale, k_scale
+lab.tma box in that array's order), output bfloat16; Q and K bfloat16 where it declares lab.fp8_qk bf16. It takes three more parameters, q_scale, k_scale
 and v_scale: one scale per tile, (B, NH, ceil(T_q / B_r)) and (B, NH_kv,
 ceil(T_k / B_c)) twice. Its accuracy is FP8's, not its dtype's: the ladder's tolerance tests and the
 default choices of a rung for a dtype (lab.py, bench.py) leave it out; tests/test_fp8_gpu.py holds it
@@ -108,7 +111,7 @@ _DECL = re.compile(r"^\s*(?:\*|//)\s*lab\.(\w+)\s+(.*?)\s*$")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 _KEYS = {"template", "configs", "threads", "smem", "workspace", "strided", "options", "stack", "tolerance", "dtypes",
          "dtype_param", "supports", "split_kv", "cluster", "min_arch", "tf32_products", "tma", "persistent", "lse",
-         "fp8", "fp8_v"}
+         "fp8", "fp8_v", "fp8_qk"}
 FEATURES = ("noncausal", "cross", "gqa")
 TMA_TENSORS = ("Q", "K", "V", "O")
 
@@ -138,6 +141,7 @@ class Rung:
     persistent: bool = False  # a grid of the resident blocks, the kernel walking the tiles (lab.persistent)
     fp8: bool = False  # computes on e4m3 copies of its inputs, one scale per tile (lab.fp8)
     fp8_v: str = "tile"  # V's scales: "tile" (one per tile) or "head" (the head's in every tile; lab.fp8_v)
+    fp8_qk: str = "e4m3"  # Q and K: "e4m3" codes or "bf16" values (lab.fp8_qk)
     source: str = field(default="", repr=False, compare=False)
     files: tuple = field(default=(), repr=False, compare=False)  # (path, stamp) of the file and its includes
 
@@ -388,6 +392,7 @@ def build(path: Path, decl: dict, cls=Rung, tma_tensors=TMA_TENSORS, **extra) ->
         persistent=decl.get("persistent", "false").lower() == "true",
         fp8=decl.get("fp8", "false").lower() == "true",
         fp8_v=decl.get("fp8_v", "tile").strip(),
+        fp8_qk=decl.get("fp8_qk", "e4m3").strip(),
         source=source,
         files=tuple((p, _stamp(p)) for p in files),
         **extra,
@@ -405,6 +410,8 @@ def build(path: Path, decl: dict, cls=Rung, tma_tensors=TMA_TENSORS, **extra) ->
         raise ValueError(f"{path}: lab.supports {', '.join(sorted(unknown))} not among {', '.join(FEATURES)}")
     if rung.fp8_v not in ("tile", "head") or (rung.fp8_v != "tile" and not rung.fp8):
         raise ValueError(f"{path}: lab.fp8_v {rung.fp8_v!r}: tile or head, and only with lab.fp8 true")
+    if rung.fp8_qk not in ("e4m3", "bf16") or (rung.fp8_qk != "e4m3" and not rung.fp8):
+        raise ValueError(f"{path}: lab.fp8_qk {rung.fp8_qk!r}: e4m3 or bf16, and only with lab.fp8 true")
     for c in configs:  # fail at load, not at launch, on a bad expression
         rung.block(c), rung.shared_bytes(c), rung.workspace_per_row(c), rung.tolerance_factor(c)
         rung.tf32_products_of(c)

@@ -453,7 +453,7 @@ def prepare(q, k, v, *, kernel, causal: bool = True, scale=None, config=None, ou
     inst = instance(rung.path, d, config, dtype=q.dtype.name, grid=(B, NH, T))
     if rung.fp8:  # e4m3 copies, quantized here once with the configuration's tiles as the blocks
         inputs = fp8.quantize_fp8(q, k, v, block_q=inst.B_r, block_k=rung.params(inst.config)["B_c"],
-                                  v_per_head=rung.fp8_v == "head")
+                                  v_per_head=rung.fp8_v == "head", qk=rung.fp8_qk)
         fp8.warn_if_peaked(inputs, scale)
         run = _prepare_fp8(inst, inputs, causal, scale, _output(q, out))
         return Prepared(run.run, inst, reads_inputs=False)  # it reads the e4m3 copies
@@ -506,11 +506,14 @@ class ZeroedOn:
 
 
 def fp8_rung(inputs=None) -> str:
-    """The newest rung declaring lab.fp8 (ValueError if none does); given Fp8Inputs, the newest that takes
-    them (a rung declaring lab.fp8_v head takes V quantized with one scale per head)."""
-    able = [n for n in ladder.names() if ladder.load(n).fp8]
-    if inputs is not None and not (inputs.v_per_head or inputs.per_tensor):
-        able = [n for n in able if ladder.load(n).fp8_v == "tile"]
+    """The newest rung declaring lab.fp8 with e4m3 Q and K (ValueError if none does); given Fp8Inputs, the
+    newest that takes them (a rung declaring lab.fp8_v head takes V quantized with one scale per head,
+    one declaring lab.fp8_qk bf16 Q and K in bfloat16)."""
+    able = [n for n in ladder.names() if ladder.load(n).fp8 and ladder.load(n).fp8_qk == "e4m3"]
+    if inputs is not None:  # the newest that takes them: their Q and K, their V's scales
+        able = [n for n in ladder.names() if ladder.load(n).fp8 and ladder.load(n).fp8_qk == inputs.qk]
+        if not (inputs.v_per_head or inputs.per_tensor):
+            able = [n for n in able if ladder.load(n).fp8_v == "tile"]
     if not able:
         raise ValueError("no rung computes in FP8 (lab.fp8)" + (" on these inputs" if inputs is not None else ""))
     return able[-1]
@@ -525,9 +528,10 @@ def check_fp8_inputs(inputs, rung: ladder.Rung, causal: bool, scale) -> None:
         raise ValueError(f"kernel {rung.name} does not compute in FP8 (lab.fp8); {fp8_rung()} does")
     arrays = {"q": inputs.q, "k": inputs.k, "v_t": inputs.v_t, "q_scale": inputs.q_scale,
               "k_scale": inputs.k_scale, "v_scale": inputs.v_scale}
+    bf16 = {"q", "k"} if inputs.qk == "bf16" else set()
     for name, x in arrays.items():
-        want = "float32" if name.endswith("scale") else "uint8"
-        if getattr(x, "dtype", None) != np.dtype(want) or x.ndim != (3 if name.endswith("scale") else 4):
+        want = "float32" if name.endswith("scale") else "bfloat16" if name in bf16 else "uint8"
+        if getattr(getattr(x, "dtype", None), "name", None) != want or x.ndim != (3 if name.endswith("scale") else 4):
             raise TypeError(f"inputs.{name} must be a {3 if want == 'float32' else 4}-d {want} array, got "
                             f"{getattr(x, 'dtype', type(x).__name__)} {getattr(x, 'shape', '')}")
     B, NH, T_q, d = inputs.q.shape
@@ -547,6 +551,9 @@ def check_fp8_inputs(inputs, rung: ladder.Rung, causal: bool, scale) -> None:
         raise ValueError(f"kernel {rung.name} supports head sizes {', '.join(map(str, rung.head_sizes()))}; got d={d}")
     if B > MAX_GRID_YZ or NH > MAX_GRID_YZ:
         raise ValueError(f"B and NH must each be at most {MAX_GRID_YZ}; got B={B}, NH={NH}")
+    if rung.fp8_qk != inputs.qk:
+        raise ValueError(f"kernel {rung.name} takes Q and K as {rung.fp8_qk} (lab.fp8_qk), the inputs hold "
+                         f"{inputs.qk}: quantize with kernels.quantize_for({rung.name!r}, q, k, v)")
     if rung.fp8_v == "head" and not (inputs.v_per_head or inputs.per_tensor):
         raise ValueError(f"kernel {rung.name} needs V with one scale per head (lab.fp8_v head): quantize with "
                          f"kernels.quantize_fp8(..., v_per_head=True), or kernels.quantize_for({rung.name!r}, q, k, v)")
@@ -556,7 +563,8 @@ def check_fp8_inputs(inputs, rung: ladder.Rung, causal: bool, scale) -> None:
 def quantize_for(kernel, q, k, v, *, config=None, **options):
     """kernels.quantize_fp8 of q, k, v as the FP8 rung `kernel` takes them: blocks of its configuration's
     B_r and B_c rows (`config`, or the one the launcher picks for the head size), V's scales per head where
-    it declares lab.fp8_v head; `options` (hadamard, seed, per_tensor) go to quantize_fp8."""
+    it declares lab.fp8_v head, Q and K in bfloat16 where it declares lab.fp8_qk bf16; `options`
+    (hadamard, seed, per_tensor) go to quantize_fp8."""
     rung = ladder.load(kernel)
     if not rung.fp8:
         raise ValueError(f"kernel {rung.name} does not compute in FP8 (lab.fp8); {fp8_rung()} does")
@@ -566,7 +574,7 @@ def quantize_for(kernel, q, k, v, *, config=None, **options):
                          f"got d={q.shape[3]}")
     params = rung.params(configs[0])
     return fp8.quantize_fp8(q, k, v, block_q=params["B_r"], block_k=params["B_c"],
-                            v_per_head=rung.fp8_v == "head", **options)
+                            v_per_head=rung.fp8_v == "head", qk=rung.fp8_qk, **options)
 
 
 def fp8_config(rung: ladder.Rung, inputs, config=None) -> tuple[int, ...]:

@@ -58,8 +58,19 @@ def check_against_emulation(cp, inputs, name, *, causal=True, scale=None, config
 
 
 def quantize(name, q, k, v, **options):
-    """kernels.quantize_fp8 as the rung takes its inputs: V's scales per head where it declares lab.fp8_v head."""
-    return kernels.quantize_fp8(q, k, v, v_per_head=kernels.load(name).fp8_v == "head", **options)
+    """kernels.quantize_fp8 as the rung takes its inputs: V's scales per head where it declares lab.fp8_v
+    head, Q and K in bfloat16 where it declares lab.fp8_qk bf16."""
+    rung = kernels.load(name)
+    return kernels.quantize_fp8(q, k, v, v_per_head=rung.fp8_v == "head", qk=rung.fp8_qk, **options)
+
+
+def head_size(name, d=128):
+    """d where the rung takes it, else its largest head size (v28 takes d = 64 only)."""
+    sizes = kernels.load(name).head_sizes()
+    return d if d in sizes else max(sizes)
+
+
+NAME_D = [(name, d) for name in FP8_RUNGS for d in (64, 128) if d in kernels.load(name).head_sizes()]
 
 
 def random_inputs(cp, B, NH, NH_kv, T_q, T_k, d, seed=0, dtype=ml_dtypes.bfloat16):
@@ -72,8 +83,7 @@ def random_inputs(cp, B, NH, NH_kv, T_q, T_k, d, seed=0, dtype=ml_dtypes.bfloat1
 # -- against the emulation ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", FP8_RUNGS)
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("name,d", NAME_D)
 @pytest.mark.parametrize("T", tiered([1, 17, 97, 128, 257, 1000], quick=[1, 97, 257]))
 @pytest.mark.parametrize("B,NH", tiered([(1, 1), (2, 3)], quick=[(2, 3)]))
 def test_rung_matches_its_emulation(name, d, T, B, NH):
@@ -84,8 +94,7 @@ def test_rung_matches_its_emulation(name, d, T, B, NH):
     check_against_emulation(cp, quantize(name, q, k, v, block_q=B_r, block_k=B_c), name)
 
 
-@pytest.mark.parametrize("name", FP8_RUNGS)
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("name,d", NAME_D)
 @pytest.mark.parametrize("B,NH,NH_kv,T_q,T_k,causal", [
     (2, 4, 4, 300, 300, False),   # non-causal
     (1, 4, 4, 300, 97, True),     # cross, causal bottom-right: the first 203 rows see no key
@@ -130,8 +139,9 @@ def test_rung_per_tensor_and_unrotated_inputs(name):
     """The kernel reads whatever scales it is given: one per tensor, no rotation."""
     import cupy as cp
 
-    q, k, v = random_inputs(cp, 1, 4, 2, 500, 500, 128, seed=2)
-    B_r, B_c = blocks(name, 128)
+    d = head_size(name)
+    q, k, v = random_inputs(cp, 1, 4, 2, 500, 500, d, seed=2)
+    B_r, B_c = blocks(name, d)
     for kw in ({"per_tensor": True, "hadamard": False}, {"hadamard": False}, {"seed": 7}):
         check_against_emulation(cp, quantize(name, q, k, v, block_q=B_r, block_k=B_c, **kw), name)
 
@@ -140,8 +150,9 @@ def test_rung_per_tensor_and_unrotated_inputs(name):
 def test_rung_long_sequence(name):
     import cupy as cp
 
-    q, k, v = random_inputs(cp, 1, 2, 2, 4096, 4096, 128, seed=3)
-    B_r, B_c = blocks(name, 128)
+    d = head_size(name)
+    q, k, v = random_inputs(cp, 1, 2, 2, 4096, 4096, d, seed=3)
+    B_r, B_c = blocks(name, d)
     check_against_emulation(cp, quantize(name, q, k, v, block_q=B_r, block_k=B_c), name)
 
 
@@ -151,26 +162,31 @@ def test_rung_long_sequence(name):
 @pytest.mark.parametrize("name", FP8_RUNGS)
 @pytest.mark.parametrize("causal", [True, False])
 def test_rmse_on_the_outlier_distribution(name, causal):
-    """FlashAttention-3's accuracy test, N(0,1) + N(0,100) x Bernoulli(0.001) at d = 128: block scales
-    with the Hadamard rotation within 1.0e-2 RMSE of float64 attention (and of the emulation's RMSE);
-    the same kernel with one scale per tensor and no rotation clearly worse."""
+    """FlashAttention-3's accuracy test, N(0,1) + N(0,100) x Bernoulli(0.001) at d = 128 (v28: 64):
+    block scales with the Hadamard rotation within 1.0e-2 RMSE of float64 attention (and of the
+    emulation's RMSE); the same kernel with one scale per tensor and no rotation clearly worse (a rung
+    with Q and K in bfloat16: the emulated e4m3 Q and K of the same blocks clearly worse)."""
     import cupy as cp
 
-    q, k, v = fp8.outlier_inputs(cp, (1, 2, 1024, 128), seed=0)
+    d = head_size(name)
+    q, k, v = fp8.outlier_inputs(cp, (1, 2, 1024, d), seed=0)
     ref = kernels.reference_attention(*(x.astype(cp.float64) for x in (q, k, v)), causal=causal)
-    B_r, B_c = blocks(name, 128)
+    B_r, B_c = blocks(name, d)
     block = quantize(name, q, k, v, block_q=B_r, block_k=B_c)
-    tensor = quantize(name, q, k, v, block_q=B_r, block_k=B_c, hadamard=False, per_tensor=True)
     got = rmse(cp, kernels.attention_fp8(block, kernel=name, causal=causal), ref)
     emulated = rmse(cp, fp8.emulated_attention(block, causal=causal), ref)
-    baseline = rmse(cp, kernels.attention_fp8(tensor, kernel=name, causal=causal), ref)
+    if kernels.load(name).fp8_qk == "bf16":
+        e4m3 = kernels.quantize_fp8(q, k, v, block_q=B_r, block_k=B_c, v_per_head=True)
+        baseline = rmse(cp, fp8.emulated_attention(e4m3, causal=causal), ref)
+    else:
+        tensor = quantize(name, q, k, v, block_q=B_r, block_k=B_c, hadamard=False, per_tensor=True)
+        baseline = rmse(cp, kernels.attention_fp8(tensor, kernel=name, causal=causal), ref)
     assert got <= RMSE_TARGET, f"{name}: RMSE {got:.3e} > {RMSE_TARGET:.1e} (emulated {emulated:.3e})"
     assert abs(got - emulated) <= EMULATION_SLACK * emulated, f"{name}: RMSE {got:.3e}, emulated {emulated:.3e}"
     assert baseline > 1.3 * got, f"{name}: per tensor {baseline:.3e} not clearly worse than {got:.3e}"
 
 
-@pytest.mark.parametrize("name", FP8_RUNGS)
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("name,d", NAME_D)
 @pytest.mark.parametrize("causal", [True, False])
 def test_rmse_on_normal_inputs(name, d, causal):
     """N(0, 1) inputs in bfloat16 through kernels.attention: within 1.0e-2 RMSE of float64 attention and
@@ -212,6 +228,12 @@ def test_the_gpu_quantizes_as_numpy_does():
                 va, vb = fp8.from_e4m3(a), fp8.from_e4m3(b)
                 assert (np.abs(va - vb) <= np.maximum(np.abs(va), np.abs(vb)) / 8 + 2.0**-9).all(), field
                 assert (va != vb).mean() < 1e-3, f"{field}: {(va != vb).mean():.2e} of the codes differ"
+    gpu, cpu = (kernels.quantize_fp8(*xs, block_q=192, block_k=128, hadamard=False, v_per_head=True, qk="bf16")
+                for xs in ((q, k, v), tuple(x.get() for x in (q, k, v))))
+    for field in ("q", "k", "v_t", "q_scale", "k_scale", "v_scale"):  # bfloat16 Q and K: the same roundings
+        a, b = getattr(gpu, field).get(), getattr(cpu, field)
+        assert a.dtype == b.dtype, field
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=field)
 
 
 @pytest.mark.parametrize("name", FP8_RUNGS)
@@ -236,7 +258,7 @@ def test_strided_views_of_a_packed_qkv(name):
     contiguous copies, bit for bit."""
     import cupy as cp
 
-    B, T, NH, d = 2, 200, 3, 128
+    B, T, NH, d = 2, 200, 3, head_size(name)
     qkv = cp.random.default_rng(9).standard_normal((B, T, 3, NH, d), dtype=cp.float32).astype(ml_dtypes.bfloat16)
     q, k, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
     assert not q.flags.c_contiguous

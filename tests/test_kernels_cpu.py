@@ -95,6 +95,8 @@ def test_declarations_are_parsed(tmp_path):
         (lambda s: s.replace("d_head, B_r, B_c\n", "B_r, d_head, B_c\n"), "first template parameter must be d_head"),
         (lambda s: s.replace(" * lab.workspace  2\n", " * lab.fp8_v      head\n"), "lab.fp8_v 'head': tile or head, and only with lab.fp8"),
         (lambda s: s.replace(" * lab.workspace  2\n", " * lab.fp8        true\n * lab.fp8_v      row\n"), "lab.fp8_v 'row'"),
+        (lambda s: s.replace(" * lab.workspace  2\n", " * lab.fp8_qk     bf16\n"), "lab.fp8_qk 'bf16': e4m3 or bf16, and only with"),
+        (lambda s: s.replace(" * lab.workspace  2\n", " * lab.fp8        true\n * lab.fp8_qk     fp16\n"), "lab.fp8_qk 'fp16'"),
     ],
 )
 def test_bad_declarations_are_clear_errors(tmp_path, edit, message):
