@@ -27,6 +27,7 @@ import llama.pointwise
 from kernels import fused, reference_attention
 from lm.arrays import held_bytes
 from lm.bf16 import bf16_bits, to_float32
+from lm.errors import LabError
 from lm.generate import reference_attend
 from lm.kv_cache import KVCache
 from lm.measure import by_kind
@@ -411,6 +412,26 @@ def test_graph_replay_equals_plain_launches_and_programmatic_dependent_launch(cp
     assert plain.pdl_note == "off (asked)"
     want = plain.generate(PROMPT, 400, attend=reference_attend).tokens
     assert graphed.tokens == want, f"PDL tokens part from plain launches at step {first_difference(graphed.tokens, want)}"
+
+
+def test_the_streams_overrides_give_the_same_bits_and_the_attentions_the_same_tokens(cp, one_b):
+    """Engine(gemv=...) changes which block reads which rows, not a row's arithmetic: SPREAD and one block
+    an SM give the plan's logits bit for bit. Engine(attention=...) changes the splits' sums: its
+    float32 tokens stay the plan's over 64 steps."""
+    config, p32, _ = one_b
+    plan = fast.Engine(p32, config, max_len=256, keep_logits=True)
+    want = engine_forced(cp, plan, PROMPT, list(range(100, 116)))
+    for gemv in ({"spread": True}, {"blocks_per_sm": 1}, {"spread": True, "blocks_per_sm": 1, "item_loads": 4}):
+        engine = fast.Engine(p32, config, max_len=256, keep_logits=True, gemv=gemv)
+        assert engine.gemv_options["spread"] == gemv.get("spread", False)
+        got = engine_forced(cp, engine, PROMPT, list(range(100, 116)))
+        assert all(bool((a == b).all()) for a, b in zip(got, want, strict=True)), f"gemv={gemv}: logits differ"
+    tokens = plan.generate(PROMPT, 64, attend=reference_attend).tokens
+    for attention in ({"warps": 16}, {"split_keys": 256}, {"splits": 3}):
+        engine = fast.Engine(p32, config, max_len=256, attention=attention)
+        assert engine.generate(PROMPT, 64, attend=reference_attend).tokens == tokens, attention
+    with pytest.raises(LabError, match="warps 6"):
+        fast.Engine(p32, config, max_len=256, attention={"warps": 6})
 
 
 def test_windows_end_of_text_and_streaming(cp, one_b):
