@@ -9,7 +9,8 @@
  * emulation's RMSE falls to about half the target (kernels.fp8.quantize_fp8(..., qk="bf16"); the CPU
  * tests hold it). The price is S's product at the bfloat16 rate, half the FP8 one, and K's tiles at
  * twice the bytes; at d = 64 the FP8 rungs leave the tensor cores idle most of the time (v27's tensor
- * pipe 29% busy at 16x12x2048-d64, its top stall the softmax's), so the products have room.
+ * pipe 29% busy at 16x12x2048-d64, the exponentials first among its warps' samples: bench.py sass), so
+ * the products may have room.
  * So the launcher quantizes only V (one scale per head, as v27 takes it) and hands Q and K over as
  * bfloat16 (lab.fp8_qk bf16; their scales, all 1, still come in q_scale and k_scale). A bfloat16 row
  * of 64 is 128 bytes, as an e4m3 row of 128 is, and a k16 step of bfloat16 is 32 bytes, as a k32
