@@ -415,15 +415,17 @@ def test_graph_replay_equals_plain_launches_and_programmatic_dependent_launch(cp
 
 
 def test_the_streams_overrides_give_the_same_bits_and_the_attentions_the_same_tokens(cp, one_b):
-    """Engine(gemv=...) changes which block reads which rows, not a row's arithmetic: SPREAD and one block
-    an SM give the plan's logits bit for bit. Engine(attention=...) changes the splits' sums: its
-    float32 tokens stay the plan's over 64 steps."""
+    """Engine(gemv=...) changes which block reads which rows, not a row's arithmetic: one block an SM
+    (every stream a whole wave, its tasks dealt block by block, where the plan deals 1B's qkv, o_proj and
+    down warp by warp) gives the plan's logits bit for bit. Engine(attention=...) changes the splits'
+    sums: its float32 tokens stay the plan's over 64 steps."""
     config, p32, _ = one_b
     plan = fast.Engine(p32, config, max_len=256, keep_logits=True)
     want = engine_forced(cp, plan, PROMPT, list(range(100, 116)))
-    for gemv in ({"spread": True}, {"blocks_per_sm": 1}, {"spread": True, "blocks_per_sm": 1, "item_loads": 4}):
+    for gemv in ({"blocks_per_sm": 1}, {"blocks_per_sm": 1, "item_loads": 4}):
         engine = fast.Engine(p32, config, max_len=256, keep_logits=True, gemv=gemv)
-        assert engine.gemv_options["spread"] == gemv.get("spread", False)
+        assert all(grid == min(engine.sm_count, -(-m.tasks // fast.plan.GEMV_WARPS))
+                   for (_, grid, _), m in zip(engine.gemv.values(), fast.matrices(config).values(), strict=True))
         got = engine_forced(cp, engine, PROMPT, list(range(100, 116)))
         assert all(bool((a == b).all()) for a, b in zip(got, want, strict=True)), f"gemv={gemv}: logits differ"
     tokens = plan.generate(PROMPT, 64, attend=reference_attend).tokens

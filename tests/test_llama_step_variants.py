@@ -1,6 +1,7 @@
 """tools/llama_step_variants.py without a GPU: its variants and caches parsed, bad ones refused in one
 line, attention_plan's and the streams' overrides (the geometry the tool asks the engine for) and their
-limits, rms_gemv.cu's SPREAD dealing every task out once and evenly, and its table (the GPU run is the
+limits, rms_gemv.cu's two ways of dealing the tasks out, each giving every task once, block by block
+evenly, and its table (the GPU run is the
 tool itself)."""
 
 from __future__ import annotations
@@ -25,10 +26,9 @@ ONE_B = llama.SIZES["llama-3.2-1b"]
 def test_variants_parse_into_the_engine_s_overrides():
     assert variants.parse_variant("plan") == {"attention": {}, "gemv": {}}
     assert variants.parse_variant("keys=256+warps=8") == {"attention": {"split_keys": 256, "warps": 8}, "gemv": {}}
-    assert variants.parse_variant("splits=32+spread=1+gemv_bps=1+item_loads=4") == {
-        "attention": {"splits": 32}, "gemv": {"spread": True, "blocks_per_sm": 1, "item_loads": 4}}
-    assert variants.parse_variant("spread=0") == {"attention": {}, "gemv": {"spread": False}}
-    for bad in ("keys", "keys=0", "rows=3", "keys=2.5", "warps=8,keys=4", "spread=2"):
+    assert variants.parse_variant("splits=32+gemv_bps=1+item_loads=4") == {
+        "attention": {"splits": 32}, "gemv": {"blocks_per_sm": 1, "item_loads": 4}}
+    for bad in ("keys", "keys=0", "rows=3", "keys=2.5", "warps=8,keys=4", "spread=1", "gemv_bps=0"):
         with pytest.raises(ValueError, match="is not one of"):
             variants.parse_variant(bad)
     for text in variants.DEFAULT_VARIANTS.split(","):  # every default is a geometry the engine takes
@@ -38,47 +38,57 @@ def test_variants_parse_into_the_engine_s_overrides():
 
 
 def test_the_streams_overrides_are_checked():
-    assert gemv_options(None) == {"spread": False, "blocks_per_sm": 1 << 30, "item_loads": fast.plan.ITEM_LOADS}
-    for bad in ({"rows": 1}, {"spread": 1}, {"blocks_per_sm": 0}, {"item_loads": 16}):
+    assert gemv_options(None) == {"blocks_per_sm": 1 << 30, "item_loads": fast.plan.ITEM_LOADS}
+    for bad in ({"rows": 1}, {"spread": True}, {"blocks_per_sm": 0}, {"item_loads": 16}):
         with pytest.raises(LabError, match="gemv"):
             gemv_options(bad)
 
 
-def spread_tasks(tasks: int, grid: int, warps: int) -> list[list[int]]:
-    """rms_gemv.cu's stream_tasks with SPREAD: each block's tasks, its warps' in turn (first, stride)."""
+def deal(tasks: int, grid: int, warps: int) -> list[list[int]]:
+    """rms_gemv.cu's stream_tasks: each block's tasks, its warps' in turn (first, then every stride): warp
+    by warp where the grid has a warp for every task, block by block where the tasks outnumber them."""
+    stride = grid * warps
     out = []
     for b in range(grid):
         mine = []
         for i in range(warps):
-            mine += list(range(b + grid * i, tasks, grid * warps))
+            first = b + grid * i if tasks > stride else b * warps + i
+            mine += list(range(first, tasks, stride))
         out.append(mine)
     return out
 
 
-@pytest.mark.parametrize("tasks", [1, 7, 1536, 2048, 2560, 8192, 128_256])
-def test_spread_deals_every_task_once_and_every_block_as_many_give_or_take_one(tasks):
-    grid = fast.plan.gemv_grid(tasks, 2, 132, spread=True)
-    assert grid == min(264, tasks)
-    blocks = spread_tasks(tasks, grid, fast.plan.GEMV_WARPS)
-    assert sorted(t for b in blocks for t in b) == list(range(tasks))
-    assert max(map(len, blocks)) - min(map(len, blocks)) <= 1
-    for b in blocks:  # a warp's tasks ascend (the argmax keeps the first of equal values)
-        assert all(t % grid == blocks.index(b) for t in b)
-
-
-def test_without_spread_llama_1b_s_qkv_loads_some_sms_twice_as_much():
-    tasks = fast.matrices(ONE_B)["qkv"].tasks  # 1,536 pairs of rows
+@pytest.mark.parametrize("tasks", [1, 7, 1536, 2048, 2112, 2113, 2560, 8192, 14_336, 128_256])
+def test_the_tasks_are_dealt_once_each_and_a_whole_wave_s_evenly(tasks):
     grid = fast.plan.gemv_grid(tasks, 2, 132)
-    assert grid == 192  # 60 SMs hold two blocks of 8 tasks each, 72 hold one
-    assert fast.plan.gemv_grid(tasks, 2, 132, spread=True) == 264  # two blocks an SM, 5 or 6 tasks each
+    assert grid == min(264, -(-tasks // fast.plan.GEMV_WARPS))
+    blocks = deal(tasks, grid, fast.plan.GEMV_WARPS)
+    assert sorted(t for b in blocks for t in b) == list(range(tasks))
+    if tasks > grid * fast.plan.GEMV_WARPS:  # a whole wave: as many a block, give or take one
+        assert max(map(len, blocks)) - min(map(len, blocks)) <= 1
+        for b, mine in enumerate(blocks):
+            assert all(t % grid == b for t in mine)
+    else:  # a warp a task, a block's warps on neighbours
+        assert all(mine == list(range(b * 8, min(tasks, b * 8 + 8))) for b, mine in enumerate(blocks))
 
 
-def test_spread_and_item_loads_change_only_the_streams_expressions():
+def test_llama_3b_s_qkv_dealt_warp_by_warp_would_load_56_blocks_twice():
+    tasks = fast.matrices(llama.SIZES["llama-3.2-3b"])["qkv"].tasks  # 2,560 pairs of rows
+    grid = fast.plan.gemv_grid(tasks, 2, 132)
+    assert grid == 264
+    warp_by_warp = [sum(1 for i in range(8) for _ in range(b * 8 + i, tasks, grid * 8)) for b in range(grid)]
+    assert warp_by_warp.count(16) == 56 and warp_by_warp.count(8) == 208
+    assert sorted({len(mine) for mine in deal(tasks, grid, 8)}) == [9, 10]
+    one_b = fast.matrices(ONE_B)["qkv"].tasks  # 1,536: 192 blocks of 8, a warp a task
+    assert fast.plan.gemv_grid(one_b, 2, 132) == 192
+
+
+def test_item_loads_change_only_the_streams_expressions():
     plain = fast.kernel_expressions(ONE_B, "bfloat16")
-    spread = fast.kernel_expressions(ONE_B, "bfloat16", spread=True, item_loads=4)
-    assert spread["qkv"] == ("rms_gemv", "rms_gemv_rope<unsigned short, 2048, 64, 8, 2, true>")
-    assert spread["down_proj"] == ("rms_gemv", "rms_gemv_residual<unsigned short, 8192, 8, 4, true>")
-    assert {k: v for k, v in spread.items() if k not in fast.matrices(ONE_B)} == \
+    fewer = fast.kernel_expressions(ONE_B, "bfloat16", item_loads=4)
+    assert plain["qkv"] == ("rms_gemv", "rms_gemv_rope<unsigned short, 2048, 64, 8, 4>")
+    assert fewer["down_proj"] == ("rms_gemv", "rms_gemv_residual<unsigned short, 8192, 8, 4>")
+    assert {k: v for k, v in fewer.items() if k not in fast.matrices(ONE_B)} == \
         {k: v for k, v in plain.items() if k not in fast.matrices(ONE_B)}
 
 
@@ -118,10 +128,10 @@ def test_the_table_gives_each_variant_its_geometry_and_times():
 
 @pytest.mark.parametrize("size", ["llama-3.2-1b", "llama-3.1-8b"])
 @pytest.mark.parametrize("item_loads", [4, fast.plan.ITEM_LOADS])
-def test_the_spread_streams_compile_for_sm90_without_spills(size, item_loads):
+def test_the_streams_compile_for_sm90_without_spills(size, item_loads):
     from kernels import fused
 
-    exprs = fast.kernel_expressions(llama.SIZES[size], "bfloat16", spread=True, item_loads=item_loads)
+    exprs = fast.kernel_expressions(llama.SIZES[size], "bfloat16", item_loads=item_loads)
     for key in fast.matrices(llama.SIZES[size]):
         file, expr = exprs[key]
         r = fused.compile_report(file, expr, "sm_90")

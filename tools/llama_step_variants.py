@@ -1,17 +1,17 @@
 """Llama's decode step time per token with its kernels' geometry varied: gqa_decode_attention's splits
 launched, keys a split holds and warps a block has (llama.fast.attention_plan's overrides), and the
-matrix streams' (rms_gemv.cu: the tasks dealt out block by block, blocks an SM, 16-byte loads a lane
-in an item); each variant a fresh engine on the same random weights, timed as generate() replays its
-graphs (FastEngine.replay_ms) at a few positions, the variants interleaved over --rounds rounds. What
-llama/fast/plan.py's figures come from.
+matrix streams' (rms_gemv.cu: blocks an SM, 16-byte loads a lane in an item); each variant a fresh
+engine on the same random weights, timed as generate() replays its graphs (FastEngine.replay_ms) at a
+few positions, the variants interleaved over --rounds rounds. What llama/fast/plan.py's figures come
+from.
 
     python3 tools/llama_step_variants.py --sizes llama-3.2-1b --cache 512:40,128,260 --cache 2048:1000
-    python3 tools/llama_step_variants.py --variants plan,spread=1,gemv_bps=1+item_loads=4 --out $OUT
+    python3 tools/llama_step_variants.py --variants plan,gemv_bps=1,gemv_bps=1+item_loads=4 --out $OUT
 
 A variant is `plan` (the engine's own choices) or `name=value` pairs joined by `+` (`keys=256+warps=8`):
 splits (launched per key/value head), keys (split_keys: at least the cache's length over the splits),
-warps (4, 8 or 16); spread (0 or 1), gemv_bps (at most this many blocks of a stream an SM), item_loads
-(1 to 8: more spills under rms_gemv.cu's register cap). Writes llama_step_variants.json to --out.
+warps (4, 8 or 16); gemv_bps (at most this many blocks of a stream an SM), item_loads (1 to 8: more
+spills under rms_gemv.cu's register cap). Writes llama_step_variants.json to --out.
 """
 
 from __future__ import annotations
@@ -26,24 +26,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # a variant's names: (the Engine argument, its key there)
 NAMES = {"splits": ("attention", "splits"), "keys": ("attention", "split_keys"), "warps": ("attention", "warps"),
-         "spread": ("gemv", "spread"), "gemv_bps": ("gemv", "blocks_per_sm"), "item_loads": ("gemv", "item_loads")}
-DEFAULT_VARIANTS = "plan,keys=64,keys=256,warps=8,spread=1,gemv_bps=1,spread=1+gemv_bps=1,item_loads=4"
+         "gemv_bps": ("gemv", "blocks_per_sm"), "item_loads": ("gemv", "item_loads")}
+DEFAULT_VARIANTS = "plan,keys=64,keys=256,warps=8,gemv_bps=1,item_loads=4"
 
 
 def parse_variant(text: str) -> dict:
-    """`plan` -> {"attention": {}, "gemv": {}}; `keys=256+spread=1` -> {"attention": {"split_keys": 256},
-    "gemv": {"spread": True}}: the Engine's attention= and gemv= arguments."""
+    """`plan` -> {"attention": {}, "gemv": {}}; `keys=256+gemv_bps=1` -> {"attention": {"split_keys": 256},
+    "gemv": {"blocks_per_sm": 1}}: the Engine's attention= and gemv= arguments."""
     out = {"attention": {}, "gemv": {}}
     if text == "plan":
         return out
     for part in text.split("+"):
         name, _, value = part.partition("=")
-        if name not in NAMES or not value.isdigit() or (name != "spread" and int(value) < 1) or \
-                (name == "spread" and value not in ("0", "1")):
-            raise ValueError(f"variant {text!r}: {part!r} is not one of "
-                             f"{', '.join(f'{n}=N' for n in NAMES)} (spread=0 or 1)")
+        if name not in NAMES or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"variant {text!r}: {part!r} is not one of {', '.join(f'{n}=N' for n in NAMES)}")
         where, key = NAMES[name]
-        out[where][key] = value == "1" if name == "spread" else int(value)
+        out[where][key] = int(value)
     return out
 
 

@@ -28,19 +28,22 @@
  * griddep_wait() (weights only: common.cuh's rule), so under programmatic dependent launch they
  * overlap the previous kernel and the staging of the input. K is looped in items of UNROLL vectors,
  * so a row of any length fits (down_proj's 14,336), and the input lives in dynamic shared memory.
- * The grid is one wave (the SMs times the blocks an SM holds, no more than the tasks need): warp w of
- * the grid takes tasks w, w + (warps in the grid), ..., so at any moment the device reads one
- * contiguous stretch of W, and no block waits for a second wave. Where that wave is not a whole number
- * of blocks an SM (Llama 3.2 1B's qkv: 192 blocks of 8 warps for 1,536 tasks on 132 SMs, two blocks
- * an SM allowed) or the last round of tasks leaves warps idle, some SMs read twice the bytes of others;
- * SPREAD (a template flag, default off: llama.fast's Engine(gemv={"spread": True}), for measuring) deals
- * the tasks out block by block over a grid of exactly the blocks the SMs hold (stream_tasks).
+ * The grid is one wave (the SMs times the blocks an SM holds, no more than the tasks need), so no
+ * block waits for a second wave, and the grid's warps take tasks 0 .. warps - 1 first, then the next
+ * stretch: at any moment the device reads one contiguous stretch of W. Where the tasks outnumber the
+ * grid's warps (the grid is the whole wave), they are dealt out block by block: block b takes the
+ * tasks equal to b modulo the grid, so every block, and every SM, reads as many rows give or take one
+ * task. Dealt warp by warp instead, the last round's tasks would all go to the first blocks (Llama 3.2
+ * 3B's qkv: 2,560 tasks over 264 blocks of 8 warps, the last 448 to blocks 0-55, which read 16 tasks'
+ * rows where the others read 8; dealt block by block, every block reads 9 or 10). Where the grid has a
+ * warp for every task (1B's qkv: 192 blocks of 8 for 1,536 tasks), a block's warps take neighbouring
+ * tasks. llama/fast/plan.py has what dealing block by block measured.
  * Each output's arithmetic is the same wherever it runs (a lane sums its vectors in order, then a
  * fixed shuffle tree), so the results do not depend on the grid.
  *
  * Template parameters: weight_t (float, or unsigned short holding bfloat16 bits; the KV cache's
  * element too), K (input width, whole 16-byte vectors), WARPS per block, UNROLL (vectors per lane and
- * row in an item), HS (rope: the head size), SPREAD (the tasks dealt out block by block, above).
+ * row in an item), HS (rope: the head size).
  * Geometry: any grid (the engine's: one wave), block WARPS * 32. Shared memory: K floats dynamic
  * (57 KB at K = 14,336: past 48 KB the host opts in), static one float per warp (and, argmax, a value
  * and an index per warp).
@@ -179,12 +182,12 @@ __device__ __forceinline__ bool advance(uint4 (&w)[Rows::R][UNROLL], int item, c
 
 // This warp's tasks through two register buffers: item j is (task first + (j / GROUPS) * stride, group
 // j % GROUPS), the even items in w0 and the odd ones in w1. The first two items are in flight before
-// griddep_wait() and the input's staging. Warp i of block b starts at task b * WARPS + i (a block's
-// warps on neighbouring tasks), or with SPREAD at b + i * gridDim.x (block b's tasks are those equal to
-// b modulo the grid: as many in every block, give or take one, and so on every SM where the grid is a
-// whole number of blocks an SM). Either way the grid's warps read tasks 0 .. warps - 1 first, one
-// stretch of W, and every task once.
-template <typename weight_t, int K, int WARPS, int UNROLL, bool RMS, bool SPREAD, typename Rows, typename Epilogue>
+// griddep_wait() and the input's staging. Where the grid has a warp for every task, warp i of block b
+// starts at task b * WARPS + i (a block's warps on neighbouring tasks); where the tasks outnumber its
+// warps, at b + i * gridDim.x (block b's tasks are those equal to b modulo the grid: as many in every
+// block, give or take one). Either way the grid's warps read tasks 0 .. warps - 1 first, one stretch
+// of W, and every task once.
+template <typename weight_t, int K, int WARPS, int UNROLL, bool RMS, typename Rows, typename Epilogue>
 __device__ __forceinline__ void stream_tasks(const weight_t* __restrict__ W, const Rows& rows, int tasks,
                                              const float* __restrict__ x, const float* __restrict__ norm_w, float eps,
                                              float* x_s, float* scratch, Epilogue& epi)
@@ -192,8 +195,8 @@ __device__ __forceinline__ void stream_tasks(const weight_t* __restrict__ W, con
     using S = Chunks<weight_t, K, UNROLL>;
     constexpr int R = Rows::R;
     const int lane = threadIdx.x % 32;
-    const int first = SPREAD ? blockIdx.x + gridDim.x * (threadIdx.x / 32) : blockIdx.x * WARPS + threadIdx.x / 32;
     const int stride = gridDim.x * WARPS;
+    const int first = tasks > stride ? blockIdx.x + gridDim.x * (threadIdx.x / 32) : blockIdx.x * WARPS + threadIdx.x / 32;
     uint4 w0[R][UNROLL], w1[R][UNROLL];
     load_item<weight_t, K, UNROLL>(w0, W, rows, first, 0, tasks, lane);
     load_item<weight_t, K, UNROLL>(w1, W, rows, first + (1 / S::GROUPS) * stride, 1 % S::GROUPS, tasks, lane);
@@ -286,7 +289,7 @@ struct Argmax {  // each warp's best (value, row) over its rows, ascending: the 
 
 // -- the kernels -------------------------------------------------------------------------------------
 
-template <typename weight_t, int K, int WARPS, int UNROLL, bool SPREAD = false>
+template <typename weight_t, int K, int WARPS, int UNROLL>
 __global__ void __launch_bounds__(WARPS * 32, 2)
 rms_gemv_residual(const weight_t* __restrict__ W, const float* __restrict__ y, int N, float* __restrict__ x,
                   const char* prefetch, unsigned long long prefetch_bytes)
@@ -294,11 +297,11 @@ rms_gemv_residual(const weight_t* __restrict__ W, const float* __restrict__ y, i
     extern __shared__ __align__(16) float x_s[];  // K floats
     __shared__ float scratch[WARPS];
     AddResidual epi{x};
-    stream_tasks<weight_t, K, WARPS, UNROLL, false, SPREAD>(W, SingleRows{}, N, y, nullptr, 0.0f, x_s, scratch, epi);
+    stream_tasks<weight_t, K, WARPS, UNROLL, false>(W, SingleRows{}, N, y, nullptr, 0.0f, x_s, scratch, epi);
     prefetch_l2(prefetch, prefetch_bytes);
 }
 
-template <typename weight_t, int K, int WARPS, int UNROLL, bool SPREAD = false>
+template <typename weight_t, int K, int WARPS, int UNROLL>
 __global__ void __launch_bounds__(WARPS * 32, 2)
 rms_gemv_silu(const weight_t* __restrict__ W, const float* __restrict__ x, const float* __restrict__ norm_w, float eps,
               int F, float* __restrict__ g, const char* prefetch, unsigned long long prefetch_bytes)
@@ -306,11 +309,11 @@ rms_gemv_silu(const weight_t* __restrict__ W, const float* __restrict__ x, const
     extern __shared__ __align__(16) float x_s[];
     __shared__ float scratch[WARPS];
     SiluMul epi{g};
-    stream_tasks<weight_t, K, WARPS, UNROLL, true, SPREAD>(W, StackedRows{F}, F, x, norm_w, eps, x_s, scratch, epi);
+    stream_tasks<weight_t, K, WARPS, UNROLL, true>(W, StackedRows{F}, F, x, norm_w, eps, x_s, scratch, epi);
     prefetch_l2(prefetch, prefetch_bytes);
 }
 
-template <typename weight_t, int K, int HS, int WARPS, int UNROLL, bool SPREAD = false>
+template <typename weight_t, int K, int HS, int WARPS, int UNROLL>
 __global__ void __launch_bounds__(WARPS * 32, 2)
 rms_gemv_rope(const weight_t* __restrict__ W, const float* __restrict__ x, const float* __restrict__ norm_w, float eps,
               int n_head, int kv_heads, const int* __restrict__ state, const float* __restrict__ rope_cos,
@@ -322,11 +325,11 @@ rms_gemv_rope(const weight_t* __restrict__ W, const float* __restrict__ x, const
     __shared__ float scratch[WARPS];
     RopeStore<weight_t, HS> epi{q, k_cache, v_cache, rope_cos, rope_sin, state, n_head, kv_heads, max_len};
     const int tasks = (n_head + 2 * kv_heads) * (HS / 2);
-    stream_tasks<weight_t, K, WARPS, UNROLL, true, SPREAD>(W, RopePairs<HS>{}, tasks, x, norm_w, eps, x_s, scratch, epi);
+    stream_tasks<weight_t, K, WARPS, UNROLL, true>(W, RopePairs<HS>{}, tasks, x, norm_w, eps, x_s, scratch, epi);
     prefetch_l2(prefetch, prefetch_bytes);
 }
 
-template <typename weight_t, int K, int WARPS, int UNROLL, bool SPREAD = false>
+template <typename weight_t, int K, int WARPS, int UNROLL>
 __global__ void __launch_bounds__(WARPS * 32, 2)
 rms_gemv_argmax(const weight_t* __restrict__ W, const float* __restrict__ x, const float* __restrict__ norm_w,
                 float eps, int V, float* __restrict__ logits, float* block_max, int* block_arg, unsigned int* counter,
@@ -339,7 +342,7 @@ rms_gemv_argmax(const weight_t* __restrict__ W, const float* __restrict__ x, con
     __shared__ int warp_arg[WARPS];
     __shared__ bool is_last;
     Argmax epi{logits, -INFINITY, 0x7fffffff};
-    stream_tasks<weight_t, K, WARPS, UNROLL, true, SPREAD>(W, SingleRows{}, V, x, norm_w, eps, x_s, scratch, epi);
+    stream_tasks<weight_t, K, WARPS, UNROLL, true>(W, SingleRows{}, V, x, norm_w, eps, x_s, scratch, epi);
     prefetch_l2(prefetch, prefetch_bytes);
 
     // This block's best, then a ticket: the last block to finish reduces every block's best (as

@@ -41,16 +41,16 @@ STEP_KINDS = ("rms+qkv+rope+kv_store", "gqa_attention", "o_proj+residual", "rms+
 
 
 def gemv_options(given: dict | None) -> dict:
-    """The streams' overrides, for measuring (tools/llama_step_variants.py): spread (rms_gemv.cu's
-    SPREAD), blocks_per_sm (at most this many blocks of a stream an SM) and item_loads (gemv_unroll's);
-    by default the plan's: off, as many as fit, ITEM_LOADS."""
-    out = {"spread": False, "blocks_per_sm": 1 << 30, "item_loads": ITEM_LOADS}
+    """The streams' overrides, for measuring (tools/llama_step_variants.py): blocks_per_sm (at most this
+    many blocks of a stream an SM) and item_loads (gemv_unroll's); by default the plan's: as many as
+    fit, ITEM_LOADS."""
+    out = {"blocks_per_sm": 1 << 30, "item_loads": ITEM_LOADS}
     if unknown := set(given or {}) - set(out):
-        raise LabError(f"gemv {given}: unknown {', '.join(sorted(unknown))} (spread, blocks_per_sm, item_loads)")
+        raise LabError(f"gemv {given}: unknown {', '.join(sorted(unknown))} (blocks_per_sm, item_loads)")
     out.update(given or {})
-    if not isinstance(out["spread"], bool) or out["blocks_per_sm"] < 1 or not 1 <= out["item_loads"] <= ITEM_LOADS:
-        raise LabError(f"gemv {given}: spread is True or False, blocks_per_sm at least 1, item_loads 1 to "
-                       f"{ITEM_LOADS} (more spills under rms_gemv.cu's 128 registers)")
+    if out["blocks_per_sm"] < 1 or not 1 <= out["item_loads"] <= ITEM_LOADS:
+        raise LabError(f"gemv {given}: blocks_per_sm at least 1, item_loads 1 to {ITEM_LOADS} (more spills "
+                       "under rms_gemv.cu's 128 registers)")
     return out
 
 
@@ -88,7 +88,7 @@ class Engine(FastEngine):
                                        **(attention or {}))
         except (TypeError, ValueError) as exc:
             raise LabError(f"attention {attention}: {exc}") from None
-        self.gemv_options = gemv_options(gemv)  # the streams' overrides (spread, blocks_per_sm, item_loads)
+        self.gemv_options = gemv_options(gemv)  # the streams' overrides (blocks_per_sm, item_loads)
         with self.stream:
             # the weights as the kernels read them: views of params in the run's dtype laid out by
             # decode_layout, else one copy each (weights.decode_weights)
@@ -140,8 +140,7 @@ class Engine(FastEngine):
         """Compile every kernel; each matrix's stream gets its one-wave grid (the kernel's occupancy with
         its input's K floats of dynamic shared memory) and opts in to that shared memory."""
         c = self.config
-        exprs = kernel_expressions(c, self.dtype, spread=self.gemv_options["spread"],
-                                   item_loads=self.gemv_options["item_loads"])
+        exprs = kernel_expressions(c, self.dtype, item_loads=self.gemv_options["item_loads"])
         exprs["attention"] = exprs[f"attention/{self.attn.warps}"]  # the warps its plan picks, of those listed
         self.fn = {key: fused.function(file, expr) for key, (file, expr) in exprs.items() if "/" not in key}
         self.gemv = {}
@@ -149,7 +148,7 @@ class Engine(FastEngine):
             fn, smem = self.fn[key], 4 * m.K
             fn.max_dynamic_shared_size_bytes = smem
             held = min(driver.blocks_per_sm(fn, GEMV_WARPS * 32, smem), self.gemv_options["blocks_per_sm"])
-            grid = gemv_grid(m.tasks, held, self.sm_count, self.gemv_options["spread"])
+            grid = gemv_grid(m.tasks, held, self.sm_count)
             self.gemv[key] = (fn, grid, smem)
         # the compiled kernel is shared by every engine of this model and dtype: its opt-in only grows
         attention = self.fn["attention"]

@@ -98,17 +98,22 @@ def gemv_unroll(K: int, itemsize: int, rows: int, item_loads: int = ITEM_LOADS) 
     return max(1, -(-per_lane // groups))
 
 
-def gemv_grid(tasks: int, blocks_per_sm: int, sm_count: int, spread: bool = False) -> int:
+def gemv_grid(tasks: int, blocks_per_sm: int, sm_count: int) -> int:
     """rms_gemv.cu's grid: one wave, as many blocks as the SMs hold at once, no more than the tasks fill
-    (GEMV_WARPS tasks a block; with spread, one task a block: its tasks are dealt out block by block)."""
-    return max(1, min(sm_count * max(1, blocks_per_sm), tasks if spread else -(-tasks // GEMV_WARPS)))
+    (GEMV_WARPS tasks a block). Where the tasks outnumber its warps the kernel deals them out block by
+    block. Measured on an H200 against dealing them warp by warp, as a template flag beside the plan
+    (`tools/llama_step_variants.py`, one run, two rounds, positions 40-1,000): Llama 3.2 3B
+    1.023-1.034x, 3.1 8B 1.013-1.020x, every stream of theirs a whole wave; dealing 1B's streams that
+    fit one round (qkv, o_proj, down) one task a block over a whole wave too was 0.984-0.995x, so
+    those keep a warp a task. A block an SM (half the register file free, so that the next kernel's
+    blocks could be resident early under this one's tail) was 0.71-0.88x in the same run."""
+    return max(1, min(sm_count * max(1, blocks_per_sm), -(-tasks // GEMV_WARPS)))
 
 
-def kernel_expressions(config: LlamaConfig, dtype: str, *, spread: bool = False,
-                       item_loads: int = ITEM_LOADS) -> dict[str, tuple[str, str]]:
+def kernel_expressions(config: LlamaConfig, dtype: str, *, item_loads: int = ITEM_LOADS) -> dict[str, tuple[str, str]]:
     """Every kernel the engine compiles for this model and dtype: key -> (kernels/fused file, name
-    expression). No device needed: the CPU tests compile exactly these. spread and item_loads: the
-    streams' variants for measuring (Engine's gemv overrides; rms_gemv.cu's SPREAD, gemv_unroll's)."""
+    expression). No device needed: the CPU tests compile exactly these. item_loads: the streams'
+    variant for measuring (Engine's gemv overrides; gemv_unroll's)."""
     item = 2 if dtype == "bfloat16" else 4
     wt = "unsigned short" if dtype == "bfloat16" else "float"
     group = config.num_attention_heads // config.num_key_value_heads
@@ -116,7 +121,7 @@ def kernel_expressions(config: LlamaConfig, dtype: str, *, spread: bool = False,
     for key, m in matrices(config).items():
         unroll = gemv_unroll(m.K, item, m.rows, item_loads)
         head = f", {config.head_size}" if m.kernel == "rms_gemv_rope" else ""
-        out[key] = ("rms_gemv", f"{m.kernel}<{wt}, {m.K}{head}, {GEMV_WARPS}, {unroll}{', true' if spread else ''}>")
+        out[key] = ("rms_gemv", f"{m.kernel}<{wt}, {m.K}{head}, {GEMV_WARPS}, {unroll}>")
     return out | {
         **{f"attention/{w}": ("gqa_decode_attention", f"gqa_decode_attention<{wt}, {config.head_size}, {group}, {w}>")
            for w in ATTENTION_WARPS},  # the engine launches the one its attention plan picks
