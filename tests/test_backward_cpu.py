@@ -268,7 +268,8 @@ def test_the_backward_launcher_builds_the_declared_descriptors(name):
             assert m.address == x.data.ptr and m.dims == x.shape[::-1], (t, m)
             assert m.dtype == driver.TENSOR_MAP_DTYPES[x.dtype.name] and m.swizzle == driver.CU_TENSOR_MAP_SWIZZLE_128B
             assert m.box[0] * x.dtype.itemsize == 128, f"{name} {config}: {t}'s box rows are {m.box[0]} elements"
-            assert m.box[1] in (rung.params(config)["B_r"], rung.params(config)["B_c"]) and m.box[2:] == (1, 1)
+            # a tile's rows, or (b06's dQ_accum) one warpgroup's 64 of them
+            assert m.box[1] in (rung.params(config)["B_r"], rung.params(config)["B_c"], 64) and m.box[2:] == (1, 1)
 
 
 # -- compilation without a GPU -------------------------------------------------------------------
@@ -292,13 +293,17 @@ def test_every_backward_phase_compiles_without_spills(name, arch):
         assert r.threads <= 1024
 
 
+# rungs whose tiling holds only at d = 64, and why (the newest rung that takes d = 128 runs it there)
+D64_ONLY = {"b06_wide_query_tiles": "S^T and dP^T at n128 beside dK_j and dV_j pass the 240 registers at d = 128"}
+
+
 @pytest.mark.parametrize("name", RUNGS)
 def test_every_backward_rung_takes_the_lab_features(name):
     """The rungs take what the forward rungs that write the log-sum-exp take: non-causal, cross lengths,
     grouped-query heads, head sizes 64 and 128."""
     rung = backward.load(name)
     assert set(rung.supports) == {"noncausal", "cross", "gqa"}
-    assert {64, 128} <= set(rung.head_sizes())
+    assert {64, 128} - set(rung.head_sizes()) == ({128} if name in D64_ONLY else set())
 
 
 # -- input validation (the checks that need no GPU) ----------------------------------------------

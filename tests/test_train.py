@@ -545,7 +545,7 @@ def test_pick_rungs_refuses_a_forward_rung_without_lse(train):
 
 @pytest.mark.parametrize("dtype, arch, forward, backward", [
     ("float32", "sm_90", "v13_fa2_partitioning", "b02_fa2"),  # float32 without TF32
-    ("bfloat16", "sm_90", "v19_wgmma_overlap", "b05_wgmma"),
+    ("bfloat16", "sm_90", "v19_wgmma_overlap", "b06_wide_query_tiles"),  # head size 64
     ("bfloat16", "sm_80", "v15_bf16_mma", "b04_bf16_mma"),  # no wgmma before Hopper
 ])
 def test_default_rungs(train, dtype, arch, forward, backward):

@@ -128,7 +128,7 @@ RUNG_CASES = [(dtype, name) for dtype in TOLERANCE for name in backward_rungs(dt
 
 def test_the_backward_rungs_are_found():
     assert {"b01_naive", "b02_fa2", "b03_tf32_mma"} <= set(backward_rungs("float32"))
-    assert {"b04_bf16_mma", "b05_wgmma"} <= set(backward_rungs("bfloat16"))
+    assert {"b04_bf16_mma", "b05_wgmma", "b06_wide_query_tiles"} <= set(backward_rungs("bfloat16"))
 
 
 @pytest.fixture(scope="module")
