@@ -26,11 +26,12 @@
  * long_scoreboard, wait and barrier (docs/backward.md's counters). With B_r = 128 the same work takes
  * half the steps, so half those costs, and each wgmma does twice the work. dQ's traffic into L2 is
  * unchanged (T_q x d floats per key tile either way); the Q_i and dO_i copies are fewer and larger.
- * Measured on an H200 (bench.py backward --dtype bfloat16 --cases gpt2,noncausal, one run beside b05):
- * 1.07x at 16 x 12 x 2048, 1.08x at 8 x 12 x 1024, 1.13x at 6 x 12 x 4096, 1.18x at 1 x 12 x 8192,
- * 1.13x non-causal at 4 x 12 x 2048; deterministic 1.14-1.25x; but 0.51x at 1 x 12 x 512, where the
- * preprocessing and dQ's conversion, one query tile a block, get half the blocks for twice the rows
- * each and the whole pass is a few tens of microseconds.
+ * Measured on an H200 (bench.py backward --dtype bfloat16, one run, docs/results.md#backward): 1.08x b05
+ * at 8 x 12 x 1024, 1.07x at 16 x 12 x 2048, 1.12x at 6 x 12 x 4096, 1.18x at 1 x 12 x 8192 (there level
+ * with cuDNN), 1.15x non-causal at 4 x 12 x 2048; deterministic 1.14-1.26x. At 1 x 12 x 512, a pass of
+ * a few tens of microseconds, 0.93x, and its deterministic run 0.52x (not profiled; likely the
+ * preprocessing and dQ's conversion, a query tile a block, with half the blocks for twice the rows
+ * each, and a deterministic key tile waiting for the one before it over steps twice as long).
  *
  * Registers: a consumer holds dK_j and dV_j (32 each at d = 64), S^T and dP^T (64 each), then P^T and
  * dS^T rounded (32 each) and dQ's share (32): within the 240 setmaxnreg gives, no spills (ptxas).

@@ -40,7 +40,8 @@ def test_backward_flops_are_two_and_a_half_forwards():
 
 def test_the_rungs_forward_rung_and_peers_of_each_dtype():
     assert backward.rungs_for("float32") == ["b01_naive", "b02_fa2", "b03_tf32_mma"]
-    assert backward.rungs_for("bfloat16") == backward.rungs_for("float16") == ["b04_bf16_mma", "b05_wgmma"]
+    assert backward.rungs_for("bfloat16") == backward.rungs_for("float16") == [
+        "b04_bf16_mma", "b05_wgmma", "b06_wide_query_tiles"]
     assert backward.rungs_for("float32", ["b03_tf32_mma"]) == ["b03_tf32_mma"]
     gpt2 = backward.CASE_SETS["gpt2"][1]
     assert backward.forward_rung(gpt2, "float32", "sm_90") == "v20_tf32_wgmma"
@@ -54,13 +55,17 @@ def test_the_rungs_forward_rung_and_peers_of_each_dtype():
 
 
 def test_a_rung_with_a_deterministic_configuration_runs_again_deterministic():
-    """b01 is deterministic in every configuration: one row; b02-b05 declare both kinds: a second row."""
+    """b01 is deterministic in every configuration: one row; b02-b06 declare both kinds: a second row (b06
+    at d = 64 only: at d = 128 its one row says it does not take the case)."""
     gpt2 = backward.CASE_SETS["gpt2"][0]
     assert backward.entries(gpt2, "float32", backward.rungs_for("float32")) == [
         ("b01_naive", False), ("b02_fa2", False), ("b02_fa2", True), ("b03_tf32_mma", False), ("b03_tf32_mma", True)]
     d128 = backward.CASE_SETS["d128"][0]
     assert backward.entries(d128, "bfloat16", backward.rungs_for("bfloat16")) == [
-        ("b04_bf16_mma", False), ("b04_bf16_mma", True), ("b05_wgmma", False), ("b05_wgmma", True)]
+        ("b04_bf16_mma", False), ("b04_bf16_mma", True), ("b05_wgmma", False), ("b05_wgmma", True),
+        ("b06_wide_query_tiles", False)]
+    assert backward.entries(gpt2, "bfloat16", ["b06_wide_query_tiles"]) == [
+        ("b06_wide_query_tiles", False), ("b06_wide_query_tiles", True)]
     assert backward.entries(gpt2, "bfloat16", ["b02_fa2"]) == [("b02_fa2", False)]  # b02 has no bfloat16
     assert backward.entries(Case("x", 1, 1, 1, 8, 8, 96), "float32", ["b02_fa2"]) == [("b02_fa2", False)]
 
@@ -126,8 +131,8 @@ def test_the_table_of_a_backward_result():
     assert not table_rows(text, "`b04_bf16_mma`")
     assert "Not run: `b04_bf16_mma` (TypeError: q has dtype float32" in text
     # the fp32 target applies to GPT-2 shapes with T >= 1024: only 8x1024 here, where b03 is 2.4x
-    assert "at least 1.5x SDPA efficient's backward at every GPT-2 shape with T >= 1024: `b03_tf32_mma`, at " \
-           "worst 2.40x: met." in text
+    assert "at least 1.5x SDPA efficient's backward at every GPT-2 shape with T >= 1024: the fastest rung at " \
+           "each case, at worst 2.40x (`b03_tf32_mma` at 8x12x1024, d=64): met." in text
 
 
 def test_targets_say_missed_and_skip_dtypes_without_one():
@@ -135,7 +140,7 @@ def test_targets_say_missed_and_skip_dtypes_without_one():
     for r in result["rows"]:
         if r["name"] == "b03_tf32_mma" and r["shape"]["T_q"] == 1024:
             r["speedup"]["sdpa_efficient"] = 1.3
-    assert backward.targets(result)[0].endswith("`b03_tf32_mma`, at worst 1.30x: missed.")
+    assert backward.targets(result)[0].endswith("at worst 1.30x (`b03_tf32_mma` at 8x12x1024, d=64): missed.")
     assert backward.targets(backward_result(dtype="float16")) == []
 
 
@@ -150,9 +155,15 @@ def test_bfloat16_targets_each_cover_their_cases_and_a_gqa_title_names_its_heads
     result = {"dtype": "bfloat16", "cases": [c.as_dict() for c in cases], "kernels": ["b05_wgmma"], "rows": rows}
     first, second = backward.targets(result)
     assert first.startswith("Target: at least 1x SDPA cuDNN's backward at every case with T >= 2048") and \
-        first.endswith("`b05_wgmma`, at worst 0.90x: missed.")
+        first.endswith("at worst 0.90x (`b05_wgmma` at 2x16x4096, d=128): missed.")
     assert "at least 1.2x SDPA cuDNN's backward at d=128 without the mask, T >= 4096" in second and \
-        second.endswith("at worst 1.25x: met.")  # the causal d128 case is not one of its cases
+        second.endswith("at worst 1.25x (`b05_wgmma` at 4x16x4096, d=128): met.")  # not the causal d128 case
+    # a rung that ran only some cases (b06 takes d = 64 alone) counts where it ran: each case's fastest
+    b06 = timed(cases[0], "b06_wide_query_tiles", "rung", 0.8) | {"speedup": {"sdpa_cudnn": 1.1}}
+    faster = result | {"kernels": ["b05_wgmma", "b06_wide_query_tiles"], "rows": [*rows, b06]}
+    assert backward.targets(faster)[0].endswith("at worst 1.10x (`b06_wide_query_tiles` at 2x16x4096, d=128): met.")
+    nobody = result | {"rows": rows[2:]}  # no rung ran the first case
+    assert backward.targets(nobody)[0].endswith("no rung ran 2x16x4096, d=128.")
     result["cases"], result["rows"] = result["cases"][:1], rows[:2]
     assert len(backward.targets(result)) == 1  # no non-causal d=128 case: no second line
     assert "(NH=32, NH_kv=8, d=128, non-causal, bfloat16," in backward.case_title(cases[1].as_dict(), "bfloat16")
