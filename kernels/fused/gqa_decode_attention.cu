@@ -39,8 +39,18 @@
  * before griddep_wait(). Row pos, and rows past the staged ones, are read from the cache after it,
  * through L2 (fresh()).
  *
+ * CHAIN (a template bitmask, default 0: llama.fast's Engine(attention={"chain": ...}), for measuring;
+ * not yet run on a GPU) shortens the chain of L2 round trips after the wait, on the split that holds
+ * pos, the step's critical path:
+ *   1: row pos joins the staged rows, copied to shared memory (cp.async) beside q's loads, where the
+ *      score and value loops each read it from L2 after q: one round trip where there were three;
+ *   2: with at most COMBINE_SPLITS splits in use, the combine issues every load it needs at once (a
+ *      lane's split's m and l, its elements of every split's o) before its first shuffle, where M's
+ *      loads, then m and l again, then the o's were three round trips. The same operations in the same
+ *      order on the same values: y's bits do not change.
+ *
  * Template parameters: kv_t (float or bfloat16 bits), HS (head size; a multiple of 8 with HS / 8
- * dividing 32: 8 to 256), GROUP (query heads per key/value head), WARPS.
+ * dividing 32: 8 to 256), GROUP (query heads per key/value head), WARPS, CHAIN (above).
  * Geometry: grid (S, NKV), block WARPS * 32. Shared memory: dynamic, GROUP rows of split_keys floats
  * for the scores (each row rounded up to 16 bytes), then staged_rows rows of K and of V
  * (llama/fast/plan.py attention_plan); static WARPS x GROUP x HS floats for the per-warp outputs.
@@ -50,6 +60,7 @@
 #include "common.cuh"
 
 #define UNROLL 4  // keys per lane loaded before their use
+#define COMBINE_SPLITS 16  // CHAIN & 2: splits whose o a lane holds at once (HS / 32 x 16 floats)
 
 // Widen 8 elements held in 16-byte vectors: two vectors of float, one of bfloat16 bits.
 __device__ __forceinline__ void widen8(const uint4* raw, float (&v)[8], float)
@@ -97,7 +108,7 @@ __device__ __forceinline__ void block_reduce(float (&v)[GROUP], float (*scratch)
     __syncthreads();
 }
 
-template <typename kv_t, int HS, int GROUP, int WARPS>
+template <typename kv_t, int HS, int GROUP, int WARPS, int CHAIN = 0>
 __global__ void __launch_bounds__(WARPS * 32)
 gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cache, const kv_t* __restrict__ v_cache,
                      const int* __restrict__ state, int max_len, int split_keys, int staged_rows, float scale,
@@ -109,7 +120,9 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
     constexpr int LPK = HS / 8;       // lanes per key
     constexpr int KPW = 32 / LPK;     // keys per warp and pass
     constexpr int KPB = KPW * WARPS;  // keys per block and pass
+    constexpr int EPV = 16 / (int)sizeof(kv_t);  // elements per 16-byte vector
     static_assert(HS % 8 == 0 && 32 % (HS / 8) == 0, "HS: a multiple of 8, HS / 8 divides 32");
+    static_assert(CHAIN >= 0 && CHAIN <= 3, "CHAIN: bits 1 (row pos staged) and 2 (the combine's loads at once)");
     extern __shared__ __align__(16) float p_s[];  // GROUP rows of scores S_jt, then p_jt; then K, V rows
     __shared__ float scratch[WARPS][GROUP];
     __shared__ __align__(16) float o_s[WARPS][GROUP][HS];
@@ -129,17 +142,22 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
     const int row_p = (split_keys + 3) / 4 * 4;  // one query head's scores, in whole 16 bytes
     kv_t* k_s = reinterpret_cast<kv_t*>(p_s + GROUP * row_p);
     kv_t* v_s = k_s + (long long)staged_rows * HS;
-    const int staged = max(0, min(min(end, pos) - start, staged_rows));  // rows [start, start + staged)
-    {
-        constexpr int EPV = 16 / (int)sizeof(kv_t);  // elements per 16-byte vector
-        for (int c = threadIdx.x; c < staged * HS / EPV; c += THREADS) {
-            const long long from = head + (long long)start * HS + c * EPV;
-            cp_async16(k_s + c * EPV, k_cache + from);
-            cp_async16(v_s + c * EPV, v_cache + from);
-        }
+    int staged = max(0, min(min(end, pos) - start, staged_rows));  // rows [start, start + staged)
+    for (int c = threadIdx.x; c < staged * HS / EPV; c += THREADS) {
+        const long long from = head + (long long)start * HS + c * EPV;
+        cp_async16(k_s + c * EPV, k_cache + from);
+        cp_async16(v_s + c * EPV, v_cache + from);
     }
     griddep_wait();  // q and the cache's row pos are the projection's from here on
     griddep_launch_dependents();
+    if ((CHAIN & 1) && pos < end && staged == pos - start && staged < staged_rows) {  // row pos, beside q's loads
+        for (int c = threadIdx.x; c < HS / EPV; c += THREADS) {
+            const long long from = head + (long long)pos * HS + c * EPV;
+            cp_async16(k_s + staged * HS + c * EPV, k_cache + from);
+            cp_async16(v_s + staged * HS + c * EPV, v_cache + from);
+        }
+        ++staged;  // the same in every thread: the condition is the block's
+    }
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int sub = lane / LPK;   // which of the warp's KPW keys
@@ -288,6 +306,45 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
     // den = sum_s e^(m_s - M) l_s across the lanes (split s in lane s % 32), then
     // y_h = sum_s e^(m_s - M) o_s / den, each lane its elements of y_h over the splits in split order,
     // every split's weight broadcast from its lane: the loads of o_s do not wait on each other.
+    constexpr int PER_LANE = (HS + 31) / 32;  // elements of y_h a lane computes: lane, lane + 32, ...
+    if ((CHAIN & 2) && used <= COMBINE_SPLITS) {  // every load first, then the same arithmetic as below
+        for (int j = warp; j < GROUP; j += WARPS) {
+            const int h = g * GROUP + j;
+            const float* mine_h = partial + (long long)h * S * (HS + 2);
+            const float m_r = lane < used ? __ldcg(mine_h + lane * (HS + 2) + HS) : -INFINITY;
+            const float l_r = lane < used ? __ldcg(mine_h + lane * (HS + 2) + HS + 1) : 0.0f;
+            float o_i[COMBINE_SPLITS][PER_LANE];
+#pragma unroll
+            for (int i = 0; i < COMBINE_SPLITS; ++i)
+#pragma unroll
+                for (int e = 0; e < PER_LANE; ++e)
+                    o_i[i][e] = i < used && lane + 32 * e < HS ? __ldcg(mine_h + i * (HS + 2) + lane + 32 * e) : 0.0f;
+            float M = m_r;
+#pragma unroll
+            for (int o = 16; o > 0; o /= 2) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+            const float weight = lane < used ? expf(m_r - M) : 0.0f;
+            float den = fmaf(expf(m_r - M), l_r, 0.0f);  // 0 past the splits in use (m = -inf, l = 0)
+#pragma unroll
+            for (int o = 16; o > 0; o /= 2) den += __shfl_xor_sync(0xffffffffu, den, o);
+            float num[PER_LANE];
+#pragma unroll
+            for (int e = 0; e < PER_LANE; ++e) num[e] = 0.0f;
+#pragma unroll
+            for (int i = 0; i < COMBINE_SPLITS; ++i) {
+                if (i < used) {  // the same in every lane
+                    const float w_i = __shfl_sync(0xffffffffu, weight, i);
+#pragma unroll
+                    for (int e = 0; e < PER_LANE; ++e)
+                        if (lane + 32 * e < HS) num[e] = fmaf(w_i, o_i[i][e], num[e]);
+                }
+            }
+#pragma unroll
+            for (int e = 0; e < PER_LANE; ++e)
+                if (lane + 32 * e < HS) y[h * HS + lane + 32 * e] = num[e] / den;
+        }
+        if (threadIdx.x == 0) counters[g] = 0u;
+        return;
+    }
     for (int j = warp; j < GROUP; j += WARPS) {
         const int h = g * GROUP + j;
         const float* mine_h = partial + (long long)h * S * (HS + 2);
@@ -302,7 +359,6 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
         }
 #pragma unroll
         for (int o = 16; o > 0; o /= 2) den += __shfl_xor_sync(0xffffffffu, den, o);
-        constexpr int PER_LANE = (HS + 31) / 32;  // elements of y_h a lane computes: lane, lane + 32, ...
         float num[PER_LANE];
 #pragma unroll
         for (int e = 0; e < PER_LANE; ++e) num[e] = 0.0f;
