@@ -417,8 +417,7 @@ def test_graph_replay_equals_plain_launches_and_programmatic_dependent_launch(cp
 def test_the_streams_overrides_give_the_same_bits_and_the_attentions_the_same_tokens(cp, one_b):
     """Engine(gemv=...) changes which block reads which rows, not a row's arithmetic: one block an SM
     (every stream a whole wave, its tasks dealt block by block, where the plan deals 1B's qkv, o_proj and
-    down warp by warp) gives the plan's logits bit for bit, and so does the attention's CHAIN (where it
-    reads row pos from, when the combine loads). Engine(attention=...)'s geometry changes the splits'
+    down warp by warp) gives the plan's logits bit for bit. Engine(attention=...)'s geometry changes the splits'
     sums: its float32 tokens stay the plan's over 64 steps."""
     config, p32, _ = one_b
     plan = fast.Engine(p32, config, max_len=256, keep_logits=True)
@@ -429,10 +428,6 @@ def test_the_streams_overrides_give_the_same_bits_and_the_attentions_the_same_to
                    for (_, grid, _), m in zip(engine.gemv.values(), fast.matrices(config).values(), strict=True))
         got = engine_forced(cp, engine, PROMPT, list(range(100, 116)))
         assert all(bool((a == b).all()) for a, b in zip(got, want, strict=True)), f"gemv={gemv}: logits differ"
-    for chain in (1, 2, 3):  # gqa_decode_attention's CHAIN: the same operations on the same values
-        engine = fast.Engine(p32, config, max_len=256, keep_logits=True, attention={"chain": chain})
-        got = engine_forced(cp, engine, PROMPT, list(range(100, 116)))
-        assert all(bool((a == b).all()) for a, b in zip(got, want, strict=True)), f"chain {chain}: logits differ"
     tokens = plan.generate(PROMPT, 64, attend=reference_attend).tokens
     for attention in ({"warps": 16}, {"split_keys": 256}, {"splits": 3}):
         engine = fast.Engine(p32, config, max_len=256, attention=attention)

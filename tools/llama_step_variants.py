@@ -10,7 +10,7 @@ from.
 
 A variant is `plan` (the engine's own choices) or `name=value` pairs joined by `+` (`keys=256+warps=8`):
 splits (launched per key/value head), keys (split_keys: at least the cache's length over the splits),
-warps (4, 8 or 16), chain (gqa_decode_attention.cu's CHAIN bits: 1, 2 or 3); gemv_bps (at most this
+warps (4, 8 or 16); gemv_bps (at most this
 many blocks of a stream an SM), item_loads (1 to 8: more spills under rms_gemv.cu's register cap). Writes llama_step_variants.json to --out.
 """
 
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # a variant's names: (the Engine argument, its key there)
 NAMES = {"splits": ("attention", "splits"), "keys": ("attention", "split_keys"), "warps": ("attention", "warps"),
-         "chain": ("attention", "chain"), "gemv_bps": ("gemv", "blocks_per_sm"), "item_loads": ("gemv", "item_loads")}
+         "gemv_bps": ("gemv", "blocks_per_sm"), "item_loads": ("gemv", "item_loads")}
 DEFAULT_VARIANTS = "plan,keys=64,keys=256,warps=8,gemv_bps=1,item_loads=4"
 
 

@@ -39,18 +39,17 @@
  * before griddep_wait(). Row pos, and rows past the staged ones, are read from the cache after it,
  * through L2 (fresh()).
  *
- * CHAIN (a template bitmask, default 0: llama.fast's Engine(attention={"chain": ...}), for measuring;
- * not yet run on a GPU) shortens the chain of L2 round trips after the wait, on the split that holds
- * pos, the step's critical path:
- *   1: row pos joins the staged rows, copied to shared memory (cp.async) beside q's loads, where the
- *      score and value loops each read it from L2 after q: one round trip where there were three;
- *   2: with at most COMBINE_SPLITS splits in use, the combine issues every load it needs at once (a
- *      lane's split's m and l, its elements of every split's o) before its first shuffle, where M's
- *      loads, then m and l again, then the o's were three round trips. The same operations in the same
- *      order on the same values: y's bits do not change.
+ * The combine's loads all go out at once where at most COMBINE_SPLITS splits are in use (the plan's
+ * 16 splits, on caches up to 32,768 positions): a lane's split's m and l and its elements of every split's o, before the
+ * first shuffle, where loading M's inputs, then m and l again, then the o's were three round trips
+ * through L2 after the ticket. The same operations in the same order on the same values, so y's bits
+ * did not change (a GPU test compares the logits). On an H200 (tools/llama_step_variants.py, graph
+ * replay, two rounds) a token took 0.960-0.977x the time of the three-trip combine at Llama 3.2 1B,
+ * 0.977-0.984x at 3B, 0.988-0.993x at 3.1 8B, positions 40 to 1,000. Null: copying row pos to shared
+ * memory beside q's loads (the score and value loops each read it from L2 after q): 0.999-1.009x.
  *
  * Template parameters: kv_t (float or bfloat16 bits), HS (head size; a multiple of 8 with HS / 8
- * dividing 32: 8 to 256), GROUP (query heads per key/value head), WARPS, CHAIN (above).
+ * dividing 32: 8 to 256), GROUP (query heads per key/value head), WARPS.
  * Geometry: grid (S, NKV), block WARPS * 32. Shared memory: dynamic, GROUP rows of split_keys floats
  * for the scores (each row rounded up to 16 bytes), then staged_rows rows of K and of V
  * (llama/fast/plan.py attention_plan); static WARPS x GROUP x HS floats for the per-warp outputs.
@@ -60,7 +59,7 @@
 #include "common.cuh"
 
 #define UNROLL 4  // keys per lane loaded before their use
-#define COMBINE_SPLITS 16  // CHAIN & 2: splits whose o a lane holds at once (HS / 32 x 16 floats)
+#define COMBINE_SPLITS 16  // splits whose o the combine loads at once: one round trip through L2
 
 // Widen 8 elements held in 16-byte vectors: two vectors of float, one of bfloat16 bits.
 __device__ __forceinline__ void widen8(const uint4* raw, float (&v)[8], float)
@@ -108,7 +107,7 @@ __device__ __forceinline__ void block_reduce(float (&v)[GROUP], float (*scratch)
     __syncthreads();
 }
 
-template <typename kv_t, int HS, int GROUP, int WARPS, int CHAIN = 0>
+template <typename kv_t, int HS, int GROUP, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32)
 gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cache, const kv_t* __restrict__ v_cache,
                      const int* __restrict__ state, int max_len, int split_keys, int staged_rows, float scale,
@@ -122,7 +121,6 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
     constexpr int KPB = KPW * WARPS;  // keys per block and pass
     constexpr int EPV = 16 / (int)sizeof(kv_t);  // elements per 16-byte vector
     static_assert(HS % 8 == 0 && 32 % (HS / 8) == 0, "HS: a multiple of 8, HS / 8 divides 32");
-    static_assert(CHAIN >= 0 && CHAIN <= 3, "CHAIN: bits 1 (row pos staged) and 2 (the combine's loads at once)");
     extern __shared__ __align__(16) float p_s[];  // GROUP rows of scores S_jt, then p_jt; then K, V rows
     __shared__ float scratch[WARPS][GROUP];
     __shared__ __align__(16) float o_s[WARPS][GROUP][HS];
@@ -142,7 +140,7 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
     const int row_p = (split_keys + 3) / 4 * 4;  // one query head's scores, in whole 16 bytes
     kv_t* k_s = reinterpret_cast<kv_t*>(p_s + GROUP * row_p);
     kv_t* v_s = k_s + (long long)staged_rows * HS;
-    int staged = max(0, min(min(end, pos) - start, staged_rows));  // rows [start, start + staged)
+    const int staged = max(0, min(min(end, pos) - start, staged_rows));  // rows [start, start + staged)
     for (int c = threadIdx.x; c < staged * HS / EPV; c += THREADS) {
         const long long from = head + (long long)start * HS + c * EPV;
         cp_async16(k_s + c * EPV, k_cache + from);
@@ -150,14 +148,6 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
     }
     griddep_wait();  // q and the cache's row pos are the projection's from here on
     griddep_launch_dependents();
-    if ((CHAIN & 1) && pos < end && staged == pos - start && staged < staged_rows) {  // row pos, beside q's loads
-        for (int c = threadIdx.x; c < HS / EPV; c += THREADS) {
-            const long long from = head + (long long)pos * HS + c * EPV;
-            cp_async16(k_s + staged * HS + c * EPV, k_cache + from);
-            cp_async16(v_s + staged * HS + c * EPV, v_cache + from);
-        }
-        ++staged;  // the same in every thread: the condition is the block's
-    }
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int sub = lane / LPK;   // which of the warp's KPW keys
@@ -302,23 +292,29 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
     if (!is_last) return;
     __threadfence();
 
-    // The last block of key/value head g, a warp per head h of the group: M = max_s m_s and
+    // The last block of key/value head g, warps per head h of the group: M = max_s m_s and
     // den = sum_s e^(m_s - M) l_s across the lanes (split s in lane s % 32), then
     // y_h = sum_s e^(m_s - M) o_s / den, each lane its elements of y_h over the splits in split order,
     // every split's weight broadcast from its lane: the loads of o_s do not wait on each other.
     constexpr int PER_LANE = (HS + 31) / 32;  // elements of y_h a lane computes: lane, lane + 32, ...
-    if ((CHAIN & 2) && used <= COMBINE_SPLITS) {  // every load first, then the same arithmetic as below
-        for (int j = warp; j < GROUP; j += WARPS) {
-            const int h = g * GROUP + j;
+    if (used <= COMBINE_SPLITS) {  // every load first, then the same arithmetic as the loop below
+        // WPH warps a head, each SPAN elements of y_h: with more warps than heads, fewer of o a lane
+        // (4 x 16 floats at head size 128 with a warp a head spilled in float32, 8 warps, group 4)
+        constexpr int WPH = WARPS / GROUP > 0 ? WARPS / GROUP : 1;
+        constexpr int SPAN = (HS + WPH - 1) / WPH, PER = (SPAN + 31) / 32;
+        for (int wj = warp; wj < GROUP * WPH; wj += WARPS) {
+            const int h = g * GROUP + wj / WPH, first = wj % WPH * SPAN;
             const float* mine_h = partial + (long long)h * S * (HS + 2);
             const float m_r = lane < used ? __ldcg(mine_h + lane * (HS + 2) + HS) : -INFINITY;
             const float l_r = lane < used ? __ldcg(mine_h + lane * (HS + 2) + HS + 1) : 0.0f;
-            float o_i[COMBINE_SPLITS][PER_LANE];
+            float o_i[COMBINE_SPLITS][PER];
 #pragma unroll
             for (int i = 0; i < COMBINE_SPLITS; ++i)
 #pragma unroll
-                for (int e = 0; e < PER_LANE; ++e)
-                    o_i[i][e] = i < used && lane + 32 * e < HS ? __ldcg(mine_h + i * (HS + 2) + lane + 32 * e) : 0.0f;
+                for (int e = 0; e < PER; ++e) {
+                    const int d = first + lane + 32 * e;
+                    o_i[i][e] = i < used && lane + 32 * e < SPAN && d < HS ? __ldcg(mine_h + i * (HS + 2) + d) : 0.0f;
+                }
             float M = m_r;
 #pragma unroll
             for (int o = 16; o > 0; o /= 2) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
@@ -326,21 +322,22 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
             float den = fmaf(expf(m_r - M), l_r, 0.0f);  // 0 past the splits in use (m = -inf, l = 0)
 #pragma unroll
             for (int o = 16; o > 0; o /= 2) den += __shfl_xor_sync(0xffffffffu, den, o);
-            float num[PER_LANE];
+            float num[PER];
 #pragma unroll
-            for (int e = 0; e < PER_LANE; ++e) num[e] = 0.0f;
+            for (int e = 0; e < PER; ++e) num[e] = 0.0f;
 #pragma unroll
             for (int i = 0; i < COMBINE_SPLITS; ++i) {
                 if (i < used) {  // the same in every lane
                     const float w_i = __shfl_sync(0xffffffffu, weight, i);
 #pragma unroll
-                    for (int e = 0; e < PER_LANE; ++e)
-                        if (lane + 32 * e < HS) num[e] = fmaf(w_i, o_i[i][e], num[e]);
+                    for (int e = 0; e < PER; ++e) num[e] = fmaf(w_i, o_i[i][e], num[e]);
                 }
             }
 #pragma unroll
-            for (int e = 0; e < PER_LANE; ++e)
-                if (lane + 32 * e < HS) y[h * HS + lane + 32 * e] = num[e] / den;
+            for (int e = 0; e < PER; ++e) {
+                const int d = first + lane + 32 * e;
+                if (lane + 32 * e < SPAN && d < HS) y[h * HS + d] = num[e] / den;
+            }
         }
         if (threadIdx.x == 0) counters[g] = 0u;
         return;

@@ -128,13 +128,11 @@ def kernel_expressions(config: LlamaConfig, dtype: str, *, item_loads: int = ITE
     }
 
 
-def attention_kernel(config: LlamaConfig, dtype: str, warps: int, chain: int = 0) -> tuple[str, str]:
-    """gqa_decode_attention.cu's (file, name expression) for this model and dtype, `warps` a block; chain:
-    its CHAIN bits (1: row pos staged beside q's loads, 2: the combine's loads at once), for measuring."""
+def attention_kernel(config: LlamaConfig, dtype: str, warps: int) -> tuple[str, str]:
+    """gqa_decode_attention.cu's (file, name expression) for this model and dtype, `warps` a block."""
     wt = "unsigned short" if dtype == "bfloat16" else "float"
     group = config.num_attention_heads // config.num_key_value_heads
-    return "gqa_decode_attention", (f"gqa_decode_attention<{wt}, {config.head_size}, {group}, {warps}"
-                                    f"{f', {chain}' if chain else ''}>")
+    return "gqa_decode_attention", f"gqa_decode_attention<{wt}, {config.head_size}, {group}, {warps}>"
 
 
 @dataclass(frozen=True)
@@ -142,14 +140,13 @@ class AttentionPlan:
     """gqa_decode_attention.cu's geometry: `splits` key splits per key/value head launched, `split_keys`
     the keys a split holds (its scores' room; a position uses ceil(T_k / split_keys) splits), `warps`
     a block's, `staged_rows` K and V rows a block copies to shared memory before its wait, `smem`
-    dynamic bytes (scores, then the rows), `chain` the kernel's CHAIN bits (0 unless asked: measuring)."""
+    dynamic bytes (scores, then the rows)."""
 
     splits: int
     split_keys: int
     warps: int
     staged_rows: int
     smem: int
-    chain: int = 0
 
 
 def attention_warps(split_keys: int, head_size: int) -> int:
@@ -166,7 +163,7 @@ def attention_warps(split_keys: int, head_size: int) -> int:
 
 
 def attention_plan(config: LlamaConfig, max_len: int, sm_count: int, itemsize: int, *, splits: int | None = None,
-                   split_keys: int | None = None, warps: int | None = None, chain: int = 0) -> AttentionPlan:
+                   split_keys: int | None = None, warps: int | None = None) -> AttentionPlan:
     """Enough splits to give every SM a block (at least 16 keys a split), more where a split's scores
     (GROUP rows of ceil(max_len / splits) floats) would pass SCORE_BYTES; a position takes the keys in
     as few of them as hold them (ceil(T_k / split_keys)); warps by attention_warps; as many rows staged
@@ -176,13 +173,10 @@ def attention_plan(config: LlamaConfig, max_len: int, sm_count: int, itemsize: i
     3459; 1B at 400, the exception, 990 / 970 / 1003 / 1175 / 1184. With 2,048 (128 keys a split),
     1B at 1000: 128 / 256 / 512 keys 1040 / 1186 / 1213.
     splits, split_keys (at least the cache's length over the splits) and warps override the choices,
-    and chain sets gqa_decode_attention.cu's CHAIN bits (0 to 3; not yet run on a GPU), for measuring
-    (tools/llama_step_variants.py); a geometry the kernel cannot take is a ValueError."""
+    for measuring (tools/llama_step_variants.py); a geometry the kernel cannot take is a ValueError."""
     NKV, HS = config.num_key_value_heads, config.head_size
     group = config.num_attention_heads // NKV
     most = SCORE_BYTES // (4 * group)  # keys whose scores fit SCORE_BYTES
-    if chain not in (0, 1, 2, 3):
-        raise ValueError(f"chain {chain}: gqa_decode_attention's CHAIN bits, 0 to 3")
     if splits is not None and not 1 <= splits <= max_len:
         raise ValueError(f"splits {splits}: 1 to the cache's {max_len} positions")
     splits = splits or max(1, min(sm_count // NKV, -(-max_len // 16)), -(-max_len // most))
@@ -195,7 +189,7 @@ def attention_plan(config: LlamaConfig, max_len: int, sm_count: int, itemsize: i
     if smem + 4 * warps * group * HS > BLOCK_SMEM:  # with the static per-warp outputs
         raise ValueError(f"{keys} keys a split and {warps} warps: {smem + 4 * warps * group * HS} bytes of "
                          f"shared memory, past a block's {BLOCK_SMEM}")
-    return AttentionPlan(splits=splits, split_keys=keys, warps=warps, staged_rows=rows, smem=smem, chain=chain)
+    return AttentionPlan(splits=splits, split_keys=keys, warps=warps, staged_rows=rows, smem=smem)
 
 
 def cache_positions(positions: int, config: LlamaConfig) -> int:
