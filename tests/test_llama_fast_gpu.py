@@ -496,4 +496,6 @@ def test_lab_runs_llama_on_the_fast_path_and_profiles_its_step(tmp_path):
     assert len(p["kernels"]) == 5 * 16 + 2 and p["graph_ms_per_token"] > 0 and p["persistent_stages"] is None
     without = p["graph_ms_per_token_without"]  # a graph without each kind of launch, timed
     assert set(without) == {row["kind"] for row in p["by_kind"]} and all(ms > 0 for ms in without.values())
-    assert without["rms+gate_up+silu"] < 0.9 * p["graph_ms_per_token"]  # 67 of the step's 122 MB a layer
+    # no comparison of those times here: beside the suite's other workers on the GPU, a graph timed
+    # without gate_up took 1.85 ms where the whole step took 1.33 (an H200, -n 8); tools/decode_breakdown.py
+    # measures them alone, and tests/test_fast_engine_cpu.py checks which launches a drop leaves

@@ -659,9 +659,18 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
         for (int m = 0; m < DQ_N / 8; ++m)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const int row = 16 * warp + g + 8 * h, chunk = 2 * (m % 4) + t / 2;
-                const unsigned at = dQ_share + (m / 4) * B_r * 128 + row * 128 + 16 * (chunk ^ (row % 8)) + 8 * (t % 2);
-                asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(at), "f"(dQ[4 * m + 2 * h]), "f"(dQ[4 * m + 2 * h + 1]));
+                // A 64-bit store is issued a half warp (rows g = 0-3 or 4-7) at a time. Stored in
+                // order of m, a half warp's chunk pairs (m ^ g / 2) are two, each written twice: a 2-way
+                // bank conflict on every store (ncu's source view: all of the kernel's excessive shared
+                // wavefronts). Odd rows store columns m ^ 3 (the same group of four): pairs m, m ^ 3,
+                // m ^ 1, m ^ 2, every bank once.
+                const bool odd = g & 1;
+                const int mm = odd ? m ^ 3 : m;
+                const int row = 16 * warp + g + 8 * h, chunk = 2 * (mm % 4) + t / 2;
+                const unsigned at = dQ_share + (mm / 4) * B_r * 128 + row * 128 + 16 * (chunk ^ (row % 8)) + 8 * (t % 2);
+                const float v0 = odd ? dQ[4 * (m ^ 3) + 2 * h] : dQ[4 * m + 2 * h];
+                const float v1 = odd ? dQ[4 * (m ^ 3) + 2 * h + 1] : dQ[4 * m + 2 * h + 1];
+                asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(at), "f"(v0), "f"(v1));
             }
         fence_async_shared();
         barrier_sync(2 + consumer, 128);
