@@ -57,7 +57,9 @@
  * 1.00-1.04x from T = 1024 (H200, bfloat16, `bench.py backward --cases gpt2,d128,noncausal`, one run:
  * 1.04x at 16x12x2048 d64 causal, 1.01x at d128 2x16x4096, level at 1x12x8192; 0.97x at 1x12x512,
  * inside that case's spread). A third stage of Q_i and dO_i at d = 64 (133,632 bytes) measured
- * 0.98-1.00x either way, so the ring stays at two.
+ * 0.98-1.00x either way, so the ring stays at two. dQ_i's share goes to shared memory without bank
+ * conflicts (odd rows store another group's columns: the store loop's comment): 1.01-1.06x the
+ * conflicting order in one run (H200, the same cases; 1.05-1.06x at d = 128 causal).
  *
  * Deterministic (deterministic = 1): b02's turns, counted: dQ_turns holds per query tile the number of
  * reductions done; warpgroup c of key tile j waits (ld.acquire) until it is at least 2 j, every

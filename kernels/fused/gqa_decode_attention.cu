@@ -44,9 +44,11 @@
  * first shuffle, where loading M's inputs, then m and l again, then the o's were three round trips
  * through L2 after the ticket. The same operations in the same order on the same values, so y's bits
  * did not change (a GPU test compares the logits). On an H200 (tools/llama_step_variants.py, graph
- * replay, two rounds) a token took 0.960-0.977x the time of the three-trip combine at Llama 3.2 1B,
- * 0.977-0.984x at 3B, 0.988-0.993x at 3.1 8B, positions 40 to 1,000. Null: copying row pos to shared
- * memory beside q's loads (the score and value loops each read it from L2 after q): 0.999-1.009x.
+ * replay, two rounds, as a template flag) a token took 0.960-0.977x the time of the three-trip combine
+ * at Llama 3.2 1B, 0.977-0.984x at 3B, 0.988-0.993x at 3.1 8B, positions 40 to 1,000; the trees before
+ * and after over 256 tokens (tools/decode_before_after.sh) 1.022x, 1.013x and 0.998x the tokens/s. Null:
+ * copying row pos to shared memory beside q's loads (the score and value loops each read it from L2
+ * after q): 0.999-1.009x.
  *
  * Template parameters: kv_t (float or bfloat16 bits), HS (head size; a multiple of 8 with HS / 8
  * dividing 32: 8 to 256), GROUP (query heads per key/value head), WARPS.
