@@ -30,12 +30,22 @@ import kernels
 from . import device, frontier
 from .device import progress
 from .options import kernel_list, results_option
-from .profile import NCU_TIMEOUT_S, case_list, find_ncu, ncu_version, skip_reason, target_args
+from .profile import (
+    NCU_TIMEOUT_S,
+    backward_list,
+    case_list,
+    find_ncu,
+    ncu_version,
+    short_kernel_name,
+    skip_reason,
+    target_args,
+)
 from .results import result_path, write_result, wrote
 
 SCHEMA = 1
 TOP = 20  # instructions listed, by their share of the samples
 SAMPLES, EXECUTED, SOURCE = "Warp Stall Sampling (All Samples)", "Instructions Executed", "Source"
+EXCESSIVE = "L1 Wavefronts Shared Excessive"  # shared-memory wavefronts past the ideal: bank conflicts
 
 
 def report_command(ncu: str, report: Path, target: list[str]) -> list[str]:
@@ -51,24 +61,44 @@ def source_command(ncu: str, report: Path) -> list[str]:
 
 
 def parse_source(text: str) -> list[dict]:
-    """ncu's source page (CSV, after whatever else it printed) -> [{"address", "sass", "opcode", "samples",
-    "executed"}] in program order. The opcode is the SASS mnemonic without its predicate and modifiers."""
+    """ncu's source page (CSV, after whatever else it printed) -> one {"kernel", "rows"} per kernel on it,
+    each kernel's table headed by its "Kernel Name" row (kernel None where the page has no such row).
+    A row: {"address", "sass", "opcode", "samples", "executed", "excessive", "stall"} in program order;
+    the opcode is the SASS mnemonic without its predicate and modifiers, `excessive` the instruction's
+    shared-memory wavefronts beyond the ideal (bank conflicts; 0 where ncu gave no such column), `stall`
+    the reason most of its samples give (None where it has none)."""
     lines = text.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith('"Address"')), None)
-    if start is None:
+    starts = [i for i, line in enumerate(lines) if line.startswith('"Address"')]
+    if not starts:
         raise ValueError("no source page in ncu's output (a header row starting with \"Address\")")
-    reader = csv.DictReader(io.StringIO("\n".join(lines[start:])))
-    missing = {SOURCE, SAMPLES, EXECUTED} - set(reader.fieldnames or ())
+    pages = []
+    for start, limit in zip(starts, starts[1:] + [len(lines)], strict=True):
+        end = next((i for i in range(start + 1, limit) if lines[i].startswith('"Kernel Name"')), limit)
+        named = lines[start - 1] if start > 0 and lines[start - 1].startswith('"Kernel Name"') else None
+        name = short_kernel_name(next(csv.reader([named]))[1]) if named else None
+        pages.append({"kernel": name, "rows": parse_table(lines[start:end])})
+    return pages
+
+
+def parse_table(lines: list[str]) -> list[dict]:
+    """One kernel's table of the source page: its header row and its instructions."""
+    reader = csv.DictReader(io.StringIO("\n".join(lines)))
+    fields = reader.fieldnames or ()
+    missing = {SOURCE, SAMPLES, EXECUTED} - set(fields)
     if missing:
         raise ValueError(f"ncu's source page lacks the columns {', '.join(sorted(missing))} (run with --set full)")
+    stalls = [f for f in fields if f.startswith("stall_") and "(" not in f]  # all samples, not the not-issued
     rows = []
     for r in reader:
         words = (r[SOURCE] or "").split()
         if not words:
             continue
         mnemonic = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
+        counts = {f.removeprefix("stall_"): number(r[f]) for f in stalls}
+        stall = max(counts, key=lambda k: (counts[k], k)) if counts and max(counts.values()) > 0 else None
         rows.append({"address": r["Address"], "sass": " ".join(words), "opcode": mnemonic.split(".")[0],
-                     "samples": number(r[SAMPLES]), "executed": number(r[EXECUTED])})
+                     "samples": number(r[SAMPLES]), "executed": number(r[EXECUTED]),
+                     "excessive": number(r.get(EXCESSIVE)), "stall": stall})
     if not rows:
         raise ValueError("ncu's source page has no instructions")
     return rows
@@ -87,32 +117,50 @@ def number(text: str) -> int:
 
 
 def summarize(rows: list[dict], top: int = TOP) -> dict:
-    """Each opcode's share of the samples and of the instructions executed (largest sample share first), and
-    the `top` instructions by samples (their index in program order, SASS, shares)."""
+    """Each opcode's share of the samples, of the instructions executed and of the excessive shared
+    wavefronts (largest sample share first); the `top` instructions by samples (their index in program
+    order, SASS, shares, top stall); and the `top` by excessive wavefronts, where any are."""
     samples, executed = sum(r["samples"] for r in rows), sum(r["executed"] for r in rows)
+    excessive = sum(r["excessive"] for r in rows)
     if not samples or not executed:
         raise ValueError(f"no samples ({samples}) or no instructions executed ({executed}) in the source page")
-    by_samples, by_executed = Counter(), Counter()
+    by_samples, by_executed, by_excessive = Counter(), Counter(), Counter()
     for r in rows:
         by_samples[r["opcode"]] += r["samples"]
         by_executed[r["opcode"]] += r["executed"]
-    opcodes = [{"opcode": op, "samples": n / samples, "executed": by_executed[op] / executed}
+        by_excessive[r["opcode"]] += r["excessive"]
+    opcodes = [{"opcode": op, "samples": n / samples, "executed": by_executed[op] / executed,
+                "excessive": by_excessive[op] / excessive if excessive else 0.0}
                for op, n in sorted(by_samples.items(), key=lambda item: (-item[1], -by_executed[item[0]], item[0]))]
     order = sorted(range(len(rows)), key=lambda i: -rows[i]["samples"])[:top]
     hot = [{"index": i, "sass": rows[i]["sass"], "samples": rows[i]["samples"] / samples,
-            "executed": rows[i]["executed"]} for i in sorted(order)]
-    return {"samples": samples, "executed": executed, "instructions": len(rows), "opcodes": opcodes, "hot": hot}
+            "executed": rows[i]["executed"], "stall": rows[i]["stall"]} for i in sorted(order)]
+    order = sorted((i for i in range(len(rows)) if rows[i]["excessive"]), key=lambda i: -rows[i]["excessive"])[:top]
+    conflicts = [{"index": i, "sass": rows[i]["sass"], "excessive": rows[i]["excessive"],
+                  "share": rows[i]["excessive"] / excessive, "executed": rows[i]["executed"]} for i in sorted(order)]
+    return {"samples": samples, "executed": executed, "instructions": len(rows), "excessive": excessive,
+            "opcodes": opcodes, "hot": hot, "conflicts": conflicts}
 
 
 def render(entry: dict, opcodes: int = 16) -> str:
-    """One rung at one shape: the opcode table (the first `opcodes` by samples) and the hot instructions."""
+    """One kernel of a rung at one shape: the opcode table (the first `opcodes` by samples), the hot
+    instructions and, where the kernel has bank conflicts, the instructions that make them."""
     s = entry["summary"]
-    lines = [f"**{entry['name']}** {entry.get('case') or ''}: {s['instructions']:,} SASS instructions, "
-             f"{s['executed']:,} executed (warp-level), {s['samples']:,} samples", "",
-             "| opcode | % of samples | % of instructions executed |", "|:---|---:|---:|"]
-    lines += [f"| `{o['opcode']}` | {100 * o['samples']:.1f} | {100 * o['executed']:.1f} |" for o in s["opcodes"][:opcodes]]
-    lines += ["", "| # | SASS | % of samples | executed |", "|---:|:---|---:|---:|"]
-    lines += [f"| {h['index']} | `{h['sass']}` | {100 * h['samples']:.1f} | {h['executed']:,} |" for h in s["hot"]]
+    kernel = f" `{entry['kernel']}`" if entry.get("kernel") else ""
+    lines = [f"**{entry['name']}**{kernel} {entry.get('case') or ''}: {s['instructions']:,} SASS instructions, "
+             f"{s['executed']:,} executed (warp-level), {s['samples']:,} samples, "
+             f"{s['excessive']:,} excessive shared wavefronts", "",
+             "| opcode | % of samples | % of instructions executed | % of excessive shared wavefronts |",
+             "|:---|---:|---:|---:|"]
+    lines += [f"| `{o['opcode']}` | {100 * o['samples']:.1f} | {100 * o['executed']:.1f} | {100 * o['excessive']:.1f} |"
+              for o in s["opcodes"][:opcodes]]
+    lines += ["", "| # | SASS | % of samples | top stall | executed |", "|---:|:---|---:|:---|---:|"]
+    lines += [f"| {h['index']} | `{h['sass']}` | {100 * h['samples']:.1f} | {h['stall'] or '-'} | {h['executed']:,} |"
+              for h in s["hot"]]
+    if s["conflicts"]:
+        lines += ["", "| # | SASS | excessive shared wavefronts | % of the kernel's | executed |", "|---:|:---|---:|---:|---:|"]
+        lines += [f"| {c['index']} | `{c['sass']}` | {c['excessive']:,} | {100 * c['share']:.1f} | {c['executed']:,} |"
+                  for c in s["conflicts"]]
     return "\n".join(lines)
 
 
@@ -124,47 +172,66 @@ def run_ncu(command: list[str], what: str) -> str:
     return done.stdout
 
 
-def sass_entry(ncu: str, path: Path, case, dtype: str, top: int) -> dict:
-    """One rung at one frontier case under ncu: its source page, summarized (status "error" and the reason
-    where ncu or the page fails)."""
+def entries_of(pages: list[dict], entry: dict, top: int) -> list[dict]:
+    """A page's kernels as entries (a rung's name and case, the kernel's name where the page names it), each
+    summarized; a kernel with no samples (too short for the sampler) is reported skipped."""
+    out = []
+    for k in pages:
+        e = entry | {"kernel": k["kernel"]}
+        try:
+            out.append(e | {"status": "ok", "summary": summarize(k["rows"], top)})
+        except ValueError as exc:
+            out.append(e | {"status": "skipped", "reason": str(exc)})
+    return out
+
+
+def sass_entries(ncu: str, path: Path, case, dtype: str, top: int, backward: bool = False) -> list[dict]:
+    """One rung (a backward rung: every kernel of one pass) at one frontier case under ncu: its source page,
+    an entry per kernel (one entry with status "error" and the reason where ncu or the page fails)."""
     entry = {"name": path.stem, "case": frontier.case_id(case)}
     try:
         with tempfile.TemporaryDirectory() as tmp:
             report = Path(tmp) / "rung.ncu-rep"
-            target = target_args(str(path), frontier.case_id(case), dtype)
+            target = target_args(str(path), frontier.case_id(case), dtype, backward)
             run_ncu(report_command(ncu, report, target), f"{path.stem} {frontier.case_id(case)}")
-            rows = parse_source(run_ncu(source_command(ncu, report), f"{path.stem}: the source page"))
-        return entry | {"status": "ok", "summary": summarize(rows, top)}
+            pages = parse_source(run_ncu(source_command(ncu, report), f"{path.stem}: the source page"))
+        return entries_of(pages, entry, top)
     except (RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:
-        return entry | {"status": "error", "reason": str(exc)}
+        return [entry | {"status": "error", "reason": str(exc)}]
 
 
 def cmd_sass(args) -> int:
+    if args.backward is not None and args.kernels is not None:
+        raise device.CannotRun("--kernels and --backward: name the forward rungs or the backward ones")
     if args.from_csv is not None:
-        entry = {"name": args.from_csv.stem, "case": None, "status": "ok",
-                 "summary": summarize(parse_source(args.from_csv.read_text()), args.top)}
-        print(render(entry))
+        for e in entries_of(parse_source(args.from_csv.read_text()), {"name": args.from_csv.stem, "case": None},
+                            args.top):
+            print(render(e) if e["status"] == "ok" else f"`{e['kernel']}`: {e['reason']}", end="\n\n")
         return 0
     ncu = find_ncu(args.ncu)
     device.require_gpu()
     setup = device.setup_info(args.argv)
     dev = setup["device"]
-    rungs = args.kernels if args.kernels is not None else [kernels.resolve(kernels.names()[-1])]
+    backward = args.backward is not None
+    rungs = args.backward if backward else args.kernels if args.kernels is not None else [
+        kernels.resolve(kernels.names()[-1])]
     entries = []
     for case in args.cases or case_list("2x32x4096-d128"):
         for path in rungs:
-            why = skip_reason(path, args.dtype, dev["arch"], case.d)
+            why = skip_reason(path, args.dtype, dev["arch"], case.d, backward)
             if why:
                 entries.append({"name": path.stem, "case": frontier.case_id(case), "status": "skipped", "reason": why})
                 progress(f"{path.stem} {frontier.case_id(case)}: skipped: {why}")
                 continue
             progress(f"{path.stem} {frontier.case_id(case)}: under ncu (every section) ...")
-            entries.append(sass_entry(ncu, path, case, args.dtype, args.top))
-            if entries[-1]["status"] == "ok":
-                print("\n" + render(entries[-1]), flush=True)
-            else:
-                progress(f"{path.stem} {frontier.case_id(case)}: error: {entries[-1]['reason']}")
+            for e in sass_entries(ncu, path, case, args.dtype, args.top, backward):
+                entries.append(e)
+                if e["status"] == "ok":
+                    print("\n" + render(e), flush=True)
+                else:
+                    progress(f"{path.stem} {frontier.case_id(case)} {e.get('kernel') or ''}: {e['status']}: {e['reason']}")
     result = {"schema": SCHEMA, "kind": "sass", "setup": setup, "dtype": args.dtype,
+              "direction": "backward" if backward else "forward",
               "ncu": {"path": ncu, "version": ncu_version(ncu),
                       "command": " ".join(report_command("ncu", Path("<report>"), ["<target>"]))},
               "entries": entries}
@@ -179,11 +246,15 @@ def add_sass_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "sass", help="where a rung's warps wait, instruction by instruction (Nsight Compute's source view)",
         description="Each rung at each frontier case, one launch under ncu with every section: each SASS "
-                    "opcode's share of the instructions executed and of the warps' stall samples, and the "
-                    f"instructions where most samples fell (the top {TOP}). --from-csv reads a source page "
+                    "opcode's share of the instructions executed, of the warps' stall samples and of the excessive "
+                    f"shared-memory wavefronts (bank conflicts), the instructions where most samples fell (the top "
+                    f"{TOP}, each with its top stall) and those that make the bank conflicts. --from-csv reads a source page "
                     "saved before (ncu -i REPORT --page source --csv --print-source sass), no GPU.")
     p.add_argument("--kernels", type=kernel_list, default=None, metavar="LIST",
                    help="rungs, comma-separated (v26,v27 or a .cu path); default: the newest rung")
+    p.add_argument("--backward", type=backward_list, default=None, metavar="LIST",
+                   help="backward rungs instead (b05,b06 or all): every kernel of one backward pass, after the "
+                        "newest forward rung that writes the log-sum-exp (as bench.py profile --backward)")
     p.add_argument("--cases", type=case_list, default=None, metavar="LIST",
                    help="frontier cases, comma-separated ids such as 2x32x4096-d128,16x12x2048-d64 (default: "
                         "2x32x4096-d128)")

@@ -1,6 +1,8 @@
-"""bench.py sass without a GPU: a source page that ncu printed on an H200 for v26 at 2x32x4096-d128 (its
-header and three stretches of the consumer's loop and the producer's, tests/fixtures/ncu/), parsed,
-summarized, rendered; the command run on a fake ncu."""
+"""bench.py sass without a GPU: source pages that ncu printed on an H200 (tests/fixtures/ncu/): v26 at
+2x32x4096-d128 (its header and three stretches of the consumer's loop and the producer's) and b05's dK/dV
+kernel at 4x16x4096, d=128, non-causal, before its dQ stores were made conflict-free (its header and 74 of
+its instructions: the first 12, the 30 with the most samples, every shared store), parsed, summarized,
+rendered; the command run on a fake ncu."""
 
 import argparse
 import json
@@ -8,14 +10,24 @@ import json
 import pytest
 
 from benchmarks import sass
+from benchmarks.device import CannotRun
 from tests.test_profile import FIXTURES, fake_device, fake_ncu
 
 PAGE = FIXTURES / "sass-v26-bfloat16-2x32x4096-d128.csv"
+B05 = FIXTURES / "sass-b05-bfloat16-4x16x4096-d128-noncausal.csv"
+
+
+def rows_of(path):
+    (page,) = sass.parse_source(path.read_text())
+    return page["rows"]
 
 
 def test_the_source_page_is_parsed_instruction_by_instruction():
-    rows = sass.parse_source(PAGE.read_text())
-    assert len(rows) == 169 and all(set(r) == {"address", "sass", "opcode", "samples", "executed"} for r in rows)
+    (page,) = sass.parse_source(PAGE.read_text())
+    assert page["kernel"] == "attention_forward<(int)128, (int)128, (int)128>"
+    rows = page["rows"]
+    assert len(rows) == 169 and all(set(r) == {"address", "sass", "opcode", "samples", "executed", "excessive",
+                                               "stall"} for r in rows)
     by_sass = {r["sass"]: r for r in rows}
     depbar = by_sass["WARPGROUP.DEPBAR.LE gsb0, 0x1"]
     assert depbar["opcode"] == "WARPGROUP" and depbar["executed"] == 253_952 and depbar["samples"] > 0
@@ -26,7 +38,7 @@ def test_the_source_page_is_parsed_instruction_by_instruction():
 
 
 def test_the_summary_shares_add_up_and_list_the_hot_instructions_in_program_order():
-    rows = sass.parse_source(PAGE.read_text())
+    rows = rows_of(PAGE)
     s = sass.summarize(rows, top=5)
     assert s["instructions"] == 169 and s["samples"] == sum(r["samples"] for r in rows)
     assert sum(o["samples"] for o in s["opcodes"]) == pytest.approx(1.0)
@@ -41,6 +53,45 @@ def test_the_summary_shares_add_up_and_list_the_hot_instructions_in_program_orde
     text = sass.render({"name": "v26_fp8_persistent", "case": "2x32x4096-d128", "summary": s})
     assert "| opcode | % of samples | % of instructions executed |" in text and "| `WARPGROUP` |" in text
     assert "`WARPGROUP.DEPBAR.LE gsb0, 0x1`" in text
+    assert s["excessive"] == 0 and s["conflicts"] == [] and "| % of the kernel's |" not in text
+
+
+def test_each_instruction_keeps_its_top_stall_and_its_bank_conflicts():
+    """b05's page: every excessive shared wavefront on the 16 64-bit stores of dQ's tile (2 wavefronts where
+    1 would do, each), the wgmma waits stalled at the barrier, the mbarrier spins on long_scoreboard."""
+    rows = rows_of(B05)
+    assert len(rows) == 74
+    conflicted = [r for r in rows if r["excessive"]]
+    assert len(conflicted) == 16 and all(r["sass"].startswith("STS.64 ") for r in conflicted)
+    assert {r["excessive"] for r in conflicted} == {2_097_152} and {r["executed"] for r in conflicted} == {1_048_576}
+    assert not any(r["excessive"] for r in rows if r["sass"].startswith("STS ")), "dS^T's 32-bit stores conflict-free"
+    by_sass = {r["sass"]: r for r in rows}
+    assert by_sass["WARPGROUP.DEPBAR.LE gsb0, 0x0"]["stall"] == "barrier"
+    assert by_sass["FENCE.VIEW.ASYNC.S"]["stall"] == "long_sb"
+    assert by_sass["STS.64 [R13+0x2400], R182"]["stall"] == "mio"
+    s = sass.summarize(rows, top=20)
+    assert s["excessive"] == 16 * 2_097_152
+    assert [c["sass"] for c in s["conflicts"]] == [r["sass"] for r in conflicted]  # program order
+    assert sum(c["share"] for c in s["conflicts"]) == pytest.approx(1.0)
+    assert {o["opcode"]: o["excessive"] for o in s["opcodes"]}["STS"] == pytest.approx(1.0)
+    assert all(h["stall"] for h in s["hot"])
+    text = sass.render({"name": "b05_wgmma", "kernel": "backward_dk_dv<(int)128, (int)64>", "case": "4x16x4096-d128-nc",
+                        "summary": s})
+    assert "**b05_wgmma** `backward_dk_dv<(int)128, (int)64>` 4x16x4096-d128-nc" in text
+    assert "33,554,432 excessive shared wavefronts" in text
+    assert "| excessive shared wavefronts | % of the kernel's |" in text and "| 2,097,152 | 6.2 |" in text
+    assert "| barrier |" in text
+
+
+def test_a_page_of_several_kernels_is_split_at_their_names():
+    """A backward pass is several kernels: each table after its own "Kernel Name" row."""
+    two = B05.read_text() + PAGE.read_text()
+    first, second = sass.parse_source("==PROF== Disconnected\n" + two)
+    assert first["kernel"].startswith("backward_dk_dv<") and len(first["rows"]) == 74
+    assert second["kernel"].startswith("attention_forward<") and len(second["rows"]) == 169
+    entries = sass.entries_of(sass.parse_source(two), {"name": "page", "case": None}, 5)
+    assert [(e["kernel"].split("<")[0], e["status"]) for e in entries] == [("backward_dk_dv", "ok"),
+                                                                          ("attention_forward", "ok")]
 
 
 @pytest.mark.parametrize("text, message", [
@@ -53,10 +104,13 @@ def test_a_page_that_is_not_one_is_a_clear_error(text, message):
         sass.parse_source(text)
 
 
-def test_no_samples_is_a_clear_error():
-    rows = [{"address": "0x0", "sass": "NOP", "opcode": "NOP", "samples": 0, "executed": 3}]
+def test_no_samples_is_a_clear_error_and_such_a_kernel_is_skipped():
+    rows = [{"address": "0x0", "sass": "NOP", "opcode": "NOP", "samples": 0, "executed": 3, "excessive": 0,
+             "stall": None}]
     with pytest.raises(ValueError, match="no samples"):
         sass.summarize(rows)
+    (entry,) = sass.entries_of([{"kernel": "backward_preprocess<64>", "rows": rows}], {"name": "b05", "case": "c"}, 5)
+    assert entry["status"] == "skipped" and "no samples" in entry["reason"] and entry["kernel"] == "backward_preprocess<64>"
 
 
 def test_the_commands_ask_for_the_source_counters_and_the_sass_page(tmp_path):
@@ -83,6 +137,8 @@ def test_from_csv_needs_no_gpu(capsys):
     assert "169 SASS instructions" in out and out.count("| `") >= 3
     with pytest.raises(SystemExit):
         parse(["sass", "--top", "0"])
+    assert sass.cmd_sass(parse(["sass", "--from-csv", str(B05)])) == 0
+    assert "STS.64 [R11], R152" in capsys.readouterr().out
 
 
 def test_cmd_sass_end_to_end_with_a_fake_ncu(tmp_path, monkeypatch, capsys):
@@ -99,8 +155,29 @@ def test_cmd_sass_end_to_end_with_a_fake_ncu(tmp_path, monkeypatch, capsys):
     assert [(e["name"], e["status"]) for e in saved["entries"]] == [
         ("v13_fa2_partitioning", "skipped"), ("v24_persistent", "ok"), ("v26_fp8_persistent", "ok")]
     assert saved["entries"][2]["summary"]["instructions"] == 169 and saved["entries"][2]["case"] == "2x32x4096-d128"
+    assert saved["direction"] == "forward"
     out = capsys.readouterr().out
     assert out.count("| opcode |") == 2
+
+
+def test_backward_rungs_run_their_pass_under_ncu(tmp_path, monkeypatch, capsys):
+    """--backward: the target is the backward pass (profile_target --backward), a rung without the case's
+    head size skipped, every kernel of the page an entry; --kernels beside it refused."""
+    fake_device(monkeypatch, {})
+    calls = tmp_path / "calls"
+    ncu = fake_ncu(tmp_path, f'echo "$@" >> \'{calls}\'; for a in "$@"; do [ "$a" = -i ] && exec cat \'{B05}\'; done; exit 0')
+    args = parse(["sass", "--backward", "b05,b06", "--cases", "2x32x4096-d128", "--ncu", ncu,
+                  "--results", str(tmp_path / "results")])
+    assert sass.cmd_sass(args) == 0
+    (written,) = (tmp_path / "results").glob("sass-*.json")
+    saved = json.loads(written.read_text())
+    assert saved["direction"] == "backward"
+    assert [(e["name"], e["status"]) for e in saved["entries"]] == [("b05_wgmma", "ok"), ("b06_wide_query_tiles", "skipped")]
+    assert saved["entries"][0]["kernel"].startswith("backward_dk_dv<") and "d=128" in saved["entries"][1]["reason"]
+    assert "--backward" in calls.read_text() and "--kernel " not in calls.read_text()
+    assert "| excessive shared wavefronts |" in capsys.readouterr().out
+    with pytest.raises(CannotRun, match="--kernels and --backward"):
+        sass.cmd_sass(parse(["sass", "--kernels", "v26", "--backward", "b05"]))
 
 
 def test_a_failing_ncu_names_the_rung(tmp_path, monkeypatch):
