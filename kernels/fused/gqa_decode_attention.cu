@@ -40,9 +40,9 @@
  * through L2 (fresh()).
  *
  * The combine's loads all go out at once where at most COMBINE_SPLITS splits are in use (the plan's
- * 16 splits, on caches up to 32,768 positions): a lane's split's m and l and its elements of every split's o, before the
- * first shuffle, where loading M's inputs, then m and l again, then the o's were three round trips
- * through L2 after the ticket. The same operations in the same order on the same values, so y's bits
+ * 16 splits, on caches up to 32,768 positions): a lane's split's m and l and its elements of every
+ * split's o, before the first shuffle, where loading M's inputs, then m and l again, then the o's were
+ * three round trips through L2 after the ticket. The same operations in the same order on the same values, so y's bits
  * did not change (a GPU test compares the logits). On an H200 (tools/llama_step_variants.py, graph
  * replay, two rounds, as a template flag) a token took 0.960-0.977x the time of the three-trip combine
  * at Llama 3.2 1B, 0.977-0.984x at 3B, 0.988-0.993x at 3.1 8B, positions 40 to 1,000; the trees before
