@@ -141,16 +141,22 @@ def test_from_csv_needs_no_gpu(capsys):
     assert "STS.64 [R11], R152" in capsys.readouterr().out
 
 
-def test_cmd_sass_end_to_end_with_a_fake_ncu(tmp_path, monkeypatch, capsys):
-    """The whole command on a fake ncu (which writes nothing for the report and prints the fixture's page
-    for -i): a rung that does not take the dtype skipped, two profiled, the result file."""
+def run_on_a_fake_ncu(tmp_path, monkeypatch, page, argv: list[str]) -> dict:
+    """cmd_sass on a fake device and a fake ncu (which logs its arguments to tmp_path/calls, writes nothing
+    for the report and prints `page` for -i): the result file it wrote."""
     fake_device(monkeypatch, {})
-    ncu = fake_ncu(tmp_path, f'for a in "$@"; do [ "$a" = -i ] && exec cat \'{PAGE}\'; done; exit 0')
-    args = parse(["sass", "--kernels", "v13,v24,v26", "--cases", "2x32x4096-d128", "--ncu", ncu,
-                  "--results", str(tmp_path / "results")])
+    calls = tmp_path / "calls"
+    ncu = fake_ncu(tmp_path, f'echo "$@" >> \'{calls}\'; for a in "$@"; do [ "$a" = -i ] && exec cat \'{page}\'; done; exit 0')
+    args = parse(["sass", *argv, "--cases", "2x32x4096-d128", "--ncu", ncu, "--results", str(tmp_path / "results")])
     assert sass.cmd_sass(args) == 0
     (written,) = (tmp_path / "results").glob("sass-*.json")
-    saved = json.loads(written.read_text())
+    return json.loads(written.read_text())
+
+
+def test_cmd_sass_end_to_end_with_a_fake_ncu(tmp_path, monkeypatch, capsys):
+    """The whole command on a fake ncu: a rung that does not take the dtype skipped, two profiled, the
+    result file."""
+    saved = run_on_a_fake_ncu(tmp_path, monkeypatch, PAGE, ["--kernels", "v13,v24,v26"])
     assert saved["kind"] == "sass" and saved["dtype"] == "bfloat16" and "--set full" in saved["ncu"]["command"]
     assert [(e["name"], e["status"]) for e in saved["entries"]] == [
         ("v13_fa2_partitioning", "skipped"), ("v24_persistent", "ok"), ("v26_fp8_persistent", "ok")]
@@ -163,18 +169,12 @@ def test_cmd_sass_end_to_end_with_a_fake_ncu(tmp_path, monkeypatch, capsys):
 def test_backward_rungs_run_their_pass_under_ncu(tmp_path, monkeypatch, capsys):
     """--backward: the target is the backward pass (profile_target --backward), a rung without the case's
     head size skipped, every kernel of the page an entry; --kernels beside it refused."""
-    fake_device(monkeypatch, {})
-    calls = tmp_path / "calls"
-    ncu = fake_ncu(tmp_path, f'echo "$@" >> \'{calls}\'; for a in "$@"; do [ "$a" = -i ] && exec cat \'{B05}\'; done; exit 0')
-    args = parse(["sass", "--backward", "b05,b06", "--cases", "2x32x4096-d128", "--ncu", ncu,
-                  "--results", str(tmp_path / "results")])
-    assert sass.cmd_sass(args) == 0
-    (written,) = (tmp_path / "results").glob("sass-*.json")
-    saved = json.loads(written.read_text())
+    saved = run_on_a_fake_ncu(tmp_path, monkeypatch, B05, ["--backward", "b05,b06"])
     assert saved["direction"] == "backward"
     assert [(e["name"], e["status"]) for e in saved["entries"]] == [("b05_wgmma", "ok"), ("b06_wide_query_tiles", "skipped")]
     assert saved["entries"][0]["kernel"].startswith("backward_dk_dv<") and "d=128" in saved["entries"][1]["reason"]
-    assert "--backward" in calls.read_text() and "--kernel " not in calls.read_text()
+    calls = (tmp_path / "calls").read_text()
+    assert "--backward" in calls and "--kernel " not in calls
     assert "| excessive shared wavefronts |" in capsys.readouterr().out
     with pytest.raises(CannotRun, match="--kernels and --backward"):
         sass.cmd_sass(parse(["sass", "--kernels", "v26", "--backward", "b05"]))
