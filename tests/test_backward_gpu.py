@@ -162,6 +162,16 @@ def test_backward_rung_strided_inputs_and_custom_scale(name):
     check_gradients(name, q, k, v, do, scale=0.3)
 
 
+@pytest.mark.parametrize("NH,NH_kv", [(7, 7), (14, 7)])
+def test_b05_non_causal_heads_in_chunks(NH, NH_kv):
+    """b05's non-causal grid takes the heads in chunks whose Q, dO and dQ_accum fit 16 MB of L2: at 4096 rows
+    and d = 128, 7 heads make chunks of 4 and 3, and 14 query heads over 7 K/V heads chunks of 2, 2, 2 and 1
+    (the last chunk short): every key tile of every head must still be visited once."""
+    import cupy as cp
+
+    check_gradients("b05", *random_inputs(cp, 1, NH, NH_kv, 4096, 4096, 128, "bfloat16", seed=5), causal=False)
+
+
 # every rung x head size x dtype with a deterministic configuration
 DETERMINISTIC = [(name, d, dtype) for name, d, dtype in CASES
                  if any(backward.load(name).is_deterministic(c) for c in backward.load(name).configs_for(d, dtype))]
