@@ -27,10 +27,11 @@
  * half the steps, so half those costs, and each wgmma does twice the work. dQ's traffic into L2 is
  * unchanged (T_q x d floats per key tile either way); the Q_i and dO_i copies are fewer and larger.
  * Measured on an H200 (bench.py backward --dtype bfloat16, one run, docs/results.md#backward, both rungs
- * with dQ's conflict-free stores): 1.08x b05 at 8 x 12 x 1024, 1.07x at 16 x 12 x 2048, 1.10x at
- * 6 x 12 x 4096, 1.18x at 1 x 12 x 8192 (1.02x cuDNN there), 1.13x non-causal at 4 x 12 x 2048;
- * deterministic 1.13-1.22x. At 1 x 12 x 512, a pass of tens of microseconds whose spread is wide,
- * 1.04x (deterministic 1.06x); the run before had 0.93x and 0.52x there.
+ * with dQ's conflict-free stores, b05 with its non-causal chunks of heads): 1.10x b05 at 8 x 12 x 1024,
+ * 1.07x at 16 x 12 x 2048, 1.11x at 6 x 12 x 4096, 1.19x at 1 x 12 x 8192 (1.01x cuDNN there), 1.16x
+ * non-causal at 4 x 12 x 2048; deterministic 1.15-1.26x. At 1 x 12 x 512, a pass of tens of
+ * microseconds whose spread is wide, level (1.04x and 0.93x in earlier runs). b05's non-causal chunks
+ * of heads measured 0.99x here at 4 x 12 x 2048 (docs/backward.md#l2-chunks): b06 keeps b02's order.
  *
  * Registers: a consumer holds dK_j and dV_j (32 each at d = 64), S^T and dP^T (64 each), then P^T and
  * dS^T rounded (32 each) and dQ's share (32): within the 240 setmaxnreg gives, no spills (ptxas).
