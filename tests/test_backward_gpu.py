@@ -172,6 +172,15 @@ def test_b05_non_causal_heads_in_chunks(NH, NH_kv):
     check_gradients("b05", *random_inputs(cp, 1, NH, NH_kv, 4096, 4096, 128, "bfloat16", seed=5), causal=False)
 
 
+def test_b06_long_causal_grid_in_chunks_of_heads():
+    """b06's causal grid of 16 waves of blocks or more takes the heads in chunks (16 MB of Q, dO and dQ_accum,
+    two waves of blocks at least): 600 heads of 512 rows are 2,400 blocks, past 16 x the SM identifiers of
+    an H100 or H200, in chunks of 66-72 heads, the last one short."""
+    import cupy as cp
+
+    check_gradients("b06", *random_inputs(cp, 2, 300, 300, 512, 512, 64, "bfloat16", seed=6), causal=True)
+
+
 # every rung x head size x dtype with a deterministic configuration
 DETERMINISTIC = [(name, d, dtype) for name, d, dtype in CASES
                  if any(backward.load(name).is_deterministic(c) for c in backward.load(name).configs_for(d, dtype))]

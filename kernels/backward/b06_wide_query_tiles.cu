@@ -30,8 +30,16 @@
  * with dQ's conflict-free stores, b05 with its non-causal chunks of heads): 1.10x b05 at 8 x 12 x 1024,
  * 1.07x at 16 x 12 x 2048, 1.11x at 6 x 12 x 4096, 1.19x at 1 x 12 x 8192 (1.01x cuDNN there), 1.16x
  * non-causal at 4 x 12 x 2048; deterministic 1.15-1.26x. At 1 x 12 x 512, a pass of tens of
- * microseconds whose spread is wide, level (1.04x and 0.93x in earlier runs). b05's non-causal chunks
- * of heads measured 0.99x here at 4 x 12 x 2048 (docs/backward.md#l2-chunks): b06 keeps b02's order.
+ * microseconds whose spread is wide, level (1.04x and 0.93x in earlier runs).
+ *
+ * The block order of a long causal grid (16 waves of blocks or more): heads in chunks whose Q, dO and
+ * dQ_accum fit 16 MB of L2, two waves of blocks at least, heavy first within a chunk (the kernel's
+ * comment). At 16 x 12 x 2048 b02's order, key tile first, has every one of the 192 heads' 1 MB in
+ * flight at once. Measured as a variant file beside b06 on an H200, three `bench.py backward --cases
+ * gpt2` runs with the order of the files rotated: 16 x 12 x 2048 0.916-0.920 ms against 0.969-0.970
+ * (1.055x), 6 x 12 x 4096 1.125 against 1.131-1.138 (1.01x); the other GPT-2 shapes are shorter grids,
+ * unchanged. Chunks of four waves at least: 1.085x at 2048 but 0.97x at 4096. Without the mask (b05's
+ * chunks, docs/backward.md#l2-chunks) 0.99x at 4 x 12 x 2048: the non-causal grid keeps b02's order.
  *
  * Registers: a consumer holds dK_j and dV_j (32 each at d = 64), S^T and dP^T (64 each), then P^T and
  * dS^T rounded (32 each) and dQ's share (32): within the 240 setmaxnreg gives, no spills (ptxas).
@@ -70,6 +78,7 @@
 #endif
 
 constexpr float LOG2_E = 1.4426950408889634f;
+constexpr long long L2_CHUNK = 16ll << 20;  // a long causal grid's chunk of heads (below)
 constexpr int AUX_THREADS = 256;  // backward_preprocess and backward_dq (lab.threads)
 constexpr unsigned FULL_WARP = 0xffffffffu;
 
@@ -415,11 +424,29 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
     auto QdO_empty = [&](int n) { return KV_full + 8 * (1 + STAGES + n % STAGES); };
     auto parity = [](int n) { return (unsigned)(n / STAGES) & 1u; };  // step n: use n / STAGES of its stage
 
-    // Heavy tiles first (b02's): the flat block index, read as (key tile, K/V head), counts key tiles up.
+    // The block order. The flat block index reads as (chunk of K/V heads, key tile, head in the chunk): key
+    // tiles count up within a chunk, heavy first where causal (b02's order). One chunk holds every head
+    // (b02's order exactly) unless the grid is causal, not deterministic and at least 16 waves of blocks
+    // long: then a chunk is as many heads as fit their query-side tensors (Q_i, dO_i: 2 bytes an element;
+    // dQ_accum: 4) in L2_CHUNK, and two waves of blocks at least, so that the blocks in flight share
+    // those tensors in L2 while the heavy tiles of a chunk still go first (the header has the
+    // measurements).
     const long long n_heads = (long long)gridDim.y * gridDim.z;  // = B * NH_kv
     const long long flat = blockIdx.x + (long long)gridDim.x * (blockIdx.y + (long long)gridDim.y * blockIdx.z);
-    const int j = (int)(flat / n_heads);
-    const long long kv_bh = flat % n_heads;  // = batch * NH_kv + K/V head
+    long long chunk = n_heads;
+    if (causal && !deterministic) {
+        unsigned sms;
+        asm("mov.u32 %0, %%nsmid;" : "=r"(sms));
+        if ((long long)gridDim.x * n_heads >= 16LL * sms) {  // sms: the SM identifiers, at least the SMs
+            const long long head_bytes = 8LL * kv_group * T_q * d_head;
+            chunk = min(n_heads, max(L2_CHUNK / head_bytes, (2LL * sms + gridDim.x - 1) / gridDim.x));
+        }
+    }
+    const long long first_head = flat / (chunk * gridDim.x) * chunk;
+    const long long heads_here = min(chunk, n_heads - first_head);  // the last chunk may be short
+    const long long within = flat % (chunk * gridDim.x);
+    const int j = (int)(within / heads_here);
+    const long long kv_bh = first_head + within % heads_here;  // = batch * NH_kv + K/V head
     const int batch = (int)(kv_bh / gridDim.y), kv_head = (int)(kv_bh % gridDim.y);
     const int col_start = j * B_c;
     const int offset = T_k - T_q;            // query row i sees keys <= i + offset (causal, bottom-right)
