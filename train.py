@@ -78,7 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kernel", help="forward rung that writes the log-sum-exp (lab.lse); default: the newest that "
                                     "takes the dtype and runs here (float32: without TF32)")
     p.add_argument("--backward", help="backward rung (kernels/backward/); default: the newest that takes the dtype "
-                                      "and runs here (float32: without TF32)")
+                                      "and runs here (float32: without TF32), not one yet to run on a GPU "
+                                      "(lab.unverified)")
     p.add_argument("--steps", type=int, default=50, help="optimizer steps (default 50)")
     p.add_argument("--batch", type=int, default=4, help="B, rows per micro-batch (default 4)")
     p.add_argument("--seq", type=int, default=1024, help="T, tokens per row (default 1024)")
@@ -148,7 +149,7 @@ def pick_rungs(args, config, arch: str) -> tuple[str, str]:
     if not kernels.load(forward_rung).lse:
         raise LabError(f"kernel {forward_rung} does not write the log-sum-exp the backward needs (lab.lse); "
                        f"{', '.join(writers)} do")
-    return forward_rung, pick(backward_ladder, backward_ladder.names(), args.backward, "backward", config,
+    return forward_rung, pick(backward_ladder, backward_ladder.default_names(), args.backward, "backward", config,
                               args.dtype, arch)
 
 

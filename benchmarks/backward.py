@@ -62,10 +62,11 @@ def backward_flops(case: Case) -> float:
 
 
 def rungs_for(dtype: str, names: list[str] | None = None) -> list[str]:
-    """The backward rungs to run: those named, else every one that declares the dtype."""
+    """The backward rungs to run: those named, else every one that declares the dtype (not one declared
+    lab.unverified: not yet run on a GPU)."""
     if names is not None:
         return names
-    return [n for n in backward_ladder.names() if dtype in backward_ladder.load(n).dtypes]
+    return [n for n in backward_ladder.default_names() if dtype in backward_ladder.load(n).dtypes]
 
 
 def entries(case: Case, dtype: str, rungs: list[str]) -> list[tuple[str, bool]]:

@@ -75,8 +75,9 @@ def finish_row(r: dict, ceiling_tflops: float | None) -> dict:
 
 
 def rungs_for(dtype: str, arch: str, d_head: int = 64) -> list[str]:
-    """Every backward rung that takes the dtype and GPT-2's head size and runs on arch."""
-    return [n for n in backward_ladder.names()
+    """Every backward rung that takes the dtype and GPT-2's head size and runs on arch (not one declared
+    lab.unverified: not yet run on a GPU)."""
+    return [n for n in backward_ladder.default_names()
             if dtype in (r := backward_ladder.load(n)).dtypes and d_head in r.head_sizes() and r.runs_on(arch)]
 
 

@@ -180,6 +180,29 @@ def test_backward_declarations_are_parsed(tmp_path):
     assert rung.dq_accum and rung.tolerance_factor(config) == 3  # FlashAttention's rule by default
 
 
+def test_a_persistent_phase_walks_the_tiles_on_a_grid_of_the_sms(tmp_path):
+    """`key tiles persistent`: one block an SM, at most a block a tile; every phase then takes NH_kv and B."""
+    rung = backward.load(write(tmp_path, "mine.cu", MINIMAL.replace("key tiles, threads", "key tiles persistent, threads")))
+    pre, main, _ = rung.phases
+    assert main.persistent and not pre.persistent and rung.has_persistent_phase
+    config = (64, 32, 64, 1)
+    assert rung.grid(main, config, 2, 12, 4, 100, 300, sm_count=132) == (40, 1, 1)  # 5 key tiles x 4 x 2 < 132
+    assert rung.grid(main, config, 8, 12, 4, 100, 3000, sm_count=132) == (132, 1, 1)
+    assert rung.grid(pre, config, 2, 12, 4, 100, 300, sm_count=132) == (4, 12, 2)  # not persistent: as before
+    with pytest.raises(ValueError, match="needs the SM count"):
+        rung.grid(main, config, 2, 12, 4, 100, 300)
+    assert not backward.load(write(tmp_path, "plain.cu", MINIMAL)).has_persistent_phase
+
+
+def test_an_unverified_rung_is_tested_but_not_a_default(tmp_path):
+    """lab.unverified: a rung landed before a GPU ran it. The tests take every rung; the runs that pick
+    rungs by default (bench.py backward, train.py, bench.py train) skip it."""
+    rung = backward.load(write(tmp_path, "mine.cu", MINIMAL.replace(" */", " * lab.unverified  not yet run on a GPU\n */", 1)))
+    assert rung.unverified == "not yet run on a GPU" and backward.load(write(tmp_path, "plain.cu", MINIMAL)).unverified is None
+    unverified = [n for n in RUNGS if backward.load(n).unverified]
+    assert backward.default_names() == [n for n in RUNGS if n not in unverified]
+
+
 @pytest.mark.parametrize("edit,message", [
     (lambda s: s.replace("key tiles, threads", "value tiles, threads"), "must read like"),
     (lambda s: s.replace(" * lab.phase      backward_dq: query tiles, threads min(B_r, 32), smem 0\n", "")
@@ -294,7 +317,8 @@ def test_every_backward_phase_compiles_without_spills(name, arch):
 
 
 # rungs whose tiling holds only at d = 64, and why (the newest rung that takes d = 128 runs it there)
-D64_ONLY = {"b06_wide_query_tiles": "S^T and dP^T at n128 beside dK_j and dV_j pass the 240 registers at d = 128"}
+D64_ONLY = {"b06_wide_query_tiles": "S^T and dP^T at n128 beside dK_j and dV_j pass the 240 registers at d = 128",
+            "b07_persistent": "b06's tiles, walked by one block an SM"}
 
 
 @pytest.mark.parametrize("name", RUNGS)

@@ -553,6 +553,23 @@ def test_default_rungs(train, dtype, arch, forward, backward):
     assert train.pick_rungs(args, gpt2.SIZES["gpt2"], arch) == (forward, backward)
 
 
+def test_a_backward_rung_not_yet_run_on_a_gpu_trains_only_when_named(train, monkeypatch):
+    """A newer backward rung declared lab.unverified is not the default; --backward names it."""
+    import dataclasses
+
+    from kernels import backward as backward_ladder
+
+    load, names, resolve = backward_ladder.load, backward_ladder.names, backward_ladder.resolve
+    newer = dataclasses.replace(load("b06"), name="b99_new", unverified="not yet run on a GPU")
+    monkeypatch.setattr(backward_ladder, "names", lambda: [*names(), "b99_new"])
+    monkeypatch.setattr(backward_ladder, "load", lambda n: newer if n == "b99_new" else load(n))
+    monkeypatch.setattr(backward_ladder, "resolve", lambda n: newer.path.with_name("b99_new.cu") if n == "b99_new" else resolve(n))
+    args = train.parse_args(["--data", "x.bin", "--dtype", "bfloat16"])
+    assert train.pick_rungs(args, gpt2.SIZES["gpt2"], "sm_90")[1] == "b06_wide_query_tiles"
+    args = train.parse_args(["--data", "x.bin", "--dtype", "bfloat16", "--backward", "b99_new"])
+    assert train.pick_rungs(args, gpt2.SIZES["gpt2"], "sm_90")[1] == "b99_new"
+
+
 @pytest.mark.parametrize("declared, chosen", [
     ({}, "v26_new"),  # a newer rung that declares what training needs is the default, no list to edit
     ({"lse": False}, "v13_fa2_partitioning"),  # no log-sum-exp for the backward

@@ -22,7 +22,10 @@ take turns per query tile); without it both are null. The mask is the forward's:
 bottom-right when T_q != T_k; with grouped-query heads dK and dV sum the group's query heads.
 
 A phase's grid is over query tiles, (ceil(T_q / B_r), NH, B), or over key tiles,
-(ceil(T_k / B_c), NH_kv, B). A rung declares, beside the forward's lab.template, lab.configs,
+(ceil(T_k / B_c), NH_kv, B); a persistent phase (`key tiles persistent`) is one block an SM,
+(min(tiles x heads x B, SMs), 1, 1), each walking the tiles, and then every phase of the rung takes
+two more ints after scale, `int n_kv_heads, int batches` (NH_kv and B: a persistent grid no longer
+says them). A rung declares, beside the forward's lab.template, lab.configs,
 lab.options, lab.stack, lab.dtypes, lab.dtype_param, lab.supports, lab.min_arch and
 lab.tf32_products (each meaning what it does there):
 
@@ -30,7 +33,8 @@ lab.tf32_products (each meaning what it does there):
     lab.smem       0                         dynamic shared memory of every phase, unless the phase says
     lab.phase      backward_dk_dv: key tiles, threads 2 * B_c, smem 4 * B_c * d_head
                                              one line per kernel, in launch order: its entry point,
-                                             the tiles of its grid, and, if not the defaults, its
+                                             the tiles of its grid (`persistent` after them: one
+                                             block an SM walks them), and, if not the defaults, its
                                              block and shared memory (expressions of the parameters)
     lab.dq_accum   true                      dQ_accum and dQ_turns are allocated (default false)
     lab.deterministic deterministic          1 for a configuration that gives the same bits on every
@@ -42,6 +46,8 @@ lab.tf32_products (each meaning what it does there):
     lab.tma        Q: (B_r, 64), dQ_accum: (B_r, 32)
                                              TMA descriptors (the forward's lab.tma) of any of Q, K, V,
                                              O, dO and dQ_accum (with lab.dq_accum), 128-byte swizzle
+    lab.unverified not yet run on a GPU      a rung landed before a GPU ran it: tested and run when
+                                             named, but train.py and bench.py do not pick it by default
 
 A rung with lab.tma takes one `const __grid_constant__ CUtensorMap` per declared tensor after the
 parameters above, in the declaration's order, in every phase (the phases share one signature); the
@@ -59,10 +65,10 @@ from .. import ladder
 BACKWARD_DIR = Path(__file__).resolve().parent
 _RUNG_FILE = re.compile(r"^b(\d+)_([a-z0-9_]+)\.cu$")
 _KEYS = {"template", "configs", "threads", "smem", "options", "stack", "tolerance", "dtypes", "dtype_param",
-         "supports", "min_arch", "tf32_products", "phase", "dq_accum", "deterministic", "tma"}
+         "supports", "min_arch", "tf32_products", "phase", "dq_accum", "deterministic", "tma", "unverified"}
 TMA_TENSORS = ("Q", "K", "V", "O", "dO", "dQ_accum")  # what a backward rung's lab.tma may describe
 TILES = {"query": "B_r", "key": "B_c"}  # a phase's grid, and the parameter that sizes its tiles
-_PHASE = re.compile(r"(\w+):\s*(query|key) tiles\s*((?:,\s*(?:threads|smem)\s+.+)*)")
+_PHASE = re.compile(r"(\w+):\s*(query|key) tiles(\s+persistent)?\s*((?:,\s*(?:threads|smem)\s+.+)*)")
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,7 @@ class Phase:
     tiles: str  # "query" or "key": what its blocks tile
     threads: tuple[str, ...] | None = None  # block shape, expressions; None: lab.threads
     smem: str | None = None  # dynamic shared memory in bytes, an expression; None: lab.smem
+    persistent: bool = False  # one block an SM walks the tiles: grid (min(tiles, SMs), 1, 1)
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,7 @@ class BackwardRung(ladder.Rung):
     phases: tuple[Phase, ...] = ()
     dq_accum: bool = False
     deterministic: str = "0"
+    unverified: str | None = None  # why the rung has not run on a GPU yet: train.py and bench.py skip it unless named
 
     def phase_block(self, phase: Phase, config) -> tuple[int, int, int]:
         dims = [ladder.evaluate(e, self.params(config)) for e in (phase.threads or self.threads)]
@@ -100,9 +108,21 @@ class BackwardRung(ladder.Rung):
         """Rows of Q (query tiles) or of K (key tiles) per block of the phase."""
         return self.params(config)[TILES[phase.tiles]]
 
-    def grid(self, phase: Phase, config, B: int, NH: int, NH_kv: int, T_q: int, T_k: int) -> tuple[int, int, int]:
+    @property
+    def has_persistent_phase(self) -> bool:
+        """Whether a phase walks its tiles in a grid of one block an SM: then every phase takes the
+        K/V heads and the batch as two more ints after scale."""
+        return any(p.persistent for p in self.phases)
+
+    def grid(self, phase: Phase, config, B: int, NH: int, NH_kv: int, T_q: int, T_k: int,
+             sm_count: int | None = None) -> tuple[int, int, int]:
         rows, heads = (T_q, NH) if phase.tiles == "query" else (T_k, NH_kv)
-        return -(-rows // self.tile(phase, config)), heads, B
+        tiles = -(-rows // self.tile(phase, config))
+        if phase.persistent:
+            if sm_count is None:
+                raise ValueError(f"{self.name}: {phase.entry} is persistent: its grid needs the SM count")
+            return max(1, min(tiles * heads * B, sm_count)), 1, 1
+        return tiles, heads, B
 
 
 def rung_files() -> list[Path]:
@@ -113,6 +133,11 @@ def rung_files() -> list[Path]:
 
 def names() -> list[str]:
     return [p.stem for p in rung_files()]
+
+
+def default_names() -> list[str]:
+    """The rungs a run takes when none is named: every one but those not yet run on a GPU (lab.unverified)."""
+    return [n for n in names() if load(n).unverified is None]
 
 
 def owns(kernel) -> bool:
@@ -143,7 +168,7 @@ def parse_phase(text: str, where: str) -> Phase:
     if not m:
         raise ValueError(f"{where} must read like `backward_dq: query tiles, threads 128, smem 0` (key tiles for "
                          f"a grid over K; threads and smem optional), got {text!r}")
-    entry, tiles, rest = m.groups()
+    entry, tiles, persistent, rest = m.groups()
     fields = {}
     for item in re.split(r",\s*(?=(?:threads|smem)\s)", rest.strip().lstrip(",").strip()) if rest.strip() else []:
         key, _, value = item.strip().partition(" ")
@@ -151,7 +176,7 @@ def parse_phase(text: str, where: str) -> Phase:
             raise ValueError(f"{where}: {key} given twice in {text!r}")
         fields[key] = value.strip()
     threads = tuple(_top_level_items(fields["threads"])) if "threads" in fields else None
-    return Phase(entry=entry, tiles=tiles, threads=threads, smem=fields.get("smem"))
+    return Phase(entry=entry, tiles=tiles, threads=threads, smem=fields.get("smem"), persistent=bool(persistent))
 
 
 def _top_level_items(text: str) -> list[str]:
@@ -177,7 +202,7 @@ def parse(path: Path) -> BackwardRung:
         raise ValueError(f"{where}: an entry point appears twice ({', '.join(entries)})")
     rung = ladder.build(path, decl, cls=BackwardRung, tma_tensors=TMA_TENSORS, phases=phases,
                         dq_accum=decl.get("dq_accum", "false").lower() == "true",
-                        deterministic=decl.get("deterministic", "0"))
+                        deterministic=decl.get("deterministic", "0"), unverified=decl.get("unverified"))
     if "dQ_accum" in dict(rung.tma) and not rung.dq_accum:
         raise ValueError(f"{path}: lab.tma describes dQ_accum, which exists only with lab.dq_accum true")
     needed = {TILES[p.tiles] for p in phases} | ({"B_r"} if rung.dq_accum else set())

@@ -50,9 +50,12 @@ class BackwardInstance:
         args = (q, k, v, o, do, lse, dq, dk, dv, D, null if dq_accum is None else dq_accum,
                 null if dq_turns is None else dq_turns, np.int32(T_q), np.int32(T_k), np.int32(NH // NH_kv),
                 np.int32(causal), np.float32(scale))
+        if self.rung.has_persistent_phase:  # a grid of one block an SM no longer says the heads and the batch
+            args += (np.int32(NH_kv), np.int32(B))
+        sm_count = runtime.device_limits().sm_count
         stream = runtime._cupy().cuda.get_current_stream().ptr if tensor_maps else 0
         for phase, fn, block, smem in zip(self.rung.phases, self.functions, self.blocks, self.smem):
-            grid = self.rung.grid(phase, self.config, B, NH, NH_kv, T_q, T_k)
+            grid = self.rung.grid(phase, self.config, B, NH, NH_kv, T_q, T_k, sm_count)
             if tensor_maps:  # a CUtensorMap goes by value: packed as 128 bytes for cuLaunchKernelEx
                 driver.PackedLaunch(fn, grid, block, args + tuple(tensor_maps), shared_mem=smem, stream=stream,
                                     name=f"{self.rung.name}:{phase.entry}")()
