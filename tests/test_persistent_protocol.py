@@ -1,6 +1,6 @@
-"""Model checks of two persistent kernels' protocols (the kernels themselves run only on the GPU): v24_persistent's
-below, and kernels/fused/decode_step.cu's weight stream at the end (its plans' slot counts and items; a release
-before the reads end fails it).
+"""Model checks of three persistent kernels' protocols (the kernels themselves run only on the GPU): v24_persistent's
+below, kernels/fused/decode_step.cu's weight stream after it (its plans' slot counts and items; a release
+before the reads end fails it), and b07_persistent's backward at the end.
 
 v24_persistent across tiles: random interleavings of the producer thread, the consumer
 warpgroups (one agent each) and the copy engine, for several blocks sharing the tile counter.
@@ -34,6 +34,10 @@ class MBarrier:
         if self.pending < 0:
             raise Fail(f"{self.name}: more arrivals than its count")
         self._complete()
+
+    def expect(self, tx):
+        """expect_tx: bytes still to come, announced without an arrival."""
+        self.tx += tx
 
     def complete_tx(self, tx):
         self.tx -= tx
@@ -405,3 +409,151 @@ def test_decode_step_stream_model_catches_a_release_before_the_reads_end():
         except Fail as exc:
             caught += "while warps" in str(exc) or "refilled while" in str(exc)
     assert caught > 0
+
+
+# -- kernels/backward/b07_persistent.cu -------------------------------------------------------------
+# Block b takes tiles b, b + G, ... of b06's order. Its producer lane 0 and its other 31 lanes (two agents)
+# fill the ring of Q_i and dO_i, step n of the block (whatever its tile) in stage n % 2, use n // 2; lane 0
+# issues each tile's K_j and V_j after its first step's copies, once the consumers have released the
+# previous tile's (K_j/V_j's empty barrier, use u - 1). The consumers (one agent: every thread does the
+# same) wait for K_j and V_j (use u), take the tile's steps, release each stage, then K_j and V_j, and
+# write dK_j and dV_j. Breaking it (no wait on the empty barrier, a wrong parity, a release left out)
+# fails the test below.
+
+
+def b07_tiles(T_q, T_k, n_heads, kv_group, causal, deterministic, grid, B_r=128, B_c=128, d=64, l2_chunk=16 << 20):
+    """b07's item_at for every tile of the flat order: (j, kv_bh, steps)."""
+    T_c, T_r, offset = -(-T_k // B_c), -(-T_q // B_r), T_k - T_q
+    chunk = n_heads
+    if causal and not deterministic and T_c * n_heads >= 16 * grid:
+        chunk = min(n_heads, max(l2_chunk // (8 * kv_group * T_q * d), -(-2 * grid // T_c)))
+    out = []
+    for k in range(T_c * n_heads):
+        first_head = k // (chunk * T_c) * chunk
+        heads_here = min(chunk, n_heads - first_head)
+        j, kv_bh = k % (chunk * T_c) // heads_here, first_head + k % (chunk * T_c) % heads_here
+        first_tile = (max(0, j * B_c - offset) if causal else 0) // B_r
+        out.append((j, kv_bh, kv_group * max(0, T_r - first_tile)))
+    return out
+
+
+@pytest.mark.parametrize("T_q, T_k, n_heads, kv_group, causal, deterministic", [
+    (2048, 2048, 192, 1, True, False),  # a long causal grid: chunks of heads
+    (2048, 2048, 193, 1, True, False),  # the last chunk short
+    (1000, 1000, 7, 4, True, False),    # fewer tiles than blocks
+    (300, 700, 12, 2, True, False),     # cross, causal bottom-right
+    (2048, 2048, 192, 1, True, True),   # deterministic: one chunk
+    (4096, 4096, 64, 1, False, False),  # non-causal: one chunk
+])
+def test_b07_takes_every_tile_once_heavy_first(T_q, T_k, n_heads, kv_group, causal, deterministic):
+    T_c = -(-T_k // 128)
+    tiles = b07_tiles(T_q, T_k, n_heads, kv_group, causal, deterministic, grid=min(132, T_c * n_heads))
+    assert sorted((j, h) for j, h, _ in tiles) == [(j, h) for j in range(T_c) for h in range(n_heads)]
+    assert tiles[0][2] == max(steps for *_, steps in tiles)
+
+
+def b07_block(steps_of_tiles, seed, break_it=None):
+    """One block's agents over tiles with these step counts, interleaved at random with the copies."""
+    full = [MBarrier(f"QdO_full{s}", 2) for s in range(2)]  # lane 0 and the other lanes
+    empty = [MBarrier(f"QdO_empty{s}", 1) for s in range(2)]  # the consumers
+    kv_full, kv_empty = MBarrier("KV_full", 1), MBarrier("KV_empty", 1)
+    stage, lse, kv = [None, None], [None, None], [None]
+    reading, reading_kv = [False, False], [False]
+    copies = []
+
+    def lane0():
+        n = u = 0
+        for steps in steps_of_tiles:
+            for step in range(steps):
+                if n >= 2 and break_it != "no stage wait":
+                    yield lambda n=n: empty[n % 2].ready(n // 2 % 2 ^ 1, n // 2 - 1)
+                full[n % 2].expect(2)
+                copies.extend([("stage", n % 2, n, full[n % 2])] * 2)
+                if reading[n % 2]:
+                    raise Fail(f"lse_i of step {n} written while the consumers read its stage")
+                lse[n % 2] = n
+                full[n % 2].arrive()
+                if step == 0:
+                    if u > 0 and break_it != "no KV wait":
+                        parity = (u - 1) & 1 if break_it != "KV parity" else u & 1
+                        yield lambda u=u, parity=parity: kv_empty.ready(parity, u - 1)
+                    kv_full.arrive(tx=2)
+                    copies.extend([("kv", 0, u, kv_full)] * 2)
+                    u += 1
+                n += 1
+                yield None
+        if u > 0:
+            yield lambda: kv_full.ready((u - 1) & 1, u - 1)
+            for m in range(max(0, n - 2), n):
+                yield lambda m=m: full[m % 2].ready(m // 2 % 2, m // 2)
+
+    def lanes():
+        n = 0
+        for steps in steps_of_tiles:
+            for _ in range(steps):
+                if n >= 2:
+                    yield lambda n=n: empty[n % 2].ready(n // 2 % 2 ^ 1, n // 2 - 1)
+                if reading[n % 2]:
+                    raise Fail(f"lse_i of step {n} written while the consumers read its stage")
+                lse[n % 2] = n
+                full[n % 2].arrive()
+                n += 1
+                yield None
+
+    def consumers():
+        n = u = 0
+        for steps in steps_of_tiles:
+            if steps:
+                yield lambda u=u: kv_full.ready(u & 1, u)
+                reading_kv[0] = True
+            for _ in range(steps):
+                yield lambda n=n: full[n % 2].ready(n // 2 % 2, n // 2)
+                reading[n % 2] = True
+                for _ in range(2):  # the step's products, while copies land elsewhere
+                    if (stage[n % 2], lse[n % 2], kv[0]) != (n, n, u):
+                        raise Fail(f"step {n} of tile {u} read stage {stage[n % 2]}, lse {lse[n % 2]}, K/V {kv[0]}")
+                    yield None
+                reading[n % 2] = False
+                if break_it != "no stage release" or n != 1:
+                    empty[n % 2].arrive()
+                n += 1
+            if steps:
+                reading_kv[0] = False
+                kv_empty.arrive()
+                u += 1
+
+    def land(copy):
+        what, slot, value, barrier = copy
+        if what == "stage":
+            if reading[slot]:
+                raise Fail(f"step {value}'s copy landed in a stage the consumers still read")
+            stage[slot] = value
+        else:
+            if reading_kv[0]:
+                raise Fail(f"tile {value}'s K_j and V_j landed while the consumers still read the tile before")
+            kv[0] = value
+        barrier.complete_tx(1)
+
+    interleave(random.Random(seed), [lane0(), lanes(), consumers()], copies, land, copy_per_pending=True)
+
+
+def test_b07_random_interleavings_keep_the_protocol():
+    rnd = random.Random(7)
+    real = [steps for k, (_, _, steps) in enumerate(b07_tiles(2048, 2048, 192, 1, True, False, 132)) if k % 132 == 0]
+    for i in range(150):
+        tiles = real if i == 0 else [rnd.choice([0, 1, 1, 2, 3, 5, 8]) for _ in range(rnd.randint(1, 6))]
+        try:
+            b07_block(tiles, seed=i)
+        except Fail as exc:
+            pytest.fail(f"run {i}, tiles with steps {tiles}: {exc}")
+
+
+@pytest.mark.parametrize("break_it", ["no stage wait", "no KV wait", "KV parity", "no stage release"])
+def test_b07_model_catches_a_broken_protocol(break_it):
+    caught = []
+    for seed in range(40):
+        try:
+            b07_block([3, 2, 4, 1], seed=seed, break_it=break_it)
+        except Fail as exc:
+            caught.append(str(exc))
+    assert caught, f"{break_it}: no run failed"

@@ -29,6 +29,9 @@
  * Registers: the producer warpgroup keeps 40 (it decodes the tiles too), the consumers 232 each (b06:
  * 24 and 240); 40 * 128 + 232 * 256 = 64,512 of the SM's 65,536.
  *
+ * tests/test_persistent_protocol.py models this protocol (the tiles, both counters, every wait with its
+ * parity, every arrival and copy) under random interleavings: an edit to them belongs there too.
+ *
  * Geometry: backward_dk_dv on grid (min(T_c x NH_kv x B, SMs), 1, 1), 384 threads, one block per SM;
  * shared memory as b06's, 199,680 bytes at d = 64, and two mbarriers more (static). backward_preprocess
  * and backward_dq are b06's, on query tiles of 128 rows, and take the two ints unused.
