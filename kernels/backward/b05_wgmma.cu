@@ -80,8 +80,8 @@
  * files in two runs (`bench.py backward --cases gpt2,d128,noncausal,gqa,long`, H200): 1.15x and 1.16x
  * at 4 x 16 x 4096, 1.07x and 1.14x at 2 x 16 x 8192, 1.04x and 1.05x at 1 x 16 x 16384 (d = 128); at
  * 4 x 2048 (d = 64 and 128), whose tensors come near fitting L2 whole, and with grouped heads, within
- * the runs' spread. The causal grid keeps b02's order: chunks there (two waves of blocks at least)
- * measured 0.89-1.05x, the balance of heavy and light tiles weighing more than the bytes kept.
+ * the runs' spread. The causal grid keeps b02's order: chunks there (with or without two waves of blocks
+ * at least) measured 0.88-1.04x, the balance of heavy and light tiles weighing more than the bytes kept.
  *
  * Geometry: backward_dk_dv on grid (T_c, NH_kv, B), heavy first as b02, 384 threads (the producer
  * warpgroup and two consumers of 64 keys: B_c = 128); one block per SM. B_r = 64 (S^T is m64n64 and a
