@@ -412,13 +412,16 @@ def test_decode_step_stream_model_catches_a_release_before_the_reads_end():
 
 
 # -- kernels/backward/b07_persistent.cu -------------------------------------------------------------
-# Block b takes tiles b, b + G, ... of b06's order. Its producer lane 0 and its other 31 lanes (two agents)
-# fill the ring of Q_i and dO_i, step n of the block (whatever its tile) in stage n % 2, use n // 2; lane 0
-# issues each tile's K_j and V_j after its first step's copies, once the consumers have released the
-# previous tile's (K_j/V_j's empty barrier, use u - 1). The consumers (one agent: every thread does the
-# same) wait for K_j and V_j (use u), take the tile's steps, release each stage, then K_j and V_j, and
-# write dK_j and dV_j. Breaking it (no wait on the empty barrier, a wrong parity, a release left out)
-# fails the test below.
+# Block b takes tile b, then whichever the tile counter hands out: its producer lane 0 draws tile t's
+# number and writes it into slot t % 2 once the consumers have read tile t - 2's there (the slot's empty
+# barrier), then arrives on the slot's full barrier; past the last tile it hands out a number past the
+# end, and everyone leaves. The other 31 lanes take the number from lane 0 (a shuffle: they wait for the
+# draw). Lane 0 and the lanes (two agents) fill the ring of Q_i and dO_i, step n of the block (whatever
+# its tile) in stage n % 2, use n // 2; lane 0 issues each tile's K_j and V_j after its first step's
+# copies, once the consumers have released the previous tile's (K_j/V_j's empty barrier, use u - 1). The
+# consumers (one agent: every thread does the same) wait for the slot, read it, release it, wait for K_j
+# and V_j (use u), take the tile's steps, release each stage, then K_j and V_j, and write dK_j and dV_j.
+# Breaking it (no wait on an empty barrier, a wrong parity, a release left out) fails the test below.
 
 
 def b07_tiles(T_q, T_k, n_heads, kv_group, causal, deterministic, grid, B_r=128, B_c=128, d=64, l2_chunk=16 << 20):
@@ -457,14 +460,24 @@ def b07_block(steps_of_tiles, seed, break_it=None):
     full = [MBarrier(f"QdO_full{s}", 2) for s in range(2)]  # lane 0 and the other lanes
     empty = [MBarrier(f"QdO_empty{s}", 1) for s in range(2)]  # the consumers
     kv_full, kv_empty = MBarrier("KV_full", 1), MBarrier("KV_empty", 1)
-    stage, lse, kv = [None, None], [None, None], [None]
+    item_full = [MBarrier(f"item_full{s}", 1) for s in range(2)]  # lane 0
+    item_empty = [MBarrier(f"item_empty{s}", 1) for s in range(2)]  # the consumers
+    stage, lse, kv, slot = [None, None], [None, None], [None], [None, None]
     reading, reading_kv = [False, False], [False]
-    copies = []
+    copies, drawn = [], []
+    END = len(steps_of_tiles)  # the number past the end
 
     def lane0():
         n = u = 0
-        for steps in steps_of_tiles:
-            for step in range(steps):
+        for t in range(END + 1):
+            if t >= 2 and break_it != "no slot wait":
+                yield lambda t=t: item_empty[t % 2].ready(t // 2 % 2 ^ 1, t // 2 - 1)
+            slot[t % 2] = t
+            item_full[t % 2].arrive()
+            drawn.append(t)
+            if t == END:
+                break
+            for step in range(steps_of_tiles[t]):
                 if n >= 2 and break_it != "no stage wait":
                     yield lambda n=n: empty[n % 2].ready(n // 2 % 2 ^ 1, n // 2 - 1)
                 full[n % 2].expect(2)
@@ -489,8 +502,11 @@ def b07_block(steps_of_tiles, seed, break_it=None):
 
     def lanes():
         n = 0
-        for steps in steps_of_tiles:
-            for _ in range(steps):
+        for t in range(END + 1):
+            yield lambda t=t: len(drawn) > t  # the shuffle from lane 0
+            if t == END:
+                break
+            for _ in range(steps_of_tiles[t]):
                 if n >= 2:
                     yield lambda n=n: empty[n % 2].ready(n // 2 % 2 ^ 1, n // 2 - 1)
                 if reading[n % 2]:
@@ -502,7 +518,14 @@ def b07_block(steps_of_tiles, seed, break_it=None):
 
     def consumers():
         n = u = 0
-        for steps in steps_of_tiles:
+        for t in range(END + 1):
+            yield lambda t=t: item_full[t % 2].ready(t // 2 % 2, t // 2)
+            if slot[t % 2] != t:
+                raise Fail(f"the consumers read tile {slot[t % 2]} from slot {t % 2}, meaning tile {t}")
+            item_empty[t % 2].arrive()
+            if t == END:
+                break
+            steps = steps_of_tiles[t]
             if steps:
                 yield lambda u=u: kv_full.ready(u & 1, u)
                 reading_kv[0] = True
@@ -548,12 +571,12 @@ def test_b07_random_interleavings_keep_the_protocol():
             pytest.fail(f"run {i}, tiles with steps {tiles}: {exc}")
 
 
-@pytest.mark.parametrize("break_it", ["no stage wait", "no KV wait", "KV parity", "no stage release"])
+@pytest.mark.parametrize("break_it", ["no stage wait", "no KV wait", "KV parity", "no stage release", "no slot wait"])
 def test_b07_model_catches_a_broken_protocol(break_it):
     caught = []
     for seed in range(40):
         try:
-            b07_block([3, 2, 4, 1], seed=seed, break_it=break_it)
+            b07_block([3, 0, 0, 2, 0, 4, 1], seed=seed, break_it=break_it)
         except Fail as exc:
             caught.append(str(exc))
     assert caught, f"{break_it}: no run failed"

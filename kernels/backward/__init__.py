@@ -16,7 +16,8 @@ Every array is contiguous (the launcher copies views): Q, O, dO and dQ (B, NH, T
 dV (B, NH_kv, T_k, d), NH_kv = NH / kv_group; lse (B, NH, T_q), the forward's log-sum-exp of each
 row's scaled scores (natural log, +inf for a row that sees no key: lab.lse in kernels/ladder.py);
 D (B, NH, T_q) float32 scratch, for rowsum(dO o O). With lab.dq_accum, dQ_accum is float32 scratch
-of dQ's shape and dQ_turns (B, NH, ceil(T_q / B_r)) ints, both the rung's to clear in its first phase
+of dQ's shape and dQ_turns B x NH x ceil(T_q / B_r) ints (one more, a tile counter, for a rung with a
+persistent phase), both the rung's to clear in its first phase
 (b02: dQ added into dQ_accum with atomics, then converted; a deterministic configuration's blocks
 take turns per query tile); without it both are null. The mask is the forward's: causal aligned
 bottom-right when T_q != T_k; with grouped-query heads dK and dV sum the group's query heads.

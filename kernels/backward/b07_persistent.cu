@@ -2,17 +2,16 @@
  * b07 - persistent: b06 with one block per SM that walks the (key tile, K/V head) tiles, so that a
  * tile's K_j and V_j and its first stage load while the tile before writes its dK_j and dV_j out.
  *
- * NOT YET RUN ON A GPU (written in a session whose device time was spent; lab.unverified below): its
- * GPU tests, the sanitizer and `bench.py backward` come first next session. train.py and bench.py skip it
- * unless it is named.
- *
  * The change: b06 launches a block per key tile, and each block pays its start and its end alone on
  * its SM (one block an SM fits): the wait for K_j and V_j and for the first stage of Q_i and dO_i, then,
  * after the last step, dK_j and dV_j stored from registers. A causal tile at T = 1,024 (8 query tiles
  * of 128) has 4.5 steps on average, so those fixed costs are a large share of it. Here the grid is the
  * SMs (the phase's `key tiles persistent`: the launcher sizes it and passes NH_kv and B, which the
- * grid no longer says) and block b takes tiles b, b + G, b + 2 G, ... of b06's order (heavy first;
- * a long causal grid's chunks of heads, now counted in rounds of the G blocks). The ring of Q_i and
+ * grid no longer says); block b takes tile b of b06's order (heavy first; a long causal grid's chunks
+ * of heads), then whichever tile a counter in global memory hands out next, so that the block that
+ * comes free first takes the next heaviest, as the hardware hands out b06's blocks (the producer's lane
+ * 0 draws the numbers and hands them to the consumers through two slots in shared memory, each with a
+ * full and an empty barrier; backward_preprocess zeroes the counter, dQ_turns' last int). The ring of Q_i and
  * dO_i runs on across tiles: step n of the block, whatever its tile, is use n / 2 of stage n % 2, and
  * the dS^T buffers and dQ's tile go on alternating as in one long b06 block. K_j and V_j get an empty
  * barrier: every consumer thread arrives once its tile's last products (which read them) have landed,
@@ -22,9 +21,15 @@
  * wait for its stage (b06 loaded them a step ahead). A tile with no steps (a causal key tile past every
  * query row) costs its block only the zeros of dK_j and dV_j.
  *
- * Deterministic: the turns are b06's. Every block is resident and takes its tiles in the flat order, and
- * a turn waits only for tiles earlier in that order (key tile j - 1 of the same query tile), so the
- * earliest unfinished tile never waits: no deadlock.
+ * Measured (H200, bfloat16, three runs with the rungs' order rotated, docs/backward.md#b07): 1.03-1.05x
+ * of b06 at 8 x 12 x 1024 causal, 1.03-1.04x at 16 x 12 x 2048, 1.01-1.02x at 6 x 12 x 4096 and at
+ * 4 x 12 x 2048 non-causal, 1.00-1.01x at 1 x 12 x 8192. Handing out the tiles b, b + G, b + 2 G, ...
+ * to block b instead (no counter) lost, 0.87x of b06 at 1 x 12 x 8192 to 0.98x at 8 x 12 x 1024: the
+ * heavy-first order left the low blocks the heaviest tile of every round.
+ *
+ * Deterministic: the turns are b06's. Every block is resident and takes its tiles in the flat order (the
+ * counter hands them out in order), and a turn waits only for tiles earlier in that order (key tile
+ * j - 1 of the same query tile), so the earliest unfinished tile never waits: no deadlock.
  *
  * Registers: the producer warpgroup keeps 40 (it decodes the tiles too), the consumers 232 each (b06:
  * 24 and 240); 40 * 128 + 232 * 256 = 64,512 of the SM's 65,536.
@@ -33,8 +38,9 @@
  * parity, every arrival and copy) under random interleavings: an edit to them belongs there too.
  *
  * Geometry: backward_dk_dv on grid (min(T_c x NH_kv x B, SMs), 1, 1), 384 threads, one block per SM;
- * shared memory as b06's, 199,680 bytes at d = 64, and two mbarriers more (static). backward_preprocess
- * and backward_dq are b06's, on query tiles of 128 rows, and take the two ints unused.
+ * shared memory as b06's, 199,680 bytes at d = 64, and six mbarriers and two ints more (static).
+ * backward_preprocess (which also zeroes the tile counter) and backward_dq are b06's, on query tiles of
+ * 128 rows, and take the two ints unused.
  *
  * Limits: b06's: sm_90a only; d 64; B_r 128, B_c 128; dtype_id 0 bfloat16, 1 float16.
  *
@@ -53,7 +59,6 @@
  * lab.min_arch    sm_90
  * lab.options     -arch=sm_90a
  * lab.tma         Q: (B_r, 64), K: (B_c, 64), V: (B_c, 64), dO: (B_r, 64), dQ_accum: (64, 32)
- * lab.unverified  not yet run on a GPU
  */
 
 #ifndef INFINITY
@@ -320,7 +325,7 @@ __device__ __forceinline__ void pass_turn(int* count)
         const __grid_constant__ TensorMap dQ_map
 
 // D_i = rowsum(dO_i o O_i) in float32 from the 16-bit values, one warp a row; dQ_accum's rows and the
-// tile's count of dQ additions zeroed.
+// tile's count of dQ additions zeroed, and by the first block the tile counter after the counts.
 template <int d_head, int B_r, int B_c, int dtype_id, int deterministic>
 __global__ void __launch_bounds__(AUX_THREADS)
 backward_preprocess(const element* __restrict__ /* Q */, const element* __restrict__ /* K */, const element* __restrict__ /* V */,
@@ -350,6 +355,8 @@ backward_preprocess(const element* __restrict__ /* Q */, const element* __restri
     }
     if (threadIdx.x == 0)
         dQ_turns[bh * gridDim.x + blockIdx.x] = 0;
+    if (threadIdx.x == 0 && bh == 0 && blockIdx.x == 0)
+        dQ_turns[(long long)gridDim.x * gridDim.y * gridDim.z] = 0;  // backward_dk_dv's tile counter
 }
 
 // dQ = scale dQ_accum, rounded to the dtype, 4 values at a time.
@@ -407,18 +414,25 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
     float* lse_smem = (float*)(smem + (dQ_smem + DQ_BYTES - smem_start));  // STAGES x B_r, log2 units
     float* D_smem = lse_smem + STAGES * B_r;                                 // STAGES x B_r
     // K_j and V_j's full and empty barriers, then per stage of Q_i and dO_i a full and an empty barrier.
-    __shared__ __align__(8) unsigned long long barriers[2 + 2 * STAGES];
+    // Last, the two slots of the tiles' numbers, each with a full and an empty barrier.
+    __shared__ __align__(8) unsigned long long barriers[2 + 2 * STAGES + 4];
+    __shared__ int item_slot[2];
     const unsigned KV_full = (unsigned)__cvta_generic_to_shared(barriers), KV_empty = KV_full + 8;
     auto QdO_full = [&](int n) { return KV_full + 8 * (2 + n % STAGES); };
     auto QdO_empty = [&](int n) { return KV_full + 8 * (2 + STAGES + n % STAGES); };
+    auto item_full = [&](int w) { return KV_full + 8 * (2 + 2 * STAGES + w % 2); };
+    auto item_empty = [&](int w) { return KV_full + 8 * (4 + 2 * STAGES + w % 2); };
     auto parity = [](int n) { return (unsigned)(n / STAGES) & 1u; };  // step n: use n / STAGES of its stage
 
     // The tiles of work: (key tile, K/V head) pairs in b06's order, item k of the flat order read as (chunk
     // of K/V heads, key tile, head in the chunk), heavy first where causal; a chunk holds every head unless
     // the grid is causal, not deterministic and at least 16 times the resident blocks: then as many heads
     // as fit their query-side tensors (Q_i, dO_i: 2 bytes an element; dQ_accum: 4) in L2_CHUNK, and two
-    // rounds of the blocks at least. Block b takes items b, b + G, b + 2 G, ... (G = gridDim.x, one block
-    // an SM), heaviest first, so that each round's tiles weigh about the same.
+    // rounds of the blocks at least. Block b takes item b first, then whichever item the tile counter
+    // hands out next (G + the counter's old value, G = gridDim.x, one block an SM): the block that comes
+    // free first takes the next heaviest, as the hardware hands b06's blocks to the SMs. Taking items
+    // b, b + G, b + 2 G, ... instead left the low blocks the heaviest of every round: 0.87-0.98x of
+    // b06 on causal grids (docs/backward.md#b07).
     const int T_c = (T_k + B_c - 1) / B_c;
     const int n_heads = n_kv_heads * batches;  // K/V heads of the whole batch
     const int items = T_c * n_heads;
@@ -427,8 +441,10 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
         const long long head_bytes = 8LL * kv_group * T_q * d_head;
         chunk = (int)min((long long)n_heads, max(L2_CHUNK / head_bytes, (2LL * gridDim.x + T_c - 1) / T_c));
     }
+    const int G = gridDim.x;
     const int offset = T_k - T_q;            // query row i sees keys <= i + offset (causal, bottom-right)
     const int T_r = (T_q + B_r - 1) / B_r;
+    int* tile_counter = dQ_turns + (long long)n_heads * kv_group * T_r;  // after the counts; zeroed by backward_preprocess
     auto item_at = [&](int k) {
         const int first_head = k / (chunk * T_c) * chunk;
         const int heads_here = min(chunk, n_heads - first_head);  // the last chunk may be short
@@ -449,6 +465,10 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
     if (threadIdx.x == 0) {
         mbarrier_init(KV_full, 1);                 // the producer's arrival, and the bytes
         mbarrier_init(KV_empty, 128 * CONSUMERS);  // every consumer thread, after its tile's last product
+        for (int w = 0; w < 2; ++w) {
+            mbarrier_init(item_full(w), 1);               // producer lane 0, once it wrote the slot
+            mbarrier_init(item_empty(w), 128 * CONSUMERS);  // every consumer thread, once it read it
+        }
         for (int s = 0; s < STAGES; ++s) {
             mbarrier_init(QdO_full(s), 32);              // every producer lane, one with the bytes
             mbarrier_init(QdO_empty(s), 128 * CONSUMERS);  // every consumer thread
@@ -466,7 +486,20 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
         registers_down<PRODUCER_REGISTERS>();
         if (threadIdx.x < 32) {
             int n = 0, u = 0;  // steps (uses of the ring) and tiles with steps (uses of K_j and V_j) so far
-            for (int k = blockIdx.x; k < items; k += gridDim.x) {
+            for (int w = 0;; ++w) {
+                // Tile w's number, drawn and handed to the consumers in slot w % 2 (once they have read
+                // tile w - 2's there); a number past the end tells everyone to leave.
+                int k = 0;
+                if (lane == 0) {
+                    k = w == 0 ? (int)blockIdx.x : G + atomicAdd(tile_counter, 1);
+                    if (w >= 2)
+                        mbarrier_wait(item_empty(w), (unsigned)(w / 2 - 1) & 1u);
+                    item_slot[w % 2] = k;
+                    mbarrier_arrive(item_full(w));  // releases the write
+                }
+                k = __shfl_sync(FULL_WARP, k, 0);
+                if (k >= items)
+                    break;
                 const Item it = item_at(k);
                 for (int step = 0; step < it.steps; ++step, ++n) {
                     // lse_i and D_i into registers first, so that their latency passes in the wait for the stage.
@@ -531,7 +564,12 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
 
     int n = 0, u = 0;  // steps and tiles with steps so far, as the producer counts them
 #pragma unroll 1
-    for (int k = blockIdx.x; k < items; k += gridDim.x) {
+    for (int w = 0;; ++w) {
+        mbarrier_wait(item_full(w), (unsigned)(w / 2) & 1u);
+        const int k = item_slot[w % 2];
+        mbarrier_arrive(item_empty(w));  // the read done (the arrival releases it)
+        if (k >= items)
+            break;
         const Item it = item_at(k);
         const int j = it.j, batch = it.batch;
         const int warp_key = it.col_start + wg_key + 16 * warp;  // this warp's first key; a thread's: + g, + g + 8
