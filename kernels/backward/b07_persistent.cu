@@ -24,7 +24,7 @@
  * Measured (H200, bfloat16, three runs with the rungs' order rotated, docs/backward.md#b07): 1.03-1.05x
  * of b06 at 8 x 12 x 1024 causal, 1.03-1.04x at 16 x 12 x 2048, 1.01-1.02x at 6 x 12 x 4096 and at
  * 4 x 12 x 2048 non-causal, 1.00-1.01x at 1 x 12 x 8192. Handing out the tiles b, b + G, b + 2 G, ...
- * to block b instead (no counter) lost, 0.87x of b06 at 1 x 12 x 8192 to 0.98x at 8 x 12 x 1024: the
+ * to block b instead (no counter) lost, 0.87x of b06 at 1 x 12 x 8192 to 0.98-0.99x at 8 x 12 x 1024: the
  * heavy-first order left the low blocks the heaviest tile of every round.
  *
  * Deterministic: the turns are b06's. Every block is resident and takes its tiles in the flat order (the
@@ -431,7 +431,7 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
     // rounds of the blocks at least. Block b takes item b first, then whichever item the tile counter
     // hands out next (G + the counter's old value, G = gridDim.x, one block an SM): the block that comes
     // free first takes the next heaviest, as the hardware hands b06's blocks to the SMs. Taking items
-    // b, b + G, b + 2 G, ... instead left the low blocks the heaviest of every round: 0.87-0.98x of
+    // b, b + G, b + 2 G, ... instead left the low blocks the heaviest of every round: 0.87-0.99x of
     // b06 on causal grids (docs/backward.md#b07).
     const int T_c = (T_k + B_c - 1) / B_c;
     const int n_heads = n_kv_heads * batches;  // K/V heads of the whole batch
