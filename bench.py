@@ -32,6 +32,9 @@
                                                 non-causal), gradients checked against float64 first
     python3 bench.py train                      GPT-2 small training steps per backward rung beside PyTorch eager
                                                 and torch.compile (tokens/s, MFU, peak memory), and a loss curve
+    python3 bench.py compare --of b07 --over b06 results/backward-a.json results/backward-b.json
+                                                a before/after from result files: per case, every run's ratio and
+                                                whether the ratios clear the runs' spread (no GPU)
     python3 bench.py readme                     rewrite README.md's summary and the tables of docs/results.md,
                                                 docs/profile.md, docs/levels.md and docs/decode.md from the newest
                                                 results/*.json

@@ -11,7 +11,7 @@ import kernels
 from kernels import backward as backward_rungs
 from kernels import triton as triton_rungs
 
-from . import frontier, results
+from . import compare, frontier, results
 from .backward import CASE_SETS as BACKWARD_CASES
 from .backward import DEFAULT_CASES as BACKWARD_DEFAULT
 from .backward import cmd_backward
@@ -340,6 +340,21 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     tr.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     results_option(tr)
 
+    c = sub.add_parser("compare", help="a before/after from result files: rungs' times over a baseline's, case by "
+                                        "case, in each run, and whether they clear the runs' spread",
+                       description="Read two or more result files of one benchmark (runs of a before/after, the "
+                                   "rungs' order rotated between them) and print a Markdown table: per case, the "
+                                   "baseline's median time over each rung's in every run, and 'faster' or "
+                                   "'slower' only where every run's ratio is off 1x by more than the largest p20-p80 "
+                                   "spread of the rows compared. A page carries it between <!-- "
+                                   "bench:compare-NAME:start/end --> markers; bench.py readme reruns the command its "
+                                   "first line names. Needs no GPU.")
+    c.add_argument("files", nargs="+", help="result files (results/backward-*.json, results/kernels-*.json, ...)")
+    c.add_argument("--of", required=True, type=lambda text: [t.strip() for t in text.split(",") if t.strip()],
+                   metavar="LABELS", help="the rungs compared, as their rows are labelled (b07_persistent, or "
+                                          "'b06_wide_query_tiles deterministic'), comma-separated")
+    c.add_argument("--over", required=True, metavar="LABEL", help="the baseline rung, as its rows are labelled")
+
     m = sub.add_parser("readme", help="rewrite the tables of README.md and docs/results.md between their markers",
                        description="Rewrite what lies between <!-- bench:<section>:start --> and "
                                    "<!-- bench:<section>:end --> in README.md (sections summary, e2e-summary: the "
@@ -390,7 +405,7 @@ def cmd_e2e_model(args) -> int:
 COMMANDS = {"kernels": cmd_kernels, "sweep": cmd_sweep, "e2e": cmd_e2e_model, "resources": cmd_resources,
             "features": cmd_features, "frontier": frontier.cmd_frontier, "fp8": cmd_fp8, "profile": cmd_profile,
             "sass": cmd_sass, "levels": cmd_levels,
-            "backward": cmd_backward,
+            "backward": cmd_backward, "compare": compare.cmd_compare,
             "train": cmd_train,
             "readme": cmd_readme}
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from . import plots, profile_render
 from .backward import newest_per_dtype as newest_backward
 from .backward import render_backward
+from .compare import rewrite_compare_sections
 from .device import ROOT, CannotRun, progress
 from .fp8 import render_fp8
 from .fp8_envelope import render_envelope_doc
@@ -53,7 +54,7 @@ def find_sections(text: str) -> dict[str, tuple[int, int]]:
     starts, ends = {}, {}
     for m in _MARKER.finditer(text):
         name, edge = m.groups()
-        if name not in KNOWN:
+        if name not in KNOWN and not name.startswith("compare-"):  # compare-NAME: bench.py compare's, any NAME
             raise ValueError(f"unknown section {name!r} in {m.group(0)} (known: {', '.join(KNOWN)})")
         marks = starts if edge == "start" else ends
         if name in marks:
@@ -289,7 +290,11 @@ def cmd_readme(args) -> int:
     found["watch"] = sorted(Path(results).glob("watch-*.txt"), key=lambda p: p.name.rsplit("-", 1)[-1], reverse=True)
     if found["watch"]:
         pages[getattr(args, "watch_doc", None) or WATCH_DOC] = ("watch",)
+    for page in [args.readme, *sorted(args.results_doc.parent.glob("*.md"))]:  # bench.py compare's tables, any page
+        if page.is_file() and "<!-- bench:compare-" in page.read_text():
+            pages.setdefault(page, ())
     read = {path: read_page(path, expected) for path, expected in pages.items()}  # all checked before one is written
+    compared = {path: rewrite_compare_sections(text, spans, path.parent) for path, (text, spans) in read.items()}
     if getattr(args, "replot", False):
         for kind, plot in (("sweep", plots.plot_sweep), ("e2e", plots.plot_e2e), ("scale", plots.plot_scale)):
             shown = [p for p, _ in newest_sweeps(found[kind])] if kind == "sweep" else found[kind][:1]
@@ -301,7 +306,7 @@ def cmd_readme(args) -> int:
                 plots.plot_or_none(profile_render.plot_result, result, p.with_suffix(".png"))
     written, available = {}, set()
     for path, (text, spans) in read.items():
-        blocks = readme_blocks(found, path.parent)
+        blocks = readme_blocks(found, path.parent) | compared[path]
         available |= set(blocks)
         for name in spans:
             if name not in blocks:

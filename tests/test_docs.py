@@ -1,6 +1,6 @@
 """The README and docs/ as a reader walks them: every relative link and image points to a file that
 exists, every #anchor to a heading or an <a id> of its file, the README stays a front door (at most
-15 KB), and results/ holds only the files the docs cite."""
+15 KB), results/ holds only the files the docs cite, and every before/after table is its files'."""
 
 import re
 from pathlib import Path
@@ -92,3 +92,16 @@ def test_a_broken_link_or_anchor_is_caught(tmp_path):
                     "[gone](a.md#v99) `[code](nowhere.md)` [web](https://example.com) [out](../../x.md)\n\n# B\n")
     broken = broken_links(page, root=root)
     assert [b.split(":")[0] for b in broken] == ["missing.png", "a.md#v99", "../../x.md"], broken
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if "<!-- bench:compare-" in p.read_text()],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_before_after_table_is_what_its_files_say(page):
+    """A page's bench.py compare tables are the command's output on the files it names, as they are now:
+    a number typed by hand, or a file changed since, fails (bench.py readme rewrites them)."""
+    from benchmarks.compare import rewrite_compare_sections
+    from benchmarks.readme import find_sections, replace_sections
+
+    text = page.read_text()
+    spans = find_sections(text)
+    assert replace_sections(text, spans, rewrite_compare_sections(text, spans, page.parent)) == text

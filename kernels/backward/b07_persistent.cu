@@ -22,10 +22,11 @@
  * query row) costs its block only the zeros of dK_j and dV_j.
  *
  * Measured (H200, bfloat16, three runs with the rungs' order rotated, docs/backward.md#b07): 1.03-1.05x
- * of b06 at 8 x 12 x 1024 causal, 1.03-1.04x at 16 x 12 x 2048, 1.01-1.02x at 6 x 12 x 4096 and at
- * 4 x 12 x 2048 non-causal, 1.00-1.01x at 1 x 12 x 8192. Handing out the tiles b, b + G, b + 2 G, ...
- * to block b instead (no counter) lost, 0.87x of b06 at 1 x 12 x 8192 to 0.98-0.99x at 8 x 12 x 1024: the
- * heavy-first order left the low blocks the heaviest tile of every round.
+ * of b06 at 8 x 12 x 1024 causal, 1.03-1.04x at 16 x 12 x 2048, 1.01-1.02x at 6 x 12 x 4096; at
+ * 1 x 12 x 8192 (1.00-1.01x) and 4 x 12 x 2048 non-causal (1.01-1.02x) inside the runs' spread.
+ * Handing out the tiles b, b + G, b + 2 G, ... to block b instead (no counter) lost, 0.87x of b06 at
+ * 1 x 12 x 8192 to 0.98-0.99x at 8 x 12 x 1024: the heavy-first order left the low blocks the heaviest
+ * tile of every round.
  *
  * Deterministic: the turns are b06's. Every block is resident and takes its tiles in the flat order (the
  * counter hands them out in order), and a turn waits only for tiles earlier in that order (key tile
