@@ -346,7 +346,7 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                                    "rungs' order rotated between them) and print a Markdown table: per case, the "
                                    "baseline's median time over each rung's in every run, and 'faster' or "
                                    "'slower' only where every run's ratio is off 1x by more than the largest p20-p80 "
-                                   "spread of the rows compared. A page carries it between <!-- "
+                                   "spread of the two rungs' rows. A page carries it between <!-- "
                                    "bench:compare-NAME:start/end --> markers; bench.py readme reruns the command its "
                                    "first line names. Needs no GPU.")
     c.add_argument("files", nargs="+", help="result files (results/backward-*.json, results/kernels-*.json, ...)")

@@ -47,8 +47,13 @@ def compare(paths: list[Path], of: list[str], over: str) -> list[dict]:
     baseline's, over the runs}}. Cases in the first file's order; CannotRun for a file without a rung or of
     another kind."""
     if not paths:
-        raise CannotRun("compare: name the result files of the runs (two or more, the rungs' order rotated)")
+        raise CannotRun("compare: name the result files of the runs (a before/after: two or more, the rungs' "
+                        "order rotated between them)")
+    if missing := [str(p) for p in paths if not p.is_file()]:
+        raise CannotRun(f"compare: no such file: {', '.join(missing)}")
     results = [load_result(p) for p in paths]
+    if odd := [p.name for p, r in zip(paths, results, strict=True) if not isinstance(r.get("rows"), list)]:
+        raise CannotRun(f"compare: {', '.join(odd)} has no rows: not a bench.py result file")
     kinds = {r.get("kind") for r in results}
     if len(kinds) != 1:
         raise CannotRun(f"compare: the files are of different kinds ({', '.join(sorted(map(str, kinds)))}): "
@@ -123,8 +128,8 @@ def parse_command(command: str) -> tuple[list[Path], list[str], str]:
 
 def cmd_compare(args) -> int:
     paths = [Path(p) for p in args.files]
-    command = " ".join([f"--of {','.join(args.of)}", f"--over {args.over}",
-                        *(Path(os.path.relpath(p.resolve(), ROOT)).as_posix() for p in paths)])
+    command = shlex.join(["--of", ",".join(args.of), "--over", args.over,
+                          *(Path(os.path.relpath(p.resolve(), ROOT)).as_posix() for p in paths)])
     print(render_compare(paths, args.of, args.over, Path.cwd(), command))
     return 0
 

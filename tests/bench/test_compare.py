@@ -4,6 +4,7 @@ bench.py readme. No GPU: the result files are written here."""
 import json
 import shutil
 
+from benchmarks.compare import COMMAND, parse_command
 from tests.bench.helpers import FIXTURES, run
 
 SHAPES = [{"part": "gpt2", "B": 8, "NH": 12, "NH_kv": 12, "T_q": 1024, "T_k": 1024, "d": 64, "causal": True},
@@ -57,9 +58,20 @@ def test_compare_refuses_a_file_without_the_rung_or_of_another_kind(tmp_path, ca
     paths = write_runs(tmp_path / "results", RUNS)
     code, _, err = run(["compare", "--of", "newer", "--over", "base", *map(str, paths)], capsys)
     assert code == 2 and "has no timed row labelled 'newer'" in err and "base, new, worse" in err
+    code, _, err = run(["compare", "--of", "new", "--over", "base", str(tmp_path / "nowhere.json")], capsys)
+    assert code == 2 and "no such file" in err and "nowhere.json" in err
     other = write_runs(tmp_path / "other", RUNS[:1], kind="kernels")
     code, _, err = run(["compare", "--of", "new", "--over", "base", str(paths[0]), str(other[0])], capsys)
     assert code == 2 and "different kinds" in err
+
+
+def test_a_label_with_a_space_survives_the_command_line_a_page_keeps(tmp_path, capsys):
+    times = [{"base": (1.0, 2.0), "base deterministic": (1.2, 2.4)} for _ in range(2)]
+    paths = write_runs(tmp_path / "results", times)
+    code, out, err = run(["compare", "--of", "base deterministic", "--over", "base", *map(str, paths)], capsys)
+    assert code == 0, err
+    assert parse_command(COMMAND.search(out).group(1))[1:] == (["base deterministic"], "base")
+    assert "| 8 x 12 x 1024, d = 64, causal | 0.83x, 0.83x | slower (1.0%) |" in out
 
 
 def test_compare_leaves_out_a_case_not_timed_in_every_run(tmp_path, capsys):
