@@ -447,9 +447,13 @@ def test_the_targets_cover_every_rung_dtype_and_declared_feature():
         split_kv = bool(getattr(rung, "split_kv", False))
         assert (targets.CROSS in full) == ("cross" in rung.supports) and (targets.GQA in full) == ("gqa" in rung.supports)
         assert (targets.DECODE in full) == (targets.DECODE in quick) == split_kv
-        B, NH, NH_kv, T_q, T_k, d = quick[0]
-        assert T_q % 16 and (T_q != T_k) == ("cross" in rung.supports) and (NH != NH_kv) == ("gqa" in rung.supports)
-        assert len(quick) == 1 + split_kv
+        persistent = targets.persistent(rung)
+        for _, NH, NH_kv, T_q, T_k, _ in quick[: 1 + persistent]:
+            assert T_q % 16 and (T_q != T_k) == ("cross" in rung.supports) and (NH != NH_kv) == ("gqa" in rung.supports)
+        assert len(quick) == 1 + persistent + split_kv and (quick[-1 - split_kv] in full) == persistent
+        if persistent:  # every block walks two tiles at least on a device of 132 SMs: key tiles of 128 (the
+            B, NH, NH_kv, T_q, T_k, d = quick[1]  # backward), query tiles of at most 192 (the forward)
+            assert min(-(-T_k // 128) * NH_kv, -(-T_q // 192) * NH) * B >= 2 * 132
 
 
 def test_under_synccheck_v17_runs_where_the_tool_is_sound():

@@ -4,8 +4,9 @@ in this process.
     python3 tools/sanitize_targets.py v17_decode_cluster fused-float32 [--quick]    (here, without the tool)
 
   forward rung     kernels.attention in every dtype it declares, at SHAPES, CROSS and GQA where it declares
-                   them, and a split-KV rung at a decode step (DECODE); --quick: its first dtype, one QUICK
-                   launch (odd lengths, T_q != T_k and GQA as far as it declares them) and the decode step.
+                   them, a split-KV rung at a decode step (DECODE) and a persistent rung at MANY_TILES (its
+                   blocks each walk several tiles); --quick: its first dtype, one QUICK launch (odd lengths,
+                   T_q != T_k and GQA as far as it declares them), the decode step and MANY_TILES.
                    Inputs drawn on the host, output poisoned with NaN, checked against the host's float64
                    reference: the target launches the rung and its launcher's copies, nothing else
   backward rung    dq, dk and dv at the same shapes against the host's float64 formulas from the host's o
@@ -64,6 +65,10 @@ SHAPES = [(1, 2, 2, 64, 64, 64), (2, 3, 3, 97, 97, 64)]  # a small shape, and T 
 CROSS = (1, 2, 2, 33, 161, 64)  # lab.supports cross: fewer queries than keys, neither a tile multiple
 GQA = (1, 4, 2, 97, 97, 64)  # lab.supports gqa: two query heads a K/V head
 QUICK = (2, 4, 2, 97, 161, 64)  # --quick, one launch: odd lengths, T_q != T_k and GQA where declared
+# A persistent rung (lab.persistent, a backward `key tiles persistent` phase) also here, --quick too: hundreds
+# of tiles (320 key tiles of 128, 480 query tiles of 192 and more) over the SMs, so that every block walks
+# several of them, its scheduler and its ring across tiles under the tool; odd lengths, as QUICK otherwise.
+MANY_TILES = (2, 40, 20, 997, 1000, 64)
 DECODE = (1, 12, 12, 1, 1000, 64)  # a split-KV rung's decode step: one query row a head over 1,000 keys
 SETUP = "setup"  # the child's first random draws, before any target (main)
 ENGINE = ("fused-float32", "fused-bfloat16", "step-float32", "step-bfloat16", "step-float32-ring3", "step-bfloat16-ring2",
@@ -110,12 +115,22 @@ def case_shapes(rung, quick: bool) -> list[tuple]:
     """(B, NH, NH_kv, T_q, T_k, d) for a rung (ladder, Triton or backward): --quick one launch as awkward as
     the rung allows; else SHAPES, and CROSS and GQA where it declares them; a split-KV rung's decode step."""
     supports = getattr(rung, "supports", ())
+
+    def declared(shape):  # T_q != T_k and grouped heads only where the rung declares them
+        B, NH, NH_kv, T_q, T_k, d = shape
+        return (B, NH, NH if "gqa" not in supports else NH_kv, T_q, T_k if "cross" in supports else T_q, d)
+
     if quick:
-        B, NH, NH_kv, T_q, T_k, d = QUICK
-        cases = [(B, NH, NH if "gqa" not in supports else NH_kv, T_q, T_k if "cross" in supports else T_q, d)]
+        cases = [declared(QUICK)]
     else:
         cases = list(SHAPES) + [CROSS] * ("cross" in supports) + [GQA] * ("gqa" in supports)
-    return cases + [DECODE] * bool(getattr(rung, "split_kv", False))
+    return cases + [declared(MANY_TILES)] * persistent(rung) + [DECODE] * bool(getattr(rung, "split_kv", False))
+
+
+def persistent(rung) -> bool:
+    """Whether a rung's grid is the resident blocks, each walking tiles (forward lab.persistent, or a backward
+    rung's persistent phase)."""
+    return bool(getattr(rung, "persistent", False) or getattr(rung, "has_persistent_phase", False))
 
 
 def attend_case(cp, name: str, dtype: str, shape: tuple, config=None, fp8: bool = False, seed: int = 0) -> bool:
