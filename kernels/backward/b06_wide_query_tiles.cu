@@ -26,12 +26,12 @@
  * long_scoreboard, wait and barrier (docs/backward.md's counters). With B_r = 128 the same work takes
  * half the steps, so half those costs, and each wgmma does twice the work. dQ's traffic into L2 is
  * unchanged (T_q x d floats per key tile either way); the Q_i and dO_i copies are fewer and larger.
- * Measured on an H200 (bench.py backward --dtype bfloat16, one run, docs/results.md#backward, both rungs
- * with dQ's conflict-free stores, b05 with its non-causal chunks of heads, b06 with its long causal
- * grid's chunks, below): 1.09x b05 at 8 x 12 x 1024, 1.13x at 16 x 12 x 2048, 1.16x at 6 x 12 x 4096,
- * 1.18x at 1 x 12 x 8192 (1.01x cuDNN there), 1.16x non-causal at 4 x 12 x 2048; deterministic
- * 1.14-1.25x. At 1 x 12 x 512, a pass of tens of microseconds whose spread is wide, 0.96x (1.04x, 0.93x
- * and level in earlier runs).
+ * Measured on an H200 (bench.py backward --dtype bfloat16, the newest run, docs/results.md#backward, both
+ * rungs with dQ's conflict-free stores, b05 with its non-causal chunks of heads, b06 with its long causal
+ * grid's chunks, below): 1.05x b05 at 8 x 12 x 1024, 1.13x at 16 x 12 x 2048, 1.15x at 6 x 12 x 4096,
+ * 1.17x at 1 x 12 x 8192 (1.01x cuDNN there), 1.16x non-causal at 4 x 12 x 2048; deterministic
+ * 1.16-1.25x. At 1 x 12 x 512, a pass of tens of microseconds whose spread is wide, 1.03x (0.96x, 1.04x,
+ * 0.93x and level in earlier runs).
  *
  * The block order of a long causal grid (16 waves of blocks or more): heads in chunks whose Q, dO and
  * dQ_accum fit 16 MB of L2, two waves of blocks at least, heavy first within a chunk (the kernel's
