@@ -30,7 +30,9 @@ def e2e_model(result: dict) -> str:
     return result["setup"].get("model", E2E_MODEL)
 
 
-_RESULT_NAME = re.compile(r"^(?P<kind>[a-z0-9]+)-(?P<device>[a-z0-9-]+)-(?P<stamp>\d{8}T\d{6}Z)(?:-(?P<n>\d+))?\.json$")
+# kind-device-stamp[-n].json; a before/after run (kind-before-after-WHAT-device-stamp.json, bench.py compare's
+# input) is not a result of its kind: the tables show the newest full run, not a comparison's cases.
+_RESULT_NAME = re.compile(r"^(?P<kind>[a-z0-9]+)-(?!before-after-)(?P<device>[a-z0-9-]+)-(?P<stamp>\d{8}T\d{6}Z)(?:-(?P<n>\d+))?\.json$")
 
 
 def jsonable(x):

@@ -346,7 +346,7 @@ attention_forward(const byte* __restrict__ /* Q */, const byte* __restrict__ /* 
     // Thread 0 makes the barriers; every thread waits for them to exist (the last block-wide barrier).
     if (threadIdx.x == 0) {
         mbarrier_init(Q_full, 1);  // the producer's arrival, and the bytes
-        mbarrier_init(Q_empty, 4 * CONSUMERS);  // every consumer warp
+        mbarrier_init(Q_empty, 128 * CONSUMERS);  // every consumer thread (the tile slots)
         for (int b = 2; b < 2 + 2 * STAGES; ++b)
             mbarrier_init(Q_full + 8 * b, 1);  // full: the producer's arrival, and the bytes
         for (int b = 2 + 2 * STAGES; b < 2 + 4 * STAGES; ++b)
@@ -467,11 +467,9 @@ attention_forward(const byte* __restrict__ /* Q */, const byte* __restrict__ /* 
         const float* K_scale = k_scale + kv_tiles;
         const float* V_scale = v_scale + kv_tiles;
         const float score_log2 = fabsf(scale) * LOG2_E * q_scale[bh * T_r + tile.row_start / B_r];  // times s_K,j per tile
-        // The warps' release of Q_i once the last product that reads it has landed (v24's).
-        auto release_Q = [&]() {
-            __syncwarp();
-            release(Q_empty);
-        };
+        // The consumers' release of Q_i once the last product that reads it has landed, every thread
+        // arriving (v24's).
+        auto release_Q = [&]() { mbarrier_arrive(Q_empty); };
 
         if (scale < 0.0f && T_c > 0) {  // S with -Q_i and |scale|: flip the sign bit of every byte of this warpgroup's rows
             for (int i = thread_index() % 128; i < 64 * d_head / 16; i += 128) {

@@ -63,12 +63,13 @@
  * of 4 warps per SM), 255 at d = 128. Shared memory, in floats: K_j, V_j (B_c x d each) + 2 stages of
  * Q_i, dO_i (B_r x d each) + P^T, dS^T (B_c x B_r each) + 2 stages of lse_i and D_i (B_r each):
  *   d = 64, B_c = 64, B_r = 32: 4 * (8192 + 4 * 2048 + 2 * 2048 + 128) = 82,432 bytes, two blocks per SM;
- *   d = 128, B_c = 64, B_r = 32: 4 * (16384 + 4 * 4096 + 2 * 2048 + 128) = 147,968 bytes, one.
- * That is 4 warps an SM at d = 128, against 8 at d = 64, where the rung runs at 0.73-0.80x SDPA
- * efficient's backward (1.23-1.41x at d = 64). Declared last, so never chosen unless asked for
- * (config=): d = 128, B_c = 128, 8 warps, 229,888 bytes, 254 registers (256 x 256 fill the SM's 65,536),
- * no spills: NOT YET RUN ON A GPU (its GPU tests take every declared configuration; the before/after
- * beside the B_c = 64 one is next, and it goes first in the list only if it wins).
+ *   d = 128, B_c = 64, B_r = 32: 4 * (16384 + 4 * 4096 + 2 * 2048 + 128) = 147,968 bytes, one;
+ *   d = 128, B_c = 128, B_r = 32: 4 * (32768 + 4 * 4096 + 2 * 4096 + 128) = 229,888 bytes, one.
+ * At d = 128 the launcher takes B_c = 128: 8 warps an SM (254 registers, no spills; 256 x 256 fill the
+ * SM's 65,536) where B_c = 64 ran 4, at 0.73-0.80x SDPA efficient's backward. Measured (H200, two runs,
+ * the rungs' order swapped, docs/backward.md#b03): 1.37x of B_c = 64 at 4 x 16 x 2048 causal, 1.39-1.40x
+ * at 2 x 16 x 4096 causal, 1.42x at 4 x 16 x 2048 non-causal; d = 64 is unchanged. B_c = 64 stays
+ * declared (config=) for the comparison.
  * (B_r = 64 at d = 64 spilled.) backward_preprocess (D_i a warp a row: dP's order is the tensor core's,
  * which no float32 loop repeats) and backward_dq (b02's) run on 256 threads.
  *
@@ -76,7 +77,7 @@
  * B_c a multiple of 16, B_r of 32; deterministic = 1 takes turns per query tile as b02.
  *
  * lab.template   d_head, B_r, B_c, deterministic
- * lab.configs    (64, 32, 64, 0), (128, 32, 64, 0), (64, 32, 64, 1), (128, 32, 64, 1), (128, 32, 128, 0), (128, 32, 128, 1)
+ * lab.configs    (64, 32, 64, 0), (128, 32, 128, 0), (64, 32, 64, 1), (128, 32, 128, 1), (128, 32, 64, 0), (128, 32, 64, 1)
  * lab.threads    256
  * lab.smem       0
  * lab.phase      backward_preprocess: query tiles

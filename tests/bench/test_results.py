@@ -49,7 +49,8 @@ def test_write_result_names_and_strict_json(tmp_path):
 def test_newest_results_orders_by_timestamp(tmp_path):
     names = ["kernels-a-20260102T000000Z.json", "kernels-b-20260103T000000Z.json",
              "kernels-b-20260103T000000Z-1.json", "kernels-a-20251231T235959Z.json",
-             "sweep-a-20260101T000000Z.json", "notes.json", "kernels-a-20270101T000000Z.png"]
+             "sweep-a-20260101T000000Z.json", "notes.json", "kernels-a-20270101T000000Z.png",
+             "kernels-before-after-v99-a-20280101T000000Z.json"]  # a comparison's input, never the newest run
     for n in names:
         (tmp_path / n).write_text("{}")
     found = results.newest_results(tmp_path)
