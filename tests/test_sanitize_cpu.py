@@ -450,7 +450,11 @@ def test_the_targets_cover_every_rung_dtype_and_declared_feature():
         persistent = targets.persistent(rung)
         for _, NH, NH_kv, T_q, T_k, _ in quick[: 1 + persistent]:
             assert T_q % 16 and (T_q != T_k) == ("cross" in rung.supports) and (NH != NH_kv) == ("gqa" in rung.supports)
-        assert len(quick) == 1 + persistent + split_kv and (quick[-1 - split_kv] in full) == persistent
+        sizes = [d for d in rung.head_sizes() if d != 64]
+        heads = len(sizes[-1:])  # --quick: the largest other head size; a full run: every one
+        assert [s[5] for s in quick[len(quick) - heads:]] == sizes[-1:] and [s[5] for s in full[len(full) - len(sizes):]] == sizes
+        assert all(s[:5] == quick[0][:5] for s in quick[len(quick) - heads:])  # QUICK's awkward shape, as declared
+        assert len(quick) == 1 + persistent + split_kv + heads and (quick[-1 - split_kv - heads] in full) == persistent
         if persistent:  # every block walks two tiles at least on a device of 132 SMs: key tiles of 128 (the
             B, NH, NH_kv, T_q, T_k, d = quick[1]  # backward), query tiles of at most 192 (the forward)
             assert min(-(-T_k // 128) * NH_kv, -(-T_q // 192) * NH) * B >= 2 * 132
@@ -470,7 +474,11 @@ def test_under_synccheck_v17_runs_where_the_tool_is_sound():
         B, NH, _, T_q, _, _ = shape
         return -(-T_q // v17.params(config)["B_r"]) * NH * B, resident
 
-    shapes = targets.case_shapes(v17, quick=False)
+    every = targets.case_shapes(v17, quick=False)
+    for dtype in v17.dtypes:  # the other head sizes' shapes too: each launched at its config's d, the rest kept
+        for (s, c, why), want in zip(targets.synccheck_launches(v17, dtype, every, waves), every, strict=True):
+            assert s[:5] == want[:5] and s[5] == c[0] and (s == want or "in place of" in why)
+    shapes = every[:5]  # SHAPES, CROSS, GQA, DECODE
     launches = targets.synccheck_launches(v17, "float32", shapes, waves)
     assert [s for s, _, _ in launches] == shapes
     for (shape, config, why), clusters in zip(launches, [16, 78, 10, 52, 12]):  # SHAPES, CROSS, GQA, DECODE

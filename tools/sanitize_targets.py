@@ -113,7 +113,8 @@ def draw(rng, shape, dtype):
 
 def case_shapes(rung, quick: bool) -> list[tuple]:
     """(B, NH, NH_kv, T_q, T_k, d) for a rung (ladder, Triton or backward): --quick one launch as awkward as
-    the rung allows; else SHAPES, and CROSS and GQA where it declares them; a split-KV rung's decode step."""
+    the rung allows; else SHAPES, and CROSS and GQA where it declares them; a persistent rung's MANY_TILES, a
+    split-KV rung's decode step; then QUICK's shape at the rung's other head sizes (other_head_sizes)."""
     supports = getattr(rung, "supports", ())
 
     def declared(shape):  # T_q != T_k and grouped heads only where the rung declares them
@@ -124,7 +125,16 @@ def case_shapes(rung, quick: bool) -> list[tuple]:
         cases = [declared(QUICK)]
     else:
         cases = list(SHAPES) + [CROSS] * ("cross" in supports) + [GQA] * ("gqa" in supports)
-    return cases + [declared(MANY_TILES)] * persistent(rung) + [DECODE] * bool(getattr(rung, "split_kv", False))
+    cases += [declared(MANY_TILES)] * persistent(rung) + [DECODE] * bool(getattr(rung, "split_kv", False))
+    return cases + [declared(QUICK[:5] + (d,)) for d in other_head_sizes(rung, quick)]
+
+
+def other_head_sizes(rung, quick: bool) -> list[int]:
+    """The head sizes besides 64 that a rung declares configurations for, each launched at QUICK's shape in the
+    configuration the launcher picks for it (at d = 128 the register and shared-memory budgets, and often the
+    tiles, are not d = 64's): every one in a full run, the largest with --quick."""
+    sizes = [d for d in getattr(rung, "head_sizes", lambda: [])() if d != QUICK[5]]
+    return sizes[-1:] if quick else sizes
 
 
 def persistent(rung) -> bool:
