@@ -68,8 +68,8 @@
  * At d = 128 the launcher takes B_c = 128: 8 warps an SM (254 registers, no spills; 256 x 256 fill the
  * SM's 65,536) where B_c = 64 ran 4, at 0.73-0.80x SDPA efficient's backward. Measured (H200, two runs,
  * the rungs' order swapped, docs/backward.md#b03): 1.37x of B_c = 64 at 4 x 16 x 2048 causal, 1.39-1.40x
- * at 2 x 16 x 4096 causal, 1.42x at 4 x 16 x 2048 non-causal; d = 64 is unchanged. B_c = 64 stays
- * declared (config=) for the comparison.
+ * at 2 x 16 x 4096 causal, 1.42x at 4 x 16 x 2048 non-causal (1.05-1.10x SDPA efficient); d = 64 is
+ * unchanged. B_c = 64 stays declared (config=) for the comparison.
  * (B_r = 64 at d = 64 spilled.) backward_preprocess (D_i a warp a row: dP's order is the tensor core's,
  * which no float32 loop repeats) and backward_dq (b02's) run on 256 threads.
  *
