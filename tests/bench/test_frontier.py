@@ -26,10 +26,10 @@ V19, V21, V22, V23, V24 = (kernels.resolve(n).stem for n in ("v19", "v21", "v22"
 def test_the_shapes_are_the_issues_table_in_bfloat16():
     assert frontier.case_ids() == ["8x12x1024-d64", "16x12x2048-d64", "6x12x4096-d64", "1x12x8192-d64",
                                    "2x32x4096-d128", "2x32x4096-d128-gqa8", "1x16x16384-d128",
-                                   "4x16x2048-d64-noncausal"]
+                                   "4x16x2048-d64-noncausal", "4x16x4096-d128-noncausal"]
     assert [frontier.case_title(c.as_dict()) for c in frontier.CASES[4:]] == [
         "2x32x4096, d128, causal", "2x32x4096, d128, causal, GQA 8 KV heads", "1x16x16384, d128, causal",
-        "4x16x2048, d64, non-causal"]
+        "4x16x2048, d64, non-causal", "4x16x4096, d128, non-causal"]
     assert frontier.DTYPE == "bfloat16" and frontier.PEER_NAMES == ("sdpa_flash", "sdpa_cudnn")
     for case in frontier.CASES:  # 4 * B * NH * T^2 * d, halved for causal; every query head counts
         full = 4 * case.B * case.NH * case.T_q**2 * case.d
