@@ -639,3 +639,38 @@ def test_a_reproducers_cases_run_in_order_and_print_as_they_come(monkeypatch, ca
     assert capsys.readouterr().out.splitlines() == ["a under /bin/cs", "b under /bin/cs"]
     monkeypatch.setattr(sanitize, "find_sanitizer", lambda: None)
     assert sanitize.cases_under_tool(["a"], lambda tool, name: {}, lambda name, r: "") is None
+
+
+def test_an_fp8_target_quantizes_on_the_host_and_launches_the_rung_alone(monkeypatch):
+    """An FP8 rung's inputs are quantized on the host and copied (on the device the Hadamard products are
+    cuBLAS's, whose stores initcheck does not see by default); the rung gets those copies, and the reference
+    is the emulation of the same quantized inputs. NumPy stands in for CuPy, and the rung's launch for the
+    emulation (the launch itself runs on the GPU, under the tools)."""
+    import kernels
+
+    seen = {"copied": []}
+
+    class HostArrays:  # the parts of CuPy that attend_case uses
+        nan = np.nan
+        full = staticmethod(np.full)
+        asnumpy = staticmethod(np.asarray)
+
+        @staticmethod
+        def asarray(x):
+            seen["copied"].append(x.dtype)
+            return np.array(x)
+
+    def prepare_fp8(inputs, *, kernel, out, config):
+        seen["inputs"], seen["kernel"] = inputs, kernel
+
+        def run():
+            out[...] = kernels.fp8.emulated_attention(inputs).astype(out.dtype)
+
+        return run
+
+    monkeypatch.setattr(kernels, "prepare_fp8", prepare_fp8)
+    monkeypatch.setattr(kernels, "prepare", lambda *a, **k: pytest.fail("an FP8 target quantizes on the host"))
+    assert targets.attend_case(HostArrays, "v26", "bfloat16", targets.QUICK, fp8=True)
+    inputs = seen["inputs"]
+    assert seen["kernel"] == "v26" and (inputs.block_q, inputs.block_k, inputs.hadamard) == (192, 128, True)
+    assert len(seen["copied"]) == 6 and inputs.q.dtype == np.uint8 and inputs.q_scale.dtype == np.float32

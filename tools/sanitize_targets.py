@@ -48,6 +48,7 @@ next target in a new one.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 import traceback
@@ -145,21 +146,27 @@ def persistent(rung) -> bool:
 
 def attend_case(cp, name: str, dtype: str, shape: tuple, config=None, fp8: bool = False, seed: int = 0) -> bool:
     """One forward launch of rung `name` at shape (B, NH, NH_kv, T_q, T_k, d), output poisoned, against the
-    float64 reference computed on the host (an FP8 rung: against its float64 emulation on the same e4m3
-    inputs), so that the only kernels the target launches are the rung's and its launcher's; prints the
-    error and returns whether it is within tolerance."""
+    float64 reference computed on the host (an FP8 rung: its inputs quantized on the host and copied, the
+    reference its float64 emulation on them), so that the only kernels the target launches are the rung's
+    and its launcher's; prints the error and returns whether it is within tolerance."""
     import kernels
 
     B, NH, NH_kv, T_q, T_k, d = shape
     rng = np.random.default_rng(seed)
     q, k, v = draw(rng, (B, NH, T_q, d), dtype), draw(rng, (B, NH_kv, T_k, d), dtype), draw(rng, (B, NH_kv, T_k, d), dtype)
     out = cp.full(q.shape, cp.nan, dtype=q.dtype)  # an element no block writes stays NaN, and fails
-    run = kernels.prepare(*(cp.asarray(x) for x in (q, k, v)), kernel=name, out=out, config=config)
-    run()
-    if fp8:
-        ref = kernels.fp8.emulated_attention(kernels.quantize_for(name, q, k, v, config=run.instance.config))
+    if fp8:  # quantized on the host too, then copied: on the device the quantization's Hadamard products are
+        # cuBLAS's, whose stores initcheck does not see with its kernels left out (the default), and the
+        # kernels reading them drew reports that were no rung's
+        quantized = kernels.quantize_for(name, q, k, v, config=config)
+        arrays = ("q", "k", "v_t", "q_scale", "k_scale", "v_scale")
+        on_device = dataclasses.replace(quantized, **{f: cp.asarray(getattr(quantized, f)) for f in arrays})
+        run = kernels.prepare_fp8(on_device, kernel=name, out=out, config=config)
+        ref = kernels.fp8.emulated_attention(quantized)
     else:
+        run = kernels.prepare(*(cp.asarray(x) for x in (q, k, v)), kernel=name, out=out, config=config)
         ref = kernels.reference_attention(*(x.astype(np.float64) for x in (q, k, v)))
+    run()
     err = float(np.abs(cp.asnumpy(out).astype(np.float64) - ref).max())
     ok = err < (1e-3 if dtype == "float32" else 5e-2)  # NaN fails
     print(f"  {name:28s} {dtype:8s} B={B} NH={NH}/{NH_kv} T_q={T_q:4d} T_k={T_k:4d} d={d}: max |out - ref| = "
