@@ -38,11 +38,12 @@
  * = 4 + c (consumer c's turn).
  *
  * Key tiles of 176 at d = 128 (the last two configurations): FlashAttention-3's tile for non-causal
- * d = 128, where a step's softmax and turn cost less per key than with 128 keys; S_ij is m64n176 (88
- * accumulators a thread), 2 stages, 214,016 bytes; compiled for sm_90a without spills. NOT YET RUN ON
- * A GPU: declared last, so the launcher takes it only when asked (config=); its GPU tests take every
- * declared configuration, and a before/after at 4 x 16 x 4096, d = 128, non-causal (bench.py
- * frontier's shape) decides whether it goes first for non-causal runs.
+ * d = 128, where a step's fixed costs (its turn, the row maxima's shuffles, O_i's rescale) spread
+ * over more keys; S_ij is m64n176 (88 accumulators a thread), 2 stages, 214,016 bytes; compiled for
+ * sm_90a without spills. NOT YET RUN ON A GPU: declared last, so the launcher takes it only when
+ * asked (config=); its GPU tests take every declared configuration, and a before/after at
+ * 4 x 16 x 4096, d = 128, non-causal (bench.py frontier's shape) decides whether it goes first for
+ * non-causal runs.
  *
  * Limits: as v22: sm_90a only; d 64 or 128; B_r 128 or 192; B_c 64 or 128, or 176 at d = 128;
  * dtype_id 0 bfloat16, 1 float16; inputs as v21.
