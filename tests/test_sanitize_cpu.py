@@ -452,8 +452,10 @@ def test_the_targets_cover_every_rung_dtype_and_declared_feature():
             assert T_q % 16 and (T_q != T_k) == ("cross" in rung.supports) and (NH != NH_kv) == ("gqa" in rung.supports)
         sizes = [d for d in rung.head_sizes() if d != 64]
         heads = len(sizes[-1:])  # --quick: the largest other head size; a full run: every one
-        assert [s[5] for s in quick[len(quick) - heads:]] == sizes[-1:] and [s[5] for s in full[len(full) - len(sizes):]] == sizes
+        assert [s[5] for s in quick[len(quick) - heads:]] == sizes[-1:]
         assert all(s[:5] == quick[0][:5] for s in quick[len(quick) - heads:])  # QUICK's awkward shape, as declared
+        tail = full[len(full) - len(sizes) * (1 + persistent):]  # QUICK's shape at each, and MANY_TILES where persistent
+        assert tail == [s for d in sizes for s in [quick[0][:5] + (d,)] + [quick[1][:5] + (d,)] * persistent]
         assert len(quick) == 1 + persistent + split_kv + heads and (quick[-1 - split_kv - heads] in full) == persistent
         if persistent:  # every block walks two tiles at least on a device of 132 SMs: key tiles of 128 (the
             B, NH, NH_kv, T_q, T_k, d = quick[1]  # backward), query tiles of at most 192 (the forward)

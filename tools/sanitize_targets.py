@@ -115,7 +115,8 @@ def draw(rng, shape, dtype):
 def case_shapes(rung, quick: bool) -> list[tuple]:
     """(B, NH, NH_kv, T_q, T_k, d) for a rung (ladder, Triton or backward): --quick one launch as awkward as
     the rung allows; else SHAPES, and CROSS and GQA where it declares them; a persistent rung's MANY_TILES, a
-    split-KV rung's decode step; then QUICK's shape at the rung's other head sizes (other_head_sizes)."""
+    split-KV rung's decode step; then QUICK's shape at the rung's other head sizes (other_head_sizes), and in
+    a full run a persistent rung's MANY_TILES at each of them too."""
     supports = getattr(rung, "supports", ())
 
     def declared(shape):  # T_q != T_k and grouped heads only where the rung declares them
@@ -127,7 +128,9 @@ def case_shapes(rung, quick: bool) -> list[tuple]:
     else:
         cases = list(SHAPES) + [CROSS] * ("cross" in supports) + [GQA] * ("gqa" in supports)
     cases += [declared(MANY_TILES)] * persistent(rung) + [DECODE] * bool(getattr(rung, "split_kv", False))
-    return cases + [declared(QUICK[:5] + (d,)) for d in other_head_sizes(rung, quick)]
+    for d in other_head_sizes(rung, quick):  # a full run walks a persistent rung's tiles at each of them too
+        cases += [declared(QUICK[:5] + (d,))] + [declared(MANY_TILES[:5] + (d,))] * (persistent(rung) and not quick)
+    return cases
 
 
 def other_head_sizes(rung, quick: bool) -> list[int]:
