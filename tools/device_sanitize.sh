@@ -11,7 +11,9 @@
 #   tools/device_sanitize.sh ring           decode_step's racecheck reproducer (tools/racecheck_ring.py), its cases' sums
 #   tools/device_sanitize.sh all            every group at once (the forward in three: 'v0*', 'v1*', 'v2*'; train
 #                                           in its two halves), each its own process; ~9 minutes on an H200's 16
-#                                           cores, each group's seconds longer than alone. Run `initcheck` first
+#                                           cores before every rung also ran at its other head sizes (longer now,
+#                                           not yet timed: split it over calls), each group's seconds longer than
+#                                           alone. Run `initcheck` first
 #                                           (its own device call) and pass the mode its last line names.
 #
 # The json's "seconds" holds each target's wall time under each tool: the groups to split a full run by.
