@@ -332,7 +332,7 @@ def test_v_per_head_gives_every_tile_of_a_head_the_heads_scale():
 
 def test_a_rung_that_needs_v_per_head_refuses_tile_scales_and_the_default_picks_one_that_takes_them():
     head_rungs = [n for n in FP8_RUNGS if kernels.load(n).fp8_v == "head"]
-    assert head_rungs == ["v27_fp8_row_sums", "v28_fp8_bf16_scores"]
+    assert head_rungs == ["v27_fp8_row_sums", "v28_fp8_bf16_scores", "v29_fp8_wide_keys"]
     rung = kernels.load("v27")
     tile = numpy_inputs()
     with pytest.raises(ValueError, match=r"v27_fp8_row_sums needs V with one scale per head .*v_per_head=True"):
@@ -343,7 +343,7 @@ def test_a_rung_that_needs_v_per_head_refuses_tile_scales_and_the_default_picks_
     assert head.v_per_head and (head.block_q, head.block_k) == (192, 128)
     runtime.check_fp8_inputs(head, rung, True, None)
     runtime.check_fp8_inputs(kernels.quantize_fp8(q, k, v, block_q=192, block_k=128, per_tensor=True), rung, True, None)
-    assert runtime.fp8_rung(tile) == "v26_fp8_persistent" and runtime.fp8_rung(head) == "v27_fp8_row_sums"
+    assert runtime.fp8_rung(tile) == "v26_fp8_persistent" and runtime.fp8_rung(head) == "v29_fp8_wide_keys"
     assert not kernels.quantize_for("v26", q, k, v).v_per_head
     with pytest.raises(ValueError, match="v24_persistent does not compute in FP8"):
         kernels.quantize_for("v24", q, k, v)
@@ -426,3 +426,32 @@ def test_bfloat16_q_and_k_take_the_128_byte_swizzle_in_two_byte_elements():
     assert [m.swizzle for m in maps] == [3, 3, 3] and [m.dtype for m in maps] == [9, 9, 0]
     assert maps[0].box == (64, 192, 1, 1) and maps[1].box == (64, 128, 1, 1)
 
+
+
+def test_key_tiles_of_224_read_v_t_as_two_boxes_of_128_keys():
+    """v29 at d = 128: K_j is one box of 224 rows, V^T_j two boxes of 128 keys (a row of 224 bytes is wider than
+    the 128-byte swizzle), the second reaching 32 keys past the tile, past the padded array at the last tile
+    (the copy engine writes zeros there). Key step kk reads box kk / 4 at 32 (kk % 4) bytes: column 32 kk of
+    the tile, the column the packing test above pairs with P's key step kk."""
+    from tests.test_tensor_map import OnDevice
+
+    rung = kernels.load("v29")
+    assert rung.configs_for(128)[0] == (128, 128, 224) and rung.configs_for(64)[0] == (64, 192, 128)
+    source = kernels.resolve("v29").read_text()
+    assert "descriptor<128>(V_j + kk / 4 * V_BOX_BYTES + 32 * (kk % 4))" in source
+    for kk in range(224 // 32):
+        assert 128 * (kk // 4) + 32 * (kk % 4) == 32 * kk
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 300, 128)).astype(np.float32) for _ in range(3))
+    inputs = kernels.quantize_for("v29", q, k, v)
+    assert (inputs.block_q, inputs.block_k) == (128, 224) and inputs.v_per_head
+    T_pad = inputs.v_t.shape[-1]
+    assert T_pad == 448 and (T_pad - 224) + 2 * 128 - T_pad == 32
+    assert runtime.fp8_config(rung, inputs) == (128, 128, 224)
+    assert runtime.fp8_config(rung, kernels.quantize_for("v27", q, k, v)) == (128, 128, 128)
+    tensors = {"Q": OnDevice(np.empty((1, 2, 300, 128), np.uint8)), "K": OnDevice(np.empty((1, 2, 300, 128), np.uint8)),
+               "V": OnDevice(np.empty((1, 2, 128, T_pad), np.uint8))}
+    maps = runtime.tensor_map_arguments(rung, (128, 128, 224), tensors)
+    assert [m.box for m in maps] == [(128, 128, 1, 1), (128, 224, 1, 1), (128, 128, 1, 1)]
+    assert [m.swizzle for m in maps] == [3, 3, 3]
+    assert rung.shared_bytes((128, 128, 224)) == 3 * 128 * 128 + 2 * (224 + 256) * 128 + 2048 <= 227 * 1024
