@@ -240,17 +240,33 @@ def columns(spans: list[tuple[float, float]]) -> list[list[int]]:
     return groups
 
 
-def place_labels(ax, texts, anchors, align: str = "left") -> None:
+def clear_of(ys: list[float], height: float, obstacles: list[tuple[float, float]]) -> list[float]:
+    """Positions at or above ys (taken in their order), each label of this height clear of the previous
+    one and of every (bottom, top) obstacle: a label that would cross one moves up past it."""
+    out, floor = [0.0] * len(ys), float("-inf")
+    for i in sorted(range(len(ys)), key=ys.__getitem__):
+        y = max(ys[i], floor)
+        while hit := [top for bottom, top in obstacles if y < top and y + height > bottom]:
+            y = max(hit)
+        out[i], floor = y, y + height
+    return out
+
+
+def place_labels(ax, texts, anchors, align: str = "left", fixed=()) -> None:
     """Move texts (placed at their anchors, in data coordinates) apart vertically where their boxes would
-    overlap, each column of overlapping boxes spread (spread()) in display space; a thin line from a moved
-    label back to its point."""
+    overlap, each column of overlapping boxes spread (spread()) in display space, then moved up past the
+    `fixed` texts in their column, which stay where they are; a thin line from a moved label back to its
+    point."""
     fig = ax.figure
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     boxes = [t.get_window_extent(renderer) for t in texts]
+    still = [t.get_window_extent(renderer) for t in fixed]
     for group in columns([(b.x0 - 2, b.x1 + 2) for b in boxes]):
         heights = max(boxes[i].height for i in group) + 1
-        ys = spread([boxes[i].y0 for i in group], heights)
+        left, right = min(boxes[i].x0 for i in group) - 2, max(boxes[i].x1 for i in group) + 2
+        obstacles = [(b.y0 - 1, b.y1 + 1) for b in still if b.x0 < right and b.x1 > left]
+        ys = clear_of(spread([boxes[i].y0 for i in group], heights), heights, obstacles)
         for i, y in zip(group, ys):
             dy = y - boxes[i].y0
             if abs(dy) < 0.5:
@@ -303,8 +319,8 @@ def plot_roofline(plt, points: list[tuple[str, float, float, str | None]], roofs
     nudge = 10 ** 0.012  # a few points right of and above its point, on these log axes
     point_labels = [ax.text(x * nudge, y * nudge, label, fontsize="x-small", ha="left", va="bottom")
                     for label, x, y, _ in points]
-    place_labels(ax, point_labels, [(x, y) for _, x, y, _ in points])
     place_labels(ax, roof_labels, [None] * len(roof_labels), align="right")
+    place_labels(ax, point_labels, [(x, y) for _, x, y, _ in points], fixed=roof_labels)
     plain = FuncFormatter(lambda v, _: f"{v:g}")
     ax.xaxis.set_major_formatter(plain)
     ax.yaxis.set_major_formatter(plain)

@@ -456,6 +456,9 @@ def test_spread_keeps_labels_apart_and_near_their_points():
     assert profile_render.spread([5.0, 5.0, 5.0], 2.0) == [3.0, 5.0, 7.0]
     assert profile_render.spread([9.0, 0.0], 1.0) == [9.0, 0.0]  # apart already: left where they are, in order
     assert profile_render.columns([(0, 5), (3, 8), (10, 12), (11, 13), (20, 21)]) == [[0, 1], [2, 3], [4]]
+    # moved up past an obstacle (a roof's label) that a label would cross, in order, each clear of the last
+    assert profile_render.clear_of([0.0, 10.0, 30.0], 4.0, [(2.0, 8.0), (12.0, 20.0)]) == [8.0, 20.0, 30.0]
+    assert profile_render.clear_of([5.0], 4.0, [(0.0, 1.0)]) == [5.0]  # clear already: left where it is
 
 
 def test_roofline_labels_do_not_print_over_each_other():
@@ -471,6 +474,26 @@ def test_roofline_labels_do_not_print_over_each_other():
     renderer = fig.canvas.get_renderer()
     labels = [t for t in fig.axes[0].texts if "TFLOP/s" in t.get_text() or t.get_text().startswith("v")]
     assert len(labels) == len(points) + 3
+    boxes = [t.get_window_extent(renderer) for t in labels]
+    crossing = [(labels[i].get_text(), labels[j].get_text()) for i in range(len(boxes)) for j in range(i)
+                if boxes[i].overlaps(boxes[j])]
+    assert not crossing, crossing
+    plt.close(fig)
+
+
+def test_point_labels_do_not_print_over_the_roofs_labels():
+    """FP8 points just under the bf16 and fp16 roofs, near the right edge where the roofs' labels are
+    (H200, v27 and v29 at 2x32x4096-d128 and 16x12x2048-d64): no label's box crosses another's."""
+    pytest.importorskip("matplotlib")
+    plt = plots._pyplot()
+    points = [("v27_fp8_row_sums 2x32x4096-d128", 1774.1, 759.2, "fp8"), ("v29_fp8_wide_keys 2x32x4096-d128", 1753.0, 748.9, "fp8"),
+              ("v27_fp8_row_sums 16x12x2048-d64", 914.1, 434.0, "fp8"), ("v29_fp8_wide_keys 16x12x2048-d64", 914.7, 432.9, "fp8")]
+    roofs = {"fp32 FFMA": 51.3, "TF32 tensor": 360.3, "bf16 tensor": 800.8, "fp16 tensor": 769.4, "fp8 tensor (e4m3)": 1465.7}
+    fig = profile_render.plot_roofline(plt, points, roofs, 4.26, "fp8 under the roofs")
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    labels = [t for t in fig.axes[0].texts if "TFLOP/s" in t.get_text() or t.get_text().startswith("v")]
+    assert len(labels) == len(points) + len(roofs)
     boxes = [t.get_window_extent(renderer) for t in labels]
     crossing = [(labels[i].get_text(), labels[j].get_text()) for i in range(len(boxes)) for j in range(i)
                 if boxes[i].overlaps(boxes[j])]
