@@ -1,0 +1,48 @@
+"""tools/wgmma_waits.py on saved listings (nvdisasm of v24 and v29 at d = 128, the lines it reads) and on
+small made-up ones; the compile step through NVRTC, which needs no GPU."""
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import wgmma_waits  # noqa: E402
+
+SASS = ROOT / "tests" / "fixtures" / "sass"
+
+
+def listing(*ops: str) -> str:
+    return "\n".join(f"        /*{16 * i:04x}*/                   {op} ;" for i, op in enumerate(ops))
+
+
+@pytest.mark.parametrize("name,products,exponentials", [("v24-d128-waits.sass", 16, 66), ("v29-d128-waits.sass", 18, 114)])
+def test_the_saved_rungs_wait_for_every_product_before_their_exponentials(name, products, exponentials):
+    step = wgmma_waits.steady_step(wgmma_waits.events((SASS / name).read_text()))
+    assert step.products == products and step.wait_one is not None and step.wait_all > step.wait_one
+    assert (step.overlapped, step.after) == (0, exponentials)
+    assert "does not overlap" in step.verdict()
+
+
+def test_exponentials_between_the_two_waits_count_as_overlapped():
+    ops = ["WARPGROUP.ARRIVE", "HGMMA.64x128x16.F32.BF16 R88, gdesc[UR4], RZ, !UPT", "WARPGROUP.DEPBAR.LE gsb0, 0x0",
+           "WARPGROUP.ARRIVE", *["HGMMA.64x128x16.F32.BF16 R88, gdesc[UR4], R88"] * 3, "WARPGROUP.DEPBAR.LE gsb0, 0x1",
+           "MUFU.EX2 R1, R1", "@P1 MUFU.EX2 R2, R2", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "MUFU.EX2 R3, R3", "WARPGROUP.ARRIVE"]
+    step = wgmma_waits.steady_step(wgmma_waits.events(listing(*ops)))
+    assert (step.products, step.arrive, step.wait_one, step.wait_all) == (3, 0x30, 0x70, 0xa0)
+    assert (step.overlapped, step.after) == (2, 1)
+    assert step.verdict() == "2 of 3 exponentials before the wait for every product"
+    assert wgmma_waits.steady_step(wgmma_waits.events(listing("MUFU.EX2 R1, R1"))) is None
+    assert "not a wgmma kernel" in wgmma_waits.report("x", listing("MUFU.EX2 R1, R1"))
+
+
+def test_the_tool_compiles_a_configuration_and_says_where_nvdisasm_is_missing(monkeypatch, capsys):
+    name, cubin = wgmma_waits.compiled("v24", "128,128,128,0", "sm_90")
+    assert name == "v24_persistent (d_head=128, B_r=128, B_c=128, dtype_id=0)" and cubin[:4] == b"\x7fELF"
+    if shutil.which("nvdisasm") is None and not Path("/usr/local/cuda/bin/nvdisasm").exists():
+        with pytest.raises(SystemExit, match="nvdisasm not found"):
+            wgmma_waits.disassemble(cubin)
+    assert wgmma_waits.main(["--sass", str(SASS / "v24-d128-waits.sass")]) == 0
+    assert "0 of 66 exponentials" in capsys.readouterr().out

@@ -1,0 +1,153 @@
+"""Where ptxas put a consumer's waits for its products, against its softmax's exponentials.
+
+A rung that overlaps the softmax with the tensor cores (v19 and after) issues S_ij = Q_i K_j^T and
+P_i,j-1 V_j-1 together, waits for S_ij alone (`wgmma.wait_group 1`), computes the softmax, and only
+then waits for P V (`wgmma.wait_group 0`). The PTX says so; the SASS need not: ptxas may move the
+last wait up. This compiles a rung's configuration with NVRTC, disassembles it (nvdisasm: the device
+machine has it, with the CUDA toolkit), finds the steady step (the largest batch of HGMMA, QGMMA for e4m3,
+issued after one WARPGROUP.ARRIVE: S and P V together) and counts that step's MUFU.EX2 issued before its
+`WARPGROUP.DEPBAR.LE gsb0, 0x0`, which run under the products, and after it, which do not:
+
+    python3 tools/wgmma_waits.py v24 --config 128,128,128,0 --config 64,192,128,0
+    python3 tools/wgmma_waits.py v29 --config 128,128,224
+    python3 tools/wgmma_waits.py --sass saved.sass              a listing saved earlier, no nvdisasm
+
+(docs/ladder.md#v29: in v24 and v29 every exponential of the step comes after that wait.)
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+_OP = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?(WARPGROUP\.ARRIVE|WARPGROUP\.DEPBAR\.LE gsb0, 0x(\d+)|[HQ]GMMA|MUFU\.EX2)")
+
+
+def events(sass: str) -> list[tuple[int, str]]:
+    """(address, what) in program order: 'arrive', 'gmma', 'wait N' (wgmma groups left pending), 'ex2'."""
+    out = []
+    for line in sass.splitlines():
+        m = _OP.search(line)
+        if not m:
+            continue
+        op = m.group(2)
+        kind = ("arrive" if op == "WARPGROUP.ARRIVE" else f"wait {int(m.group(3), 16)}" if op.startswith("WARPGROUP.DEPBAR")
+                else "gmma" if op.endswith("GMMA") else "ex2")
+        out.append((int(m.group(1), 16), kind))
+    return out
+
+
+@dataclass
+class Step:
+    products: int  # HGMMA or QGMMA issued after the step's one arrive
+    arrive: int  # addresses
+    wait_one: int | None
+    wait_all: int | None
+    overlapped: int  # exponentials between the arrive and the wait for every product
+    after: int  # exponentials after it, before the next arrive
+
+    def verdict(self) -> str:
+        if self.wait_all is None:
+            return "no wait for every product before the next batch"
+        total = self.overlapped + self.after
+        if not total:
+            return "no exponentials in the step"
+        return (f"{self.overlapped} of {total} exponentials before the wait for every product"
+                + (": the softmax does not overlap the step's last products" if not self.overlapped else ""))
+
+
+def steady_step(evs: list[tuple[int, str]]) -> Step | None:
+    """The step whose arrive issues the most products (ties: the first), with its waits and exponentials."""
+    batches = []  # (index of the arrive, products after it before anything else)
+    for i, (_, kind) in enumerate(evs):
+        if kind == "arrive":
+            n = 0
+            for _, k in evs[i + 1:]:
+                if k != "gmma":
+                    break
+                n += 1
+            batches.append((i, n))
+    if not batches:
+        return None
+    start, products = max(batches, key=lambda b: (b[1], -b[0]))
+    wait_one = wait_all = None
+    overlapped = after = 0
+    for address, kind in evs[start + 1 + products:]:
+        if kind == "arrive":
+            break
+        if kind == "wait 1" and wait_one is None and wait_all is None:
+            wait_one = address
+        elif kind == "wait 0" and wait_all is None:
+            wait_all = address
+        elif kind == "ex2":
+            if wait_all is None:
+                overlapped += 1
+            else:
+                after += 1
+    return Step(products, evs[start][0], wait_one, wait_all, overlapped, after)
+
+
+def disassemble(cubin: bytes) -> str:
+    tool = shutil.which("nvdisasm") or next((p for p in ("/usr/local/cuda/bin/nvdisasm",) if Path(p).exists()), None)
+    if tool is None:
+        raise SystemExit("nvdisasm not found: it comes with the CUDA toolkit (the device machine has it); "
+                         "or pass --sass with a listing saved there")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, "-c", f.name], check=True, capture_output=True, text=True).stdout
+
+
+def compiled(kernel: str, config: str, arch: str) -> tuple[str, bytes]:
+    from kernels import ladder, nvrtc
+    from kernels.reports import COMMON_OPTIONS
+    from kernels.runtime import _as_config
+
+    rung = ladder.load(kernel)
+    cfg = _as_config(rung, config)
+    cubin, _, _ = nvrtc.compile_cubin(rung.source, str(rung.path), [f"-arch={arch}", *COMMON_OPTIONS, *rung.options],
+                                      [rung.name_expression(cfg)])
+    described = ", ".join(f"{k}={v}" for k, v in rung.params(cfg).items())
+    return f"{rung.name} ({described})", cubin
+
+
+def report(name: str, sass: str) -> str:
+    step = steady_step(events(sass))
+    if step is None:
+        return f"{name}: no WARPGROUP.ARRIVE (not a wgmma kernel?)"
+    where = lambda a: "-" if a is None else f"{a:#x}"  # noqa: E731
+    return (f"{name}: steady step at {step.arrive:#x}: {step.products} products, wait <= 1 at {where(step.wait_one)}, "
+            f"wait 0 at {where(step.wait_all)}; {step.verdict()}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("kernel", nargs="?", help="a rung (v24, v29_fp8_wide_keys or a .cu path)")
+    ap.add_argument("--config", action="append", default=[], help="a configuration, as lab.configs writes it (repeatable; "
+                    "default: every declared one)")
+    ap.add_argument("--arch", default="sm_90", help="compile for (default sm_90; a rung's lab.options may say sm_90a)")
+    ap.add_argument("--sass", type=Path, help="read this nvdisasm listing instead of compiling")
+    args = ap.parse_args(argv)
+    if args.sass:
+        print(report(str(args.sass), args.sass.read_text()))
+        return 0
+    if not args.kernel:
+        ap.error("give a rung, or --sass")
+    from kernels import ladder
+
+    configs = args.config or [",".join(map(str, c)) for c in ladder.load(args.kernel).configs]
+    for config in configs:
+        name, cubin = compiled(args.kernel, config, args.arch)
+        print(report(name, disassemble(cubin)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
