@@ -36,6 +36,13 @@
  * one more wait at the end for the last consumer's last pass, so every named barrier ends with as
  * many passes as waits. The producer leaves once the ring's last uses have landed.
  *
+ * O_i's rescale comes before the product that adds to it is issued (FlashAttention-3's order):
+ * O_i = alpha O_i + P_i,j-1 V_j-1, alpha from the softmax of step j - 1, where v23 rescales after the
+ * wait for that product, O_i = alpha (O_i + P V). Measured (H200, bench.py frontier, docs/ladder.md#v24):
+ * 1.02x and 1.04x at 16 x 12 x 2048 and 1.04x and 1.04x at 4 x 16 x 2048 non-causal (d = 64, two runs,
+ * order swapped), 1.05x and 1.06x at 6 x 12 x 4096 and 1 x 12 x 8192 (one run); d = 128 inside its
+ * bimodal spread.
+ *
  * Everything else - the roles, setmaxnreg, the ring, descriptors, the steps, softmax, masking,
  * turns, features - is v23's. Shared-memory addresses that are the same for every tile are computed
  * from a fresh read of the thread index (thread_index) where they are used: hoisted out of the tile
@@ -577,10 +584,16 @@ attention_forward(const element* __restrict__ /* Q */, const element* __restrict
                 release_Q();
             softmax(S, 0, alpha);  // O_i is still zero: nothing to rescale
             round_P(P, S);
+            bool moved = false;  // O_i = alpha O_i + P_i,j-1 V_j-1: the rescale before the product is issued
             for (int j = 1; j < T_c; ++j) {
                 const int u = u0 + j;
                 mbarrier_wait(K_full(u), parity(u));
                 mbarrier_wait(V_full(u - 1), parity(u - 1));
+                if (moved) {
+#pragma unroll
+                    for (int i = 0; i < d_head / 2; ++i)
+                        O_acc[i] *= alpha[i % 4 / 2];
+                }
                 wait_turn();
                 wgmma_fence();
                 issue_S(S, u);
@@ -591,19 +604,19 @@ attention_forward(const element* __restrict__ /* Q */, const element* __restrict
                 release(K_empty(u));
                 if (j == T_c - 1)
                     release_Q();
-                const bool moved = softmax(S, j, alpha);  // while P_i,j-1 V_j-1 and the next consumer's products run
+                moved = softmax(S, j, alpha);  // while P_i,j-1 V_j-1 and the next consumer's products run
                 wgmma_wait_all();
                 settle(O_acc);
                 release(V_empty(u - 1));
-                if (moved) {  // O_i = alpha (O_i + P_i,j-1 V_j-1)
-#pragma unroll
-                    for (int i = 0; i < d_head / 2; ++i)
-                        O_acc[i] *= alpha[i % 4 / 2];
-                }
                 round_P(P, S);
             }
             const int last = u0 + T_c - 1;
             mbarrier_wait(V_full(last), parity(last));
+            if (moved) {
+#pragma unroll
+                for (int i = 0; i < d_head / 2; ++i)
+                    O_acc[i] *= alpha[i % 4 / 2];
+            }
             wait_turn();
             wgmma_fence();
             issue_PV(P, last);
