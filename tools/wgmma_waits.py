@@ -95,7 +95,8 @@ def steady_step(evs: list[tuple[int, str]]) -> Step | None:
 
 
 def disassemble(cubin: bytes) -> str:
-    tool = shutil.which("nvdisasm") or next((p for p in ("/usr/local/cuda/bin/nvdisasm",) if Path(p).exists()), None)
+    toolkit = Path("/usr/local/cuda/bin/nvdisasm")
+    tool = shutil.which("nvdisasm") or (str(toolkit) if toolkit.exists() else None)
     if tool is None:
         raise SystemExit("nvdisasm not found: it comes with the CUDA toolkit (the device machine has it); "
                          "or pass --sass with a listing saved there")
