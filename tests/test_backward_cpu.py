@@ -317,8 +317,7 @@ def test_every_backward_phase_compiles_without_spills(name, arch):
 
 
 # rungs whose tiling holds only at d = 64, and why (the newest rung that takes d = 128 runs it there)
-D64_ONLY = {"b06_wide_query_tiles": "S^T and dP^T at n128 beside dK_j and dV_j pass the 240 registers at d = 128",
-            "b07_persistent": "b06's tiles, walked by one block an SM"}
+D64_ONLY = {"b06_wide_query_tiles": "S^T and dP^T at n128 beside dK_j and dV_j pass the 240 registers at d = 128"}
 
 
 @pytest.mark.parametrize("name", RUNGS)

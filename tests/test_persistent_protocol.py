@@ -425,12 +425,14 @@ def test_decode_step_stream_model_catches_a_release_before_the_reads_end():
 # Breaking it (no wait on an empty barrier, a wrong parity, a release left out) fails the test below.
 
 
-def b07_tiles(T_q, T_k, n_heads, kv_group, causal, deterministic, grid, B_r=128, B_c=128, d=64, l2_chunk=16 << 20):
+def b07_tiles(T_q, T_k, n_heads, kv_group, causal, deterministic, grid, B_r=128, B_c=128, d=64, l2_chunk=16 << 20,
+              causal_rounds=16):
     """b07's item_at for every tile of the flat order: (j, kv_bh, steps)."""
     T_c, T_r, offset = -(-T_k // B_c), -(-T_q // B_r), T_k - T_q
     chunk = n_heads
-    if causal and not deterministic and T_c * n_heads >= 16 * grid:
-        chunk = min(n_heads, max(l2_chunk // (8 * kv_group * T_q * d), -(-2 * grid // T_c)))
+    if not deterministic and (not causal or T_c * n_heads >= causal_rounds * grid):
+        least = -(-2 * grid // T_c) if causal else 1
+        chunk = min(n_heads, max(l2_chunk // (8 * kv_group * T_q * d), least))
     out = []
     for k in range(T_c * n_heads):
         first_head = k // (chunk * T_c) * chunk
@@ -447,13 +449,22 @@ def b07_tiles(T_q, T_k, n_heads, kv_group, causal, deterministic, grid, B_r=128,
     (1000, 1000, 7, 4, True, False),    # fewer tiles than blocks
     (300, 700, 12, 2, True, False),     # cross, causal bottom-right
     (2048, 2048, 192, 1, True, True),   # deterministic: one chunk
-    (4096, 4096, 64, 1, False, False),  # non-causal: one chunk
+    (4096, 4096, 64, 1, False, False),  # non-causal: chunks of 8 heads at d = 64
+    (4096, 4096, 64, 1, False, True),   # deterministic: one chunk
+    (1000, 1000, 7, 4, False, False),   # non-causal, a K/V head's query side past a chunk: a head a chunk
 ])
-def test_b07_takes_every_tile_once_heavy_first(T_q, T_k, n_heads, kv_group, causal, deterministic):
+@pytest.mark.parametrize("d, B_r", [(64, 128), (128, 64)])
+def test_b07_takes_every_tile_once_heavy_first(T_q, T_k, n_heads, kv_group, causal, deterministic, d, B_r):
     T_c = -(-T_k // 128)
-    tiles = b07_tiles(T_q, T_k, n_heads, kv_group, causal, deterministic, grid=min(132, T_c * n_heads))
+    tiles = b07_tiles(T_q, T_k, n_heads, kv_group, causal, deterministic, grid=min(132, T_c * n_heads), B_r=B_r, d=d)
     assert sorted((j, h) for j, h, _ in tiles) == [(j, h) for j in range(T_c) for h in range(n_heads)]
     assert tiles[0][2] == max(steps for *_, steps in tiles)
+    heads_first = [h for j, h, _ in tiles if j == 0]
+    if deterministic or (causal and T_c * n_heads < 16 * min(132, T_c * n_heads)):
+        assert heads_first == list(range(n_heads)), "one chunk: every head's first key tile comes first"
+    elif not causal:  # chunks of heads: a chunk's key tiles all come before the next chunk's first
+        chunk = max(1, min(n_heads, (16 << 20) // (8 * kv_group * T_q * d)))
+        assert [h for j, h, _ in tiles[:chunk * T_c]] == [h for _ in range(T_c) for h in range(chunk)]
 
 
 def steps_per_block(steps, G, order):

@@ -28,25 +28,35 @@
  * 1 x 12 x 8192 to 0.98-0.99x at 8 x 12 x 1024: the heavy-first order left the low blocks the heaviest
  * tile of every round.
  *
+ * At d = 128 the tiles are b05's: query tiles of 64 (S^T and dP^T m64n64 beside dK_j and dV_j's 128
+ * accumulators), dQ_i split between the warpgroups by its columns (DQ_N = d / 2 each, where d = 64 splits
+ * it by its rows), the same walk. Beside b05 there (two runs, order reversed, docs/backward.md#b07-d128):
+ * 1.01-1.04x causal, 0.96-1.02x without the mask and with grouped heads, all inside those rows' spread
+ * (7-13%): a tile there has 32 to 256 steps, so its start and end are a small share of it. Without the
+ * mask the heads come in chunks whose query side fits 16 MB, as b05's do (1.04-1.16x for b05 at d = 128
+ * from T = 4096); at d = 64 (4 x 12 x 2048) they measured 0.99x and 1.01x of the order before.
+ *
  * Deterministic: the turns are b06's. Every block is resident and takes its tiles in the flat order (the
  * counter hands them out in order), and a turn waits only for tiles earlier in that order (key tile
  * j - 1 of the same query tile), so the earliest unfinished tile never waits: no deadlock.
  *
  * Registers: the producer warpgroup keeps 40 (it decodes the tiles too), the consumers 232 each (b06:
- * 24 and 240); 40 * 128 + 232 * 256 = 64,512 of the SM's 65,536.
+ * 24 and 240); 40 * 128 + 232 * 256 = 64,512 of the SM's 65,536. Computing P^T while dP^T is still in
+ * flight (FlashAttention-3's order: wait for S^T alone, exponentials, then wait for dP^T) does not fit
+ * them at either head size: ptxas serializes the products (C7512, insufficient registers).
  *
  * tests/test_persistent_protocol.py models this protocol (the tiles, both counters, every wait with its
  * parity, every arrival and copy) under random interleavings: an edit to them belongs there too.
  *
  * Geometry: backward_dk_dv on grid (min(T_c x NH_kv x B, SMs), 1, 1), 384 threads, one block per SM;
- * shared memory as b06's, 199,680 bytes at d = 64, and six mbarriers and two ints more (static).
- * backward_preprocess (which also zeroes the tile counter) and backward_dq are b06's, on query tiles of
- * 128 rows, and take the two ints unused.
+ * shared memory as b06's, 199,680 bytes at d = 64 (b05's, 198,656, at d = 128), and six mbarriers and
+ * two ints more (static). backward_preprocess (which also zeroes the tile counter) and backward_dq are
+ * b06's, on query tiles of B_r rows, and take the two ints unused.
  *
- * Limits: b06's: sm_90a only; d 64; B_r 128, B_c 128; dtype_id 0 bfloat16, 1 float16.
+ * Limits: sm_90a only; d 64 (B_r 128) or 128 (B_r 64), B_c 128; dtype_id 0 bfloat16, 1 float16.
  *
  * lab.template    d_head, B_r, B_c, dtype_id, deterministic
- * lab.configs     (64, 128, 128, 0, 0), (64, 128, 128, 1, 0), (64, 128, 128, 0, 1), (64, 128, 128, 1, 1)
+ * lab.configs     (64, 128, 128, 0, 0), (64, 128, 128, 1, 0), (64, 128, 128, 0, 1), (64, 128, 128, 1, 1), (128, 64, 128, 0, 0), (128, 64, 128, 1, 0), (128, 64, 128, 0, 1), (128, 64, 128, 1, 1)
  * lab.threads     256
  * lab.smem        0
  * lab.phase       backward_preprocess: query tiles
@@ -67,7 +77,8 @@
 #endif
 
 constexpr float LOG2_E = 1.4426950408889634f;
-constexpr long long L2_CHUNK = 16ll << 20;  // a long causal grid's chunk of heads (below)
+constexpr long long L2_CHUNK = 16ll << 20;  // a chunk of heads (below)
+constexpr int CAUSAL_ROUNDS = 16;           // a causal grid in chunks from this many rounds of the blocks
 constexpr int AUX_THREADS = 256;  // backward_preprocess and backward_dq (lab.threads)
 constexpr unsigned FULL_WARP = 0xffffffffu;
 
@@ -389,15 +400,18 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
                int T_q, int T_k, int kv_group, int causal, float scale, int n_kv_heads, int batches, TENSOR_MAPS)
 {
     static_assert(dtype_id == 0 || dtype_id == 1, "dtype_id: 0 = bfloat16, 1 = float16");
-    static_assert(d_head == 64, "dQ_i's 64 rows of a warpgroup over every column: m64n64");
-    static_assert(B_r == 128, "a warpgroup's dQ_i rows: 64 of them");
+    static_assert((d_head == 64 && B_r == 128) || (d_head == 128 && B_r == 64),
+                  "b06's tiles at d = 64 (dQ_i split by rows), b05's at d = 128 (by columns): m64n64 a warpgroup");
     static_assert(B_c == 128, "two consumer warpgroups of 64 keys");
     constexpr int CONSUMERS = B_c / 64;      // consumer warpgroups, 64 keys each
     constexpr int STAGES = 2;                // of Q_i and dO_i
     constexpr int D_STEPS = d_head / 16;     // k16 steps of S^T and dP^T (over d)
     constexpr int Q_STEPS = B_r / 16;        // k16 steps of dV_j and dK_j (over queries)
     constexpr int KEY_STEPS = B_c / 16;      // k16 steps of dQ_i (over keys)
-    constexpr int DQ_BOXES = d_head / 32;    // dQ_accum's boxes of 64 rows x 32 float32 columns per warpgroup
+    // dQ_i's share of a warpgroup: 64 queries by DQ_N columns, from query DQ_ROW c and column DQ_COL c.
+    constexpr int DQ_N = d_head * (B_r / 64) / CONSUMERS;
+    constexpr int DQ_ROW = B_r == 128 ? 64 : 0, DQ_COL = B_r == 128 ? 0 : DQ_N;
+    constexpr int DQ_BOXES = DQ_N / 32;      // dQ_accum's boxes of 64 rows x 32 float32 columns per warpgroup
     constexpr unsigned KV_BYTES = B_c * d_head * 2, QO_BYTES = B_r * d_head * 2;
     constexpr unsigned DS_BYTES = B_c * B_r * 2, DQ_BYTES = B_r * d_head * 4;
     constexpr int PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;  // the producer decodes the items too
@@ -426,10 +440,10 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
     auto parity = [](int n) { return (unsigned)(n / STAGES) & 1u; };  // step n: use n / STAGES of its stage
 
     // The tiles of work: (key tile, K/V head) pairs in b06's order, item k of the flat order read as (chunk
-    // of K/V heads, key tile, head in the chunk), heavy first where causal; a chunk holds every head unless
-    // the grid is causal, not deterministic and at least 16 times the resident blocks: then as many heads
-    // as fit their query-side tensors (Q_i, dO_i: 2 bytes an element; dQ_accum: 4) in L2_CHUNK, and two
-    // rounds of the blocks at least. Block b takes item b first, then whichever item the tile counter
+    // of K/V heads, key tile, head in the chunk), heavy first where causal; a chunk holds every head where
+    // the grid is deterministic, or causal and shorter than CAUSAL_ROUNDS times the resident blocks;
+    // otherwise as many heads as fit their query-side tensors (Q_i, dO_i: 2 bytes an element; dQ_accum: 4)
+    // in L2_CHUNK, and where causal two rounds of the blocks at least. Block b takes item b first, then whichever item the tile counter
     // hands out next (G + the counter's old value, G = gridDim.x, one block an SM): the block that comes
     // free first takes the next heaviest, as the hardware hands b06's blocks to the SMs. Taking items
     // b, b + G, b + 2 G, ... instead left the low blocks the heaviest of every round: 0.87-0.99x of
@@ -438,9 +452,10 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
     const int n_heads = n_kv_heads * batches;  // K/V heads of the whole batch
     const int items = T_c * n_heads;
     int chunk = n_heads;
-    if (causal && !deterministic && items >= 16 * (int)gridDim.x) {
+    if (!deterministic && (!causal || items >= CAUSAL_ROUNDS * (int)gridDim.x)) {
         const long long head_bytes = 8LL * kv_group * T_q * d_head;
-        chunk = (int)min((long long)n_heads, max(L2_CHUNK / head_bytes, (2LL * gridDim.x + T_c - 1) / T_c));
+        const long long least = causal ? (2LL * gridDim.x + T_c - 1) / T_c : 1;  // two rounds where causal
+        chunk = (int)min((long long)n_heads, max(L2_CHUNK / head_bytes, least));
     }
     const int G = gridDim.x;
     const int offset = T_k - T_q;            // query row i sees keys <= i + offset (causal, bottom-right)
@@ -554,7 +569,7 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
     }
 
     // A consumer: warpgroup c + 1 owns keys 64 c .. 64 c + 63 of the tile, dK_j and dV_j's rows for
-    // them in registers, and queries 64 c .. 64 c + 63 of dQ_i.
+    // them in registers, and dQ_i's queries DQ_ROW c .. + 63, columns DQ_COL c .. + DQ_N - 1.
     registers_up<CONSUMER_REGISTERS>();
     const int consumer = warpgroup - 1;
     const int thread = threadIdx.x % 128;
@@ -652,8 +667,9 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
                 wgmma_rs<d_head, dtype_id>(dV_acc, Pa[kk], descriptor(dO_i + kk * 2048, B_r * 128, 1024));
             wgmma_commit();
 
-            // dQ_i's queries 64 c .. = dS K_j: A = dS^T's half c, every key of both warpgroups, read
-            // transposed (MN-major: its rows are the keys, k); B = K_j's rows, MN-major. Both warpgroups'
+            // dQ_i's share = dS K_j: A = dS^T's 64 queries from DQ_ROW c (a half at d = 64, all of it at
+            // d = 128), every key of both warpgroups, read transposed (MN-major: its rows are the keys, k);
+            // B = K_j's rows, its columns from DQ_COL c, MN-major. Both warpgroups'
             // dS^T must be written (fenced for the async proxy), and this warpgroup's last reduction must
             // have read dQ's shared memory, before anyone goes on. Then dK_j += dS^T Q_i (as dV_j), which
             // runs while dQ_i's share goes out.
@@ -662,12 +678,14 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
                 bulk_wait_read();
             __syncwarp();
             barrier_sync(1, 128 * CONSUMERS);
-            float dQ[d_head / 2];  // 4 m + e: query 64 c + 16 warp + g + 8 (e / 2), column 8 m + 2 t + e % 2
+            float dQ[DQ_N / 2];  // 4 m + e: query DQ_ROW c + 16 warp + g + 8 (e / 2), column DQ_COL c + 8 m + 2 t + e % 2
+            const unsigned dS_rows = dS_T + (DQ_ROW * consumer / 64) * B_c * 128;
+            const unsigned K_cols = K_smem + (DQ_COL * consumer / 64) * B_c * 128 + (DQ_COL * consumer % 64) * 2;
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < KEY_STEPS; ++kk)
-                wgmma_ss<d_head, dtype_id, 1, 1>(dQ, descriptor(dS_T + consumer * B_c * 128 + kk * 2048, B_c * 128, 1024),
-                                                 descriptor(K_smem + kk * 2048, B_c * 128, 1024), kk > 0);
+                wgmma_ss<DQ_N, dtype_id, 1, 1>(dQ, descriptor(dS_rows + kk * 2048, B_c * 128, 1024),
+                                               descriptor(K_cols + kk * 2048, B_c * 128, 1024), kk > 0);
             wgmma_commit();
 #pragma unroll
             for (int kk = 0; kk < Q_STEPS; ++kk)
@@ -679,7 +697,7 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
             // dQ_i's share into shared memory as dQ_accum's boxes lie (B_r rows of 32 floats, 128-byte
             // swizzle), then one thread adds the boxes into dQ_accum through the copy engine.
 #pragma unroll
-            for (int m = 0; m < d_head / 8; ++m)
+            for (int m = 0; m < DQ_N / 8; ++m)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     // A 64-bit store is issued a half warp (rows g = 0-3 or 4-7) at a time. Stored in
@@ -703,7 +721,8 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
                     wait_turn(count, CONSUMERS * j);  // every addition of key tiles 0 .. j - 1 done
 #pragma unroll
                 for (int b = 0; b < DQ_BOXES; ++b)
-                    tma_reduce_add(dQ_share + b * 64 * 128, &dQ_map, 32 * b, row_start + 64 * consumer, head, batch);
+                    tma_reduce_add(dQ_share + b * 64 * 128, &dQ_map, DQ_COL * consumer + 32 * b, row_start + DQ_ROW * consumer,
+                                   head, batch);
                 bulk_commit();
                 if (deterministic)
                     pass_turn(count);
