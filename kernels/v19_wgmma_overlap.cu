@@ -29,6 +29,11 @@
  *     (before both took their heads in L2-sized chunks) had it 3-7% behind. With three
  *     one-warpgroup blocks per SM, other warpgroups already fill one warpgroup's softmax gaps on
  *     the tensor cores, and the pipeline costs registers (156 against 130 at B_c = 128).
+ *   - The PTX is not the SASS: ptxas moves the second wait up, ahead of every exponential (0 of 66 at
+ *     d = 64 and of 34 at d = 128 run under P V; tools/wgmma_waits.py counts them), so the overlap
+ *     above does not happen here. A copy of this rung that stores the row sums to shared memory
+ *     before that wait keeps the softmax ahead of it: 1.04-1.08x at d = 128, level at d = 64
+ *     (docs/ladder.md#pinned-softmax).
  *
  * The price: P_i,j-1 lives across a step (B_c / 4 more registers), and V_j-1 must stay in shared
  * memory while K_j+1 arrives, so K runs one tile ahead of V: step j copies K_j+1 and V_j, each into

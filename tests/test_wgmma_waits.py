@@ -1,5 +1,6 @@
-"""tools/wgmma_waits.py on saved listings (nvdisasm of v24 and v29 at d = 128, the lines it reads) and on
-small made-up ones; the compile step through NVRTC, which needs no GPU."""
+"""tools/wgmma_waits.py on saved listings (nvdisasm of v24 and v29 at d = 128, and of two copies of v24 that
+move the wait: the lines it reads) and on small made-up ones; the compile step through NVRTC, which needs no
+GPU."""
 import shutil
 import sys
 from pathlib import Path
@@ -24,6 +25,17 @@ def test_the_saved_rungs_wait_for_every_product_before_their_exponentials(name, 
     assert step.products == products and step.wait_one is not None and step.wait_all > step.wait_one
     assert (step.overlapped, step.after) == (0, exponentials)
     assert "does not overlap" in step.verdict()
+
+
+@pytest.mark.parametrize("name,products,before", [
+    ("v24-pinned-d64-waits.sass", 12, 66),        # the row sums stored before wait_group 0 (docs/ladder.md#pinned-softmax)
+    ("v24-release-late-d128-waits.sass", 16, 8),  # K_j's release after the softmax: 8 scheduled ahead of it
+])
+def test_copies_of_v24_that_move_the_wait_are_told_apart(name, products, before):
+    step = wgmma_waits.steady_step(wgmma_waits.events((SASS / name).read_text()))
+    assert step.products == products and step.wait_all > step.wait_one
+    assert (step.overlapped, step.overlapped + step.after) == (before, 66)
+    assert step.verdict() == f"{before} of 66 exponentials before the wait for every product"
 
 
 def test_exponentials_between_the_two_waits_count_as_overlapped():

@@ -12,7 +12,8 @@ issued after one WARPGROUP.ARRIVE: S and P V together) and counts that step's MU
     python3 tools/wgmma_waits.py v29 --config 128,128,224
     python3 tools/wgmma_waits.py --sass saved.sass              a listing saved earlier, no nvdisasm
 
-(docs/ladder.md#v29: in v24 and v29 every exponential of the step comes after that wait.)
+(docs/ladder.md#v29: in v24 and v29 every exponential of the step comes after that wait;
+docs/ladder.md#pinned-softmax: why, and a store of the row sums before the wait that keeps them ahead of it.)
 """
 from __future__ import annotations
 
