@@ -56,14 +56,14 @@ def test_the_rungs_forward_rung_and_peers_of_each_dtype():
 
 def test_a_rung_with_a_deterministic_configuration_runs_again_deterministic():
     """b01 is deterministic in every configuration: one row; b02-b07 declare both kinds: a second row (b06
-    and b07 at d = 64 only: at d = 128 their one row says they do not take the case)."""
+    at d = 64 only: at d = 128 its one row says it does not take the case)."""
     gpt2 = backward.CASE_SETS["gpt2"][0]
     assert backward.entries(gpt2, "float32", backward.rungs_for("float32")) == [
         ("b01_naive", False), ("b02_fa2", False), ("b02_fa2", True), ("b03_tf32_mma", False), ("b03_tf32_mma", True)]
     d128 = backward.CASE_SETS["d128"][0]
     assert backward.entries(d128, "bfloat16", backward.rungs_for("bfloat16")) == [
         ("b04_bf16_mma", False), ("b04_bf16_mma", True), ("b05_wgmma", False), ("b05_wgmma", True),
-        ("b06_wide_query_tiles", False), ("b07_persistent", False)]
+        ("b06_wide_query_tiles", False), ("b07_persistent", False), ("b07_persistent", True)]
     assert backward.entries(gpt2, "bfloat16", ["b06_wide_query_tiles"]) == [
         ("b06_wide_query_tiles", False), ("b06_wide_query_tiles", True)]
     assert backward.entries(gpt2, "bfloat16", ["b02_fa2"]) == [("b02_fa2", False)]  # b02 has no bfloat16
