@@ -443,11 +443,11 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
     // of K/V heads, key tile, head in the chunk), heavy first where causal; a chunk holds every head where
     // the grid is deterministic, or causal and shorter than CAUSAL_ROUNDS times the resident blocks;
     // otherwise as many heads as fit their query-side tensors (Q_i, dO_i: 2 bytes an element; dQ_accum: 4)
-    // in L2_CHUNK, and where causal two rounds of the blocks at least. Block b takes item b first, then whichever item the tile counter
-    // hands out next (G + the counter's old value, G = gridDim.x, one block an SM): the block that comes
-    // free first takes the next heaviest, as the hardware hands b06's blocks to the SMs. Taking items
-    // b, b + G, b + 2 G, ... instead left the low blocks the heaviest of every round: 0.87-0.99x of
-    // b06 on causal grids (docs/backward.md#b07).
+    // in L2_CHUNK, and where causal two rounds of the blocks at least. Block b takes item b first, then
+    // whichever item the tile counter hands out next (G + the counter's old value, G = gridDim.x, one block
+    // an SM): the block that comes free first takes the next heaviest, as the hardware hands b06's blocks
+    // to the SMs. Taking items b, b + G, b + 2 G, ... instead left the low blocks the heaviest of every
+    // round: 0.87-0.99x of b06 on causal grids (docs/backward.md#b07).
     const int T_c = (T_k + B_c - 1) / B_c;
     const int n_heads = n_kv_heads * batches;  // K/V heads of the whole batch
     const int items = T_c * n_heads;
