@@ -114,6 +114,14 @@ __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.a
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_one() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
+// The row sums stored before the wait for P V, each thread's into a slot of its own that nothing reads:
+// ptxas moves wgmma.wait_group up past all arithmetic but keeps a shared-memory store ahead of it, and
+// with the store every exponential the sums add (docs/ladder.md#pinned-softmax). A slot per thread: lanes
+// sharing one word race (compute-sanitizer's racecheck), and lane 0 storing for its warp (a predicated
+// store) kept the same exponentials ahead in SASS but measured 3-5% slower at d = 64 in v22.
+__device__ __forceinline__ void pin_row_sums(float2* slot, const float (&l)[2]) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"((unsigned)__cvta_generic_to_shared(slot)), "f"(l[0]), "f"(l[1]) : "memory");
+}
 
 // After the wait: a volatile no-op that "writes" each accumulator, so that no read of it is
 // scheduled before the wait (the compiler sees the wgmma's outputs as written at its issue).
@@ -244,6 +252,7 @@ attention_forward(const element* __restrict__ Q, const element* __restrict__ K, 
     constexpr unsigned TILE_BYTES = B_c * d_head * 2;
 
     extern __shared__ unsigned char smem[];
+    __shared__ float2 pin[B_r * 2];  // a consumer thread's slot for its row sums, stored before the wait for P V, never read
     // Every tile on a 1024-byte boundary, where the swizzle pattern starts (lab.smem has 1 KB spare).
     const unsigned Q_smem = ((unsigned)__cvta_generic_to_shared(smem) + 1023) & ~1023u;  // later O_i
     const unsigned K_smem = Q_smem + B_r * d_head * 2;  // two stages of K_j
@@ -410,6 +419,7 @@ attention_forward(const element* __restrict__ Q, const element* __restrict__ K, 
             wgmma_wait_one();  // S_ij has landed; P_i,j-1 V_j-1 may still run
             settle(S);
             const bool moved = softmax(S, j, alpha);  // while P_i,j-1 V_j-1 runs
+            pin_row_sums(&pin[threadIdx.x], l_i);  // the softmax stays ahead of the wait
             wgmma_wait_all();
             settle(O_acc);
             if (moved) {  // O_i = alpha (O_i + P_i,j-1 V_j-1)

@@ -332,7 +332,7 @@ def test_v_per_head_gives_every_tile_of_a_head_the_heads_scale():
 
 def test_a_rung_that_needs_v_per_head_refuses_tile_scales_and_the_default_picks_one_that_takes_them():
     head_rungs = [n for n in FP8_RUNGS if kernels.load(n).fp8_v == "head"]
-    assert head_rungs == ["v27_fp8_row_sums", "v28_fp8_bf16_scores", "v29_fp8_wide_keys", "v30_fp8_pinned"]
+    assert head_rungs == ["v27_fp8_row_sums", "v28_fp8_bf16_scores", "v29_fp8_wide_keys"]
     rung = kernels.load("v27")
     tile = numpy_inputs()
     with pytest.raises(ValueError, match=r"v27_fp8_row_sums needs V with one scale per head .*v_per_head=True"):
@@ -343,7 +343,7 @@ def test_a_rung_that_needs_v_per_head_refuses_tile_scales_and_the_default_picks_
     assert head.v_per_head and (head.block_q, head.block_k) == (192, 128)
     runtime.check_fp8_inputs(head, rung, True, None)
     runtime.check_fp8_inputs(kernels.quantize_fp8(q, k, v, block_q=192, block_k=128, per_tensor=True), rung, True, None)
-    assert runtime.fp8_rung(tile) == "v26_fp8_persistent" and runtime.fp8_rung(head) == "v30_fp8_pinned"
+    assert runtime.fp8_rung(tile) == "v26_fp8_persistent" and runtime.fp8_rung(head) == "v29_fp8_wide_keys"
     assert not kernels.quantize_for("v26", q, k, v).v_per_head
     with pytest.raises(ValueError, match="v24_persistent does not compute in FP8"):
         kernels.quantize_for("v24", q, k, v)
