@@ -29,11 +29,11 @@
  *     (before both took their heads in L2-sized chunks) had it 3-7% behind. With three
  *     one-warpgroup blocks per SM, other warpgroups already fill one warpgroup's softmax gaps on
  *     the tensor cores, and the pipeline costs registers (156 against 130 at B_c = 128).
- *   - The PTX is not the SASS: ptxas moves the second wait up, ahead of every exponential (0 of 66 at
- *     d = 64 and of 34 at d = 128 run under P V; tools/wgmma_waits.py counts them), so the overlap
- *     above does not happen here. A copy of this rung that stores the row sums to shared memory
- *     before that wait keeps the softmax ahead of it: 1.04-1.08x at d = 128, level at d = 64
- *     (docs/ladder.md#pinned-softmax).
+ *   - The PTX is not the SASS: ptxas moves the second wait up, ahead of every exponential (without
+ *     the store below, 0 of 66 at d = 64 and of 34 at d = 128 run under P V; tools/wgmma_waits.py
+ *     counts them), so the overlap above would not happen. Each thread stores its row sums to a slot
+ *     of shared memory before that wait (pin_row_sums), which keeps the whole softmax ahead of it:
+ *     66 of 66 and 34 of 34, 1.04-1.08x at d = 128, level at d = 64 (docs/ladder.md#pinned-softmax).
  *
  * The price: P_i,j-1 lives across a step (B_c / 4 more registers), and V_j-1 must stay in shared
  * memory while K_j+1 arrives, so K runs one tile ahead of V: step j copies K_j+1 and V_j, each into
@@ -118,7 +118,7 @@ __device__ __forceinline__ void wgmma_wait_one() { asm volatile("wgmma.wait_grou
 // ptxas moves wgmma.wait_group up past all arithmetic but keeps a shared-memory store ahead of it, and
 // with the store every exponential the sums add (docs/ladder.md#pinned-softmax). A slot per thread: lanes
 // sharing one word race (compute-sanitizer's racecheck), and lane 0 storing for its warp (a predicated
-// store) kept the same exponentials ahead in SASS but measured 3-5% slower at d = 64 in v22.
+// store) kept the same exponentials ahead in SASS but measured 1-6% slower at d = 64 in v22.
 __device__ __forceinline__ void pin_row_sums(float2* slot, const float (&l)[2]) {
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"((unsigned)__cvta_generic_to_shared(slot)), "f"(l[0]), "f"(l[1]) : "memory");
 }

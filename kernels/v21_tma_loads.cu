@@ -117,7 +117,7 @@ __device__ __forceinline__ void wgmma_wait_one() { asm volatile("wgmma.wait_grou
 // ptxas moves wgmma.wait_group up past all arithmetic but keeps a shared-memory store ahead of it, and
 // with the store every exponential the sums add (docs/ladder.md#pinned-softmax). A slot per thread: lanes
 // sharing one word race (compute-sanitizer's racecheck), and lane 0 storing for its warp (a predicated
-// store) kept the same exponentials ahead in SASS but measured 3-5% slower at d = 64 in v22.
+// store) kept the same exponentials ahead in SASS but measured 1-6% slower at d = 64 in v22.
 __device__ __forceinline__ void pin_row_sums(float2* slot, const float (&l)[2]) {
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"((unsigned)__cvta_generic_to_shared(slot)), "f"(l[0]), "f"(l[1]) : "memory");
 }

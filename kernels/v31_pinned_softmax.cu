@@ -11,10 +11,11 @@
  * docs/ladder.md#pinned-softmax).
  *
  * Which overlap, at which head size (H200, bench.py frontier, docs/ladder.md#v31): at d = 64 v24's
- * turns (one consumer's softmax under the other's products) are faster, and the store there costs
- * 1-3%; at d = 128 the consumers take no turns and each pins its softmax under its own P V. A copy of
- * v24 without turns and with the store measured 1.02-1.12x v24 at the d = 128 shapes, inside their
- * bimodal spread, and 0.96-0.98x at d = 64: hence TURNS = d_head == 64.
+ * turns (one consumer's softmax under the other's products) are faster, and the store there cost
+ * 1-3%; a copy of v24 without turns and with the store measured 1.02-1.12x v24 at the d = 128 shapes
+ * and 0.96-0.98x at d = 64. Hence TURNS = d_head == 64: at d = 128 the consumers take no turns and
+ * each pins its softmax under its own P V. This rung measured 1.00-1.13x v24 at d = 128 (three runs,
+ * inside those shapes' bimodal spread; the tensor pipe 4 points busier under ncu) and level at d = 64.
  *
  * Everything else - the persistent schedule, the hand-over, the roles, the ring, the steps, the
  * rescale before the issue - is v24's.
@@ -102,7 +103,7 @@ __device__ __forceinline__ void wgmma_wait_one() { asm volatile("wgmma.wait_grou
 // ptxas moves wgmma.wait_group up past all arithmetic but keeps a shared-memory store ahead of it, and
 // with the store every exponential the sums add (docs/ladder.md#pinned-softmax). A slot per thread: lanes
 // sharing one word race (compute-sanitizer's racecheck), and lane 0 storing for its warp (a predicated
-// store) kept the same exponentials ahead in SASS but measured 3-5% slower at d = 64 in v22.
+// store) kept the same exponentials ahead in SASS but measured 1-6% slower at d = 64 in v22.
 __device__ __forceinline__ void pin_row_sums(float2* slot, const float (&l)[2]) {
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"((unsigned)__cvta_generic_to_shared(slot)), "f"(l[0]), "f"(l[1]) : "memory");
 }
