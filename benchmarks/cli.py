@@ -269,6 +269,10 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     fr.add_argument("--budget-ms", type=float, default=300.0,
                     help="GPU time to spend on the timed runs of each entry (default 300; 10-200 runs)")
     fr.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    fr.add_argument("--interleave", action="store_true",
+                    help="time a shape's rungs together, a run of each per round, the order rotated (the peers one "
+                         "after another as usual): a clock the GPU holds for some milliseconds then falls on every "
+                         "rung alike, and bench.py compare pairs the rungs' times round by round")
     results_option(fr)
 
     add_fp8_parser(sub)

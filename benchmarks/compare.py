@@ -15,6 +15,8 @@ import re
 import shlex
 from pathlib import Path
 
+import numpy as np
+
 from .device import ROOT, CannotRun
 from .results import load_result
 from .summary import link
@@ -31,21 +33,33 @@ def case_of(shape: dict) -> str:
     return f"{shape['B']} x {heads} x {length}, d = {shape['d']}{mask}"
 
 
-def medians(result: dict, label: str) -> dict[str, tuple[float, float]]:
-    """{case: (median ms, p20-p80 spread over the median)} of the rows labelled `label` that were timed."""
+def medians(result: dict, label: str) -> dict[str, tuple[float, float, list | None]]:
+    """{case: (median ms, p20-p80 spread over the median, the runs' times in round order or None)} of the rows
+    labelled `label` that were timed; the times only where the rungs were timed together (--interleave)."""
     out = {}
     for row in result["rows"]:
         if row.get("label") == label and row.get("status") == "ok" and row.get("timing"):
             t = row["timing"]
-            out[case_of(row["shape"])] = (t["median_ms"], (t["p80_ms"] - t["p20_ms"]) / t["median_ms"])
+            out[case_of(row["shape"])] = (t["median_ms"], (t["p80_ms"] - t["p20_ms"]) / t["median_ms"],
+                                          t.get("round_ms"))
     return out
+
+
+def paired(over: list | None, rung: list | None) -> tuple[float, float, float] | None:
+    """(median, p20, p80) of the baseline's time over the rung's, round by round, where both were timed
+    together for the same rounds; else None."""
+    if not over or not rung or len(over) != len(rung):
+        return None
+    ratios = np.asarray(over, dtype=float) / np.asarray(rung, dtype=float)
+    return float(np.median(ratios)), float(np.percentile(ratios, 20)), float(np.percentile(ratios, 80))
 
 
 def compare(paths: list[Path], of: list[str], over: str) -> list[dict]:
     """Per case measured in every run for every rung: {case, ratios: {rung: [over's median / rung's, per
     run]}, spreads: {rung: the largest p20-p80 spread (a fraction of the median) of its rows and the
-    baseline's, over the runs}}. Cases in the first file's order; CannotRun for a file without a rung or of
-    another kind."""
+    baseline's, over the runs}, paired: {rung: [(median, p20, p80) of the round-by-round ratios, per run]
+    where every run timed the two together, else None}}. Cases in the first file's order; CannotRun for a
+    file without a rung or of another kind."""
     if not paths:
         raise CannotRun("compare: name the result files of the runs (a before/after: two or more, the rungs' "
                         "order rotated between them)")
@@ -70,9 +84,12 @@ def compare(paths: list[Path], of: list[str], over: str) -> list[dict]:
     table = []
     for case in runs[0][over]:
         if all(case in run[label] for run in runs for label in [over, *of]):
-            ratios = {label: [run[over][case][0] / run[label][case][0] for run in runs] for label in of}
+            pairs = {label: [paired(run[over][case][2], run[label][case][2]) for run in runs] for label in of}
+            pairs = {label: p if all(p) else None for label, p in pairs.items()}
+            ratios = {label: [pairs[label][i][0] if pairs[label] else run[over][case][0] / run[label][case][0]
+                              for i, run in enumerate(runs)] for label in of}
             spreads = {label: max(run[name][case][1] for run in runs for name in (over, label)) for label in of}
-            table.append({"case": case, "ratios": ratios, "spreads": spreads})
+            table.append({"case": case, "ratios": ratios, "spreads": spreads, "paired": pairs})
     if not table:
         raise CannotRun("compare: no case was timed for every rung in every file")
     return table
@@ -88,6 +105,16 @@ def verdict(ratios: list[float], spread: float) -> str:
     return "within spread"
 
 
+def paired_verdict(pairs: list[tuple[float, float, float]]) -> str:
+    """'faster' when the 20th percentile of the round-by-round ratios is above 1 in every run, 'slower' when
+    the 80th is below 1 in every run; else 'within spread'."""
+    if all(p20 > 1 for _, p20, _ in pairs):
+        return "faster"
+    if all(p80 < 1 for _, _, p80 in pairs):
+        return "slower"
+    return "within spread"
+
+
 def render_compare(paths: list[Path], of: list[str], over: str, base: Path, command: str) -> str:
     """The table (and the line naming its command and files) for a page in the folder `base`."""
     table = compare(paths, of, over)
@@ -99,12 +126,23 @@ def render_compare(paths: list[Path], of: list[str], over: str, base: Path, comm
         cells = []
         for label in of:
             ratios = entry["ratios"][label]
-            spread = entry["spreads"][label]
-            cells += [", ".join(f"{r:.2f}x" for r in ratios), f"{verdict(ratios, spread)} ({100 * spread:.1f}%)"]
+            if pairs := entry["paired"][label]:
+                low, high = min(p20 for _, p20, _ in pairs), max(p80 for _, _, p80 in pairs)
+                cells += [", ".join(f"{r:.2f}x" for r in ratios),
+                          f"{paired_verdict(pairs)} (paired: {low:.2f}x-{high:.2f}x)"]
+            else:
+                spread = entry["spreads"][label]
+                cells += [", ".join(f"{r:.2f}x" for r in ratios), f"{verdict(ratios, spread)} ({100 * spread:.1f}%)"]
         lines.append(f"| {entry['case']} | " + " | ".join(cells) + " |")
     lines += ["", f"Each ratio is `{over}`'s median time over the rung's in one run (above 1x: the rung is faster); "
               "the verdict says faster or slower only when every run's ratio is off 1x by more than the largest "
               "p20-p80 spread (a share of the median) of the two rungs' rows, the same way."]
+    if any(entry["paired"][label] for entry in table for label in of):
+        lines[-1] += (" Where every run timed the two rungs together (`bench.py frontier --interleave`), the ratio "
+                      "is instead the median over the rounds of the baseline's time over the rung's in the same "
+                      "round, and the verdict (paired: the lowest 20th and the highest 80th percentile of those "
+                      "ratios over the runs) says faster when the 20th percentile is above 1x in every run, slower "
+                      "when the 80th is below 1x in every run.")
     return "\n".join(lines)
 
 

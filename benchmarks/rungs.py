@@ -33,8 +33,10 @@ from .tables import render_kernels
 
 
 def bench_shape(shape: Shape | Case, dtype: str, rungs: list[Path], peers: list[str], *, flush, method: timing.Method,
-                ffma_tflops: float, seed: int, counter: list[int], total: int) -> list[dict]:
-    """Rows for one shape: every rung (ladder order), then every peer."""
+                ffma_tflops: float, seed: int, counter: list[int], total: int, interleave: bool = False) -> list[dict]:
+    """Rows for one shape: every rung (ladder order), then every peer. With `interleave`, the rungs that
+    passed the check are timed together, round by round (timing.time_interleaved); the peers one after
+    another as always (an SDPA peer's backend is chosen inside its own session, so sessions cannot nest)."""
     cupy = device.get_cupy()
     progress(f"{shape.label}: NH={shape.NH}, d={shape.d}, {dtype}: running {len(rungs)} rungs (compiled on first "
              f"use) and {len(peers)} peers once, then checking them against float64 ...")
@@ -95,6 +97,19 @@ def bench_shape(shape: Shape | Case, dtype: str, rungs: list[Path], peers: list[
     device.release_memory()
 
     # 4. Time what is right (peers are timed whatever their error, which is recorded beside them).
+    def timed(r, t):
+        r["timing"], r["status"] = t, "ok"
+        r["tflops"] = flops / (t["median_ms"] * 1e-3) / 1e12
+        r["pct_ffma"] = 100.0 * r["tflops"] / ffma_tflops if ffma_tflops else None
+
+    together = [r for r in rows if r["status"] is None and r["kind"] == "rung"] if interleave else []
+    if len(together) > 1:
+        try:
+            for r, t in zip(together, timing.time_interleaved([launches[r["name"]] for r in together], flush=flush,
+                                                              method=method), strict=True):
+                timed(r, t)
+        except Exception as exc:  # time them one by one below instead, and say so
+            progress(f"{shape.label}: interleaved timing failed ({first_line(exc)}); timing the rungs one by one")
     for r in rows:
         if r["status"] is not None:
             report(r)
@@ -109,9 +124,7 @@ def bench_shape(shape: Shape | Case, dtype: str, rungs: list[Path], peers: list[
                     with peer_session(launches[r["name"]][0], inputs) as (launch, stream):
                         cupy.cuda.Device().synchronize()  # CuPy's writes of the inputs are done before torch runs
                         r["timing"] = timing.time_gpu(launch, stream=stream, flush=flush, method=method)
-            r["status"] = "ok"
-            r["tflops"] = flops / (r["timing"]["median_ms"] * 1e-3) / 1e12
-            r["pct_ffma"] = 100.0 * r["tflops"] / ffma_tflops if ffma_tflops else None
+            timed(r, r["timing"])
         except Exception as exc:
             r["status"], r["reason"] = "unavailable" if r["kind"] == "peer" else "error", first_line(exc)
         device.release_memory()

@@ -76,15 +76,70 @@ def time_gpu(fn, *, stream, flush, method: Method) -> dict:
             fn()
             e.record(stream)
         events[-1][1].synchronize()
-    times = np.array([cupy.cuda.get_elapsed_time(s, e) for s, e in events])
+    return summary(np.array([cupy.cuda.get_elapsed_time(s, e) for s, e in events]))
+
+
+def summary(times: np.ndarray) -> dict:
+    """Median and spread, in ms, of one entry's timed runs."""
     return {
         "median_ms": float(np.median(times)),
         "p20_ms": float(np.percentile(times, 20)),
         "p80_ms": float(np.percentile(times, 80)),
         "min_ms": float(times.min()),
         "max_ms": float(times.max()),
-        "runs": runs,
+        "runs": int(times.size),
     }
+
+
+def time_interleaved(entries: list[tuple], *, flush, method: Method) -> list[dict]:
+    """time_gpu for several entries (fn, stream) at once, in rounds: each round runs every entry once, the
+    order rotated by one entry a round, so that a clock the GPU holds for some milliseconds is shared by
+    the entries of a round instead of falling on whichever was timed then. Every entry runs as many rounds
+    (from the slowest entry's first run and the budget per entry); each result is time_gpu's plus the
+    times of its runs in round order ("round_ms"), which bench.py compare pairs round by round. Where an
+    entry's stream differs from the one before it in the round, it waits for that entry's end event, so
+    the entries never overlap."""
+    if not entries:
+        return []
+    cupy = device.get_cupy()
+    Event = cupy.cuda.Event
+    cupy.cuda.Device().synchronize()
+    estimates = []
+    for fn, stream in entries:
+        with stream:
+            for _ in range(method.warmup):
+                fn()
+            start, end = Event(), Event()
+            flush()
+            start.record(stream)
+            fn()
+            end.record(stream)
+        end.synchronize()
+        estimates.append(cupy.cuda.get_elapsed_time(start, end))
+    runs = int(min(method.max_runs, max(method.min_runs, method.budget_ms / max(max(estimates), 1e-3))))
+    n = len(entries)
+    events = [[None] * runs for _ in range(n)]
+    previous = None  # (stream, end event) of the entry run last
+    for r in range(runs):
+        for i in [(r + j) % n for j in range(n)]:
+            fn, stream = entries[i]
+            with stream:
+                if previous is not None and previous[0] is not stream:
+                    stream.wait_event(previous[1])
+                s, e = Event(), Event()
+                flush()
+                s.record(stream)
+                fn()
+                e.record(stream)
+            events[i][r] = (s, e)
+            previous = (stream, e)
+    previous[1].synchronize()
+    cupy.cuda.Device().synchronize()
+    out = []
+    for i in range(n):
+        times = np.array([cupy.cuda.get_elapsed_time(s, e) for s, e in events[i]])
+        out.append(summary(times) | {"interleaved": n, "round_ms": [float(f"{t:.6g}") for t in times]})
+    return out
 
 
 def per_call_us(records: list[tuple[float, float, str]], calls: int) -> dict | None:

@@ -109,3 +109,46 @@ def test_readme_reruns_a_page_s_compare_table_from_the_command_it_names(tmp_path
     code, _, err = run(argv, capsys)
     assert code == 2 and "compare-new has no line naming its" in err
     assert readme.read_text() == before  # nothing rewritten
+
+
+def interleaved_row(label, shape, rounds):
+    """A row timed together with others: its runs in round order, their statistics as timing.summary makes them."""
+    import numpy as np
+
+    from benchmarks.timing import summary
+    t = summary(np.asarray(rounds, dtype=float)) | {"interleaved": 2, "round_ms": list(rounds)}
+    return {"shape": shape, "name": label, "label": label, "kind": "rung", "status": "ok", "timing": t}
+
+
+def test_compare_pairs_rungs_timed_together_round_by_round(tmp_path, capsys):
+    """Two clocks, half the rounds each (a 12% bimodal spread in every row): by medians alone 'within spread';
+    round by round the new rung is 3% faster in every round, which the paired verdict sees."""
+    clock = [1.0] * 10 + [1.12] * 10
+    paths = []
+    for i, shift in enumerate((0, 5)):
+        c = clock[shift:] + clock[:shift]
+        rows = [interleaved_row("base", SHAPES[0], [t for t in c]),
+                interleaved_row("new", SHAPES[0], [t / 1.03 for t in c]),
+                interleaved_row("same", SHAPES[0], [t * (1.01 if r % 2 else 0.99) for r, t in enumerate(c)])]
+        path = tmp_path / f"frontier-fixture-gpu-2026010{i + 1}T000000Z.json"
+        path.write_text(json.dumps({"kind": "frontier", "rows": rows}))
+        paths.append(path)
+    code, out, err = run(["compare", "--of", "new,same", "--over", "base", *map(str, paths)], capsys)
+    assert code == 0, err
+    (line,) = table_lines(out)[1:]
+    assert line == ("| 8 x 12 x 1024, d = 64, causal | 1.03x, 1.03x | faster (paired: 1.03x-1.03x) | "
+                    "1.00x, 1.00x | within spread (paired: 0.99x-1.01x) |")
+    assert "timed the two rungs together" in out
+
+
+def test_compare_falls_back_to_medians_when_a_run_did_not_interleave(tmp_path, capsys):
+    together = tmp_path / "frontier-fixture-gpu-20260101T000000Z.json"
+    together.write_text(json.dumps({"kind": "frontier", "rows": [
+        interleaved_row("base", SHAPES[0], [1.0, 1.1, 1.0]), interleaved_row("new", SHAPES[0], [0.9, 1.0, 0.9])]}))
+    alone = tmp_path / "frontier-fixture-gpu-20260102T000000Z.json"
+    alone.write_text(json.dumps({"kind": "frontier", "rows": [row("base", SHAPES[0], 1.0), row("new", SHAPES[0], 0.9)]}))
+    code, out, err = run(["compare", "--of", "new", "--over", "base", str(together), str(alone)], capsys)
+    assert code == 0, err
+    (line,) = table_lines(out)[1:]
+    assert "paired" not in line and "timed the two rungs together" not in out
+    assert line.startswith("| 8 x 12 x 1024, d = 64, causal | 1.11x, 1.11x | faster (")

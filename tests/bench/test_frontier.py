@@ -274,6 +274,43 @@ def test_frontier_default_rungs_take_every_case(monkeypatch, tmp_path, capsys):
     assert all(r["status"] == "ok" for r in data["rows"] if r["kind"] == "rung")
 
 
+def test_frontier_interleave_times_the_rungs_together_and_the_peers_alone(monkeypatch, tmp_path, capsys):
+    install_stand_ins(monkeypatch)
+    monkeypatch.setattr(kernels, "prepare", prepare_by_declaration)
+    monkeypatch.setattr(frontier, "CASES", (Case("causal", 1, 2, 2, 24, 24, 128),))
+    monkeypatch.setattr(timing, "Method", lambda budget_ms: Method(budget_ms=budget_ms, min_runs=3, max_runs=3,
+                                                                   warmup=1))
+    calls = []
+    together = timing.time_interleaved
+    monkeypatch.setattr(timing, "time_interleaved", lambda entries, **kw: calls.append(len(entries)) or together(entries, **kw))
+    code, out, err = run(["frontier", "--kernels", "v19,v24", "--interleave", "--budget-ms", "1", "--results",
+                          str(tmp_path)], capsys)
+    assert code == 0, err
+    data = json.loads(next(tmp_path.glob("frontier-*.json")).read_text())
+    assert calls == [2] and "rotated" in data["method"]["interleave"]
+    timed = {r["name"]: r["timing"] for r in data["rows"] if r["kind"] == "rung"}
+    assert set(timed) == {V19, V24}
+    assert all(t["interleaved"] == 2 and len(t["round_ms"]) == t["runs"] == 3 for t in timed.values())
+
+
+def test_frontier_times_the_rungs_one_by_one_when_interleaving_fails(monkeypatch, tmp_path, capsys):
+    install_stand_ins(monkeypatch)
+    monkeypatch.setattr(kernels, "prepare", prepare_by_declaration)
+    monkeypatch.setattr(frontier, "CASES", (Case("causal", 1, 2, 2, 24, 24, 128),))
+
+    def broken(entries, **kw):
+        raise RuntimeError("stream refused")
+
+    monkeypatch.setattr(timing, "time_interleaved", broken)
+    code, out, err = run(["frontier", "--kernels", "v19,v24", "--interleave", "--budget-ms", "1", "--results",
+                          str(tmp_path)], capsys)
+    assert code == 0, err
+    assert "interleaved timing failed (RuntimeError: stream refused); timing the rungs one by one" in out + err
+    data = json.loads(next(tmp_path.glob("frontier-*.json")).read_text())
+    rungs_timed = [r for r in data["rows"] if r["kind"] == "rung"]
+    assert all(r["status"] == "ok" and "round_ms" not in r["timing"] for r in rungs_timed)
+
+
 # --- bench.py readme: the frontier section, the README's line, a sweep per dtype and head size --------
 
 

@@ -215,3 +215,71 @@ def test_sdpa_peer_cross_lengths_without_a_bottom_right_mask_is_not_comparable(m
 def test_cupti_timing_needs_torch(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.profiler", None)
     assert timing.kernel_timing([lambda: None]) is None and timing.kernel_us([lambda: None]) is None
+
+
+class _Clock:
+    """A stand-in device: every launch takes its entry's time on one clock, events read that clock."""
+
+    def __init__(self):
+        self.now, self.log, self.waits = 0.0, [], []
+
+    def cupy(self):
+        clock = self
+
+        class Event:
+            def record(self, stream=None):
+                self.t = clock.now
+
+            def synchronize(self):
+                pass
+
+        return SimpleNamespace(cuda=SimpleNamespace(
+            Event=Event, get_elapsed_time=lambda s, e: e.t - s.t,
+            Device=lambda: SimpleNamespace(synchronize=lambda: None)))
+
+    def stream(self, name):
+        clock = self
+
+        class Stream:
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+            def wait_event(self, event):
+                clock.waits.append((name, event.t))
+
+        return Stream()
+
+    def launch(self, name, ms):
+        def fn():
+            self.log.append(name)
+            self.now += ms
+        return fn
+
+
+def test_time_interleaved_runs_every_entry_each_round_in_a_rotated_order(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(device, "get_cupy", clock.cupy)
+    a, b = clock.stream("a"), clock.stream("b")
+    entries = [(clock.launch("A", 2.0), a), (clock.launch("B", 1.0), a), (clock.launch("C", 0.5), b)]
+    method = timing.Method(budget_ms=8.0, min_runs=1, max_runs=100, warmup=1)
+    got = timing.time_interleaved(entries, flush=lambda: None, method=method)
+    # warm-up and one estimate each, then budget / the slowest entry's estimate = 4 rounds, rotated by one a round
+    assert clock.log[:6] == ["A", "A", "B", "B", "C", "C"]
+    assert clock.log[6:] == ["A", "B", "C", "B", "C", "A", "C", "A", "B", "A", "B", "C"]
+    assert [g["runs"] for g in got] == [4, 4, 4] and [g["median_ms"] for g in got] == [2.0, 1.0, 0.5]
+    assert got[1]["round_ms"] == [1.0] * 4 and all(g["interleaved"] == 3 for g in got)
+    # C runs on another stream: it waits for the entry before it, and the entry after it waits for C
+    assert len(clock.waits) == 7 and {name for name, _ in clock.waits} == {"a", "b"}
+
+
+def test_time_gpu_and_time_interleaved_summarize_alike(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(device, "get_cupy", clock.cupy)
+    s = clock.stream("s")
+    method = timing.Method(budget_ms=5.0, min_runs=1, max_runs=100, warmup=0)
+    alone = timing.time_gpu(clock.launch("A", 1.0), stream=s, flush=lambda: None, method=method)
+    together = timing.time_interleaved([(clock.launch("A", 1.0), s)], flush=lambda: None, method=method)[0]
+    assert {k: together[k] for k in alone} == alone and together["round_ms"] == [1.0] * 5
