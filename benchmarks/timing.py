@@ -53,22 +53,32 @@ class Method:
         }
 
 
+def warm_estimate(fn, stream, flush, method: Method) -> float:
+    """`fn()` run method.warmup times, then once more timed (ms): the estimate that sizes the timed runs."""
+    cupy = device.get_cupy()
+    with stream:
+        for _ in range(method.warmup):
+            fn()
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        flush()
+        start.record(stream)
+        fn()
+        end.record(stream)
+    end.synchronize()
+    return cupy.cuda.get_elapsed_time(start, end)
+
+
+def runs_for(estimate_ms: float, method: Method) -> int:
+    return int(min(method.max_runs, max(method.min_runs, method.budget_ms / max(estimate_ms, 1e-3))))
+
+
 def time_gpu(fn, *, stream, flush, method: Method) -> dict:
     """Median and spread, in ms, of `fn()` over many runs, timed with CUDA events on `stream`."""
     cupy = device.get_cupy()
     Event = cupy.cuda.Event
     cupy.cuda.Device().synchronize()  # whatever another framework queued is done before the clock starts
+    runs = runs_for(warm_estimate(fn, stream, flush, method), method)
     with stream:
-        for _ in range(method.warmup):
-            fn()
-        start, end = Event(), Event()
-        flush()
-        start.record(stream)
-        fn()
-        end.record(stream)
-        end.synchronize()
-        estimate = cupy.cuda.get_elapsed_time(start, end)
-        runs = int(min(method.max_runs, max(method.min_runs, method.budget_ms / max(estimate, 1e-3))))
         events = [(Event(), Event()) for _ in range(runs)]
         for s, e in events:
             flush()
@@ -104,19 +114,7 @@ def time_interleaved(entries: list[tuple], *, flush, method: Method) -> list[dic
     cupy = device.get_cupy()
     Event = cupy.cuda.Event
     cupy.cuda.Device().synchronize()
-    estimates = []
-    for fn, stream in entries:
-        with stream:
-            for _ in range(method.warmup):
-                fn()
-            start, end = Event(), Event()
-            flush()
-            start.record(stream)
-            fn()
-            end.record(stream)
-        end.synchronize()
-        estimates.append(cupy.cuda.get_elapsed_time(start, end))
-    runs = int(min(method.max_runs, max(method.min_runs, method.budget_ms / max(max(estimates), 1e-3))))
+    runs = runs_for(max(warm_estimate(fn, stream, flush, method) for fn, stream in entries), method)
     n = len(entries)
     events = [[None] * runs for _ in range(n)]
     previous = None  # (stream, end event) of the entry run last
