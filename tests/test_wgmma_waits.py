@@ -1,7 +1,6 @@
 """tools/wgmma_waits.py on saved listings (nvdisasm of v24 and v29 at d = 128, and of two copies of v24 that
 move the wait: the lines it reads) and on small made-up ones; the compile step through NVRTC, which needs no
 GPU."""
-import shutil
 import sys
 from pathlib import Path
 
@@ -53,8 +52,25 @@ def test_exponentials_between_the_two_waits_count_as_overlapped():
 def test_the_tool_compiles_a_configuration_and_says_where_nvdisasm_is_missing(monkeypatch, capsys):
     name, cubin = wgmma_waits.compiled("v24", "128,128,128,0", "sm_90")
     assert name == "v24_persistent (d_head=128, B_r=128, B_c=128, dtype_id=0)" and cubin[:4] == b"\x7fELF"
-    if shutil.which("nvdisasm") is None and not Path("/usr/local/cuda/bin/nvdisasm").exists():
-        with pytest.raises(SystemExit, match="nvdisasm not found"):
-            wgmma_waits.disassemble(cubin)
+    monkeypatch.setattr(wgmma_waits, "nvdisasm", lambda: None)
+    with pytest.raises(SystemExit, match="nvdisasm not found"):
+        wgmma_waits.disassemble(cubin)
     assert wgmma_waits.main(["--sass", str(SASS / "v24-d128-waits.sass")]) == 0
     assert "0 of 66 exponentials" in capsys.readouterr().out
+
+
+PINNED = [("v19", "64,64,128,0", 66), ("v19", "64,128,64,0", 34), ("v19", "128,128,64,0", 34),
+          ("v21", "64,128,128,0", 66), ("v21", "128,64,64,0", 34),
+          ("v22", "64,192,128,0", 66), ("v22", "128,128,128,0", 66), ("v22", "128,128,64,0", 34),
+          ("v31", "128,128,128,0", 66), ("v31", "128,128,64,0", 34)]
+
+
+@pytest.mark.skipif(wgmma_waits.nvdisasm() is None, reason="no nvdisasm (the test extra installs one)")
+@pytest.mark.parametrize("kernel,config,exponentials", PINNED)
+def test_the_pinned_rungs_keep_every_exponential_ahead_of_the_wait(kernel, config, exponentials):
+    """The store of the row sums before wait_group 0 (docs/ladder.md#pinned-softmax) is what keeps the softmax
+    under P V in SASS; an edit that drops it, or moves the sums past the wait, leaves 0 of them ahead."""
+    name, cubin = wgmma_waits.compiled(kernel, config, "sm_90")
+    step = wgmma_waits.steady_step(wgmma_waits.events(wgmma_waits.disassemble(cubin)))
+    assert step is not None, name
+    assert (step.overlapped, step.after) == (exponentials, 0), f"{name}: {step.verdict()}"

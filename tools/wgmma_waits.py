@@ -95,12 +95,26 @@ def steady_step(evs: list[tuple[int, str]]) -> Step | None:
     return Step(products, evs[start][0], wait_one, wait_all, overlapped, after)
 
 
-def disassemble(cubin: bytes) -> str:
+def nvdisasm() -> str | None:
+    """nvdisasm on the PATH, in the CUDA toolkit, or from the nvidia-cuda-nvdisasm wheel (the test extra's):
+    the listing needs no GPU."""
     toolkit = Path("/usr/local/cuda/bin/nvdisasm")
-    tool = shutil.which("nvdisasm") or (str(toolkit) if toolkit.exists() else None)
+    if found := shutil.which("nvdisasm") or (str(toolkit) if toolkit.exists() else None):
+        return found
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    wheel = sorted(p for root in nvidia.__path__ for p in Path(root).glob("cu*/bin/nvdisasm"))
+    return str(wheel[-1]) if wheel else None
+
+
+def disassemble(cubin: bytes) -> str:
+    tool = nvdisasm()
     if tool is None:
-        raise SystemExit("nvdisasm not found: it comes with the CUDA toolkit (the device machine has it); "
-                         "or pass --sass with a listing saved there")
+        raise SystemExit("nvdisasm not found: it comes with the CUDA toolkit (the device machine has it) and in "
+                         "the nvidia-cuda-nvdisasm wheel (pip install -e '.[test]'); or pass --sass with a "
+                         "listing saved there")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
