@@ -135,9 +135,11 @@ def takes(rung, config, dtype: str, arch: str) -> bool:
 
 
 def trains_by_default(rung, config, dtype: str, arch: str) -> bool:
-    """takes(), made for whole sequences (not lab.split_kv, not lab.fp8), and in float32 exact float32
-    arithmetic: no configuration multiplies on the TF32 tensor cores (lab.tf32_products 0)."""
+    """takes(), made for whole sequences (not lab.split_kv, not lab.fp8), run on a GPU (not lab.unverified),
+    and in float32 exact float32 arithmetic: no configuration multiplies on the TF32 tensor cores
+    (lab.tf32_products 0)."""
     return (takes(rung, config, dtype, arch) and not rung.split_kv and not rung.fp8
+            and rung.unverified is None
             and (dtype != "float32" or all(rung.tf32_products_of(c) == 0 for c in rung.configs)))
 
 

@@ -86,7 +86,7 @@ def forward_rung(case: Case, dtype: str, arch: str) -> str | None:
     """The newest forward rung that writes the log-sum-exp and takes the case, dtype and device."""
     for name in reversed(kernels.names()):
         rung = kernels.load(name)
-        if (rung.lse and dtype in rung.dtypes and case.d in rung.head_sizes() and rung.runs_on(arch)
+        if (rung.lse and not rung.unverified and dtype in rung.dtypes and case.d in rung.head_sizes() and rung.runs_on(arch)
                 and case.needs() <= set(rung.supports)):
             return name
     return None

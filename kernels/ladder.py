@@ -46,6 +46,9 @@ A rung declares what the launcher needs in its header comment, one `lab.<key>` l
     lab.fp8_qk     bf16                       Q and K: e4m3 codes (e4m3, the default) or bfloat16 values
                                               (bf16: the scores on bfloat16 tensor cores, only V and P in
                                               e4m3; the launcher quantizes so and refuses other Fp8Inputs)
+    lab.unverified not yet run on a GPU       a rung landed before a GPU ran it (as a backward rung's): tested
+                                              and run when named, but no default takes it (kernels.rungs_for,
+                                              so lab.py; train.py; bench.py's backward and e2e)
 
 Every rung exports the same entry point, `attention_forward<...>`, with one signature (PARAMETERS
 below: the order, and the declarations that add parameters), launched on a grid of (ceil(T_q / B_r),
@@ -111,7 +114,7 @@ _DECL = re.compile(r"^\s*(?:\*|//)\s*lab\.(\w+)\s+(.*?)\s*$")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 _KEYS = {"template", "configs", "threads", "smem", "workspace", "strided", "options", "stack", "tolerance", "dtypes",
          "dtype_param", "supports", "split_kv", "cluster", "min_arch", "tf32_products", "tma", "persistent", "lse",
-         "fp8", "fp8_v", "fp8_qk"}
+         "fp8", "fp8_v", "fp8_qk", "unverified"}
 FEATURES = ("noncausal", "cross", "gqa")
 TMA_TENSORS = ("Q", "K", "V", "O")
 
@@ -142,6 +145,7 @@ class Rung:
     fp8: bool = False  # computes on e4m3 copies of its inputs, one scale per tile (lab.fp8)
     fp8_v: str = "tile"  # V's scales: "tile" (one per tile) or "head" (the head's in every tile; lab.fp8_v)
     fp8_qk: str = "e4m3"  # Q and K: "e4m3" codes or "bf16" values (lab.fp8_qk)
+    unverified: str | None = None  # why the rung is no run's default yet (lab.unverified): it runs when named
     source: str = field(default="", repr=False, compare=False)
     files: tuple = field(default=(), repr=False, compare=False)  # (path, stamp) of the file and its includes
 
@@ -246,11 +250,11 @@ def rungs_for(dtype: str, head_size: int | None = None, gqa: bool = False, arch:
     """The rungs, in ladder order, that compute in dtype, take head_size (None: any) and, with gqa,
     grouped-query attention, and run on arch (None: any). Whole-sequence rungs; with decode, the split-KV
     ones (lab.split_kv: a few query rows over a long cache). Never an FP8 rung (lab.fp8): it quantizes
-    its inputs, so it runs only when named."""
+    its inputs, so it runs only when named; nor one not yet run on a GPU (lab.unverified)."""
     able = []
     for name in names():
         rung = load(name)
-        if (rung.split_kv == decode and not rung.fp8 and dtype in rung.dtypes
+        if (rung.split_kv == decode and not rung.fp8 and not rung.unverified and dtype in rung.dtypes
                 and (head_size is None or head_size in rung.head_sizes()) and (not gqa or "gqa" in rung.supports)
                 and (arch is None or rung.runs_on(arch))):
             able.append(name)
@@ -393,6 +397,7 @@ def build(path: Path, decl: dict, cls=Rung, tma_tensors=TMA_TENSORS, **extra) ->
         fp8=decl.get("fp8", "false").lower() == "true",
         fp8_v=decl.get("fp8_v", "tile").strip(),
         fp8_qk=decl.get("fp8_qk", "e4m3").strip(),
+        unverified=decl.get("unverified"),
         source=source,
         files=tuple((p, _stamp(p)) for p in files),
         **extra,

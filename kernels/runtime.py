@@ -508,10 +508,11 @@ class ZeroedOn:
 def fp8_rung(inputs=None) -> str:
     """The newest rung declaring lab.fp8 with e4m3 Q and K (ValueError if none does); given Fp8Inputs, the
     newest that takes them (a rung declaring lab.fp8_v head takes V quantized with one scale per head,
-    one declaring lab.fp8_qk bf16 Q and K in bfloat16)."""
-    able = [n for n in ladder.names() if ladder.load(n).fp8 and ladder.load(n).fp8_qk == "e4m3"]
+    one declaring lab.fp8_qk bf16 Q and K in bfloat16); never one not yet run on a GPU (lab.unverified)."""
+    fp8 = [n for n in ladder.names() if ladder.load(n).fp8 and ladder.load(n).unverified is None]
+    able = [n for n in fp8 if ladder.load(n).fp8_qk == "e4m3"]
     if inputs is not None:  # the newest that takes them: their Q and K, their V's scales
-        able = [n for n in ladder.names() if ladder.load(n).fp8 and ladder.load(n).fp8_qk == inputs.qk]
+        able = [n for n in fp8 if ladder.load(n).fp8_qk == inputs.qk]
         if not (inputs.v_per_head or inputs.per_tensor):
             able = [n for n in able if ladder.load(n).fp8_v == "tile"]
     if not able:

@@ -89,7 +89,6 @@ class BackwardRung(ladder.Rung):
     phases: tuple[Phase, ...] = ()
     dq_accum: bool = False
     deterministic: str = "0"
-    unverified: str | None = None  # why the rung has not run on a GPU yet: train.py and bench.py skip it unless named
 
     def phase_block(self, phase: Phase, config) -> tuple[int, int, int]:
         dims = [ladder.evaluate(e, self.params(config)) for e in (phase.threads or self.threads)]
@@ -203,7 +202,7 @@ def parse(path: Path) -> BackwardRung:
         raise ValueError(f"{where}: an entry point appears twice ({', '.join(entries)})")
     rung = ladder.build(path, decl, cls=BackwardRung, tma_tensors=TMA_TENSORS, phases=phases,
                         dq_accum=decl.get("dq_accum", "false").lower() == "true",
-                        deterministic=decl.get("deterministic", "0"), unverified=decl.get("unverified"))
+                        deterministic=decl.get("deterministic", "0"))
     if "dQ_accum" in dict(rung.tma) and not rung.dq_accum:
         raise ValueError(f"{path}: lab.tma describes dQ_accum, which exists only with lab.dq_accum true")
     needed = {TILES[p.tiles] for p in phases} | ({"B_r"} if rung.dq_accum else set())
