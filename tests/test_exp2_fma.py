@@ -1,15 +1,23 @@
-"""v32's exp2_fma, 2^x from a cubic on the FMA pipe, emulated step for step in float32 with the coefficients
-read from the rung's source: its relative error, the masked scores, and which tiles take it."""
+"""exp2_fma, 2^x from a polynomial on the FMA pipe (v32: a cubic, bfloat16; v33: a quadratic, FP8),
+emulated step for step in float32 with the coefficients read from each rung's source: its relative error,
+the masked scores, and which tiles take it."""
 
 import re
 
 import numpy as np
+import pytest
 
 import kernels
 
-SOURCE = kernels.resolve("v32").read_text()
-BODY = SOURCE[SOURCE.index("float exp2_fma(float x)"):]
-COEFFS = [float.fromhex(c.rstrip("f")) for c in re.findall(r"0x1\.[0-9a-f]+p-?\d+f", BODY[:BODY.index("return")])]
+# rung, the polynomial's degree, its relative error bound, and the rounding of P it must stay far inside
+RUNGS = [("v32", 3, 7.6e-5, 2.0**-11), ("v33", 2, 1.8e-3, 2.0**-4)]
+
+
+def coefficients(rung):
+    """The hex-float literals of the rung's exp2_fma, highest power first (Horner's order in the source)."""
+    source = kernels.resolve(rung).read_text()
+    body = source[source.index("float exp2_fma(float x)"):]
+    return [float.fromhex(c.rstrip("f")) for c in re.findall(r"0x1\.[0-9a-f]+p[-+]?\d+f", body[:body.index("return")])]
 
 
 def f32(x):
@@ -21,39 +29,44 @@ def fma(a, b, c):
     return f32(f32(a).astype(np.float64) * f32(b).astype(np.float64) + f32(c).astype(np.float64))
 
 
-def exp2_fma(x):
+def exp2_fma(x, coeffs):
     """The device function's arithmetic, one float32 operation at a time."""
     x = np.maximum(f32(x), f32(-126.0))
     t = f32(x + f32(12582912.0))
     f = f32(x - f32(t - f32(12582912.0)))
-    c3, c2, c1, c0 = map(f32, COEFFS)
-    p = fma(fma(fma(c3, f, c2), f, c1), f, c0)
+    p = f32(coeffs[0])
+    for c in coeffs[1:]:
+        p = fma(p, f, c)
     bits = p.view(np.int32).astype(np.int64) + (t.view(np.int32).astype(np.int64) << 23)  # 32-bit wrap-around
     return (bits & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
 
 
-def test_the_source_holds_a_cubic_in_horner_form():
-    assert len(COEFFS) == 4 and COEFFS[0] < 0.06 < 0.24 < COEFFS[1] < 0.25 and abs(COEFFS[3] - 1) < 1e-4
-
-
-def test_relative_error_below_bfloat16_and_float16_rounding_over_the_softmax_range():
-    x = np.concatenate([np.linspace(-125.0, 0.0, 2_000_001, dtype=np.float32),
+@pytest.mark.parametrize("rung,degree,bound,rounding", RUNGS)
+def test_relative_error_far_inside_the_rounding_of_p(rung, degree, bound, rounding):
+    coeffs = coefficients(rung)
+    assert len(coeffs) == degree + 1 and abs(coeffs[-1] - 1) < 1e-3  # Horner form, 2^0 near 1
+    x = np.concatenate([np.linspace(-125.0, 9.0, 2_000_001, dtype=np.float32),  # FP8's P reaches 2^8
                         np.float32(-1) * np.random.default_rng(0).exponential(4.0, 200_000).astype(np.float32)])
     x = x[x > -125.0]
-    got = exp2_fma(x).astype(np.float64)
-    rel = np.abs(got / np.exp2(x.astype(np.float64)) - 1)
-    assert rel.max() < 7.6e-5  # bfloat16 rounds P by up to 2^-9 = 2.0e-3, float16 by 2^-11 = 4.9e-4
+    rel = np.abs(exp2_fma(x, coeffs).astype(np.float64) / np.exp2(x.astype(np.float64)) - 1)
+    assert rel.max() < bound < rounding / 4  # P's rounding: up to 2^-8 in bfloat16, 2^-11 in float16, 2^-4 in e4m3
 
 
-def test_a_masked_score_gives_at_most_two_to_the_minus_126_and_never_a_wrapped_exponent():
+@pytest.mark.parametrize("rung", [r for r, *_ in RUNGS])
+def test_a_masked_score_gives_at_most_two_to_the_minus_126_and_never_a_wrapped_exponent(rung):
+    coeffs = coefficients(rung)
     for x in (-np.inf, -1e30, -126.6, -126.0, -125.7):
-        y = float(exp2_fma(np.float32(x)))
+        y = float(exp2_fma(np.float32(x), coeffs))
         assert 0.0 <= y <= 2.0**-125 and np.isfinite(y), (x, y)
-    assert float(exp2_fma(np.float32(0.0))) == np.float32(COEFFS[3])  # 2^0 = the cubic's constant term
+    assert float(exp2_fma(np.float32(0.0), coeffs)) == np.float32(coeffs[-1])  # 2^0: the constant term
 
 
-def test_only_a_quarter_of_the_scores_at_d64_take_it_and_none_at_d128():
-    assert "constexpr int EMULATE_EVERY = 4;" in SOURCE
-    assert "d_head == 64 && n % EMULATE_EVERY == EMULATE_EVERY - 1 ? exp2_fma(x) : exp2_approx(x)" in SOURCE
-    # the rows with no key at all: zero by their running maximum, not the tiny sums over themselves
-    assert "l > 0.0f && m_i[h] != -INFINITY ? 1.0f / l : 0.0f" in SOURCE
+def test_which_scores_take_it():
+    v32, v33 = (kernels.resolve(r).read_text() for r in ("v32", "v33"))
+    # v32: a quarter, at d = 64 only (at d = 128 the products, not the MUFU, bound the step)
+    assert "constexpr int EMULATE_EVERY = 4;" in v32
+    assert "d_head == 64 && n % EMULATE_EVERY == EMULATE_EVERY - 1 ? exp2_fma(x) : exp2_approx(x)" in v32
+    # a row with no key at all: zero by its running maximum, not its tiny sums over themselves
+    assert "l > 0.0f && m_i[h] != -INFINITY ? 1.0f / l : 0.0f" in v32
+    # v33: a third, at both head sizes; a masked score's 2^-126 rounds to an e4m3 zero
+    assert "constexpr int EMULATE_EVERY = 3;" in v33 and "n % EMULATE_EVERY == EMULATE_EVERY - 1 ? exp2_fma(" in v33
