@@ -103,6 +103,30 @@ def error_against_float64(inputs: Inputs, out) -> tuple[float, float]:
 
 def fp8_row(case: Case, path: Path, *, flush, method: timing.Method, seed: int) -> dict:
     """The FP8 rung at one case: quantized once, checked against float64 (FP8_GATE), then timed."""
+    r, run = checked_fp8_row(case, path, seed=seed)
+    if run is not None:
+        timed(r, lambda: alone(run, flush=flush, method=method))
+    return r
+
+
+def alone(run, *, flush, method: timing.Method) -> dict:
+    return timing.time_gpu(run, stream=device.get_cupy().cuda.get_current_stream(), flush=flush, method=method)
+
+
+def timed(r: dict, measure) -> None:
+    """r's timing from measure(), its status and TFLOP/s; or the error measure raised."""
+    try:
+        r["timing"] = measure()
+        r["status"] = "ok"
+        r["tflops"] = r["flops"] / (r["timing"]["median_ms"] * 1e-3) / 1e12
+    except Exception as exc:
+        r["status"], r["reason"] = "error", first_line(exc)
+    device.release_memory()
+
+
+def checked_fp8_row(case: Case, path: Path, *, seed: int) -> tuple[dict, object]:
+    """(row, run): the FP8 rung prepared at one case (quantized once) and checked against float64
+    (FP8_GATE); run is None where it does not take the case, fails or is wrong (the row says why)."""
     cupy = device.get_cupy()
     r = {"shape": case.as_dict(), "dtype": DTYPE, "name": path.stem, "label": path.stem, "kind": "rung",
          "fp8": True, "status": None, "flops": shape_flops(case), "math": None, "pct_ceiling": None}
@@ -122,16 +146,33 @@ def fp8_row(case: Case, path: Path, *, flush, method: timing.Method, seed: int) 
         if not r["rmse"] <= FP8_GATE * r["ref_rms"]:
             r["status"] = "wrong"
             r["reason"] = f"RMSE {r['rmse']:.2e} > {FP8_GATE:g} x the reference's RMS {r['ref_rms']:.2e}"
-            return r
-        r["timing"] = timing.time_gpu(run, stream=cupy.cuda.get_current_stream(), flush=flush, method=method)
-        r["status"] = "ok"
-        r["tflops"] = r["flops"] / (r["timing"]["median_ms"] * 1e-3) / 1e12
+            return r, None
+        return r, run
     except (TypeError, ValueError) as exc:  # this rung does not take the case
         r["status"], r["reason"] = "unsupported", first_line(exc)
     except Exception as exc:
         r["status"], r["reason"] = "error", first_line(exc)
     device.release_memory()
-    return r
+    return r, None
+
+
+def fp8_rows(case: Case, paths: list[Path], *, flush, method: timing.Method, seed: int, interleave: bool) -> list[dict]:
+    """Every FP8 rung at one case, in order: each checked, then timed alone (fp8_row), or with
+    `interleave` those that passed timed together (timing.time_interleaved; one by one if that fails)."""
+    if not interleave:
+        return [fp8_row(case, p, flush=flush, method=method, seed=seed) for p in paths]
+    checked = [checked_fp8_row(case, p, seed=seed) for p in paths]
+    ready = [(r, run) for r, run in checked if run is not None]
+    together = None
+    if len(ready) > 1:
+        stream = device.get_cupy().cuda.get_current_stream()
+        try:
+            together = timing.time_interleaved([(run, stream) for _, run in ready], flush=flush, method=method)
+        except Exception as exc:
+            progress(f"{case.label}: interleaved timing failed ({first_line(exc)}); timing the FP8 rungs one by one")
+    for i, (r, run) in enumerate(ready):
+        timed(r, (lambda t=together[i]: t) if together else (lambda run=run: alone(run, flush=flush, method=method)))
+    return [r for r, _ in checked]
 
 
 def accuracy_rows(paths: list[Path], seed: int) -> list[dict]:
@@ -291,10 +332,9 @@ def cmd_fp8(args) -> int:
     total = len(CASES) * (len(bf16) + len(peers))
     for i, case in enumerate(CASES):
         got = bench_shape(case, DTYPE, bf16, peers, flush=flush, method=method, ffma_tflops=ceilings["ffma_tflops"],
-                          seed=args.seed + i, counter=counter, total=total)
+                          seed=args.seed + i, counter=counter, total=total, interleave=args.interleave)
         precision.annotate(got, ceilings, bf16)
-        for path in ours:
-            r = fp8_row(case, path, flush=flush, method=method, seed=args.seed + i)
+        for r in fp8_rows(case, ours, flush=flush, method=method, seed=args.seed + i, interleave=args.interleave):
             progress(f"{case.label:>14} {r['name']:<24} " + (f"{r['timing']['median_ms']:10.4f} ms {r['tflops']:8.2f} TFLOP/s  "
                                                               f"RMSE {r['rmse']:.1e} (reference RMS {r['ref_rms']:.1e})"
                                                               if r["status"] == "ok" else f"{r['status']}: {r.get('reason', '')}"))
@@ -310,7 +350,8 @@ def cmd_fp8(args) -> int:
         case["verdict"] = verdict(case, [r for r in rows if r["case"] == case["id"]])
     result = {
         "schema": SCHEMA, "kind": "fp8", "setup": setup, "flop_convention": FLOPS,
-        "method": method.describe(flush.nbytes), "ceilings": ceilings, "dtype": DTYPE,
+        "method": method.describe(flush.nbytes) | ({"interleave": timing.INTERLEAVE} if args.interleave else {}),
+        "ceilings": ceilings, "dtype": DTYPE,
         "fp8_kernels": [p.stem for p in ours], "bf16_kernels": [p.stem for p in bf16], "peers": peers,
         "targets": {"vs_bf16": VS_BF16, "d": VS_BF16_D, "from_T": VS_BF16_FROM_T, "gate": FP8_GATE},
         "cases": cases, "seed": args.seed, "rows": rows,
@@ -340,5 +381,8 @@ def add_fp8_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--envelope", action="store_true",
                    help="instead: the error against the scores' std (1 to 50), v25 with and without the rotation, "
                         "per-tensor FP8, their float64 emulations and bfloat16 v24 (a table and a plot)")
+    p.add_argument("--interleave", action="store_true",
+                   help="time a case's FP8 rungs together, and its bfloat16 rungs together, a run of each per round, "
+                        "the order rotated (as bench.py frontier --interleave); bench.py compare pairs them")
     results_option(p)
     return p

@@ -42,11 +42,6 @@ FLOPS = ("causal: 4 * B * NH * T^2 * d / 2 (the mask halves the T x T pairs); no
          "grouped-query heads count every query head; exp and the softmax arithmetic are not counted")
 
 
-INTERLEAVE = ("the rungs of a shape timed together: each round runs every rung once (L2 flushed before each), "
-              "the order rotated by one rung a round, the same number of rounds for all; each rung's timing keeps "
-              "its runs in round order (round_ms); the peers are timed one after another")
-
-
 def case_id(case: Case) -> str:
     """'8x12x1024-d64', '2x32x4096-d128-gqa8', '4x16x2048-d64-noncausal': what --shapes takes."""
     return (f"{case.B}x{case.NH}x{case.T_q}-d{case.d}" + (f"-gqa{case.NH_kv}" if case.NH_kv != case.NH else "")
@@ -205,7 +200,7 @@ def cmd_frontier(args) -> int:
         "kind": "frontier",
         "setup": setup,
         "flop_convention": FLOPS,
-        "method": method.describe(flush.nbytes) | ({"interleave": INTERLEAVE} if args.interleave else {}),
+        "method": method.describe(flush.nbytes) | ({"interleave": timing.INTERLEAVE} if args.interleave else {}),
         "ceilings": ceilings,
         "dtype": DTYPE,
         "kernels": [p.stem for p in candidates],

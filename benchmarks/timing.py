@@ -101,6 +101,11 @@ def summary(times: np.ndarray) -> dict:
     }
 
 
+INTERLEAVE = ("the rungs of a shape timed together: each round runs every rung once (L2 flushed before each), "
+              "the order rotated by one rung a round, the same number of rounds for all; each rung's timing keeps "
+              "its runs in round order (round_ms); the peers are timed one after another")
+
+
 def time_interleaved(entries: list[tuple], *, flush, method: Method) -> list[dict]:
     """time_gpu for several entries (fn, stream) at once, in rounds: each round runs every entry once, the
     order rotated by one entry a round, so that a clock the GPU holds for some milliseconds is shared by

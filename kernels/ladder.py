@@ -246,15 +246,16 @@ def names() -> list[str]:
 
 
 def rungs_for(dtype: str, head_size: int | None = None, gqa: bool = False, arch: str | None = None, *,
-              decode: bool = False) -> list[str]:
+              decode: bool = False, unverified: bool = False) -> list[str]:
     """The rungs, in ladder order, that compute in dtype, take head_size (None: any) and, with gqa,
     grouped-query attention, and run on arch (None: any). Whole-sequence rungs; with decode, the split-KV
     ones (lab.split_kv: a few query rows over a long cache). Never an FP8 rung (lab.fp8): it quantizes
-    its inputs, so it runs only when named; nor one not yet run on a GPU (lab.unverified)."""
+    its inputs, so it runs only when named; nor one not yet run on a GPU (lab.unverified), unless asked
+    (`unverified`: bench.py measures those too)."""
     able = []
     for name in names():
         rung = load(name)
-        if (rung.split_kv == decode and not rung.fp8 and not rung.unverified and dtype in rung.dtypes
+        if (rung.split_kv == decode and not rung.fp8 and (unverified or not rung.unverified) and dtype in rung.dtypes
                 and (head_size is None or head_size in rung.head_sizes()) and (not gqa or "gqa" in rung.supports)
                 and (arch is None or rung.runs_on(arch))):
             able.append(name)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kernels
-from benchmarks import cli, device, results
+from benchmarks import cli, device, results, timing
 from benchmarks import fp8 as bench_fp8
 from benchmarks.cases import Case, shape_flops
 from benchmarks.frontier import FLOPS
@@ -204,6 +204,25 @@ def test_fp8_end_to_end_with_stand_ins(monkeypatch, tmp_path, capsys):
         assert r["rmse"] == pytest.approx(r["rmse_emulated"], rel=0.02) and r["rmse_per_tensor"] > r["rmse"]
         assert r["met"] == (r["rmse"] <= 1e-2)
     assert "| shape |" in out and "Targets met:" in out and f"wrote {path}" in out
+
+
+def test_fp8_interleave_times_the_fp8_rungs_together_and_the_bfloat16_rungs_together(monkeypatch, tmp_path, capsys):
+    install_stand_ins(monkeypatch)
+    monkeypatch.setattr(device, "get_cupy", lambda: SimpleNamespace(**vars(fake_cupy()), asarray=np.asarray))
+    monkeypatch.setattr(kernels, "prepare", prepare_stand_in)
+    monkeypatch.setattr(bench_fp8, "CASES", (Case("causal", 1, 2, 2, 40, 40, 128),))
+    monkeypatch.setattr(bench_fp8, "ACCURACY_SHAPES", ())
+    monkeypatch.setattr(timing, "Method", lambda budget_ms: Method(budget_ms=budget_ms, min_runs=3, max_runs=3, warmup=1))
+    sizes, together = [], timing.time_interleaved
+    monkeypatch.setattr(timing, "time_interleaved", lambda entries, **kw: sizes.append(len(entries)) or together(entries, **kw))
+    code, out, err = run(["fp8", "--kernels", "v25,v26", "--interleave", "--budget-ms", "1", "--results", str(tmp_path)],
+                         capsys)
+    assert code == 0, err
+    data = json.loads(next(tmp_path.glob("fp8-*.json")).read_text())
+    assert sizes == [2, 2] and "rotated" in data["method"]["interleave"]  # v22 and v24, then v25 and v26
+    timed = [r for r in data["rows"] if r["kind"] == "rung"]
+    assert {r["name"] for r in timed} == {V22, V24, V25, kernels.resolve("v26").stem}
+    assert all(r["status"] == "ok" and len(r["timing"]["round_ms"]) == 3 for r in timed)
 
 
 # --- bench.py readme: the fp8 section ----------------------------------------------------------------
