@@ -218,11 +218,12 @@ def test_deterministic_backward_gives_identical_bits(name, d, dtype):
 
 
 def forward_rung(dtype: str, d: int) -> str | None:
-    """The newest forward rung that writes the log-sum-exp and takes dtype, d and every feature here."""
+    """The newest forward rung that writes the log-sum-exp and takes dtype, d and every feature here (one run
+    on a GPU: not lab.unverified, as bench.py backward's)."""
     arch = kernels.device_limits().arch
     for n in reversed(kernels.names()):
         rung = kernels.load(n)
-        if (rung.lse and dtype in rung.dtypes and d in rung.head_sizes() and rung.runs_on(arch)
+        if (rung.lse and not rung.unverified and dtype in rung.dtypes and d in rung.head_sizes() and rung.runs_on(arch)
                 and {"noncausal", "cross", "gqa"} <= set(rung.supports)):
             return n
     return None

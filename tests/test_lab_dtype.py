@@ -28,8 +28,10 @@ def able(dtype):
 def test_the_default_rung_is_the_newest_that_takes_the_dtype():
     assert able("bfloat16") and able("float16") and able("float32")
     for dtype in ("float32", "float16", "bfloat16"):
-        # decode rungs are not defaults, nor FP8 rungs (they quantize their inputs: named only)
-        whole_sequence = [n for n in able(dtype) if not kernels.load(n).split_kv and not kernels.load(n).fp8]
+        # decode rungs are not defaults, nor FP8 rungs (they quantize their inputs: named only), nor rungs
+        # not yet run on a GPU (lab.unverified)
+        whole_sequence = [n for n in able(dtype) if not kernels.load(n).split_kv and not kernels.load(n).fp8
+                          and not kernels.load(n).unverified]
         assert lab.pick_kernel(None, "gpu", dtype=dtype) == whole_sequence[-1]
         assert lab.pick_kernel(None, "cpu", dtype=dtype) == lab.REFERENCE
         assert lab.pick_kernel("reference", "gpu", dtype=dtype) == lab.REFERENCE
@@ -41,7 +43,7 @@ def test_the_default_rung_runs_on_the_gpu_it_is_for(arch):
     """A rung declaring lab.min_arch newer than the GPU (wgmma on an sm_80 part) is never the default."""
     for dtype in ("float32", "bfloat16"):
         fit = [n for n in able(dtype) if not kernels.load(n).split_kv and not kernels.load(n).fp8
-               and kernels.load(n).runs_on(arch)]
+               and not kernels.load(n).unverified and kernels.load(n).runs_on(arch)]
         picked = lab.pick_kernel(None, "gpu", dtype=dtype, arch=arch)
         assert picked == fit[-1] and kernels.load(picked).runs_on(arch)
     assert lab.pick_kernel(None, "gpu", dtype="float32", arch="sm_80") == "v14_tf32_mma"
