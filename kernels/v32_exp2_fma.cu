@@ -11,7 +11,7 @@
  * nearest integer (an add and a subtract of 1.5 x 2^23), 2^f by a cubic on [-0.5, 0.5] (three FMA; the
  * coefficients fit by a Lawson-weighted least-squares for relative error, 7.5e-5 at most in float32,
  * against bfloat16's 2^-8 rounding of P: tests/test_exp2_fma.py emulates it), j added to the exponent
- * bits (one LEA): about eight FP32 and integer instructions in the issue slots, none on the MUFU.
+ * bits (one IMAD): eight FP32 and integer instructions in the issue slots, none on the MUFU.
  * Which tiles: n % EMULATE_EVERY == EMULATE_EVERY - 1, a quarter of the scores; by the clocks above
  * about a fifth balances the MUFU against the issue slots the cubic takes. At d = 128 a score's products
  * take twice the clocks of its exponential, the MUFU is not the limit, and every exponential stays there.
