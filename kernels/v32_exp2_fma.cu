@@ -1,6 +1,6 @@
 /*
- * v32 - some exponentials on the FMA pipe: at d = 64 one of every four n8 tiles of the scores takes
- * 2^x from a cubic on the FP32 units instead of the special-function unit.
+ * v32 - some exponentials on the FMA pipe: at d = 64 one n8 tile of a thread's sixteen takes 2^x from a
+ * cubic on the FP32 units instead of the special-function unit.
  *
  * The change: an SM's special-function units compute 16 exp2 a clock, an eighth of its FP32 FMA rate.
  * At d = 64 a score costs 4 d = 256 tensor-core FLOPs (S = Q K^T and P V), 8 clocks of an SM
@@ -12,9 +12,14 @@
  * coefficients fit by a Lawson-weighted least-squares for relative error, 7.5e-5 at most in float32,
  * against bfloat16's 2^-8 rounding of P: tests/test_exp2_fma.py emulates it), j added to the exponent
  * bits (one IMAD): eight FP32 and integer instructions in the issue slots, none on the MUFU.
- * Which tiles: n % EMULATE_EVERY == EMULATE_EVERY - 1, a quarter of the scores; by the clocks above
- * about a fifth balances the MUFU against the issue slots the cubic takes. At d = 128 a score's products
- * take twice the clocks of its exponential, the MUFU is not the limit, and every exponential stays there.
+ * How many: the issue slots are nearly as full. A warp's steady step at d = 64 is about 487
+ * instructions off the mask's path (v31's SASS: 810, of which 323 are the mask's ISETP, FSEL and
+ * VIADD), against 66 MUFU.EX2 at 8 clocks each, 528; each exponential moved costs 7 issue slots more
+ * and saves 8 MUFU clocks, and the two meet near 3 of the 64. So n % EMULATE_EVERY == EMULATE_EVERY - 1
+ * with EMULATE_EVERY = 16, one tile: 4 of the 64 (a quarter of them would leave the issue
+ * slots the bound). The steps run at half the tensor ceiling all the same, so these are bounds, not
+ * the time. At d = 128 a score's products take twice the clocks of its exponential, the MUFU is not the
+ * limit, and every exponential stays there.
  *
  * Masked scores: x is clamped to -126 first, where the cubic's exponent cannot wrap, so a masked score
  * gives 2^-126 (at most 1.2e-38) instead of 0: nothing beside a row's largest probability, which is 1,
@@ -79,7 +84,7 @@ __device__ __forceinline__ float exp2_approx(float x)
 // 2^x on the FP32 and integer pipes: x = j + f, j = round(x) (1.5 x 2^23 added and taken away), f in
 // [-0.5, 0.5], 2^f by a cubic (relative error at most 7.5e-5), j added to its exponent bits. x is
 // clamped to -126 first, so that the exponent cannot wrap: a masked score (-inf) gives at most 2^-126.
-constexpr int EMULATE_EVERY = 4;  // at d = 64, n8 tile n of the scores takes exp2_fma if n % 4 == 3
+constexpr int EMULATE_EVERY = 16;  // at d = 64, n8 tile n of the scores takes exp2_fma if n % 16 == 15
 __device__ __forceinline__ float exp2_fma(float x)
 {
     x = fmaxf(x, -126.0f);

@@ -1,6 +1,6 @@
 /*
- * v33 - FP8 with a third of the exponentials on the FMA pipe: n8 tile n of the scores with n % 3 == 2
- * takes 2^x from a quadratic on the FP32 units instead of the special-function unit.
+ * v33 - FP8 with some exponentials on the FMA pipe: two n8 tiles of a thread's sixteen at d = 64, four
+ * of its 28 at d = 128, take 2^x from a quadratic on the FP32 units instead of the special-function unit.
  *
  * The change: e4m3 products run at twice bfloat16's rate, so an FP8 score's share of S = Q K^T and P V
  * (4 d FLOPs) takes a sub-partition's tensor core 4 clocks a warp at d = 64 and 8 at d = 128, while its
@@ -11,9 +11,13 @@
  * 2^f is a quadratic (relative error at most 1.7e-3, tests/test_exp2_fma.py): P is rounded to e4m3,
  * whose half step is 2^-4 = 6%, and the row sums are taken on the tensor cores from the rounded codes
  * (v27's), so O and l see the same P. That is 7 instructions an exponential on the FP32 and integer
- * pipes. Which scores: n % EMULATE_EVERY == EMULATE_EVERY - 1 of the thread's n8 tiles, a third
- * (B_c = 224: 9 of 28); by the clocks, MUFU 8 (1 - e) against about 3.5 + 7 e issue slots a warp's
- * score, the two meet near e = 0.3.
+ * pipes, 7 issue slots more for 8 MUFU clocks less. How many, from v29's SASS (a warp's steady step,
+ * the mask's ISETP, FSEL and VIADD left out): at d = 64, 442 instructions against 66 MUFU.EX2 (528
+ * clocks), which meet near 6 moved; at d = 128 (B_c = 224), 686 against 114 (912 clocks), near 15. So n8
+ * tile n takes exp2_fma where n % emulate_every(d) == emulate_every(d) - 1: every 8th at d = 64 (8 of
+ * 64 scores), every 7th at d = 128 (16 of 112; 8 of 64 with B_c = 128). Past the balance the issue
+ * slots bound the step instead (a third of them would). These are bounds: the FP8 steps run well below
+ * them, so the measurement decides.
  *
  * Masked scores: x is clamped to -126 first, where the exponent cannot wrap, so a masked score gives
  * 2^-126, which rounds to an e4m3 zero like the MUFU's 0: nothing else changes.
@@ -75,7 +79,8 @@ __device__ __forceinline__ float exp2_approx(float x)
 // [-0.5, 0.5], 2^f by a quadratic (relative error at most 1.7e-3, far inside e4m3's rounding of P), j
 // added to its exponent bits. x is clamped to -126 first, so that the exponent cannot wrap: a masked
 // score (-inf) gives 2^-126, an e4m3 zero.
-constexpr int EMULATE_EVERY = 3;  // n8 tile n of the scores takes exp2_fma if n % 3 == 2
+// n8 tile n of the scores takes exp2_fma if n % emulate_every(d_head) == emulate_every(d_head) - 1
+__host__ __device__ constexpr int emulate_every(int d_head) { return d_head == 64 ? 8 : 7; }
 __device__ __forceinline__ float exp2_fma(float x)
 {
     x = fmaxf(x, -126.0f);
@@ -559,12 +564,14 @@ attention_forward(const byte* __restrict__ /* Q */, const byte* __restrict__ /* 
                 alpha[h] = m_new == m_i[h] ? 1.0f : exp2_approx(m_i[h] - m_scaled);
                 const float shift = P_SHIFT - m_scaled;
                 m_i[h] = m_new;
+                constexpr int every = emulate_every(d_head);
 #pragma unroll
                 for (int n = 0; n < N_TILES; ++n)
 #pragma unroll
-                    for (int e = 2 * h; e < 2 * h + 2; ++e)
-                        S[4 * n + e] = n % EMULATE_EVERY == EMULATE_EVERY - 1 ? exp2_fma(fmaf(S[4 * n + e], f, shift))
-                                                                              : exp2_approx(fmaf(S[4 * n + e], f, shift));
+                    for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                        const float x = fmaf(S[4 * n + e], f, shift);
+                        S[4 * n + e] = n % every == every - 1 ? exp2_fma(x) : exp2_approx(x);
+                    }
             }
             return __any_sync(FULL_WARP, max_moved);
         };

@@ -63,10 +63,10 @@ def test_a_masked_score_gives_at_most_two_to_the_minus_126_and_never_a_wrapped_e
 
 def test_which_scores_take_it():
     v32, v33 = (kernels.resolve(r).read_text() for r in ("v32", "v33"))
-    # v32: a quarter, at d = 64 only (at d = 128 the products, not the MUFU, bound the step)
-    assert "constexpr int EMULATE_EVERY = 4;" in v32
+    # v32: one n8 tile of sixteen, at d = 64 only (at d = 128 the products, not the MUFU, bound the step)
+    assert "constexpr int EMULATE_EVERY = 16;" in v32
     assert "d_head == 64 && n % EMULATE_EVERY == EMULATE_EVERY - 1 ? exp2_fma(x) : exp2_approx(x)" in v32
     # a row with no key at all: zero by its running maximum, not its tiny sums over themselves
     assert "l > 0.0f && m_i[h] != -INFINITY ? 1.0f / l : 0.0f" in v32
-    # v33: a third, at both head sizes; a masked score's 2^-126 rounds to an e4m3 zero
-    assert "constexpr int EMULATE_EVERY = 3;" in v33 and "n % EMULATE_EVERY == EMULATE_EVERY - 1 ? exp2_fma(" in v33
+    # v33: every 8th tile at d = 64, every 7th at d = 128; a masked score's 2^-126 rounds to an e4m3 zero
+    assert "return d_head == 64 ? 8 : 7;" in v33 and "n % every == every - 1 ? exp2_fma(x) : exp2_approx(x)" in v33
