@@ -176,6 +176,13 @@ def pick_kernel(name: str | None, device: str, asked: str = "auto", dtype: str =
     return path.stem if path.parent in (Path(kernels.__file__).parent, triton_rungs.TRITON_DIR) else str(path)
 
 
+def unverified(kernel: str) -> str | None:
+    """Why a .cu rung has not run on a GPU yet (its lab.unverified line), for the summary; else None."""
+    if kernel == REFERENCE or triton_rungs.owns(kernel):
+        return None
+    return kernels.load(kernel).unverified
+
+
 def load_rung(kernel):
     """A rung's declarations (dtypes, head sizes, supports): a .cu rung's, or a Triton rung's (t01)."""
     return triton_rungs.load(kernel) if triton_rungs.owns(kernel) else kernels.load(kernel)
@@ -446,6 +453,7 @@ def summarize(args, setup: Setup, timed: Timed, measured: dict) -> dict:
         "n_params": setup.ckpt.n_params,
         "config": asdict(config),
         "kernel": setup.kernel,
+        "kernel_unverified": unverified(setup.kernel),
         "mode": "kv-cache" if args.kv_cache else "no-kv-cache",
         "decode_attention": (fused if setup.fast else decode_attention_name(setup.xp, config, args.dtype))
         if args.kv_cache else None,

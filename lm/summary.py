@@ -82,6 +82,12 @@ def compare_with_reference(run_once, attend, timed, n_new: int, xp) -> dict:
     }
 
 
+def attention_line(s: dict) -> str:
+    """The rung, and why it is no default yet where it declares lab.unverified (it ran because it was named)."""
+    why = s.get("kernel_unverified")
+    return f"{s['kernel']} ({why}: lab.unverified)" if why else s["kernel"]
+
+
 def print_summary(s: dict) -> None:
     if s["mode"] == "kv-cache":
         mode = f"KV cache: prefill with {s['kernel']}, decode attention: {s['decode_attention']}"
@@ -89,7 +95,7 @@ def print_summary(s: dict) -> None:
         mode = f"no KV cache: every step recomputes the whole sequence with {s['kernel']}"
     rows = [
         ("model", f"{s['model']}, {s['n_params'] / 1e6:.1f}M parameters"),
-        ("attention", s["kernel"]),
+        ("attention", attention_line(s)),
         ("mode", mode),
         ("prompt tokens", s["n_prompt_tokens"]),
         *([("tokenizer", s["tokenizer_note"])] if s.get("tokenizer_note") else []),

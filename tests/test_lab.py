@@ -62,6 +62,7 @@ def test_generates_streams_and_summarises(folder, checkpoint, tmp_path):
     assert s["prompt"] == "Hello, I'm a language model," and s["generated_text"] == gpt2.load_tokenizer().decode(expected)
     assert r.stdout.startswith(s["prompt"] + s["generated_text"] + "\n")  # the text, streamed, before the summary
     assert (s["kernel"], s["mode"], s["decode_attention"], s["device"]) == ("reference", "no-kv-cache", None, "cpu")
+    assert s["kernel_unverified"] is None
     assert (s["n_prompt_tokens"], s["n_new_tokens"], s["model"]) == (8, 12, str(folder))
     assert s["seconds"] > 0 and s["tokens_per_second"] == pytest.approx(12 / s["seconds"])
     assert s["compile_seconds"] == 0 and s["peak_gpu_memory_bytes"] is None and s["check"] is None
@@ -216,3 +217,14 @@ def test_checkpoint_errors_exit_2_with_one_line(folder, tmp_path, case):
     assert_one_line_error(r, message)
     if case == "offline":
         assert "--model PATH" in r.stderr and "--random-weights" in r.stderr
+
+
+def test_a_rung_not_yet_run_on_a_gpu_says_so_in_the_summary():
+    """Named with --kernel, a rung declaring lab.unverified runs (no default picks it); its attention row says so."""
+    import lab
+    from lm.summary import attention_line
+    assert lab.unverified("reference") is None and lab.unverified("v31_pinned_softmax") is None
+    why = lab.unverified("v32_exp2_fma")
+    assert why and why.startswith("not yet run on a GPU")
+    assert attention_line({"kernel": "v32_exp2_fma", "kernel_unverified": why}) == f"v32_exp2_fma ({why}: lab.unverified)"
+    assert attention_line({"kernel": "v31_pinned_softmax", "kernel_unverified": None}) == "v31_pinned_softmax"
