@@ -1,4 +1,4 @@
-"""FP8 inputs for the FP8 rungs (v25-v29, v33): e4m3 codes with one float32 scale per tile of rows, made in
+"""FP8 inputs for the FP8 rungs (v25-v29): e4m3 codes with one float32 scale per tile of rows, made in
 plain array code that runs the same on NumPy and CuPy arrays, and the rung's arithmetic emulated in
 float64.
 

@@ -28,3 +28,31 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def unverified_rung(tmp_path, monkeypatch):
+    """add(base, name) -> name: a copy of the .cu rung `base` that declares `lab.unverified  not yet run on
+    a GPU`, written to tmp_path and added to the ladder (kernels.names(), resolve, load) for the test, the
+    newest rung where its number is. The ladder itself holds no such forward rung once those written
+    before a GPU ran them have run (v32 and v33 did, and were removed: docs/ladder.md#v32)."""
+    from kernels import ladder
+
+    added, original = [], ladder.rung_files
+
+    def rung_files():
+        files = [*original(), *added]
+        return sorted(files, key=lambda p: (int(ladder._RUNG_FILE.match(p.name).group(1)), p.name))
+
+    monkeypatch.setattr(ladder, "rung_files", rung_files)
+    monkeypatch.setattr(ladder, "_resolved", {})  # names resolved during the test are forgotten after it
+
+    def add(base: str, name: str = "v99_unverified") -> str:
+        source, marker = ladder.resolve(base).read_text(), " * lab.template"
+        assert source.count(marker) == 1 and "lab.unverified" not in source
+        path = tmp_path / f"{name}.cu"
+        path.write_text(source.replace(marker, " * lab.unverified  not yet run on a GPU\n" + marker, 1))
+        added.append(path)
+        return name
+
+    return add

@@ -212,7 +212,7 @@ FP8_RUNGS = [name for name in kernels.names() if kernels.load(name).fp8]
 def test_the_fp8_rung_declares_what_the_launcher_needs():
     e4m3 = [n for n in FP8_RUNGS if kernels.load(n).fp8_qk == "e4m3" and kernels.load(n).unverified is None]
     assert FP8_RUNGS and FP8_RUNGS[0] == "v25_fp8" and runtime.fp8_rung() == e4m3[-1]
-    assert runtime.fp8_rung() == "v29_fp8_wide_keys"  # v33 is newer but not yet run on a GPU (lab.unverified)
+    assert runtime.fp8_rung() == "v29_fp8_wide_keys"
     rung = kernels.load("v25")
     assert rung.dtypes == ("bfloat16",) and set(rung.supports) == {"noncausal", "cross", "gqa"}
     assert rung.head_sizes() == [64, 128] and not rung.lse and not rung.persistent
@@ -333,7 +333,7 @@ def test_v_per_head_gives_every_tile_of_a_head_the_heads_scale():
 
 def test_a_rung_that_needs_v_per_head_refuses_tile_scales_and_the_default_picks_one_that_takes_them():
     head_rungs = [n for n in FP8_RUNGS if kernels.load(n).fp8_v == "head"]
-    assert head_rungs == ["v27_fp8_row_sums", "v28_fp8_bf16_scores", "v29_fp8_wide_keys", "v33_fp8_exp2_fma"]
+    assert head_rungs == ["v27_fp8_row_sums", "v28_fp8_bf16_scores", "v29_fp8_wide_keys"]
     rung = kernels.load("v27")
     tile = numpy_inputs()
     with pytest.raises(ValueError, match=r"v27_fp8_row_sums needs V with one scale per head .*v_per_head=True"):
@@ -348,6 +348,20 @@ def test_a_rung_that_needs_v_per_head_refuses_tile_scales_and_the_default_picks_
     assert not kernels.quantize_for("v26", q, k, v).v_per_head
     with pytest.raises(ValueError, match="v24_persistent does not compute in FP8"):
         kernels.quantize_for("v24", q, k, v)
+
+
+def test_the_fp8_default_passes_over_a_rung_not_yet_run_on_a_gpu(unverified_rung):
+    """An FP8 rung declaring lab.unverified (as v33 did until its run) runs when named and is never the
+    default, given inputs or not: here a copy of v29 that declares it, newer and taking the same inputs."""
+    name = unverified_rung("v29", "v99_unverified_fp8")
+    rung = kernels.load(name)
+    assert rung.fp8 and rung.fp8_qk == "e4m3" and rung.fp8_v == "head" and rung.unverified == "not yet run on a GPU"
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 100, 64)).astype(np.float32) for _ in range(3))
+    head = kernels.quantize_for(name, q, k, v)
+    assert head.v_per_head and (head.block_q, head.block_k) == (192, 128)
+    runtime.check_fp8_inputs(head, rung, True, None)
+    assert runtime.fp8_rung() == runtime.fp8_rung(head) == "v29_fp8_wide_keys"
 
 
 def test_row_sums_of_the_rounded_probabilities_change_the_error_little():

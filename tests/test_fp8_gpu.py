@@ -1,4 +1,4 @@
-"""The FP8 rungs (v25-v29, v33) on the GPU, held to what FP8 can promise rather than to its dtype's tolerance:
+"""The FP8 rungs (v25-v29) on the GPU, held to what FP8 can promise rather than to its dtype's tolerance:
 
 - against its own arithmetic emulated in float64 on the same quantized inputs
   (kernels.fp8.emulated_attention): what is left is the fp32 order of the products, the exp2

@@ -219,12 +219,16 @@ def test_checkpoint_errors_exit_2_with_one_line(folder, tmp_path, case):
         assert "--model PATH" in r.stderr and "--random-weights" in r.stderr
 
 
-def test_a_rung_not_yet_run_on_a_gpu_says_so_in_the_summary():
-    """Named with --kernel, a rung declaring lab.unverified runs (no default picks it); its attention row says so."""
+def test_a_rung_not_yet_run_on_a_gpu_says_so_in_the_summary(unverified_rung):
+    """Named with --kernel, a rung declaring lab.unverified runs (no default picks it); its attention row says
+    so. The ladder holds no such forward rung now: a copy of v31 that declares it."""
     import lab
     from lm.summary import attention_line
+    name = unverified_rung("v31", "v99_unverified")
     assert lab.unverified("reference") is None and lab.unverified("v31_pinned_softmax") is None
-    why = lab.unverified("v32_exp2_fma")
-    assert why and why.startswith("not yet run on a GPU")
-    assert attention_line({"kernel": "v32_exp2_fma", "kernel_unverified": why}) == f"v32_exp2_fma ({why}: lab.unverified)"
+    picked = lab.pick_kernel(name, "gpu", dtype="bfloat16")
+    assert lab.pick_kernel(None, "gpu", dtype="bfloat16") not in (name, picked)
+    why = lab.unverified(picked)
+    assert why == lab.unverified(name) == "not yet run on a GPU"
+    assert attention_line({"kernel": name, "kernel_unverified": why}) == f"{name} ({why}: lab.unverified)"
     assert attention_line({"kernel": "v31_pinned_softmax", "kernel_unverified": None}) == "v31_pinned_softmax"
