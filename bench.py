@@ -18,10 +18,10 @@
     python3 bench.py frontier                   bfloat16 at the frontier's shapes (GPT-2, d=128, GQA, non-causal):
                                                 v19 and the TMA rungs beside SDPA flash and cuDNN, against the
                                                 targets (>= 1.1x cuDNN; 620 and 650 TFLOP/s at d=128)
-    python3 bench.py fp8                        the FP8 rungs (v25-v29) beside v22, v24, SDPA flash and cuDNN at d=128
-                                                (T = 4096 .. 16384) and d=64, against the target (>= 1.5x the best
-                                                bfloat16 rung); its RMSE on the outlier distribution beside one
-                                                scale per tensor (target <= 1.0e-2)
+    python3 bench.py fp8                        the FP8 rungs (v25-v29) beside v22, v24, the newest bfloat16 rung,
+                                                SDPA flash and cuDNN at d=128 (T = 4096 .. 16384) and d=64, against
+                                                the target (>= 1.5x the best bfloat16 rung); its RMSE on the outlier
+                                                distribution beside one scale per tensor (target <= 1.0e-2)
     python3 bench.py profile                    Nsight Compute's counters for every rung (one launch each, 8x1024)
                                                 and the decode step, with a roofline plot
     python3 bench.py sass --kernels v27         where a rung's warps wait, by SASS instruction (Nsight Compute's

@@ -108,6 +108,21 @@ def test_rung_large_scores(name, d, dtype, magnitude):
     check_against_reference(*random_qkv(cp, 1, 2, 300, d, magnitude=magnitude, dtype=dtype), name)
 
 
+@pytest.mark.parametrize("name,d,dtype", tiered(CASES, quick=first_of_each_rung(CASES)))
+@pytest.mark.parametrize("climb", [3.0, 20.0])
+def test_rung_scores_climbing_along_the_keys(name, d, dtype, climb):
+    """Every query's scores rise by `climb` (natural units) every 128 keys, so a row's maximum moves at
+    nearly every key step, by less than v34's threshold (2^8, 5.5 natural units) at 3 and past it at 20:
+    the online softmax's rescale and a reference that lags the running maximum are both exercised."""
+    import cupy as cp
+
+    B, NH, T = 1, 2, 1000
+    q, k, v = (x.astype(cp.float32) for x in random_qkv(cp, B, NH, T, d, seed=5))
+    q[..., 0] = math.sqrt(d)  # the scaled score picks up k[..., 0]
+    k[..., 0] = climb * cp.arange(T, dtype=cp.float32) / 128
+    check_against_reference(q.astype(dtype), k.astype(dtype), v.astype(dtype), name)
+
+
 @pytest.mark.parametrize("name", EXACT)
 def test_rung_custom_scale(name):
     import cupy as cp

@@ -35,6 +35,8 @@ def test_the_shapes_and_targets():
     assert [p.stem for p in bench_fp8.fp8_rungs()][:4] == [V25, "v26_fp8_persistent", "v27_fp8_row_sums",
                                                            "v28_fp8_bf16_scores"]
     assert [kernels.resolve(n).stem for n in bench_fp8.BF16_RUNGS] == [V22, V24]
+    newest = kernels.default_rung("bfloat16", 128)  # the ladder's best at d=128 is measured beside them
+    assert [p.stem for p in bench_fp8.bf16_rungs()] == [V22, V24, newest] and newest not in (V22, V24)
     assert (bench_fp8.VS_BF16, bench_fp8.RMSE_TARGET) == (1.5, 1.0e-2)
 
 
@@ -183,20 +185,20 @@ def test_fp8_end_to_end_with_stand_ins(monkeypatch, tmp_path, capsys):
     assert code == 0, err
     (path,) = tmp_path.glob("fp8-stand-in-gpu-*.json")
     data = json.loads(path.read_text())
-    assert data["kind"] == "fp8" and data["fp8_kernels"] == [V25] and data["bf16_kernels"] == [V22, V24]
+    assert data["kind"] == "fp8" and data["fp8_kernels"] == [V25] and data["bf16_kernels"] == [V22, V24, kernels.default_rung("bfloat16", 128)]
     assert [c["id"] for c in data["cases"]] == ["1x2x40-d128", "1x2x33-d64", "2x2x17-d64-noncausal"]
     by = {(r["case"], r["name"]): r for r in data["rows"]}
-    assert len(by) == len(data["rows"]) == 3 * 5  # the FP8 rung, two bfloat16 rungs, two peers per case
+    assert len(by) == len(data["rows"]) == 3 * 6  # the FP8 rung, three bfloat16 rungs, two peers per case
     for case in data["cases"]:
         ours = by[(case["id"], V25)]
         assert ours["status"] == "ok" and ours["fp8"] and ours["rmse"] <= 0.15 * ours["ref_rms"]
         assert 0.01 * ours["ref_rms"] < ours["rmse"]  # FP8's own error, not a bfloat16 rung's
         assert ours["tflops"] == pytest.approx(case["flops"] / (ours["timing"]["median_ms"] * 1e-3) / 1e12)
-        for name in (V22, V24):
+        for name in (V22, V24, kernels.default_rung("bfloat16", 128)):
             assert by[(case["id"], name)]["status"] == "ok" and by[(case["id"], name)]["math"] == "bf16"
         assert all(by[(case["id"], p)]["status"] == "unavailable" for p in ("sdpa_flash", "sdpa_cudnn"))  # no torch
         v = case["verdict"]
-        assert v["fp8"] == V25 and v["best_bf16"] in (V22, V24)
+        assert v["fp8"] == V25 and v["best_bf16"] in (V22, V24, kernels.default_rung("bfloat16", 128))
         assert (v["met"] is None) == (case["id"] != "1x2x40-d128")
     accuracy = data["accuracy"]["rows"]
     assert [(r["shape"]["d"], r["status"]) for r in accuracy] == [(64, "ok"), (128, "ok")]
@@ -219,9 +221,9 @@ def test_fp8_interleave_times_the_fp8_rungs_together_and_the_bfloat16_rungs_toge
                          capsys)
     assert code == 0, err
     data = json.loads(next(tmp_path.glob("fp8-*.json")).read_text())
-    assert sizes == [2, 2] and "rotated" in data["method"]["interleave"]  # v22 and v24, then v25 and v26
+    assert sizes == [3, 2] and "rotated" in data["method"]["interleave"]  # v22, v24 and the newest, then v25 and v26
     timed = [r for r in data["rows"] if r["kind"] == "rung"]
-    assert {r["name"] for r in timed} == {V22, V24, V25, kernels.resolve("v26").stem}
+    assert {r["name"] for r in timed} == {V22, V24, kernels.default_rung("bfloat16", 128), V25, kernels.resolve("v26").stem}
     assert all(r["status"] == "ok" and len(r["timing"]["round_ms"]) == 3 for r in timed)
 
 
