@@ -74,3 +74,36 @@ def test_the_pinned_rungs_keep_every_exponential_ahead_of_the_wait(kernel, confi
     step = wgmma_waits.steady_step(wgmma_waits.events(wgmma_waits.disassemble(cubin)))
     assert step is not None, name
     assert (step.overlapped, step.after) == (exponentials, 0), f"{name}: {step.verdict()}"
+
+
+def test_the_loop_around_the_step_is_counted_by_opcode_on_every_path():
+    sass = "\n".join([
+        "        /*0000*/                   MOV R1, RZ ;",
+        ".L_x_1:",
+        "        /*0010*/                   FFMA R2, R2, R3, R4 ;",
+        "        /*0020*/                   WARPGROUP.ARRIVE ;",
+        "        /*0030*/                   HGMMA.64x128x16.F32.BF16 R88, gdesc[UR4], R88 ;",
+        "        /*0040*/                   MUFU.EX2 R5, R5 ;",
+        "        /*0050*/              @!P0 BRA `(.L_x_2) ;",  # forward: the rescale's branch, inside the loop
+        "        /*0060*/                   FMUL.FTZ R6, R6, R7 ;",
+        ".L_x_2:",
+        "        /*0070*/                   MUFU.EX2 R8, R8 ;",
+        "        /*0080*/               @P1 BRA `(.L_x_1) ;",  # backward, to before the arrive: the loop
+        "        /*0090*/                   EXIT ;"])
+    step = wgmma_waits.steady_step(wgmma_waits.events(sass))
+    loop = wgmma_waits.step_loop(sass, step.arrive)
+    assert (loop.start, loop.end) == (0x10, 0x80)
+    assert loop.ops == {"BRA": 2, "MUFU": 2, "FFMA": 1, "FMUL": 1, "HGMMA": 1, "WARPGROUP": 1}
+    assert loop.summary() == "loop 0x10-0x80: 8 instructions: BRA 2, MUFU 2, FFMA 1, FMUL 1, HGMMA 1, WARPGROUP 1"
+    assert wgmma_waits.step_loop(sass.replace("(.L_x_1)", "(.L_x_2)"), step.arrive) is None  # no backward branch
+
+
+@pytest.mark.skipif(wgmma_waits.nvdisasm() is None, reason="no nvdisasm (the test extra installs one)")
+def test_the_mix_of_v34_s_steady_loop(capsys):
+    """v34 at d = 64 (docs/ladder.md#v34): a step's 64 scores a thread take 64 exponentials and two for the
+    rescale factors, 12 products, and the rescale's 32 FMULs sit on a branch of the same loop."""
+    assert wgmma_waits.main(["v34", "--config", "64,192,128,0", "--mix"]) == 0
+    out = capsys.readouterr().out
+    assert "12 products" in out and "\n  loop 0x" in out
+    ops = dict(item.rsplit(" ", 1) for item in out.split("instructions: ")[1].strip().split(", "))
+    assert (int(ops["MUFU"]), int(ops["HGMMA"]), int(ops["FMNMX"])) == (66, 12, 68) and int(ops["FMUL"]) >= 32

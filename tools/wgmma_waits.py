@@ -11,6 +11,8 @@ issued after one WARPGROUP.ARRIVE: S and P V together) and counts that step's MU
     python3 tools/wgmma_waits.py v24 --config 128,128,128,0 --config 64,192,128,0
     python3 tools/wgmma_waits.py v29 --config 128,128,224
     python3 tools/wgmma_waits.py --sass saved.sass              a listing saved earlier, no nvdisasm
+    python3 tools/wgmma_waits.py v34 --config 64,192,128,0 --mix   and the instructions of the loop
+                                                                  around that step, by opcode
 
 (docs/ladder.md#v29: in v24 and v29 every exponential of the step comes after that wait;
 docs/ladder.md#pinned-softmax: why, and a store of the row sums before the wait that keeps them ahead of it.)
@@ -95,6 +97,42 @@ def steady_step(evs: list[tuple[int, str]]) -> Step | None:
     return Step(products, evs[start][0], wait_one, wait_all, overlapped, after)
 
 
+_INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[^;]*?(\.L_x_\d+)?\W*;")
+_LABEL = re.compile(r"\s*(\.L_x_\d+):")
+
+
+@dataclass
+class Loop:
+    start: int  # the address a backward branch after the step jumps to
+    end: int  # that branch
+    ops: dict[str, int]  # opcode (without its modifiers) -> instructions in [start, end], most first
+
+    def summary(self) -> str:
+        listed = ", ".join(f"{op} {n}" for op, n in self.ops.items())
+        return f"loop {self.start:#x}-{self.end:#x}: {sum(self.ops.values())} instructions: {listed}"
+
+
+def step_loop(sass: str, arrive: int) -> Loop | None:
+    """The loop around the steady step: from the first backward branch after its arrive (a BRA to a label
+    at or before it) back to that label, every instruction of the body counted by opcode, whichever
+    path a step takes (the mask's and the rescale's included)."""
+    labels, pending, instructions = {}, [], []
+    for line in sass.splitlines():
+        if m := _LABEL.match(line):
+            pending.append(m.group(1))
+        elif m := _INSTRUCTION.match(line):
+            address = int(m.group(1), 16)
+            labels.update((name, address) for name in pending)
+            pending = []
+            instructions.append((address, m.group(2), m.group(3)))
+    for address, op, target in instructions:
+        if address > arrive and op == "BRA" and target in labels and labels[target] <= arrive:
+            body = [o for a, o, _ in instructions if labels[target] <= a <= address]
+            counts = {o: body.count(o) for o in sorted(set(body), key=lambda o: (-body.count(o), o))}
+            return Loop(labels[target], address, counts)
+    return None
+
+
 def nvdisasm() -> str | None:
     """nvdisasm on the PATH, in the CUDA toolkit, or from the nvidia-cuda-nvdisasm wheel (the test extra's):
     the listing needs no GPU."""
@@ -134,13 +172,17 @@ def compiled(kernel: str, config: str, arch: str) -> tuple[str, bytes]:
     return f"{rung.name} ({described})", cubin
 
 
-def report(name: str, sass: str) -> str:
+def report(name: str, sass: str, mix: bool = False) -> str:
     step = steady_step(events(sass))
     if step is None:
         return f"{name}: no WARPGROUP.ARRIVE (not a wgmma kernel?)"
     where = lambda a: "-" if a is None else f"{a:#x}"  # noqa: E731
-    return (f"{name}: steady step at {step.arrive:#x}: {step.products} products, wait <= 1 at {where(step.wait_one)}, "
+    text = (f"{name}: steady step at {step.arrive:#x}: {step.products} products, wait <= 1 at {where(step.wait_one)}, "
             f"wait 0 at {where(step.wait_all)}; {step.verdict()}")
+    if mix:
+        loop = step_loop(sass, step.arrive)
+        text += "\n  " + (loop.summary() if loop else "no backward branch around the step")
+    return text
 
 
 def main(argv=None) -> int:
@@ -150,9 +192,11 @@ def main(argv=None) -> int:
                     "default: every declared one)")
     ap.add_argument("--arch", default="sm_90", help="compile for (default sm_90; a rung's lab.options may say sm_90a)")
     ap.add_argument("--sass", type=Path, help="read this nvdisasm listing instead of compiling")
+    ap.add_argument("--mix", action="store_true", help="also the loop around the steady step: its instructions by "
+                    "opcode, every path of the body counted once (the mask's and the rescale's too)")
     args = ap.parse_args(argv)
     if args.sass:
-        print(report(str(args.sass), args.sass.read_text()))
+        print(report(str(args.sass), args.sass.read_text(), args.mix))
         return 0
     if not args.kernel:
         ap.error("give a rung, or --sass")
@@ -161,7 +205,7 @@ def main(argv=None) -> int:
     configs = args.config or [",".join(map(str, c)) for c in ladder.load(args.kernel).configs]
     for config in configs:
         name, cubin = compiled(args.kernel, config, args.arch)
-        print(report(name, disassemble(cubin)))
+        print(report(name, disassemble(cubin), args.mix))
     return 0
 
 
