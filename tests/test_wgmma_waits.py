@@ -107,3 +107,15 @@ def test_the_mix_of_v34_s_steady_loop(capsys):
     assert "12 products" in out and "\n  loop 0x" in out
     ops = dict(item.rsplit(" ", 1) for item in out.split("instructions: ")[1].strip().split(", "))
     assert (int(ops["MUFU"]), int(ops["HGMMA"]), int(ops["FMNMX"])) == (66, 12, 68) and int(ops["FMUL"]) >= 32
+
+
+@pytest.mark.skipif(wgmma_waits.nvdisasm() is None, reason="no nvdisasm (the test extra installs one)")
+def test_a_backward_rung_s_phase(capsys):
+    """b07's dK/dV phase at d = 64: its largest batch is 16 products, and the loop around it holds both
+    of a step's batches (32 HGMMA); a phase it lacks is named with those it has."""
+    assert wgmma_waits.main(["b07", "--config", "64,128,128,0,0", "--phase", "backward_dk_dv", "--mix"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("b07_persistent:backward_dk_dv (d_head=64, B_r=128, B_c=128, dtype_id=0, deterministic=0)")
+    assert "16 products" in out and "HGMMA 32," in out
+    with pytest.raises(SystemExit, match="no phase backward_dx .*backward_preprocess, backward_dk_dv, backward_dq"):
+        wgmma_waits.main(["b07", "--config", "64,128,128,0,0", "--phase", "backward_dx"])

@@ -13,6 +13,8 @@ issued after one WARPGROUP.ARRIVE: S and P V together) and counts that step's MU
     python3 tools/wgmma_waits.py --sass saved.sass              a listing saved earlier, no nvdisasm
     python3 tools/wgmma_waits.py v34 --config 64,192,128,0 --mix   and the instructions of the loop
                                                                   around that step, by opcode
+    python3 tools/wgmma_waits.py b07 --config 64,128,128,0,0 --phase backward_dk_dv --mix
+                                                                  a backward rung's phase the same way
 
 (docs/ladder.md#v29: in v24 and v29 every exponential of the step comes after that wait;
 docs/ladder.md#pinned-softmax: why, and a store of the row sums before the wait that keeps them ahead of it.)
@@ -159,17 +161,41 @@ def disassemble(cubin: bytes) -> str:
         return subprocess.run([tool, "-c", f.name], check=True, capture_output=True, text=True).stdout
 
 
-def compiled(kernel: str, config: str, arch: str) -> tuple[str, bytes]:
-    from kernels import ladder, nvrtc
+def load(kernel: str):
+    """A forward rung, or a backward one (b05, b07_persistent or its path under kernels/backward)."""
+    from kernels import backward, ladder
+
+    path = Path(kernel)
+    if backward.owns(kernel) or (path.suffix == ".cu" and path.resolve().parent == backward.BACKWARD_DIR):
+        return backward.load(kernel)
+    return ladder.load(kernel)
+
+
+def entries(rung) -> list[str | None]:
+    """The kernels a configuration compiles to: a backward rung's phases (backward_dk_dv, ...), or the
+    forward rung's one (None)."""
+    return [p.entry for p in getattr(rung, "phases", ())] or [None]
+
+
+def compiled(kernel: str, config: str, arch: str, entry: str | None = None) -> tuple[str, bytes]:
+    """One configuration (and, of a backward rung, one phase: `entry`, default its first) compiled here."""
+    from kernels import nvrtc
     from kernels.reports import COMMON_OPTIONS
     from kernels.runtime import _as_config
 
-    rung = ladder.load(kernel)
+    rung = load(kernel)
     cfg = _as_config(rung, config)
+    if phases := getattr(rung, "phases", ()):
+        phase = next((p for p in phases if entry in (None, p.entry)), None)
+        if phase is None:
+            raise SystemExit(f"{rung.name} has no phase {entry} (its phases: {', '.join(p.entry for p in phases)})")
+        expression, name = rung.entry_expression(phase, cfg), f"{rung.name}:{phase.entry}"
+    else:
+        expression, name = rung.name_expression(cfg), rung.name
     cubin, _, _ = nvrtc.compile_cubin(rung.source, str(rung.path), [f"-arch={arch}", *COMMON_OPTIONS, *rung.options],
-                                      [rung.name_expression(cfg)])
+                                      [expression])
     described = ", ".join(f"{k}={v}" for k, v in rung.params(cfg).items())
-    return f"{rung.name} ({described})", cubin
+    return f"{name} ({described})", cubin
 
 
 def report(name: str, sass: str, mix: bool = False) -> str:
@@ -187,7 +213,8 @@ def report(name: str, sass: str, mix: bool = False) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("kernel", nargs="?", help="a rung (v24, v29_fp8_wide_keys or a .cu path)")
+    ap.add_argument("kernel", nargs="?", help="a rung (v24, v29_fp8_wide_keys, b07 or a .cu path)")
+    ap.add_argument("--phase", help="of a backward rung, one phase (backward_dk_dv, ...; default: every phase)")
     ap.add_argument("--config", action="append", default=[], help="a configuration, as lab.configs writes it (repeatable; "
                     "default: every declared one)")
     ap.add_argument("--arch", default="sm_90", help="compile for (default sm_90; a rung's lab.options may say sm_90a)")
@@ -200,12 +227,12 @@ def main(argv=None) -> int:
         return 0
     if not args.kernel:
         ap.error("give a rung, or --sass")
-    from kernels import ladder
-
-    configs = args.config or [",".join(map(str, c)) for c in ladder.load(args.kernel).configs]
+    rung = load(args.kernel)
+    configs = args.config or [",".join(map(str, c)) for c in rung.configs]
     for config in configs:
-        name, cubin = compiled(args.kernel, config, args.arch)
-        print(report(name, disassemble(cubin), args.mix))
+        for entry in [args.phase] if args.phase else entries(rung):
+            name, cubin = compiled(args.kernel, config, args.arch, entry)
+            print(report(name, disassemble(cubin), args.mix))
     return 0
 
 
