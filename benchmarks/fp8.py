@@ -55,13 +55,6 @@ CASES = (  # q (B, NH, T, d) over k, v: FlashAttention-3's 16k tokens of 2048 ch
     Case("noncausal", 4, 16, 16, 2048, 2048, 64, causal=False),
 )
 BF16_RUNGS = ("v22", "v24")  # warp-specialized bfloat16: the FP8 rung's base, and its persistent sibling
-
-
-def bf16_rungs() -> list[Path]:
-    """BF16_RUNGS and the newest bfloat16 rung at d=128 (what a run naming none gets): the target's "best
-    bfloat16 rung" is the best of the ladder, not of the FP8 rung's bases alone."""
-    names = [*BF16_RUNGS, kernels.default_rung("bfloat16", VS_BF16_D)]
-    return list(dict.fromkeys(kernels.resolve(n) for n in names if n is not None))
 PEER_NAMES = ("sdpa_flash", "sdpa_cudnn")
 VS_BF16 = 1.5  # the FP8 rung's speed-up over the best bfloat16 rung (its time over the FP8 rung's) ...
 VS_BF16_D, VS_BF16_FROM_T = 128, 4096  # ... at this head size, causal, T at least this
@@ -76,6 +69,13 @@ def case_id(case: Case) -> str:
 
 def fp8_rungs() -> list[Path]:
     return [kernels.resolve(n) for n in kernels.names() if kernels.load(n).fp8]
+
+
+def bf16_rungs() -> list[Path]:
+    """BF16_RUNGS and the newest bfloat16 rung at d=128 (what a run naming none gets): the target's "best
+    bfloat16 rung" is the best of the ladder, not of the FP8 rung's bases alone."""
+    names = [*BF16_RUNGS, kernels.default_rung("bfloat16", VS_BF16_D)]
+    return list(dict.fromkeys(kernels.resolve(n) for n in names if n is not None))
 
 
 def target_applies(shape: dict) -> bool:
