@@ -260,12 +260,18 @@ def test_frontier_end_to_end_with_stand_ins(monkeypatch, tmp_path, capsys):
     assert "Targets met: 0 of 1." in out
 
 
-def test_frontier_default_rungs_take_every_case(monkeypatch, tmp_path, capsys):
+def one_case_on_stand_ins(monkeypatch, runs: int | None = None):
+    """The stand-in device, rungs launched as they declare, one d=128 case; with `runs`, that many timed runs."""
     install_stand_ins(monkeypatch)
     monkeypatch.setattr(kernels, "prepare", prepare_by_declaration)
     monkeypatch.setattr(frontier, "CASES", (Case("causal", 1, 2, 2, 24, 24, 128),))
-    monkeypatch.setattr(timing, "Method", lambda budget_ms: Method(budget_ms=budget_ms, min_runs=1, max_runs=1,
-                                                                   warmup=1))
+    if runs is not None:
+        monkeypatch.setattr(timing, "Method", lambda budget_ms: Method(budget_ms=budget_ms, min_runs=runs,
+                                                                       max_runs=runs, warmup=1))
+
+
+def test_frontier_default_rungs_take_every_case(monkeypatch, tmp_path, capsys):
+    one_case_on_stand_ins(monkeypatch, runs=1)
     code, _, err = run(["frontier", "--budget-ms", "1", "--results", str(tmp_path)], capsys)
     assert code == 0, err
     data = json.loads(next(tmp_path.glob("frontier-*.json")).read_text())
@@ -275,11 +281,7 @@ def test_frontier_default_rungs_take_every_case(monkeypatch, tmp_path, capsys):
 
 
 def test_frontier_interleave_times_the_rungs_together_and_the_peers_alone(monkeypatch, tmp_path, capsys):
-    install_stand_ins(monkeypatch)
-    monkeypatch.setattr(kernels, "prepare", prepare_by_declaration)
-    monkeypatch.setattr(frontier, "CASES", (Case("causal", 1, 2, 2, 24, 24, 128),))
-    monkeypatch.setattr(timing, "Method", lambda budget_ms: Method(budget_ms=budget_ms, min_runs=3, max_runs=3,
-                                                                   warmup=1))
+    one_case_on_stand_ins(monkeypatch, runs=3)
     calls = []
     together = timing.time_interleaved
     monkeypatch.setattr(timing, "time_interleaved", lambda entries, **kw: calls.append(len(entries)) or together(entries, **kw))
@@ -294,9 +296,7 @@ def test_frontier_interleave_times_the_rungs_together_and_the_peers_alone(monkey
 
 
 def test_frontier_times_the_rungs_one_by_one_when_interleaving_fails(monkeypatch, tmp_path, capsys):
-    install_stand_ins(monkeypatch)
-    monkeypatch.setattr(kernels, "prepare", prepare_by_declaration)
-    monkeypatch.setattr(frontier, "CASES", (Case("causal", 1, 2, 2, 24, 24, 128),))
+    one_case_on_stand_ins(monkeypatch)
 
     def broken(entries, **kw):
         raise RuntimeError("stream refused")
