@@ -127,7 +127,10 @@ class Worker:
 
     def stop(self):
         if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)  # its own session: the worker and nothing else
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)  # its own session: the worker and nothing else
+            except ProcessLookupError:
+                pass  # it ended after poll(), and the reader thread's wait() reaped it
         self.process.wait()
 
 

@@ -328,3 +328,15 @@ def test_the_demo_table_is_read_from_the_demo_output():
     assert table.startswith("Dev X, [watch-x.txt](../results/watch-x.txt)")
     with pytest.raises(ValueError, match="no `median save-to-report` line"):
         render_demo("nothing measured\n", "x.txt")
+
+
+def test_stopping_a_worker_that_has_just_ended():
+    """The reader thread's wait() can reap the worker between stop()'s poll() and its kill (a race CI
+    hit): stop() then finds no process group and must still return."""
+    from benchmarks.watch import Worker
+
+    w = Worker([sys.executable, "-c", "pass"])
+    assert w.next(timeout=30) == {"exit": 0}  # the reader thread has reaped it
+    w.process.poll = lambda: None  # as if poll() had run just before the exit
+    w.stop()
+    assert w.process.returncode == 0
