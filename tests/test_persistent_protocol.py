@@ -1,6 +1,6 @@
-"""Model checks of three persistent kernels' protocols (the kernels themselves run only on the GPU): v24_persistent's
+"""Model checks of four persistent kernels' protocols (the kernels themselves run only on the GPU): v24_persistent's
 below, kernels/fused/decode_step.cu's weight stream after it (its plans' slot counts and items; a release
-before the reads end fails it), and b07_persistent's backward at the end.
+before the reads end fails it), and b07_persistent's backward and b08_pingpong's turns on it at the end.
 
 v24_persistent across tiles: random interleavings of the producer thread, the consumer
 warpgroups (one agent each) and the copy engine, for several blocks sharing the tile counter.
@@ -499,15 +499,17 @@ def test_b07_counter_balances_the_blocks_where_a_fixed_order_does_not():
     assert spread(2048, 16, "snake")[1] > 1.3 and spread(2048, 16, "counter")[1] < 1.06
 
 
-def b07_block(steps_of_tiles, seed, break_it=None):
-    """One block's agents over tiles with these step counts, interleaved at random with the copies."""
+def b07_block(steps_of_tiles, seed, break_it=None, pingpong=False, turns_on=True):
+    """One block's agents over tiles with these step counts, interleaved at random with the copies: b07's
+    consumers (one agent), or with pingpong b08's (two agents, below; turns_on False: without the turns)."""
+    C = 2 if pingpong else 1  # consumer agents, each arriving once for all its threads
     full = [MBarrier(f"QdO_full{s}", 2) for s in range(2)]  # lane 0 and the other lanes
-    empty = [MBarrier(f"QdO_empty{s}", 1) for s in range(2)]  # the consumers
-    kv_full, kv_empty = MBarrier("KV_full", 1), MBarrier("KV_empty", 1)
+    empty = [MBarrier(f"QdO_empty{s}", C) for s in range(2)]  # the consumers
+    kv_full, kv_empty = MBarrier("KV_full", 1), MBarrier("KV_empty", C)
     item_full = [MBarrier(f"item_full{s}", 1) for s in range(2)]  # lane 0
-    item_empty = [MBarrier(f"item_empty{s}", 1) for s in range(2)]  # the consumers
+    item_empty = [MBarrier(f"item_empty{s}", C) for s in range(2)]  # the consumers
     stage, lse, kv, slot = [None, None], [None, None], [None], [None, None]
-    reading, reading_kv = [False, False], [False]
+    reading, reading_kv = [set(), set()], set()  # the consumers reading each stage, and K_j and V_j
     copies, drawn = [], []
     END = len(steps_of_tiles)  # the number past the end
 
@@ -572,20 +574,20 @@ def b07_block(steps_of_tiles, seed, break_it=None):
             steps = steps_of_tiles[t]
             if steps:
                 yield lambda u=u: kv_full.ready(u & 1, u)
-                reading_kv[0] = True
+                reading_kv.add(0)
             for _ in range(steps):
                 yield lambda n=n: full[n % 2].ready(n // 2 % 2, n // 2)
-                reading[n % 2] = True
+                reading[n % 2].add(0)
                 for _ in range(2):  # the step's products, while copies land elsewhere
                     if (stage[n % 2], lse[n % 2], kv[0]) != (n, n, u):
                         raise Fail(f"step {n} of tile {u} read stage {stage[n % 2]}, lse {lse[n % 2]}, K/V {kv[0]}")
                     yield None
-                reading[n % 2] = False
+                reading[n % 2].discard(0)
                 if break_it != "no stage release" or n != 1:
                     empty[n % 2].arrive()
                 n += 1
             if steps:
-                reading_kv[0] = False
+                reading_kv.discard(0)
                 kv_empty.arrive()
                 u += 1
 
@@ -596,12 +598,15 @@ def b07_block(steps_of_tiles, seed, break_it=None):
                 raise Fail(f"step {value}'s copy landed in a stage the consumers still read")
             stage[slot] = value
         else:
-            if reading_kv[0]:
+            if reading_kv:
                 raise Fail(f"tile {value}'s K_j and V_j landed while the consumers still read the tile before")
             kv[0] = value
         barrier.complete_tx(1)
 
-    interleave(random.Random(seed), [lane0(), lanes(), consumers()], copies, land, copy_per_pending=True)
+    agents = [consumers()] if not pingpong else b08_consumers(
+        steps_of_tiles, break_it, turns_on, item_full, item_empty, slot, kv_full, kv_empty, kv, reading_kv, full, empty,
+        stage, lse, reading)
+    interleave(random.Random(seed), [lane0(), lanes(), *agents], copies, land, copy_per_pending=True)
 
 
 def test_b07_random_interleavings_keep_the_protocol():
@@ -621,6 +626,153 @@ def test_b07_model_catches_a_broken_protocol(break_it):
     for seed in range(40):
         try:
             b07_block([3, 0, 0, 2, 0, 4, 1], seed=seed, break_it=break_it)
+        except Fail as exc:
+            caught.append(str(exc))
+    assert caught, f"{break_it}: no run failed"
+
+
+# -- kernels/backward/b08_pingpong.cu --------------------------------------------------------------
+# b07's producer, ring, tiles and slots, with the two consumer warpgroups as two agents that take turns at
+# the tensor core (named barriers: a generation is one wait and one pass) and share dS^T's two buffers:
+# consumer c writes its half of dS^T(n) into buffer n % 2 once both halves' readers of step n - 2 have landed
+# (the buffer's empty barrier), arrives on its full barrier, and issues dQ_i(n) a step later, once both
+# halves are in (the full barrier); a tile's last dQ_i goes alone in a turn after its last step, before K_j
+# and V_j are released. The turns alone order dQ_i(n) after the other half of dS^T(n) (its writer passed a
+# turn since), so the full barrier matters to a copy without them: the model runs both ways. Breaking it (no
+# wait on either dS^T barrier, K_j released before the last dQ_i, a turn pass or take left out) fails the
+# test below.
+
+
+def b08_consumers(steps_of_tiles, break_it, turns_on, item_full, item_empty, slot, kv_full, kv_empty, kv, reading_kv,
+                  full, empty, stage, lse, reading):
+    """The two consumer agents of b08, over b07_block's barriers and buffers; the turns and dS^T here."""
+    END = len(steps_of_tiles)
+    turns = [Named(f"turn{c}") for c in range(2)]
+    dS_full = [MBarrier(f"dS_full{b}", 2) for b in range(2)]
+    dS_empty = [MBarrier(f"dS_empty{b}", 2) for b in range(2)]
+    halves = [{}, {}]            # buffer -> {consumer: the step whose half of dS^T it holds}
+    dS_readers = [set(), set()]  # buffer -> (consumer, step) of the dQ_i products reading it
+    issued = []
+
+    def take_turn(c):
+        if not turns_on:
+            return None
+        g = turns[c].generation
+        turns[c].arrive(("c", c), True)
+        return lambda: turns[c].generation > g
+
+    def give_turn(c):
+        if turns_on:
+            turns[1 - c].arrive(("c", c), False)
+
+    def issue_dQ(c, m, u):
+        if halves[m % 2] != {0: m, 1: m} or kv[0] != u:
+            raise Fail(f"consumer {c}'s dQ_i({m}) reads dS^T {halves[m % 2]}, K_j of tile {kv[0]}, not {u}")
+        dS_readers[m % 2].add((c, m))
+
+    def dQ_landed(c, m, u):
+        if halves[m % 2] != {0: m, 1: m} or kv[0] != u:
+            raise Fail(f"dS^T or K_j changed under consumer {c}'s dQ_i({m}): {halves[m % 2]}, tile {kv[0]}")
+        dS_readers[m % 2].discard((c, m))
+
+    def consumer(c):
+        n = u = 0
+        if c == 1 and break_it != "no first pass":
+            give_turn(c)
+        for t in range(END + 1):
+            yield lambda t=t: item_full[t % 2].ready(t // 2 % 2, t // 2)
+            if slot[t % 2] != t:
+                raise Fail(f"consumer {c} read tile {slot[t % 2]} from slot {t % 2}, meaning tile {t}")
+            item_empty[t % 2].arrive()
+            if t == END:
+                break
+            steps = steps_of_tiles[t]
+            if steps:
+                yield lambda u=u: kv_full.ready(u & 1, u)
+                reading_kv.add(c)
+            for step in range(steps):
+                yield lambda n=n: full[n % 2].ready(n // 2 % 2, n // 2)
+                reading[n % 2].add(c)
+                yield take_turn(c)  # S^T and dP^T
+                issued.append(c)
+                if (stage[n % 2], lse[n % 2], kv[0]) != (n, n, u):
+                    raise Fail(f"step {n} of tile {u} read stage {stage[n % 2]}, lse {lse[n % 2]}, K/V {kv[0]}")
+                give_turn(c)
+                yield None  # landed
+                if n >= 2 and break_it != "no dS empty wait":
+                    yield lambda n=n: dS_empty[n % 2].ready(n // 2 % 2 ^ 1, n // 2 - 1)
+                if dS_readers[n % 2]:
+                    raise Fail(f"consumer {c} writes dS^T({n}) while {dS_readers[n % 2]} read its buffer")
+                halves[n % 2][c] = n
+                dS_full[n % 2].arrive()
+                if step > 0 and break_it != "no dS full wait":
+                    yield lambda m=n - 1: dS_full[m % 2].ready(m // 2 % 2, m // 2)
+                yield take_turn(c)  # dV_j, dK_j and dQ_i(n - 1)
+                issued.append(c)
+                if stage[n % 2] != n:
+                    raise Fail(f"step {n}'s dV_j and dK_j read stage {stage[n % 2]}")
+                if step > 0:
+                    issue_dQ(c, n - 1, u)
+                give_turn(c)
+                yield None  # landed
+                if stage[n % 2] != n:
+                    raise Fail(f"stage {n % 2} refilled under step {n}'s dV_j and dK_j")
+                reading[n % 2].discard(c)
+                empty[n % 2].arrive()
+                if step > 0:
+                    dQ_landed(c, n - 1, u)
+                    dS_empty[(n - 1) % 2].arrive()
+                n += 1
+            if steps:
+                if break_it == "K_j released early":
+                    reading_kv.discard(c)
+                    kv_empty.arrive()
+                if break_it != "no dS full wait":
+                    yield lambda m=n - 1: dS_full[m % 2].ready(m // 2 % 2, m // 2)
+                yield take_turn(c)  # the tile's last dQ_i
+                issued.append(c)
+                issue_dQ(c, n - 1, u)
+                give_turn(c)
+                yield None
+                dQ_landed(c, n - 1, u)
+                if break_it != "K_j released early":
+                    reading_kv.discard(c)
+                    kv_empty.arrive()
+                dS_empty[(n - 1) % 2].arrive()
+                u += 1
+        if c == 0 and break_it != "no last take":
+            yield take_turn(c)
+        if c == 0:  # both are done: the turns alternated and no barrier is left half arrived
+            yield lambda: len(issued) == 2 * sum(2 * s + (s > 0) for s in steps_of_tiles)
+            if turns_on and issued != [i % 2 for i in range(len(issued))]:
+                raise Fail(f"turns out of order: {issued}")
+            for turn in turns:
+                if turn.arrivals:
+                    raise Fail(f"{turn.name} left half arrived: {turn.arrivals}")
+
+    return [consumer(0), consumer(1)]
+
+
+@pytest.mark.parametrize("turns_on", [True, False], ids=["b08", "without_turns"])
+def test_b08_random_interleavings_keep_the_protocol(turns_on):
+    rnd = random.Random(8)
+    real = [steps for k, (_, _, steps) in enumerate(b07_tiles(2048, 2048, 192, 1, True, False, 132)) if k % 132 == 0]
+    for i in range(150):
+        tiles = real if i == 0 else [rnd.choice([0, 1, 1, 2, 3, 5, 8]) for _ in range(rnd.randint(1, 6))]
+        try:
+            b07_block(tiles, seed=i, pingpong=True, turns_on=turns_on)
+        except Fail as exc:
+            pytest.fail(f"run {i}, tiles with steps {tiles}: {exc}")
+
+
+@pytest.mark.parametrize("break_it,turns_on", [
+    ("no dS empty wait", True), ("no dS full wait", False), ("K_j released early", True), ("no first pass", True),
+    ("no last take", True), ("no stage wait", True), ("no KV wait", True)])
+def test_b08_model_catches_a_broken_protocol(break_it, turns_on):
+    caught = []
+    for seed in range(60):
+        try:
+            b07_block([3, 0, 0, 2, 0, 4, 1], seed=seed, break_it=break_it, pingpong=True, turns_on=turns_on)
         except Fail as exc:
             caught.append(str(exc))
     assert caught, f"{break_it}: no run failed"
