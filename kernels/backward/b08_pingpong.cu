@@ -8,16 +8,19 @@
  * to do, and issue dV_j, dK_j and dQ_i together: the step is the products' time plus the exponentials'
  * (b07's loop at d = 64, compiled with the mask's path taken out, is 921 instructions a warp around its
  * 32 products, tools/wgmma_waits.py --mix; ncu put b07's tensor pipe at 32-38% busy at d = 64, 51-55% at
- * d = 128, docs/backward.md#b07). Here
- * dQ_i's share of step n is issued in the consumer's turn of step n + 1 (beside that step's dV_j and
- * dK_j), or in a turn of its own after the tile's last step (it reads K_j, released after it): by then
- * both halves of dS^T(n) are long written, so nothing makes the consumers meet. They then take turns
+ * d = 128, docs/backward.md#b07). Here dQ_i's share of step n is issued in the consumer's turn of step
+ * n + 1 (beside that step's dV_j and dK_j), or in a turn of its own after the tile's last step (it reads
+ * K_j, released after it): by then both halves of dS^T(n) are long written, so nothing makes the
+ * consumers meet. They then take turns
  * as v23's forward consumers do: consumer c issues a batch of products between waiting at its turn
  * barrier and passing the other's, and the batches reach the tensor core alternately - S^T and dP^T of
  * consumer 0, then of consumer 1, then dV_j / dK_j / dQ_i of 0, then of 1 - so that consumer 0 takes its
  * exponentials while consumer 1's S^T and dP^T run, and 1 takes its while 0's second batch runs. If the
  * exponentials of a step (64 a thread, with their FMAs, conversions and the stores of dS^T) take no
- * longer than the other consumer's batch, the tensor core never waits for them.
+ * longer than the other consumer's batch, the tensor core never waits for them. Whether the turns pay
+ * is for the GPU to say: without them the consumers may stagger on their own, as v23's forward consumers
+ * did, and v26's FP8 consumers lost with turns where their exponentials outlast the other's products, so
+ * they are one constant (TURNS), and the protocol is correct either way.
  *
  * What it costs: the dS^T buffers are now shared between steps that run at once, so each gets a full
  * barrier (every consumer thread arrives once its part of dS^T(n) is written and fenced for the async
@@ -417,6 +420,9 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
     constexpr unsigned DS_BYTES = B_c * B_r * 2, DQ_BYTES = B_r * d_head * 4;
     constexpr int PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;  // the producer decodes the items too
     constexpr int TURN = 4;  // named barriers 4 + c: consumer c's turn (0 is __syncthreads', 2 + c its own)
+    // The turns (below). Without them the consumers still need not meet, and may stagger on their own (v23's
+    // forward consumers did); both ways are correct (tests/test_persistent_protocol.py models both).
+    constexpr bool TURNS = true;
     static_assert(PRODUCER_REGISTERS * 128 + CONSUMER_REGISTERS * 128 * CONSUMERS <= 65536, "one SM's registers");
 
     extern __shared__ unsigned char smem[];
@@ -580,7 +586,7 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
 
     // A consumer: warpgroup c + 1 owns keys 64 c .. 64 c + 63 of the tile, dK_j and dV_j's rows for
     // them in registers, and dQ_i's queries DQ_ROW c .. + 63, columns DQ_COL c .. + DQ_N - 1.
-    if (warpgroup == CONSUMERS)
+    if (TURNS && warpgroup == CONSUMERS)
         barrier_arrive(TURN, 256);  // consumer 0 takes the first turn (here, not later: ptxas spills otherwise)
     registers_up<CONSUMER_REGISTERS>();
     const int consumer = warpgroup - 1;
@@ -596,8 +602,14 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
     // the other's products. Consumer 1 passes first so that consumer 0 takes the first turn; consumer 0
     // takes one more turn at the end (consumer 1's last pass), so that every barrier ends with as many
     // passes as waits. Both take the same turns: two a step and one after a tile's last step.
-    auto take_turn = [&]() { barrier_sync(TURN + consumer, 256); };
-    auto give_turn = [&]() { barrier_arrive(TURN + (consumer + 1) % CONSUMERS, 256); };
+    auto take_turn = [&]() {
+        if constexpr (TURNS)
+            barrier_sync(TURN + consumer, 256);
+    };
+    auto give_turn = [&]() {
+        if constexpr (TURNS)
+            barrier_arrive(TURN + (consumer + 1) % CONSUMERS, 256);
+    };
 
     // dQ_i's share = dS K_j for step m: A = dS^T(m)'s 64 queries from DQ_ROW c (a half at d = 64, all of it
     // at d = 128), every key of both warpgroups, read transposed (MN-major: its rows are the keys, k);
