@@ -499,10 +499,11 @@ def test_b07_counter_balances_the_blocks_where_a_fixed_order_does_not():
     assert spread(2048, 16, "snake")[1] > 1.3 and spread(2048, 16, "counter")[1] < 1.06
 
 
-def b07_block(steps_of_tiles, seed, break_it=None, pingpong=False, turns_on=True):
+def b07_block(steps_of_tiles, seed, break_it=None, pingpong=False, turns_on=True, deterministic=False):
     """One block's agents over tiles with these step counts, interleaved at random with the copies: b07's
-    consumers (one agent), or with pingpong b08's (two agents, below; turns_on False: without the turns)."""
-    C = 2 if pingpong else 1  # consumer agents, each arriving once for all its threads
+    consumers (one agent), or with pingpong b08's (two a warpgroup, below; turns_on False: without the
+    turns; deterministic: each reduction waited for at once)."""
+    C = 2 * PARTS if pingpong else 1  # consumer agents, each arriving once for all its threads
     full = [MBarrier(f"QdO_full{s}", 2) for s in range(2)]  # lane 0 and the other lanes
     empty = [MBarrier(f"QdO_empty{s}", C) for s in range(2)]  # the consumers
     kv_full, kv_empty = MBarrier("KV_full", 1), MBarrier("KV_empty", C)
@@ -592,6 +593,8 @@ def b07_block(steps_of_tiles, seed, break_it=None, pingpong=False, turns_on=True
                 u += 1
 
     def land(copy):
+        if copy[0] == "reduce":  # b08's dQ_i reduction has read its shared memory
+            return copy[1]()
         what, slot, value, barrier = copy
         if what == "stage":
             if reading[slot]:
@@ -603,10 +606,11 @@ def b07_block(steps_of_tiles, seed, break_it=None, pingpong=False, turns_on=True
             kv[0] = value
         barrier.complete_tx(1)
 
-    agents = [consumers()] if not pingpong else b08_consumers(
-        steps_of_tiles, break_it, turns_on, item_full, item_empty, slot, kv_full, kv_empty, kv, reading_kv, full, empty,
-        stage, lse, reading)
+    agents, check_end = ([consumers()], lambda: None) if not pingpong else b08_consumers(
+        steps_of_tiles, break_it, turns_on, deterministic, item_full, item_empty, slot, kv_full, kv_empty, kv,
+        reading_kv, full, empty, stage, lse, reading, copies)
     interleave(random.Random(seed), [lane0(), lanes(), *agents], copies, land, copy_per_pending=True)
+    check_end()
 
 
 def test_b07_random_interleavings_keep_the_protocol():
@@ -632,147 +636,210 @@ def test_b07_model_catches_a_broken_protocol(break_it):
 
 
 # -- kernels/backward/b08_pingpong.cu --------------------------------------------------------------
-# b07's producer, ring, tiles and slots, with the two consumer warpgroups as two agents that take turns at
-# the tensor core (named barriers: a generation is one wait and one pass) and share dS^T's two buffers:
-# consumer c writes its half of dS^T(n) into buffer n % 2 once both halves' readers of step n - 2 have landed
-# (the buffer's empty barrier), arrives on its full barrier, and issues dQ_i(n) a step later, once both
-# halves are in (the full barrier); a tile's last dQ_i goes alone in a turn after its last step, before K_j
-# and V_j are released. The turns alone order dQ_i(n) after the other half of dS^T(n) (its writer passed a
-# turn since), so the full barrier matters to a copy without them: the model runs both ways. Breaking it (no
-# wait on either dS^T barrier, K_j released before the last dQ_i, a turn pass or take left out) fails the
-# test below.
+# b07's producer, ring, tiles and slots, with each consumer warpgroup as two agents: its warp 0 (whose
+# thread 0 issues the dQ_i reductions and waits for them) and its warps 1-3, which meet only at barriers.
+# The consumers take turns at the tensor core (named barriers of 256 threads: a generation is one
+# consumer's two parts waiting and the other's two passing) and share dS^T's two buffers: each part
+# writes its rows of dS^T(n) into buffer n % 2 once every part's readers of step n - 2 have landed (the
+# buffer's empty barrier), arrives on its full barrier, and issues dQ_i(n) a step later, once every part has
+# (the full barrier); a tile's last dQ_i goes alone in a turn after its last step, before K_j and V_j are
+# released. dQ_i's share goes through shared memory (written by every part, then barrier 2 + c) to thread 0's
+# reduction, which reads it until thread 0 waits for it: before the next turn with a dQ_i (deterministic:
+# at once, pass_turn), and the other parts learn of that wait from the turn's barrier, or without the
+# turns from barrier 2 + c. The turns alone order dQ_i(n) after the other consumer's rows of dS^T(n), so
+# the full barrier matters to the kernel without them: the model runs both ways. Breaking it (no wait on
+# either dS^T barrier, K_j released before the last dQ_i, a turn pass or take left out, no barrier after
+# the reduction's wait without the turns) fails the tests below.
+
+PARTS = 2  # agents a consumer warpgroup: warp 0 (thread 0's work too) and warps 1-3
 
 
-def b08_consumers(steps_of_tiles, break_it, turns_on, item_full, item_empty, slot, kv_full, kv_empty, kv, reading_kv,
-                  full, empty, stage, lse, reading):
-    """The two consumer agents of b08, over b07_block's barriers and buffers; the turns and dS^T here."""
+class Gathering:
+    """bar.sync / bar.arrive of several agents: `count` arrivals complete a generation; with `kinds`, a
+    generation's arrivals (each a tag such as (consumer, waits)), sorted, must be that list."""
+
+    def __init__(self, name, count, kinds=None):
+        self.name, self.count, self.kinds, self.arrivals, self.generation = name, count, kinds, [], 0
+
+    def arrive(self, tag):
+        self.arrivals.append(tag)
+        if len(self.arrivals) == self.count:
+            if self.kinds is not None and sorted(self.arrivals) != self.kinds:
+                raise Fail(f"{self.name}: a generation of {self.arrivals}")
+            self.arrivals = []
+            self.generation += 1
+
+    def sync(self, tag):
+        """bar.sync: arrive, and the condition the agent then waits on."""
+        g = self.generation
+        self.arrive(tag)
+        return lambda: self.generation > g
+
+
+def b08_consumers(steps_of_tiles, break_it, turns_on, deterministic, item_full, item_empty, slot, kv_full, kv_empty,
+                  kv, reading_kv, full, empty, stage, lse, reading, copies):
+    """The consumer agents of b08 (two a warpgroup), over b07_block's barriers and buffers; the turns,
+    dS^T, dQ's shared memory and its reductions here."""
     END = len(steps_of_tiles)
-    turns = [Named(f"turn{c}") for c in range(2)]
-    dS_full = [MBarrier(f"dS_full{b}", 2) for b in range(2)]
-    dS_empty = [MBarrier(f"dS_empty{b}", 2) for b in range(2)]
-    halves = [{}, {}]            # buffer -> {consumer: the step whose half of dS^T it holds}
-    dS_readers = [set(), set()]  # buffer -> (consumer, step) of the dQ_i products reading it
+    agents = [(c, p) for c in range(2) for p in range(PARTS)]
+    turns = [Gathering(f"turn{c}", 2 * PARTS, sorted([(c, True)] * PARTS + [(1 - c, False)] * PARTS))
+             for c in range(2)]
+    own = [Gathering(f"barrier {2 + c}", PARTS) for c in range(2)]
+    dS_full = [MBarrier(f"dS_full{b}", len(agents)) for b in range(2)]
+    dS_empty = [MBarrier(f"dS_empty{b}", len(agents)) for b in range(2)]
+    rows = [{}, {}]              # buffer -> {part: the step whose rows of dS^T it holds}
+    dS_readers = [set(), set()]  # buffer -> (part, step) of the dQ_i products reading it
+    share = [None, None]         # consumer -> the step whose dQ_i its shared memory holds
+    reducing = [None, None]      # consumer -> the step whose reduction still reads that memory
     issued = []
 
-    def take_turn(c):
-        if not turns_on:
-            return None
-        g = turns[c].generation
-        turns[c].arrive(("c", c), True)
-        return lambda: turns[c].generation > g
+    def take_turn(c, p):
+        return turns[c].sync((c, True)) if turns_on else None
 
-    def give_turn(c):
+    def give_turn(c, p):
         if turns_on:
-            turns[1 - c].arrive(("c", c), False)
+            turns[1 - c].arrive((c, False))
 
-    def issue_dQ(c, m, u):
-        if halves[m % 2] != {0: m, 1: m} or kv[0] != u:
-            raise Fail(f"consumer {c}'s dQ_i({m}) reads dS^T {halves[m % 2]}, K_j of tile {kv[0]}, not {u}")
-        dS_readers[m % 2].add((c, m))
+    def issue_dQ(part, m, u):
+        if rows[m % 2] != dict.fromkeys(agents, m) or kv[0] != u:
+            raise Fail(f"{part}'s dQ_i({m}) reads dS^T rows {rows[m % 2]}, K_j of tile {kv[0]}, not {u}")
+        dS_readers[m % 2].add((part, m))
 
-    def dQ_landed(c, m, u):
-        if halves[m % 2] != {0: m, 1: m} or kv[0] != u:
-            raise Fail(f"dS^T or K_j changed under consumer {c}'s dQ_i({m}): {halves[m % 2]}, tile {kv[0]}")
-        dS_readers[m % 2].discard((c, m))
+    def dQ_landed(part, m, u):
+        if rows[m % 2] != dict.fromkeys(agents, m) or kv[0] != u:
+            raise Fail(f"dS^T or K_j changed under {part}'s dQ_i({m}): {rows[m % 2]}, tile {kv[0]}")
+        dS_readers[m % 2].discard((part, m))
 
-    def consumer(c):
+    def share_free(c, p):  # before a turn whose products include a dQ_i
+        if p == 0 and not deterministic:
+            yield lambda: reducing[c] is None  # bulk_wait_read
+        if not turns_on and break_it != "no share barrier":
+            yield own[c].sync(p)
+
+    def store_dQ(c, p, m):
+        if reducing[c] is not None:
+            raise Fail(f"consumer {c} part {p} writes dQ_i({m}) into the memory reduction {reducing[c]} still reads")
+        share[c] = m
+        yield own[c].sync(p)
+        if p == 0:  # thread 0's reduction, read until it lands
+            reducing[c] = m
+
+            def land(c=c, m=m):
+                if share[c] != m:
+                    raise Fail(f"consumer {c}'s dQ_i memory changed under reduction {m}: holds {share[c]}")
+                reducing[c] = None
+            copies.append(("reduce", land))
+            if deterministic:  # pass_turn: bulk_wait_all
+                yield lambda: reducing[c] is None
+
+    def consumer(c, p):
+        part = (c, p)
         n = u = 0
-        if c == 1 and break_it != "no first pass":
-            give_turn(c)
+        if c == 1 and turns_on and break_it != "no first pass":
+            give_turn(c, p)
         for t in range(END + 1):
             yield lambda t=t: item_full[t % 2].ready(t // 2 % 2, t // 2)
             if slot[t % 2] != t:
-                raise Fail(f"consumer {c} read tile {slot[t % 2]} from slot {t % 2}, meaning tile {t}")
+                raise Fail(f"{part} read tile {slot[t % 2]} from slot {t % 2}, meaning tile {t}")
             item_empty[t % 2].arrive()
             if t == END:
                 break
             steps = steps_of_tiles[t]
             if steps:
                 yield lambda u=u: kv_full.ready(u & 1, u)
-                reading_kv.add(c)
+                reading_kv.add(part)
             for step in range(steps):
                 yield lambda n=n: full[n % 2].ready(n // 2 % 2, n // 2)
-                reading[n % 2].add(c)
-                yield take_turn(c)  # S^T and dP^T
+                reading[n % 2].add(part)
+                yield take_turn(c, p)  # S^T and dP^T
                 issued.append(c)
                 if (stage[n % 2], lse[n % 2], kv[0]) != (n, n, u):
                     raise Fail(f"step {n} of tile {u} read stage {stage[n % 2]}, lse {lse[n % 2]}, K/V {kv[0]}")
-                give_turn(c)
+                give_turn(c, p)
                 yield None  # landed
                 if n >= 2 and break_it != "no dS empty wait":
                     yield lambda n=n: dS_empty[n % 2].ready(n // 2 % 2 ^ 1, n // 2 - 1)
                 if dS_readers[n % 2]:
-                    raise Fail(f"consumer {c} writes dS^T({n}) while {dS_readers[n % 2]} read its buffer")
-                halves[n % 2][c] = n
+                    raise Fail(f"{part} writes dS^T({n}) while {dS_readers[n % 2]} read its buffer")
+                rows[n % 2][part] = n
                 dS_full[n % 2].arrive()
-                if step > 0 and break_it != "no dS full wait":
-                    yield lambda m=n - 1: dS_full[m % 2].ready(m // 2 % 2, m // 2)
-                yield take_turn(c)  # dV_j, dK_j and dQ_i(n - 1)
+                if step > 0:
+                    if break_it != "no dS full wait":
+                        yield lambda m=n - 1: dS_full[m % 2].ready(m // 2 % 2, m // 2)
+                    yield from share_free(c, p)
+                yield take_turn(c, p)  # dV_j, dK_j and dQ_i(n - 1)
                 issued.append(c)
                 if stage[n % 2] != n:
                     raise Fail(f"step {n}'s dV_j and dK_j read stage {stage[n % 2]}")
                 if step > 0:
-                    issue_dQ(c, n - 1, u)
-                give_turn(c)
+                    issue_dQ(part, n - 1, u)
+                give_turn(c, p)
                 yield None  # landed
                 if stage[n % 2] != n:
                     raise Fail(f"stage {n % 2} refilled under step {n}'s dV_j and dK_j")
-                reading[n % 2].discard(c)
+                reading[n % 2].discard(part)
                 empty[n % 2].arrive()
                 if step > 0:
-                    dQ_landed(c, n - 1, u)
+                    dQ_landed(part, n - 1, u)
                     dS_empty[(n - 1) % 2].arrive()
+                    yield from store_dQ(c, p, n - 1)
                 n += 1
             if steps:
                 if break_it == "K_j released early":
-                    reading_kv.discard(c)
+                    reading_kv.discard(part)
                     kv_empty.arrive()
                 if break_it != "no dS full wait":
                     yield lambda m=n - 1: dS_full[m % 2].ready(m // 2 % 2, m // 2)
-                yield take_turn(c)  # the tile's last dQ_i
+                yield from share_free(c, p)
+                yield take_turn(c, p)  # the tile's last dQ_i
                 issued.append(c)
-                issue_dQ(c, n - 1, u)
-                give_turn(c)
+                issue_dQ(part, n - 1, u)
+                give_turn(c, p)
                 yield None
-                dQ_landed(c, n - 1, u)
+                dQ_landed(part, n - 1, u)
                 if break_it != "K_j released early":
-                    reading_kv.discard(c)
+                    reading_kv.discard(part)
                     kv_empty.arrive()
                 dS_empty[(n - 1) % 2].arrive()
+                yield from store_dQ(c, p, n - 1)
                 u += 1
-        if c == 0 and break_it != "no last take":
-            yield take_turn(c)
-        if c == 0:  # both are done: the turns alternated and no barrier is left half arrived
-            yield lambda: len(issued) == 2 * sum(2 * s + (s > 0) for s in steps_of_tiles)
-            if turns_on and issued != [i % 2 for i in range(len(issued))]:
-                raise Fail(f"turns out of order: {issued}")
-            for turn in turns:
-                if turn.arrivals:
-                    raise Fail(f"{turn.name} left half arrived: {turn.arrivals}")
+        if c == 0 and turns_on and break_it != "no last take":
+            yield take_turn(c, p)
 
-    return [consumer(0), consumer(1)]
+    def check_end():  # every agent done: the turns alternated and no barrier is left half arrived
+        assert len(issued) == len(agents) * sum(2 * s + (s > 0) for s in steps_of_tiles)
+        if turns_on and issued != [i // PARTS % 2 for i in range(len(issued))]:
+            raise Fail(f"turns out of order: {issued}")
+        for turn in turns + own:
+            if turn.arrivals:
+                raise Fail(f"{turn.name} left half arrived: {turn.arrivals}")
+
+    return [consumer(c, p) for c, p in agents], check_end
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("turns_on", [True, False], ids=["b08", "without_turns"])
-def test_b08_random_interleavings_keep_the_protocol(turns_on):
+def test_b08_random_interleavings_keep_the_protocol(turns_on, deterministic):
     rnd = random.Random(8)
     real = [steps for k, (_, _, steps) in enumerate(b07_tiles(2048, 2048, 192, 1, True, False, 132)) if k % 132 == 0]
-    for i in range(150):
+    for i in range(100):
         tiles = real if i == 0 else [rnd.choice([0, 1, 1, 2, 3, 5, 8]) for _ in range(rnd.randint(1, 6))]
         try:
-            b07_block(tiles, seed=i, pingpong=True, turns_on=turns_on)
+            b07_block(tiles, seed=i, pingpong=True, turns_on=turns_on, deterministic=deterministic)
         except Fail as exc:
             pytest.fail(f"run {i}, tiles with steps {tiles}: {exc}")
 
 
-@pytest.mark.parametrize("break_it,turns_on", [
-    ("no dS empty wait", True), ("no dS full wait", False), ("K_j released early", True), ("no first pass", True),
-    ("no last take", True), ("no stage wait", True), ("no KV wait", True)])
-def test_b08_model_catches_a_broken_protocol(break_it, turns_on):
+@pytest.mark.parametrize("break_it,turns_on,deterministic", [
+    ("no dS empty wait", True, False), ("no dS full wait", False, False), ("K_j released early", True, False),
+    ("no first pass", True, False), ("no last take", True, False), ("no stage wait", True, False),
+    ("no KV wait", True, False), ("no share barrier", False, False), ("no share barrier", False, True)])
+def test_b08_model_catches_a_broken_protocol(break_it, turns_on, deterministic):
     caught = []
-    for seed in range(60):
+    for seed in range(80):
         try:
-            b07_block([3, 0, 0, 2, 0, 4, 1], seed=seed, break_it=break_it, pingpong=True, turns_on=turns_on)
+            b07_block([3, 0, 0, 2, 0, 4, 1], seed=seed, break_it=break_it, pingpong=True, turns_on=turns_on,
+                      deterministic=deterministic)
         except Fail as exc:
             caught.append(str(exc))
     assert caught, f"{break_it}: no run failed"

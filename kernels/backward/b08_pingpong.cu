@@ -628,8 +628,7 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
     };
     // Once step m's dQ_i share has landed: this thread's reads of dS^T(m) done, then the share into shared
     // memory as dQ_accum's boxes lie (64 rows of 32 floats, 128-byte swizzle), and one thread adds the
-    // boxes into dQ_accum through the copy engine. Thread 0 waited for its previous reduction to read the
-    // share before its turn barrier, which every thread of the warpgroup passed since.
+    // boxes into dQ_accum through the copy engine (share_free ran before the turn that issued it).
     // Step m of the block is step `step` of tile `it` (its query head and query tile recomputed here, not
     // kept in registers through the next step).
     auto store_dQ = [&](float (&dQ)[DQ_N / 2], int m, const Item& it, int step) {
@@ -669,11 +668,15 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
         __syncwarp();
         wgmma_fence();  // here, after thread 0's wait for its turn: else ptxas fences in that branch and serializes every product
     };
-    // Before a turn whose products include a dQ_i share: the last reduction has read dQ's shared memory.
+    // Before a turn whose products include a dQ_i share: thread 0's last reduction has read dQ's shared
+    // memory (in deterministic mode its pass_turn waited for it), and every thread of the warpgroup knows so
+    // before it writes the share again: the turn's barrier tells them, or without the turns barrier 2 + c.
     auto share_free = [&]() {
         if (!deterministic && thread == 0)
             bulk_wait_read();
         __syncwarp();
+        if constexpr (!TURNS)
+            barrier_sync(2 + consumer, 128);
     };
 
     int n = 0, u = 0;  // steps and tiles with steps so far, as the producer counts them
@@ -697,7 +700,6 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
         // with_dQ (every step but the tile's first, a constant so that no branch goes around a product): the
         // dQ_i share of the step before in the second turn.
         auto one_step = [&](int step, auto with_dQ) {
-            const int head = it.kv_head * kv_group + step / it.tiles_per_head;
             const int row_start = (it.first_tile + step % it.tiles_per_head) * B_r;
             const unsigned Q_i = Q_smem + (n % STAGES) * QO_BYTES, dO_i = dO_smem + (n % STAGES) * QO_BYTES;
             const float* lse_i = lse_smem + (n % STAGES) * B_r;
