@@ -152,8 +152,9 @@ def sdpa_backward(peer_name: str, inputs: Inputs, do32, case: Case):
 
 
 def bench_case(case: Case, dtype: str, rungs: list[str], peers: list[str], *, flush, method, seed: int,
-               arch: str, counter: list[int], total: int) -> list[dict]:
-    """Rows for one case: every backward rung, then every peer; each checked, then timed if right."""
+               arch: str, counter: list[int], total: int, interleave: bool = False) -> list[dict]:
+    """Rows for one case: every backward rung, then every peer; each checked, then timed if right (with
+    `interleave` the rungs together, timing.time_together; the peers one by one)."""
     cupy = device.get_cupy()
     label = f"{case.label} (NH={case.NH}, d={case.d}, {'causal' if case.causal else 'non-causal'})"
     progress(f"{label}, {dtype}: a forward rung, then {len(rungs)} backward rungs and {len(peers)} peers once, "
@@ -233,14 +234,19 @@ def bench_case(case: Case, dtype: str, rungs: list[str], peers: list[str], *, fl
     outputs.clear()
     device.release_memory()
 
+    together = [r for r in rows if r["status"] is None and r["kind"] == "rung"] if interleave else []
+    for r, t in zip(together, timing.time_together([launches[r["name"]] for r in together], flush=flush,
+                                                   method=method, label=case.label, what="rungs") or []):
+        r["timing"] = t
     for r in rows:
         counter[0] += 1
         where = f"[{counter[0]:>3}/{total}] {case.label:>16} {r['label']:<18}"
         if r["status"] is None:
             launch, stream = launches[r["name"]]
             try:
-                cupy.cuda.Device().synchronize()
-                r["timing"] = timing.time_gpu(launch, stream=stream, flush=flush, method=method)
+                if "timing" not in r:  # not timed together above
+                    cupy.cuda.Device().synchronize()
+                    r["timing"] = timing.time_gpu(launch, stream=stream, flush=flush, method=method)
                 r["status"] = "ok"
                 r["tflops"] = flops / (r["timing"]["median_ms"] * 1e-3) / 1e12
             except Exception as exc:
@@ -271,10 +277,10 @@ def cmd_backward(args) -> int:
     total = sum(len(entries(case, args.dtype, rungs)) + len(peers) for case in cases)
     for i, case in enumerate(cases):
         rows += bench_case(case, args.dtype, rungs, peers, flush=flush, method=method, seed=args.seed + i,
-                           arch=dev["arch"], counter=counter, total=total)
+                           arch=dev["arch"], counter=counter, total=total, interleave=args.interleave)
     result = {
         "schema": SCHEMA, "kind": "backward", "setup": setup, "flop_convention": FLOP_CONVENTION,
-        "method": method.describe(flush.nbytes) | {
+        "method": method.describe(flush.nbytes) | ({"interleave": timing.INTERLEAVE} if args.interleave else {}) | {
             "tolerance": TOLERANCE,
             "timed": "a backward rung: all its kernels (preprocessing, dK and dV, dQ's conversion); SDPA: "
                      "torch.autograd.grad(out, (q, k, v), do, retain_graph=True) on one forward, its backward "

@@ -320,6 +320,10 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     bw.add_argument("--budget-ms", type=float, default=200.0,
                     help="GPU time to spend on the timed runs of each entry (default 200; 10-200 runs)")
     bw.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    bw.add_argument("--interleave", action="store_true",
+                    help="time a case's rungs together, a run of each per round, the order rotated (the peers one "
+                         "after another as usual), as bench.py frontier --interleave: bench.py compare then pairs "
+                         "the rungs' times round by round")
     results_option(bw)
 
     tr = sub.add_parser("train", help="GPT-2 small training steps per backward rung beside PyTorch eager and "

@@ -143,7 +143,7 @@ def render_compare(paths: list[Path], of: list[str], over: str, base: Path, comm
               "the verdict says faster or slower only when every run's ratio is off 1x by more than the largest "
               "p20-p80 spread (a share of the median) of the two rungs' rows, the same way."]
     if any(entry["paired"][label] for entry in table for label in of):
-        lines[-1] += (" Where every run timed the two rungs together (`bench.py frontier` or `fp8 --interleave`), the ratio "
+        lines[-1] += (" Where every run timed the two rungs together (`bench.py frontier`, `fp8` or `backward --interleave`), the ratio "
                       "is instead the median over the rounds of the baseline's time over the rung's in the same "
                       "round, and the verdict (paired: the lowest 20th and the highest 80th percentile of those "
                       "ratios over the runs) says faster when the 20th percentile is above "

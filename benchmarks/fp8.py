@@ -171,13 +171,9 @@ def fp8_rows(case: Case, paths: list[Path], *, flush, method: timing.Method, see
         return [fp8_row(case, p, flush=flush, method=method, seed=seed) for p in paths]
     checked = [checked_fp8_row(case, p, seed=seed) for p in paths]
     ready = [(r, run) for r, run in checked if run is not None]
-    together = None
-    if len(ready) > 1:
-        stream = device.get_cupy().cuda.get_current_stream()
-        try:
-            together = timing.time_interleaved([(run, stream) for _, run in ready], flush=flush, method=method)
-        except Exception as exc:
-            progress(f"{case.label}: interleaved timing failed ({first_line(exc)}); timing the FP8 rungs one by one")
+    stream = device.get_cupy().cuda.get_current_stream()
+    together = timing.time_together([(run, stream) for _, run in ready], flush=flush, method=method,
+                                    label=case.label, what="FP8 rungs")
     for i, (r, run) in enumerate(ready):
         timed(r, (lambda t=together[i]: t) if together else (lambda run=run: alone(run, flush=flush, method=method)))
     return [r for r, _ in checked]

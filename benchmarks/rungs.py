@@ -103,13 +103,9 @@ def bench_shape(shape: Shape | Case, dtype: str, rungs: list[Path], peers: list[
         r["pct_ffma"] = 100.0 * r["tflops"] / ffma_tflops if ffma_tflops else None
 
     together = [r for r in rows if r["status"] is None and r["kind"] == "rung"] if interleave else []
-    if len(together) > 1:
-        try:
-            for r, t in zip(together, timing.time_interleaved([launches[r["name"]] for r in together], flush=flush,
-                                                              method=method), strict=True):
-                timed(r, t)
-        except Exception as exc:  # time them one by one below instead, and say so
-            progress(f"{shape.label}: interleaved timing failed ({first_line(exc)}); timing the rungs one by one")
+    for r, t in zip(together, timing.time_together([launches[r["name"]] for r in together], flush=flush,
+                                                   method=method, label=shape.label, what="rungs") or []):
+        timed(r, t)
     for r in rows:
         if r["status"] is not None:
             report(r)

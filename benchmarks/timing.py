@@ -145,6 +145,18 @@ def time_interleaved(entries: list[tuple], *, flush, method: Method) -> list[dic
     return out
 
 
+def time_together(entries: list[tuple], *, flush, method: Method, label: str, what: str) -> list[dict] | None:
+    """time_interleaved for two entries or more; None for fewer, or (after a progress line: `label`: ...,
+    timing the `what` one by one) when it fails, so that the caller times them one by one instead."""
+    if len(entries) < 2:
+        return None
+    try:
+        return time_interleaved(entries, flush=flush, method=method)
+    except Exception as exc:
+        device.progress(f"{label}: interleaved timing failed ({device.first_line(exc)}); timing the {what} one by one")
+        return None
+
+
 def per_call_us(records: list[tuple[float, float, str]], calls: int) -> dict | None:
     """Device time per call from the kernel records (start, duration in us, name) of `calls` identical
     calls made one after another: with k records per call, each run of k consecutive records (in start

@@ -2,17 +2,20 @@
 run, the table and its targets from a synthetic result, docs/results.md's backward section written by
 bench.py readme, and the command line."""
 
+import json
 import re
 import shutil
+from types import SimpleNamespace
 
 import pytest
 
-from benchmarks import backward, cli
+import kernels
+from benchmarks import backward, cli, timing
 from benchmarks.cases import Case, attention_flops
 from benchmarks.results import SCHEMA, result_path, write_result
 from benchmarks.rungs import add_speedups
 from benchmarks.timing import Method
-from tests.bench.helpers import FIXTURES, cells_of, fixture_setup, outside_markers, run, table_rows
+from tests.bench.helpers import FIXTURES, cells_of, fixture_setup, install_stand_ins, outside_markers, run, table_rows
 
 
 def test_cases_are_the_gpt2_shapes_d128_and_noncausal_and_asked_for_gqa_and_long():
@@ -214,3 +217,57 @@ def test_the_command_line(monkeypatch):
 def test_bad_backward_arguments_are_clear(argv, message, capsys):
     code, _, err = run(argv, capsys)
     assert code == 2 and message in err
+
+
+def backward_on_stand_ins(monkeypatch, runs):
+    """bench.py backward on the stand-in device: one small GPT-2 case, the forward and every backward rung
+    the plain recipe in float32 (so every rung passes its check), `runs` timed runs each."""
+    install_stand_ins(monkeypatch)
+    monkeypatch.setitem(backward.CASE_SETS, "gpt2", [Case("gpt2", 1, 2, 2, 17, 17, 64)])
+    monkeypatch.setattr(kernels, "attention", lambda q, k, v, *, kernel, causal, return_lse: (
+        kernels.reference_attention(q, k, v, causal=causal), None))
+
+    def prepare_backward(q, k, v, o, lse, do, *, kernel, causal, deterministic):
+        def run():
+            return kernels.reference_attention_backward(q, k, v, None, None, do, causal=causal)
+        rung = SimpleNamespace(tolerance_factor=lambda config: 3.0)
+        run.instance = SimpleNamespace(rung=rung, config=None, describe=lambda: f"stand-in {kernel}")
+        return run
+
+    monkeypatch.setattr(backward.launcher, "prepare_backward", prepare_backward)
+    monkeypatch.setattr(timing, "Method", lambda budget_ms: Method(budget_ms=budget_ms, min_runs=runs, max_runs=runs,
+                                                                   warmup=1))
+
+
+def test_backward_interleave_times_the_rungs_together(monkeypatch, tmp_path, capsys):
+    backward_on_stand_ins(monkeypatch, runs=3)
+    calls, together = [], timing.time_interleaved
+    monkeypatch.setattr(timing, "time_interleaved", lambda entries, **kw: calls.append(len(entries)) or together(entries, **kw))
+    code, out, err = run(["backward", "--kernels", "b02,b03", "--cases", "gpt2", "--peers", "none", "--interleave",
+                          "--budget-ms", "1", "--results", str(tmp_path)], capsys)
+    assert code == 0, err
+    data = json.loads(next(tmp_path.glob("backward-*.json")).read_text())
+    assert calls == [4] and "rotated" in data["method"]["interleave"]  # b02, b03 and their deterministic runs
+    rows = [r for r in data["rows"] if r["kind"] == "rung"]
+    assert [r["name"] for r in rows] == ["b02_fa2", "b02_fa2 deterministic", "b03_tf32_mma", "b03_tf32_mma deterministic"]
+    assert all(r["status"] == "ok" and r["timing"]["interleaved"] == 4 and len(r["timing"]["round_ms"]) == 3
+               for r in rows)
+
+
+def test_backward_times_the_rungs_one_by_one_without_interleave_or_when_it_fails(monkeypatch, tmp_path, capsys):
+    backward_on_stand_ins(monkeypatch, runs=2)
+
+    def broken(entries, **kw):
+        raise RuntimeError("stream refused")
+
+    monkeypatch.setattr(timing, "time_interleaved", broken)
+    for flags in ([], ["--interleave"]):
+        code, out, err = run(["backward", "--kernels", "b02,b03", "--cases", "gpt2", "--peers", "none", *flags,
+                              "--budget-ms", "1", "--results", str(tmp_path / str(len(flags)))], capsys)
+        assert code == 0, err
+        assert ("interleaved timing failed (RuntimeError: stream refused); timing the rungs one by one" in out + err) \
+            == bool(flags)
+        data = json.loads(next((tmp_path / str(len(flags))).glob("backward-*.json")).read_text())
+        assert "interleave" not in data["method"] or flags
+        rows = [r for r in data["rows"] if r["kind"] == "rung"]
+        assert len(rows) == 4 and all(r["status"] == "ok" and "round_ms" not in r["timing"] for r in rows)
