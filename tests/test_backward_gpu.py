@@ -172,11 +172,12 @@ def test_b05_non_causal_heads_in_chunks(NH, NH_kv):
     check_gradients("b05", *random_inputs(cp, 1, NH, NH_kv, 4096, 4096, 128, "bfloat16", seed=5), causal=False)
 
 
-@pytest.mark.parametrize("name", ["b06", "b07"])
+@pytest.mark.parametrize("name", ["b06", "b07", "b08"])
 def test_long_causal_grid_in_chunks_of_heads(name):
     """b06's causal grid of 16 waves of blocks or more takes the heads in chunks (16 MB of Q, dO and dQ_accum,
     two waves of blocks at least): 600 heads of 512 rows are 2,400 blocks, past 16 x the SM identifiers of
-    an H100 or H200, in chunks of 66-72 heads, the last one short. b07 walks the same tiles, about 18 a block."""
+    an H100 or H200, in chunks of 66-72 heads, the last one short. b07 and b08 walk the same tiles, about 18
+    a block."""
     import cupy as cp
 
     check_gradients(name, *random_inputs(cp, 2, 300, 300, 512, 512, 64, "bfloat16", seed=6), causal=True)
@@ -184,12 +185,14 @@ def test_long_causal_grid_in_chunks_of_heads(name):
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_b07_blocks_walk_several_tiles(causal, deterministic):
-    """b07's persistent grid with more tiles than SMs: 8 key tiles x 32 K/V heads (grouped query heads, 4 a
-    K/V head) are 256 tiles, two or so a block, the ring and K_j/V_j's barriers carried from tile to tile."""
+@pytest.mark.parametrize("name,d", [("b07", 64), ("b08", 64), ("b08", 128)])
+def test_persistent_blocks_walk_several_tiles(name, d, causal, deterministic):
+    """A persistent grid with more tiles than SMs: 8 key tiles x 32 K/V heads (grouped query heads, 4 a
+    K/V head) are 256 tiles, two or so a block, the ring and K_j/V_j's barriers carried from tile to tile
+    (b08: its dS^T buffers' barriers and turns too, and each tile's last dQ_i share in its own turn)."""
     import cupy as cp
 
-    check_gradients("b07", *random_inputs(cp, 4, 32, 8, 1024, 1024, 64, "bfloat16", seed=7), causal=causal,
+    check_gradients(name, *random_inputs(cp, 4, 32, 8, 1024, 1024, d, "bfloat16", seed=7), causal=causal,
                     deterministic=deterministic)
 
 
