@@ -119,3 +119,13 @@ def test_a_backward_rung_s_phase(capsys):
     assert "16 products" in out and "HGMMA 32," in out
     with pytest.raises(SystemExit, match="no phase backward_dx .*backward_preprocess, backward_dk_dv, backward_dq"):
         wgmma_waits.main(["b07", "--config", "64,128,128,0,0", "--phase", "backward_dx"])
+
+
+@pytest.mark.skipif(wgmma_waits.nvdisasm() is None, reason="no nvdisasm (the test extra installs one)")
+def test_a_peeled_first_step_is_not_taken_for_the_steady_one(capsys):
+    """b08 at d = 128 compiles a tile's first step apart, before the loop of the others, and its batch of S^T
+    and dP^T ties the loop's two batches at 16 products: the last of the tied batches is the steady step, so
+    the loop around it is the step's (32 HGMMA: S^T, dP^T, dV_j, dK_j and dQ_i), not the tile's."""
+    assert wgmma_waits.main(["b08", "--config", "128,64,128,0,0", "--phase", "backward_dk_dv", "--mix"]) == 0
+    out = capsys.readouterr().out
+    assert "16 products" in out and "HGMMA 32," in out

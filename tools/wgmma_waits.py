@@ -69,7 +69,8 @@ class Step:
 
 
 def steady_step(evs: list[tuple[int, str]]) -> Step | None:
-    """The step whose arrive issues the most products (ties: the first), with its waits and exponentials."""
+    """The step whose arrive issues the most products (ties: the last, since a loop's peeled first step
+    comes before it), with its waits and exponentials."""
     batches = []  # (index of the arrive, products after it before anything else)
     for i, (_, kind) in enumerate(evs):
         if kind == "arrive":
@@ -81,7 +82,7 @@ def steady_step(evs: list[tuple[int, str]]) -> Step | None:
             batches.append((i, n))
     if not batches:
         return None
-    start, products = max(batches, key=lambda b: (b[1], -b[0]))
+    start, products = max(batches, key=lambda b: (b[1], b[0]))
     wait_one = wait_all = None
     overlapped = after = 0
     for address, kind in evs[start + 1 + products:]:
