@@ -45,7 +45,7 @@
  * flight (FlashAttention-3's order: wait for S^T alone, exponentials, then wait for dP^T) does not fit
  * them at either head size: ptxas serializes the products (C7512, insufficient registers).
  *
- * tests/test_persistent_protocol.py models this protocol (the tiles, both counters, every wait with its
+ * tests/test_backward_protocol.py models this protocol (the tiles, both counters, every wait with its
  * parity, every arrival and copy) under random interleavings: an edit to them belongs there too.
  *
  * Geometry: backward_dk_dv on grid (min(T_c x NH_kv x B, SMs), 1, 1), 384 threads, one block per SM;

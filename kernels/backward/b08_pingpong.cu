@@ -35,7 +35,7 @@
  * NOT YET RUN ON A GPU (lab.unverified): compiled here for sm_90a at every configuration, without spills
  * or ptxas performance warnings, and its protocol (the turns, both dS^T barriers, the late dQ_i and the
  * flush before K_j's release, with b07's ring, tiles and slots) modelled under random interleavings in
- * tests/test_persistent_protocol.py. train.py and bench.py leave it out of their defaults until a GPU has
+ * tests/test_backward_protocol.py. train.py and bench.py leave it out of their defaults until a GPU has
  * checked and timed it; name it to run it (kernel="b08").
  *
  * Deterministic: b07's turns of dQ_accum's additions, a step later; the two consumers add disjoint parts
@@ -421,7 +421,7 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
     constexpr int PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;  // the producer decodes the items too
     constexpr int TURN = 4;  // named barriers 4 + c: consumer c's turn (0 is __syncthreads', 2 + c its own)
     // The turns (below). Without them the consumers still need not meet, and may stagger on their own (v23's
-    // forward consumers did); both ways are correct (tests/test_persistent_protocol.py models both).
+    // forward consumers did); both ways are correct (tests/test_backward_protocol.py models both).
     constexpr bool TURNS = true;
     static_assert(PRODUCER_REGISTERS * 128 + CONSUMER_REGISTERS * 128 * CONSUMERS <= 65536, "one SM's registers");
 
