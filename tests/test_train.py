@@ -545,7 +545,7 @@ def test_pick_rungs_refuses_a_forward_rung_without_lse(train):
 
 @pytest.mark.parametrize("dtype, arch, forward, backward", [
     ("float32", "sm_90", "v13_fa2_partitioning", "b02_fa2"),  # float32 without TF32
-    ("bfloat16", "sm_90", "v19_wgmma_overlap", "b07_persistent"),  # head size 64
+    ("bfloat16", "sm_90", "v19_wgmma_overlap", "b08_pingpong"),  # head size 64
     ("bfloat16", "sm_80", "v15_bf16_mma", "b04_bf16_mma"),  # no wgmma before Hopper
 ])
 def test_default_rungs(train, dtype, arch, forward, backward):
@@ -560,12 +560,12 @@ def test_a_backward_rung_not_yet_run_on_a_gpu_trains_only_when_named(train, monk
     from kernels import backward as backward_ladder
 
     load, names, resolve = backward_ladder.load, backward_ladder.names, backward_ladder.resolve
-    newer = dataclasses.replace(load("b07"), name="b99_new", unverified="not yet run on a GPU")
+    newer = dataclasses.replace(load("b08"), name="b99_new", unverified="not yet run on a GPU")
     monkeypatch.setattr(backward_ladder, "names", lambda: [*names(), "b99_new"])
     monkeypatch.setattr(backward_ladder, "load", lambda n: newer if n == "b99_new" else load(n))
     monkeypatch.setattr(backward_ladder, "resolve", lambda n: newer.path.with_name("b99_new.cu") if n == "b99_new" else resolve(n))
     args = train.parse_args(["--data", "x.bin", "--dtype", "bfloat16"])
-    assert train.pick_rungs(args, gpt2.SIZES["gpt2"], "sm_90")[1] == "b07_persistent"
+    assert train.pick_rungs(args, gpt2.SIZES["gpt2"], "sm_90")[1] == "b08_pingpong"
     args = train.parse_args(["--data", "x.bin", "--dtype", "bfloat16", "--backward", "b99_new"])
     assert train.pick_rungs(args, gpt2.SIZES["gpt2"], "sm_90")[1] == "b99_new"
 

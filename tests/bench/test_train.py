@@ -65,8 +65,9 @@ def test_the_per_tensor_row_is_measured_against_its_rung_and_says_so():
 
 
 def test_backward_rungs_that_run_here():
-    assert train.rungs_for("bfloat16", "sm_90") == ["b04_bf16_mma", "b05_wgmma", "b06_wide_query_tiles", "b07_persistent"]
-    assert train.rungs_for("bfloat16", "sm_80") == ["b04_bf16_mma"]  # b05-b07 are wgmma
+    assert train.rungs_for("bfloat16", "sm_90") == ["b04_bf16_mma", "b05_wgmma", "b06_wide_query_tiles", "b07_persistent",
+                                                    "b08_pingpong"]
+    assert train.rungs_for("bfloat16", "sm_80") == ["b04_bf16_mma"]  # b05-b08 are wgmma
     assert train.rungs_for("float32", "sm_90") == ["b01_naive", "b02_fa2", "b03_tf32_mma"]
 
 
