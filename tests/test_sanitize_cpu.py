@@ -4,7 +4,10 @@ what its targets cover; tools/synccheck_cluster.py's kernel compiled for sm_90."
 
 import argparse
 import json
+import os
+import signal
 import stat
+import subprocess
 import sys
 import textwrap
 import time
@@ -282,6 +285,50 @@ def test_run_tool_goes_on_after_a_child_that_dies_or_hangs(tmp_path, capsys):
     assert children[1].status["hang"] == "timed out after 3 s"
     assert children[2].status == {"c": "ok"} and children[2].summary == 0
     assert "[memcheck] c: ok" in capsys.readouterr().out
+
+
+def test_stopping_sanitize_stops_its_children(tmp_path):
+    """Each child runs in a session of its own, and its timeout is sanitize.py's to keep: stopped by a
+    signal (timeout's SIGTERM), sanitize.py kills every running child first, or they would run on beside
+    whatever the machine does next. Two tools at once, each child hanging in its target."""
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text(f"#!{sys.executable}\n" + FAKE_TOOL.replace(
+        'if name == "hang":', 'if name == "hang":\n        import os; (Path(os.environ["FAKE_PIDS"]) / str(os.getpid())).touch()')
+        .replace("import sys, time", "import sys, time\nfrom pathlib import Path"))
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    driver = tmp_path / "driver.py"
+    driver.write_text(textwrap.dedent(f"""\
+        import argparse, sys
+        sys.path.insert(0, {str(TOOLS_DIR)!r})
+        import sanitize
+        sanitize.stop_children_with_me()
+        args = argparse.Namespace(quick=True, print_limit=10, timeout=120.0, initcheck_library="excluded",
+                                  parallel=True, tools=["memcheck", "racecheck"])
+        sanitize.run_tools({str(fake)!r}, ["hang"], args)
+        """))
+    proc = subprocess.Popen([sys.executable, str(driver)], env={**os.environ, "FAKE_PIDS": str(pids)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(list(pids.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    children = [int(p.name) for p in pids.iterdir()]
+    assert len(children) == 2, children
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    assert "stopped by signal 15; 2 running children killed" in proc.stderr.read()
+
+    def alive(pid: int) -> bool:  # a zombie whose parent is gone counts as stopped
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in children if alive(pid)]
 
 
 def test_the_reproducer_kernel_compiles_for_sm_90():

@@ -307,12 +307,49 @@ class Streamed:
     capped: str
 
 
+# The running children's process groups. A child runs in a session of its own, so that a timeout stops the
+# tool and the process under it together; so nothing stops it when sanitize.py itself is stopped (timeout's
+# SIGTERM, Ctrl-C) but this: left alone it would run on unwatched (its timeout is this process's to keep)
+# beside whatever the machine does next, a benchmark included.
+CHILDREN: set[int] = set()
+SPAWNING = threading.RLock()  # a child is started and registered at once, never between a stop's kills
+
+
+def stop_children(signum, frame=None):
+    """The handler of SIGTERM, SIGINT and SIGHUP (stop_children_with_me): every running child's process
+    group killed, then this process gone at once (its threads would otherwise start the next children)."""
+    with SPAWNING:
+        for pid in list(CHILDREN):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        print(f"sanitize.py: stopped by signal {signum}; {len(CHILDREN)} running children killed",
+              file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+
+
+def stop_children_with_me():
+    """SIGTERM, SIGINT and SIGHUP stop the running children too (main calls this before the first)."""
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, stop_children)
+
+
 def stream(cmd: list[str], timeout: float, tool: str, print_limit: int, env: dict | None = None) -> Streamed:
     """Run cmd, echoing its output as it comes. Once the tool has printed print_limit reports it prints no
     more, and a later target's errors would be counted but not told apart: the child is stopped at the end
     of the target during which the limit was reached, and the caller goes on from the next one."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            start_new_session=True, env=env)
+    with SPAWNING:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                                start_new_session=True, env=env)
+        CHILDREN.add(proc.pid)
+    try:
+        return _follow(proc, timeout, tool, print_limit)
+    finally:
+        CHILDREN.discard(proc.pid)
+
+
+def _follow(proc: subprocess.Popen, timeout: float, tool: str, print_limit: int) -> Streamed:
     lines: queue.Queue = queue.Queue()
 
     def pump():
@@ -616,6 +653,7 @@ def main(argv=None) -> int:
     sanitizer = find_sanitizer()
     if sanitizer is None:
         return 2
+    stop_children_with_me()
     start = time.monotonic()
     runs, tool_seconds = run_tools(sanitizer, chosen, args)
     rows, problems = summarize(args.tools, runs, chosen, fused_kernels())
