@@ -1,41 +1,76 @@
 #!/usr/bin/env bash
-# The backward ladder on one GPU, for a short device run: every GPU test of the backward rungs, then two
-# small bench.py backward runs: b02 (float32) at every GPT-2 length and d = 128, for its error by T against
-# the bound of FlashAttention's rule, and b05 (bfloat16) beside its deterministic run, for the cost of
-# summing dQ in a fixed order.
+# The backward ladder on one GPU, in one device call (about five minutes on an H200 by its steps' past
+# times; not yet timed as one run): every GPU test of the backward rungs; the newest rung under
+# compute-sanitizer (one shape, the four tools at once); the two newest bfloat16 rungs timed together at
+# every case (bench.py backward --interleave, twice, the order reversed, for bench.py compare); and the
+# newest rung's SASS, where its warps' stall samples fall (bench.py sass --backward), at a d = 64 and a
+# d = 128 shape.
 #
-#     OUT=/tmp/out tools/device_backward.sh      (from the repository root; about 6 minutes on an H200)
+#     OUT=/tmp/out tools/device_backward.sh              the two newest rungs that take bfloat16
+#     OUT=/tmp/out tools/device_backward.sh b08 b09      an older rung and a newer one, by name
 #
-# Writes into $OUT: test_backward_gpu.txt (pytest, the 15 slowest tests last), bench-*.txt (each table),
-# results/backward-*.json, and errors.txt: for each rung's row, each gradient's max error over its bound
-# (at most 1: within the rule). Exits non-zero if a test failed or a bench run did.
+# A device call hands back only its output's tail, so every step writes its output to a file in $OUT, and
+# each step has a time limit of its own, so that one that hangs leaves the others theirs (a sanitizer run
+# stopped at its limit kills its children: tools/sanitize.py). Writes into $OUT: tests.txt, sanitize.txt
+# and sanitize-*.json, bench-1.txt, bench-2.txt and backward-*.json (in bench-1/, bench-2/), sass.txt and
+# sass-*.json, compare.txt (bench.py compare of the two runs), and summary.txt (each step's exit status
+# and seconds, printed at the end). Exits non-zero if any step failed or ran out of time.
 set -u
 : "${OUT:?set OUT to the folder for the results}"
-mkdir -p "$OUT/results"
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT"
+if [ $# -eq 0 ]; then
+    set -- $(python3 -c "import kernels.backward as b; print(*[n for n in b.default_names() if 'bfloat16' in b.load(n).dtypes][-2:])")
+fi
+older="${1:?usage: tools/device_backward.sh [OLDER NEWER]}" newer="${2:?usage: tools/device_backward.sh [OLDER NEWER]}"
+# Their full names (b08 -> b08_pingpong), as bench.py labels their rows.
+names="$(python3 -c "
+import sys, kernels.backward as b
+try:
+    print(*(b.load(n).name for n in sys.argv[1:]))
+except ValueError as e:
+    sys.exit(f'device_backward.sh: {e}')" "$older" "$newer")" || exit 2
+read -r older_name newer_name <<< "$names"
+device="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr 'A-Z ' 'a-z-')"
+stamp="$(date -u +%Y%m%dT%H%M%SZ)"
 status=0
 
-# About 3-4 minutes, most of it NVRTC compiling the rungs' 32 configurations and the forward rungs.
-python3 -m pytest -q -m gpu tests/test_backward_gpu.py -x --durations=15 2>&1 | tee "$OUT/test_backward_gpu.txt"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+# step NAME LIMIT_SECONDS LOG COMMAND...: the command under `timeout`, its output into $OUT/LOG, a line
+# for summary.txt.
+step() {
+    local name="$1" limit="$2" log="$OUT/$3" began=$SECONDS code
+    shift 3
+    echo "== $name ($*)" > "$log"
+    timeout "$limit" "$@" >> "$log" 2>&1
+    code=$?
+    [ "$code" -eq 0 ] || status=1
+    local verdict="exit $code"
+    [ "$code" -eq 124 ] && verdict="ran past its limit of $limit s"
+    printf '%-9s %-26s %4d s  (%s)\n' "$name" "$verdict" $((SECONDS - began)) "${log##*/}" >> "$OUT/summary.txt"
+}
 
-# About a minute each: 7 cases, the rung and its deterministic run (plus SDPA cuDNN's backward in bfloat16).
-python3 bench.py backward --dtype float32 --kernels b02 --cases gpt2,d128 --peers none --budget-ms 50 \
-    --results "$OUT/results" 2>&1 | tee "$OUT/bench-float32-b02.txt"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-python3 bench.py backward --dtype bfloat16 --kernels b05 --cases gpt2,d128 --peers sdpa_cudnn --budget-ms 50 \
-    --results "$OUT/results" 2>&1 | tee "$OUT/bench-bfloat16-b05.txt"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+: > "$OUT/summary.txt"
+echo "device ${device:-none}, rungs $older_name and $newer_name, commit $(git rev-parse --short HEAD 2>/dev/null)" >> "$OUT/summary.txt"
 
-python3 - "$OUT/results" <<'EOF' | tee "$OUT/errors.txt"
-import json, sys
-from pathlib import Path
+# About 15 s on an H200 with -n 8 (each rung's configurations compiled once per worker).
+step tests 240 tests.txt python3 -m pytest -q -n 8 -m gpu tests/test_backward_gpu.py --durations=10
 
-print("case, row: max error / bound of dq, dk, dv (FlashAttention's rule: at most 1)")
-for path in sorted(Path(sys.argv[1]).glob("backward-*.json")):
-    for r in json.loads(path.read_text())["rows"]:
-        if r["kind"] == "rung" and "bound" in r:
-            s = r["shape"]
-            ratios = " / ".join(f"{r['max_err'][g] / r['bound'][g]:.2f}" for g in ("dq", "dk", "dv"))
-            print(f"{s['B']}x{s['NH']}x{s['T_q']} d={s['d']} {r['dtype']}, {r['name']}: {ratios} ({r['status']})")
-EOF
+step sanitize 120 sanitize.txt python3 tools/sanitize.py --only "$newer_name" --quick --parallel --timeout 100 \
+    --json "$OUT/sanitize-$newer_name-${device:-nogpu}-$stamp.json"
+
+# About a minute each: 14 cases, each rung beside its deterministic run, SDPA cuDNN's backward as the peer.
+for run in 1 2; do
+    order="$older,$newer"
+    [ "$run" -eq 2 ] && order="$newer,$older"
+    step "bench $run" 180 "bench-$run.txt" python3 bench.py backward --dtype bfloat16 --kernels "$order" \
+        --cases gpt2,d128,noncausal,gqa,long --peers sdpa_cudnn --interleave --budget-ms 100 --results "$OUT/bench-$run"
+done
+
+step sass 150 sass.txt python3 bench.py sass --backward "$newer" --cases 16x12x2048-d64,2x32x4096-d128 --results "$OUT"
+
+if ls "$OUT"/bench-1/backward-*.json "$OUT"/bench-2/backward-*.json > /dev/null 2>&1; then
+    python3 bench.py compare --of "$newer_name" --over "$older_name" \
+        "$OUT"/bench-1/backward-*.json "$OUT"/bench-2/backward-*.json > "$OUT/compare.txt" 2>&1 || status=1
+fi
+cat "$OUT/summary.txt"
 exit $status
