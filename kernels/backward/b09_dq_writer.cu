@@ -1,0 +1,981 @@
+/*
+ * b09 - dQ's writers: two warps of the producer warpgroup add the consumers' dQ_i shares into dQ_accum and
+ * convert each finished part of a query tile into dQ, so that the consumers only store a share and go on,
+ * and no phase after this one reads dQ_accum back.
+ *
+ * The change: in b08 each consumer warpgroup, once its dQ_i share (64 queries by 64 columns, float32) has
+ * landed, stores it into shared memory, meets its own 128 threads at a named barrier, and its thread 0
+ * issues the share's bulk reductions into dQ_accum; before the next share thread 0 waits for the copy engine
+ * to have read this one, and in deterministic mode also for its turn and for the reductions to complete.
+ * Every one of those waits is on a consumer, the critical path. And after the pass a third phase,
+ * backward_dq, read all of dQ_accum back from memory to scale and round it: 35 us of b08's 833 at
+ * 16 x 12 x 2048, d = 64, 46 of 1,587 at 2 x 32 x 4096, d = 128 (Nsight Compute, docs/backward.md#b08).
+ *
+ * Here consumer c's threads store the share, thread 0 its place beside it (query head, batch, first row,
+ * key tile), and arrive on the share's full barrier; warp 1 + c of the producer warpgroup, idle in b08, is
+ * c's writer: it waits on that barrier (and in deterministic mode for the turn of its key tile), issues the
+ * reductions, and arrives on the share's empty barrier once the copy engine has read the shared memory,
+ * which the consumer waits for before it stores its next share, a step later. Then it counts the addition:
+ * once the reductions have completed, an acq_rel atomic add on the count of that part of the query tile
+ * (each consumer's share covers one fixed part: half its rows at d = 64, half its columns at d = 128), so
+ * that the writer whose addition brings the count to the number of key tiles that reach the tile knows
+ * that every addition to the part has landed, and converts it: scale, round, store into dQ, the whole warp,
+ * reading dQ_accum through L2, where the last additions just landed. Without the turns a writer counts a
+ * share only after issuing the next one, so that it waits for the completion of reductions issued a step
+ * before; with them it counts each at once, since the next share's turn may need the count.
+ *
+ * What else changes: the counts are per part (lab.dq_counts 2: B x NH x ceil(T_q / B_r) x 2 ints before the
+ * tile counter), and a query tile that no key tile reaches (causal with T_q > T_k) gets no addition, so
+ * backward_preprocess zeroes its rows of dQ. Everything of b08's consumers before the share's store - the
+ * turns, the late dQ_i, both dS^T barriers - is unchanged.
+ *
+ * Deterministic: b08's turns of dQ_accum's additions, now per part and kept by the writers; a key tile's
+ * additions wait only for earlier key tiles, a writer counts its share before it waits for the next turn,
+ * and a block's tiles come in the order of their key tiles, so no wait closes a cycle.
+ *
+ * Geometry: as b08's: backward_dk_dv on grid (min(T_c x NH_kv x B, SMs), 1, 1), 384 threads, one block per
+ * SM; shared memory 199,680 bytes at d = 64 (198,656 at d = 128) and 18 mbarriers, two ints and two int4
+ * (static). Named barriers: 4 + c (consumer c's turn, 256 threads).
+ *
+ * Limits: sm_90a only; d 64 (B_r 128) or 128 (B_r 64), B_c 128; dtype_id 0 bfloat16, 1 float16.
+ *
+ * lab.template    d_head, B_r, B_c, dtype_id, deterministic
+ * lab.configs     (64, 128, 128, 0, 0), (64, 128, 128, 1, 0), (64, 128, 128, 0, 1), (64, 128, 128, 1, 1), (128, 64, 128, 0, 0), (128, 64, 128, 1, 0), (128, 64, 128, 0, 1), (128, 64, 128, 1, 1)
+ * lab.threads     256
+ * lab.smem        0
+ * lab.phase       backward_preprocess: query tiles
+ * lab.phase       backward_dk_dv: key tiles persistent, threads 128 + 2 * B_c, smem 2 * (2 * B_c * d_head + 4 * B_r * d_head + 2 * B_c * B_r) + 4 * B_r * d_head + 16 * B_r + 1024
+ * lab.dq_accum    true
+ * lab.dq_counts   2
+ * lab.deterministic deterministic
+ * lab.dtypes      bfloat16, float16
+ * lab.dtype_param dtype_id
+ * lab.supports    noncausal, cross, gqa
+ * lab.min_arch    sm_90
+ * lab.options     -arch=sm_90a -default-device
+ * lab.tma         Q: (B_r, 64), K: (B_c, 64), V: (B_c, 64), dO: (B_r, 64), dQ_accum: (64, 32)
+ */
+
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)  // NVRTC compiles without <math.h>
+#endif
+
+constexpr float LOG2_E = 1.4426950408889634f;
+constexpr long long L2_CHUNK = 16ll << 20;  // a chunk of heads (below)
+constexpr int CAUSAL_ROUNDS = 16;           // a causal grid in chunks from this many rounds of the blocks
+constexpr int AUX_THREADS = 256;  // backward_preprocess (lab.threads)
+constexpr int PARTS = 2;          // of a query tile's dQ, one a consumer warpgroup (lab.dq_counts)
+constexpr unsigned FULL_WARP = 0xffffffffu;
+
+// One bfloat16 or float16 value as raw bits: the mma and cvt instructions decide how they read.
+using element = unsigned short;
+
+// 2^x on the special-function unit; ex2.approx.ftz(-inf) = +0.
+__device__ __forceinline__ float exp2_approx(float x)
+{
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// A 16-bit value as float32 (exact), and two floats rounded to nearest into one register, lo low.
+template <int dtype_id>
+__device__ __forceinline__ float to_float(element x)
+{
+    if (dtype_id == 0)
+        return __uint_as_float((unsigned)x << 16);
+    float y;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(y) : "h"(x));
+    return y;
+}
+
+template <int dtype_id>
+__device__ __forceinline__ unsigned pack_rounded(float lo, float hi)
+{
+    unsigned r;
+    if (dtype_id == 0)
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    else
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// A compile-time flag for a generic lambda's argument (NVRTC's C++17 has no template lambdas).
+template <bool value_>
+struct Flag {
+    static constexpr bool value = value_;
+};
+
+// One tile of the persistent loop: key tile j of K/V head kv_bh (= batch * NH_kv + kv_head), its first
+// query tile and its steps, (query head, query tile) pairs.
+struct Item {
+    int j, kv_bh, batch, kv_head, col_start, first_tile, tiles_per_head, steps;
+};
+
+// -- wgmma -----------------------------------------------------------------------------------------
+
+// A shared-memory matrix descriptor for the 128-byte swizzle: start address, leading and stride
+// byte offsets (all in 16-byte units), swizzle mode 1 in bits 62-63.
+__device__ __forceinline__ unsigned long long descriptor(unsigned address, unsigned lbo, unsigned sbo)
+{
+    return (unsigned long long)((address & 0x3ffff) >> 4) | (unsigned long long)(lbo >> 4) << 16 |
+           (unsigned long long)(sbo >> 4) << 32 | 1ull << 62;
+}
+
+// wgmma reads registers and shared memory asynchronously: fence before a batch (the accumulators
+// and A registers were just written by ordinary instructions), commit the batch, wait for it.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_one() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
+
+// After the wait: a volatile no-op that "writes" each accumulator, so that no read of it is
+// scheduled before the wait (the compiler sees the wgmma's outputs as written at its issue).
+template <int N>
+__device__ __forceinline__ void settle(float (&d)[N])
+{
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+        asm volatile("" : "+f"(d[i])::"memory");
+}
+
+#define ACC4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
+#define ACC16(i) ACC4(i), ACC4(i + 4), ACC4(i + 8), ACC4(i + 12)
+#define ACC32 ACC16(0), ACC16(16)
+#define ACC64 ACC32, ACC16(32), ACC16(48)
+#define REGS16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define REGS32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define REGS64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+               "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+               "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define WGMMA(N, T) "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." T "." T " "
+// Both operands from shared memory: D registers, then descriptors a and b, the accumulate flag
+// (a predicate: D = A B when it is 0) and the two transpose immediates, operands A .. TB.
+#define WGMMA_SS(N, T, REGS, A, B, P, TA, TB) \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, %" #P ", 0;\n" WGMMA(N, T) REGS ", %" #A ", %" #B ", p, 1, 1, %" #TA ", %" #TB ";\n}"
+
+// D (+)= A B, A 64 x 16 and B 16 x N both in shared memory; D = A B when accumulate is 0. trans_a,
+// trans_b 0: the operand is K-major (its rows are its m or n index, k contiguous), 1: MN-major
+// (its rows are the k index, m or n contiguous), read transposed.
+template <int N, int dtype_id, int trans_a, int trans_b>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], unsigned long long a, unsigned long long b, int accumulate)
+{
+    static_assert(N == 32 || N == 64 || N == 128, "m64n32k16, m64n64k16 or m64n128k16");
+    if constexpr (N == 32 && dtype_id == 0)
+        asm volatile(WGMMA_SS(32, "bf16", REGS16, 16, 17, 18, 19, 20)
+                     : ACC16(0) : "l"(a), "l"(b), "r"(accumulate), "n"(trans_a), "n"(trans_b));
+    else if constexpr (N == 32)
+        asm volatile(WGMMA_SS(32, "f16", REGS16, 16, 17, 18, 19, 20)
+                     : ACC16(0) : "l"(a), "l"(b), "r"(accumulate), "n"(trans_a), "n"(trans_b));
+    else if constexpr (N == 64 && dtype_id == 0)
+        asm volatile(WGMMA_SS(64, "bf16", REGS32, 32, 33, 34, 35, 36)
+                     : ACC32 : "l"(a), "l"(b), "r"(accumulate), "n"(trans_a), "n"(trans_b));
+    else if constexpr (N == 64)
+        asm volatile(WGMMA_SS(64, "f16", REGS32, 32, 33, 34, 35, 36)
+                     : ACC32 : "l"(a), "l"(b), "r"(accumulate), "n"(trans_a), "n"(trans_b));
+    else if constexpr (dtype_id == 0)
+        asm volatile(WGMMA_SS(128, "bf16", REGS64, 64, 65, 66, 67, 68)
+                     : ACC64 : "l"(a), "l"(b), "r"(accumulate), "n"(trans_a), "n"(trans_b));
+    else
+        asm volatile(WGMMA_SS(128, "f16", REGS64, 64, 65, 66, 67, 68)
+                     : ACC64 : "l"(a), "l"(b), "r"(accumulate), "n"(trans_a), "n"(trans_b));
+}
+
+// D += A B, A 64 x 16 in registers (mma.sync's A fragment, per warp), B 16 x N in shared memory,
+// MN-major (its rows are the k index), read transposed (the last immediate).
+template <int N, int dtype_id>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long b)
+{
+    static_assert(N == 64 || N == 128, "m64n64k16 or m64n128k16");
+    if constexpr (N == 64 && dtype_id == 0)
+        asm volatile(WGMMA(64, "bf16") REGS32 ", {%32, %33, %34, %35}, %36, 1, 1, 1, 1;"
+                     : ACC32 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+    else if constexpr (N == 64)
+        asm volatile(WGMMA(64, "f16") REGS32 ", {%32, %33, %34, %35}, %36, 1, 1, 1, 1;"
+                     : ACC32 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+    else if constexpr (dtype_id == 0)
+        asm volatile(WGMMA(128, "bf16") REGS64 ", {%64, %65, %66, %67}, %68, 1, 1, 1, 1;"
+                     : ACC64 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+    else
+        asm volatile(WGMMA(128, "f16") REGS64 ", {%64, %65, %66, %67}, %68, 1, 1, 1, 1;"
+                     : ACC64 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+// -- TMA, bulk reductions, barriers ----------------------------------------------------------------
+
+// CUtensorMap: 128 opaque bytes, 64-byte aligned (NVRTC compiles without cuda.h).
+struct __align__(64) TensorMap {
+    unsigned long long opaque[16];
+};
+
+__device__ __forceinline__ void mbarrier_init(unsigned barrier, unsigned arrivals)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(barrier), "r"(arrivals) : "memory");
+}
+
+// The inits visible to the other threads and to the copy engine (the async proxy), which completes
+// transactions on the barriers.
+__device__ __forceinline__ void mbarrier_init_fence()
+{
+    asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// This thread's arrival, announcing `bytes` still to come from the copies that complete_tx on it.
+__device__ __forceinline__ void mbarrier_arrive_expect(unsigned barrier, unsigned bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(barrier), "r"(bytes) : "memory");
+}
+
+// `bytes` more to come in the current phase from the copies that complete_tx on it; no arrival.
+__device__ __forceinline__ void mbarrier_expect(unsigned barrier, unsigned bytes)
+{
+    asm volatile("mbarrier.expect_tx.shared::cta.b64 [%0], %1;" ::"r"(barrier), "r"(bytes) : "memory");
+}
+
+// This thread's arrival (release: its reads and writes of shared memory come before it).
+__device__ __forceinline__ void mbarrier_arrive(unsigned barrier)
+{
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(barrier) : "memory");
+}
+
+// Whether the phase of parity `parity` has completed (not waiting), or wait until it has: arrivals and
+// bytes all in, and the bytes the copies wrote visible to this thread.
+__device__ __forceinline__ bool mbarrier_test(unsigned barrier, unsigned parity)
+{
+    unsigned done;
+    asm volatile("{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(done) : "r"(barrier), "r"(parity) : "memory");
+    return done;
+}
+
+__device__ __forceinline__ void mbarrier_wait(unsigned barrier, unsigned parity)
+{
+    unsigned done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(done) : "r"(barrier), "r"(parity) : "memory");
+    } while (!done);
+}
+
+// Named barrier `id` (1 .. 15; 0 is __syncthreads') for `threads` threads, whole warps: wait there, or
+// arrive and go on (the threads that wait see this thread's earlier writes).
+__device__ __forceinline__ void barrier_sync(int id, int threads)
+{
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void barrier_arrive(int id, int threads)
+{
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// A warpgroup's registers per thread, resized at run time (all its warps execute the same one).
+template <int registers>
+__device__ __forceinline__ void registers_down() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(registers)); }
+template <int registers>
+__device__ __forceinline__ void registers_up() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(registers)); }
+
+// One box of the descriptor's (B, NH, T, d) array, at column `col` of row `row` of (head, batch),
+// into shared memory at `dst` (1024-byte aligned: the swizzle pattern starts there); its bytes
+// complete_tx on `barrier`. Coordinates go innermost first, as the descriptor's dimensions.
+__device__ __forceinline__ void tma_load(unsigned dst, const TensorMap* map, int col, int row, int head, int batch,
+                                         unsigned barrier)
+{
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4, %5}], [%6];"
+                 ::"r"(dst), "l"(map), "r"(col), "r"(row), "r"(head), "r"(batch), "r"(barrier) : "memory");
+}
+
+// Rows row_start .. row_start + rows - 1 of one head into a swizzled tile, one box per 64-column
+// half (the halves one after the other, rows * 128 bytes each); rows past T arrive as zeros.
+template <int d_head, int rows>
+__device__ __forceinline__ void load_tile(unsigned tile, const TensorMap* map, int row_start, int head, int batch,
+                                          unsigned barrier)
+{
+#pragma unroll
+    for (int half = 0; half < d_head / 64; ++half)
+        tma_load(tile + half * rows * 128, map, 64 * half, row_start, head, batch, barrier);
+}
+
+// The box of the descriptor's float32 array at (col, row, head, batch) += the shared-memory tile at
+// `src`, element by element, in L2 (a bulk reduction: the copy engine reads src and adds; rows past T
+// are left alone). Committed as this thread's bulk group.
+__device__ __forceinline__ void tma_reduce_add(unsigned src, const TensorMap* map, int col, int row, int head, int batch)
+{
+    asm volatile("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];"
+                 ::"l"(map), "r"(col), "r"(row), "r"(head), "r"(batch), "r"(src) : "memory");
+}
+
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Until this thread's bulk groups have read their shared memory (it may be written again) ...
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// ... or have completed, their writes done; or all but the `newest` newest groups have.
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+template <int newest>
+__device__ __forceinline__ void bulk_wait_all_but() { asm volatile("cp.async.bulk.wait_group %0;" ::"n"(newest) : "memory"); }
+
+// Ordinary writes of shared memory made visible to the async proxy (wgmma, the copy engine).
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// The deterministic order: wait until a part's count of finished dQ additions is at least `turn`.
+__device__ __forceinline__ void wait_turn(const int* count, int turn)
+{
+    int now;
+    do {
+        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(now) : "l"(count) : "memory");
+    } while (now < turn);
+    asm volatile("fence.proxy.async.global;" ::: "memory");  // the reductions after the wait
+}
+
+// Once this thread's additions have completed (the caller waited for its bulk groups): one more on the
+// part's count, released, and the count before it, acquired: the thread that brings it to the part's
+// number of key tiles sees every other block's additions, released the same way.
+__device__ __forceinline__ int count_addition(int* count)
+{
+    int before;
+    asm volatile("fence.proxy.async.global;\natom.acq_rel.gpu.global.add.s32 %0, [%1], 1;"
+                 : "=r"(before) : "l"(count) : "memory");
+    return before;
+}
+
+// Four floats of dQ_accum through L2: another SM's additions landed there, and this SM's L1 may not know.
+__device__ __forceinline__ float4 load_l2(const float* at)
+{
+    float4 v;
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(at) : "memory");
+    return v;
+}
+
+// Key tiles of B_c that reach query tile `tile` (rows tile B_r ..): under the mask those whose first key is
+// below (tile + 1) B_r + offset, every one without it.
+template <int B_r, int B_c>
+__device__ __forceinline__ int key_tiles_reaching(int tile, int T_c, int causal, int offset)
+{
+    if (!causal)
+        return T_c;
+    const long long reach = (long long)(tile + 1) * B_r + offset;
+    return (int)max(0LL, min((long long)T_c, (reach + B_c - 1) / B_c));
+}
+
+// -- the phases ------------------------------------------------------------------------------------
+
+#define TENSOR_MAPS                                                                                  \
+    const __grid_constant__ TensorMap Q_map, const __grid_constant__ TensorMap K_map,               \
+        const __grid_constant__ TensorMap V_map, const __grid_constant__ TensorMap dO_map,          \
+        const __grid_constant__ TensorMap dQ_map
+
+// D_i = rowsum(dO_i o O_i) in float32 from the 16-bit values, one warp a row; dQ_accum's rows and the
+// counts of dQ additions of the tile's parts zeroed, and by the first block the tile counter after the
+// counts. A tile that no key tile reaches (causal, T_q > T_k) gets no addition, so no conversion: its rows
+// of dQ are zeroed here.
+template <int d_head, int B_r, int B_c, int dtype_id, int deterministic>
+__global__ void __launch_bounds__(AUX_THREADS)
+backward_preprocess(const element* __restrict__ /* Q */, const element* __restrict__ /* K */, const element* __restrict__ /* V */,
+                    const element* __restrict__ O, const element* __restrict__ dO, const float* __restrict__ /* lse */,
+                    element* __restrict__ dQ, element* __restrict__ /* dK */, element* __restrict__ /* dV */,
+                    float* __restrict__ D, float* __restrict__ dQ_accum, int* __restrict__ dQ_turns,
+                    int T_q, int T_k, int kv_group, int causal, float scale, int n_kv_heads, int batches, TENSOR_MAPS)
+{
+    const long long bh = (long long)blockIdx.z * gridDim.y + blockIdx.y;  // = batch * NH + head
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const bool reached = key_tiles_reaching<B_r, B_c>(blockIdx.x, (T_k + B_c - 1) / B_c, causal, T_k - T_q) > 0;
+    for (int r = warp; r < B_r; r += AUX_THREADS / 32) {
+        const int row = blockIdx.x * B_r + r;
+        if (row >= T_q)
+            break;
+        const long long offset = (bh * T_q + row) * d_head;
+        float sum = 0.0f;
+#pragma unroll
+        for (int c = lane; c < d_head; c += 32) {
+            sum = fmaf(to_float<dtype_id>(dO[offset + c]), to_float<dtype_id>(O[offset + c]), sum);
+            dQ_accum[offset + c] = 0.0f;
+            if (!reached)
+                dQ[offset + c] = 0;
+        }
+#pragma unroll
+        for (int m = 16; m > 0; m /= 2)
+            sum += __shfl_xor_sync(FULL_WARP, sum, m);
+        if (lane == 0)
+            D[bh * T_q + row] = sum;
+    }
+    if (threadIdx.x < PARTS)
+        dQ_turns[(bh * gridDim.x + blockIdx.x) * PARTS + threadIdx.x] = 0;
+    if (threadIdx.x == 0 && bh == 0 && blockIdx.x == 0)
+        dQ_turns[(long long)gridDim.x * gridDim.y * gridDim.z * PARTS] = 0;  // backward_dk_dv's tile counter
+}
+
+template <int d_head, int B_r, int B_c, int dtype_id, int deterministic>
+__global__ void __launch_bounds__(128 + 2 * B_c, 1)
+backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ /* K */, const element* __restrict__ /* V */,
+               const element* __restrict__ /* O */, const element* __restrict__ /* dO */, const float* __restrict__ lse,
+               element* __restrict__ dQ, element* __restrict__ dK, element* __restrict__ dV,
+               float* __restrict__ D, float* __restrict__ dQ_accum, int* __restrict__ dQ_turns,
+               int T_q, int T_k, int kv_group, int causal, float scale, int n_kv_heads, int batches, TENSOR_MAPS)
+{
+    static_assert(dtype_id == 0 || dtype_id == 1, "dtype_id: 0 = bfloat16, 1 = float16");
+    static_assert((d_head == 64 && B_r == 128) || (d_head == 128 && B_r == 64),
+                  "b06's tiles at d = 64 (dQ_i split by rows), b05's at d = 128 (by columns): m64n64 a warpgroup");
+    static_assert(B_c == 128, "two consumer warpgroups of 64 keys");
+    constexpr int CONSUMERS = B_c / 64;      // consumer warpgroups, 64 keys each
+    static_assert(PARTS == CONSUMERS, "a part of dQ_i for each consumer warpgroup's share");
+    constexpr int STAGES = 2;                // of Q_i and dO_i
+    constexpr int D_STEPS = d_head / 16;     // k16 steps of S^T and dP^T (over d)
+    constexpr int Q_STEPS = B_r / 16;        // k16 steps of dV_j and dK_j (over queries)
+    constexpr int KEY_STEPS = B_c / 16;      // k16 steps of dQ_i (over keys)
+    // dQ_i's share of a warpgroup: 64 queries by DQ_N columns, from query DQ_ROW c and column DQ_COL c.
+    constexpr int DQ_N = d_head * (B_r / 64) / CONSUMERS;
+    constexpr int DQ_ROW = B_r == 128 ? 64 : 0, DQ_COL = B_r == 128 ? 0 : DQ_N;
+    constexpr int DQ_BOXES = DQ_N / 32;      // dQ_accum's boxes of 64 rows x 32 float32 columns per warpgroup
+    constexpr unsigned KV_BYTES = B_c * d_head * 2, QO_BYTES = B_r * d_head * 2;
+    constexpr unsigned DS_BYTES = B_c * B_r * 2, DQ_BYTES = B_r * d_head * 4;
+    constexpr int PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;  // the producer decodes the items too
+    constexpr int TURN = 4;  // named barriers 4 + c: consumer c's turn (0 is __syncthreads', 2 + c its own)
+    // The turns (below). Without them the consumers still need not meet, and the protocol holds
+    // (tests/test_backward_protocol.py models both ways), but on an H200 they then lose 2-6% to b07.
+    constexpr bool TURNS = true;
+    static_assert(PRODUCER_REGISTERS * 128 + CONSUMER_REGISTERS * 128 * CONSUMERS <= 65536, "one SM's registers");
+
+    extern __shared__ unsigned char smem[];
+    // Every tile on a 1024-byte boundary, where the swizzle pattern starts (lab.smem has 1 KB spare).
+    const unsigned smem_start = (unsigned)__cvta_generic_to_shared(smem);
+    const unsigned K_smem = (smem_start + 1023) & ~1023u;   // K_j, B_c x d
+    const unsigned V_smem = K_smem + KV_BYTES;              // V_j
+    const unsigned Q_smem = V_smem + KV_BYTES;              // STAGES stages of Q_i, B_r x d
+    const unsigned dO_smem = Q_smem + STAGES * QO_BYTES;    // STAGES stages of dO_i
+    const unsigned dS_smem = dO_smem + STAGES * QO_BYTES;   // 2 buffers of dS^T, B_c x B_r
+    const unsigned dQ_smem = dS_smem + 2 * DS_BYTES;        // dQ_i's share, float32, B_r x d
+    float* lse_smem = (float*)(smem + (dQ_smem + DQ_BYTES - smem_start));  // STAGES x B_r, log2 units
+    float* D_smem = lse_smem + STAGES * B_r;                                 // STAGES x B_r
+    // K_j and V_j's full and empty barriers, then per stage of Q_i and dO_i a full and an empty barrier.
+    // Then the two slots of the tiles' numbers, each with a full and an empty barrier; the two buffers of
+    // dS^T, each with a full and an empty barrier; last, each consumer's dQ_i share, a full and an empty
+    // barrier, and beside it the share's place (query head, batch, first row, key tile j) in share_of; and
+    // each writer's mailbox to the converter, a full and an empty barrier.
+    __shared__ __align__(8) unsigned long long barriers[2 + 2 * STAGES + 4 + 4 + 4 + 4];
+    __shared__ int item_slot[2];
+    __shared__ int4 share_of[CONSUMERS];
+    __shared__ int2 mailbox[CONSUMERS];
+    const unsigned KV_full = (unsigned)__cvta_generic_to_shared(barriers), KV_empty = KV_full + 8;
+    auto QdO_full = [&](int n) { return KV_full + 8 * (2 + n % STAGES); };
+    auto QdO_empty = [&](int n) { return KV_full + 8 * (2 + STAGES + n % STAGES); };
+    auto item_full = [&](int w) { return KV_full + 8 * (2 + 2 * STAGES + w % 2); };
+    auto item_empty = [&](int w) { return KV_full + 8 * (4 + 2 * STAGES + w % 2); };
+    auto dS_full = [&](int n) { return KV_full + 8 * (6 + 2 * STAGES + n % 2); };
+    auto dS_empty = [&](int n) { return KV_full + 8 * (8 + 2 * STAGES + n % 2); };
+    auto dQ_full = [&](int c) { return KV_full + 8 * (10 + 2 * STAGES + c); };
+    auto dQ_empty = [&](int c) { return KV_full + 8 * (12 + 2 * STAGES + c); };
+    auto convert_full = [&](int c) { return KV_full + 8 * (14 + 2 * STAGES + c); };
+    auto convert_empty = [&](int c) { return KV_full + 8 * (16 + 2 * STAGES + c); };
+    auto parity = [](int n) { return (unsigned)(n / STAGES) & 1u; };  // step n: use n / STAGES of its stage
+    auto ds_parity = [](int n) { return (unsigned)(n / 2) & 1u; };   // step n: use n / 2 of dS^T buffer n % 2
+
+    // The tiles of work: (key tile, K/V head) pairs in b06's order, item k of the flat order read as (chunk
+    // of K/V heads, key tile, head in the chunk), heavy first where causal; a chunk holds every head where
+    // the grid is deterministic, or causal and shorter than CAUSAL_ROUNDS times the resident blocks;
+    // otherwise as many heads as fit their query-side tensors (Q_i, dO_i: 2 bytes an element; dQ_accum: 4)
+    // in L2_CHUNK, and where causal two rounds of the blocks at least. Block b takes item b first, then
+    // whichever item the tile counter hands out next (G + the counter's old value, G = gridDim.x, one block
+    // an SM): the block that comes free first takes the next heaviest, as the hardware hands b06's blocks
+    // to the SMs. Taking items b, b + G, b + 2 G, ... instead left the low blocks the heaviest of every
+    // round: 0.87-0.99x of b06 on causal grids (docs/backward.md#b07).
+    const int T_c = (T_k + B_c - 1) / B_c;
+    const int n_heads = n_kv_heads * batches;  // K/V heads of the whole batch
+    const int items = T_c * n_heads;
+    int chunk = n_heads;
+    if (!deterministic && (!causal || items >= CAUSAL_ROUNDS * (int)gridDim.x)) {
+        const long long head_bytes = 8LL * kv_group * T_q * d_head;
+        const long long least = causal ? (2LL * gridDim.x + T_c - 1) / T_c : 1;  // two rounds where causal
+        chunk = (int)min((long long)n_heads, max(L2_CHUNK / head_bytes, least));
+    }
+    const int G = gridDim.x;
+    const int offset = T_k - T_q;            // query row i sees keys <= i + offset (causal, bottom-right)
+    const int T_r = (T_q + B_r - 1) / B_r;
+    int* tile_counter = dQ_turns + (long long)n_heads * kv_group * T_r * PARTS;  // after the counts; zeroed by backward_preprocess
+    auto item_at = [&](int k) {
+        const int first_head = k / (chunk * T_c) * chunk;
+        const int heads_here = min(chunk, n_heads - first_head);  // the last chunk may be short
+        const int within = k % (chunk * T_c);
+        Item it;
+        it.j = within / heads_here;
+        it.kv_bh = first_head + within % heads_here;  // = batch * NH_kv + K/V head
+        it.batch = it.kv_bh / n_kv_heads;
+        it.kv_head = it.kv_bh % n_kv_heads;
+        it.col_start = it.j * B_c;
+        it.first_tile = (causal ? max(0, it.col_start - offset) : 0) / B_r;  // the first query tile that sees key col_start
+        it.tiles_per_head = max(0, T_r - it.first_tile);
+        it.steps = kv_group * it.tiles_per_head;  // (query head, query tile) pairs, head-major
+        return it;
+    };
+
+    // Thread 0 makes the barriers; every thread waits for them to exist (the last block-wide barrier).
+    if (threadIdx.x == 0) {
+        mbarrier_init(KV_full, 1);                 // the producer's arrival, and the bytes
+        mbarrier_init(KV_empty, 128 * CONSUMERS);  // every consumer thread, after its tile's last product
+        for (int w = 0; w < 2; ++w) {
+            mbarrier_init(item_full(w), 1);               // producer lane 0, once it wrote the slot
+            mbarrier_init(item_empty(w), 128 * CONSUMERS);  // every consumer thread, once it read it
+        }
+        for (int s = 0; s < STAGES; ++s) {
+            mbarrier_init(QdO_full(s), 32);              // every producer lane, one with the bytes
+            mbarrier_init(QdO_empty(s), 128 * CONSUMERS);  // every consumer thread
+        }
+        for (int b = 0; b < 2; ++b) {
+            mbarrier_init(dS_full(b), 128 * CONSUMERS);   // every consumer thread, once its part of dS^T is written
+            mbarrier_init(dS_empty(b), 128 * CONSUMERS);  // every consumer thread, once its dQ_i share that read it landed
+        }
+        for (int c = 0; c < CONSUMERS; ++c) {
+            mbarrier_init(dQ_full(c), 128);  // every thread of consumer c, once its part of the share is stored
+            mbarrier_init(dQ_empty(c), 32);       // every lane of writer c, once the copy engine has read the share
+            mbarrier_init(convert_full(c), 1);    // writer c's lane 0, once it wrote the mailbox
+            mbarrier_init(convert_empty(c), 32);  // every lane of the converter, once it read it
+        }
+        mbarrier_init_fence();
+    }
+    __syncthreads();
+
+    const int warpgroup = threadIdx.x / 128;
+    const int lane = threadIdx.x % 32;
+    if (warpgroup == 0) {
+        // The producer: its warpgroup gives registers back; warp 0 fills the stages, lane 0 issuing
+        // the copies (K_j and V_j once, then Q_i and dO_i of each step as soon as the consumers have
+        // released the stage's previous use), every lane writing lse_i (in log2 units) and D_i.
+        registers_down<PRODUCER_REGISTERS>();
+        if (threadIdx.x < 32) {
+            int n = 0, u = 0;  // steps (uses of the ring) and tiles with steps (uses of K_j and V_j) so far
+            for (int w = 0;; ++w) {
+                // Tile w's number, drawn and handed to the consumers in slot w % 2 (once they have read
+                // tile w - 2's there); a number past the end tells everyone to leave.
+                int k = 0;
+                if (lane == 0) {
+                    k = w == 0 ? (int)blockIdx.x : G + atomicAdd(tile_counter, 1);
+                    if (w >= 2)
+                        mbarrier_wait(item_empty(w), (unsigned)(w / 2 - 1) & 1u);
+                    item_slot[w % 2] = k;
+                    mbarrier_arrive(item_full(w));  // releases the write
+                }
+                k = __shfl_sync(FULL_WARP, k, 0);
+                if (k >= items)
+                    break;
+                const Item it = item_at(k);
+                for (int step = 0; step < it.steps; ++step, ++n) {
+                    // lse_i and D_i into registers first, so that their latency passes in the wait for the stage.
+                    const int head = it.kv_head * kv_group + step / it.tiles_per_head;
+                    const int row_start = (it.first_tile + step % it.tiles_per_head) * B_r;
+                    const long long bh = (long long)it.batch * n_kv_heads * kv_group + head;
+                    float lse_r[B_r / 32], D_r[B_r / 32];
+#pragma unroll
+                    for (int r = 0; r < B_r / 32; ++r) {
+                        const int row = row_start + lane + 32 * r;
+                        lse_r[r] = row < T_q ? lse[bh * T_q + row] * LOG2_E : INFINITY;
+                        D_r[r] = row < T_q ? D[bh * T_q + row] : 0.0f;
+                    }
+                    if (n >= STAGES)
+                        mbarrier_wait(QdO_empty(n), parity(n) ^ 1u);
+                    if (lane == 0) {
+                        mbarrier_expect(QdO_full(n), 2 * QO_BYTES);
+                        load_tile<d_head, B_r>(Q_smem + (n % STAGES) * QO_BYTES, &Q_map, row_start, head, it.batch, QdO_full(n));
+                        load_tile<d_head, B_r>(dO_smem + (n % STAGES) * QO_BYTES, &dO_map, row_start, head, it.batch, QdO_full(n));
+                    }
+                    float* lse_s = lse_smem + (n % STAGES) * B_r;
+                    float* D_s = D_smem + (n % STAGES) * B_r;
+#pragma unroll
+                    for (int r = 0; r < B_r / 32; ++r) {
+                        lse_s[lane + 32 * r] = lse_r[r];
+                        D_s[lane + 32 * r] = D_r[r];
+                    }
+                    mbarrier_arrive(QdO_full(n));
+                    // The tile's K_j and V_j after its first step's copies, which need no wait for them: once
+                    // the consumers are done with the previous tile's, while they write its dK_j and dV_j out.
+                    if (step == 0 && lane == 0) {
+                        if (u > 0)
+                            mbarrier_wait(KV_empty, (unsigned)(u - 1) & 1u);
+                        mbarrier_arrive_expect(KV_full, 2 * KV_BYTES);
+                        load_tile<d_head, B_c>(K_smem, &K_map, it.col_start, it.kv_head, it.batch, KV_full);
+                        load_tile<d_head, B_c>(V_smem, &V_map, it.col_start, it.kv_head, it.batch, KV_full);
+                    }
+                    if (step == 0)
+                        ++u;
+                }
+            }
+            // Leave with no copy in flight: the last K_j and V_j and the last stages have landed (the
+            // earlier ones were released, so theirs had).
+            if (lane == 0 && u > 0) {
+                mbarrier_wait(KV_full, (unsigned)(u - 1) & 1u);
+                for (int m = max(0, n - STAGES); m < n; ++m)
+                    mbarrier_wait(QdO_full(m), parity(m));
+            }
+        }
+        // The writers: warp 1 + c takes consumer c's dQ_i shares in the order c hands them over, adds each
+        // into dQ_accum through the copy engine, hands the shared memory back once the engine has read it,
+        // and counts the addition once it has completed; the addition that completes a part of a query tile
+        // (the part's count reaches the key tiles that reach the tile) posts the part to warp 3, the
+        // converter, through writer c's mailbox (a full and an empty barrier, one entry).
+        const int writer = threadIdx.x / 32 - 1;
+        if (writer == CONSUMERS) {
+            // The converter: each posted part, as dQ = scale dQ_accum rounded to the dtype, read through L2,
+            // where the last additions landed. It looks at both mailboxes in turn (lane 0 tests a barrier
+            // without waiting, a short sleep between rounds; where it finds an entry, every lane waits on the
+            // barrier, reads the entry and arrives on the empty one), and leaves when both writers have posted
+            // their end (head -1).
+            int taken[CONSUMERS] = {0, 0}, open = CONSUMERS;
+#pragma unroll 1
+            while (open > 0) {
+                bool idle = true;
+#pragma unroll
+                for (int c = 0; c < CONSUMERS; ++c) {
+                    int posted = 0;
+                    if (lane == 0 && taken[c] >= 0)
+                        posted = mbarrier_test(convert_full(c), (unsigned)taken[c] & 1u);
+                    if (!__shfl_sync(FULL_WARP, posted, 0))
+                        continue;
+                    mbarrier_wait(convert_full(c), (unsigned)taken[c] & 1u);  // every lane: complete, as lane 0 saw
+                    const int2 part = mailbox[c];  // (batch * NH + query head, first row of the query tile)
+                    mbarrier_arrive(convert_empty(c));
+                    idle = false;
+                    if (part.x < 0) {
+                        taken[c] = -1, --open;
+                        continue;
+                    }
+                    ++taken[c];
+                    // Part c: 64 rows from row_start + DQ_ROW c by DQ_N = 64 columns from DQ_COL c; lane l takes
+                    // columns 4 (l % 16) .. + 3 of rows l / 16, + 2, + 4, ..., UNROLL loads in flight.
+                    static_assert(DQ_N == 64, "16 lanes a row");
+                    constexpr int UNROLL = 4;
+                    const int first_row = part.y + DQ_ROW * c + lane / 16;
+                    const long long first = ((long long)part.x * T_q + first_row) * d_head + DQ_COL * c + 4 * (lane % 16);
+#pragma unroll 1
+                    for (int k0 = 0; k0 < 32; k0 += UNROLL) {
+                        float4 v[UNROLL];
+#pragma unroll
+                        for (int u = 0; u < UNROLL; ++u) {
+                            const int k = k0 + u;
+                            v[u] = first_row + 2 * k < T_q ? load_l2(dQ_accum + first + 2 * k * d_head) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                        }
+#pragma unroll
+                        for (int u = 0; u < UNROLL; ++u) {
+                            const int k = k0 + u;
+                            if (first_row + 2 * k < T_q)
+                                *(uint2*)&dQ[first + 2 * k * d_head] = make_uint2(pack_rounded<dtype_id>(v[u].x * scale, v[u].y * scale),
+                                                                                  pack_rounded<dtype_id>(v[u].z * scale, v[u].w * scale));
+                        }
+                    }
+                }
+                if (idle)
+                    __nanosleep(128);
+            }
+        }
+        if (writer >= 0 && writer < CONSUMERS) {
+            const unsigned share = dQ_smem + writer * DQ_BOXES * 64 * 128;
+            int posts = 0;  // parts posted to the converter
+            // Into the mailbox, once the converter has taken the entry before: a part (head bh, the query tile
+            // from row_start), or the end (bh -1).
+            auto post = [&](int bh, int row_start) {
+                if (lane == 0) {
+                    if (posts > 0)
+                        mbarrier_wait(convert_empty(writer), (unsigned)(posts - 1) & 1u);
+                    mailbox[writer] = make_int2(bh, row_start);
+                    mbarrier_arrive(convert_full(writer));  // releases the entry, and this lane's acquire of the count
+                }
+                ++posts;
+            };
+            // Without the turns a writer counts a share once LAG newer ones are issued, so that it waits for
+            // reductions issued steps before: with many blocks adding into the same rows the copy engine may
+            // take long to complete one, and the consumer waits for nothing of it. With the turns it counts each
+            // share at once, since the next share's turn may need that count.
+            constexpr int LAG = deterministic ? 0 : 3;
+            int lag_bh[LAG + 1], lag_row[LAG + 1], lagging = 0;  // issued, not yet counted, oldest first
+            // The oldest share waiting, of head bh (= batch * NH + query head) at the query tile from row_start:
+            // once its reductions have completed (all: every bulk group of this thread; else all but the LAG
+            // newest), its part's count, and if that completes the part, the part posted.
+            auto finish = [&](int bh, int row_start, bool all) {
+                int before = 0;
+                if (lane == 0) {
+                    if (all)
+                        bulk_wait_all();
+                    else
+                        bulk_wait_all_but<LAG>();
+                    before = count_addition(dQ_turns + ((long long)bh * T_r + row_start / B_r) * PARTS + writer);
+                }
+                before = __shfl_sync(FULL_WARP, before, 0);
+                if (before + 1 == key_tiles_reaching<B_r, B_c>(row_start / B_r, T_c, causal, offset))
+                    post(bh, row_start);
+            };
+#pragma unroll 1
+            for (int s = 0;; ++s) {
+                // Every lane waits and arrives: a lane that lagged two phases behind would read the parity of
+                // a later phase as not yet complete.
+                mbarrier_wait(dQ_full(writer), (unsigned)s & 1u);
+                const int4 at = share_of[writer];  // query head, batch, first row, key tile j
+                const bool done = at.x < 0;          // the consumer's last share is past
+                const int bh = at.y * n_kv_heads * kv_group + at.x;
+                if (lane == 0 && !done) {
+                    if (deterministic)
+                        wait_turn(dQ_turns + ((long long)bh * T_r + at.z / B_r) * PARTS + writer, at.w);  // key tiles 0 .. j - 1 added
+#pragma unroll
+                    for (int b = 0; b < DQ_BOXES; ++b)
+                        tma_reduce_add(share + b * 64 * 128, &dQ_map, DQ_COL * writer + 32 * b, at.z + DQ_ROW * writer, at.x, at.y);
+                    bulk_commit();
+                    bulk_wait_read();
+                }
+                __syncwarp();
+                if (!done) {
+                    mbarrier_arrive(dQ_empty(writer));  // the share may be stored again
+#pragma unroll
+                    for (int i = 0; i <= LAG; ++i)
+                        if (i == lagging)
+                            lag_bh[i] = bh, lag_row[i] = at.z;
+                    ++lagging;
+                }
+#pragma unroll 1
+                while (lagging > (done ? 0 : LAG)) {  // at the end, every one left
+                    finish(lag_bh[0], lag_row[0], done);
+#pragma unroll
+                    for (int i = 0; i < LAG; ++i)
+                        lag_bh[i] = lag_bh[i + 1], lag_row[i] = lag_row[i + 1];
+                    --lagging;
+                }
+                if (done)
+                    break;
+            }
+            post(-1, 0);
+        }
+        return;
+    }
+
+    // A consumer: warpgroup c + 1 owns keys 64 c .. 64 c + 63 of the tile, dK_j and dV_j's rows for
+    // them in registers, and dQ_i's queries DQ_ROW c .. + 63, columns DQ_COL c .. + DQ_N - 1.
+    if (TURNS && warpgroup == CONSUMERS)
+        barrier_arrive(TURN, 256);  // consumer 0 takes the first turn (here, not later: ptxas spills otherwise)
+    registers_up<CONSUMER_REGISTERS>();
+    const int consumer = warpgroup - 1;
+    const int thread = threadIdx.x % 128;
+    const int warp = thread / 32, g = lane / 4, t = lane % 4;
+    const int wg_key = 64 * consumer;                  // first key of this warpgroup in the tile
+    const float scale_log2 = scale * LOG2_E;
+    const unsigned dQ_share = dQ_smem + consumer * DQ_BOXES * 64 * 128;  // DQ_BOXES boxes of 64 x 32 floats
+
+    // The turns: consumer c issues each batch of products between its own turn barrier and the other's,
+    // so the batches reach the tensor core alternately (S^T and dP^T of consumer 0, then of consumer 1,
+    // then the dV_j / dK_j / dQ_i batch of 0, then of 1, ...) and each consumer's exponentials run under
+    // the other's products. Consumer 1 passes first so that consumer 0 takes the first turn; consumer 0
+    // takes one more turn at the end (consumer 1's last pass), so that every barrier ends with as many
+    // passes as waits. Both take the same turns: two a step and one after a tile's last step.
+    auto take_turn = [&]() {
+        if constexpr (TURNS)
+            barrier_sync(TURN + consumer, 256);
+    };
+    auto give_turn = [&]() {
+        if constexpr (TURNS)
+            barrier_arrive(TURN + (consumer + 1) % CONSUMERS, 256);
+    };
+
+    // dQ_i's share = dS K_j for step m: A = dS^T(m)'s 64 queries from DQ_ROW c (a half at d = 64, all of it
+    // at d = 128), every key of both warpgroups, read transposed (MN-major: its rows are the keys, k);
+    // B = K_j's rows, its columns from DQ_COL c, MN-major. Issued in the turn after step m's (with step
+    // m + 1's dV_j and dK_j, or alone after the tile's last step), once both consumers have arrived on
+    // dS_full(m): its accumulators are never live through the exponentials.
+    // dQ: 4 m + e is query DQ_ROW c + 16 warp + g + 8 (e / 2), column DQ_COL c + 8 m + 2 t + e % 2. Declared
+    // where it is made, so that it is not live between the shares.
+    auto issue_dQ = [&](float (&dQ)[DQ_N / 2], int m) {
+        const unsigned dS_rows = dS_smem + (m % 2) * DS_BYTES + (DQ_ROW * consumer / 64) * B_c * 128;
+        const unsigned K_cols = K_smem + (DQ_COL * consumer / 64) * B_c * 128 + (DQ_COL * consumer % 64) * 2;
+#pragma unroll
+        for (int kk = 0; kk < KEY_STEPS; ++kk)
+            wgmma_ss<DQ_N, dtype_id, 1, 1>(dQ, descriptor(dS_rows + kk * 2048, B_c * 128, 1024),
+                                           descriptor(K_cols + kk * 2048, B_c * 128, 1024), kk > 0);
+    };
+    // Once step m's dQ_i share has landed: this thread's reads of dS^T(m) done; once the writer has handed
+    // back the share's shared memory (its previous share read by the copy engine), the share into it as
+    // dQ_accum's boxes lie (64 rows of 32 floats, 128-byte swizzle), and with it, from thread 0, the share's
+    // place for the writer. Step m of the block is step `step` of tile `it` (its query head and query tile
+    // recomputed here, not kept in registers through the next step).
+    int shares = 0;  // handed to the writer so far
+    auto store_dQ = [&](float (&dQ)[DQ_N / 2], int m, const Item& it, int step) {
+        const int head = it.kv_head * kv_group + step / it.tiles_per_head;
+        const int row_start = (it.first_tile + step % it.tiles_per_head) * B_r;
+        settle(dQ);
+        mbarrier_arrive(dS_empty(m));
+        if (shares > 0)
+            mbarrier_wait(dQ_empty(consumer), (unsigned)(shares - 1) & 1u);
+#pragma unroll
+        for (int mm = 0; mm < DQ_N / 8; ++mm)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                // Odd rows store columns mm ^ 3 (the same group of four), so that a half warp's 64-bit
+                // stores touch every bank once (b07's header: stored in order, a 2-way conflict each).
+                const bool odd = g & 1;
+                const int c = odd ? mm ^ 3 : mm;
+                const int row = 16 * warp + g + 8 * h, chunk = 2 * (c % 4) + t / 2;
+                const unsigned at = dQ_share + (c / 4) * 64 * 128 + row * 128 + 16 * (chunk ^ (row % 8)) + 8 * (t % 2);
+                const float v0 = odd ? dQ[4 * (mm ^ 3) + 2 * h] : dQ[4 * mm + 2 * h];  // no register indexed at run time
+                const float v1 = odd ? dQ[4 * (mm ^ 3) + 2 * h + 1] : dQ[4 * mm + 2 * h + 1];
+                asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(at), "f"(v0), "f"(v1));
+            }
+        if (thread == 0)
+            share_of[consumer] = make_int4(head, it.batch, row_start, it.j);
+        fence_async_shared();
+        mbarrier_arrive(dQ_full(consumer));  // releases the stores, and the place
+        ++shares;
+        __syncwarp();
+        wgmma_fence();  // here, after thread 0's store of the place: else ptxas fences in that branch and serializes every product
+    };
+
+    int n = 0, u = 0;  // steps and tiles with steps so far, as the producer counts them
+#pragma unroll 1
+    for (int w = 0;; ++w) {
+        mbarrier_wait(item_full(w), (unsigned)(w / 2) & 1u);
+        const int k = item_slot[w % 2];
+        mbarrier_arrive(item_empty(w));  // the read done (the arrival releases it)
+        if (k >= items)
+            break;
+        const Item it = item_at(k);
+        const int warp_key = it.col_start + wg_key + 16 * warp;  // this warp's first key; a thread's: + g, + g + 8
+        float dK_acc[d_head / 2], dV_acc[d_head / 2];  // 4 n + e: key warp_key + g + 8 (e / 2), column 8 n + 2 t + e % 2
+#pragma unroll
+        for (int i = 0; i < d_head / 2; ++i)
+            dK_acc[i] = 0.0f, dV_acc[i] = 0.0f;
+
+        if (it.steps > 0)
+            mbarrier_wait(KV_full, (unsigned)u & 1u);
+        // Step `step` of the tile, the block's step n: both turns' products and the exponentials between them;
+        // with_dQ (every step but the tile's first, a constant so that no branch goes around a product): the
+        // dQ_i share of the step before in the second turn.
+        auto one_step = [&](int step, auto with_dQ) {
+            const int row_start = (it.first_tile + step % it.tiles_per_head) * B_r;
+            const unsigned Q_i = Q_smem + (n % STAGES) * QO_BYTES, dO_i = dO_smem + (n % STAGES) * QO_BYTES;
+            const float* lse_i = lse_smem + (n % STAGES) * B_r;
+            const float* D_i = D_smem + (n % STAGES) * B_r;
+            const unsigned dS_T = dS_smem + (n % 2) * DS_BYTES;
+
+            // First turn: S^T = K_j Q_i^T and dP^T = V_j dO_i^T: this warpgroup's 64 rows of K_j (V_j) by
+            // the rows of Q_i (dO_i), both K-major, d / 16 k16 steps 32 bytes apart (the next 64-column
+            // half at 4).
+            float S[B_r / 2], dP[B_r / 2];  // 4 p + e: key warp_key + g + 8 (e / 2), query 8 p + 2 t + e % 2
+            mbarrier_wait(QdO_full(n), parity(n));
+            take_turn();
+            wgmma_fence();
+#pragma unroll
+            for (int s = 0; s < D_STEPS; ++s) {
+                const unsigned a = K_smem + (s / 4) * B_c * 128 + wg_key * 128 + (s % 4) * 32;
+                const unsigned b = Q_i + (s / 4) * B_r * 128 + (s % 4) * 32;
+                wgmma_ss<B_r, dtype_id, 0, 0>(S, descriptor(a, 16, 1024), descriptor(b, 16, 1024), s > 0);
+            }
+#pragma unroll
+            for (int s = 0; s < D_STEPS; ++s) {
+                const unsigned a = V_smem + (s / 4) * B_c * 128 + wg_key * 128 + (s % 4) * 32;
+                const unsigned b = dO_i + (s / 4) * B_r * 128 + (s % 4) * 32;
+                wgmma_ss<B_r, dtype_id, 0, 0>(dP, descriptor(a, 16, 1024), descriptor(b, 16, 1024), s > 0);
+            }
+            wgmma_commit();
+            give_turn();
+
+            // P^T = exp(scale S^T - lse_i), 0 where masked; dS^T = P^T o (dP^T - D_i); both rounded to 16
+            // bits as they are made: the accumulators of n8 tiles 2 kk and 2 kk + 1 are the A fragment of
+            // k16 step kk (queries 16 kk ..), pair h of tile p its register 2 (p % 2) + h. dS^T also goes to
+            // buffer n % 2 of shared memory as it lies, rows of keys in two halves of 64 queries (128 bytes
+            // each, B_c * 128 bytes apart), swizzled: a 32-bit pair per store (8 rows x 4 lanes: 32 banks),
+            // once both consumers' products of step n - 2 (its last readers) have landed.
+            wgmma_wait_all();
+            settle(S);
+            settle(dP);
+            if (n >= 2)
+                mbarrier_wait(dS_empty(n), ds_parity(n) ^ 1u);
+            const bool masked = (causal && warp_key + 15 > row_start + offset) || warp_key + 16 > T_k;
+            unsigned Pa[Q_STEPS][4], dSa[Q_STEPS][4];
+#pragma unroll
+            for (int p = 0; p < B_r / 8; ++p) {
+                const float2 l2 = *(const float2*)&lse_i[8 * p + 2 * t];
+                const float2 d2 = *(const float2*)&D_i[8 * p + 2 * t];
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {  // keys warp_key + g + 8 h, queries 8 p + 2 t and + 1
+                    const int e = 4 * p + 2 * h, r = 2 * (p % 2) + h;  // accumulator e, e + 1; A register r
+                    float P0 = exp2_approx(fmaf(S[e], scale_log2, -l2.x));
+                    float P1 = exp2_approx(fmaf(S[e + 1], scale_log2, -l2.y));
+                    if (masked) {
+                        const int key = warp_key + g + 8 * h, query = row_start + 8 * p + 2 * t;
+                        P0 = key < T_k && (!causal || key <= query + offset) ? P0 : 0.0f;
+                        P1 = key < T_k && (!causal || key <= query + 1 + offset) ? P1 : 0.0f;
+                    }
+                    Pa[p / 2][r] = pack_rounded<dtype_id>(P0, P1);
+                    dSa[p / 2][r] = pack_rounded<dtype_id>(P0 * (dP[e] - d2.x), P1 * (dP[e + 1] - d2.y));
+                    const int row = wg_key + 16 * warp + g + 8 * h;  // row % 8 = g
+                    asm volatile("st.shared.u32 [%0], %1;" ::"r"(dS_T + (p / 8) * B_c * 128 + row * 128 + 16 * ((p % 8) ^ g) + 4 * t),
+                                 "r"(dSa[p / 2][r]));
+                }
+            }
+            fence_async_shared();
+            mbarrier_arrive(dS_full(n));  // this thread's part of dS^T(n), visible to the products
+
+            // Second turn: dV_j += P^T dO_i and dK_j += dS^T Q_i, A from registers, B the rows of dO_i (Q_i)
+            // k16 at a time, MN-major (the next 64-column half B_r * 128 bytes on); with them the dQ_i share
+            // of step n - 1, whose dS^T both consumers wrote a turn ago.
+            if constexpr (decltype(with_dQ)::value)
+                mbarrier_wait(dS_full(n - 1), ds_parity(n - 1));
+            float dQ[DQ_N / 2];
+            take_turn();
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < Q_STEPS; ++kk)
+                wgmma_rs<d_head, dtype_id>(dV_acc, Pa[kk], descriptor(dO_i + kk * 2048, B_r * 128, 1024));
+#pragma unroll
+            for (int kk = 0; kk < Q_STEPS; ++kk)
+                wgmma_rs<d_head, dtype_id>(dK_acc, dSa[kk], descriptor(Q_i + kk * 2048, B_r * 128, 1024));
+            if constexpr (decltype(with_dQ)::value)
+                issue_dQ(dQ, n - 1);
+            wgmma_commit();
+            give_turn();
+            wgmma_wait_all();
+            settle(dV_acc);
+            settle(dK_acc);
+            mbarrier_arrive(QdO_empty(n));  // this thread's reads of Q_i, dO_i, lse_i and D_i done
+            if constexpr (decltype(with_dQ)::value)
+                store_dQ(dQ, n - 1, it, step - 1);
+        };
+        if (it.steps > 0) {
+            one_step(0, Flag<false>{});
+            ++n;
+        }
+#pragma unroll 1
+        for (int step = 1; step < it.steps; ++step, ++n)
+            one_step(step, Flag<true>{});
+        if (it.steps > 0) {
+            // The tile's last dQ_i share, in a turn of its own: it reads K_j, so before K_j's release.
+            mbarrier_wait(dS_full(n - 1), ds_parity(n - 1));
+            float dQ[DQ_N / 2];
+            take_turn();
+            wgmma_fence();
+            issue_dQ(dQ, n - 1);
+            wgmma_commit();
+            give_turn();
+            wgmma_wait_all();
+            mbarrier_arrive(KV_empty);  // this thread's products that read K_j and V_j have landed
+            store_dQ(dQ, n - 1, it, it.steps - 1);
+            ++u;
+        }
+
+        // dK_j = scale sum dS^T Q and dV_j, rounded to the dtype: lane (g, t) holds columns 8 n + 2 t, + 1 of
+        // keys warp_key + g and + 8; none past T_k.
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int key = warp_key + g + 8 * h;
+            if (key < T_k) {
+                element* dK_row = dK + ((long long)it.kv_bh * T_k + key) * d_head;
+                element* dV_row = dV + ((long long)it.kv_bh * T_k + key) * d_head;
+#pragma unroll
+                for (int c = 0; c < d_head / 8; ++c) {
+                    *(unsigned*)&dK_row[8 * c + 2 * t] = pack_rounded<dtype_id>(dK_acc[4 * c + 2 * h] * scale, dK_acc[4 * c + 2 * h + 1] * scale);
+                    *(unsigned*)&dV_row[8 * c + 2 * t] = pack_rounded<dtype_id>(dV_acc[4 * c + 2 * h], dV_acc[4 * c + 2 * h + 1]);
+                }
+            }
+        }
+    }
+    if (consumer == 0)
+        take_turn();  // consumer 1's last pass
+    // The writer's last share: none, its place head -1 (once the writer has read the share before it).
+    if (shares > 0)
+        mbarrier_wait(dQ_empty(consumer), (unsigned)(shares - 1) & 1u);
+    if (thread == 0)
+        share_of[consumer] = make_int4(-1, 0, 0, 0);
+    mbarrier_arrive(dQ_full(consumer));
+}
