@@ -16,8 +16,8 @@ Every array is contiguous (the launcher copies views): Q, O, dO and dQ (B, NH, T
 dV (B, NH_kv, T_k, d), NH_kv = NH / kv_group; lse (B, NH, T_q), the forward's log-sum-exp of each
 row's scaled scores (natural log, +inf for a row that sees no key: lab.lse in kernels/ladder.py);
 D (B, NH, T_q) float32 scratch, for rowsum(dO o O). With lab.dq_accum, dQ_accum is float32 scratch
-of dQ's shape and dQ_turns B x NH x ceil(T_q / B_r) x lab.dq_counts ints (one more, a tile counter, for a
-rung with a persistent phase), both the rung's to clear in its first phase
+of dQ's shape and dQ_turns B x NH x ceil(T_q / B_r) ints (one more, a tile counter, for a rung with a
+persistent phase), both the rung's to clear in its first phase
 (b02: dQ added into dQ_accum with atomics, then converted; a deterministic configuration's blocks
 take turns per query tile); without it both are null. The mask is the forward's: causal aligned
 bottom-right when T_q != T_k; with grouped-query heads dK and dV sum the group's query heads.
@@ -38,7 +38,6 @@ lab.tf32_products (each meaning what it does there):
                                              block an SM walks them), and, if not the defaults, its
                                              block and shared memory (expressions of the parameters)
     lab.dq_accum   true                      dQ_accum and dQ_turns are allocated (default false)
-    lab.dq_counts  2                         dQ_turns' ints per query tile (an expression; default 1)
     lab.deterministic deterministic          1 for a configuration that gives the same bits on every
                                              run (an expression; default 0): what
                                              attention_backward(..., deterministic=True) picks
@@ -67,8 +66,7 @@ from .. import ladder
 BACKWARD_DIR = Path(__file__).resolve().parent
 _RUNG_FILE = re.compile(r"^b(\d+)_([a-z0-9_]+)\.cu$")
 _KEYS = {"template", "configs", "threads", "smem", "options", "stack", "tolerance", "dtypes", "dtype_param",
-         "supports", "min_arch", "tf32_products", "phase", "dq_accum", "dq_counts", "deterministic", "tma",
-         "unverified"}
+         "supports", "min_arch", "tf32_products", "phase", "dq_accum", "deterministic", "tma", "unverified"}
 TMA_TENSORS = ("Q", "K", "V", "O", "dO", "dQ_accum")  # what a backward rung's lab.tma may describe
 TILES = {"query": "B_r", "key": "B_c"}  # a phase's grid, and the parameter that sizes its tiles
 _PHASE = re.compile(r"(\w+):\s*(query|key) tiles(\s+persistent)?\s*((?:,\s*(?:threads|smem)\s+.+)*)")
@@ -90,7 +88,6 @@ class BackwardRung(ladder.Rung):
 
     phases: tuple[Phase, ...] = ()
     dq_accum: bool = False
-    dq_counts: str = "1"
     deterministic: str = "0"
 
     def phase_block(self, phase: Phase, config) -> tuple[int, int, int]:
@@ -103,10 +100,6 @@ class BackwardRung(ladder.Rung):
     def entry_expression(self, phase: Phase, config) -> str:
         """`backward_dk_dv<64, 64, 64, 0>`: one phase of one configuration, as NVRTC names it."""
         return f"{phase.entry}<{', '.join(str(int(v)) for v in config)}>"
-
-    def counts_per_tile(self, config) -> int:
-        """dQ_turns' ints per query tile (lab.dq_counts)."""
-        return ladder.evaluate(self.dq_counts, self.params(config))
 
     def is_deterministic(self, config) -> bool:
         return ladder.evaluate(self.deterministic, self.params(config)) == 1
@@ -209,7 +202,6 @@ def parse(path: Path) -> BackwardRung:
         raise ValueError(f"{where}: an entry point appears twice ({', '.join(entries)})")
     rung = ladder.build(path, decl, cls=BackwardRung, tma_tensors=TMA_TENSORS, phases=phases,
                         dq_accum=decl.get("dq_accum", "false").lower() == "true",
-                        dq_counts=decl.get("dq_counts", "1"),
                         deterministic=decl.get("deterministic", "0"))
     if "dQ_accum" in dict(rung.tma) and not rung.dq_accum:
         raise ValueError(f"{path}: lab.tma describes dQ_accum, which exists only with lab.dq_accum true")
@@ -222,8 +214,6 @@ def parse(path: Path) -> BackwardRung:
             rung.phase_block(p, c), rung.phase_smem(p, c)
         if ladder.evaluate(rung.deterministic, rung.params(c)) not in (0, 1):
             raise ValueError(f"{path}: lab.deterministic {rung.deterministic} is not 0 or 1 for config {c}")
-        if rung.counts_per_tile(c) < 1:
-            raise ValueError(f"{path}: lab.dq_counts {rung.dq_counts} is not a positive count for config {c}")
     return rung
 
 

@@ -154,8 +154,7 @@ def prepare_backward(q, k, v, o, lse, do, *, kernel, causal: bool = True, scale=
     dq_accum = dq_turns = None
     if rung.dq_accum:  # cleared by the rung's first phase
         dq_accum = cupy.empty(q.shape, dtype=np.float32)
-        tiles = B * NH * -(-T_q // rung.params(inst.config)["B_r"])
-        counts = tiles * rung.counts_per_tile(inst.config)  # then a persistent phase's tile counter
+        counts = B * NH * -(-T_q // rung.params(inst.config)["B_r"])  # then a persistent phase's tile counter
         dq_turns = cupy.empty(counts + rung.has_persistent_phase, dtype=np.int32)
     causal = bool(causal)
     tensors = {"Q": q, "K": k, "V": v, "O": o, "dO": do, "dQ_accum": dq_accum}
