@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The backward ladder on one GPU, in one device call (191 s on an H200 for b08 and b09 on 2026-11-30:
-# the tests 29 s, the sanitizer 45, the two runs 50 and 40, sass 27): every GPU test of the backward
-# rungs; the newest rung under compute-sanitizer (one shape, the four tools at once); the two newest bfloat16 rungs timed together at
-# every case (bench.py backward --interleave, twice, the order reversed, for bench.py compare); and the
-# newest rung's SASS, where its warps' stall samples fall (bench.py sass --backward), at a d = 64 and a
-# d = 128 shape.
+# the tests 29 s, the sanitizer 45, the two timed runs 50 and 40, sass 27): every GPU test of the
+# backward rungs; the newest rung under compute-sanitizer (one shape, the four tools at once); the two
+# newest bfloat16 rungs timed together at every case (bench.py backward --interleave, twice, the order
+# reversed, for bench.py compare); and the newest rung's SASS, where its warps' stall samples fall
+# (bench.py sass --backward), at a d = 64 and a d = 128 shape.
 #
 #     OUT=/tmp/out tools/device_backward.sh              the two newest rungs that take bfloat16
 #     OUT=/tmp/out tools/device_backward.sh b08 b09      an older rung and a newer one, by name
