@@ -9,12 +9,13 @@
 #     OUT=/tmp/out tools/device_backward.sh              the two newest rungs that take bfloat16
 #     OUT=/tmp/out tools/device_backward.sh b08 b09      an older rung and a newer one, by name
 #
-# A device call hands back only its output's tail, so every step writes its output to a file in $OUT, and
-# each step has a time limit of its own, so that one that hangs leaves the others theirs (a sanitizer run
-# stopped at its limit kills its children: tools/sanitize.py). Writes into $OUT: tests.txt, sanitize.txt
-# and sanitize-*.json, bench-1.txt, bench-2.txt and backward-*.json (in bench-1/, bench-2/), sass.txt and
-# sass-*.json, compare.txt (bench.py compare of the two runs), and summary.txt (each step's exit status
-# and seconds, printed at the end). Exits non-zero if any step failed or ran out of time.
+# A device call hands back only its output's tail and at most 8 files of $OUT, so every step writes its
+# output into one log, a section a step, and each step has a time limit of its own, so that one that hangs
+# leaves the others theirs (a sanitizer run stopped at its limit kills its children: tools/sanitize.py).
+# Writes 7 files into $OUT: log.txt (every step's output, `== step` before each), sanitize-*.json,
+# backward-*.json in bench-1/ and bench-2/, sass-*.json, compare.txt (bench.py compare of the two runs) and
+# summary.txt (each step's exit status and seconds, printed at the end). Exits non-zero if any step failed
+# or ran out of time.
 set -u
 : "${OUT:?set OUT to the folder for the results}"
 cd "$(dirname "$0")/.."
@@ -35,38 +36,39 @@ device="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -
 stamp="$(date -u +%Y%m%dT%H%M%SZ)"
 status=0
 
-# step NAME LIMIT_SECONDS LOG COMMAND...: the command under `timeout`, its output into $OUT/LOG, a line
-# for summary.txt.
+# step NAME LIMIT_SECONDS COMMAND...: the command under `timeout`, its output into its section of
+# $OUT/log.txt, a line for summary.txt.
 step() {
-    local name="$1" limit="$2" log="$OUT/$3" began=$SECONDS code
-    shift 3
-    echo "== $name ($*)" > "$log"
+    local name="$1" limit="$2" log="$OUT/log.txt" began=$SECONDS code
+    shift 2
+    echo "== $name ($*)" >> "$log"
     timeout "$limit" "$@" >> "$log" 2>&1
     code=$?
     [ "$code" -eq 0 ] || status=1
     local verdict="exit $code"
     [ "$code" -eq 124 ] && verdict="ran past its limit of $limit s"
-    printf '%-9s %-26s %4d s  (%s)\n' "$name" "$verdict" $((SECONDS - began)) "${log##*/}" >> "$OUT/summary.txt"
+    printf '%-9s %-26s %4d s\n' "$name" "$verdict" $((SECONDS - began)) >> "$OUT/summary.txt"
 }
 
 : > "$OUT/summary.txt"
+: > "$OUT/log.txt"
 echo "device ${device:-none}, rungs $older_name and $newer_name, commit $(git rev-parse --short HEAD 2>/dev/null)" >> "$OUT/summary.txt"
 
 # About 15 s on an H200 with -n 8 (each rung's configurations compiled once per worker).
-step tests 240 tests.txt python3 -m pytest -q -n 8 -m gpu tests/test_backward_gpu.py --durations=10
+step tests 240 python3 -m pytest -q -n 8 -m gpu tests/test_backward_gpu.py --durations=10
 
-step sanitize 120 sanitize.txt python3 tools/sanitize.py --only "$newer_name" --quick --parallel --timeout 100 \
+step sanitize 120 python3 tools/sanitize.py --only "$newer_name" --quick --parallel --timeout 100 \
     --json "$OUT/sanitize-$newer_name-${device:-nogpu}-$stamp.json"
 
 # About a minute each: 14 cases, each rung beside its deterministic run, SDPA cuDNN's backward as the peer.
 for run in 1 2; do
     order="$older,$newer"
     [ "$run" -eq 2 ] && order="$newer,$older"
-    step "bench $run" 180 "bench-$run.txt" python3 bench.py backward --dtype bfloat16 --kernels "$order" \
+    step "bench $run" 180 python3 bench.py backward --dtype bfloat16 --kernels "$order" \
         --cases gpt2,d128,noncausal,gqa,long --peers sdpa_cudnn --interleave --budget-ms 100 --results "$OUT/bench-$run"
 done
 
-step sass 150 sass.txt python3 bench.py sass --backward "$newer" --cases 16x12x2048-d64,2x32x4096-d128 --results "$OUT"
+step sass 150 python3 bench.py sass --backward "$newer" --cases 16x12x2048-d64,2x32x4096-d128 --results "$OUT"
 
 if ls "$OUT"/bench-1/backward-*.json "$OUT"/bench-2/backward-*.json > /dev/null 2>&1; then
     python3 bench.py compare --of "$newer_name" --over "$older_name" \
