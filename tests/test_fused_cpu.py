@@ -371,6 +371,22 @@ def test_layer_table_matches_decode_step_struct():
     assert "decode_step" not in fast.kernel_expressions(TINY, "float32")  # head size 16: the graphs only
 
 
+@pytest.mark.parametrize("dtype", fast.DTYPES)
+def test_decode_step_sums_the_heads_terms_per_block_where_every_block_would_wait_longest(dtype):
+    """step_reduce_heads: proj_input's round trips through L2 one after another, C / 4 columns over the
+    compute threads times groups of up to 10 heads (12 where NH <= 12): 1 at GPT-2 small, 2 at medium
+    and large, 6 at xl, which alone takes reduce_heads. Both forms compile without spills at every size."""
+    rounds = {name: fast.step_proj_rounds(gpt2.SIZES[name]) for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
+    assert rounds == {"gpt2": 1, "gpt2-medium": 2, "gpt2-large": 2, "gpt2-xl": 6}
+    assert [fast.step_reduce_heads(gpt2.SIZES[name]) for name in rounds] == [False, False, False, True]
+    for name in rounds:
+        for reduce in (False, True):
+            file, expr = fast.kernel_expressions(gpt2.SIZES[name], dtype, reduce_heads=reduce)["decode_step"]
+            assert expr.endswith(f"{'true' if reduce else 'false'}>")
+            r = fused.compile_report(file, expr, "sm_90")
+            assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0 and r.registers <= 168, (name, r)
+
+
 def test_engine_options_are_on_where_they_work():
     """pdl and persistent: False keeps the option off without checking, None takes what the check
     allows, True insists and names the reason when it cannot."""

@@ -667,26 +667,31 @@ def follows_step_by_step(cp, engine, graphs, dtype: str, steps: int, what: str) 
             engine.state[0:1].set(np.asarray([want], dtype=np.int32), stream=engine.stream)
 
 
+@pytest.mark.parametrize("reduce", [False, True])
 @pytest.mark.parametrize("max_len", [None, 97])
 @pytest.mark.parametrize("dtype", fast.DTYPES)
-def test_persistent_step_follows_the_per_operation_step(cp, small, dtype, max_len):
+def test_persistent_step_follows_the_per_operation_step(cp, small, dtype, max_len, reduce):
     """Teacher-forced to the per-operation step's tokens, step by step up to the engine's last position
     (97: splits of 13 or 17 keys, the last one short): the logits within summation-order rounding (float32
-    1e-5 relative, bfloat16 5e-4), the same argmax wherever the top two are apart, the same state."""
-    engine = persistent_engine(cp, small, dtype, max_len=max_len)
+    1e-5 relative, bfloat16 5e-4), the same argmax wherever the top two are apart, the same state. With the
+    heads' terms of attn.c_proj summed in every block (GPT-2 small's default) and by each block for its
+    columns of x (reduce: gpt2-xl's)."""
+    engine = persistent_engine(cp, small, dtype, max_len=max_len, step_reduce=reduce)
+    assert engine.step.reduce_heads == reduce
     graphs = fast.Engine(small.params, small.config, dtype=dtype, keep_logits=True, persistent=False,
                          max_len=max_len)
     n = 48 if max_len is None else max_len - len(PROMPT)
     follows_step_by_step(cp, engine, graphs, dtype, n, dtype)
 
 
+@pytest.mark.parametrize("reduce", [False, True])
 @pytest.mark.parametrize("dtype", fast.DTYPES)
-def test_persistent_step_windows_are_single_steps(cp, small, dtype):
+def test_persistent_step_windows_are_single_steps(cp, small, dtype, reduce):
     """One launch runs a window of steps, carrying token and position on the device: the tokens of
     windows of STEPS_PER_LAUNCH equal those of one step per launch, and a rerun gives the same tokens
     (deterministic: fixed summation orders, no atomics in the arithmetic)."""
-    windows = persistent_engine(cp, small, dtype)
-    single = persistent_engine(cp, small, dtype, steps_per_launch=1)
+    windows = persistent_engine(cp, small, dtype, step_reduce=reduce)
+    single = persistent_engine(cp, small, dtype, steps_per_launch=1, step_reduce=reduce)
     want = windows.generate(PROMPT, 200, attend=reference_attend, kv_cache=True).tokens
     assert single.generate(PROMPT, 200, attend=reference_attend, kv_cache=True).tokens == want
     assert windows.generate(PROMPT, 200, attend=reference_attend, kv_cache=True).tokens == want

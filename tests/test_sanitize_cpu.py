@@ -252,7 +252,8 @@ def test_main_lists_targets_and_refuses_unknown_ones(capsys):
     assert sanitize.main(["--list", "--only", "v17,step"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out == ["forward   v17_decode_cluster",
-                   "step      step-float32 step-bfloat16 step-float32-ring3 step-bfloat16-ring2"]
+                   "step      step-float32 step-bfloat16 step-float32-ring3 step-bfloat16-ring2 step-float32-reduce "
+                   "step-bfloat16-reduce"]
     assert sanitize.main(["--only", "nothing*"]) == 2
     assert "matches no target" in capsys.readouterr().err
 
@@ -485,7 +486,8 @@ def test_the_targets_cover_every_rung_dtype_and_declared_feature():
     groups = targets.groups()
     assert groups["forward"] == kernels.names() and groups["backward"] == kernels.backward_names()
     assert groups["triton"] == kernels.triton_names()
-    assert {"step-float32", "step-bfloat16", "step-float32-ring3", "step-bfloat16-ring2"} == set(groups["step"])
+    assert {"step-float32", "step-bfloat16", "step-float32-ring3", "step-bfloat16-ring2", "step-float32-reduce",
+            "step-bfloat16-reduce"} == set(groups["step"])
     rungs = [kernels.load(n) for n in kernels.names()] + [kernels.backward.load(n) for n in kernels.backward_names()]
     for rung in rungs:
         assert targets.rung_dtypes(rung, quick=False) == tuple(rung.dtypes)

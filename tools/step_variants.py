@@ -2,7 +2,8 @@
 
     python3 tools/step_variants.py [--position 264] [--dtype float32] [--size gpt2-xl] [--ring 3] -- "" "-DPOLL_SLEEP_NS=0"
 
-Each argument after `--` is one variant: NVRTC options separated by commas ("" is the file as it is). For each
+Each argument after `--` is one variant: NVRTC options separated by commas ("" is the file as it is), and
+`reduce=0` or `reduce=1` among them for the kernel's REDUCE_HEADS (else the plan's choice). For each
 dtype: the model (GPT-2 small unless --size) with random weights, the step planned for --ring slots where given
 (step_plan's ring), a KV cache filled by a generation; every variant runs 64
 steps from the same state and cache, and must leave the same tokens and the same bits of x as the
@@ -46,10 +47,12 @@ def main(argv=None) -> int:
         engine = fast.Engine(params, ckpt.config, dtype=dtype, persistent=True, step_ring=args.ring)
         print(f"{args.size} {dtype}: {engine.plan}")
         engine.generate([1, 2, 3], 300, attend=gpt2.reference_attend, kv_cache=True)  # the cache up to 303
-        name, expr = fast.kernel_expressions(ckpt.config, dtype)["decode_step"]
         fns = []
         for options in variants:
-            fn = fused.function(name, expr, options=options)
+            reduce = [o.split("=")[1] == "1" for o in options if o.startswith("reduce=")]
+            name, expr = fast.kernel_expressions(ckpt.config, dtype, reduce_heads=reduce[-1] if reduce else None)[
+                "decode_step"]
+            fn = fused.function(name, expr, options=tuple(o for o in options if not o.startswith("reduce=")))
             fn.max_dynamic_shared_size_bytes = engine.plan.smem
             fns.append(fn)
         k0, v0 = engine.k_cache.copy(), engine.v_cache.copy()

@@ -49,7 +49,8 @@ class Engine(FastEngine):
     def __init__(self, params: dict, config: GPT2Config, *, dtype: str | None = None, max_len: int | None = None,
                  prefetch: bool = True, pdl: bool | None = None, steps_per_graph: int = STEPS_PER_GRAPH,
                  steps_per_launch: int = STEPS_PER_LAUNCH, keep_logits: bool = False,
-                 persistent: bool | None = None, products: str | None = None, step_ring: int | None = None):
+                 persistent: bool | None = None, products: str | None = None, step_ring: int | None = None,
+                 step_reduce: bool | None = None):
         import cupy as cp
 
         import kernels
@@ -74,7 +75,7 @@ class Engine(FastEngine):
             self.whole = WholeSequence(self, products)
             self._compile()
         self.stream.synchronize()
-        self.step = PersistentStep(self, step_ring)
+        self.step = PersistentStep(self, step_ring, step_reduce)
         self.choose_launches(prefetch, pdl, persistent)
 
     def _allocate(self, keep_logits: bool) -> None:

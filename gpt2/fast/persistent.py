@@ -14,7 +14,8 @@ from lm.arena import Arena, Buffer
 from lm.errors import LabError
 from lm.switch import ON, Switch
 
-from .plan import FOLDS, LAYER_POINTERS, NULL, STEP_BLOCK, STEP_STAGES, STEP_THREADS, kernel_expressions, step_plan
+from .plan import (FOLDS, LAYER_POINTERS, NULL, STEP_BLOCK, STEP_STAGES, STEP_THREADS, kernel_expressions, step_plan,
+                   step_reduce_heads)
 from .weights import layernorm_fold
 
 
@@ -23,9 +24,11 @@ class PersistentStep:
     the folds and copies it reads beside the engine's weights, and its handoff buffers and scratch (one
     arena, `buffers`)."""
 
-    def __init__(self, engine, ring: int | None = None):
+    def __init__(self, engine, ring: int | None = None, reduce_heads: bool | None = None):
         self.engine = engine
         self.ring = ring  # the step's slots, where given (step_plan's ring: for measuring)
+        # decode_step.cu's REDUCE_HEADS, where given (for measuring), else step_reduce_heads's choice
+        self.reduce_heads = step_reduce_heads(engine.config) if reduce_heads is None else reduce_heads
         self.plan = None
 
     def setup(self) -> Switch:
@@ -38,7 +41,7 @@ class PersistentStep:
             return Switch.off("needs compute capability 9.0 (cp.async.bulk)")
         if not device.attributes.get("CooperativeLaunch", 0):
             return Switch.off("the device has no cooperative launch")
-        exprs = kernel_expressions(c, e.dtype)
+        exprs = kernel_expressions(c, e.dtype, reduce_heads=self.reduce_heads)
         if "decode_step" not in exprs:
             return Switch.off(f"head size {c.head_size}: decode_step needs a multiple of 32 dividing {STEP_THREADS}")
         import kernels
@@ -96,6 +99,7 @@ class PersistentStep:
             Buffer("partial", (L, c.n_head, plan.splits, c.head_size + 2), np.uint64),
             Buffer("g", (L, c.mlp_width), np.uint32),
             Buffer("proj", (L, c.n_head, c.n_embd), np.uint32),
+            Buffer("xa", (L, c.n_embd), np.uint32),  # x after the attention, where the blocks sum the heads' terms
             Buffer("block_max", plan.blocks, np.float32),
             Buffer("block_arg", plan.blocks, np.int32),
             Buffer("barrier", 1, np.uint32),  # never reset: see decode_step.cu
@@ -111,7 +115,7 @@ class PersistentStep:
         args = (self.layer_table, np.int32(c.n_layer), e.wte, e.wpe, p["ln_f.weight"], self.lnf_fold, e.eps,
                 np.int32(c.vocab_size), np.int32(e.max_len), np.int32(plan.splits),
                 np.float32(1.0 / math.sqrt(c.head_size)), e.x, b["x"], b["qkv"], b["partial"], b["g"], b["proj"],
-                b["block_max"], b["block_arg"], e.logits if e.logits is not None else NULL, e.state,
+                b["xa"], b["block_max"], b["block_arg"], e.logits if e.logits is not None else NULL, e.state,
                 e.history, b["barrier"], b["epoch"], np.int32(n), np.int32(plan.slot_bytes),
                 np.int32(plan.slots), *(np.int32(r) for r in plan.item_rows), np.int32(plan.lm_rows),
                 np.int32(plan.lm_keep), NULL if trace is None else trace)

@@ -81,9 +81,11 @@ def lm_head_blocks(fn, warps: int, rows: int, V: int, sm_count: int) -> int:
     return max(1, min(sm_count * per_sm, -(-groups // warps)))
 
 
-def kernel_expressions(config: GPT2Config, dtype: str) -> dict[str, tuple[str, str]]:
+def kernel_expressions(config: GPT2Config, dtype: str, *, reduce_heads: bool | None = None
+                       ) -> dict[str, tuple[str, str]]:
     """Every kernel the engine compiles for this model and dtype: key -> (kernels/fused file, name
-    expression). No device needed: the CPU tests compile exactly these."""
+    expression). No device needed: the CPU tests compile exactly these. reduce_heads: decode_step's
+    REDUCE_HEADS where given, else step_reduce_heads's choice."""
     C, F, HS = config.n_embd, config.mlp_width, config.head_size
     item = 2 if dtype == "bfloat16" else 4
     wt = "unsigned short" if dtype == "bfloat16" else "float"
@@ -93,6 +95,7 @@ def kernel_expressions(config: GPT2Config, dtype: str) -> dict[str, tuple[str, s
         return "gemv", f"gemv<{wt}, {K}, {warps}, {rows}, {'true' if ln else 'false'}, {epi}>"
 
     lm_warps, lm_rows = lm_head_shape(config, dtype)
+    reduce = step_reduce_heads(config) if reduce_heads is None else reduce_heads
     return {
         "c_attn": gemv(3 * C, C, True, EPI_BIAS),
         "c_proj": gemv(C, C, False, EPI_RESIDUAL),
@@ -108,7 +111,8 @@ def kernel_expressions(config: GPT2Config, dtype: str) -> dict[str, tuple[str, s
         "kv_store": ("kv_store", f"kv_store<{wt}>"),
         "merge_heads": ("merge_heads", f"merge_heads<{wt}>"),
         "spin": ("spin", "spin"),
-        **({"decode_step": ("decode_step", f"decode_step<{wt}, {C}, {config.n_head}, {HS}, {F}, {STEP_THREADS}>")}
+        **({"decode_step": ("decode_step", f"decode_step<{wt}, {C}, {config.n_head}, {HS}, {F}, {STEP_THREADS}, "
+                                           f"{'true' if reduce else 'false'}>")}
            if HS % 32 == 0 and STEP_THREADS % HS == 0 else {}),
     }
 
@@ -156,6 +160,23 @@ LAYER_POINTERS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
                   "attn.c_attn.fold", "attn.c_proj.bias", "mlp.c_fc.fold", "mlp.c_proj.bias",
                   "ln_1.weight", "ln_2.weight", "k_cache", "v_cache")  # decode_step.cu's Layer
 FOLDS = {"attn.c_attn": "ln_1", "mlp.c_fc": "ln_2"}  # the linear layers decode_step.cu folds a LayerNorm into
+
+
+def step_proj_rounds(config: GPT2Config) -> int:
+    """Round trips through L2 one after another in decode_step.cu's proj_input (every block gathering every
+    head's term of attn.c_proj for every column of x): C / 4 columns over STEP_THREADS threads, each column
+    12 heads' loads at once where NH <= 12, else groups of 10."""
+    group = config.n_head if config.n_head <= 12 else 10
+    return -(-config.n_embd // 4 // STEP_THREADS) * -(-config.n_head // group)
+
+
+# decode_step.cu's REDUCE_HEADS: where proj_input would take more round trips than this, each block sums
+# the heads' terms for its own columns of x and hands them on (reduce_heads), one handoff more
+STEP_REDUCE_ROUNDS = 2
+
+
+def step_reduce_heads(config: GPT2Config) -> bool:
+    return step_proj_rounds(config) > STEP_REDUCE_ROUNDS
 
 
 STEP_RING = 3  # slots the ring aims for where items as large as the shares allow do not fit two (unmeasured)

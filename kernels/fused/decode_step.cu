@@ -67,7 +67,14 @@
  * order, the same in every block, so the step stays deterministic. Summing them at the end of stage
  * B instead, each block its share of x's columns, handed to stage C as 768 parity words in place of
  * 12 * 768, was slower (H200: bfloat16 151 against 146 us a token, float32 223 against 206): two
- * handoffs cost more than one that reads twelve times the bytes.
+ * handoffs cost more than one that reads twelve times the bytes. At gpt2-xl it goes the other way
+ * (REDUCE_HEADS, gpt2/fast/plan.py's step_reduce_heads): its 25 heads' terms of 400 columns take a
+ * thread with two columns 6 round trips through L2 one after another (proj_input keeps 10 heads' loads
+ * in flight), where reduce_heads has each block sum its 4 columns (100 words at once), hand them on,
+ * and stage C gather x as it gathers x after stage D. H200, `tools/step_variants.py`, us a token at
+ * 264, same run (without / with): gpt2-xl float32 2,213.8 / 2,174.8, bfloat16 1,533.3 / 1,522.5;
+ * where proj_input takes 2 round trips the extra handoff costs more than it saves: gpt2-large float32
+ * 1,169.2 / 1,201.2, bfloat16 809.7 / 851.1, gpt2-medium float32 583.7 / 612.4, bfloat16 394.9 / 393.7.
  *
  * The weight stream. Block b of G owns a fixed share of every stage: rows [b * ceil(N / G), ...) of
  * each (out, in) matrix, one contiguous range of bytes, plus the vectors the stage reads (LayerNorm's
@@ -134,6 +141,19 @@
  * depth tried (H200, `tools/step_variants.py`, us a token at 264): gpt2-xl bfloat16 k = 0 / 2 / 3 / 5
  * 1,536 / 1,591 / 1,618 / 1,684; gpt2-xl float32 k = 3 2,215 against 2,385; gpt2-large bfloat16
  * 818 against 843; GPT-2 small k = 0 / 2 / 4 bfloat16 155 / 160 / 163, float32 205 / 220 / 254.
+ * Where a stage's share comes as several items, most slots come free in the middle of a stage, with no
+ * handoff to keep clear of, and stage B's and E's last items can be empty (no copy): the pause there
+ * too is DELAY_MID_STAGE and DELAY_EMPTY, both on. Off, by size (H200, `tools/step_variants.py`, us a
+ * token at 264, same run; as is / mid-stage off / empty off / both off): GPT-2 small float32 203.9 /
+ * 210.5 / 209.7 / 216.9, bfloat16 152.7 / 155.0 / 154.9 / 159.2; gpt2-medium float32 583.2 / 587.0 /
+ * 588.8 / 592.8, bfloat16 387.4 / 382.8 / 387.8 / 380.6; gpt2-large float32 1,173.5 / 1,180.2 / 1,139.1
+ * / 1,173.5, bfloat16 814.8 / 808.7 / 830.2 / 809.6; gpt2-xl float32 2,174.3 / 2,144.4 / 2,198.6 /
+ * 2,121.4, bfloat16 1,511.5 / 1,497.0 / 1,543.3 / 1,511.8 (with both off, ISSUE_DELAY_NS 0 / 150 / 400 /
+ * 800: float32 2,182.9 / 2,171.9 / 2,140.2 / 2,106.2, bfloat16 1,503.9 / 1,511.4 / 1,502.8 / 1,530.2).
+ * No setting is faster at every size, and an earlier build of the same choices gave gpt2-xl bfloat16
+ * 1.014x where this one gives 1.000x: the pause paces the copies as well as clearing the handoffs
+ * (even GPT-2 small, whose only mid-stage slots are stage E's, is slower without it), and the gains are
+ * a few percent of one position's time at one size each; the pause stays everywhere.
  *
  * The barrier. One counter, never reset: block 0 adds 2^31 - (G - 1), every other block adds 1, so
  * the top bit flips exactly when all G blocks have arrived and the low bits return to zero, and the
@@ -170,7 +190,9 @@
  * (fixed orders, no atomics in the arithmetic).
  *
  * Template parameters: weight_t (float or bfloat16 bits, also the cache's type), C (n_embd), NH, HS
- * (head size, a multiple of 32 dividing THREADS), F (MLP width), THREADS. Geometry (gpt2/fast/plan.py,
+ * (head size, a multiple of 32 dividing THREADS), F (MLP width), THREADS, REDUCE_HEADS (the heads' terms
+ * of attn.c_proj summed by each block for its columns of x and handed on, reduce_heads, or summed whole in
+ * every block, proj_input; gpt2/fast/plan.py's step_reduce_heads). Geometry (gpt2/fast/plan.py,
  * step_plan): grid G (one block per SM, cooperative), block THREADS + 32 (the compute warps and the
  * producer), dynamic shared memory 128 bytes of mbarriers + nslot * slot_bytes + F floats (the input
  * vector, also stage B's scores) + C floats (the layer's input x) + the layer table (struct Layer,
@@ -189,6 +211,12 @@
 #endif
 #ifndef ISSUE_DELAY_NS  // the producer's pause between a slot coming free and its next copy (see the header)
 #define ISSUE_DELAY_NS (sizeof(weight_t) == 2 ? 250 : 550)
+#endif
+#ifndef DELAY_MID_STAGE  // 1: the pause also where an item in the middle of a stage freed the slot (no handoff)
+#define DELAY_MID_STAGE 1
+#endif
+#ifndef DELAY_EMPTY  // 1: the pause also before an empty item (no copy)
+#define DELAY_EMPTY 1
 #endif
 #ifndef LL_SLEEP_NS
 #define LL_SLEEP_NS 0  // between rounds of reloads of stale handoff words (20 ns: 1% slower)
@@ -617,6 +645,42 @@ __device__ __forceinline__ void proj_input(const float* x_in, const unsigned int
     compute_sync<THREADS>();
 }
 
+// The heads' terms summed once, not in every block (REDUCE_HEADS): block b's share of x's 16-byte
+// columns, x_in + (b + sum_h proj_h) with the same additions in the same order as proj_input, handed on
+// as parity words (out), which stage C then gathers as it gathers x after stage D (pw_input). proj_input
+// reads every head's term of every column in every block: NH * C words, C / 4 columns over THREADS
+// threads at most 10 heads' loads in flight, so gpt2-xl's 25 heads of 400 columns take 6 round trips
+// through L2 one after another in a thread that has two columns. Here a block's share is at most
+// ceil(C / 4 / G) columns of NH words, all in flight at once, and the one more handoff costs a round
+// trip. scratch: NH * ceil(C / 4 / G) float4 of shared memory (stage B's scores' place, free by then).
+template <int C, int NH, int THREADS>
+__device__ __forceinline__ void reduce_heads(const float* x_in, const unsigned int* proj, unsigned int epoch,
+                                             const float* bias, float* scratch, unsigned int* out)
+{
+    const Share s = share(C / 4, blockIdx.x, gridDim.x);  // columns of four
+    float4* part = reinterpret_cast<float4*>(scratch);      // [head][column of the share]
+    for (int t = threadIdx.x; t < NH * s.count; t += THREADS) {
+        uint4 w[1];
+        pw_gather(w, [&](int) { return proj + (t / s.count) * C + 4 * (s.first + t % s.count); }, epoch);
+        part[t] = pw_float4(w[0]);
+    }
+    compute_sync<THREADS>();
+    if ((int)threadIdx.x < s.count) {
+        const int i = s.first + threadIdx.x;
+        float4 t = __ldg(reinterpret_cast<const float4*>(bias) + i);
+        for (int h = 0; h < NH; ++h) {
+            const float4 v = part[h * s.count + threadIdx.x];
+            t.x += v.x; t.y += v.y; t.z += v.z; t.w += v.w;
+        }
+        const float4 xv = reinterpret_cast<const float4*>(x_in)[i];
+        pw_store(out + 4 * i + 0, xv.x + t.x, epoch);
+        pw_store(out + 4 * i + 1, xv.y + t.y, epoch);
+        pw_store(out + 4 * i + 2, xv.z + t.z, epoch);
+        pw_store(out + 4 * i + 3, xv.w + t.w, epoch);
+    }
+    compute_sync<THREADS>();  // scratch is the next stage's
+}
+
 // (best, arg) folded with (v, a): the larger value, the smaller index on ties, NaN never taken.
 __device__ __forceinline__ void take_max(float& best, int& arg, float v, int a)
 {
@@ -713,6 +777,24 @@ struct Stream {
         per_step = n_layer * per_layer + lm_chunks;
     }
 
+    // Whether item i is the last of its stage: its release comes with the stage's handoff.
+    __device__ __forceinline__ bool ends_stage(long long i) const
+    {
+        const int r = (int)(i % per_step);
+        if (r >= n_layer * per_layer) return r + 1 == per_step;  // stage E's last chunk
+        const int j = r % per_layer + 1;
+        return j == items[0] || j == items[0] + items[1] || j == items[0] + items[1] + items[2] || j == per_layer;
+    }
+
+    // The bytes item i brings.
+    __device__ __forceinline__ unsigned int bytes(long long i) const
+    {
+        unsigned int total = 0;
+        auto count = [&](const void*, unsigned int n) { total += n; };
+        ranges(i, count);
+        return total;
+    }
+
     // Whether item r of a step (i % per_step) is a stage B item (it reads the cache).
     __device__ __forceinline__ bool attention(int r) const
     {
@@ -794,10 +876,7 @@ struct Stream {
     __device__ __forceinline__ void issue(long long i) const
     {
         unsigned long long* bar = full + i % nslot;
-        unsigned int total = 0;
-        auto count = [&](const void*, unsigned int bytes) { total += bytes; };
-        ranges(i, count);
-        mbar_expect(bar, total);
+        mbar_expect(bar, bytes(i));
         if (attention((int)(i % per_step)))  // cache rows, written by earlier steps' ordinary stores
             asm volatile("fence.proxy.async.global;" ::: "memory");
         unsigned char* dst = slots + (i % nslot) * slot_bytes;
@@ -881,13 +960,13 @@ struct ItemRows {
     }
 };
 
-template <typename weight_t, int C, int NH, int HS, int F, int THREADS>
+template <typename weight_t, int C, int NH, int HS, int F, int THREADS, bool REDUCE_HEADS>
 __global__ void __launch_bounds__(THREADS + 32, 1)
 decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weight_t* __restrict__ wte,
             const weight_t* __restrict__ wpe, const float* __restrict__ lnf_w, const float2* __restrict__ lnf_fold,
             float eps, int V, int max_len, int splits, float scale, float* x, unsigned int* pw_x,
             unsigned long long* ll_qkv, unsigned long long* ll_partial, unsigned int* pw_g, unsigned int* pw_proj,
-            float* block_max, int* block_arg, float* logits, int* state, int* history, unsigned int* barrier,
+            unsigned int* pw_xa, float* block_max, int* block_arg, float* logits, int* state, int* history, unsigned int* barrier,
             unsigned int* ll_epoch, int steps, int slot_bytes, int nslot, int rows_a, int rows_b, int rows_c, int rows_d,
             int lm_rows, int lm_keep, unsigned long long* trace)
 {
@@ -950,7 +1029,8 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                 for (; passed < step && stream.attention(r); ++passed) mbar_wait(&stepped, passed & 1);
                 if (i >= nslot) {
                     mbar_wait(empty + i % nslot, (unsigned int)((i / nslot - 1) & 1));
-                    spin_ns(ISSUE_DELAY_NS);  // out of the way of the handoff that follows the release
+                    if ((DELAY_MID_STAGE || stream.ends_stage(i - nslot)) && (DELAY_EMPTY || stream.bytes(i) > 0))
+                        spin_ns(ISSUE_DELAY_NS);  // out of the way of the handoff that follows the release
                 }
                 stream.issue(i);
                 if (i + 1 == min(items, (long long)nslot)) stream.keep(kept, lnf_w, &kept_bar);  // after the first items
@@ -1190,12 +1270,17 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                 while (seq.taken < stage_items[1]) seq.next();  // the rest are empty: every block takes as many
             }
             handoff(step);
+            if (REDUCE_HEADS)  // x after the attention, this block's columns of it (its wait is stage B's)
+                reduce_heads<C, NH, THREADS>(x_in, proj_l, epoch, L.b_proj, in_s, pw_xa + (long long)l * C);
 
             // C: x += sum_h proj_h + b (the heads in order); g = gelu(LN_2(x) W_fc + b), LayerNorm folded
             sh = share(F, b, G);
             {
                 const unsigned char* at = take();
-                proj_input<C, NH, THREADS>(x_in, proj_l, epoch, L.b_proj, x_in, in_s, linear_ln_w(at));
+                if (REDUCE_HEADS)
+                    pw_input<C, THREADS>(pw_xa + (long long)l * C, epoch, x_in, nullptr, in_s, linear_ln_w(at));
+                else
+                    proj_input<C, NH, THREADS>(x_in, proj_l, epoch, L.b_proj, x_in, in_s, linear_ln_w(at));
                 mark(step, stage - 1, 1);
                 if (warp == WARPS - 1) layernorm_stats<C>(x_in, eps, ln_s);
                 linear_items<weight_t, C, THREADS>(LinearSlot<weight_t>(at, piece(sh, 0, stage_rows[2]), C, true, true), sh,
