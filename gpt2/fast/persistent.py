@@ -14,8 +14,17 @@ from lm.arena import Arena, Buffer
 from lm.errors import LabError
 from lm.switch import ON, Switch
 
-from .plan import (FOLDS, LAYER_POINTERS, NULL, STEP_BLOCK, STEP_STAGES, STEP_THREADS, kernel_expressions, step_plan,
-                   step_reduce_heads)
+from .plan import (
+    FOLDS,
+    LAYER_POINTERS,
+    NULL,
+    STEP_BLOCK,
+    STEP_STAGES,
+    STEP_THREADS,
+    kernel_expressions,
+    step_plan,
+    step_reduce_heads,
+)
 from .weights import layernorm_fold
 
 
