@@ -139,22 +139,32 @@ class PersistentStep:
         handoff's words or the barrier (wait); medians of `repeats` runs of the second of two steps, from
         the global timer that each block's thread 0 reads. Changes state, history and the cache at
         `position` and the next: run generate() again after."""
+        stages = len(STEP_STAGES) * self.engine.config.n_layer + 1
+        ms = np.median([stage_times(t, stages, self.plan.blocks) for t in self.traces(position, repeats)], axis=0)
+        return [(name, *row) for name, row in zip(self.stage_names(), ms.tolist(), strict=True)]
+
+    def stage_names(self) -> list[str]:
+        """The trace's stages in order: STEP_STAGES per layer, then the lm_head."""
+        n = self.engine.config.n_layer
+        return [f"h.{i}.{kind}" for i in range(n) for kind in STEP_STAGES] + ["ln_f+lm_head+argmax"]
+
+    def traces(self, position: int, repeats: int = 5) -> list[np.ndarray]:
+        """`repeats` global-timer traces of two steps from `position` (after one run to warm up), each
+        (2, stages, blocks, 2) int64 ns: each block's end of a stage (0) and its start of the next with
+        its inputs in hand (1). Changes state, history and the cache at `position` and the next."""
         e = self.engine
-        cp, c = e.cp, e.config
+        cp = e.cp
         if not 0 <= position < e.max_len - 2:
             raise LabError(f"position {position} outside the engine's 0..{e.max_len - 3}")
-        stages = len(STEP_STAGES) * c.n_layer + 1
-        trace = cp.zeros((2, stages, self.plan.blocks, 2), dtype=cp.uint64)
+        trace = cp.zeros((2, len(self.stage_names()), self.plan.blocks, 2), dtype=cp.uint64)
         runs = []
         for _ in range(repeats + 1):  # the first run warms up
             with e.stream:
                 e.state.set(np.asarray([0, position], dtype=np.int32), stream=e.stream)
                 self.launch(2, trace)
             e.stream.synchronize()
-            runs.append(stage_times(cp.asnumpy(trace).astype(np.int64), stages, self.plan.blocks))
-        ms = np.median(runs[1:], axis=0)
-        names = [f"h.{i}.{kind}" for i in range(c.n_layer) for kind in STEP_STAGES]
-        return [(name, *row) for name, row in zip(names + ["ln_f+lm_head+argmax"], ms.tolist(), strict=True)]
+            runs.append(cp.asnumpy(trace).astype(np.int64))
+        return runs[1:]
 
 
 def stage_times(t, stages: int, blocks: int):

@@ -1,0 +1,56 @@
+"""tools/step_trace.py's arithmetic on the CPU, on a trace built by hand (the GPU run is the tool itself):
+each block's start, end and next start of a stage, their spreads, and a head's key splits against the
+one that holds the position."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+
+import step_trace  # noqa: E402
+
+
+def trace(stages: int, blocks: int) -> np.ndarray:
+    """Two steps: block b ends stage k at 1000 (step * stages + k) + 10 b ns and has the next stage's
+    inputs 100 + b ns later (the end of one stage and the start of the next, decode_step.cu's marks)."""
+    t = np.zeros((2, stages, blocks, 2), dtype=np.int64)
+    for step in range(2):
+        for k in range(stages):
+            for b in range(blocks):
+                end = 1000 * (step * stages + k) + 10 * b
+                t[step, k, b] = (end, end + 100 + b)
+    return t
+
+
+def test_block_times_take_the_second_step_and_the_previous_marks_as_starts():
+    t = trace(stages=3, blocks=4)
+    start, end, ready = step_trace.block_times(t, 3)
+    assert start.shape == end.shape == ready.shape == (3, 4)
+    assert end[0].tolist() == [3000, 3010, 3020, 3030]  # step 1, stage 0
+    assert ready[0].tolist() == [3100, 3111, 3122, 3133]
+    assert start[0].tolist() == [2100, 2111, 2122, 2133]  # step 0's last stage, inputs in hand
+    assert start[1].tolist() == ready[0].tolist()
+
+
+def test_stage_spread_in_microseconds():
+    t = trace(stages=3, blocks=4)
+    row = step_trace.stage_spread(*step_trace.block_times(t, 3))[1]
+    # work: end (4000 + 10 b) less start (3100 + 11 b) = 900 - b ns
+    np.testing.assert_allclose(row[:3], [0.897, 0.8985, 0.9])
+    np.testing.assert_allclose(row[3:5], [0.015, 0.03])  # ends 0, 10, 20, 30 ns behind the first
+    np.testing.assert_allclose(row[5:], [0.1, 0.1015, 0.103])  # waits 100 + b
+
+
+def test_split_skew_finds_the_last_split_and_the_one_holding_the_position():
+    heads, splits = 2, 3
+    start = np.array([[0, 500, 200, 0, 0, 0, 7]], dtype=np.int64)  # a seventh block with no head
+    end = np.array([[3000, 3000, 3400, 1000, 1900, 1000, 9]], dtype=np.int64)
+    # position 5: chunk ceil(6 / 3) = 2, so split 2 holds it
+    got = step_trace.split_skew(start, end, heads, splits, pos=5)
+    assert got.shape == (1, 2, 3)
+    np.testing.assert_allclose(got[0, 0], [0.5, 0.4, 1.0])  # head 0: split 2 ends last
+    np.testing.assert_allclose(got[0, 1], [0.0, 0.9, 0.0])  # head 1: split 1 does

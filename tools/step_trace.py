@@ -1,0 +1,102 @@
+"""Where the persistent decode step (kernels/fused/decode_step.cu) loses time, block by block: its
+global-timer trace, which `lab.py --profile-step` and tools/decode_breakdown.py reduce to one work and one
+wait figure a stage, read here as distributions over the blocks.
+
+    python3 tools/step_trace.py --size gpt2-xl --dtype float32 --position 264
+
+For each kind of stage (STEP_STAGES, then the lm_head), microseconds per stage averaged over the layers,
+each a median over --repeats runs of the second of two steps: a block's work (from its inputs in hand to
+its end of the stage: least, median, most over the blocks), how far its end lies behind the earliest
+block's (median, most), and its wait from its end to the next stage's inputs in hand (least, median,
+most). For the attention stage, per head of the layers: how far apart its key splits get their inputs
+(q, k and v from the projection: the latest split against the earliest) and end the stage (the
+combine makes every split wait for the last), and which split ends last, the one that holds the
+position or another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def block_times(t: np.ndarray, stages: int):
+    """(start, end, ready) of the second step, each (stages, blocks) ns, from a trace t (2, stages, blocks,
+    2): a block's start of a stage (its inputs in hand: the previous stage's mark 1), its end of it
+    (mark 0), and its start of the next (mark 1)."""
+    marks = t.reshape(2 * stages, -1, 2)
+    start = marks[stages - 1:2 * stages - 1, :, 1]
+    return start, t[1, :, :, 0], t[1, :, :, 1]
+
+
+def stage_spread(start: np.ndarray, end: np.ndarray, ready: np.ndarray) -> np.ndarray:
+    """Per stage (rows), us: work least / median / most, end behind the earliest median / most, wait
+    least / median / most."""
+    work, lag, wait = end - start, end - end.min(axis=1, keepdims=True), ready - end
+    cols = [work.min(1), np.median(work, 1), work.max(1), np.median(lag, 1), lag.max(1), wait.min(1),
+            np.median(wait, 1), wait.max(1)]
+    return np.stack(cols, axis=1) / 1e3
+
+
+def split_skew(start: np.ndarray, end: np.ndarray, heads: int, splits: int, pos: int) -> np.ndarray:
+    """The attention stages' rows of start and end: per (stage, head), us between its splits' earliest
+    and latest start, the same for their ends, and whether the split that holds `pos` ends last."""
+    chunk = -(-(pos + 1) // splits)  # decode_step.cu's stage B: split s takes keys [s * chunk, ...)
+    holder = min(splits - 1, pos // chunk)
+    s = start[:, :heads * splits].reshape(-1, heads, splits)
+    e = end[:, :heads * splits].reshape(-1, heads, splits)
+    return np.stack([(s.max(2) - s.min(2)) / 1e3, (e.max(2) - e.min(2)) / 1e3,
+                     (e.argmax(2) == holder).astype(float)], axis=2)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", default="gpt2", help="a GPT-2 size: gpt2, gpt2-medium, gpt2-large, gpt2-xl")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--position", type=int, default=264)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+
+    import cupy as cp
+
+    import gpt2
+    import gpt2.fast as fast
+
+    if args.size not in gpt2.SIZES:
+        parser.error(f"--size must be one of {', '.join(gpt2.SIZES)}")
+    ckpt = gpt2.random_weights(args.size, seed=0, xp=cp)
+    params = ckpt.params if args.dtype == "float32" else fast.as_bfloat16(ckpt.params)
+    engine = fast.Engine(params, ckpt.config, dtype=args.dtype, persistent=True)
+    print(f"{args.size} {args.dtype} at position {args.position}: {engine.plan}, REDUCE_HEADS {engine.step.reduce_heads}")
+    engine.generate([1, 2, 3], 16, attend=gpt2.reference_attend, kv_cache=True)  # compiled and warm
+    step = engine.step
+    names = step.stage_names()
+    stages, kinds = len(names), (*fast.STEP_STAGES, "ln_f+lm_head+argmax")
+    spreads, skews = [], []
+    for t in step.traces(args.position, args.repeats):
+        start, end, ready = block_times(t, stages)
+        spreads.append(stage_spread(start, end, ready))
+        b = slice(1, stages - 1, len(fast.STEP_STAGES))  # the attention stage of every layer
+        skews.append(split_skew(start[b], end[b], ckpt.config.n_head, engine.plan.splits, args.position + 1))
+    spread, skew = np.median(spreads, axis=0), np.median(skews, axis=0)
+    print(f"{'us a stage, mean over layers':<30} {'work least/median/most':>24} {'end lag median/most':>20} "
+          f"{'wait least/median/most':>24}")
+    for kind in kinds:
+        rows = spread[[k for k, name in enumerate(names) if name.endswith(kind)]].mean(axis=0)
+        print(f"{kind:<30} {rows[0]:8.2f} {rows[1]:7.2f} {rows[2]:7.2f} {rows[3]:10.2f} {rows[4]:8.2f} "
+              f"{rows[5]:8.2f} {rows[6]:7.2f} {rows[7]:7.2f}")
+    inputs, ends, last = skew.reshape(-1, 3).T
+    print(f"attention, a head's {engine.plan.splits} key splits: inputs in hand {np.median(inputs):.2f} us apart "
+          f"(median; 90th percentile {np.percentile(inputs, 90):.2f}), ends {np.median(ends):.2f} apart "
+          f"({np.percentile(ends, 90):.2f}); the split holding the position ends last in {100 * last.mean():.0f}% "
+          "of heads")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
