@@ -27,11 +27,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 def block_times(t: np.ndarray, stages: int):
     """(start, end, ready) of the second step, each (stages, blocks) ns, from a trace t (2, stages, blocks,
-    2): a block's start of a stage (its inputs in hand: the previous stage's mark 1), its end of it
+    marks): a block's start of a stage (its inputs in hand: the previous stage's mark 1), its end of it
     (mark 0), and its start of the next (mark 1)."""
-    marks = t.reshape(2 * stages, -1, 2)
-    start = marks[stages - 1:2 * stages - 1, :, 1]
+    start = t[..., 1].reshape(2 * stages, -1)[stages - 1:2 * stages - 1]
     return start, t[1, :, :, 0], t[1, :, :, 1]
+
+
+def attention_phases(t: np.ndarray, start: np.ndarray, stages: int, layer_stages: int, working: int) -> np.ndarray:
+    """Stage B's inside from a TRACE_MARKS 4 trace, per layer and working block (the first `working`), us:
+    its own keys (inputs in hand to its partial stored, mark 2), the head's partials (to mark 3: the
+    combine's wait), the combine and the projection (to the stage's end)."""
+    b = slice(1, stages - 1, layer_stages)
+    own, combined, end = t[1, b, :working, 2], t[1, b, :working, 3], t[1, b, :working, 0]
+    return np.stack([own - start[b, :working], combined - own, end - combined], axis=2) / 1e3
 
 
 def stage_spread(start: np.ndarray, end: np.ndarray, ready: np.ndarray) -> np.ndarray:
@@ -60,6 +68,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     parser.add_argument("--position", type=int, default=264)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--detail", action="store_true",
+                        help="a build with TRACE_MARKS 4: stage B's own keys, combine wait and projection apart")
     args = parser.parse_args(argv)
 
     import cupy as cp
@@ -75,14 +85,25 @@ def main(argv=None) -> int:
     print(f"{args.size} {args.dtype} at position {args.position}: {engine.plan}, REDUCE_HEADS {engine.step.reduce_heads}")
     engine.generate([1, 2, 3], 16, attend=gpt2.reference_attend, kv_cache=True)  # compiled and warm
     step = engine.step
+    marks = 4 if args.detail else 2
+    if args.detail:
+        from kernels import fused
+
+        name, expr = fast.kernel_expressions(ckpt.config, args.dtype, reduce_heads=step.reduce_heads)["decode_step"]
+        fn = fused.function(name, expr, options=("-DTRACE_MARKS=4",))
+        fn.max_dynamic_shared_size_bytes = engine.plan.smem
+        engine.fn["decode_step"] = fn
     names = step.stage_names()
     stages, kinds = len(names), (*fast.STEP_STAGES, "ln_f+lm_head+argmax")
-    spreads, skews = [], []
-    for t in step.traces(args.position, args.repeats):
+    spreads, skews, phases = [], [], []
+    working = ckpt.config.n_head * engine.plan.splits
+    for t in step.traces(args.position, args.repeats, marks):
         start, end, ready = block_times(t, stages)
         spreads.append(stage_spread(start, end, ready))
         b = slice(1, stages - 1, len(fast.STEP_STAGES))  # the attention stage of every layer
         skews.append(split_skew(start[b], end[b], ckpt.config.n_head, engine.plan.splits, args.position + 1))
+        if args.detail:
+            phases.append(attention_phases(t, start, stages, len(fast.STEP_STAGES), working))
     spread, skew = np.median(spreads, axis=0), np.median(skews, axis=0)
     print(f"{'us a stage, mean over layers':<30} {'work least/median/most':>24} {'end lag median/most':>20} "
           f"{'wait least/median/most':>24}")
@@ -95,6 +116,12 @@ def main(argv=None) -> int:
           f"(median; 90th percentile {np.percentile(inputs, 90):.2f}), ends {np.median(ends):.2f} apart "
           f"({np.percentile(ends, 90):.2f}); the split holding the position ends last in {100 * last.mean():.0f}% "
           "of heads")
+    if args.detail:
+        p = np.median(phases, axis=0)  # (layers, working blocks, 3)
+        print("attention stage inside, us (median / most over the working blocks, mean over layers): "
+              + "; ".join(f"{what} {np.median(p[..., i], axis=1).mean():.2f} / {p[..., i].max(axis=1).mean():.2f}"
+                          for i, what in enumerate(("own keys to partial stored", "wait for the head's partials",
+                                                    "combine and projection"))))
     return 0
 
 

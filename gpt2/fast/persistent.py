@@ -148,15 +148,16 @@ class PersistentStep:
         n = self.engine.config.n_layer
         return [f"h.{i}.{kind}" for i in range(n) for kind in STEP_STAGES] + ["ln_f+lm_head+argmax"]
 
-    def traces(self, position: int, repeats: int = 5) -> list[np.ndarray]:
+    def traces(self, position: int, repeats: int = 5, marks: int = 2) -> list[np.ndarray]:
         """`repeats` global-timer traces of two steps from `position` (after one run to warm up), each
-        (2, stages, blocks, 2) int64 ns: each block's end of a stage (0) and its start of the next with
-        its inputs in hand (1). Changes state, history and the cache at `position` and the next."""
+        (2, stages, blocks, marks) int64 ns: each block's end of a stage (0) and its start of the next
+        with its inputs in hand (1); marks 4 for a decode_step built with TRACE_MARKS 4 (stage B's
+        inside). Changes state, history and the cache at `position` and the next."""
         e = self.engine
         cp = e.cp
         if not 0 <= position < e.max_len - 2:
             raise LabError(f"position {position} outside the engine's 0..{e.max_len - 3}")
-        trace = cp.zeros((2, len(self.stage_names()), self.plan.blocks, 2), dtype=cp.uint64)
+        trace = cp.zeros((2, len(self.stage_names()), self.plan.blocks, marks), dtype=cp.uint64)
         runs = []
         for _ in range(repeats + 1):  # the first run warms up
             with e.stream:

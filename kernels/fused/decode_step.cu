@@ -199,8 +199,10 @@
  * copied from `layers` at the start) + the kept rows of wte (KeptRows). rows_a ... rows_d: the rows
  * of an item of stages A-D (stage B: rows of HS weights), from which every block counts the same
  * items (Stream::count_items). Needs sm_90 (cp.async.bulk, mbarrier transaction counts).
- * trace (may be null): the global timer, (steps, 4 * n_layer + 1, G, 2), at each block's end of a
- * stage (0) and at its start of the next with its inputs in hand (1), for Engine.profile_persistent.
+ * trace (may be null): the global timer, (steps, 4 * n_layer + 1, G, TRACE_MARKS), at each block's end of a
+ * stage (0) and at its start of the next with its inputs in hand (1), for Engine.profile_persistent;
+ * with TRACE_MARKS 4 (a diagnostic build, tools/step_trace.py --detail), stage B's row also marks the
+ * split's own attention done, its partial stored (2), and the head's partials in hand (3).
  */
 #include "common.cuh"
 
@@ -217,6 +219,9 @@
 #endif
 #ifndef DELAY_EMPTY  // 1: the pause also before an empty item (no copy)
 #define DELAY_EMPTY 1
+#endif
+#ifndef TRACE_MARKS
+#define TRACE_MARKS 2  // global-timer marks a block and stage in `trace` (4: stage B's inside too)
 #endif
 #ifndef LL_SLEEP_NS
 #define LL_SLEEP_NS 0  // between rounds of reloads of stale handoff words (20 ns: 1% slower)
@@ -1054,8 +1059,9 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
     // (trace read from shared memory where used, not held in registers through the step: the larger
     // sizes' kernels sit at 168 registers, and a held trace made gpt2-medium's spill once items were split)
     auto mark = [&](int step, int k, int which) {
-        if (tid == 0 && trace_s != nullptr)
-            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(trace_s[(((long long)step * stages + k) * gridDim.x + blockIdx.x) * 2 + which]));
+        if (which < TRACE_MARKS && tid == 0 && trace_s != nullptr)
+            asm volatile("mov.u64 %0, %%globaltimer;"
+                         : "=l"(trace_s[(((long long)step * stages + k) * gridDim.x + blockIdx.x) * TRACE_MARKS + which]));
     };
     // Done with the item and the stage; the next stage's inputs come as they are handed over (pw_input).
     auto handoff = [&](int step) { release(); mark(step, stage++, 0); };
@@ -1232,6 +1238,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                     ll_store(part + split * (HS + 2) + tid, total, epoch);
                     if (tid == 0) { ll_store(part + split * (HS + 2) + HS, m, epoch); ll_store(part + split * (HS + 2) + HS + 1, sum, epoch); }
                 }
+                mark(step, stage, 2);
                 if (head < NH) {
                     unsigned long long w[MAX_SPLITS + 2];  // o of each split (threads below HS), then m and l of split tid
                     ll_gather(w, [&](int k) -> const unsigned long long* {
@@ -1243,6 +1250,7 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                     // against 205.6, H200, 264, same run)
                     if (tid < splits) { ml_s[2 * tid] = ll_float(w[MAX_SPLITS]); ml_s[2 * tid + 1] = ll_float(w[MAX_SPLITS + 1]); }
                     compute_sync<THREADS>();
+                    mark(step, stage, 3);
                     if (tid < HS) {  // y_h, where q_h was
                         float M = -INFINITY;
 #pragma unroll
