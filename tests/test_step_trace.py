@@ -83,3 +83,8 @@ def test_the_detail_build_compiles_without_spills():
         file, expr = fast.kernel_expressions(gpt2.SIZES[size], "bfloat16")["decode_step"]
         r = fused.compile_report(file, expr, "sm_90", ("-DTRACE_MARKS=4",))
         assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0 and r.registers <= 168, (size, r)
+
+
+def test_resolution_is_the_smallest_step_between_marks():
+    t = np.array([[0, 1024, 2048], [1056, 3072, 0]], dtype=np.int64)
+    assert step_trace.resolution(t) == 32

@@ -42,6 +42,14 @@ def attention_phases(t: np.ndarray, start: np.ndarray, stages: int, layer_stages
     return np.stack([own - start[b, :working], combined - own, end - combined], axis=2) / 1e3
 
 
+def resolution(t: np.ndarray) -> int:
+    """The global timer's step as the trace shows it: the smallest nonzero difference between two of its
+    marks, ns (marks a phase shorter than it apart read 0 or one step)."""
+    marks = np.unique(t[t > 0])
+    steps = np.diff(marks)
+    return int(steps[steps > 0].min()) if steps.size else 0
+
+
 def stage_spread(start: np.ndarray, end: np.ndarray, ready: np.ndarray) -> np.ndarray:
     """Per stage (rows), us: work least / median / most, end behind the earliest median / most, wait
     least / median / most."""
@@ -97,7 +105,9 @@ def main(argv=None) -> int:
     stages, kinds = len(names), (*fast.STEP_STAGES, "ln_f+lm_head+argmax")
     spreads, skews, phases = [], [], []
     working = ckpt.config.n_head * engine.plan.splits
-    for t in step.traces(args.position, args.repeats, marks):
+    traces = step.traces(args.position, args.repeats, marks)
+    print(f"global timer step in these traces: {min(resolution(t) for t in traces)} ns")
+    for t in traces:
         start, end, ready = block_times(t, stages)
         spreads.append(stage_spread(start, end, ready))
         b = slice(1, stages - 1, len(fast.STEP_STAGES))  # the attention stage of every layer
