@@ -260,12 +260,13 @@ def find_ncu(given: str | None) -> str:
     return path
 
 
-def target_args(kernel: str | None, shape: tuple[int, int] | str | None, dtype: str, backward: bool = False) -> list[str]:
+def target_args(kernel: str | None, shape: tuple[int, int] | str | None, dtype: str, backward: bool = False,
+                size: str | None = None) -> list[str]:
     """The child ncu profiles: one rung at one shape (B x T, or a frontier case's id), a backward rung's
-    pass (backward), or (kernel None) one decode step."""
+    pass (backward), or (kernel None) one decode step (of GPT-2 small, or of `size`)."""
     base = [sys.executable, "-m", "benchmarks.profile_target", "--dtype", dtype]
     if kernel is None:
-        return base + ["--decode"]
+        return base + ["--decode"] + (["--size", size] if size else [])
     where = ["--case", shape] if isinstance(shape, str) else ["--shape", f"{shape[0]}x{shape[1]}"]
     return base + ["--backward" if backward else "--kernel", kernel, *where]
 

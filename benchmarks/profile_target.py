@@ -2,15 +2,16 @@
 
     python -m benchmarks.profile_target --kernel v13 --shape 8x1024 --dtype float32
     python -m benchmarks.profile_target --kernel v24 --case 2x32x4096-d128-gqa8 --dtype bfloat16
-    python -m benchmarks.profile_target --decode --dtype bfloat16
+    python -m benchmarks.profile_target --decode --dtype bfloat16 [--size gpt2-xl]
     python -m benchmarks.profile_target --backward b05 --case 16x12x2048-d64 --dtype bfloat16
 
 A rung: random q, k, v (B, 12, T, 64), or a shape of `bench.py frontier` (--case: its heads, head size,
 grouped K/V heads and mask), prepared and compiled (kernels.prepare), three warm-up launches,
 then one launch profiled. --backward: a backward rung on the same inputs and a random dO, after the
 newest forward rung that writes the log-sum-exp (as `bench.py backward` runs it), every phase of one
-backward pass profiled (--deterministic: its deterministic configuration). --decode: GPT-2 small with random weights on gpt2.fast's engine, a warm-up
-generation of WARMUP tokens, then one decode step profiled. ncu (--profile-from-start off) sees only
+backward pass profiled (--deterministic: its deterministic configuration). --decode: GPT-2 (small, or
+--size) with random weights on gpt2.fast's engine, a warm-up generation of WARMUP tokens, then one decode
+step profiled. ncu (--profile-from-start off) sees only
 the profiled launch. Nothing goes to stdout, where ncu writes its CSV; errors are one line on stderr,
 exit status 2.
 """
@@ -120,14 +121,16 @@ def backward_launch(kernel: str, B: int, T: int, dtype: str, case=None, determin
     return run
 
 
-def decode_launch(dtype: str):
-    """gpt2.fast's engine on GPT-2 small (random weights) after a warm-up generation: one decode step."""
+def decode_launch(dtype: str, size: str = "gpt2"):
+    """gpt2.fast's engine on a GPT-2 size (random weights) after a warm-up generation: one decode step."""
     import cupy
 
     import gpt2
     from gpt2 import fast
 
-    ckpt = gpt2.random_weights("gpt2", xp=cupy)
+    if size not in gpt2.SIZES:
+        raise TargetError(f"no GPT-2 size {size!r}; the sizes: {', '.join(gpt2.SIZES)}")
+    ckpt = gpt2.random_weights(size, xp=cupy)
     try:
         engine = fast.engine_for(ckpt.params, ckpt.config, dtype=dtype)
     except gpt2.LabError as exc:
@@ -143,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     what.add_argument("--decode", action="store_true", help="one decode step of gpt2.fast's engine")
     what.add_argument("--backward", metavar="KERNEL", help="a backward rung (b05, b05_wgmma or a .cu path)")
     parser.add_argument("--deterministic", action="store_true", help="with --backward: its deterministic mode")
+    parser.add_argument("--size", default="gpt2", help="with --decode: the GPT-2 size (default gpt2)")
     parser.add_argument("--shape", type=shape_arg, default=(8, 1024), metavar="BxT", help="default 8x1024")
     parser.add_argument("--case", default=None, metavar="ID",
                         help="a shape of bench.py frontier in place of --shape, e.g. 2x32x4096-d128-gqa8")
@@ -155,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         case = frontier_case(args.case) if args.case else None
         if args.deterministic and not args.backward:
             raise TargetError("--deterministic goes with --backward")
-        launch = (decode_launch(args.dtype) if args.decode
+        if args.size != "gpt2" and not args.decode:
+            raise TargetError("--size goes with --decode")
+        launch = (decode_launch(args.dtype, args.size) if args.decode
                   else backward_launch(args.backward, *args.shape, args.dtype, case, args.deterministic)
                   if args.backward else rung_launch(args.kernel, *args.shape, args.dtype, case))
         cupy.cuda.Device().synchronize()

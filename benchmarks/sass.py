@@ -1,6 +1,7 @@
 """`bench.py sass`: where a rung's warps wait, instruction by instruction, from Nsight Compute's source view.
 
     python3 bench.py sass --kernels v26,v27 --cases 2x32x4096-d128 --dtype bfloat16
+    python3 bench.py sass --decode gpt2,gpt2-xl --dtype float32  GPT-2's decode step (the persistent one on sm_90)
     python3 bench.py sass --from-csv v27-sass.csv            a source page saved earlier, no GPU
 
 bench.py profile gives a rung's counters as totals: the tensor pipe busy so much, the top stall `wait`. This
@@ -104,6 +105,17 @@ def parse_table(lines: list[str]) -> list[dict]:
     return rows
 
 
+def size_list(text: str) -> list[str]:
+    """'gpt2,gpt2-xl' -> GPT-2 sizes (gpt2.SIZES)."""
+    import gpt2
+
+    sizes = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in sizes if s not in gpt2.SIZES]
+    if not sizes or unknown:
+        raise argparse.ArgumentTypeError(f"GPT-2 sizes, comma-separated, of {', '.join(gpt2.SIZES)}; got {text!r}")
+    return sizes
+
+
 def positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -200,9 +212,23 @@ def sass_entries(ncu: str, path: Path, case, dtype: str, top: int, backward: boo
         return [entry | {"status": "error", "reason": str(exc)}]
 
 
+def decode_entries(ncu: str, size: str, dtype: str, top: int) -> list[dict]:
+    """One decode step of GPT-2 `size` on gpt2.fast's engine (profile_target --decode) under ncu: an entry
+    per kernel it launches (the persistent step's one where it runs), as sass_entries."""
+    entry = {"name": f"decode step {size}", "case": dtype}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            report = Path(tmp) / "decode.ncu-rep"
+            run_ncu(report_command(ncu, report, target_args(None, None, dtype, size=size)), f"decode step {size}")
+            pages = parse_source(run_ncu(source_command(ncu, report), f"decode step {size}: the source page"))
+        return entries_of(pages, entry, top)
+    except (RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:
+        return [entry | {"status": "error", "reason": str(exc)}]
+
+
 def cmd_sass(args) -> int:
-    if args.backward is not None and args.kernels is not None:
-        raise device.CannotRun("--kernels and --backward: name the forward rungs or the backward ones")
+    if sum(x is not None for x in (args.backward, args.kernels, args.decode)) > 1:
+        raise device.CannotRun("--kernels, --backward and --decode: name one kind of target")
     if args.from_csv is not None:
         for e in entries_of(parse_source(args.from_csv.read_text()), {"name": args.from_csv.stem, "case": None},
                             args.top):
@@ -212,11 +238,19 @@ def cmd_sass(args) -> int:
     device.require_gpu()
     setup = device.setup_info(args.argv)
     dev = setup["device"]
-    backward = args.backward is not None
-    rungs = args.backward if backward else args.kernels if args.kernels is not None else [
-        kernels.resolve(kernels.names()[-1])]
     entries = []
-    for case in args.cases or case_list("2x32x4096-d128"):
+    for size in args.decode or ():
+        progress(f"decode step {size} {args.dtype}: under ncu (every section) ...")
+        for e in decode_entries(ncu, size, args.dtype, args.top):
+            entries.append(e)
+            if e["status"] == "ok":
+                print("\n" + render(e), flush=True)
+            else:
+                progress(f"decode step {size} {e.get('kernel') or ''}: {e['status']}: {e['reason']}")
+    backward = args.backward is not None
+    rungs = [] if args.decode else args.backward if backward else args.kernels if args.kernels is not None else [
+        kernels.resolve(kernels.names()[-1])]
+    for case in [] if args.decode else args.cases or case_list("2x32x4096-d128"):
         for path in rungs:
             why = skip_reason(path, args.dtype, dev["arch"], case.d, backward)
             if why:
@@ -231,7 +265,7 @@ def cmd_sass(args) -> int:
                 else:
                     progress(f"{path.stem} {frontier.case_id(case)} {e.get('kernel') or ''}: {e['status']}: {e['reason']}")
     result = {"schema": SCHEMA, "kind": "sass", "setup": setup, "dtype": args.dtype,
-              "direction": "backward" if backward else "forward",
+              "direction": "decode" if args.decode else "backward" if backward else "forward",
               "ncu": {"path": ncu, "version": ncu_version(ncu),
                       "command": " ".join(report_command("ncu", Path("<report>"), ["<target>"]))},
               "entries": entries}
@@ -255,6 +289,9 @@ def add_sass_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--backward", type=backward_list, default=None, metavar="LIST",
                    help="backward rungs instead (b05,b06 or all): every kernel of one backward pass, after the "
                         "newest forward rung that writes the log-sum-exp (as bench.py profile --backward)")
+    p.add_argument("--decode", type=size_list, default=None, metavar="SIZES",
+                   help="GPT-2's decode step instead (gpt2,gpt2-xl: sizes of random weights on gpt2.fast's engine, "
+                        "one step after a warm-up generation, as bench.py profile's decode row)")
     p.add_argument("--cases", type=case_list, default=None, metavar="LIST",
                    help="frontier cases, comma-separated ids such as 2x32x4096-d128,16x12x2048-d64 (default: "
                         "2x32x4096-d128)")

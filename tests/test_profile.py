@@ -269,6 +269,7 @@ def test_ncu_command_for_a_rung():
     assert not any("gmma_cycles_active" in m for m in metrics)  # no such metric on gh100
     assert command[-len(target):] == target
     assert profile.target_args(None, None, "bfloat16")[-3:] == ["--dtype", "bfloat16", "--decode"]
+    assert profile.target_args(None, None, "float32", size="gpt2-xl")[-3:] == ["--decode", "--size", "gpt2-xl"]
 
 
 def test_every_metric_is_in_the_recorded_report():
@@ -334,6 +335,10 @@ def test_target_refuses_an_unknown_rung(capsys):
     assert err.startswith("profile_target: ") and "v99" in err and err.count("\n") == 1
     with pytest.raises(SystemExit):
         profile_target.main(["--kernel", "v13", "--shape", "0x1024"])
+    assert profile_target.main(["--kernel", "v13", "--size", "gpt2-xl"]) == 2
+    assert "--size goes with --decode" in capsys.readouterr().err
+    assert profile_target.main(["--decode", "--size", "gpt3"]) == 2
+    assert "no GPT-2 size 'gpt3'" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------

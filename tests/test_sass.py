@@ -176,8 +176,25 @@ def test_backward_rungs_run_their_pass_under_ncu(tmp_path, monkeypatch, capsys):
     calls = (tmp_path / "calls").read_text()
     assert "--backward" in calls and "--kernel " not in calls
     assert "| excessive shared wavefronts |" in capsys.readouterr().out
-    with pytest.raises(CannotRun, match="--kernels and --backward"):
+    with pytest.raises(CannotRun, match="--kernels, --backward and --decode"):
         sass.cmd_sass(parse(["sass", "--kernels", "v26", "--backward", "b05"]))
+
+
+def test_the_decode_step_of_each_size_runs_under_ncu(tmp_path, monkeypatch, capsys):
+    """--decode: the target is one decode step of each GPT-2 size named (profile_target --decode --size),
+    every kernel of the page an entry named by size, the cases ignored; an unknown size refused, and a
+    rung beside it."""
+    saved = run_on_a_fake_ncu(tmp_path, monkeypatch, PAGE, ["--decode", "gpt2,gpt2-xl", "--dtype", "float32"])
+    assert saved["direction"] == "decode" and saved["dtype"] == "float32"
+    assert [(e["name"], e["case"], e["status"]) for e in saved["entries"]] == [
+        ("decode step gpt2", "float32", "ok"), ("decode step gpt2-xl", "float32", "ok")]
+    calls = (tmp_path / "calls").read_text()
+    assert "--decode --size gpt2\n" in calls and "--decode --size gpt2-xl\n" in calls and "--kernel " not in calls
+    assert capsys.readouterr().out.count("| opcode |") == 2
+    with pytest.raises(SystemExit):
+        parse(["sass", "--decode", "gpt3"])
+    with pytest.raises(CannotRun, match="one kind of target"):
+        sass.cmd_sass(parse(["sass", "--kernels", "v26", "--decode", "gpt2"]))
 
 
 def test_a_failing_ncu_names_the_rung(tmp_path, monkeypatch):
