@@ -56,32 +56,36 @@ def test_split_skew_finds_the_last_split_and_the_one_holding_the_position():
     np.testing.assert_allclose(got[0, 1], [0.0, 0.9, 0.0])  # head 1: split 1 does
 
 
-def test_attention_phases_split_stage_b_at_its_two_inner_marks():
-    """A TRACE_MARKS 4 trace (two layers and the lm_head): block b ends a stage at 1000 k + 10 b ns, its
-    partial stored 600 ns before, the head's partials in hand 300 ns before; the previous stage's inputs
-    in hand 100 ns after that stage's end."""
+def test_attention_phases_split_stage_b_at_its_inner_marks():
+    """A TRACE_MARKS 6 trace (two layers and the lm_head): block b ends a stage at 1000 k + 10 b ns; its
+    partial stored 600 ns before, the head's partials in hand 450 before, y_h combined 400 before, the
+    projection done 100 before (then the second pass); the previous stage's inputs in hand 100 ns after
+    that stage's end. Where mark 5 is 0 (no second pass), the projection runs to the stage's end."""
     stages, blocks = 9, 6
-    t = np.zeros((2, stages, blocks, 4), dtype=np.int64)
+    t = np.zeros((2, stages, blocks, 6), dtype=np.int64)
     for step in range(2):
         for k in range(stages):
             for b in range(blocks):
                 end = 1000 * (step * stages + k) + 10 * b
-                t[step, k, b] = (end, end + 100, end - 600, end - 300)
+                t[step, k, b] = (end, end + 100, end - 600, end - 450, end - 400, end - 100)
     start, _, _ = step_trace.block_times(t, stages)
     got = step_trace.attention_phases(t, start, stages, 4, working=4)
-    assert got.shape == (2, 4, 3)  # layers, working blocks, phases
-    np.testing.assert_allclose(got, 0.3)
+    assert got.shape == (2, 4, 5)  # layers, working blocks, phases
+    np.testing.assert_allclose(got[0, 0], [0.3, 0.15, 0.05, 0.3, 0.1])
+    t[..., 5] = 0
+    got = step_trace.attention_phases(t, start, stages, 4, working=4)
+    np.testing.assert_allclose(got[1, 3], [0.3, 0.15, 0.05, 0.4, 0.0])
 
 
 def test_the_detail_build_compiles_without_spills():
-    """decode_step.cu with TRACE_MARKS 4, as tools/step_trace.py --detail builds it, at GPT-2 small and xl."""
+    """decode_step.cu with TRACE_MARKS 6, as tools/step_trace.py --detail builds it, at GPT-2 small and xl."""
     import gpt2
     import gpt2.fast as fast
     from kernels import fused
 
     for size in ("gpt2", "gpt2-xl"):
         file, expr = fast.kernel_expressions(gpt2.SIZES[size], "bfloat16")["decode_step"]
-        r = fused.compile_report(file, expr, "sm_90", ("-DTRACE_MARKS=4",))
+        r = fused.compile_report(file, expr, "sm_90", ("-DTRACE_MARKS=6",))
         assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0 and r.registers <= 168, (size, r)
 
 

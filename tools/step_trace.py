@@ -33,13 +33,21 @@ def block_times(t: np.ndarray, stages: int):
     return start, t[1, :, :, 0], t[1, :, :, 1]
 
 
+PHASES = ("own keys to partial stored", "wait for the head's partials", "combine", "projection",
+          "projection again")
+
+
 def attention_phases(t: np.ndarray, start: np.ndarray, stages: int, layer_stages: int, working: int) -> np.ndarray:
-    """Stage B's inside from a TRACE_MARKS 4 trace, per layer and working block (the first `working`), us:
-    its own keys (inputs in hand to its partial stored, mark 2), the head's partials (to mark 3: the
-    combine's wait), the combine and the projection (to the stage's end)."""
+    """Stage B's inside from a TRACE_MARKS 6 trace, per layer and working block (the first `working`), us
+    (PHASES): its own keys (inputs in hand to its partial stored, mark 2), the head's partials (to mark 3:
+    the combine's wait), the combine (to mark 4), the projection (to mark 5, or to the stage's end where
+    stage B is several items and the diagnostic's second pass does not run: mark 5 is 0) and the second
+    pass (mark 5 to the end; 0 where it does not run)."""
     b = slice(1, stages - 1, layer_stages)
-    own, combined, end = t[1, b, :working, 2], t[1, b, :working, 3], t[1, b, :working, 0]
-    return np.stack([own - start[b, :working], combined - own, end - combined], axis=2) / 1e3
+    own, partials, combined, projected, end = (t[1, b, :working, i] for i in (2, 3, 4, 5, 0))
+    projected = np.where(projected > 0, projected, end)
+    return np.stack([own - start[b, :working], partials - own, combined - partials, projected - combined,
+                     end - projected], axis=2) / 1e3
 
 
 def resolution(t: np.ndarray) -> int:
@@ -77,7 +85,8 @@ def main(argv=None) -> int:
     parser.add_argument("--position", type=int, default=264)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--detail", action="store_true",
-                        help="a build with TRACE_MARKS 4: stage B's own keys, combine wait and projection apart")
+                        help="a build with TRACE_MARKS 6: stage B's own keys, combine wait, combine and projection "
+                             "apart, and the projection run twice (the second pass's code already fetched)")
     args = parser.parse_args(argv)
 
     import cupy as cp
@@ -93,12 +102,12 @@ def main(argv=None) -> int:
     print(f"{args.size} {args.dtype} at position {args.position}: {engine.plan}, REDUCE_HEADS {engine.step.reduce_heads}")
     engine.generate([1, 2, 3], 16, attend=gpt2.reference_attend, kv_cache=True)  # compiled and warm
     step = engine.step
-    marks = 4 if args.detail else 2
+    marks = 6 if args.detail else 2
     if args.detail:
         from kernels import fused
 
         name, expr = fast.kernel_expressions(ckpt.config, args.dtype, reduce_heads=step.reduce_heads)["decode_step"]
-        fn = fused.function(name, expr, options=("-DTRACE_MARKS=4",))
+        fn = fused.function(name, expr, options=("-DTRACE_MARKS=6",))
         fn.max_dynamic_shared_size_bytes = engine.plan.smem
         engine.fn["decode_step"] = fn
     names = step.stage_names()
@@ -130,8 +139,7 @@ def main(argv=None) -> int:
         p = np.median(phases, axis=0)  # (layers, working blocks, 3)
         print("attention stage inside, us (median / most over the working blocks, mean over layers): "
               + "; ".join(f"{what} {np.median(p[..., i], axis=1).mean():.2f} / {p[..., i].max(axis=1).mean():.2f}"
-                          for i, what in enumerate(("own keys to partial stored", "wait for the head's partials",
-                                                    "combine and projection"))))
+                          for i, what in enumerate(PHASES)))
     return 0
 
 

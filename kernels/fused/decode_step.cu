@@ -201,8 +201,11 @@
  * items (Stream::count_items). Needs sm_90 (cp.async.bulk, mbarrier transaction counts).
  * trace (may be null): the global timer, (steps, 4 * n_layer + 1, G, TRACE_MARKS), at each block's end of a
  * stage (0) and at its start of the next with its inputs in hand (1), for Engine.profile_persistent;
- * with TRACE_MARKS 4 (a diagnostic build, tools/step_trace.py --detail), stage B's row also marks the
- * split's own attention done, its partial stored (2), and the head's partials in hand (3).
+ * with TRACE_MARKS 6 (a diagnostic build, tools/step_trace.py --detail), stage B's row also marks the
+ * split's own attention done, its partial stored (2), the head's partials in hand (3), y_h combined (4)
+ * and, where stage B is one item, the projection done (5), after which that build projects again, the
+ * same rows into the same words: the second pass runs the code the first brought into the instruction
+ * caches, on the same data in shared memory.
  */
 #include "common.cuh"
 
@@ -221,7 +224,7 @@
 #define DELAY_EMPTY 1
 #endif
 #ifndef TRACE_MARKS
-#define TRACE_MARKS 2  // global-timer marks a block and stage in `trace` (4: stage B's inside too)
+#define TRACE_MARKS 2  // global-timer marks a block and stage in `trace` (6: stage B's inside too)
 #endif
 #ifndef LL_SLEEP_NS
 #define LL_SLEEP_NS 0  // between rounds of reloads of stale handoff words (20 ns: 1% slower)
@@ -1267,13 +1270,22 @@ decode_step(const Layer<weight_t>* __restrict__ layers, int n_layer, const weigh
                         q_s[tid] = num / den;
                     }
                     compute_sync<THREADS>();
+                    mark(step, stage, 4);
                     // attn.c_proj is a sum over heads: x += sum_h y_h W_proj[h] + b. This split's rows of
                     // the head's term, from the head-major copy W_proj[h] (C, HS) that came with the keys.
                     const Share proj = share(C, split, splits);
-                    seq.rows(2 * staged, 2 * staged + proj.count, [&](const weight_t* W_s, int j0, int count) {
-                        head_rows_dot<weight_t, HS, THREADS>(W_s, q_s, Share{proj.first + j0 - 2 * staged, count},
-                                                             proj_l + (long long)head * C, epoch);
-                    });
+                    auto project = [&]() {
+                        seq.rows(2 * staged, 2 * staged + proj.count, [&](const weight_t* W_s, int j0, int count) {
+                            head_rows_dot<weight_t, HS, THREADS>(W_s, q_s, Share{proj.first + j0 - 2 * staged, count},
+                                                                 proj_l + (long long)head * C, epoch);
+                        });
+                    };
+                    project();
+                    if (TRACE_MARKS >= 6 && stage_items[1] == 1) {  // the diagnostic's second pass, the same stores
+                        compute_sync<THREADS>();
+                        mark(step, stage, 5);
+                        project();
+                    }
                 }
                 while (seq.taken < stage_items[1]) seq.next();  // the rest are empty: every block takes as many
             }
