@@ -151,8 +151,8 @@ class PersistentStep:
     def traces(self, position: int, repeats: int = 5, marks: int = 2) -> list[np.ndarray]:
         """`repeats` global-timer traces of two steps from `position` (after one run to warm up), each
         (2, stages, blocks, marks) int64 ns: each block's end of a stage (0) and its start of the next
-        with its inputs in hand (1); marks 4 for a decode_step built with TRACE_MARKS 4 (stage B's
-        inside). Changes state, history and the cache at `position` and the next."""
+        with its inputs in hand (1); marks 6 for a decode_step built with TRACE_MARKS 6 (stage B's
+        inside, tools/step_trace.py --detail). Changes state, history and the cache at `position` and the next."""
         e = self.engine
         cp = e.cp
         if not 0 <= position < e.max_len - 2:

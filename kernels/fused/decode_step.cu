@@ -114,9 +114,11 @@
  * as before), else sizes the items for STEP_RING slots (3), else 2. With one item a stage the
  * arithmetic and its order are as before; what changed for GPT-2 small is the loops around the item,
  * LayerNorm's weight ahead of the rows, and its registers as compiled for sm_90 (float32 146 to 151,
- * bfloat16 139 to 148; one block of 352 threads an SM either way). Not measured yet: what the larger
- * sizes' item boundaries cost (a release, a take and rows_dot's two syncs each) and the ring's best
- * depth there (step_plan's ring: 2, 3 or 4 slots).
+ * bfloat16 139 to 148; one block of 352 threads an SM either way). The ring's depth at gpt2-xl, whose
+ * shares are split (H200, `tools/step_variants.py --ring`, us a token at 264, REDUCE_HEADS on, one
+ * device session): float32 2, 3, 4 slots 2,267.9 / 2,174.8 / 2,679.3, bfloat16 1,531.2 / 1,522.5 /
+ * 1,603.7, so STEP_RING stays 3; four slots' smaller items cost more boundaries (a release, a take and
+ * rows_dot's two syncs each) than their deeper ring buys.
  * When to copy. A slot comes free at the end of a stage, in every block at about the same time, and
  * that is when the blocks hand each other the stage's outputs; copies issued at once, a whole grid's
  * burst of loads that miss L2, delayed the handoffs: without any copies (the arithmetic on stale
