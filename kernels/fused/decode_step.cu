@@ -225,6 +225,9 @@
 #ifndef DELAY_EMPTY  // 1: the pause also before an empty item (no copy)
 #define DELAY_EMPTY 1
 #endif
+#ifndef PROJ_GROUP  // heads' loads a thread keeps in flight in proj_input where NH > 12 (all of them where NH <= 12):
+#define PROJ_GROUP 10  // 16 or 20 (one round trip at medium and large) spill at medium bfloat16 and large float32
+#endif
 #ifndef TRACE_MARKS
 #define TRACE_MARKS 2  // global-timer marks a block and stage in `trace` (6: stage B's inside too)
 #endif
@@ -633,7 +636,7 @@ template <int C, int NH, int THREADS>
 __device__ __forceinline__ void proj_input(const float* x_in, const unsigned int* proj, unsigned int epoch,
                                            const float* bias, float* x_s, float* scaled, const float* ln_w)
 {
-    constexpr int GROUP = NH <= 12 ? NH : 10;
+    constexpr int GROUP = NH <= 12 ? NH : PROJ_GROUP < NH ? PROJ_GROUP : NH;
     for (int i = threadIdx.x; i < C / 4; i += THREADS) {
         const float4 xv = reinterpret_cast<const float4*>(x_in)[i];
         float4 t = __ldg(reinterpret_cast<const float4*>(bias) + i);
