@@ -3,6 +3,7 @@ uses compiles with NVRTC for sm_90 with no spills and no stack, the weight loads
 the loader's errors name the file, and the host-side arithmetic (bfloat16 rounding, bytes per token,
 launch shapes, the choice between the fast and the eager path) is right."""
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -375,7 +376,8 @@ def test_layer_table_matches_decode_step_struct():
 def test_decode_step_sums_the_heads_terms_per_block_where_every_block_would_wait_longest(dtype):
     """step_reduce_heads: proj_input's round trips through L2 one after another, C / 4 columns over the
     compute threads times groups of up to 10 heads (12 where NH <= 12): 1 at GPT-2 small, 2 at medium
-    and large, 6 at xl, which alone takes reduce_heads. Both forms compile without spills at every size."""
+    and large, 6 at xl, which alone takes reduce_heads. Both forms compile without spills at every size,
+    with the size's switches (step_options) as the engine compiles them."""
     rounds = {name: fast.step_proj_rounds(gpt2.SIZES[name]) for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
     assert rounds == {"gpt2": 1, "gpt2-medium": 2, "gpt2-large": 2, "gpt2-xl": 6}
     assert [fast.step_reduce_heads(gpt2.SIZES[name]) for name in rounds] == [False, False, False, True]
@@ -383,8 +385,32 @@ def test_decode_step_sums_the_heads_terms_per_block_where_every_block_would_wait
         for reduce in (False, True):
             file, expr = fast.kernel_expressions(gpt2.SIZES[name], dtype, reduce_heads=reduce)["decode_step"]
             assert expr.endswith(f"{'true' if reduce else 'false'}>")
-            r = fused.compile_report(file, expr, "sm_90")
+            options = fast.step_options(gpt2.SIZES[name], dtype)
+            r = fused.compile_report(file, expr, "sm_90", options)
             assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0 and r.registers <= 168, (name, r)
+
+
+def test_decode_step_switches_by_size():
+    """step_options: STEP_SWITCHES' defines for the GPT-2 size and dtype, none for GPT-2 small (the file's
+    defaults) or a model of no measured size; with_options lets a variant's define replace the plan's."""
+    from gpt2.fast.plan import STEP_SWITCHES, with_options
+
+    assert fast.step_options(gpt2.SIZES["gpt2"], "bfloat16") == ()
+    assert fast.step_options(gpt2.SIZES["gpt2-xl"], "float32") == (
+        "-DDELAY_MID_STAGE=0", "-DDELAY_EMPTY=0", "-DISSUE_DELAY_NS=1200")
+    assert fast.step_options(gpt2.SIZES["gpt2-large"], "bfloat16") == ("-DDELAY_MID_STAGE=0", "-DPROJ_GROUP=20")
+    assert fast.step_options(dataclasses.replace(gpt2.SIZES["gpt2-xl"], n_layer=12), "float32") == ()
+    sized = {(c.n_layer, c.n_embd) for name, c in gpt2.SIZES.items() if name != "gpt2"}
+    assert {key[:2] for key in STEP_SWITCHES} == sized and len(STEP_SWITCHES) == 2 * len(sized)
+    source = (Path(fused.__file__).parent / "fused" / "decode_step.cu").read_text()
+    for switches in STEP_SWITCHES.values():  # every switch is one the kernel declares
+        for macro in switches:
+            assert f"#ifndef {macro}" in source, macro
+    base = ("-DDELAY_MID_STAGE=0", "-DISSUE_DELAY_NS=400")
+    assert with_options(base, ("-DISSUE_DELAY_NS=800", "-lineinfo")) == (
+        "-DDELAY_MID_STAGE=0", "-DISSUE_DELAY_NS=800", "-lineinfo")
+    assert with_options(base, ()) == base
+    assert with_options((), ("-DTRACE_MARKS=6",)) == ("-DTRACE_MARKS=6",)
 
 
 def test_engine_options_are_on_where_they_work():

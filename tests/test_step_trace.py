@@ -78,14 +78,17 @@ def test_attention_phases_split_stage_b_at_its_inner_marks():
 
 
 def test_the_detail_build_compiles_without_spills():
-    """decode_step.cu with TRACE_MARKS 6, as tools/step_trace.py --detail builds it, at GPT-2 small and xl."""
+    """decode_step.cu with TRACE_MARKS 6, as tools/step_trace.py --detail builds it (beside the size's
+    switches), at GPT-2 small and xl."""
     import gpt2
     import gpt2.fast as fast
+    from gpt2.fast.plan import with_options
     from kernels import fused
 
     for size in ("gpt2", "gpt2-xl"):
         file, expr = fast.kernel_expressions(gpt2.SIZES[size], "bfloat16")["decode_step"]
-        r = fused.compile_report(file, expr, "sm_90", ("-DTRACE_MARKS=6",))
+        options = with_options(fast.step_options(gpt2.SIZES[size], "bfloat16"), ("-DTRACE_MARKS=6",))
+        r = fused.compile_report(file, expr, "sm_90", options)
         assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0 and r.registers <= 168, (size, r)
 
 

@@ -99,15 +99,17 @@ def main(argv=None) -> int:
     ckpt = gpt2.random_weights(args.size, seed=0, xp=cp)
     params = ckpt.params if args.dtype == "float32" else fast.as_bfloat16(ckpt.params)
     engine = fast.Engine(params, ckpt.config, dtype=args.dtype, persistent=True)
-    print(f"{args.size} {args.dtype} at position {args.position}: {engine.plan}, REDUCE_HEADS {engine.step.reduce_heads}")
+    print(f"{args.size} {args.dtype} at position {args.position}: {engine.plan}, REDUCE_HEADS {engine.step.reduce_heads}, "
+          f"options {' '.join(engine.step.options) or '(none)'}")
     engine.generate([1, 2, 3], 16, attend=gpt2.reference_attend, kv_cache=True)  # compiled and warm
     step = engine.step
     marks = 6 if args.detail else 2
     if args.detail:
+        from gpt2.fast.plan import with_options
         from kernels import fused
 
         name, expr = fast.kernel_expressions(ckpt.config, args.dtype, reduce_heads=step.reduce_heads)["decode_step"]
-        fn = fused.function(name, expr, options=("-DTRACE_MARKS=6",))
+        fn = fused.function(name, expr, options=with_options(step.options, ("-DTRACE_MARKS=6",)))
         fn.max_dynamic_shared_size_bytes = engine.plan.smem
         engine.fn["decode_step"] = fn
     names = step.stage_names()

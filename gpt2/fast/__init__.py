@@ -53,6 +53,7 @@ from .plan import (
     lm_head_blocks,
     lm_head_shape,
     param_dtype,
+    step_options,
     step_plan,
     step_proj_rounds,
     step_reduce_heads,
@@ -104,5 +105,5 @@ __all__ = [
     "attention_staging", "bf16_bits", "by_kind", "clear_cache", "copy_ceiling", "engine_for", "gemm",
     "gemm_expressions", "gemm_splits", "gemm_weight", "gemv_shape", "generate", "is_matrix", "kernel_expressions",
     "kv_bytes_per_token", "layernorm_fold", "lm_head_blocks", "lm_head_shape", "param_dtype", "round_to_bf16",
-    "step_plan", "step_proj_rounds", "step_reduce_heads", "unsupported_reason", "weight_bytes_per_token",
+    "step_options", "step_plan", "step_proj_rounds", "step_reduce_heads", "unsupported_reason", "weight_bytes_per_token",
 ]

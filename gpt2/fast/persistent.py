@@ -22,6 +22,7 @@ from .plan import (
     STEP_STAGES,
     STEP_THREADS,
     kernel_expressions,
+    step_options,
     step_plan,
     step_reduce_heads,
 )
@@ -38,6 +39,7 @@ class PersistentStep:
         self.ring = ring  # the step's slots, where given (step_plan's ring: for measuring)
         # decode_step.cu's REDUCE_HEADS, where given (for measuring), else step_reduce_heads's choice
         self.reduce_heads = step_reduce_heads(engine.config) if reduce_heads is None else reduce_heads
+        self.options = step_options(engine.config, engine.dtype)  # its switches for this size (STEP_SWITCHES)
         self.plan = None
 
     def setup(self) -> Switch:
@@ -59,7 +61,7 @@ class PersistentStep:
                          ring=self.ring)
         if isinstance(plan, str):
             return Switch.off(plan)
-        fn = fused.function(*exprs["decode_step"])
+        fn = fused.function(*exprs["decode_step"], options=self.options)
         fn.max_dynamic_shared_size_bytes = plan.smem
         if driver.blocks_per_sm(fn, STEP_BLOCK, plan.smem) < 1:
             return Switch.off(f"decode_step does not fit an SM ({plan.smem} bytes of shared memory, {STEP_BLOCK} "

@@ -179,6 +179,36 @@ def step_reduce_heads(config: GPT2Config) -> bool:
     return step_proj_rounds(config) > STEP_REDUCE_ROUNDS
 
 
+# decode_step.cu's switches by model and dtype, where a GPT-2 size measured faster with other values than
+# the file's defaults (GPT-2 small's): the producer's pause (ISSUE_DELAY_NS, and whether it pauses where a
+# slot frees mid-stage, DELAY_MID_STAGE, and before an empty item, DELAY_EMPTY) and PROJ_GROUP. Keyed by
+# (n_layer, n_embd, dtype). H200, tools/step_variants.py at positions 64, 200 and 600, each choice faster
+# at all three (decode_step.cu's header has the figures).
+STEP_SWITCHES = {
+    (24, 1024, "float32"): {"DELAY_MID_STAGE": 0},
+    (24, 1024, "bfloat16"): {"DELAY_MID_STAGE": 0, "DELAY_EMPTY": 0, "ISSUE_DELAY_NS": 150},
+    (36, 1280, "float32"): {"DELAY_EMPTY": 0, "ISSUE_DELAY_NS": 700},
+    (36, 1280, "bfloat16"): {"DELAY_MID_STAGE": 0, "PROJ_GROUP": 20},
+    (48, 1600, "float32"): {"DELAY_MID_STAGE": 0, "DELAY_EMPTY": 0, "ISSUE_DELAY_NS": 1200},
+    (48, 1600, "bfloat16"): {"DELAY_MID_STAGE": 0, "ISSUE_DELAY_NS": 400},
+}
+
+
+def step_options(config: GPT2Config, dtype: str) -> tuple[str, ...]:
+    """The NVRTC options decode_step.cu is compiled with for this model and dtype: STEP_SWITCHES' defines."""
+    return tuple(f"-D{name}={value}" for name, value in STEP_SWITCHES.get((config.n_layer, config.n_embd, dtype),
+                                                                          {}).items())
+
+
+def with_options(base: tuple[str, ...], extra: tuple[str, ...]) -> tuple[str, ...]:
+    """base's NVRTC options, then extra's: a define in extra replaces base's define of the same macro."""
+    def macro(option: str) -> str | None:
+        return option[2:].split("=")[0] if option.startswith("-D") else None
+
+    given = {macro(o) for o in extra} - {None}
+    return tuple(o for o in base if macro(o) not in given) + tuple(extra)
+
+
 STEP_RING = 3  # slots the ring aims for where items as large as the shares allow do not fit two (2 and 4 slower
 # at gpt2-xl: decode_step.cu's header)
 
