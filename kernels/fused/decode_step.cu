@@ -152,10 +152,27 @@
  * / 1,173.5, bfloat16 814.8 / 808.7 / 830.2 / 809.6; gpt2-xl float32 2,174.3 / 2,144.4 / 2,198.6 /
  * 2,121.4, bfloat16 1,511.5 / 1,497.0 / 1,543.3 / 1,511.8 (with both off, ISSUE_DELAY_NS 0 / 150 / 400 /
  * 800: float32 2,182.9 / 2,171.9 / 2,140.2 / 2,106.2, bfloat16 1,503.9 / 1,511.4 / 1,502.8 / 1,530.2).
- * No setting is faster at every size, and an earlier build of the same choices gave gpt2-xl bfloat16
- * 1.014x where this one gives 1.000x: the pause paces the copies as well as clearing the handoffs
- * (even GPT-2 small, whose only mid-stage slots are stage E's, is slower without it), and the gains are
- * a few percent of one position's time at one size each; the pause stays everywhere.
+ * No setting is faster at every size: the pause paces the copies as well as clearing the handoffs
+ * (even GPT-2 small, whose only mid-stage slots are stage E's, is slower without it). So the defaults
+ * here stay GPT-2 small's, and each larger size and dtype is compiled with its own (gpt2/fast/plan.py's
+ * STEP_SWITCHES, passed as -D options): the best of the settings tried, by position 64, 200 and 600
+ * (H200, `tools/step_variants.py --position 64,200,600`, one device session, us a token, each the median
+ * of 4 rounds that spread 0.1-0.6%; defaults / chosen at 64, at 200, at 600):
+ *   gpt2-medium float32   DELAY_MID_STAGE 0                       577.8 / 573.8, 580.8 / 576.6, 615.7 / 600.2
+ *   gpt2-medium bfloat16  both 0, ISSUE_DELAY_NS 150              386.2 / 380.7, 388.4 / 378.7, 393.9 / 375.8
+ *   gpt2-large  float32   DELAY_EMPTY 0, ISSUE_DELAY_NS 700       1,176.8 / 1,120.0, 1,174.0 / 1,117.5, 1,203.7 / 1,163.0
+ *   gpt2-large  bfloat16  DELAY_MID_STAGE 0, PROJ_GROUP 20        768.0 / 765.3, 805.7 / 796.0, 839.2 / 818.8
+ *   gpt2-xl     float32   both 0, ISSUE_DELAY_NS 1200             2,149.9 / 2,097.9, 2,182.6 / 2,102.9, 2,213.8 / 2,133.3
+ *   gpt2-xl     bfloat16  DELAY_MID_STAGE 0, ISSUE_DELAY_NS 400   1,507.4 / 1,477.4, 1,517.9 / 1,488.7, 1,545.1 / 1,509.8
+ * Two of these are thin where the context is short: medium float32 0.7% at 64 and 200 (2.5% at 600),
+ * large bfloat16 0.4% at 64 (1.2% and 2.4% after). In the same runs, not chosen: xl float32 both 0 with
+ * 1,600 or 2,000 ns (2,100.6 / 2,105.4 / 2,147.4 and 2,116.0 / 2,121.7 / 2,173.6); xl bfloat16 with 600
+ * ns about as fast as 400 (1,477.2 / 1,491.1 / 1,504.9), both 0 with 400 ns slower; large float32
+ * DELAY_EMPTY 0 alone (1,141.0 / 1,138.4 / 1,151.9: faster at 600 only), with 400 ns slower, both 0
+ * slower; large bfloat16 PROJ_GROUP 20 alone (764.3 / 806.6 / 827.0), with DELAY_EMPTY 0 slower; medium
+ * bfloat16 both 0 with 250 or 400 ns a little slower than with 150; medium float32 DELAY_EMPTY 0 no better
+ * at 64 and 200. GPT-2 small keeps the defaults (the figures above). `bench.py e2e` before and after
+ * (docs/decode.md#scale): gpt2-xl float32 465.2 -> 476.8 tokens/s, large float32 854.7 -> 896.2.
  *
  * The barrier. One counter, never reset: block 0 adds 2^31 - (G - 1), every other block adds 1, so
  * the top bit flips exactly when all G blocks have arrived and the low bits return to zero, and the
