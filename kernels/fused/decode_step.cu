@@ -171,8 +171,14 @@
  * DELAY_EMPTY 0 alone (1,141.0 / 1,138.4 / 1,151.9: faster at 600 only), with 400 ns slower, both 0
  * slower; large bfloat16 PROJ_GROUP 20 alone (764.3 / 806.6 / 827.0), with DELAY_EMPTY 0 slower; medium
  * bfloat16 both 0 with 250 or 400 ns a little slower than with 150; medium float32 DELAY_EMPTY 0 no better
- * at 64 and 200. GPT-2 small keeps the defaults (the figures above). `bench.py e2e` before and after
- * (docs/decode.md#scale): gpt2-xl float32 465.2 -> 476.8 tokens/s, large float32 854.7 -> 896.2.
+ * at 64 and 200. GPT-2 small keeps the defaults: in a later run at the same positions (rounds spread
+ * 0.3-1.4% there) DELAY_MID_STAGE 0, DELAY_EMPTY 0 or both were slower in both dtypes by 1-4%, and
+ * ISSUE_DELAY_NS 150 in bfloat16 (152.0 / 153.0 / 160.3 against 152.7 / 154.2 / 161.8) and 400 in float32
+ * (204.3 / 204.3 / 213.4 against 207.5 / 206.3 / 216.4) faster by about one spread, where an earlier
+ * build measured 400 slower than 550 in float32 (above): not a choice to fit to one run. At gpt2-xl in
+ * float32, REDUCE_HEADS with the chosen pause against without: 2,100.0 / 2,101.0 / 2,131.3 against
+ * 2,156.8 / 2,155.1 / 2,185.4, so it stays. `bench.py e2e` before and after (docs/decode.md#scale):
+ * gpt2-xl float32 465.2 -> 476.8 tokens/s, large float32 854.7 -> 896.2.
  *
  * The barrier. One counter, never reset: block 0 adds 2^31 - (G - 1), every other block adds 1, so
  * the top bit flips exactly when all G blocks have arrived and the low bits return to zero, and the
