@@ -16,6 +16,7 @@ import llama
 import llama.fast as fast
 from kernels import fused
 from llama.config import from_json
+from llama.fast.engine import l2_options
 from lm.arrays import held_bytes
 from lm.generate import Sampler, reference_attend
 
@@ -390,7 +391,38 @@ def fake_engine(config, dtype):
     e.gemv = {key: (m.kernel, 7, 4 * m.K) for key, m in fast.matrices(config).items()}
     e.fn = {"embed": "embed", "attention": "gqa_decode_attention"}
     e.stream = SimpleNamespace(ptr=0)
+    e.l2_options = l2_options(None)
     return e, wt
+
+
+def test_prefetch_hints_name_the_next_matrix_and_the_attention_the_layer_s_gate_up():
+    """With prefetch on, each stream asks L2 for the next matrix read, up to l2's cap; the attention launch
+    (which reads no matrix) asks for the first `attention` bytes of its layer's gate/up, where l2 says so."""
+    from types import SimpleNamespace
+
+    class Matrix:  # a device array as the hints see it: an address and a size
+        def __init__(self, ptr, nbytes):
+            self.data, self.nbytes = SimpleNamespace(ptr=ptr), nbytes
+
+    e, _ = fake_engine(TINY, "bfloat16")
+    w = e.weights
+    for i, layer in enumerate(w.layers):
+        for j, key in enumerate(("qkv", "o_proj", "gate_up", "down_proj")):
+            layer[key] = Matrix((1 + 4 * i + j) << 24, 5000 + 1000 * j)
+    w.head = Matrix(1 << 40, 3000)
+    for cap, ahead in ((4096, 0), (1 << 20, 2048), (1 << 20, 1 << 30)):
+        e.l2_options = l2_options({"cap": cap, "attention": ahead})
+        launches = e._decode_launches(prefetch=True, pdl=False)
+        for i in range(TINY.n_layer):
+            qkv, attention, o_proj, gate_up, down = launches[1 + 5 * i:6 + 5 * i]
+            nxt = w.layers[i + 1]["qkv"] if i + 1 < TINY.n_layer else w.head
+            for launch, m in ((qkv, w.layers[i]["o_proj"]), (o_proj, w.layers[i]["gate_up"]),
+                              (gate_up, w.layers[i]["down_proj"]), (down, nxt)):
+                assert launch.args[-2:] == (m.data.ptr, min(m.nbytes, cap) // 256 * 256), launch.name
+            want = (w.layers[i]["gate_up"].data.ptr, min(7000, ahead) // 256 * 256) if ahead else (0, 0)
+            assert attention.args[-2:] == want
+    e.l2_options = l2_options({"attention": 1 << 20})
+    assert all(launch.args[-2:] == (0, 0) for launch in e._decode_launches(prefetch=False, pdl=False)[1:-1])
 
 
 @pytest.mark.parametrize("config", [TINY, UNTIED], ids=["tied", "untied"])

@@ -13,7 +13,7 @@ import pytest
 
 import llama
 import llama.fast as fast
-from llama.fast.engine import gemv_options
+from llama.fast.engine import gemv_options, l2_options
 from lm.errors import LabError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
@@ -24,11 +24,14 @@ ONE_B = llama.SIZES["llama-3.2-1b"]
 
 
 def test_variants_parse_into_the_engine_s_overrides():
-    assert variants.parse_variant("plan") == {"attention": {}, "gemv": {}}
-    assert variants.parse_variant("keys=256+warps=8") == {"attention": {"split_keys": 256, "warps": 8}, "gemv": {}}
+    assert variants.parse_variant("plan") == {"attention": {}, "gemv": {}, "l2": {}}
+    assert variants.parse_variant("keys=256+warps=8") == {"attention": {"split_keys": 256, "warps": 8}, "gemv": {},
+                                                          "l2": {}}
     assert variants.parse_variant("splits=32+gemv_bps=1+item_loads=4") == {
-        "attention": {"splits": 32}, "gemv": {"blocks_per_sm": 1, "item_loads": 4}}
-    for bad in ("keys", "keys=0", "rows=3", "keys=2.5", "warps=8,keys=4", "spread=1", "gemv_bps=0"):
+        "attention": {"splits": 32}, "gemv": {"blocks_per_sm": 1, "item_loads": 4}, "l2": {}}
+    assert variants.parse_variant("attn_mb=16+cap_mb=32") == {
+        "attention": {}, "gemv": {}, "l2": {"attention": 16 << 20, "cap": 32 << 20}}
+    for bad in ("keys", "keys=0", "rows=3", "keys=2.5", "warps=8,keys=4", "spread=1", "gemv_bps=0", "cap_mb=0"):
         with pytest.raises(ValueError, match="is not one of"):
             variants.parse_variant(bad)
     for text in variants.DEFAULT_VARIANTS.split(","):  # every default is a geometry the engine takes
@@ -42,6 +45,12 @@ def test_the_streams_overrides_are_checked():
     for bad in ({"rows": 1}, {"spread": True}, {"blocks_per_sm": 0}, {"item_loads": 16}):
         with pytest.raises(LabError, match="gemv"):
             gemv_options(bad)
+    assert l2_options(None) == {"cap": fast.plan.PREFETCH_CAP, "attention": fast.plan.ATTENTION_PREFETCH}
+    assert variants.parse_variant("attn_mb=0")["l2"] == {"attention": 0}
+    assert l2_options({"attention": 1 << 24}) == {"cap": fast.plan.PREFETCH_CAP, "attention": 1 << 24}
+    for bad in ({"ahead": 1}, {"cap": 0}, {"attention": -1}):
+        with pytest.raises(LabError, match="l2"):
+            l2_options(bad)
 
 
 def deal(tasks: int, grid: int, warps: int) -> list[list[int]]:

@@ -11,7 +11,9 @@ from.
 A variant is `plan` (the engine's own choices) or `name=value` pairs joined by `+` (`keys=256+warps=8`):
 splits (launched per key/value head), keys (split_keys: at least the cache's length over the splits),
 warps (4, 8 or 16); gemv_bps (at most this
-many blocks of a stream an SM), item_loads (1 to 8: more spills under rms_gemv.cu's register cap). Writes llama_step_variants.json to --out.
+many blocks of a stream an SM), item_loads (1 to 8: more spills under rms_gemv.cu's register cap); cap_mb
+(MiB of the next matrix each stream asks L2 to prefetch at its end) and attn_mb (MiB of the layer's gate/up
+the attention launch asks L2 for as it starts; 0: none). Writes llama_step_variants.json to --out.
 """
 
 from __future__ import annotations
@@ -24,24 +26,25 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# a variant's names: (the Engine argument, its key there)
-NAMES = {"splits": ("attention", "splits"), "keys": ("attention", "split_keys"), "warps": ("attention", "warps"),
-         "gemv_bps": ("gemv", "blocks_per_sm"), "item_loads": ("gemv", "item_loads")}
+# a variant's names: (the Engine argument, its key there, the unit of the value)
+NAMES = {"splits": ("attention", "splits", 1), "keys": ("attention", "split_keys", 1),
+         "warps": ("attention", "warps", 1), "gemv_bps": ("gemv", "blocks_per_sm", 1),
+         "item_loads": ("gemv", "item_loads", 1), "cap_mb": ("l2", "cap", 1 << 20), "attn_mb": ("l2", "attention", 1 << 20)}
 DEFAULT_VARIANTS = "plan,keys=64,keys=256,warps=8,gemv_bps=1,item_loads=4"
 
 
 def parse_variant(text: str) -> dict:
-    """`plan` -> {"attention": {}, "gemv": {}}; `keys=256+gemv_bps=1` -> {"attention": {"split_keys": 256},
-    "gemv": {"blocks_per_sm": 1}}: the Engine's attention= and gemv= arguments."""
-    out = {"attention": {}, "gemv": {}}
+    """`plan` -> {"attention": {}, "gemv": {}, "l2": {}}; `keys=256+attn_mb=16` -> {"attention": {"split_keys":
+    256}, "gemv": {}, "l2": {"attention": 16 MiB}}: the Engine's attention=, gemv= and l2= arguments."""
+    out = {"attention": {}, "gemv": {}, "l2": {}}
     if text == "plan":
         return out
     for part in text.split("+"):
         name, _, value = part.partition("=")
-        if name not in NAMES or not value.isdigit() or int(value) < 1:
+        if name not in NAMES or not value.isdigit() or int(value) < (0 if name == "attn_mb" else 1):
             raise ValueError(f"variant {text!r}: {part!r} is not one of {', '.join(f'{n}=N' for n in NAMES)}")
-        where, key = NAMES[name]
-        out[where][key] = int(value)
+        where, key, unit = NAMES[name]
+        out[where][key] = int(value) * unit
     return out
 
 
@@ -79,7 +82,7 @@ def measure(size: str, caches: list[tuple[int, list[int]]], variants: list[str],
                 except LabError as exc:
                     plans[variant] = str(exc)
                     continue
-                plans[variant] = {**vars(engine.attn), "gemv": engine.gemv_options,
+                plans[variant] = {**vars(engine.attn), "gemv": engine.gemv_options, "l2": engine.l2_options,
                                   "grids": {key: grid for key, (_, grid, _) in engine.gemv.items()}}
                 for position in positions:
                     times.setdefault((variant, position), []).append(engine.replay_ms(position, 64, repeats=5))

@@ -21,6 +21,7 @@ from lm.switch import Switch
 from ..config import LlamaConfig
 from ..model import hidden_states, logits_of, rope_tables
 from .plan import (
+    ATTENTION_PREFETCH,
     DEFAULT_POSITIONS,
     GEMV_WARPS,
     ITEM_LOADS,
@@ -55,6 +56,19 @@ def gemv_options(given: dict | None) -> dict:
     return out
 
 
+def l2_options(given: dict | None) -> dict:
+    """The L2 prefetch hints' overrides, for measuring (tools/llama_step_variants.py): cap (bytes of the next
+    matrix each stream asks L2 for at its end) and attention (bytes of the layer's gate/up matrix the
+    attention launch asks L2 for as it starts); by default PREFETCH_CAP and ATTENTION_PREFETCH."""
+    out = {"cap": PREFETCH_CAP, "attention": ATTENTION_PREFETCH}
+    if unknown := set(given or {}) - set(out):
+        raise LabError(f"l2 {given}: unknown {', '.join(sorted(unknown))} (cap, attention)")
+    out.update(given or {})
+    if out["cap"] < 256 or out["attention"] < 0:
+        raise LabError(f"l2 {given}: cap at least 256 bytes, attention at least 0")
+    return out
+
+
 class Engine(FastEngine):
     """Everything the fast path needs for one set of weights, allocated once: the weights as its kernels
     read them (views of params laid out by decode_layout, else copies), the static KV cache of max_len
@@ -64,7 +78,8 @@ class Engine(FastEngine):
 
     def __init__(self, params: dict, config: LlamaConfig, *, dtype: str | None = None, max_len: int | None = None,
                  prefetch: bool = True, pdl: bool | None = None, steps_per_graph: int = STEPS_PER_GRAPH,
-                 keep_logits: bool = False, attention: dict | None = None, gemv: dict | None = None):
+                 keep_logits: bool = False, attention: dict | None = None, gemv: dict | None = None,
+                 l2: dict | None = None):
         import cupy as cp
 
         import kernels
@@ -90,6 +105,7 @@ class Engine(FastEngine):
         except (TypeError, ValueError) as exc:
             raise LabError(f"attention {attention}: {exc}") from None
         self.gemv_options = gemv_options(gemv)  # the streams' overrides (blocks_per_sm, item_loads)
+        self.l2_options = l2_options(l2)  # the prefetch hints' overrides (cap, attention)
         with self.stream:
             # the weights as the kernels read them: views of params in the run's dtype laid out by
             # decode_layout, else one copy each (weights.decode_weights)
@@ -171,12 +187,17 @@ class Engine(FastEngine):
     def _decode_launches(self, prefetch: bool, pdl: bool) -> list[Launch]:
         """The decode step as a list of launches on fixed buffers: embed, five per layer, the head. Each
         stream of a matrix asks L2, at its end, to prefetch the next matrix (the head wraps to the first
-        layer's qkv)."""
+        layer's qkv), and the attention, as it starts, the first bytes of its layer's gate/up (l2_options)."""
         c, w, norms = self.config, self.weights, self.weights.norms
         C, NH, NKV, HS = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_size
         eps = self.eps
         plan = self.step_reads()
-        target = prefetch_targets(plan, prefetch, PREFETCH_CAP, NULL)
+        target = prefetch_targets(plan, prefetch, self.l2_options["cap"], NULL)
+        ahead = self.l2_options["attention"] if prefetch else 0
+
+        def attention_target(gate_up):  # the first `ahead` bytes of the layer's gate/up, or none
+            return (np.uint64(gate_up.data.ptr), np.uint64(min(gate_up.nbytes, ahead) // 256 * 256)) if ahead else (
+                NULL, np.uint64(0))
 
         def stream(k, key, args):
             fn, grid, smem = self.gemv[key]
@@ -195,8 +216,8 @@ class Engine(FastEngine):
                 Launch(plan[k + 1][0], self.fn["attention"], (self.attn.splits, NKV), (32 * self.attn.warps,),
                        (self.q, k_cache, v_cache, self.state, np.int32(self.max_len), np.int32(self.attn.split_keys),
                         np.int32(self.attn.staged_rows),
-                        np.float32(1.0 / math.sqrt(HS)), self.attn_partial, self.attn_counters, self.y, NULL,
-                        np.uint64(0)), shared_mem=self.attn.smem),
+                        np.float32(1.0 / math.sqrt(HS)), self.attn_partial, self.attn_counters, self.y,
+                        *attention_target(w.layers[i]["gate_up"])), shared_mem=self.attn.smem),
                 stream(k + 2, "o_proj", (self.y, np.int32(C), self.x)),
                 stream(k + 3, "gate_up", (self.x, norms[pre + "post_attention_layernorm.weight"], eps,
                                           np.int32(c.intermediate_size), self.g)),

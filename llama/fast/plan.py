@@ -17,6 +17,9 @@ from ..config import LlamaConfig
 DTYPES = ("float32", "bfloat16")
 STEPS_PER_GRAPH = 8  # decode steps per captured graph, and tokens per copy back to the host
 PREFETCH_CAP = 8 << 20  # bytes of the next matrix a kernel asks L2 to fetch at its end (L2: 50 MB on H100/H200)
+# bytes of its layer's gate/up matrix the attention launch asks L2 to fetch as it starts: the attention reads
+# a few MB of cache and is latency-bound, so the memory would otherwise idle under it
+ATTENTION_PREFETCH = 16 << 20
 GEMV_WARPS = 8  # rms_gemv.cu's warps per block
 ITEM_LOADS = 8  # rms_gemv.cu: 16-byte loads per lane in one item (rows x UNROLL); two items in flight
 ATTENTION_WARPS = (4, 8, 16)  # gqa_decode_attention.cu's warps per block: the engine's plan picks one
