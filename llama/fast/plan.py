@@ -17,9 +17,14 @@ from ..config import LlamaConfig
 DTYPES = ("float32", "bfloat16")
 STEPS_PER_GRAPH = 8  # decode steps per captured graph, and tokens per copy back to the host
 PREFETCH_CAP = 8 << 20  # bytes of the next matrix a kernel asks L2 to fetch at its end (L2: 50 MB on H100/H200)
-# bytes of its layer's gate/up matrix the attention launch asks L2 to fetch as it starts: the attention reads
-# a few MB of cache and is latency-bound, so the memory would otherwise idle under it
-ATTENTION_PREFETCH = 16 << 20
+# bytes of its layer's gate/up matrix the attention launch asks L2 to fetch as it starts: none. The memory
+# idles under the latency-bound attention, but filling it made every size slower, the more the slower (H200,
+# tools/llama_step_variants.py, us a token at positions 40 / 128 / 260, two rounds; none, 8, 16, 32 MiB):
+# 3.2 1B 922 / 929 / 939, 928 / 936 / 947, 931 / 938 / 948, 952 / 958 / 968; 3.2 3B 2,224 / 2,242 / 2,261,
+# 2,268 / 2,287 / 2,305, 2,302 / 2,321 / 2,341, 2,371 / 2,394 / 2,418; 3.1 8B 4,283 / 4,294 / 4,309, 4,332 /
+# 4,345 / 4,361, 4,358 / 4,373 / 4,391, 4,402 / 4,420 / 4,442: the attention's own reads of the cache wait
+# behind the prefetch, and it is the step's critical path (Engine(l2=) measures other amounts)
+ATTENTION_PREFETCH = 0
 GEMV_WARPS = 8  # rms_gemv.cu's warps per block
 ITEM_LOADS = 8  # rms_gemv.cu: 16-byte loads per lane in one item (rows x UNROLL); two items in flight
 ATTENTION_WARPS = (4, 8, 16)  # gqa_decode_attention.cu's warps per block: the engine's plan picks one
