@@ -265,3 +265,22 @@ def test_a_ring_of_more_slots_splits_the_shares_further(ring):
             assert isinstance(plan, fast.StepPlan) and plan.slots >= ring, (size, dtype, plan)
     with pytest.raises(ValueError, match="ring must be 2..8 slots"):
         fast.step_plan(gpt2.SIZES["gpt2"], "float32", 132, MAX_LEN, 232_448, ring=1)
+
+
+def test_splits_start_where_asked():
+    """step_plan(splits=n): from n key splits a head up (a knob for measuring); more than the SMs hold per
+    head, or none, is refused; the items it plans pass the same checks as the default plan's."""
+    config = gpt2.SIZES["gpt2-medium"]
+    assert fast.step_plan(config, "bfloat16", 132, MAX_LEN, 232_448).splits == fast.STEP_SPLITS["bfloat16"]
+    plan = fast.step_plan(config, "bfloat16", 132, MAX_LEN, 232_448, splits=8)
+    assert isinstance(plan, fast.StepPlan) and plan.splits == 8
+    m = Model(config, "bfloat16", plan, MAX_LEN)
+    for b in (0, 7, 8, 127, 131):
+        for pos in POSITIONS:
+            reads, _, _ = m.attention_reads(b, pos)
+            attention = [segments for stage, _, segments in m.items_of_layer(b, pos) if stage == 1]
+            for t, offset, name, element in reads:
+                assert lands(attention[t], offset) == (name, element), (b, pos, t, offset, name, element)
+    for bad in (0, 9):  # 16 heads on 132 SMs: at most 8 splits a head
+        with pytest.raises(ValueError, match="splits must be 1..8"):
+            fast.step_plan(config, "bfloat16", 132, MAX_LEN, 232_448, splits=bad)

@@ -31,6 +31,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
     parser.add_argument("--size", default="gpt2", help="a GPT-2 size: gpt2, gpt2-medium, gpt2-large, gpt2-xl")
     parser.add_argument("--ring", type=int, default=None, help="the weight stream's slots (step_plan's ring)")
+    parser.add_argument("--splits", type=int, default=None,
+                        help="the key splits a head step_plan starts from (its splits; default STEP_SPLITS)")
     args = parser.parse_args(argv)
 
     import cupy as cp
@@ -52,7 +54,8 @@ def main(argv=None) -> int:
     ckpt = gpt2.random_weights(args.size, seed=0, xp=cp)
     for dtype in fast.DTYPES if args.dtype == "both" else (args.dtype,):
         params = ckpt.params if dtype == "float32" else fast.as_bfloat16(ckpt.params)
-        engine = fast.Engine(params, ckpt.config, dtype=dtype, persistent=True, step_ring=args.ring)
+        engine = fast.Engine(params, ckpt.config, dtype=dtype, persistent=True, step_ring=args.ring,
+                             step_splits=args.splits)
         print(f"{args.size} {dtype}: {engine.plan}, switches {' '.join(engine.step.options) or '(none)'}")
         engine.generate([1, 2, 3], 300, attend=gpt2.reference_attend, kv_cache=True)  # the cache up to 303
         fns = []

@@ -50,7 +50,7 @@ class Engine(FastEngine):
                  prefetch: bool = True, pdl: bool | None = None, steps_per_graph: int = STEPS_PER_GRAPH,
                  steps_per_launch: int = STEPS_PER_LAUNCH, keep_logits: bool = False,
                  persistent: bool | None = None, products: str | None = None, step_ring: int | None = None,
-                 step_reduce: bool | None = None):
+                 step_reduce: bool | None = None, step_splits: int | None = None):
         import cupy as cp
 
         import kernels
@@ -75,7 +75,7 @@ class Engine(FastEngine):
             self.whole = WholeSequence(self, products)
             self._compile()
         self.stream.synchronize()
-        self.step = PersistentStep(self, step_ring, step_reduce)
+        self.step = PersistentStep(self, step_ring, step_reduce, step_splits)
         self.choose_launches(prefetch, pdl, persistent)
 
     def _allocate(self, keep_logits: bool) -> None:

@@ -34,9 +34,10 @@ class PersistentStep:
     the folds and copies it reads beside the engine's weights, and its handoff buffers and scratch (one
     arena, `buffers`)."""
 
-    def __init__(self, engine, ring: int | None = None, reduce_heads: bool | None = None):
+    def __init__(self, engine, ring: int | None = None, reduce_heads: bool | None = None, splits: int | None = None):
         self.engine = engine
         self.ring = ring  # the step's slots, where given (step_plan's ring: for measuring)
+        self.splits = splits  # the key splits a head it starts from, where given (step_plan's splits: the same)
         # decode_step.cu's REDUCE_HEADS, where given (for measuring), else step_reduce_heads's choice
         self.reduce_heads = step_reduce_heads(engine.config) if reduce_heads is None else reduce_heads
         self.options = step_options(engine.config, engine.dtype)  # its switches for this size (STEP_SWITCHES)
@@ -58,7 +59,7 @@ class PersistentStep:
         import kernels
 
         plan = step_plan(c, e.dtype, e.sm_count, e.max_len, kernels.device_limits().max_shared_per_block,
-                         ring=self.ring)
+                         ring=self.ring, splits=self.splits)
         if isinstance(plan, str):
             return Switch.off(plan)
         fn = fused.function(*exprs["decode_step"], options=self.options)

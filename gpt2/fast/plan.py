@@ -235,12 +235,12 @@ class StepPlan:
 
 
 def step_plan(config: GPT2Config, dtype: str, sm_count: int, max_len: int, smem_limit: int,
-              ring: int | None = None) -> StepPlan | str:
+              ring: int | None = None, splits: int | None = None) -> StepPlan | str:
     """The persistent step's geometry (kernels/fused/decode_step.cu), or why it cannot run these shapes.
     First items as large as the shares allow (one item per stage where a share fits a slot, the slot
     the largest, as many as fit, at least two), from STEP_SPLITS key splits up; where none fits two,
     shares split into items small enough for STEP_RING slots, else for two. ring: items sized for that
-    many slots (for measuring)."""
+    many slots; splits: from this many key splits up (both for measuring)."""
     NH, HS = config.n_head, config.head_size
     item = 2 if dtype == "bfloat16" else 4
     if HS % 32 or STEP_THREADS % HS:
@@ -251,10 +251,13 @@ def step_plan(config: GPT2Config, dtype: str, sm_count: int, max_len: int, smem_
         return f"{NH} heads on {G} SMs: decode_step needs a block per head"
     if ring is not None and not 2 <= ring <= STEP_SLOTS:
         raise ValueError(f"ring must be 2..{STEP_SLOTS} slots, got {ring}")
+    if splits is not None and not 1 <= splits <= most:
+        raise ValueError(f"splits must be 1..{most} key splits a head ({NH} heads on {G} SMs), got {splits}")
+    first = min(STEP_SPLITS[dtype], most) if splits is None else splits
     why = ""
     for slots in (None, *sorted({STEP_RING, 2}, reverse=True)) if ring is None else (ring,):
-        for splits in range(min(STEP_SPLITS[dtype], most), most + 1):  # the fewest from STEP_SPLITS that fit
-            plan = _step_plan(config, item, G, splits, max_len, smem_limit, slots)
+        for n in range(first, most + 1):  # the fewest from the first that fit
+            plan = _step_plan(config, item, G, n, max_len, smem_limit, slots)
             if isinstance(plan, StepPlan):
                 return plan
             why = plan
