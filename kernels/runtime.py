@@ -109,8 +109,8 @@ class Instance:
         expr = rung.name_expression(config)
         start = time.perf_counter()
         try:
-            module = cupy.RawModule(code=rung.source, options=rung.options, name_expressions=[expr])
-            self.function = module.get_function(expr)
+            self.module = cupy.RawModule(code=rung.source, options=rung.options, name_expressions=[expr])
+            self.function = self.module.get_function(expr)  # the module's globals: tools/rung_trace.py
         except cupy.cuda.compiler.CompileException as exc:
             raise KernelCompileError(f"{rung.path}: {expr} failed to compile:\n{_log_of(exc)}") from None
         finally:

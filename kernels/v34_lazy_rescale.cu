@@ -65,6 +65,18 @@ constexpr float FLT_MIN_NORMAL = 1.17549435e-38f;
 constexpr unsigned FULL_WARP = 0xffffffffu;
 constexpr float RESCALE_LOG2 = 8.0f;  // m_i moves when a row's maximum passes it by more (scaled, base 2)
 
+// A diagnostic build (tools/rung_trace.py compiles a copy with -DSTEP_TRACE=1; off, nothing is compiled
+// in): block 0's consumers read the SM clock at five points of each step of the loop (its top, the
+// products issued, S_ij landed, the softmax done, P V landed), thread 0 of each warpgroup, ring uses
+// below TRACE_STEPS, into step_trace[consumer][use][point].
+#ifndef STEP_TRACE
+#define STEP_TRACE 0
+#endif
+#if STEP_TRACE
+constexpr int TRACE_STEPS = 512, TRACE_POINTS = 5;
+__device__ long long step_trace[3][TRACE_STEPS][TRACE_POINTS];
+#endif
+
 // One bfloat16 or float16 value as raw bits: the mma and cvt instructions decide how they read.
 using element = unsigned short;
 
@@ -230,6 +242,18 @@ __device__ __forceinline__ int thread_index()
     int i;
     asm volatile("mov.u32 %0, %%tid.x;" : "=r"(i));
     return i;
+}
+
+// STEP_TRACE's clock read at `point` of ring use u, by thread 0 of consumer c's warpgroup in block 0.
+__device__ __forceinline__ void trace_point(int c, int u, int point)
+{
+#if STEP_TRACE
+    if (blockIdx.x == 0 && thread_index() % 128 == 0 && u < TRACE_STEPS) {
+        long long t;
+        asm volatile("mov.u64 %0, %%clock64;" : "=l"(t)::"memory");
+        step_trace[c][u][point] = t;
+    }
+#endif
 }
 
 // Named barrier `id` of `threads` threads: wait there (bar.sync), or count in and go on (bar.arrive).
@@ -592,6 +616,7 @@ attention_forward(const element* __restrict__ /* Q */, const element* __restrict
             bool moved = false;  // O_i = alpha O_i + P_i,j-1 V_j-1: the rescale before the product is issued
             for (int j = 1; j < T_c; ++j) {
                 const int u = u0 + j;
+                trace_point(consumer, u, 0);
                 mbarrier_wait(K_full(u), parity(u));
                 mbarrier_wait(V_full(u - 1), parity(u - 1));
                 if (moved) {
@@ -604,16 +629,20 @@ attention_forward(const element* __restrict__ /* Q */, const element* __restrict
                 issue_S(S, u);
                 issue_PV(P, u - 1);
                 pass_turn();  // the products run on; the next consumer may issue behind them
+                trace_point(consumer, u, 1);
                 wgmma_wait_one();  // S_ij has landed; P_i,j-1 V_j-1 may still run
                 settle(S);
+                trace_point(consumer, u, 2);
                 release(K_empty(u));
                 if (j == T_c - 1)
                     release_Q();
                 moved = softmax(S, j, alpha);  // while P_i,j-1 V_j-1 and the next consumer's products run
                 if constexpr (!TURNS)
                     pin_row_sums(&pin[threadIdx.x - 128], l_i);  // the softmax stays ahead of the wait
+                trace_point(consumer, u, 3);
                 wgmma_wait_all();
                 settle(O_acc);
+                trace_point(consumer, u, 4);
                 release(V_empty(u - 1));
                 round_P(P, S);
             }

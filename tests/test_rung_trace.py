@@ -1,0 +1,82 @@
+"""tools/rung_trace.py without a GPU: the traced copy of a rung (its options, what it refuses), the trace's
+declared shape, the phases read from clocks built by hand, and, with nvdisasm, where the diagnostic's clock
+reads sit in v34's SASS: none in the rung's own build, five in the traced one's loop, around the products'
+waits and the softmax."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kernels import ladder
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+
+import rung_trace  # noqa: E402
+import wgmma_waits  # noqa: E402
+
+V34 = ladder.load("v34")
+
+
+def test_the_traced_copy_adds_the_switch_to_the_rung_s_options():
+    source = rung_trace.with_trace(V34.path.read_text())
+    assert re.search(r"^ \* lab\.options[ \t]+-arch=sm_90a -DSTEP_TRACE=1$", source, flags=re.M)
+    assert source.replace(" -DSTEP_TRACE=1", "", 1) == V34.path.read_text()
+    with pytest.raises(ValueError, match="no STEP_TRACE diagnostic"):
+        rung_trace.with_trace(ladder.load("v31").path.read_text())
+    with pytest.raises(ValueError, match="no lab.options line"):
+        rung_trace.with_trace(V34.path.read_text().replace(" * lab.options", " * lab.flags"))
+
+
+def test_the_trace_s_shape_comes_from_its_declaration():
+    assert rung_trace.trace_shape(V34.path.read_text()) == (3, 512, 5)
+    with pytest.raises(ValueError, match="no value"):
+        rung_trace.trace_shape("__device__ long long step_trace[3][STEPS][5];")
+    with pytest.raises(ValueError, match="declares no step_trace"):
+        rung_trace.trace_shape("long long step_trace[3];")
+
+
+def test_phases_from_the_clocks_of_each_step_and_the_next_loop_top():
+    t = np.zeros((3, 6, 5), dtype=np.int64)
+    t[0, 1] = [100, 150, 400, 1100, 1120]  # a step: issue 50, S wait 250, softmax 700, PV wait 20
+    t[0, 2] = [1200, 1260, 1500, 2210, 2230]  # rest 80 (1120 -> 1200), step 1100
+    t[0, 3] = [2300, 2340, 2600, 3300, 3310]
+    t[0, 4] = [0, 0, 0, 0, 0]  # not traced: use 3 has no next loop top and drops out
+    t[1, 1] = [500, 400, 600, 700, 800]  # out of order (a clock that wrapped or a torn write): dropped
+    t[1, 2] = [900, 950, 1000, 1100, 1200]
+    got = rung_trace.phases(t)
+    assert set(got) == {0}  # consumer 1's one step in order has no next loop top; consumer 2 traced nothing
+    np.testing.assert_array_equal(got[0], [[50, 250, 700, 20, 80, 1100], [60, 240, 710, 20, 70, 1100]])
+    lines = rung_trace.table(got).splitlines()
+    assert lines[0].split() == ["consumer", "phase", "median", "p10", "p90", "of", "step"]
+    assert lines[3].split()[:3] == ["0", "softmax", "705"] and lines[3].split()[-1] == "64.1%"
+    assert lines[6].split()[:3] == ["0", "step", "1100"] and lines[6].split()[-2:] == ["2", "st"]
+
+
+@pytest.mark.skipif(wgmma_waits.nvdisasm() is None, reason="no nvdisasm (the test extra installs one)")
+@pytest.mark.parametrize("config,products", [("128,128,128,0", 16), ("64,192,128,0", 12)])
+def test_the_clock_reads_frame_the_phases_in_sass_and_the_rung_s_own_build_has_none(config, products, tmp_path):
+    """The traced copy compiles (sm_90a) with its five clock reads in the steady step's order: the products
+    issued between the first two, the wait for S between the second and third, the 66 exponentials between
+    the third and fourth, the wait for P V between the last two. The rung's own build reads no clock."""
+    _, cubin = wgmma_waits.compiled("v34", config, "sm_90")
+    assert "SR_CLOCKLO" not in wgmma_waits.disassemble(cubin)
+    path = tmp_path / "v34_lazy_rescale_trace.cu"
+    path.write_text(rung_trace.with_trace(V34.path.read_text()))
+    _, cubin = wgmma_waits.compiled(str(path), config, "sm_90")
+    lines = [line for line in wgmma_waits.disassemble(cubin).splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line)]
+    clocks = [i for i, line in enumerate(lines) if "SR_CLOCKLO" in line]
+    assert len(clocks) == 5, clocks
+    between = [lines[a:b] for a, b in zip(clocks, clocks[1:])]
+
+    def count(part, what):
+        return sum(what in line for line in part)
+
+    assert count(between[0], "HGMMA") == products and count(between[0], "MUFU.EX2") == 0
+    assert count(between[1], "WARPGROUP.DEPBAR.LE gsb0, 0x1") == 1
+    assert count(between[2], "MUFU.EX2") == 66 and count(between[2], "HGMMA") == 0
+    assert count(between[3], "WARPGROUP.DEPBAR.LE gsb0, 0x0") == 1
