@@ -57,6 +57,23 @@ def test_phases_from_the_clocks_of_each_step_and_the_next_loop_top():
     assert lines[6].split()[:3] == ["0", "step", "1100"] and lines[6].split()[-2:] == ["2", "st"]
 
 
+def test_the_timeline_puts_both_consumers_on_consumer_0_s_clock():
+    t = np.zeros((3, 6, 5), dtype=np.int64)
+    t[0, 2] = [1000, 1050, 1300, 2000, 2020]
+    t[1, 2] = [1500, 1900, 2000, 2600, 2700]
+    t[0, 3] = [2100, 2150, 2400, 3100, 3120]
+    t[1, 3] = [0, 0, 0, 0, 0]  # consumer 1 not traced at use 3: no line
+    lines = rung_trace.timeline(t, 2, 2).splitlines()
+    assert lines[0].split() == ["use", "consumer", "top", "issued", "S", "softmax", "PV"]
+    assert [line.split() for line in lines[1:]] == [
+        ["2", "0", "0", "50", "300", "1000", "1020"],
+        ["2", "1", "500", "900", "1000", "1600", "1700"],
+        ["3", "0", "1100", "1150", "1400", "2100", "2120"],
+    ]
+    with pytest.raises(ValueError, match="no loop top"):
+        rung_trace.timeline(t, 1, 2)
+
+
 @pytest.mark.skipif(wgmma_waits.nvdisasm() is None, reason="no nvdisasm (the test extra installs one)")
 @pytest.mark.parametrize("config,products", [("128,128,128,0", 16), ("64,192,128,0", 12)])
 def test_the_clock_reads_frame_the_phases_in_sass_and_the_rung_s_own_build_has_none(config, products, tmp_path):

@@ -1,7 +1,7 @@
 """Where a forward rung's consumer warpgroups spend a step of their loop, cycle by cycle: the SM clock read
 at five points of each step by block 0's consumers (kernels/v34_lazy_rescale.cu's STEP_TRACE build).
 
-    python3 tools/rung_trace.py [--kernel v34] [--case 4x16x4096-d128-noncausal]
+    python3 tools/rung_trace.py [--kernel v34] [--case 4x16x4096-d128-noncausal] [--timeline 6]
 
 The rung must declare the diagnostic (`#ifndef STEP_TRACE` and `step_trace`); the tool compiles a copy of
 it with `-DSTEP_TRACE=1` added to its lab.options (the rung's own build is untouched: with the switch off
@@ -15,6 +15,10 @@ prints, per consumer, the median and the 10th-90th percentile of each phase over
     PV wait    to P V landed (wgmma.wait_group 0)
     rest       to the next step's loop top: the releases and P rounded to 16 bits
     step       loop top to loop top
+
+`--timeline K` prints K ring uses one after another as well, from the middle of the block's first tile:
+when each consumer reached each point, in cycles after consumer 0's loop top at the first of them (the
+consumers of a block read one SM's clock), so that whose softmax overlaps whose products shows.
 
 Cycles are the SM clock's (clock64): at the H200's 1.98 GHz boost about 2 per ns. Steps of the block's
 first tiles only (the trace holds TRACE_STEPS ring uses), and not a tile's first step (it has no P V
@@ -101,12 +105,33 @@ def table(by_consumer: dict[int, np.ndarray]) -> str:
     return "\n".join(lines)
 
 
+def timeline(trace: np.ndarray, first: int, count: int) -> str:
+    """Ring uses first .. first + count - 1 of trace (consumers, uses, 5), one line per use and consumer:
+    the five points in cycles after consumer 0's loop top at use `first` ('-': not traced)."""
+    points = ("top", "issued", "S", "softmax", "PV")
+    base = int(trace[0, first, 0])
+    if base == 0:
+        raise ValueError(f"ring use {first} has no loop top traced for consumer 0")
+    lines = [f"{'use':>5s} {'consumer':>8s} " + " ".join(f"{p:>8s}" for p in points)]
+    for u in range(first, min(first + count, trace.shape[1])):
+        for c in range(trace.shape[0]):
+            if not trace[c, u].any():
+                continue
+            cells = [f"{int(x) - base:8d}" if x else f"{'-':>8s}" for x in trace[c, u]]
+            lines.append(f"{u:5d} {c:8d} " + " ".join(cells))
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kernel", default="v34", help="a forward rung with the STEP_TRACE diagnostic (default v34)")
     parser.add_argument("--case", default="4x16x4096-d128-noncausal", help="a bench.py frontier case id")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeline", type=int, default=0, metavar="K",
+                        help="also print K ring uses one after another from the middle of the first tile")
     args = parser.parse_args(argv)
+    if args.timeline < 0:
+        parser.error("--timeline: a count of ring uses, 0 or more")
 
     from benchmarks import frontier
     from kernels import ladder
@@ -150,6 +175,11 @@ def main(argv=None) -> int:
     by_consumer = phases(host)
     print(f"{rung.name} {args.case} (config {run.instance.describe()}): block 0's steps, SM clock cycles")
     print(table(by_consumer))
+    if args.timeline:
+        tile = int(np.argmax(host[0, 1:, 0] == 0)) + 1 if (host[0, 1:, 0] == 0).any() else host.shape[1]
+        first = max(1, min(tile // 2, host.shape[1] - args.timeline))
+        print(f"\nring uses {first}-{first + args.timeline - 1}, cycles after consumer 0's loop top at use {first}:")
+        print(timeline(host, first, args.timeline))
     return 0
 
 
