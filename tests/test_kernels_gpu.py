@@ -367,6 +367,41 @@ def test_persistent_rung_matches_its_one_block_per_tile_parent(name, B, NH, NH_k
         assert bad == 0, f"{name} {q.shape} k {k.shape} causal={causal}: {bad} elements differ from {parent}'s"
 
 
+# v37 computes v34's values in v34's order on both of its paths: the shapes and scores that take each
+DEFERRED_MAX_CASES = [
+    (2, 12, 12, 1000, 1000, 64, True, 0.0, 1.0),    # random scores: every step on the exponentials-first path
+    (2, 8, 8, 1500, 1500, 128, False, 0.0, 1.0),
+    (1, 6, 6, 1000, 1000, 128, True, 3.0, 1.0),     # a row's maximum climbing by less than 2^8 at every step
+    (1, 6, 6, 1000, 1000, 64, False, 20.0, 1.0),    # and by more: S_ij taken again, v34's softmax
+    (1, 4, 4, 1000, 1000, 128, True, 20.0, 1.0),
+    (2, 8, 8, 1500, 700, 128, True, 0.0, 1.0),      # causal cross: rows that have seen no key (m_i = -inf)
+    (1, 4, 4, 1000, 1000, 64, True, 0.0, 30.0),     # scores in the hundreds
+    (1, 4, 4, 1000, 1000, 128, False, 0.0, 30.0),
+]
+
+
+@pytest.mark.parametrize("B,NH,NH_kv,T_q,T_k,d,causal,climb,magnitude", DEFERRED_MAX_CASES)
+def test_v37_is_v34_bit_for_bit(B, NH, NH_kv, T_q, T_k, d, causal, climb, magnitude):
+    """v37 takes a step's exponentials before the row maximum and looks for the maximum only where a
+    partial sum passed 2^8 (then from S_ij again, with v34's softmax): the same values in the same
+    order as v34 on either path, so the outputs agree in every bit, with climbing scores that take the
+    second path at most steps and rows whose reference is still -inf."""
+    import cupy as cp
+
+    rng = cp.random.default_rng(7)
+    q = rng.standard_normal((B, NH, T_q, d), dtype=cp.float32) * magnitude
+    k, v = (rng.standard_normal((B, NH_kv, T_k, d), dtype=cp.float32) * magnitude for _ in range(2))
+    if climb:
+        q[..., 0] = math.sqrt(d)
+        k[..., 0] = climb * cp.arange(T_k, dtype=cp.float32) / 128
+    q, k, v = (x.astype("bfloat16") for x in (q, k, v))
+    want = kernels.attention(q, k, v, kernel="v34", causal=causal)
+    got = kernels.attention(q, k, v, kernel="v37", causal=causal)
+    assert not bool(cp.isnan(want.astype(cp.float32)).any())
+    bad = int(cp.count_nonzero(got.view(cp.uint16) != want.view(cp.uint16)))
+    assert bad == 0, f"{bad} of {got.size} elements differ from v34's"
+
+
 @pytest.mark.parametrize("name", PERSISTENT)
 def test_waits_by_event_a_launch_on_another_stream_waits_for_the_workspace_s_zeros(name, monkeypatch):
     """runtime.WAIT_BY_EVENT: prepared on a stream still busy with products, so that the workspace's zeros
