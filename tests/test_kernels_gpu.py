@@ -380,12 +380,14 @@ DEFERRED_MAX_CASES = [
 ]
 
 
+@pytest.mark.parametrize("name", ["v37", "v38"])
 @pytest.mark.parametrize("B,NH,NH_kv,T_q,T_k,d,causal,climb,magnitude", DEFERRED_MAX_CASES)
-def test_v37_is_v34_bit_for_bit(B, NH, NH_kv, T_q, T_k, d, causal, climb, magnitude):
+def test_exponentials_first_is_v34_bit_for_bit(name, B, NH, NH_kv, T_q, T_k, d, causal, climb, magnitude):
     """v37 takes a step's exponentials before the row maximum and looks for the maximum only where a
     partial sum passed 2^8 (then from S_ij again, with v34's softmax): the same values in the same
     order as v34 on either path, so the outputs agree in every bit, with climbing scores that take the
-    second path at most steps and rows whose reference is still -inf."""
+    second path at most steps and rows whose reference is still -inf. v38 does the same at d = 128 with
+    key tiles of 128 too (a third stage of K_j, O_i stored from registers: the same rounding)."""
     import cupy as cp
 
     rng = cp.random.default_rng(7)
@@ -396,7 +398,7 @@ def test_v37_is_v34_bit_for_bit(B, NH, NH_kv, T_q, T_k, d, causal, climb, magnit
         k[..., 0] = climb * cp.arange(T_k, dtype=cp.float32) / 128
     q, k, v = (x.astype("bfloat16") for x in (q, k, v))
     want = kernels.attention(q, k, v, kernel="v34", causal=causal)
-    got = kernels.attention(q, k, v, kernel="v37", causal=causal)
+    got = kernels.attention(q, k, v, kernel=name, causal=causal)
     assert not bool(cp.isnan(want.astype(cp.float32)).any())
     bad = int(cp.count_nonzero(got.view(cp.uint16) != want.view(cp.uint16)))
     assert bad == 0, f"{bad} of {got.size} elements differ from v34's"
