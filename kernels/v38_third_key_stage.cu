@@ -251,7 +251,6 @@ __device__ __forceinline__ void trace_point(int c, int u, int point)
 #endif
 }
 
-// Named barrier `id` of `threads` threads: wait there (bar.sync), or count in and go on (bar.arrive).
 // True on every thread of the `threads` at named barrier `id` if `p` holds on any of them (and a barrier).
 template <int threads>
 __device__ __forceinline__ bool barrier_any(int id, bool p)
@@ -261,6 +260,7 @@ __device__ __forceinline__ bool barrier_any(int id, bool p)
                  : "=r"(r) : "r"((unsigned)p), "r"(id), "n"(threads) : "memory");
     return r != 0;
 }
+// Named barrier `id` of `threads` threads: wait there (bar.sync), or count in and go on (bar.arrive).
 template <int threads>
 __device__ __forceinline__ void barrier_wait(int id) { asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(threads) : "memory"); }
 template <int threads>
