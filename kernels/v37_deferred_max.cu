@@ -17,7 +17,11 @@
  * finite reference: while some row of the warp has seen no key (m_i = -inf), the warp takes v34's
  * softmax every step.
  *
- * Measured first by taking parts of v34's softmax out (tools/rung_trace.py on copies, H200, block 0's
+ * Measured (H200, two bench.py frontier --interleave runs against v34, docs/ladder.md#v37): 1.03x at
+ * 6 x 12 x 4096 and 4 x 16 x 2048 non-causal, 1.04x at 1 x 12 x 8192 (d = 64), 0.99-1.01x at the shorter
+ * d = 64 shapes, 1.00x at d = 128 (v34's SASS there); under ncu the issue slots 5-6 points emptier.
+ *
+ * Why: parts of v34's softmax taken out of copies of it (tools/rung_trace.py, H200, block 0's
  * consumers at 4 x 16 x 4096 d = 128 non-causal, cycles a step): 2,951 as is, 2,806 with the maximum
  * reduced over one n8 tile instead of sixteen, 2,750 with no exponential, 2,879 with no row sum; at
  * d = 64 3,564 and 3,267 without the maximum.

@@ -12,6 +12,9 @@
  * the 32 KB to a third stage of K_j. K_j has three stages everywhere now, V_j two at that configuration
  * (three elsewhere, where O_i keeps its staging), and the exponentials come first at every configuration.
  *
+ * Measured (H200, two bench.py frontier --interleave runs against v37, docs/ladder.md#v38): 1.02x at
+ * 1 x 16 x 16384 and 4 x 16 x 4096 non-causal, 0.99x at 2 x 32 x 4096 causal; d = 64 unchanged.
+ *
  * Geometry: grid (min(tiles, SMs x blocks per SM), 1, 1), tiles = T_r x n_heads x batch, with
  * T_r = ceil(T_q / B_r); the kernel takes n_heads and batch as two more int parameters (before the
  * descriptors) and its workspace's first word is the tile counter. Block B_r * 2 + 128 threads, one

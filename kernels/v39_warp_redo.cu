@@ -14,6 +14,10 @@
  * is v34's bit for bit. Where the block has three consumers (d = 64, B_r = 192: 160 registers a thread)
  * the fragments spilled in the steady loop, so there the warpgroup votes and takes S_ij again as v38.
  *
+ * Measured (H200, two bench.py frontier --interleave runs against v38, docs/ladder.md#v39): 1.06-1.07x
+ * at every d = 128 shape (655 TFLOP/s at 1 x 16 x 16384), the tensor pipe 4.6-4.9 points busier under
+ * ncu; d = 64 (v38's code at B_r = 192) unchanged.
+ *
  * Geometry: grid (min(tiles, SMs x blocks per SM), 1, 1), tiles = T_r x n_heads x batch, with
  * T_r = ceil(T_q / B_r); the kernel takes n_heads and batch as two more int parameters (before the
  * descriptors) and its workspace's first word is the tile counter. Block B_r * 2 + 128 threads, one
