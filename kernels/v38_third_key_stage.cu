@@ -370,7 +370,6 @@ attention_forward(const element* __restrict__ /* Q */, const element* __restrict
     constexpr int K_STAGES = 3;
     constexpr int V_STAGES = 3 - B_c * d_head / (128 * 128);
     constexpr bool O_STAGED = V_STAGES == 3;
-    constexpr bool DEFER = true;  // v37's exponentials first: K_j may be held
     // Registers per thread after the split: the producer's few, the consumers' share of the rest.
     constexpr int PRODUCER_REGISTERS = 24;
     constexpr int CONSUMER_REGISTERS = CONSUMERS == 2 ? 240 : 160;
@@ -665,7 +664,7 @@ attention_forward(const element* __restrict__ /* Q */, const element* __restrict
             if (T_c == 1)
                 release_Q();
             softmax(S, 0, alpha);  // O_i is still zero: nothing to rescale
-            bool exact = !DEFER || unsettled();
+            bool exact = unsettled();
             round_P(P, S);
             bool moved = false;  // O_i = alpha O_i + P_i,j-1 V_j-1: the rescale before the product is issued
             for (int j = 1; j < T_c; ++j) {
@@ -695,8 +694,7 @@ attention_forward(const element* __restrict__ /* Q */, const element* __restrict
                     if (j == T_c - 1)
                         release_Q();
                     moved = softmax(S, j, alpha);
-                    if constexpr (DEFER)
-                        exact = unsettled();
+                    exact = unsettled();
                 } else {
                     moved = softmax_first(S, j, u, alpha);
                     release(K_empty(u));
