@@ -20,6 +20,16 @@ EPS = {"float32": float(np.finfo(np.float32).eps), "float16": float(np.finfo(np.
 
 FLOP_CONVENTION = ("causal forward = 4 * B * NH * T^2 * d / 2 FLOPs: the two T x T x d matrix products, half "
                    "of them under the mask; exp and the softmax arithmetic are not counted")
+NONCAUSAL_FLOP_CONVENTION = ("non-causal forward = 4 * B * NH * T^2 * d FLOPs: the two T x T x d matrix products; "
+                             "exp and the softmax arithmetic are not counted")
+
+
+def flop_convention(shapes) -> str:
+    """FLOP_CONVENTION where every shape is causal, NONCAUSAL_FLOP_CONVENTION where none is."""
+    kinds = {s.causal for s in shapes}
+    if len(kinds) != 1:
+        raise ValueError("one run's shapes are all causal or all non-causal: the table states one FLOP convention")
+    return FLOP_CONVENTION if kinds == {True} else NONCAUSAL_FLOP_CONVENTION
 
 
 def attention_flops(B: int, NH: int, T: int, d: int, causal: bool = True) -> int:
@@ -61,19 +71,21 @@ class Shape:
     T: int
     NH: int = 12
     d: int = 64
+    causal: bool = True
 
     @property
     def label(self) -> str:
         return f"{self.B}x{self.T}"
 
     def as_dict(self) -> dict:
-        return {"B": self.B, "T": self.T, "NH": self.NH, "d": self.d}
+        """The shape as result files hold it; "causal" only where it is not (every file before the non-causal
+        sweep held causal shapes without the key)."""
+        return {"B": self.B, "T": self.T, "NH": self.NH, "d": self.d} | ({} if self.causal else {"causal": False})
 
-    # causal self-attention, one K/V head per query head: the general fields Case spells out
+    # self-attention, one K/V head per query head: the general fields Case spells out
     T_q = property(lambda self: self.T)
     T_k = property(lambda self: self.T)
     NH_kv = property(lambda self: self.NH)
-    causal = True
 
 
 @dataclass(frozen=True)

@@ -165,6 +165,7 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     s.add_argument("--t-min", type=power_of_two, default=128, help="shortest T, a power of two (default 128)")
     s.add_argument("--t-max", type=power_of_two, default=16384, help="longest T, a power of two (default 16384)")
     s.add_argument("--tokens", type=positive_int, default=16384, help="B x T per point: B = tokens // T (default 16384)")
+    s.add_argument("--noncausal", action="store_true", help="attention without the mask (default: causal)")
     shape_options(s, 150.0)
 
     e = sub.add_parser("e2e", help="seconds for GPT-2 small (or Llama) to generate 512 tokens, per rung, beside HF "

@@ -44,6 +44,11 @@ def _colors(plt, names: list[str]) -> dict[str, tuple]:
     return {n: palette[i % len(palette)] for i, n in enumerate(names)}
 
 
+def sweep_causal(result: dict) -> bool:
+    """Whether a sweep's shapes are causal (files before the non-causal sweep have no "causal" key: causal)."""
+    return result["shapes"][0].get("causal", True)
+
+
 def plot_sweep(plt, result: dict):
     """TFLOP/s against T, one line per rung (solid) and peer (dashed: SDPA flash is FlashAttention-2), with
     the ceiling of the dtype's arithmetic measured in the same run (fp32 FFMA; bf16 or fp16 tensor GEMM)."""
@@ -62,8 +67,9 @@ def plot_sweep(plt, result: dict):
     ax.set_xscale("log", base=2)
     ax.set_xlabel(f"sequence length T (B = {result['tokens']} // T, NH = {result['shapes'][0]['NH']}, "
                   f"d = {result['shapes'][0]['d']})")
-    ax.set_ylabel("TFLOP/s (causal: 4 B NH T^2 d / 2)")
-    ax.set_title(f"causal attention forward, {result['dtype']}: {_device_title(result)}")
+    causal = sweep_causal(result)
+    ax.set_ylabel("TFLOP/s (causal: 4 B NH T^2 d / 2)" if causal else "TFLOP/s (non-causal: 4 B NH T^2 d)")
+    ax.set_title(f"{'causal' if causal else 'non-causal'} attention forward, {result['dtype']}: {_device_title(result)}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return fig

@@ -103,24 +103,26 @@ def forward(result: dict) -> bool:
 
 
 def newest_sweeps(paths: list[Path]) -> list[tuple[Path, dict]]:
-    """The newest sweep of each dtype and head size among `paths` (newest first): float32 first, then by
-    dtype and head size (a bfloat16 sweep at d=64 and one at d=128 are both shown)."""
-    newest: dict[tuple[str, int], tuple[Path, dict]] = {}
+    """The newest sweep of each dtype, head size and mask among `paths` (newest first): float32 first, then by
+    dtype, head size and causal before non-causal (a bfloat16 sweep at d=64, one at d=128 and one at d=128
+    without the mask are all shown)."""
+    newest: dict[tuple[str, int, bool], tuple[Path, dict]] = {}
     for p in paths:
         result = load_result(p)
-        newest.setdefault((result["dtype"], result["shapes"][0]["d"]), (p, result))
+        newest.setdefault((result["dtype"], result["shapes"][0]["d"], not plots.sweep_causal(result)), (p, result))
     return [newest[k] for k in sorted(newest, key=lambda k: (k[0] != "float32", k))]
 
 
 def summary_sweeps(paths: list[Path]) -> list[tuple[Path, dict]]:
-    """The README's plots: per dtype, the newest sweep with a plot at GPT-2's head size (d=64, that of the
-    summary's tables), else the newest with a plot; float32 first."""
+    """The README's plots: per dtype, the newest causal sweep with a plot at GPT-2's head size (d=64, that of
+    the summary's tables), else the newest with a plot; float32 first."""
     newest: dict[str, tuple[Path, dict]] = {}
+    gpt2_like = lambda r: r["shapes"][0]["d"] == 64 and plots.sweep_causal(r)  # noqa: E731
     for p in paths:
         result = load_result(p)
         held = newest.get(result["dtype"])
-        if result.get("plot") and (held is None or (result["shapes"][0]["d"] == 64 != held[1]["shapes"][0]["d"])):
-            newest[result["dtype"]] = (p, result)  # the newest, unless it is not at d=64 and this one is
+        if result.get("plot") and (held is None or (gpt2_like(result) and not gpt2_like(held[1]))):
+            newest[result["dtype"]] = (p, result)  # the newest, unless it is not GPT-2's kind and this one is
     return [newest[t] for t in sorted(newest, key=lambda t: (t != "float32", t))]
 
 
@@ -171,7 +173,8 @@ def readme_blocks(found: dict[str, list[Path]], base: Path) -> dict[str, str]:
     if found["sweep"]:  # the newest of each dtype and head size, each with its plot
         sweeps = newest_sweeps(found["sweep"])
         blocks["sweep"] = source(*[p for p, _ in sweeps]) + "\n" + "\n\n".join(
-            f"**{result['dtype']}, d={result['shapes'][0]['d']}**\n\n" + from_file(p, render_sweep(
+            f"**{result['dtype']}, d={result['shapes'][0]['d']}{'' if plots.sweep_causal(result) else ', non-causal'}**\n\n"
+            + from_file(p, render_sweep(
                 result, rel(p.parent / result["plot"]) if result.get("plot") else None)) for p, result in sweeps)
     if found["frontier"]:
         p = found["frontier"][0]

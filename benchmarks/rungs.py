@@ -16,7 +16,6 @@ from kernels import triton as triton_rungs
 from . import ceilings as precision
 from . import device, timing
 from .cases import (
-    FLOP_CONVENTION,
     GPT2_SHAPES,
     Case,
     Inputs,
@@ -24,6 +23,7 @@ from .cases import (
     apply_check,
     check_outputs,
     describe_launch,
+    flop_convention,
     shape_flops,
 )
 from .device import first_line, progress
@@ -183,7 +183,7 @@ def run_shapes(kind: str, args, shapes: list[Shape]) -> dict:
         "schema": SCHEMA,
         "kind": kind,
         "setup": setup,
-        "flop_convention": FLOP_CONVENTION,
+        "flop_convention": flop_convention(shapes),
         "method": method.describe(flush.nbytes),
         "ceilings": ceilings,
         "dtype": args.dtype,

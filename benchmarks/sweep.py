@@ -16,7 +16,7 @@ from .tables import render_sweep
 def cmd_sweep(args) -> int:
     device.require_gpu()
     lengths = [2**i for i in range(int(math.log2(args.t_min)), int(math.log2(args.t_max)) + 1)]
-    shapes = [Shape(max(1, args.tokens // T), T, args.nh, args.d) for T in lengths]
+    shapes = [Shape(max(1, args.tokens // T), T, args.nh, args.d, causal=not args.noncausal) for T in lengths]
     result = run_shapes("sweep", args, shapes)
     result["tokens"] = args.tokens
     path = result_path("sweep", result["setup"], args.results)

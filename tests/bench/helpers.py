@@ -149,6 +149,12 @@ class FakeAxes:
     def axhline(self, y, **kw):
         self.hlines.append(y)
 
+    def set_title(self, title, **kw):
+        self.title = title
+
+    def set_ylabel(self, label, **kw):
+        self.ylabel = label
+
     def __getattr__(self, name):  # labels, scales, grid, legend
         return lambda *a, **k: None
 
@@ -228,7 +234,7 @@ def fake_prepare(q, k, v, *, kernel, causal=True):
     out = np.empty(q.shape, dtype=np.float32)
 
     def run():
-        ref = kernels.reference_attention(q, k, v)
+        ref = kernels.reference_attention(q, k, v, causal=causal)
         if name.endswith("noisy"):
             ref = ref + np.float32(1e-3)
         if name.endswith("lazy"):

@@ -314,12 +314,13 @@ def test_frontier_times_the_rungs_one_by_one_when_interleaving_fails(monkeypatch
 # --- bench.py readme: the frontier section, the README's line, a sweep per dtype and head size --------
 
 
-def sweep_result(dtype, d, date, nh=12):
+def sweep_result(dtype, d, date, nh=12, causal=True):
     result = kernels_result(shapes=((64, 256), (16, 1024)), kind="sweep", date=date)
+    mask = {} if causal else {"causal": False}
     for s in result["shapes"]:
-        s |= {"d": d, "NH": nh}
+        s |= {"d": d, "NH": nh} | mask
     for r in result["rows"]:
-        r["shape"] |= {"d": d, "NH": nh}
+        r["shape"] |= {"d": d, "NH": nh} | mask
         r["dtype"] = dtype
     stamp = date.replace("-", "").replace(":", "")
     return result | {"dtype": dtype, "tokens": 16384, "plot": f"sweep-fixture-gpu-{stamp}.png"}
@@ -336,10 +337,13 @@ def pages_with_frontier(tmp_path):
                                 "The end of the page."))
     found = tmp_path / "results"
     write_result(kernels_result(shapes=((1, 512), (8, 1024))), result_path("kernels", fixture_setup(), found))
-    for dtype, d, date, nh in (("float32", 64, "2026-01-01T00:00:00Z", 12), ("bfloat16", 64, "2026-01-02T00:00:00Z", 12),
-                               ("bfloat16", 64, "2026-01-03T00:00:00Z", 12),
-                               ("bfloat16", 128, "2026-01-04T00:00:00Z", 16)):
-        path = write_result(sweep_result(dtype, d, date, nh), result_path("sweep", fixture_setup(date=date), found))
+    for dtype, d, date, nh, causal in (("float32", 64, "2026-01-01T00:00:00Z", 12, True),
+                                       ("bfloat16", 64, "2026-01-02T00:00:00Z", 12, True),
+                                       ("bfloat16", 64, "2026-01-03T00:00:00Z", 12, True),
+                                       ("bfloat16", 128, "2026-01-04T00:00:00Z", 16, True),
+                                       ("bfloat16", 128, "2026-01-05T00:00:00Z", 16, False)):
+        path = write_result(sweep_result(dtype, d, date, nh, causal), result_path("sweep", fixture_setup(date=date),
+                                                                                  found))
         path.with_suffix(".png").write_bytes(b"")
     older = frontier_result()
     older["setup"] |= {"date": "2025-12-01T00:00:00Z"}
@@ -379,9 +383,10 @@ def test_readme_shows_the_newest_sweep_of_each_dtype_and_head_size(pages_with_fr
     sweep = blocks_of(doc.read_text())["sweep"]
     images = re.findall(r"!\[TFLOP/s against sequence length\]\(\.\./results/([^)]+)\)", sweep)
     assert images == ["sweep-fixture-gpu-20260101T000000Z.png", "sweep-fixture-gpu-20260103T000000Z.png",
-                      "sweep-fixture-gpu-20260104T000000Z.png"]  # float32; bfloat16 d=64 (the newer); d=128
-    titles = re.findall(r"^\*\*(\w+, d=\d+)\*\*$", sweep, re.M)
-    assert titles == ["float32, d=64", "bfloat16, d=64", "bfloat16, d=128"]
+                      "sweep-fixture-gpu-20260104T000000Z.png", "sweep-fixture-gpu-20260105T000000Z.png"]
+    # float32; bfloat16 d=64 (the newer); d=128; d=128 without the mask (newer, but not in d=128's place)
+    titles = re.findall(r"^\*\*(\w+, d=\d+(?:, non-causal)?)\*\*$", sweep, re.M)
+    assert titles == ["float32, d=64", "bfloat16, d=64", "bfloat16, d=128", "bfloat16, d=128, non-causal"]
     assert "NH=16, d=128, bfloat16" in sweep and "20260102T000000Z" not in sweep
     # the README: one plot per dtype, at GPT-2's head size where there is one
     summary = blocks_of(readme.read_text())["summary"]
@@ -390,6 +395,8 @@ def test_readme_shows_the_newest_sweep_of_each_dtype_and_head_size(pages_with_fr
     assert "TFLOP/s against sequence length, bfloat16, d=64: Fixture GPU, 2026-01-03." in summary
     (found / "sweep-fixture-gpu-20260103T000000Z.json").unlink()
     (found / "sweep-fixture-gpu-20260102T000000Z.json").unlink()  # no bfloat16 sweep at d=64 left: d=128's
+    (found / "sweep-fixture-gpu-20260105T000000Z.json").unlink()  # (the newest, non-causal, is not GPT-2's kind
+    # either, so the newest of the two is shown: d=128's causal one here, without the newer non-causal file)
     code, _, err = run(["readme", "--readme", str(readme), "--results-doc", str(doc), "--results", str(found)], capsys)
     assert code == 0, err
     summary = blocks_of(readme.read_text())["summary"]

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import kernels
-from benchmarks import device, e2e, features, peers, plots, results, rungs, timing
+from benchmarks import cases, device, e2e, features, peers, plots, results, rungs, timing
 from benchmarks.cases import FEATURE_FLOP_CONVENTION, Case, Shape, attention_flops, attention_flops_qk
 from tests.bench.helpers import RUNGS, FakePyplot, install_stand_ins, run
 
@@ -127,6 +127,23 @@ def test_sweep_subcommand_end_to_end_with_stand_ins(stand_in, tmp_path, monkeypa
     assert data["tokens"] == 128 and data["plot"] == path.with_suffix(".png").name == saved[0].name
     assert all(r["status"] == "ok" for r in data["rows"])
     assert "| T | B | `v01_good` | CuPy reference |" in out
+
+
+def test_sweep_without_the_mask_counts_every_pair(stand_in, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(plots, "_pyplot", FakePyplot)
+    monkeypatch.setattr(plots, "plot_or_none", lambda plot, result, path: None)
+    code, out, err = run(["sweep", "--noncausal", "--kernels", stand_in[0], "--peers", "reference", "--t-min", "16",
+                          "--t-max", "32", "--tokens", "64", "--nh", "2", "--d", "8", "--budget-ms", "1", "--results",
+                          str(tmp_path)], capsys)
+    assert code == 0, err
+    (path,) = tmp_path.glob("sweep-*.json")
+    data = json.loads(path.read_text())
+    assert data["shapes"] == [{"B": 4, "T": 16, "NH": 2, "d": 8, "causal": False},
+                              {"B": 2, "T": 32, "NH": 2, "d": 8, "causal": False}]
+    assert data["flop_convention"] == cases.NONCAUSAL_FLOP_CONVENTION
+    for r in data["rows"]:
+        assert r["status"] == "ok" and r["flops"] == 4 * r["shape"]["B"] * 2 * r["shape"]["T"] ** 2 * 8
+    assert "non-causal forward = 4 * B * NH * T^2 * d FLOPs" in out
 
 
 def test_e2e_subcommand_end_to_end_with_stand_ins(stand_in, tmp_path, monkeypatch, capsys):

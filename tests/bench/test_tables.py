@@ -74,6 +74,11 @@ def test_sweep_plot_draws_each_timed_series_against_T():
     assert plots.plot_sweep(plt, result) is plt.figure
     lines = {label: (xs, ys) for xs, ys, label in plt.ax.lines}
     assert set(lines) == {"v01_naive", "v03_fast", "CuPy reference", "SDPA efficient"}  # the wrong rung has no line
+    assert plt.ax.title.startswith("causal attention forward, float32") and "/ 2" in plt.ax.ylabel
+    for s in result["shapes"] + [r["shape"] for r in result["rows"]]:
+        s["causal"] = False
+    plots.plot_sweep(plt, result)
+    assert plt.ax.title.startswith("non-causal attention forward") and plt.ax.ylabel == "TFLOP/s (non-causal: 4 B NH T^2 d)"
     xs, ys = lines["v03_fast"]
     assert xs == [256, 1024]
     assert ys == [pytest.approx(cases.attention_flops(64, 12, 256, 64) / 1e-3 / 1e12),
