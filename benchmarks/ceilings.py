@@ -118,7 +118,9 @@ def measured(ceilings: dict) -> str:
     for key, label in MATHS.values():
         what = ceilings.get(key.replace("_tflops", "_what"), "?")
         if ceilings.get(key):
-            parts.append(f"{label} {ceilings[key]:.1f} TFLOP/s ({what})")
+            clock = (ceilings.get(key.replace("_tflops", "_timing")) or {}).get("sm_clock")
+            at = f" at a {clock['median_mhz']:,.0f} MHz SM clock (median)" if clock else ""
+            parts.append(f"{label} {ceilings[key]:.1f} TFLOP/s{at} ({what})")
         elif key in ceilings:  # measured, and unavailable: what says why
             parts.append(f"{label} {what}")
     return "; ".join(parts)

@@ -11,6 +11,7 @@ import numpy as np
 
 from . import device
 from .cases import TOLERANCE_FACTOR
+from .clocks import wait_reading_clock
 
 
 class L2Flush:
@@ -49,6 +50,8 @@ class Method:
             "l2_flush_bytes": flush_bytes,
             "l2_flush": "a buffer of twice the L2 size is written before every timed run, outside the events",
             "compilation": "before warm-up (kernels.prepare), never timed",
+            "sm_clock": "NVML's SM clock read every 0.5 ms while the host waits for an entry's timed runs to "
+                        "finish (median, min, max MHz; entries timed together share one), where NVML loads",
             "tolerance": f"max |out - ref64| <= {TOLERANCE_FACTOR:g} x max(max |plain32 - ref64|, eps(dtype) x max |ref64|)",
         }
 
@@ -85,8 +88,13 @@ def time_gpu(fn, *, stream, flush, method: Method) -> dict:
             s.record(stream)
             fn()
             e.record(stream)
-        events[-1][1].synchronize()
-    return summary(np.array([cupy.cuda.get_elapsed_time(s, e) for s, e in events]))
+        clock = wait_reading_clock(events[-1][1])
+    return summary(np.array([cupy.cuda.get_elapsed_time(s, e) for s, e in events])) | with_clock(clock)
+
+
+def with_clock(clock: dict | None) -> dict:
+    """{"sm_clock": the SM clock's median, min and max MHz while the timed runs ran} where it was read."""
+    return {"sm_clock": clock} if clock else {}
 
 
 def summary(times: np.ndarray) -> dict:
@@ -136,12 +144,12 @@ def time_interleaved(entries: list[tuple], *, flush, method: Method) -> list[dic
                 e.record(stream)
             events[i][r] = (s, e)
             previous = (stream, e)
-    previous[1].synchronize()
+    clock = wait_reading_clock(previous[1])
     cupy.cuda.Device().synchronize()
     out = []
-    for i in range(n):
+    for i in range(n):  # the rounds share one clock: every entry's is the same
         times = np.array([cupy.cuda.get_elapsed_time(s, e) for s, e in events[i]])
-        out.append(summary(times) | {"interleaved": n, "round_ms": [float(f"{t:.6g}") for t in times]})
+        out.append(summary(times) | {"interleaved": n, "round_ms": [float(f"{t:.6g}") for t in times]} | with_clock(clock))
     return out
 
 
