@@ -25,7 +25,7 @@ from .device import first_line, progress
 from .peers import PEERS, sdpa_launch, torch_stream
 from .results import SCHEMA, result_path, write_result, wrote
 from .rungs import add_speedups
-from .tables import fmt_ms, fmt_tflops, fmt_x, setup_header, table
+from .tables import clocked, fmt_ms, fmt_tflops, fmt_x, setup_header, sm_clock, table
 
 CASE_SETS = {  # --cases key -> the cases, each q (B, NH, T, d) over k, v (B, NH_kv, T, d)
     "gpt2": tuple(Case("gpt2", B, 12, 12, T, T, 64) for B, T in GPT2_SHAPES),
@@ -355,8 +355,9 @@ def render_backward(result: dict) -> str:
         lines += ["", "Not run: " + "; ".join(
             f"`{n}` ({next(r['reason'] for r in result['rows'] if r['name'] == n and r['status'] == 'unsupported')})"
             for n in left_out) + "."]
-    header = ["kernel", "ms", "p20-p80", "TFLOP/s", "vs previous", *[f"vs {PEERS[p].label}" for p in peers],
-              "max error dq / dk / dv", "note"]
+    clock = clocked(result["rows"])  # an SM MHz column where the run read the clock (benchmarks.clocks)
+    header = ["kernel", "ms", "p20-p80", "TFLOP/s", *(["SM MHz"] if clock else []), "vs previous",
+              *[f"vs {PEERS[p].label}" for p in peers], "max error dq / dk / dv", "note"]
     for shape in result["cases"]:
         body = []
         for r in (r for r in result["rows"] if r["shape"] == shape and r["status"] != "unsupported"):
@@ -367,12 +368,13 @@ def render_backward(result: dict) -> str:
                 t = r["timing"]
                 note = "; ".join(x for x in (r.get("config"), f"forward {r['forward']}" if r.get("forward") else None) if x)
                 body.append([name, fmt_ms(t["median_ms"]), f"{fmt_ms(t['p20_ms'])}-{fmt_ms(t['p80_ms'])}",
-                             fmt_tflops(r["tflops"]), fmt_x(r["speedup"].get("previous")),
+                             fmt_tflops(r["tflops"]), *([sm_clock(r)] if clock else []), fmt_x(r["speedup"].get("previous")),
                              *[fmt_x(r["speedup"].get(p)) for p in peers], errors, note])
             else:
-                body.append([name, f"**{r['status']}**", "-", "-", "-", *["-" for _ in peers], errors,
-                             r.get("reason", "")])
-        lines += ["", case_title(shape, result["dtype"]), ""] + table(header, body, "lrrrr" + "r" * len(peers) + "rl")
+                body.append([name, f"**{r['status']}**", "-", "-", *(["-"] if clock else []), "-", *["-" for _ in peers],
+                             errors, r.get("reason", "")])
+        lines += ["", case_title(shape, result["dtype"]), ""] + table(
+            header, body, "lrrr" + ("r" if clock else "") + "r" + "r" * len(peers) + "rl")
     return "\n".join(lines)
 
 

@@ -41,7 +41,7 @@ from .peers import PEERS
 from .plots import plot_or_none
 from .results import SCHEMA, result_path, write_result, wrote
 from .rungs import announce_and_measure_ceilings, bench_shape
-from .tables import fmt_ms, fmt_tflops, fmt_x, setup_header, table
+from .tables import clocked, fmt_ms, fmt_tflops, fmt_x, setup_header, sm_clock, table
 
 DTYPE = "bfloat16"
 CASES = (  # q (B, NH, T, d) over k, v: FlashAttention-3's 16k tokens of 2048 channels at d=128, the frontier's d=64
@@ -266,18 +266,21 @@ def render_fp8(result: dict) -> str:
     lines += ["", "The FP8 rung per shape: its time, and its error on these N(0,1) inputs (RMSE against float64, "
                   "and the reference's RMS).", ""]
     detail = []
-    for r in result["rows"]:
-        if not r.get("fp8"):
-            continue
+    fp8_rows = [r for r in result["rows"] if r.get("fp8")]
+    clock = clocked(fp8_rows)  # an SM MHz column where the run read the clock (benchmarks.clocks)
+    for r in fp8_rows:
         title = case_title(r["shape"])
         if r["status"] == "ok":
             tm = r["timing"]
             detail.append([title, f"`{r['name']}`", fmt_ms(tm["median_ms"]), f"{fmt_ms(tm['p20_ms'])}-{fmt_ms(tm['p80_ms'])}",
-                           fmt_tflops(r["tflops"]), f"{r['rmse']:.1e}", f"{r['ref_rms']:.1e}", r.get("config", "")])
+                           fmt_tflops(r["tflops"]), *([sm_clock(r)] if clock else []), f"{r['rmse']:.1e}",
+                           f"{r['ref_rms']:.1e}", r.get("config", "")])
         else:
             error = f"{r['rmse']:.1e}" if r.get("rmse") is not None else "-"
-            detail.append([title, f"`{r['name']}`", f"**{r['status']}**", "-", "-", error, "-", r.get("reason", "")])
-    lines += table(["shape", "kernel", "ms", "p20-p80", "TFLOP/s", "RMSE", "reference RMS", "note"], detail, "llrrrrrl")
+            detail.append([title, f"`{r['name']}`", f"**{r['status']}**", "-", "-", *(["-"] if clock else []), error, "-",
+                           r.get("reason", "")])
+    lines += table(["shape", "kernel", "ms", "p20-p80", "TFLOP/s", *(["SM MHz"] if clock else []), "RMSE", "reference RMS",
+                    "note"], detail, "llrrr" + ("r" if clock else "") + "rrl")
     a = result["accuracy"]
     lines += ["", f"**Accuracy** on N(0,1) + N(0,100) x Bernoulli(0.001) (float32 inputs, seed {a['seed']}, causal): "
                   f"RMSE against float64 attention. Target: at most {a['target']:.1e} with block scales and the "

@@ -62,6 +62,12 @@ def _label(r: dict) -> str:
     return f"`{r['name']}`" if r["kind"] == "rung" else r["label"]
 
 
+def clocked(rows: list[dict]) -> bool:
+    """Whether any of the rows read the SM clock (files before benchmarks.clocks have none): the tables
+    show an SM MHz column only then."""
+    return any((r.get("timing") or {}).get("sm_clock") for r in rows)
+
+
 def sm_clock(row: dict) -> str:
     """The SM clock's median over a row's timed runs (benchmarks.clocks), or "-" where it was not read."""
     clock = (row.get("timing") or {}).get("sm_clock")
@@ -72,8 +78,8 @@ def render_rows_table(result: dict, rows: list[dict]) -> list[str]:
     """One shape's rows; with a column of the SM clock (MHz, median over the timed runs) where the run read
     it (files before benchmarks.clocks have none)."""
     compare = result["compare_to"]
-    clocked = any((r.get("timing") or {}).get("sm_clock") for r in rows)
-    header = ["kernel", "ms", "p20-p80", "TFLOP/s", "% of ceiling", *(["SM MHz"] if clocked else []), "vs previous",
+    clock = clocked(rows)
+    header = ["kernel", "ms", "p20-p80", "TFLOP/s", "% of ceiling", *(["SM MHz"] if clock else []), "vs previous",
               *[f"vs {PEERS[c].label}" for c in compare], "max error", "note"]
     body = []
     for r in rows:
@@ -81,14 +87,14 @@ def render_rows_table(result: dict, rows: list[dict]) -> list[str]:
             t = r["timing"]
             pct = ceilings.pct_of_ceiling(r, result["ceilings"])
             body.append([_label(r), fmt_ms(t["median_ms"]), f"{fmt_ms(t['p20_ms'])}-{fmt_ms(t['p80_ms'])}", fmt_tflops(r["tflops"]),
-                         "-" if pct is None else f"{pct:.1f}%", *([sm_clock(r)] if clocked else []),
+                         "-" if pct is None else f"{pct:.1f}%", *([sm_clock(r)] if clock else []),
                          fmt_x(r["speedup"].get("previous")), *[fmt_x(r["speedup"].get(c)) for c in compare],
                          f"{r['max_err']:.1e}" if r.get("max_err") is not None else "-", r.get("config", "")])
         else:
             err = f"{r['max_err']:.1e}" if r.get("max_err") is not None else "-"
-            body.append([_label(r), f"**{r['status']}**", "-", "-", "-", *(["-"] if clocked else []), "-",
+            body.append([_label(r), f"**{r['status']}**", "-", "-", "-", *(["-"] if clock else []), "-",
                          *["-" for _ in compare], err, r.get("reason", "")])
-    return table(header, body, "lrrrr" + ("r" if clocked else "") + "rr" + "r" * len(compare) + "l")
+    return table(header, body, "lrrrr" + ("r" if clock else "") + "rr" + "r" * len(compare) + "l")
 
 
 def render_kernels(result: dict) -> str:

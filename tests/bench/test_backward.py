@@ -272,3 +272,16 @@ def test_backward_times_the_rungs_one_by_one_without_interleave_or_when_it_fails
         assert "interleave" not in data["method"] or flags
         rows = [r for r in data["rows"] if r["kind"] == "rung"]
         assert len(rows) == 4 and all(r["status"] == "ok" and "round_ms" not in r["timing"] for r in rows)
+
+
+def test_the_backward_tables_show_the_clock_where_it_was_read():
+    result = backward_result()
+    assert "SM MHz" not in backward.render_backward(result)
+    row = next(r for r in result["rows"] if r["status"] == "ok" and r["name"] == "b03_tf32_mma")
+    row["timing"]["sm_clock"] = {"median_mhz": 1755.0, "min_mhz": 1700, "max_mhz": 1980, "samples": 30}
+    text = backward.render_backward(result)
+    assert "| kernel | ms | p20-p80 | TFLOP/s | SM MHz | vs previous |" in text
+    cells = [cells_of(r) for r in table_rows(text, "`b03_tf32_mma` |")]
+    assert "1,755" in [c[4] for c in cells] and all(len(c) == len(cells[0]) for c in cells)
+    wrong = cells_of(table_rows(text, "`b02_fa2` |")[0])
+    assert wrong[1] == "**wrong**" and wrong[4] == "-"  # a row that was not timed keeps the column

@@ -250,3 +250,15 @@ def test_readme_writes_the_fp8_section(tmp_path, capsys):
     assert f"from `../results/{newest}`" in block and f"Results file: [{newest}](../results/{newest})." in block
     assert "Not measured yet" not in block and "Older GPU" not in block and "Targets met: 1 of 2." in block
     assert "**Accuracy** on N(0,1) + N(0,100) x Bernoulli(0.001)" in block
+
+
+def test_the_fp8_detail_shows_the_clock_where_it_was_read():
+    result = fp8_result()
+    assert "SM MHz" not in bench_fp8.render_fp8(result)
+    first = next(r for r in result["rows"] if r.get("fp8") and r["status"] == "ok")
+    first["timing"]["sm_clock"] = {"median_mhz": 1845.0, "min_mhz": 1800, "max_mhz": 1980, "samples": 60}
+    text = bench_fp8.render_fp8(result)
+    assert "| shape | kernel | ms | p20-p80 | TFLOP/s | SM MHz | RMSE | reference RMS | note |" in text
+    detail = text.split("| shape | kernel | ms | p20-p80 | TFLOP/s | SM MHz |", 1)[1].split("\n\n", 1)[0]
+    clocked_rows = [cells_of(line) for line in detail.splitlines()[2:]]  # the FP8 rung per shape
+    assert clocked_rows[0][5] == "1,845" and all(c[5] == "-" for c in clocked_rows[1:])
