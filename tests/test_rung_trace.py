@@ -97,3 +97,73 @@ def test_the_clock_reads_frame_the_phases_in_sass_and_the_rung_s_own_build_has_n
     assert count(between[1], "WARPGROUP.DEPBAR.LE gsb0, 0x1") == 1
     assert count(between[2], "MUFU.EX2") == 66 and count(between[2], "HGMMA") == 0
     assert count(between[3], "WARPGROUP.DEPBAR.LE gsb0, 0x0") == 1
+
+
+# -- the backward rung's dK/dV loop (b08) ------------------------------------------------------------
+
+def test_b08_declares_six_points_a_step_for_its_two_consumers():
+    from kernels import backward
+
+    source = backward.load("b08").path.read_text()
+    assert rung_trace.trace_shape(source) == (2, 512, len(rung_trace.BACKWARD_POINTS))
+    assert " -DSTEP_TRACE=1" in rung_trace.with_trace(source)
+    assert len(rung_trace.BACKWARD_PHASES) == len(rung_trace.BACKWARD_POINTS) + 1  # and the whole step
+
+
+def test_backward_cases_are_named_as_bench_py_backward_runs_them():
+    cases = rung_trace.backward_cases()
+    assert {"2x16x4096-d128", "4x16x2048-d128-noncausal", "2x32x4096-d128-gqa8", "2x32x4096-d128-gqa8-noncausal",
+            "1x16x16384-d128-noncausal", "16x12x2048-d64"} <= set(cases)
+    c = cases["2x32x4096-d128-gqa8"]
+    assert (c.B, c.NH, c.NH_kv, c.T_q, c.d, c.causal) == (2, 32, 8, 4096, 128, True)
+
+
+def test_backward_phases_table_and_timeline():
+    t = np.zeros((2, 4, 6), dtype=np.int64)
+    t[0, 1] = [100, 300, 800, 1200, 1500, 2300]  # turn 1 200, wait 500, dS 400, turn 2 300, dKV wait 800
+    t[0, 2] = [2400, 2600, 3100, 3500, 3800, 4600]  # rest 100, step 2300
+    t[1, 1] = [400, 700, 1100, 1500, 2000, 2600]
+    got = rung_trace.phases(t)
+    np.testing.assert_array_equal(got[0], [[200, 500, 400, 300, 800, 100, 2300]])
+    lines = rung_trace.table(got, rung_trace.BACKWARD_PHASES).splitlines()
+    assert [line.split()[1:3] for line in lines[1:8]] == [["turn", "1"], ["S", "dP"], ["dS", "400"], ["turn", "2"],
+                                                         ["dKV", "wait"], ["rest", "100"], ["step", "2300"]]
+    lines = rung_trace.timeline(t, 1, 1, rung_trace.BACKWARD_POINTS).splitlines()
+    assert lines[0].split() == ["use", "consumer", "top", "turn", "1", "S", "dP", "dS", "turn", "2", "dKV"]
+    assert lines[2].split() == ["1", "1", "300", "600", "1000", "1400", "1900", "2500"]
+
+
+@pytest.mark.skipif(wgmma_waits.nvdisasm() is None, reason="no nvdisasm (the test extra installs one)")
+@pytest.mark.parametrize("config", ["128,64,128,0,0", "64,128,128,0,0"])
+def test_b08_clock_reads_frame_its_turns_in_sass_and_its_own_build_has_none(config, tmp_path):
+    """The traced copy's dK/dV phase reads the clock six times a step (twice over: the tile's first step and
+    the loop are compiled apart) in order: the first turn's products between the first two reads, no
+    product and no exponential while S^T and dP^T land, the exponentials between the third and fourth, the
+    second turn's products between the fourth and fifth. b08's own build reads no clock."""
+    from kernels import backward, nvrtc
+    from kernels.reports import COMMON_OPTIONS
+    from kernels.runtime import _as_config
+
+    def sass_of(rung):
+        phase = next(p for p in rung.phases if p.entry == "backward_dk_dv")
+        expression = rung.entry_expression(phase, _as_config(rung, config))
+        cubin, _, _ = nvrtc.compile_cubin(rung.source, str(rung.path), ["-arch=sm_90a", *COMMON_OPTIONS, *rung.options],
+                                          [expression])
+        return [line for line in wgmma_waits.disassemble(cubin).splitlines() if re.search(r"/\*[0-9a-f]{4,5}\*/", line)]
+
+    assert not any("SR_CLOCKLO" in line for line in sass_of(backward.load("b08")))
+    path = tmp_path / "b08_pingpong_trace.cu"
+    path.write_text(rung_trace.with_trace(backward.load("b08").path.read_text()))
+    lines = sass_of(backward.load(str(path)))
+    clocks = [i for i, line in enumerate(lines) if "SR_CLOCKLO" in line]
+    assert len(clocks) == 12, clocks
+    for first in (0, 6):  # the tile's first step, then the loop's
+        part = [lines[a:b] for a, b in zip(clocks[first:first + 6], clocks[first + 1:first + 6])]
+
+        def count(i, what, part=part):
+            return sum(what in line for line in part[i])
+
+        assert count(0, "HGMMA") > 0 and count(0, "MUFU.EX2") == 0
+        assert count(1, "HGMMA") == 0 and count(1, "MUFU.EX2") == 0
+        assert count(2, "MUFU.EX2") > 0 and count(2, "HGMMA") == 0
+        assert count(3, "HGMMA") > 0 and count(3, "MUFU.EX2") == 0

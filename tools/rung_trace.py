@@ -1,7 +1,9 @@
-"""Where a forward rung's consumer warpgroups spend a step of their loop, cycle by cycle: the SM clock read
-at five points of each step by block 0's consumers (kernels/v34_lazy_rescale.cu's STEP_TRACE build).
+"""Where a rung's consumer warpgroups spend a step of their loop, cycle by cycle: the SM clock read at each
+point of a step by block 0's consumers (the STEP_TRACE build of kernels/v34_lazy_rescale.cu and the forward
+rungs after it, and of the backward rung kernels/backward/b08_pingpong.cu's dK/dV phase).
 
     python3 tools/rung_trace.py [--kernel v34] [--case 4x16x4096-d128-noncausal] [--timeline 6]
+    python3 tools/rung_trace.py --kernel b08 [--case 2x16x4096-d128]
 
 The rung must declare the diagnostic (`#ifndef STEP_TRACE` and `step_trace`); the tool compiles a copy of
 it with `-DSTEP_TRACE=1` added to its lab.options (the rung's own build is untouched: with the switch off
@@ -14,6 +16,19 @@ prints, per consumer, the median and the 10th-90th percentile of each phase over
     softmax    to the softmax done (and, at d = 128, its row sums stored: the pin)
     PV wait    to P V landed (wgmma.wait_group 0)
     rest       to the next step's loop top: the releases and P rounded to 16 bits
+    step       loop top to loop top
+
+A backward rung (b08: `--case` one of bench.py backward's cases, as B x NH x T-d, -gqa8 where 8 key/value
+heads serve the query heads, -noncausal without the mask; its inputs from the forward rung bench.py
+backward uses) has six points a step of its dK/dV loop, so these phases:
+
+    turn 1     loop top to S^T and dP^T issued: the wait for Q_i and dO_i, the turn, the issue
+    S dP wait  to S^T and dP^T landed
+    dS         to dS^T written: P^T's exponentials, dS^T = P^T o (dP^T - D_i), the stores
+    turn 2     to dV_j, dK_j (and the step before's dQ_i share) issued: the wait for both halves of the
+               step before's dS^T, the dQ share's buffer, the turn, the issue
+    dKV wait   to those landed
+    rest       to the next step's loop top: dQ_i's share out to dQ_accum (the bulk reduction)
     step       loop top to loop top
 
 `--timeline K` prints K ring uses one after another as well, from the middle of the block's first tile:
@@ -38,6 +53,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 PHASES = ("issue", "S wait", "softmax", "PV wait", "rest", "step")
+POINTS = ("top", "issued", "S", "softmax", "PV")
+BACKWARD_PHASES = ("turn 1", "S dP wait", "dS", "turn 2", "dKV wait", "rest", "step")
+BACKWARD_POINTS = ("top", "turn 1", "S dP", "dS", "turn 2", "dKV")
 
 
 def with_trace(source: str) -> str:
@@ -70,10 +88,10 @@ def trace_shape(source: str) -> tuple[int, int, int]:
 
 
 def phases(trace: np.ndarray) -> dict[int, np.ndarray]:
-    """Per consumer c with traced steps: (steps, 6) cycles of PHASES, from trace (consumers, uses, 5) of
-    clock64 values (0: not traced). A step counts where its five points and the next use's loop top are
-    all there and in order (a tile's last step is followed by the next tile's first, which has no loop
-    top: those steps drop out)."""
+    """Per consumer c with traced steps: (steps, points + 1) cycles of the phases (PHASES, or
+    BACKWARD_PHASES), from trace (consumers, uses, points) of clock64 values (0: not traced). A step counts
+    where its points and the next use's loop top are all there and in order (a forward tile's last step is
+    followed by the next tile's first, which has no loop top: those steps drop out)."""
     out = {}
     for c in range(trace.shape[0]):
         t = trace[c].astype(np.int64)
@@ -91,24 +109,23 @@ def phases(trace: np.ndarray) -> dict[int, np.ndarray]:
     return out
 
 
-def table(by_consumer: dict[int, np.ndarray]) -> str:
+def table(by_consumer: dict[int, np.ndarray], names=PHASES) -> str:
     """One line per consumer and phase: median, 10th and 90th percentile, cycles, and the phase's share
     of the median step."""
-    lines = [f"{'consumer':>8s} {'phase':>8s} {'median':>8s} {'p10':>8s} {'p90':>8s} {'of step':>8s}"]
+    lines = [f"{'consumer':>8s} {'phase':>9s} {'median':>8s} {'p10':>8s} {'p90':>8s} {'of step':>8s}"]
     for c, rows in by_consumer.items():
         step = float(np.median(rows[:, -1]))
-        for i, name in enumerate(PHASES):
+        for i, name in enumerate(names):
             col = rows[:, i]
             share = f"{100 * np.median(col) / step:7.1f}%" if name != "step" else f"{len(rows):5d} st"
-            lines.append(f"{c:8d} {name:>8s} {np.median(col):8.0f} {np.percentile(col, 10):8.0f} "
+            lines.append(f"{c:8d} {name:>9s} {np.median(col):8.0f} {np.percentile(col, 10):8.0f} "
                          f"{np.percentile(col, 90):8.0f} {share:>8s}")
     return "\n".join(lines)
 
 
-def timeline(trace: np.ndarray, first: int, count: int) -> str:
-    """Ring uses first .. first + count - 1 of trace (consumers, uses, 5), one line per use and consumer:
-    the five points in cycles after consumer 0's loop top at use `first` ('-': not traced)."""
-    points = ("top", "issued", "S", "softmax", "PV")
+def timeline(trace: np.ndarray, first: int, count: int, points=POINTS) -> str:
+    """Ring uses first .. first + count - 1 of trace (consumers, uses, points), one line per use and
+    consumer: the points in cycles after consumer 0's loop top at use `first` ('-': not traced)."""
     base = int(trace[0, first, 0])
     if base == 0:
         raise ValueError(f"ring use {first} has no loop top traced for consumer 0")
@@ -122,10 +139,66 @@ def timeline(trace: np.ndarray, first: int, count: int) -> str:
     return "\n".join(lines)
 
 
+def backward_case_id(case) -> str:
+    """A bench.py backward case as --case names it: 2x16x4096-d128, 2x32x4096-d128-gqa8, ...-noncausal."""
+    return (f"{case.B}x{case.NH}x{case.T_q}-d{case.d}" + (f"-gqa{case.NH_kv}" if case.NH_kv != case.NH else "")
+            + ("" if case.causal else "-noncausal"))
+
+
+def backward_cases() -> dict:
+    from benchmarks.backward import CASE_SETS
+
+    return {backward_case_id(c): c for cases in CASE_SETS.values() for c in cases}
+
+
+def traced_backward(rung, source: str, shape, case, seed: int):
+    """(trace, the configuration) of one traced run of a backward rung's STEP_TRACE copy at `case`, on the
+    inputs bench.py backward gives it (bfloat16; o and lse from its forward rung; dO random)."""
+    import cupy as cp
+
+    import kernels
+    from benchmarks import backward as bench_backward
+    from benchmarks.cases import Inputs
+    from kernels.backward import launcher
+
+    inputs = Inputs(case, "bfloat16", seed)
+    if inputs.qkv is None:
+        raise ValueError(inputs.rung_inputs_problem)
+    q, k, v = inputs.qkv
+    forward = bench_backward.forward_rung(case, "bfloat16", kernels.device_limits().arch)
+    if forward is None:
+        raise ValueError(f"no forward rung writes the log-sum-exp for bfloat16, d={case.d} here")
+    o, lse = kernels.attention(q, k, v, kernel=forward, causal=case.causal, return_lse=True)
+    do = cp.random.default_rng(seed + 1).standard_normal(q.shape, dtype=cp.float32).astype(q.dtype)
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / f"{rung.path.stem}_trace.cu"
+        path.write_text(source)
+        run = launcher.prepare_backward(q, k, v, o, lse, do, kernel=str(path), causal=case.causal)
+        return traced(run, run.instance.module, shape), run.instance.describe()
+
+
+def traced(run, module, shape) -> np.ndarray:
+    """step_trace after `run` once more, its first run a warm-up (the caches' first misses)."""
+    import cupy as cp
+
+    run()
+    cp.cuda.Device().synchronize()
+    trace = module.get_global("step_trace")
+    host = np.zeros(shape, dtype=np.int64)
+    trace.copy_from_host(host.ctypes.data, host.nbytes)  # zero: untraced points read 0
+    run()
+    cp.cuda.Device().synchronize()
+    trace.copy_to_host(host.ctypes.data, host.nbytes)
+    return host
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--kernel", default="v34", help="a forward rung with the STEP_TRACE diagnostic (default v34)")
-    parser.add_argument("--case", default="4x16x4096-d128-noncausal", help="a bench.py frontier case id")
+    parser.add_argument("--kernel", default="v34",
+                        help="a rung with the STEP_TRACE diagnostic: a forward one (default v34) or b08")
+    parser.add_argument("--case", default=None, help="a bench.py frontier case id (default 4x16x4096-d128-noncausal), "
+                                                     "or for a backward rung a bench.py backward case (default "
+                                                     "2x16x4096-d128)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeline", type=int, default=0, metavar="K",
                         help="also print K ring uses one after another from the middle of the first tile")
@@ -134,52 +207,58 @@ def main(argv=None) -> int:
         parser.error("--timeline: a count of ring uses, 0 or more")
 
     from benchmarks import frontier
-    from kernels import ladder
+    from kernels import backward, ladder
 
-    cases = {frontier.case_id(c): c for c in frontier.CASES}
-    if args.case not in cases:
+    is_backward = backward.owns(args.kernel)
+    if is_backward:
+        cases, names, points = backward_cases(), BACKWARD_PHASES, BACKWARD_POINTS
+        case_name = args.case or "2x16x4096-d128"
+    else:
+        cases, names, points = {frontier.case_id(c): c for c in frontier.CASES}, PHASES, POINTS
+        case_name = args.case or "4x16x4096-d128-noncausal"
+    if case_name not in cases:
         parser.error(f"--case: one of {', '.join(cases)}")
-    case = cases[args.case]
+    case = cases[case_name]
     try:
-        rung = ladder.load(args.kernel)
+        rung = (backward if is_backward else ladder).load(args.kernel)
         source = with_trace(rung.path.read_text())
         shape = trace_shape(source)
     except ValueError as exc:
         parser.error(str(exc))
+    if shape[2] != len(points):
+        parser.error(f"{rung.name}'s step_trace has {shape[2]} points a step; this tool reads {len(points)}")
 
     from benchmarks import device
 
     if problem := device.gpu_problem():
         parser.error(f"needs a CUDA GPU ({problem}): run it on the GPU machine")
-    import cupy as cp
 
-    import kernels
-    from benchmarks.cases import Inputs
+    if is_backward:
+        try:
+            host, config = traced_backward(rung, source, shape, case, args.seed)
+        except ValueError as exc:
+            parser.error(str(exc))
+    else:
+        import kernels
+        from benchmarks.cases import Inputs
 
-    inputs = Inputs(case, "bfloat16", args.seed)
-    if inputs.qkv is None:
-        parser.error(inputs.rung_inputs_problem)
-    q, k, v = inputs.qkv
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / f"{rung.path.stem}_trace.cu"
-        path.write_text(source)
-        run = kernels.prepare(q, k, v, kernel=str(path), causal=case.causal)
-        run()  # warm: the first launch's clocks include the caches' first misses
-        cp.cuda.Device().synchronize()
-        trace = run.instance.module.get_global("step_trace")
-        host = np.zeros(shape, dtype=np.int64)
-        trace.copy_from_host(host.ctypes.data, host.nbytes)  # zero: untraced points read 0
-        run()
-        cp.cuda.Device().synchronize()
-        trace.copy_to_host(host.ctypes.data, host.nbytes)
+        inputs = Inputs(case, "bfloat16", args.seed)
+        if inputs.qkv is None:
+            parser.error(inputs.rung_inputs_problem)
+        q, k, v = inputs.qkv
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / f"{rung.path.stem}_trace.cu"
+            path.write_text(source)
+            run = kernels.prepare(q, k, v, kernel=str(path), causal=case.causal)
+            host, config = traced(run, run.instance.module, shape), run.instance.describe()
     by_consumer = phases(host)
-    print(f"{rung.name} {args.case} (config {run.instance.describe()}): block 0's steps, SM clock cycles")
-    print(table(by_consumer))
+    print(f"{rung.name} {case_name} (config {config}): block 0's steps, SM clock cycles")
+    print(table(by_consumer, names))
     if args.timeline:
         tile = int(np.argmax(host[0, 1:, 0] == 0)) + 1 if (host[0, 1:, 0] == 0).any() else host.shape[1]
         first = max(1, min(tile // 2, host.shape[1] - args.timeline))
         print(f"\nring uses {first}-{first + args.timeline - 1}, cycles after consumer 0's loop top at use {first}:")
-        print(timeline(host, first, args.timeline))
+        print(timeline(host, first, args.timeline, points))
     return 0
 
 

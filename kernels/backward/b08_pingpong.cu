@@ -71,6 +71,31 @@ constexpr int CAUSAL_ROUNDS = 16;           // a causal grid in chunks from this
 constexpr int AUX_THREADS = 256;  // backward_preprocess and backward_dq (lab.threads)
 constexpr unsigned FULL_WARP = 0xffffffffu;
 
+// A diagnostic build (tools/rung_trace.py compiles a copy with -DSTEP_TRACE=1; off, nothing is compiled
+// in): block 0's consumers read the SM clock at six points of each step of the dK/dV loop (its top, the
+// first turn's products issued, S^T and dP^T landed, dS^T written, the second turn's products issued,
+// those landed), thread 0 of each warpgroup, the block's steps below TRACE_STEPS, into
+// step_trace[consumer][step][point].
+#ifndef STEP_TRACE
+#define STEP_TRACE 0
+#endif
+#if STEP_TRACE
+constexpr int TRACE_STEPS = 512, TRACE_POINTS = 6;
+__device__ long long step_trace[2][TRACE_STEPS][TRACE_POINTS];
+#endif
+
+// STEP_TRACE's clock read at `point` of the block's step n, by thread 0 of consumer c's warpgroup in block 0.
+__device__ __forceinline__ void trace_point(int c, int n, int point)
+{
+#if STEP_TRACE
+    if (blockIdx.x == 0 && threadIdx.x % 128 == 0 && n < TRACE_STEPS) {
+        long long t;
+        asm volatile("mov.u64 %0, %%clock64;" : "=l"(t)::"memory");
+        step_trace[c][n][point] = t;
+    }
+#endif
+}
+
 // One bfloat16 or float16 value as raw bits: the mma and cvt instructions decide how they read.
 using element = unsigned short;
 
@@ -726,6 +751,7 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
             // the rows of Q_i (dO_i), both K-major, d / 16 k16 steps 32 bytes apart (the next 64-column
             // half at 4).
             float S[B_r / 2], dP[B_r / 2];  // 4 p + e: key warp_key + g + 8 (e / 2), query 8 p + 2 t + e % 2
+            trace_point(consumer, n, 0);
             mbarrier_wait(QdO_full(n), parity(n));
             take_turn();
             wgmma_fence();
@@ -743,6 +769,7 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
             }
             wgmma_commit();
             give_turn();
+            trace_point(consumer, n, 1);
 
             // P^T = exp(scale S^T - lse_i), 0 where masked; dS^T = P^T o (dP^T - D_i); both rounded to 16
             // bits as they are made: the accumulators of n8 tiles 2 kk and 2 kk + 1 are the A fragment of
@@ -753,6 +780,7 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
             wgmma_wait_all();
             settle(S);
             settle(dP);
+            trace_point(consumer, n, 2);
             if (n >= 2)
                 mbarrier_wait(dS_empty(n), ds_parity(n) ^ 1u);
             const bool masked = (causal && warp_key + 15 > row_start + offset) || warp_key + 16 > T_k;
@@ -780,6 +808,7 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
             }
             fence_async_shared();
             mbarrier_arrive(dS_full(n));  // this thread's part of dS^T(n), visible to the products
+            trace_point(consumer, n, 3);
 
             // Second turn: dV_j += P^T dO_i and dK_j += dS^T Q_i, A from registers, B the rows of dO_i (Q_i)
             // k16 at a time, MN-major (the next 64-column half B_r * 128 bytes on); with them the dQ_i share
@@ -801,9 +830,11 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
                 issue_dQ(dQ, n - 1);
             wgmma_commit();
             give_turn();
+            trace_point(consumer, n, 4);
             wgmma_wait_all();
             settle(dV_acc);
             settle(dK_acc);
+            trace_point(consumer, n, 5);
             mbarrier_arrive(QdO_empty(n));  // this thread's reads of Q_i, dO_i, lse_i and D_i done
             if constexpr (decltype(with_dQ)::value)
                 store_dQ(dQ, n - 1, it, step - 1);

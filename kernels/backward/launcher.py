@@ -27,6 +27,7 @@ class BackwardInstance:
         try:
             module = cupy.RawModule(code=rung.source, options=rung.options, name_expressions=expressions)
             self.functions = [module.get_function(e) for e in expressions]
+            self.module = module  # its globals: tools/rung_trace.py reads a STEP_TRACE build's step_trace
         except cupy.cuda.compiler.CompileException as exc:
             raise KernelCompileError(f"{rung.path}: {', '.join(expressions)} failed to compile:\n"
                                      f"{runtime._log_of(exc)}") from None
