@@ -97,7 +97,7 @@ def test_b07_counter_balances_the_blocks_where_a_fixed_order_does_not():
     assert spread(2048, 16, "snake")[1] > 1.3 and spread(2048, 16, "counter")[1] < 1.06
 
 
-def b07_block(steps_of_tiles, seed, break_it=None, pingpong=False, turns_on=True, deterministic=False):
+def b07_block(steps_of_tiles, seed, break_it=None, pingpong=False, turns_on=True, deterministic=False, dq_first=False):
     """One block's agents over tiles with these step counts, interleaved at random with the copies: b07's
     consumers (one agent), or with pingpong b08's (two a warpgroup, below; turns_on False: without the
     turns; deterministic: each reduction waited for at once)."""
@@ -206,7 +206,7 @@ def b07_block(steps_of_tiles, seed, break_it=None, pingpong=False, turns_on=True
 
     agents, check_end = ([consumers()], lambda: None) if not pingpong else b08_consumers(
         steps_of_tiles, break_it, turns_on, deterministic, item_full, item_empty, slot, kv_full, kv_empty, kv,
-        reading_kv, full, empty, stage, lse, reading, copies)
+        reading_kv, full, empty, stage, lse, reading, copies, dq_first)
     interleave(random.Random(seed), [lane0(), lanes(), *agents], copies, land, copy_per_pending=True)
     check_end()
 
@@ -253,9 +253,10 @@ PARTS = 2  # agents a consumer warpgroup: warp 0 (thread 0's work too) and warps
 
 
 def b08_consumers(steps_of_tiles, break_it, turns_on, deterministic, item_full, item_empty, slot, kv_full, kv_empty,
-                  kv, reading_kv, full, empty, stage, lse, reading, copies):
+                  kv, reading_kv, full, empty, stage, lse, reading, copies, dq_first=False):
     """The consumer agents of b08 (two a warpgroup), over b07_block's barriers and buffers; the turns,
-    dS^T, dQ's shared memory and its reductions here."""
+    dS^T, dQ's shared memory and its reductions here. dq_first: d = 128's order (DQ_FIRST), the second
+    turn's dQ_i share in a commit group of its own before dV_j and dK_j, landed and stored while they run."""
     END = len(steps_of_tiles)
     agents = [(c, p) for c in range(2) for p in range(PARTS)]
     turns = [Gathering(f"turn{c}", 2 * PARTS, sorted([(c, True)] * PARTS + [(1 - c, False)] * PARTS))
@@ -350,12 +351,17 @@ def b08_consumers(steps_of_tiles, break_it, turns_on, deterministic, item_full, 
                 if step > 0:
                     issue_dQ(part, n - 1, u)
                 give_turn(c, p)
+                if step > 0 and dq_first:  # wait_group 1: the share landed, out while dV_j and dK_j run
+                    yield None
+                    dQ_landed(part, n - 1, u)
+                    dS_empty[(n - 1) % 2].arrive()
+                    yield from store_dQ(c, p, n - 1)
                 yield None  # landed
                 if stage[n % 2] != n:
                     raise Fail(f"stage {n % 2} refilled under step {n}'s dV_j and dK_j")
                 reading[n % 2].discard(part)
                 empty[n % 2].arrive()
-                if step > 0:
+                if step > 0 and not dq_first:
                     dQ_landed(part, n - 1, u)
                     dS_empty[(n - 1) % 2].arrive()
                     yield from store_dQ(c, p, n - 1)
@@ -393,15 +399,16 @@ def b08_consumers(steps_of_tiles, break_it, turns_on, deterministic, item_full, 
     return [consumer(c, p) for c, p in agents], check_end
 
 
+@pytest.mark.parametrize("dq_first", [False, True], ids=["d64", "d128"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("turns_on", [True, False], ids=["b08", "without_turns"])
-def test_b08_random_interleavings_keep_the_protocol(turns_on, deterministic):
+def test_b08_random_interleavings_keep_the_protocol(turns_on, deterministic, dq_first):
     rnd = random.Random(8)
     real = [steps for k, (_, _, steps) in enumerate(b07_tiles(2048, 2048, 192, 1, True, False, 132)) if k % 132 == 0]
     for i in range(100):
         tiles = real if i == 0 else [rnd.choice([0, 1, 1, 2, 3, 5, 8]) for _ in range(rnd.randint(1, 6))]
         try:
-            b07_block(tiles, seed=i, pingpong=True, turns_on=turns_on, deterministic=deterministic)
+            b07_block(tiles, seed=i, pingpong=True, turns_on=turns_on, deterministic=deterministic, dq_first=dq_first)
         except Fail as exc:
             pytest.fail(f"run {i}, tiles with steps {tiles}: {exc}")
 
@@ -410,12 +417,13 @@ def test_b08_random_interleavings_keep_the_protocol(turns_on, deterministic):
     ("no dS empty wait", True, False), ("no dS full wait", False, False), ("K_j released early", True, False),
     ("no first pass", True, False), ("no last take", True, False), ("no stage wait", True, False),
     ("no KV wait", True, False), ("no share barrier", False, False), ("no share barrier", False, True)])
-def test_b08_model_catches_a_broken_protocol(break_it, turns_on, deterministic):
+@pytest.mark.parametrize("dq_first", [False, True], ids=["d64", "d128"])
+def test_b08_model_catches_a_broken_protocol(break_it, turns_on, deterministic, dq_first):
     caught = []
     for seed in range(80):
         try:
             b07_block([3, 0, 0, 2, 0, 4, 1], seed=seed, break_it=break_it, pingpong=True, turns_on=turns_on,
-                      deterministic=deterministic)
+                      deterministic=deterministic, dq_first=dq_first)
         except Fail as exc:
             caught.append(str(exc))
     assert caught, f"{break_it}: no run failed"

@@ -32,6 +32,13 @@
  * compiled apart from the others (a constant flag to a generic lambda, so NVRTC compiles with
  * -default-device), so that no branch goes around a product: ptxas serializes every wgmma otherwise.
  *
+ * Two orders inside the step, found with tools/rung_trace.py --kernel b08 (docs/backward.md#b08-order): dS^T
+ * goes to shared memory after every exponential of the step, not among them, since ptxas cannot tell a
+ * load of lse_i or D_i from a store of dS^T and kept each load behind the store before it, a chain through
+ * shared memory that the other consumer's products keep busy (the exponentials took 1,800 cycles of a
+ * 4,900-cycle step at d = 128: 850-1,250 after); and at d = 128 the dQ_i share is issued first in its turn
+ * and stored while dV_j and dK_j run (DQ_FIRST).
+ *
  * Its protocol (the turns, both dS^T barriers, the late dQ_i and the flush before K_j's release, with
  * b07's ring, tiles and slots) is modelled under random interleavings in tests/test_backward_protocol.py.
  *
@@ -464,6 +471,11 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
     // The turns (below). Without them the consumers still need not meet, and the protocol holds
     // (tests/test_backward_protocol.py models both ways), but on an H200 they then lose 2-6% to b07.
     constexpr bool TURNS = true;
+    // At d = 128 the second turn issues the dQ_i share first, in a commit group of its own, and the
+    // consumer stores it to dQ_accum while its dV_j and dK_j run; at d = 64 they go in one group and the
+    // share is stored after them. Measured on an H200 each way (docs/backward.md#b08-order): dQ_i first
+    // 1.02-1.09x at d = 128, 0.95-0.98x at d = 64 from T = 1024.
+    constexpr bool DQ_FIRST = d_head == 128;
     static_assert(PRODUCER_REGISTERS * 128 + CONSUMER_REGISTERS * 128 * CONSUMERS <= 65536, "one SM's registers");
 
     extern __shared__ unsigned char smem[];
@@ -781,8 +793,6 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
             settle(S);
             settle(dP);
             trace_point(consumer, n, 2);
-            if (n >= 2)
-                mbarrier_wait(dS_empty(n), ds_parity(n) ^ 1u);
             const bool masked = (causal && warp_key + 15 > row_start + offset) || warp_key + 16 > T_k;
             unsigned Pa[Q_STEPS][4], dSa[Q_STEPS][4];
 #pragma unroll
@@ -801,11 +811,20 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
                     }
                     Pa[p / 2][r] = pack_rounded<dtype_id>(P0, P1);
                     dSa[p / 2][r] = pack_rounded<dtype_id>(P0 * (dP[e] - d2.x), P1 * (dP[e + 1] - d2.y));
-                    const int row = wg_key + 16 * warp + g + 8 * h;  // row % 8 = g
-                    asm volatile("st.shared.u32 [%0], %1;" ::"r"(dS_T + (p / 8) * B_c * 128 + row * 128 + 16 * ((p % 8) ^ g) + 4 * t),
-                                 "r"(dSa[p / 2][r]));
                 }
             }
+            // The stores after every exponential: a load of lse_i or D_i after a store to shared memory waits
+            // behind it (ptxas cannot tell them apart), so stores among the exponentials made them a chain.
+            if (n >= 2)
+                mbarrier_wait(dS_empty(n), ds_parity(n) ^ 1u);
+#pragma unroll
+            for (int p = 0; p < B_r / 8; ++p)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int row = wg_key + 16 * warp + g + 8 * h;  // row % 8 = g
+                    asm volatile("st.shared.u32 [%0], %1;" ::"r"(dS_T + (p / 8) * B_c * 128 + row * 128 + 16 * ((p % 8) ^ g) + 4 * t),
+                                 "r"(dSa[p / 2][2 * (p % 2) + h]));
+                }
             fence_async_shared();
             mbarrier_arrive(dS_full(n));  // this thread's part of dS^T(n), visible to the products
             trace_point(consumer, n, 3);
@@ -818,25 +837,34 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
                 share_free();
             }
             float dQ[DQ_N / 2];
+            constexpr bool dQ_first = DQ_FIRST && decltype(with_dQ)::value;
             take_turn();
             wgmma_fence();
+            if constexpr (dQ_first) {
+                issue_dQ(dQ, n - 1);
+                wgmma_commit();
+            }
 #pragma unroll
             for (int kk = 0; kk < Q_STEPS; ++kk)
                 wgmma_rs<d_head, dtype_id>(dV_acc, Pa[kk], descriptor(dO_i + kk * 2048, B_r * 128, 1024));
 #pragma unroll
             for (int kk = 0; kk < Q_STEPS; ++kk)
                 wgmma_rs<d_head, dtype_id>(dK_acc, dSa[kk], descriptor(Q_i + kk * 2048, B_r * 128, 1024));
-            if constexpr (decltype(with_dQ)::value)
+            if constexpr (decltype(with_dQ)::value && !DQ_FIRST)
                 issue_dQ(dQ, n - 1);
             wgmma_commit();
             give_turn();
             trace_point(consumer, n, 4);
+            if constexpr (dQ_first) {
+                wgmma_wait_one();  // the dQ_i share landed: out to dQ_accum while dV_j and dK_j run
+                store_dQ(dQ, n - 1, it, step - 1);
+            }
             wgmma_wait_all();
             settle(dV_acc);
             settle(dK_acc);
             trace_point(consumer, n, 5);
             mbarrier_arrive(QdO_empty(n));  // this thread's reads of Q_i, dO_i, lse_i and D_i done
-            if constexpr (decltype(with_dQ)::value)
+            if constexpr (decltype(with_dQ)::value && !DQ_FIRST)
                 store_dQ(dQ, n - 1, it, step - 1);
         };
         if (it.steps > 0) {
