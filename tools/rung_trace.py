@@ -27,8 +27,9 @@ backward uses) has six points a step of its dK/dV loop, so these phases:
     dS         to dS^T written: P^T's exponentials, dS^T = P^T o (dP^T - D_i), the stores
     turn 2     to dV_j, dK_j (and the step before's dQ_i share) issued: the wait for both halves of the
                step before's dS^T, the dQ share's buffer, the turn, the issue
-    dKV wait   to those landed
-    rest       to the next step's loop top: dQ_i's share out to dQ_accum (the bulk reduction)
+    dKV wait   to those landed (at d = 128, DQ_FIRST: the dQ_i share out to dQ_accum in between)
+    rest       to the next step's loop top: dQ_i's share out to dQ_accum (the bulk reduction; at d = 128
+               done in the wait before)
     step       loop top to loop top
 
 `--timeline K` prints K ring uses one after another as well, from the middle of the block's first tile:
