@@ -158,6 +158,27 @@ __device__ __forceinline__ unsigned long long descriptor(unsigned address, unsig
            (unsigned long long)(sbo >> 4) << 32 | 1ull << 62;
 }
 
+// An opt-in build, not yet measured on a GPU (off, the SASS is the same as without the switch): each
+// product's descriptor made by one add from its batch's first, where built from its address it takes a
+// dozen integer instructions (docs/backward.md#b08-descriptors). Not in deterministic mode, where at
+// d = 128 the hoisted descriptors spill.
+#ifndef DESCRIPTOR_ADDS
+#define DESCRIPTOR_ADDS 0
+#endif
+
+// The descriptor of the matrix `offset` bytes past `address`, whose descriptor is `base`. By adds,
+// base + offset / 16: the start-address field is address / 16 in the low 14 bits, and a shared-memory
+// address is below 256 KB, so nothing carries out of the field.
+template <bool adds>
+__device__ __forceinline__ unsigned long long descriptor_past(unsigned long long base, unsigned address, unsigned offset,
+                                                              unsigned lbo, unsigned sbo)
+{
+    if constexpr (adds)
+        return base + (offset >> 4);
+    else
+        return descriptor(address + offset, lbo, sbo);
+}
+
 // wgmma reads registers and shared memory asynchronously: fence before a batch (the accumulators
 // and A registers were just written by ordinary instructions), commit the batch, wait for it.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
@@ -476,6 +497,7 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
     // share is stored after them. Measured on an H200 each way (docs/backward.md#b08-order): dQ_i first
     // 1.02-1.09x at d = 128, 0.95-0.98x at d = 64 from T = 1024.
     constexpr bool DQ_FIRST = d_head == 128;
+    constexpr bool ADDS = DESCRIPTOR_ADDS && !deterministic;  // descriptors by adds (the opt-in build above)
     static_assert(PRODUCER_REGISTERS * 128 + CONSUMER_REGISTERS * 128 * CONSUMERS <= 65536, "one SM's registers");
 
     extern __shared__ unsigned char smem[];
@@ -674,10 +696,11 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
     auto issue_dQ = [&](float (&dQ)[DQ_N / 2], int m) {
         const unsigned dS_rows = dS_smem + (m % 2) * DS_BYTES + (DQ_ROW * consumer / 64) * B_c * 128;
         const unsigned K_cols = K_smem + (DQ_COL * consumer / 64) * B_c * 128 + (DQ_COL * consumer % 64) * 2;
+        const unsigned long long dS_d = descriptor(dS_rows, B_c * 128, 1024), K_d = descriptor(K_cols, B_c * 128, 1024);
 #pragma unroll
         for (int kk = 0; kk < KEY_STEPS; ++kk)
-            wgmma_ss<DQ_N, dtype_id, 1, 1>(dQ, descriptor(dS_rows + kk * 2048, B_c * 128, 1024),
-                                           descriptor(K_cols + kk * 2048, B_c * 128, 1024), kk > 0);
+            wgmma_ss<DQ_N, dtype_id, 1, 1>(dQ, descriptor_past<ADDS>(dS_d, dS_rows, kk * 2048, B_c * 128, 1024),
+                                           descriptor_past<ADDS>(K_d, K_cols, kk * 2048, B_c * 128, 1024), kk > 0);
     };
     // Once step m's dQ_i share has landed: this thread's reads of dS^T(m) done, then the share into shared
     // memory as dQ_accum's boxes lie (64 rows of 32 floats, 128-byte swizzle), and one thread adds the
@@ -767,18 +790,17 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
             mbarrier_wait(QdO_full(n), parity(n));
             take_turn();
             wgmma_fence();
+            const unsigned K_rows = K_smem + wg_key * 128, V_rows = V_smem + wg_key * 128;
+            const unsigned long long K_d = descriptor(K_rows, 16, 1024), Q_d = descriptor(Q_i, 16, 1024);
+            const unsigned long long V_d = descriptor(V_rows, 16, 1024), dO_d = descriptor(dO_i, 16, 1024);
 #pragma unroll
-            for (int s = 0; s < D_STEPS; ++s) {
-                const unsigned a = K_smem + (s / 4) * B_c * 128 + wg_key * 128 + (s % 4) * 32;
-                const unsigned b = Q_i + (s / 4) * B_r * 128 + (s % 4) * 32;
-                wgmma_ss<B_r, dtype_id, 0, 0>(S, descriptor(a, 16, 1024), descriptor(b, 16, 1024), s > 0);
-            }
+            for (int s = 0; s < D_STEPS; ++s)
+                wgmma_ss<B_r, dtype_id, 0, 0>(S, descriptor_past<ADDS>(K_d, K_rows, (s / 4) * B_c * 128 + (s % 4) * 32, 16, 1024),
+                                              descriptor_past<ADDS>(Q_d, Q_i, (s / 4) * B_r * 128 + (s % 4) * 32, 16, 1024), s > 0);
 #pragma unroll
-            for (int s = 0; s < D_STEPS; ++s) {
-                const unsigned a = V_smem + (s / 4) * B_c * 128 + wg_key * 128 + (s % 4) * 32;
-                const unsigned b = dO_i + (s / 4) * B_r * 128 + (s % 4) * 32;
-                wgmma_ss<B_r, dtype_id, 0, 0>(dP, descriptor(a, 16, 1024), descriptor(b, 16, 1024), s > 0);
-            }
+            for (int s = 0; s < D_STEPS; ++s)
+                wgmma_ss<B_r, dtype_id, 0, 0>(dP, descriptor_past<ADDS>(V_d, V_rows, (s / 4) * B_c * 128 + (s % 4) * 32, 16, 1024),
+                                              descriptor_past<ADDS>(dO_d, dO_i, (s / 4) * B_r * 128 + (s % 4) * 32, 16, 1024), s > 0);
             wgmma_commit();
             give_turn();
             trace_point(consumer, n, 1);
@@ -844,12 +866,13 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
                 issue_dQ(dQ, n - 1);
                 wgmma_commit();
             }
+            const unsigned long long dO_t = descriptor(dO_i, B_r * 128, 1024), Q_t = descriptor(Q_i, B_r * 128, 1024);
 #pragma unroll
             for (int kk = 0; kk < Q_STEPS; ++kk)
-                wgmma_rs<d_head, dtype_id>(dV_acc, Pa[kk], descriptor(dO_i + kk * 2048, B_r * 128, 1024));
+                wgmma_rs<d_head, dtype_id>(dV_acc, Pa[kk], descriptor_past<ADDS>(dO_t, dO_i, kk * 2048, B_r * 128, 1024));
 #pragma unroll
             for (int kk = 0; kk < Q_STEPS; ++kk)
-                wgmma_rs<d_head, dtype_id>(dK_acc, dSa[kk], descriptor(Q_i + kk * 2048, B_r * 128, 1024));
+                wgmma_rs<d_head, dtype_id>(dK_acc, dSa[kk], descriptor_past<ADDS>(Q_t, Q_i, kk * 2048, B_r * 128, 1024));
             if constexpr (decltype(with_dQ)::value && !DQ_FIRST)
                 issue_dQ(dQ, n - 1);
             wgmma_commit();
