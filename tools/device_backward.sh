@@ -3,8 +3,9 @@
 # the tests 29 s, the sanitizer 45, the two timed runs 50 and 40, sass 27): every GPU test of the
 # backward rungs; the newest rung under compute-sanitizer (one shape, the four tools at once); the two
 # newest bfloat16 rungs timed together at every case (bench.py backward --interleave, twice, the order
-# reversed, for bench.py compare); and the newest rung's SASS, where its warps' stall samples fall
-# (bench.py sass --backward), at a d = 64 and a d = 128 shape.
+# reversed, for bench.py compare); the newest rung's SASS, where its warps' stall samples fall
+# (bench.py sass --backward), at a d = 64 and a d = 128 shape; and, where the newest declares the
+# STEP_TRACE diagnostic, its step cycle by cycle (tools/rung_trace.py) at both.
 #
 #     OUT=/tmp/out tools/device_backward.sh              the two newest rungs that take bfloat16
 #     OUT=/tmp/out tools/device_backward.sh b08 b09      an older rung and a newer one, by name
@@ -69,6 +70,15 @@ for run in 1 2; do
 done
 
 step sass 150 python3 bench.py sass --backward "$newer" --cases 16x12x2048-d64,2x32x4096-d128 --results "$OUT"
+
+# Where the newer rung's step goes, cycle by cycle, if it declares the STEP_TRACE diagnostic (b08 and its
+# copies): about 15 s a case.
+if grep -q '#ifndef STEP_TRACE' "kernels/backward/$newer_name.cu" 2>/dev/null; then
+    for case in 16x12x2048-d64 "4x16x4096-d128-noncausal --timeline 4"; do
+        # shellcheck disable=SC2086  # the case carries its own options
+        step trace 60 python3 tools/rung_trace.py --kernel "$newer_name" --case $case
+    done
+fi
 
 if ls "$OUT"/bench-1/backward-*.json "$OUT"/bench-2/backward-*.json > /dev/null 2>&1; then
     python3 bench.py compare --of "$newer_name" --over "$older_name" \
