@@ -36,8 +36,8 @@
  * goes to shared memory after every exponential of the step, not among them, since ptxas cannot tell a
  * load of lse_i or D_i from a store of dS^T and kept each load behind the store before it, a chain through
  * shared memory that the other consumer's products keep busy (the exponentials took 1,800 cycles of a
- * 4,900-cycle step at d = 128: 850-1,250 after); and at d = 128 the dQ_i share is issued first in its turn
- * and stored while dV_j and dK_j run (DQ_FIRST).
+ * 4,889-cycle step at 2 x 16 x 4096, d = 128: 856-1,272 after); and at d = 128 the dQ_i share is issued
+ * first in its turn and stored while dV_j and dK_j run (DQ_FIRST).
  *
  * Its protocol (the turns, both dS^T barriers, the late dQ_i and the flush before K_j's release, with
  * b07's ring, tiles and slots) is modelled under random interleavings in tests/test_backward_protocol.py.
