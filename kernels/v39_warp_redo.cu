@@ -111,25 +111,6 @@ __device__ __forceinline__ unsigned long long descriptor(unsigned address, unsig
            (unsigned long long)(sbo >> 4) << 32 | 1ull << 62;
 }
 
-// An opt-in build, not yet measured on a GPU (off, the SASS is the same as without the switch): each
-// product's descriptor made by one add from its batch's first, where built from its address it takes a
-// handful of uniform-register instructions in a chain ahead of the product (docs/ladder.md#v39-descriptors).
-#ifndef DESCRIPTOR_ADDS
-#define DESCRIPTOR_ADDS 0
-#endif
-
-// The descriptor of the matrix `offset` bytes past `address`, whose descriptor is `base`. With
-// DESCRIPTOR_ADDS, base + offset / 16: the start-address field is address / 16 in the low 14 bits, and
-// a shared-memory address is below 256 KB, so nothing carries out of the field.
-__device__ __forceinline__ unsigned long long descriptor_past(unsigned long long base, unsigned address, unsigned offset,
-                                                              unsigned lbo, unsigned sbo)
-{
-    if constexpr (DESCRIPTOR_ADDS)
-        return base + (offset >> 4);
-    else
-        return descriptor(address + offset, lbo, sbo);
-}
-
 // wgmma reads registers and shared memory asynchronously: fence before a batch (the accumulators
 // and A registers were just written by ordinary instructions), commit the batch, wait for it.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
@@ -535,22 +516,22 @@ attention_forward(const element* __restrict__ /* Q */, const element* __restrict
 
     // S = Q_i K_j^T: d / 16 k16 steps, each 32 bytes further along a row (next half at 4).
     auto issue_S = [&](float (&S)[B_c / 2], int u) {
-        const unsigned K_j = K_smem + (u % K_STAGES) * TILE_BYTES, Q_rows = Q_smem + wg_row * 128;
-        const unsigned long long Q_d = descriptor(Q_rows, 16, 1024), K_d = descriptor(K_j, 16, 1024);
+        const unsigned K_j = K_smem + (u % K_STAGES) * TILE_BYTES;
 #pragma unroll
-        for (int s = 0; s < D_STEPS; ++s)
-            wgmma_ss<B_c, dtype_id>(S, descriptor_past(Q_d, Q_rows, (s / 4) * B_r * 128 + (s % 4) * 32, 16, 1024),
-                                    descriptor_past(K_d, K_j, (s / 4) * B_c * 128 + (s % 4) * 32, 16, 1024), s > 0);
+        for (int s = 0; s < D_STEPS; ++s) {
+            const unsigned a = Q_smem + (s / 4) * B_r * 128 + wg_row * 128 + (s % 4) * 32;
+            const unsigned b = K_j + (s / 4) * B_c * 128 + (s % 4) * 32;
+            wgmma_ss<B_c, dtype_id>(S, descriptor(a, 16, 1024), descriptor(b, 16, 1024), s > 0);
+        }
         wgmma_commit();
     };
     float O_acc[d_head / 2];  // n8 tile n, entry e: row my_row + 8 (e / 2), column 8 n + 2 t + e % 2
     // O_i += P V_j, P the rounded probabilities of ring use u: key step kk is rows 16 kk .. of V_j.
     auto issue_PV = [&](const unsigned (&P)[KEY_STEPS][4], int u) {
         const unsigned V_j = V_smem + (u % V_STAGES) * TILE_BYTES;
-        const unsigned long long V_d = descriptor(V_j, B_c * 128, 1024);
 #pragma unroll
         for (int kk = 0; kk < KEY_STEPS; ++kk)
-            wgmma_rs<d_head, dtype_id>(O_acc, P[kk], descriptor_past(V_d, V_j, kk * 2048, B_c * 128, 1024));
+            wgmma_rs<d_head, dtype_id>(O_acc, P[kk], descriptor(V_j + kk * 2048, B_c * 128, 1024));
         wgmma_commit();
     };
     auto round_P = [&](unsigned (&P)[KEY_STEPS][4], const float (&S)[B_c / 2]) {

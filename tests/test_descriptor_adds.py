@@ -1,8 +1,8 @@
-"""The opt-in DESCRIPTOR_ADDS builds of b08 and v39 without a GPU (docs/backward.md#b08-descriptors,
-docs/ladder.md#v39-descriptors): the arithmetic they rest on (a descriptor advanced by an add is the
-descriptor of the advanced address, for every shared-memory address), and, compiled with NVRTC and read
-with nvdisasm, what the switch changes: nothing in b08's deterministic mode; elsewhere fewer instructions in
-the loop around the same products, with no spill and no ptxas performance warning."""
+"""b08's descriptors by adds without a GPU (docs/backward.md#b08-descriptors): the arithmetic they rest on
+(a descriptor advanced by an add is the descriptor of the advanced address, for every shared-memory
+address), and, compiled with NVRTC and read with nvdisasm beside a build that makes each descriptor from
+its address, what the adds change: nothing in deterministic mode; elsewhere fewer instructions in the loop
+around the same products, with no spill and no ptxas performance warning."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kernels import backward, ladder, nvrtc
+from kernels import backward, nvrtc
 from kernels.reports import COMMON_OPTIONS, PTXAS, performance_warnings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
@@ -21,7 +21,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import wgmma_waits  # noqa: E402
 
 B08 = backward.load("b08")
-V39 = ladder.load("v39")
 SMEM = 227 * 1024  # an H100's or H200's shared memory a block, the most any address here reaches
 
 
@@ -42,16 +41,17 @@ def test_an_advanced_descriptor_is_the_descriptor_of_the_advanced_address(lbo, s
     assert descriptor(0x3FFF0, lbo, sbo) + np.uint64(1) != descriptor(0x40000, lbo, sbo)
 
 
-def build(rung, config, adds: bool) -> tuple[str, str]:
-    """(nvdisasm listing, ptxas log) of a rung at `config` (of b08, its dK/dV phase), the switch on or off."""
-    source = rung.source if not adds else rung.source.replace("#define DESCRIPTOR_ADDS 0", "#define DESCRIPTOR_ADDS 1", 1)
-    assert adds is False or source != rung.source
-    if phases := getattr(rung, "phases", ()):
-        expression = rung.entry_expression(next(p for p in phases if p.entry == "backward_dk_dv"), config)
-    else:
-        expression = rung.name_expression(config)
-    cubin, log, _ = nvrtc.compile_cubin(source, str(rung.path), ["-arch=sm_90a", "-Xptxas=-v", *COMMON_OPTIONS,
-                                                                   *rung.options], [expression])
+ADDS = "constexpr bool ADDS = !deterministic;"
+
+
+def build(config, adds: bool) -> tuple[str, str]:
+    """(nvdisasm listing, ptxas log) of b08's dK/dV phase at `config`, as it is (adds) or with every
+    descriptor made from its address."""
+    assert ADDS in B08.source
+    source = B08.source if adds else B08.source.replace(ADDS, "constexpr bool ADDS = false;", 1)
+    expression = B08.entry_expression(next(p for p in B08.phases if p.entry == "backward_dk_dv"), config)
+    cubin, log, _ = nvrtc.compile_cubin(source, str(B08.path), ["-arch=sm_90a", "-Xptxas=-v", *COMMON_OPTIONS,
+                                                                  *B08.options], [expression])
     return wgmma_waits.disassemble(cubin), log
 
 
@@ -74,28 +74,13 @@ def loop_instructions(sass: str) -> int:
 @pytest.mark.skipif(wgmma_waits.nvdisasm() is None, reason="nvdisasm is a test dependency (pip install -e '.[test]')")
 @pytest.mark.parametrize("config", [c for c in B08.configs if c[2] == 128 and c[3] == 0],
                          ids=lambda c: "d{}-{}".format(c[0], "deterministic" if c[4] else "atomic"))
-def test_b08_s_switch_takes_integer_work_out_of_the_loop_and_nothing_else(config):
-    off, _ = build(B08, config, adds=False)
-    on, log = build(B08, config, adds=True)
-    if config[4]:  # deterministic: the switch does not apply
+def test_b08_s_adds_take_integer_work_out_of_the_loop_and_nothing_else(config):
+    off, _ = build(config, adds=False)
+    on, log = build(config, adds=True)
+    if config[4]:  # deterministic: no adds (at d = 128 the hoisted descriptors spill)
         assert body(on) == body(off)
         return
     assert body(on) != body(off)
     assert loop_instructions(on) < 0.95 * loop_instructions(off)
     assert sum(line.count("HGMMA") for line in body(on)) == sum(line.count("HGMMA") for line in body(off))
-    check_clean(log)
-
-
-@pytest.mark.skipif(wgmma_waits.nvdisasm() is None, reason="nvdisasm is a test dependency (pip install -e '.[test]')")
-@pytest.mark.parametrize("config", [c for c in V39.configs if c[3] == 0], ids=lambda c: "d{}-Br{}-Bc{}".format(*c[:3]))
-def test_v39_s_switch_makes_each_descriptor_one_add(config):
-    off, _ = build(V39, config, adds=False)
-    on, log = build(V39, config, adds=True)
-    assert loop_instructions(on) < loop_instructions(off)
-    assert sum(line.count("HGMMA") for line in body(on)) == sum(line.count("HGMMA") for line in body(off))
-    # P V_j's products (A from registers) one add apart: no mask or shift of an address between two of them
-    last_pv = [i for i, line in enumerate(body(on)) if "HGMMA" in line and ", R" in line.split("gdesc")[0]]
-    between = [line for a, b in zip(last_pv, last_pv[1:]) if b - a < 8 for line in body(on)[a + 1:b]]
-    opcodes = {line.split()[1 if line.split()[0].startswith("@") else 0].split(".")[0] for line in between}
-    assert opcodes and not opcodes & {"ULOP3", "USHF", "LOP3", "SHF"}, opcodes
     check_clean(log)

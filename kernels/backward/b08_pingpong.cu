@@ -158,17 +158,12 @@ __device__ __forceinline__ unsigned long long descriptor(unsigned address, unsig
            (unsigned long long)(sbo >> 4) << 32 | 1ull << 62;
 }
 
-// An opt-in build, not yet measured on a GPU (off, the SASS is the same as without the switch): each
-// product's descriptor made by one add from its batch's first, where built from its address it takes a
-// dozen integer instructions (docs/backward.md#b08-descriptors). Not in deterministic mode, where at
-// d = 128 the hoisted descriptors spill.
-#ifndef DESCRIPTOR_ADDS
-#define DESCRIPTOR_ADDS 0
-#endif
-
 // The descriptor of the matrix `offset` bytes past `address`, whose descriptor is `base`. By adds,
 // base + offset / 16: the start-address field is address / 16 in the low 14 bits, and a shared-memory
-// address is below 256 KB, so nothing carries out of the field.
+// address is below 256 KB, so nothing carries out of the field. One add where building it from its
+// address takes a dozen integer instructions; 1.03x at d = 128 causal, within resolution elsewhere
+// (docs/backward.md#b08-descriptors). Not in deterministic mode, where at d = 128 the hoisted
+// descriptors spill.
 template <bool adds>
 __device__ __forceinline__ unsigned long long descriptor_past(unsigned long long base, unsigned address, unsigned offset,
                                                               unsigned lbo, unsigned sbo)
@@ -497,7 +492,7 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
     // share is stored after them. Measured on an H200 each way (docs/backward.md#b08-order): dQ_i first
     // 1.02-1.09x at d = 128, 0.95-0.98x at d = 64 from T = 1024.
     constexpr bool DQ_FIRST = d_head == 128;
-    constexpr bool ADDS = DESCRIPTOR_ADDS && !deterministic;  // descriptors by adds (the opt-in build above)
+    constexpr bool ADDS = !deterministic;  // descriptors by adds (descriptor_past)
     static_assert(PRODUCER_REGISTERS * 128 + CONSUMER_REGISTERS * 128 * CONSUMERS <= 65536, "one SM's registers");
 
     extern __shared__ unsigned char smem[];
