@@ -94,6 +94,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="AdamW and clipping a launch or two per tensor, the reference of the default multi-tensor "
                         "path (every tensor in two launches of kernels/fused/adamw.cu); the CPU's NumPy AdamW is "
                         "per tensor")
+    p.add_argument("--deterministic", action="store_true",
+                   help="the backward rung's deterministic configuration (dQ summed in a fixed order, "
+                        "lab.deterministic): the same losses on every run, at some speed; the CPU's reference "
+                        "backward always is")
     p.add_argument("--graph", action="store_true",
                    help="replay each step from the second as one CUDA graph of the whole step (lm/step_graph.py), "
                         "captured after an eager first step; GPU only, with the multi-tensor AdamW")
@@ -296,7 +300,8 @@ def rungs(args, family: Family, device: str, config) -> tuple[str, str, object, 
     if device == "cpu":
         return lab.REFERENCE, lab.REFERENCE, family.backward.Attention.reference(), reference_attend
     kernel, backward = pick_rungs(args, config, kernels.device_limits().arch)
-    attn = family.backward.Attention.make(kernel=kernel, backward=backward)  # LabError where the pair cannot train
+    # LabError where the pair cannot train (or, with --deterministic, the backward rung has no such configuration)
+    attn = family.backward.Attention.make(kernel=kernel, backward=backward, deterministic=args.deterministic)
     return kernel, backward, attn, lab.make_attend(kernel, args.dtype)
 
 
@@ -472,8 +477,9 @@ def finish(s: Setup, log: dict) -> int:
 
 def run(args) -> int:
     s = set_up(args)
+    fixed = " (deterministic)" if args.deterministic else ""
     print(f"{s.ckpt.name}: {s.ckpt.n_params:,} parameters, {args.dtype}, {s.device} ({lab.device_name(s.device)}), "
-          f"attention {s.kernel} / {s.backward}, B x T = {args.batch} x {args.seq} x {args.accum} micro-batches, "
+          f"attention {s.kernel} / {s.backward}{fixed}, B x T = {args.batch} x {args.seq} x {args.accum} micro-batches, "
           f"{len(s.train_batches)} batches per pass over {args.data}")
     return finish(s, train(s))
 

@@ -91,9 +91,11 @@ class Attention:
     gpu: bool = False
 
     @classmethod
-    def make(cls, kernel: str = "v13", backward: str = "b02") -> Attention:
+    def make(cls, kernel: str = "v13", backward: str = "b02", deterministic: bool = False) -> Attention:
         """A forward rung that writes the log-sum-exp (lab.lse) and a backward rung; LabError if the
-        pair cannot train (no lse, no dtype or head size in common)."""
+        pair cannot train (no lse, no dtype or head size in common). deterministic: the backward rung's
+        configurations that sum dQ in a fixed order (lab.deterministic), the same bits on every run;
+        LabError where it has none."""
         try:
             fwd, bwd = kernels.load(kernel), backward_ladder.load(backward)
         except ValueError as exc:
@@ -106,11 +108,17 @@ class Attention:
             raise LabError(f"kernel {fwd.name} runs {', '.join(fwd.dtypes)} and backward {bwd.name} "
                            f"{', '.join(bwd.dtypes)}: no dtype in common (lab.dtypes)")
         heads = tuple(d for d in fwd.head_sizes() if d in bwd.head_sizes())
+        if deterministic:
+            heads = tuple(d for d in heads if any(bwd.is_deterministic(c) for c in bwd.configs if c[0] == d))
+            if not heads:
+                raise LabError(f"backward {bwd.name} has no deterministic configuration (lab.deterministic) for the "
+                               f"head sizes it shares with {fwd.name}; {backward_ladder.deterministic_rungs()} have one")
         fwd_path, bwd_path = str(fwd.path), str(bwd.path)
         return cls(
             name=f"{fwd.name} + {bwd.name}",
             forward=lambda q, k, v: kernels.attention(q, k, v, kernel=fwd_path, return_lse=True),
-            backward=lambda q, k, v, o, lse, do: kernels.attention_backward(q, k, v, o, lse, do, kernel=bwd_path),
+            backward=lambda q, k, v, o, lse, do: kernels.attention_backward(q, k, v, o, lse, do, kernel=bwd_path,
+                                                                            deterministic=deterministic),
             dtypes=dtypes, head_sizes=heads, gpu=True)
 
     @classmethod

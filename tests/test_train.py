@@ -543,6 +543,24 @@ def test_pick_rungs_refuses_a_forward_rung_without_lse(train):
         train.pick_rungs(args, gpt2.SIZES["gpt2"], "sm_90")
 
 
+def test_deterministic_asks_the_backward_rung_for_its_fixed_order(monkeypatch):
+    """--deterministic reaches kernels.attention_backward as deterministic=True, on by default off; a backward
+    rung without a deterministic configuration for the shared head sizes is refused, naming those that have one."""
+    import kernels
+    from gpt2.backward import Attention
+    from kernels.backward import BackwardRung
+
+    asked = []
+    monkeypatch.setattr(kernels, "attention_backward", lambda *a, **kw: asked.append(kw["deterministic"]))
+    for deterministic in (False, True):
+        Attention.make("v19", "b08", deterministic=deterministic).backward(*[None] * 6)
+    assert asked == [False, True]
+    monkeypatch.setattr(BackwardRung, "is_deterministic", lambda self, config: False)
+    assert Attention.make("v19", "b08").head_sizes  # the default needs no deterministic configuration
+    with pytest.raises(LabError, match="b08_pingpong has no deterministic configuration .* have one"):
+        Attention.make("v19", "b08", deterministic=True)
+
+
 @pytest.mark.parametrize("dtype, arch, forward, backward", [
     ("float32", "sm_90", "v13_fa2_partitioning", "b02_fa2"),  # float32 without TF32
     ("bfloat16", "sm_90", "v19_wgmma_overlap", "b08_pingpong"),  # head size 64
