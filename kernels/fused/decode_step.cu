@@ -143,6 +143,14 @@
  * depth tried (H200, `tools/step_variants.py`, us a token at 264): gpt2-xl bfloat16 k = 0 / 2 / 3 / 5
  * 1,536 / 1,591 / 1,618 / 1,684; gpt2-xl float32 k = 3 2,215 against 2,385; gpt2-large bfloat16
  * 818 against 843; GPT-2 small k = 0 / 2 / 4 bfloat16 155 / 160 / 163, float32 205 / 220 / 254.
+ * Nor only while stage B runs (the producer, as it copies a layer's first stage C item, asking L2 for
+ * the next k items: the rest of stages C and D, whose loads would otherwise wait for ring slots), where
+ * the memory has least to do: slower again, and more so the more it asks, stage B's own work growing
+ * under the prefetches' traffic (H200, `tools/step_variants.py`, us a token at 64 / 264 / 600, same
+ * run, 2026-12-01): gpt2-xl bfloat16 k = 0 / 3 / 6 / 10 1,478 / 1,567 / 1,606 / 1,668, 1,495 / 1,583 /
+ * 1,613 / 1,670, 1,508 / 1,601 / 1,629 / 1,674 (stage B 314 / 420 / 486 / 508 us of work a token);
+ * gpt2-large bfloat16 k = 0 / 3 / 6 at 264 806 / 880 / 909; gpt2-xl float32 k = 0 / 6 / 13 at 264
+ * 2,105 / 2,219 / 2,386; GPT-2 small bfloat16 k = 0 / 1 / 3 at 264 153.5 / 162.5 / 166.5.
  * Where a stage's share comes as several items, most slots come free in the middle of a stage, with no
  * handoff to keep clear of, and stage B's and E's last items can be empty (no copy): the pause there
  * too is DELAY_MID_STAGE and DELAY_EMPTY, both on. Off, by size (H200, `tools/step_variants.py`, us a
