@@ -148,11 +148,16 @@ def encoder_forward(wte, wpe, idx, act):
     return wte[idx].astype(act, copy=False) + wpe[:T]
 
 
-def encoder_backward(dwte, dwpe, dx, idx) -> None:
-    """Add dx (B, T, C) into the rows of dwte the tokens read (a scatter: a token may repeat) and of dwpe."""
+def encoder_backward(dwte, dwpe, dx, idx, fused: bool = False) -> None:
+    """Add dx (B, T, C) into the rows of dwte the tokens read (a scatter: a token may repeat, its rows added
+    in row order) and of dwpe. fused: train_kernels.embedding_backward, the same additions in the same
+    order on the GPU, where CuPy's add.at adds a repeated token's rows in no fixed order."""
     xp = array_module(dx)
     B, T, C = dx.shape
-    xp.add.at(dwte, idx.reshape(-1), dx.reshape(B * T, C))
+    if fused and dx.dtype == dwte.dtype == np.float32:
+        train_kernels.embedding_backward(dwte, xp.ascontiguousarray(dx.reshape(B * T, C)), idx)
+    else:
+        xp.add.at(dwte, idx.reshape(-1), dx.reshape(B * T, C))
     dwpe[:T] += dx.sum(axis=0)
 
 
@@ -348,7 +353,7 @@ def loss_and_grads(params: dict, config: GPT2Config, idx, targets, attn: Attenti
     dx, grads["ln_f.weight"], grads["ln_f.bias"] = layernorm_backward(dxf, x, meanf, rstdf, w["ln_f.weight"],
                                                                       fused=fused)
     dx = layers_backward(dx, kept, w, grads, config, attn, cdtype, fused)
-    encoder_backward(grads["wte.weight"], grads["wpe.weight"], dx.reshape(B, T, config.n_embd), idx)
+    encoder_backward(grads["wte.weight"], grads["wpe.weight"], dx.reshape(B, T, config.n_embd), idx, fused=fused)
     return float(loss) if loss_on_host else loss, {name: grads[name] for name in params}
 
 

@@ -228,6 +228,22 @@ def rows_to_heads(rows, B: int, n_head: int, bias=None):
     return heads
 
 
+def embedding_backward(dwte, dx, idx) -> None:
+    """dwte (V, C) float32 += the rows of dx (N, C) float32 at the tokens idx (N ids), each token's rows
+    added one after another in row order, as NumPy's add.at adds them: the same bits on every run (an
+    atomic scatter adds in whatever order the rows arrive). The ids sorted on the device (a stable sort:
+    ties keep row order), then one launch."""
+    import cupy as cp
+
+    N, C = dx.shape
+    assert dx.dtype == dwte.dtype == np.float32 and dx.flags.c_contiguous and dwte.flags.c_contiguous
+    assert C % 8 == 0 and dwte.shape[1] == C and idx.size == N
+    ids = idx.reshape(-1)
+    order = cp.argsort(ids)  # CuPy's sort is stable
+    _launch("embed_bwd", N, _row_block(C), (dx, order.astype(np.int32), ids[order].astype(np.int32), dwte,
+                                            np.int32(N), np.int32(C)))
+
+
 def kernel_expressions(width: int, dtype) -> list[str]:
     """Every instantiation of train.cu that loss_and_grads launches for LayerNorm width `width` and
     products in `dtype`: what tests/test_fused_cpu.py compiles without a GPU."""
@@ -237,4 +253,5 @@ def kernel_expressions(width: int, dtype) -> list[str]:
         f"layernorm_bwd<{t}, false>", f"layernorm_bwd<{t}, true>", f"bias_gelu<{t}>",
         f"column_sums<float, {t}, false>", f"column_sums<{t}, float, false>", f"column_sums<float, {t}, true>",
         "column_sums<float, float, false>", "column_total",
-        f"heads_rows<{t}, true, false>", f"heads_rows<{t}, false, false>", f"heads_rows<{t}, false, true>"]))
+        f"heads_rows<{t}, true, false>", f"heads_rows<{t}, false, false>", f"heads_rows<{t}, false, true>",
+        "embed_bwd"]))

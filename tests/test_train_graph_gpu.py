@@ -3,8 +3,9 @@ the eager path's losses and gradient norms over ten steps of a warmup and cosine
 bfloat16, one micro-batch and two. GPT-2 small's shapes at a small batch, random weights.
 
 Bit for bit: the graph runs the same kernels on the same arrays' values, and with --deterministic the backward
-rung sums dQ in a fixed order, so two eager runs give the same bits and the graph gives them too. (Without it
-the rung's atomics make two eager runs differ, and a bound from one pair's spread failed now and then.)"""
+rung sums dQ in a fixed order (the embeddings' gradient always adds in row order), so two eager runs give the
+same bits and the graph gives them too. (Without it the rung's atomics make two eager runs differ, and a bound
+from one pair's spread failed now and then.)"""
 
 import json
 

@@ -207,6 +207,23 @@ def test_column_sums_of_a_16_bit_input(cp, dtype):
     close(sums, a.astype(np.float32).sum(axis=0), "float32", float32_tol=1e-4)
 
 
+@pytest.mark.parametrize("N, C, vocab", [(1, 768, 50257), (97, 200, 7), (1000, 768, 64), (4096, 1600, 50257)])
+def test_the_embedding_backward_adds_as_add_at_does_bit_for_bit(cp, N, C, vocab):
+    """Each token's rows added in row order onto what dwte held (the classifier's gradient), as NumPy's
+    add.at adds them: the same bits, on every run; few distinct tokens make long runs of one."""
+    rng = np.random.default_rng(N)
+    ids = rng.integers(0, vocab, N)
+    ids[: N // 3] = ids[0]  # one token many times over
+    dx = rng.standard_normal((N, C), dtype=np.float32)
+    dwte = rng.standard_normal((vocab, C), dtype=np.float32)
+    want = dwte.copy()
+    np.add.at(want, ids, dx)
+    for _ in range(2):
+        got = cp.asarray(dwte)
+        train_kernels.embedding_backward(got, cp.asarray(dx), cp.asarray(ids.reshape(1, N)))
+        assert np.array_equal(cp.asnumpy(got), want)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,NH,T,hs", [(1, 1, 1, 64), (2, 3, 97, 64), (1, 12, 17, 32), (3, 25, 33, 64)])
 def test_the_heads_layouts(cp, B, NH, T, hs, dtype):

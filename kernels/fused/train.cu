@@ -51,6 +51,13 @@
  *                                   time, a thread 8 elements of one head (hs % 8 == 0: one 16-byte
  *                                   vector in bfloat16), 8 threads a head's 16-byte-aligned run, the
  *                                   division by T once a row, by hs once a vector. Moves 2 sizeof(T).
+ *   embed_bwd                       dwte[v] += the rows of dx (N, C) float32 whose token is v, one after
+ *                                   another in row order, as NumPy's add.at adds them (the same bits):
+ *                                   the rows sorted by token, ties in row order (order, tokens), a block
+ *                                   a run of one token (the block of its first row; the others return),
+ *                                   a thread 8 columns. No atomics, so every run adds in the same order.
+ *                                   Grid (N), block C / 8 rounded up to a warp (<= 256). Moves 4 bytes an
+ *                                   element of dx, 8 of each token's row of dwte.
  */
 #include "common.cuh"
 
@@ -405,5 +412,24 @@ heads_rows(T* __restrict__ a0, T* __restrict__ a1, T* __restrict__ a2, T* __rest
                 copy8(in_heads, row + c);
             }
         }
+    }
+}
+
+__global__ void __launch_bounds__(256)
+embed_bwd(const float* __restrict__ dx, const int* __restrict__ order, const int* __restrict__ tokens,
+          float* __restrict__ dwte, int N, int C)
+{
+    const int first = blockIdx.x, v = tokens[first];
+    if (first > 0 && tokens[first - 1] == v) return;  // not the first row of its token's run
+    for (int c = 8 * threadIdx.x; c < C; c += 8 * blockDim.x) {
+        float total[8];
+        load8(dwte + (long long)v * C + c, total);
+        for (int j = first; j < N && tokens[j] == v; ++j) {
+            float row[8];
+            load8(dx + (long long)order[j] * C + c, row);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) total[e] += row[e];
+        }
+        store8(dwte + (long long)v * C + c, total);
     }
 }
