@@ -1,7 +1,8 @@
 """tools/wgmma_rate.py without a GPU: each default variant's generated kernel compiles for sm_90a (NVRTC)
 without a ptxas performance warning, and its SASS (nvdisasm) issues the variant's product and nothing
 else: HGMMA.64xNx16 with bfloat16 operands, A from registers for rs, B read transposed for t, batches of
-four with one batch left in flight (WARPGROUP.DEPBAR.LE gsb0, 0x1)."""
+four with one batch left in flight (WARPGROUP.DEPBAR.LE gsb0, 0x1); with --traffic, the storing
+warpgroup's 16-byte stores besides."""
 
 from __future__ import annotations
 
@@ -20,18 +21,25 @@ import wgmma_rate  # noqa: E402
 import wgmma_waits  # noqa: E402
 
 VARIANTS = wgmma_rate.DEFAULT.split(",")
+# one and two warpgroups; two beside the storing one where --traffic takes the variant (N up to 128)
+CASES = [(name, w, False) for name in VARIANTS for w in (1, 2)] + \
+        [(name, 2, True) for name in VARIANTS if wgmma_rate.Variant.parse(name).n <= 128]
+
+
+def build(v, warpgroups: int, traffic: bool) -> tuple[list[str], str]:
+    """(SASS instructions, ptxas log) of a variant's kernel."""
+    cubin, log, _ = nvrtc.compile_cubin(wgmma_rate.source(v, warpgroups, traffic), f"{v.name}.cu",
+                                        [*wgmma_rate.OPTIONS, "-Xptxas=-v"], [])
+    return [line.split("*/", 1)[1] for line in wgmma_waits.disassemble(cubin).splitlines()
+            if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)], log
 
 
 @pytest.mark.skipif(wgmma_waits.nvdisasm() is None, reason="nvdisasm is a test dependency (pip install -e '.[test]')")
-@pytest.mark.parametrize("warpgroups", [1, 2])
-@pytest.mark.parametrize("name", VARIANTS)
-def test_each_variant_issues_its_product_alone(name, warpgroups):
+@pytest.mark.parametrize("name, warpgroups, traffic", CASES)
+def test_each_variant_issues_its_product_alone(name, warpgroups, traffic):
     v = wgmma_rate.Variant.parse(name)
-    cubin, log, _ = nvrtc.compile_cubin(wgmma_rate.source(v, warpgroups), f"{name}.cu",
-                                        [*wgmma_rate.OPTIONS, "-Xptxas=-v"], [])
+    sass, log = build(v, warpgroups, traffic)
     assert not performance_warnings(log)
-    sass = [line.split("*/", 1)[1] for line in wgmma_waits.disassemble(cubin).splitlines()
-            if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
     products = [line for line in sass if "HGMMA" in line]
     assert products and len(products) % wgmma_rate.K_STEPS == 0
     shapes = {re.search(r"HGMMA\.(\S+)", line).group(1) for line in products}
@@ -39,6 +47,9 @@ def test_each_variant_issues_its_product_alone(name, warpgroups):
     assert all(("tnspB" in line) == v.trans_b for line in products)
     assert all((", R" in line.split("gdesc")[0]) == (v.source == "rs") for line in products)  # A in registers
     assert any("WARPGROUP.DEPBAR.LE gsb0, 0x1" in line for line in sass)
+    if traffic:  # the storing warpgroup's eight 16-byte stores a round, besides the fill's
+        stores = lambda listing: sum("STS.128" in line for line in listing)  # noqa: E731
+        assert stores(sass) >= stores(build(v, warpgroups, False)[0]) + 8
 
 
 @pytest.mark.parametrize("text, message", [("xx64", "ss or rs"), ("ss65", "multiple of 8"), ("rs264", "from 8 to 256"),

@@ -31,8 +31,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 PEAK = 4096  # dense bfloat16 FLOPs a clock an SM (H100, H200): 4 tensor cores x 1,024
 K_STEPS = 4  # products a batch (k = 64: one 128-byte row of A and B)
-SMEM = 64 * 1024  # A (8 KB) and B (up to 32 KB at N = 256), from a 1024-byte-aligned base
+SMEM = 64 * 1024  # A (8 KB), B (up to 32 KB at N = 256) and the traffic's 16 KB from 48 KB, 1024-aligned
 DEFAULT = "ss64,ss64t,ss80,ss128,ss256,rs64,rs64t,rs80,rs128,rs128t,rs256"
+# The storing warpgroup (--traffic), threads FIRST and up, until warpgroup 0's loop ends; `stored` gets its bytes.
+TRAFFIC = """    if (threadIdx.x >= FIRST) {  // the traffic: 2 KB a round into 16 KB past the operands
+        const unsigned at = base + 49152 + (threadIdx.x % 128) * 16;
+        unsigned long long rounds = 0;
+        while (!done) {
+#pragma unroll
+            for (int r = 0; r < 8; ++r)
+                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(at + r * 2048), "r"(r), "r"(at),
+                             "r"(iters), "r"((unsigned)rounds) : "memory");
+            rounds += 8;
+        }
+        if (blockIdx.x == 0 && threadIdx.x % 128 == 0) stored[0] = rounds * 2048;
+        return;
+    }
+"""
 
 
 @dataclass(frozen=True)
@@ -58,8 +73,10 @@ class Variant:
         return f"{self.source}{self.n}{'t' if self.trans_b else ''}"
 
 
-def source(v: Variant, warpgroups: int) -> str:
-    """The CUDA source of one variant: kernel `rate(out, cycles, iters)`."""
+def source(v: Variant, warpgroups: int, traffic: bool = False) -> str:
+    """The CUDA source of one variant: kernel `rate(out, cycles, stored, iters)`; traffic: one more warpgroup
+    storing 16 bytes a thread to shared memory without pause until warpgroup 0's loop ends (`stored`: its
+    bytes)."""
     regs = v.n // 2
     d_list = ", ".join(f"%{i}" for i in range(regs))
     constraints = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
@@ -76,8 +93,9 @@ def source(v: Variant, warpgroups: int) -> str:
     # B: K-major, N rows of 128 bytes (k contiguous), 8-row groups 1024 bytes apart, a k step 32 bytes on;
     # MN-major, 64 k rows of 128 bytes for each 64-column atom, atoms 64 * 128 bytes apart, a k step 16 rows
     b_lbo, b_sbo, b_step = (64 * 128, 1024, 2048 >> 4) if v.trans_b else (16, 1024, 32 >> 4)
+    traffic_loop = TRAFFIC.replace("FIRST", str(warpgroups * 128)) if traffic else ""
     return f"""
-// tools/wgmma_rate.py, variant {v.name}, {warpgroups} warpgroup(s)
+// tools/wgmma_rate.py, variant {v.name}, {warpgroups} warpgroup(s){", and one storing to shared memory" if traffic else ""}
 __device__ __forceinline__ unsigned long long descriptor(unsigned address, unsigned lbo, unsigned sbo)
 {{
     return (unsigned long long)((address & 0x3ffff) >> 4) | (unsigned long long)(lbo >> 4) << 16 |
@@ -92,16 +110,18 @@ __device__ __forceinline__ unsigned bits(unsigned i)  // two pseudo-random bfloa
     return hi << 16 | lo;
 }}
 
-extern "C" __global__ void __launch_bounds__({warpgroups * 128}, 1)
-rate(float* out, long long* cycles, int iters)
+extern "C" __global__ void __launch_bounds__({(warpgroups + traffic) * 128}, 1)
+rate(float* out, long long* cycles, unsigned long long* stored, int iters)
 {{
+    __shared__ volatile int done;
     extern __shared__ unsigned char raw[];
     const unsigned raw_at = (unsigned)__cvta_generic_to_shared(raw), base = (raw_at + 1023u) & ~1023u;
     unsigned* words = reinterpret_cast<unsigned*>(raw + (base - raw_at));
     for (int i = threadIdx.x; i < {SMEM // 4}; i += blockDim.x) words[i] = bits(i + 977u * blockIdx.x);
+    if (threadIdx.x == 0) done = 0;
     __syncthreads();
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    const unsigned long long a_desc = descriptor(base, 16, 1024);
+{traffic_loop}    const unsigned long long a_desc = descriptor(base, 16, 1024);
     const unsigned long long b_desc = descriptor(base + 8192, {b_lbo}, {b_sbo});
     const unsigned long long b_step = {b_step};
     unsigned a[{K_STEPS}][4];
@@ -125,10 +145,11 @@ rate(float* out, long long* cycles, int iters)
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
     long long ended;
     asm volatile("mov.u64 %0, %%clock64;" : "=l"(ended)::"memory");
+    if (threadIdx.x == 0) done = 1;
     float total = 0.0f;
 #pragma unroll
     for (int i = 0; i < {regs}; ++i) total += d[i];
-    out[blockIdx.x * blockDim.x + threadIdx.x] = total;
+    out[blockIdx.x * {warpgroups * 128} + threadIdx.x] = total;
     if (blockIdx.x == 0 && threadIdx.x % 128 == 0) cycles[threadIdx.x / 128] = ended - began;
 }}
 """
@@ -141,19 +162,21 @@ def flops_per_batch(v: Variant) -> int:
     return 2 * 64 * v.n * 16 * K_STEPS
 
 
-def measure(v: Variant, warpgroups: int, iters: int) -> dict:
-    """The variant on every SM: its FLOPs a clock an SM (block 0's slowest warpgroup) and TFLOP/s (events)."""
+def measure(v: Variant, warpgroups: int, iters: int, traffic: bool = False) -> dict:
+    """The variant on every SM: its FLOPs a clock an SM (block 0's slowest warpgroup), TFLOP/s (events), and
+    with traffic the bytes a clock the storing warpgroup wrote to shared memory meanwhile."""
     import cupy as cp
 
     from kernels.runtime import device_limits
 
     sms = device_limits().sm_count
-    fn = cp.RawModule(code=source(v, warpgroups), options=OPTIONS).get_function("rate")
+    fn = cp.RawModule(code=source(v, warpgroups, traffic), options=OPTIONS).get_function("rate")
     fn.max_dynamic_shared_size_bytes = SMEM + 1024
     out = cp.empty(sms * warpgroups * 128, dtype=cp.float32)
     cycles = cp.zeros(warpgroups, dtype=cp.int64)
-    args = (out, cycles, cp.int32(iters))
-    launch = lambda: fn((sms,), (warpgroups * 128,), args, shared_mem=SMEM + 1024)  # noqa: E731
+    stored = cp.zeros(1, dtype=cp.uint64)
+    args = (out, cycles, stored, cp.int32(iters))
+    launch = lambda: fn((sms,), ((warpgroups + traffic) * 128,), args, shared_mem=SMEM + 1024)  # noqa: E731
     launch()  # compiled and warm
     times = []
     for _ in range(5):
@@ -168,7 +191,8 @@ def measure(v: Variant, warpgroups: int, iters: int) -> dict:
     seconds = sorted(times)[len(times) // 2]
     return {"variant": v.name, "warpgroups": warpgroups, "flops_per_clock": flops / clocks,
             "of_peak": flops / clocks / PEAK, "tflops": flops * sms / seconds / 1e12,
-            "mhz": clocks / seconds / 1e6, "finite": bool(cp.isfinite(out).all())}
+            "mhz": clocks / seconds / 1e6, "finite": bool(cp.isfinite(out).all()),
+            "traffic_bytes_per_clock": int(stored.get()[0]) / clocks if traffic else None}
 
 
 def main(argv=None) -> int:
@@ -176,24 +200,31 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", default=DEFAULT, help=f"comma-separated (default {DEFAULT})")
     parser.add_argument("--warpgroups", default="1,2", help="warpgroups a block, comma-separated (default 1,2)")
     parser.add_argument("--iters", type=int, default=20000, help="batches of 4 products a warpgroup (default 20000)")
+    parser.add_argument("--traffic", action="store_true",
+                        help="one more warpgroup storing to shared memory without pause, as a rung's other work does")
     parser.add_argument("--source", metavar="VARIANT", help="print the generated source of one variant and exit")
     args = parser.parse_args(argv)
     try:
         if args.source:
-            print(source(Variant.parse(args.source), int(args.warpgroups.split(",")[0])))
+            print(source(Variant.parse(args.source), int(args.warpgroups.split(",")[0]), args.traffic))
             return 0
         variants = [Variant.parse(t) for t in args.variants.split(",") if t.strip()]
         groups = [int(w) for w in args.warpgroups.split(",")]
     except ValueError as exc:
         parser.error(str(exc))
-    if any(w not in (1, 2, 3) for w in groups):
-        parser.error("--warpgroups: 1, 2 or 3 a block")
-    print(f"{'variant':<9} {'wg':>3} {'FLOP/clk/SM':>12} {'of peak':>8} {'TFLOP/s':>9} {'MHz':>6}")
+    if any(w not in (1, 2, 3) for w in groups) or (args.traffic and 3 in groups):
+        parser.error("--warpgroups: 1, 2 or 3 a block (1 or 2 with --traffic)")
+    if args.traffic and any(v.n > 128 for v in variants):
+        parser.error("--traffic: N up to 128 (beside the storing warpgroup ptxas serializes N = 256's products, C7520)")
+    print(f"{'variant':<9} {'wg':>3} {'FLOP/clk/SM':>12} {'of peak':>8} {'TFLOP/s':>9} {'MHz':>6}"
+          + (f" {'stores B/clk':>13}" if args.traffic else ""))
     for w in groups:
         for v in variants:
-            r = measure(v, w, args.iters)
+            r = measure(v, w, args.iters, args.traffic)
             print(f"{r['variant']:<9} {w:>3} {r['flops_per_clock']:>12,.0f} {r['of_peak']:>8.1%} "
-                  f"{r['tflops']:>9.1f} {r['mhz']:>6.0f}" + ("" if r["finite"] else "  (non-finite sums)"))
+                  f"{r['tflops']:>9.1f} {r['mhz']:>6.0f}"
+                  + (f" {r['traffic_bytes_per_clock']:>13.1f}" if args.traffic else "")
+                  + ("" if r["finite"] else "  (non-finite sums)"))
     return 0
 
 
