@@ -26,9 +26,9 @@ CASES = [(name, w, False) for name in VARIANTS for w in (1, 2)] + \
         [(name, 2, True) for name in VARIANTS if wgmma_rate.Variant.parse(name).n <= 128]
 
 
-def build(v, warpgroups: int, traffic: bool) -> tuple[list[str], str]:
+def build(v, warpgroups: int, traffic: bool, pause_ns: int = 0) -> tuple[list[str], str]:
     """(SASS instructions, ptxas log) of a variant's kernel."""
-    cubin, log, _ = nvrtc.compile_cubin(wgmma_rate.source(v, warpgroups, traffic), f"{v.name}.cu",
+    cubin, log, _ = nvrtc.compile_cubin(wgmma_rate.source(v, warpgroups, traffic, pause_ns), f"{v.name}.cu",
                                         [*wgmma_rate.OPTIONS, "-Xptxas=-v"], [])
     return [line.split("*/", 1)[1] for line in wgmma_waits.disassemble(cubin).splitlines()
             if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)], log
@@ -50,6 +50,14 @@ def test_each_variant_issues_its_product_alone(name, warpgroups, traffic):
     if traffic:  # the storing warpgroup's eight 16-byte stores a round, besides the fill's
         stores = lambda listing: sum("STS.128" in line for line in listing)  # noqa: E731
         assert stores(sass) >= stores(build(v, warpgroups, False)[0]) + 8
+
+
+def test_the_storing_warpgroup_pauses_where_asked():
+    v = wgmma_rate.Variant.parse("ss64")
+    paused, log = build(v, 2, True, pause_ns=900)
+    assert not performance_warnings(log)
+    assert any("NANOSLEEP" in line for line in paused)
+    assert not any("NANOSLEEP" in line for line in build(v, 2, True)[0])
 
 
 @pytest.mark.parametrize("text, message", [("xx64", "ss or rs"), ("ss65", "multiple of 8"), ("rs264", "from 8 to 256"),

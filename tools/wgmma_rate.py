@@ -4,6 +4,8 @@ MN-major (read transposed), from one, two or three warpgroups issuing at once, n
 
     python3 tools/wgmma_rate.py                         the default variants (about 20 s on an H200)
     python3 tools/wgmma_rate.py --variants ss64,ss80,rs128 --warpgroups 2
+    python3 tools/wgmma_rate.py --traffic --pause-ns 900 --variants ss64,ss80,rs64 --warpgroups 2
+                                                        beside a warpgroup storing to shared memory
     python3 tools/wgmma_rate.py --source ss80           the generated CUDA source of one variant
 
 A variant is `ss` or `rs`, N, and `t` for an MN-major B (ss64t: B 16 x 64, its rows the k index, as b08's
@@ -33,7 +35,8 @@ PEAK = 4096  # dense bfloat16 FLOPs a clock an SM (H100, H200): 4 tensor cores x
 K_STEPS = 4  # products a batch (k = 64: one 128-byte row of A and B)
 SMEM = 64 * 1024  # A (8 KB), B (up to 32 KB at N = 256) and the traffic's 16 KB from 48 KB, 1024-aligned
 DEFAULT = "ss64,ss64t,ss80,ss128,ss256,rs64,rs64t,rs80,rs128,rs128t,rs256"
-# The storing warpgroup (--traffic), threads FIRST and up, until warpgroup 0's loop ends; `stored` gets its bytes.
+# The storing warpgroup (--traffic), threads FIRST and up, until warpgroup 0's loop ends, 16 KB then a pause of
+# PAUSE_NS; `stored` gets its bytes.
 TRAFFIC = """    if (threadIdx.x >= FIRST) {  // the traffic: 2 KB a round into 16 KB past the operands
         const unsigned at = base + 49152 + (threadIdx.x % 128) * 16;
         unsigned long long rounds = 0;
@@ -43,6 +46,7 @@ TRAFFIC = """    if (threadIdx.x >= FIRST) {  // the traffic: 2 KB a round into 
                 asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(at + r * 2048), "r"(r), "r"(at),
                              "r"(iters), "r"((unsigned)rounds) : "memory");
             rounds += 8;
+            if (PAUSE_NS > 0) __nanosleep(PAUSE_NS);
         }
         if (blockIdx.x == 0 && threadIdx.x % 128 == 0) stored[0] = rounds * 2048;
         return;
@@ -73,10 +77,10 @@ class Variant:
         return f"{self.source}{self.n}{'t' if self.trans_b else ''}"
 
 
-def source(v: Variant, warpgroups: int, traffic: bool = False) -> str:
+def source(v: Variant, warpgroups: int, traffic: bool = False, pause_ns: int = 0) -> str:
     """The CUDA source of one variant: kernel `rate(out, cycles, stored, iters)`; traffic: one more warpgroup
-    storing 16 bytes a thread to shared memory without pause until warpgroup 0's loop ends (`stored`: its
-    bytes)."""
+    storing 16 bytes a thread to shared memory until warpgroup 0's loop ends, pause_ns after each 16 KB
+    (`stored`: its bytes)."""
     regs = v.n // 2
     d_list = ", ".join(f"%{i}" for i in range(regs))
     constraints = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
@@ -93,7 +97,7 @@ def source(v: Variant, warpgroups: int, traffic: bool = False) -> str:
     # B: K-major, N rows of 128 bytes (k contiguous), 8-row groups 1024 bytes apart, a k step 32 bytes on;
     # MN-major, 64 k rows of 128 bytes for each 64-column atom, atoms 64 * 128 bytes apart, a k step 16 rows
     b_lbo, b_sbo, b_step = (64 * 128, 1024, 2048 >> 4) if v.trans_b else (16, 1024, 32 >> 4)
-    traffic_loop = TRAFFIC.replace("FIRST", str(warpgroups * 128)) if traffic else ""
+    traffic_loop = TRAFFIC.replace("FIRST", str(warpgroups * 128)).replace("PAUSE_NS", str(pause_ns)) if traffic else ""
     return f"""
 // tools/wgmma_rate.py, variant {v.name}, {warpgroups} warpgroup(s){", and one storing to shared memory" if traffic else ""}
 __device__ __forceinline__ unsigned long long descriptor(unsigned address, unsigned lbo, unsigned sbo)
@@ -162,7 +166,7 @@ def flops_per_batch(v: Variant) -> int:
     return 2 * 64 * v.n * 16 * K_STEPS
 
 
-def measure(v: Variant, warpgroups: int, iters: int, traffic: bool = False) -> dict:
+def measure(v: Variant, warpgroups: int, iters: int, traffic: bool = False, pause_ns: int = 0) -> dict:
     """The variant on every SM: its FLOPs a clock an SM (block 0's slowest warpgroup), TFLOP/s (events), and
     with traffic the bytes a clock the storing warpgroup wrote to shared memory meanwhile."""
     import cupy as cp
@@ -170,7 +174,7 @@ def measure(v: Variant, warpgroups: int, iters: int, traffic: bool = False) -> d
     from kernels.runtime import device_limits
 
     sms = device_limits().sm_count
-    fn = cp.RawModule(code=source(v, warpgroups, traffic), options=OPTIONS).get_function("rate")
+    fn = cp.RawModule(code=source(v, warpgroups, traffic, pause_ns), options=OPTIONS).get_function("rate")
     fn.max_dynamic_shared_size_bytes = SMEM + 1024
     out = cp.empty(sms * warpgroups * 128, dtype=cp.float32)
     cycles = cp.zeros(warpgroups, dtype=cp.int64)
@@ -201,12 +205,15 @@ def main(argv=None) -> int:
     parser.add_argument("--warpgroups", default="1,2", help="warpgroups a block, comma-separated (default 1,2)")
     parser.add_argument("--iters", type=int, default=20000, help="batches of 4 products a warpgroup (default 20000)")
     parser.add_argument("--traffic", action="store_true",
-                        help="one more warpgroup storing to shared memory without pause, as a rung's other work does")
+                        help="one more warpgroup storing to shared memory, as a rung's other work does")
+    parser.add_argument("--pause-ns", type=int, default=0,
+                        help="with --traffic, the storing warpgroup's pause after each 16 KB (default 0: none; "
+                             "b08's dK/dV kernel stores about 10 bytes a clock an SM, Nsight Compute)")
     parser.add_argument("--source", metavar="VARIANT", help="print the generated source of one variant and exit")
     args = parser.parse_args(argv)
     try:
         if args.source:
-            print(source(Variant.parse(args.source), int(args.warpgroups.split(",")[0]), args.traffic))
+            print(source(Variant.parse(args.source), int(args.warpgroups.split(",")[0]), args.traffic, args.pause_ns))
             return 0
         variants = [Variant.parse(t) for t in args.variants.split(",") if t.strip()]
         groups = [int(w) for w in args.warpgroups.split(",")]
@@ -214,13 +221,15 @@ def main(argv=None) -> int:
         parser.error(str(exc))
     if any(w not in (1, 2, 3) for w in groups) or (args.traffic and 3 in groups):
         parser.error("--warpgroups: 1, 2 or 3 a block (1 or 2 with --traffic)")
+    if args.pause_ns < 0 or (args.pause_ns and not args.traffic):
+        parser.error("--pause-ns: a pause of 0 ns or more, with --traffic")
     if args.traffic and any(v.n > 128 for v in variants):
         parser.error("--traffic: N up to 128 (beside the storing warpgroup ptxas serializes N = 256's products, C7520)")
     print(f"{'variant':<9} {'wg':>3} {'FLOP/clk/SM':>12} {'of peak':>8} {'TFLOP/s':>9} {'MHz':>6}"
           + (f" {'stores B/clk':>13}" if args.traffic else ""))
     for w in groups:
         for v in variants:
-            r = measure(v, w, args.iters, args.traffic)
+            r = measure(v, w, args.iters, args.traffic, args.pause_ns)
             print(f"{r['variant']:<9} {w:>3} {r['flops_per_clock']:>12,.0f} {r['of_peak']:>8.1%} "
                   f"{r['tflops']:>9.1f} {r['mhz']:>6.0f}"
                   + (f" {r['traffic_bytes_per_clock']:>13.1f}" if args.traffic else "")
