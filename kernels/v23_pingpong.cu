@@ -296,7 +296,8 @@ attention_forward(const element* __restrict__ /* Q */, const element* __restrict
     // Registers per thread after the split: the producer's few, the consumers' share of the rest.
     constexpr int PRODUCER_REGISTERS = 24;
     constexpr int CONSUMER_REGISTERS = CONSUMERS == 2 ? 240 : 160;
-    static_assert(PRODUCER_REGISTERS * 128 + CONSUMER_REGISTERS * 128 * CONSUMERS <= 65536, "one SM's registers");
+    static_assert(PRODUCER_REGISTERS * 128 + CONSUMER_REGISTERS * 128 * CONSUMERS <= 65536 / (128 * (1 + CONSUMERS)) / 8 * 8 * (128 * (1 + CONSUMERS)),
+                  "the block's pool: 65536 / threads registers a thread, in 8s, as it launched (setmaxnreg.inc waits for more: a hang)");
 
     extern __shared__ unsigned char smem[];
     // Every tile on a 1024-byte boundary, where the swizzle pattern starts (lab.smem has 1 KB spare).

@@ -2,10 +2,11 @@
 registers back, the consumers ask for more. Those come out of the block's own allocation at launch, the
 registers ptxas gave a thread times the block's threads, not out of the SM's 65,536: a consumer that asks
 for more than is left waits in `USETMAXREG.TRY_ALLOC` forever, and the block hangs (a copy of v39 with
-four consumers asking for 120 registers did, on an H200: docs/ladder.md#v39-d64). The kernels'
-static_asserts hold the request to the SM's registers; this holds it to the block's, from what each
-configuration compiles to (ptxas's register count and the SASS's USETMAXREG immediates; NVRTC and
-nvdisasm, no GPU)."""
+four consumers asking for 120 registers did, on an H200: docs/ladder.md#v39-d64, and so did a copy of
+b08 at 32 and 240: docs/backward.md#b08-lse-early). The kernels' static_asserts hold the request to the
+block's registers at 65536 / threads a thread, rounded down to 8s, from their constants; this holds it to
+what each configuration compiles to (ptxas's register count and the SASS's USETMAXREG immediates; NVRTC
+and nvdisasm, no GPU)."""
 
 from __future__ import annotations
 

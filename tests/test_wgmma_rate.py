@@ -69,3 +69,17 @@ def test_bad_variants_are_refused_with_a_reason(text, message):
 
 def test_a_batch_s_flops():
     assert wgmma_rate.flops_per_batch(wgmma_rate.Variant.parse("ss64")) == 2 * 64 * 64 * 64
+
+
+def test_the_rows_go_into_a_result_file(tmp_path):
+    rows = [{"variant": "ss64", "warpgroups": 2, "flops_per_clock": 3985.0, "of_peak": 0.973, "tflops": 927.6,
+             "mhz": 1763.0, "finite": True, "traffic_bytes_per_clock": 1.7}]
+    path = wgmma_rate.save(rows, {"variants": "ss64", "traffic": True, "results": tmp_path}, ["--traffic"], tmp_path)
+    import json
+
+    result = json.loads(path.read_text())
+    assert path.name.startswith("wgmmarate-") and path.suffix == ".json"
+    assert result["rows"] == rows and result["options"]["traffic"] is True
+    assert result["setup"]["command"] == "python3 tools/wgmma_rate.py --traffic"
+    assert result["peak_flops_per_clock"] == wgmma_rate.PEAK
+    assert wgmma_rate.save(rows, {}, [], tmp_path) != path  # never overwritten

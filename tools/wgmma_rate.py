@@ -7,6 +7,7 @@ MN-major (read transposed), from one, two or three warpgroups issuing at once, n
     python3 tools/wgmma_rate.py --traffic --pause-ns 900 --variants ss64,ss80,rs64 --warpgroups 2
                                                         beside a warpgroup storing to shared memory
     python3 tools/wgmma_rate.py --source ss80           the generated CUDA source of one variant
+    python3 tools/wgmma_rate.py --traffic --results results    also a result file the docs can cite
 
 A variant is `ss` or `rs`, N, and `t` for an MN-major B (ss64t: B 16 x 64, its rows the k index, as b08's
 dV = P^T dO reads dO). The question it answers: the backward rungs' S^T and dP^T products at d = 128 are
@@ -210,6 +211,8 @@ def main(argv=None) -> int:
                         help="with --traffic, the storing warpgroup's pause after each 16 KB (default 0: none; "
                              "b08's dK/dV kernel stores about 10 bytes a clock an SM, Nsight Compute)")
     parser.add_argument("--source", metavar="VARIANT", help="print the generated source of one variant and exit")
+    parser.add_argument("--results", type=Path, metavar="DIR",
+                        help="also write the rows into DIR/wgmmarate-<device>-<UTC time>.json")
     args = parser.parse_args(argv)
     try:
         if args.source:
@@ -227,14 +230,33 @@ def main(argv=None) -> int:
         parser.error("--traffic: N up to 128 (beside the storing warpgroup ptxas serializes N = 256's products, C7520)")
     print(f"{'variant':<9} {'wg':>3} {'FLOP/clk/SM':>12} {'of peak':>8} {'TFLOP/s':>9} {'MHz':>6}"
           + (f" {'stores B/clk':>13}" if args.traffic else ""))
+    rows = []
     for w in groups:
         for v in variants:
             r = measure(v, w, args.iters, args.traffic, args.pause_ns)
+            rows.append(r)
             print(f"{r['variant']:<9} {w:>3} {r['flops_per_clock']:>12,.0f} {r['of_peak']:>8.1%} "
                   f"{r['tflops']:>9.1f} {r['mhz']:>6.0f}"
                   + (f" {r['traffic_bytes_per_clock']:>13.1f}" if args.traffic else "")
                   + ("" if r["finite"] else "  (non-finite sums)"))
+    if args.results:
+        print(f"wrote {save(rows, vars(args), sys.argv[1:] if argv is None else argv, args.results)}")
     return 0
+
+
+def save(rows: list[dict], options: dict, argv: list[str], folder: Path) -> Path:
+    """The rows as a result file (benchmarks.results' naming and header: device, versions, date, command)."""
+    import shlex
+
+    from benchmarks.device import setup_info
+    from benchmarks.results import result_path, write_result
+
+    setup = setup_info([])
+    setup["command"] = shlex.join(["python3", "tools/wgmma_rate.py", *argv])
+    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in options.items() if k != "source"}
+    result = {"schema": 1, "kind": "wgmmarate", "setup": setup, "peak_flops_per_clock": PEAK, "options": options,
+              "rows": rows}
+    return write_result(result, result_path("wgmmarate", setup, folder))
 
 
 if __name__ == "__main__":

@@ -405,7 +405,8 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
     constexpr unsigned KV_BYTES = B_c * d_head * 2, QO_BYTES = B_r * d_head * 2;
     constexpr unsigned DS_BYTES = B_c * B_r * 2, DQ_BYTES = B_r * d_head * 4;
     constexpr int PRODUCER_REGISTERS = 24, CONSUMER_REGISTERS = 240;
-    static_assert(PRODUCER_REGISTERS * 128 + CONSUMER_REGISTERS * 128 * CONSUMERS <= 65536, "one SM's registers");
+    static_assert(PRODUCER_REGISTERS * 128 + CONSUMER_REGISTERS * 128 * CONSUMERS <= 65536 / (128 * (1 + CONSUMERS)) / 8 * 8 * (128 * (1 + CONSUMERS)),
+                  "the block's pool: 65536 / threads registers a thread, in 8s, as it launched (setmaxnreg.inc waits for more: a hang)");
 
     extern __shared__ unsigned char smem[];
     // Every tile on a 1024-byte boundary, where the swizzle pattern starts (lab.smem has 1 KB spare).

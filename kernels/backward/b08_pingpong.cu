@@ -493,7 +493,8 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
     // 1.02-1.09x at d = 128, 0.95-0.98x at d = 64 from T = 1024.
     constexpr bool DQ_FIRST = d_head == 128;
     constexpr bool ADDS = !deterministic;  // descriptors by adds (descriptor_past)
-    static_assert(PRODUCER_REGISTERS * 128 + CONSUMER_REGISTERS * 128 * CONSUMERS <= 65536, "one SM's registers");
+    static_assert(PRODUCER_REGISTERS * 128 + CONSUMER_REGISTERS * 128 * CONSUMERS <= 65536 / (128 * (1 + CONSUMERS)) / 8 * 8 * (128 * (1 + CONSUMERS)),
+                  "the block's pool: 65536 / threads registers a thread, in 8s, as it launched (setmaxnreg.inc waits for more: a hang)");
 
     extern __shared__ unsigned char smem[];
     // Every tile on a 1024-byte boundary, where the swizzle pattern starts (lab.smem has 1 KB spare).
