@@ -231,9 +231,11 @@ def test_arguments():
     assert cmd[:7] == ["/cs", "--tool", "racecheck", "--error-exitcode", "99", "--print-limit", "50"]
     assert cmd[-4:] == ["--tool=racecheck", "--quick", "v01_naive", "fused-float32"]
     assert cmd[-5].endswith("sanitize_targets.py")
-    assert "--kernel-name-exclude" not in cmd  # cuBLAS's kernels are left out of initcheck alone
-    cmd = sanitize.command("/cs", "initcheck", ["fused-bfloat16"], False, 50)
+    assert "--kernel-name-exclude" not in cmd  # a kernel is left out of initcheck alone
+    cmd = sanitize.command("/cs", "initcheck", ["fused-bfloat16"], False, 50, "excluded")
     assert cmd[7:11] == ["--kernel-name-exclude", "kns=nvjet", "--kernel-name-exclude", "kns=cublas"]
+    assert sanitize.command("/cs", "initcheck", ["fused-bfloat16"], False, 50) == sanitize.command(
+        "/cs", "initcheck", ["fused-bfloat16"], False, 50, "zeroed")  # the default
     for mode in ("checked", "small-workspace"):  # cuBLAS's kernels checked: no exclusion
         assert "--kernel-name-exclude" not in sanitize.command("/cs", "initcheck", ["fused-bfloat16"], False, 50, mode)
     assert sanitize.child_env("initcheck", "small-workspace")["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
@@ -243,7 +245,7 @@ def test_arguments():
     assert zeroed.count("--kernel-name-exclude") == 1
     assert sanitize.child_env("initcheck", "zeroed")["LAB_ZERO_PRODUCTS"] == "1"  # lm.products.ZERO_OUTPUTS
     assert "LAB_ZERO_PRODUCTS" not in sanitize.child_env("memcheck", "zeroed")
-    assert sanitize.parse_args([]).initcheck_library == "excluded"
+    assert sanitize.parse_args([]).initcheck_library == "zeroed"
     with pytest.raises(SystemExit):
         sanitize.parse_args(["--initcheck-library", "ignored"])
 

@@ -17,7 +17,7 @@
 #                                           (its own device call) and pass the mode its last line names.
 #
 # The json's "seconds" holds each target's wall time under each tool: the groups to split a full run by.
-# INITCHECK_LIBRARY=checked|small-workspace|zeroed (default excluded) is passed on as --initcheck-library.
+# INITCHECK_LIBRARY=zeroed|excluded|checked|small-workspace (default zeroed) is passed on as --initcheck-library.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what="${1:?usage: tools/device_sanitize.sh quick|GROUP|SPEC|repro|initcheck|ring|all}"
@@ -27,7 +27,7 @@ label="$(echo "$what" | tr -c 'A-Za-z0-9_-' '_' | sed 's/_*$//')"
 device="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr 'A-Z ' 'a-z-')"
 stamp="$(date -u +%Y%m%dT%H%M%SZ)"
 file="$out/sanitize-$label-${device:-nogpu}-$stamp.json"
-library="--initcheck-library ${INITCHECK_LIBRARY:-excluded}"
+library="--initcheck-library ${INITCHECK_LIBRARY:-zeroed}"
 case "$what" in
   all)
     for group in backward triton fused step llama train-float32 train-bfloat16 'v0*' 'v1*' 'v2*'; do

@@ -260,11 +260,14 @@ def select(spec: str | None, groups: dict[str, list[str]], resolve) -> list[str]
     return [name for name in every if name in chosen]
 
 
-# cuBLAS's kernels (the bfloat16 products of the prefill) are left out of initcheck by default: it floods on
-# their split-K workspace (about 18,000 reports a run) and would hide the lab's own past --print-limit.
+# cuBLAS's kernels (the bfloat16 products of the prefill) under initcheck: checked, it floods on their split-K
+# workspace (about 18,000 reports a run) and would hide the lab's own past --print-limit; so by default
+# (zeroed) their split-K reduction is left out and every product's output zeroed first, the mode every
+# group's committed initcheck row is clean in (docs/ladder.md#sanitizer).
 # Only there: racecheck with them left out failed inside the tool (an internal error, then an illegal
-# address) where racecheck over them ran through. Left out, their kernels' stores go unseen too, and a
-# kernel that then reads a product may be reported; tools/initcheck_library.py runs its cases under each
+# address) where racecheck over them ran through. Left out (excluded), their kernels' stores go unseen
+# too, and a kernel that then reads a product is reported (a training step's thousands of such reads ran
+# initcheck past 500 s); tools/initcheck_library.py runs its cases under each
 # way of treating them (LIBRARY_MODES) to tell which holds.
 LIBRARY_KERNELS = ("nvjet", "cublas")  # substrings of their names
 LIBRARY_MODES = {  # --initcheck-library: (the tool's extra arguments, the child's extra environment)
@@ -283,14 +286,14 @@ LIBRARY_MODES = {  # --initcheck-library: (the tool's extra arguments, the child
 
 
 def command(sanitizer: str, tool: str, names: list[str], quick: bool, print_limit: int,
-            library: str = "excluded") -> list[str]:
+            library: str = "zeroed") -> list[str]:
     extra = LIBRARY_MODES[library][0] if tool == "initcheck" else []
     return [sanitizer, "--tool", tool, "--error-exitcode", "99", "--print-limit", str(print_limit), *extra,
             sys.executable, str(Path(targets.__file__).resolve()), f"--tool={tool}", *(["--quick"] if quick else []),
             *names]
 
 
-def child_env(tool: str, library: str = "excluded") -> dict[str, str]:
+def child_env(tool: str, library: str = "zeroed") -> dict[str, str]:
     """The child's environment: this process's, with the library mode's additions under initcheck."""
     return {**os.environ, **(LIBRARY_MODES[library][1] if tool == "initcheck" else {})}
 
@@ -620,12 +623,12 @@ def parse_args(argv=None):
     parser.add_argument("--timeout", type=positive(float), default=540.0,
                         help="seconds one child process may run before it is stopped (default 540)")
     parser.add_argument("--print-limit", type=positive(int), default=100, help="reports the tool prints per child")
-    parser.add_argument("--initcheck-library", choices=list(LIBRARY_MODES), default="excluded",
-                        help="cuBLAS's kernels under initcheck: left out (excluded: their stores go unseen), "
-                             "checked, checked with cuBLAS's workspace cut below a split-K's "
-                             "(small-workspace), or checked with every product's output zeroed first "
-                             "(zeroed: stores through the async proxy go unseen); tools/initcheck_library.py "
-                             "compares them")
+    parser.add_argument("--initcheck-library", choices=list(LIBRARY_MODES), default="zeroed",
+                        help="cuBLAS's kernels under initcheck: checked with every product's output zeroed "
+                             "first (zeroed, the default: stores through the async proxy go unseen), left out "
+                             "(excluded: their stores go unseen, so reads of a product are reported), "
+                             "checked, or checked with cuBLAS's workspace cut below a split-K's "
+                             "(small-workspace); tools/initcheck_library.py compares them")
     parser.add_argument("--json", help="write the cells, each target's seconds per tool, the first reports of "
                                        "each row, the targets' notes and the problems to this file")
     return parser.parse_args(argv)
