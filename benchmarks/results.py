@@ -69,6 +69,19 @@ def write_result(result: dict, path: Path) -> Path:
     return path
 
 
+def write_tool_result(kind: str, tool: str, argv: list[str], payload: dict, folder: Path) -> Path:
+    """A tool's measurement (tools/wgmma_rate.py, rung_trace.py, step_trace.py) as a result file the docs can
+    cite: `kind`-<device>-<UTC time>.json in folder, with the header bench.py's results carry (device, driver,
+    versions, date, git) and the tool's own command line."""
+    import shlex
+
+    from .device import setup_info
+
+    setup = setup_info([])
+    setup["command"] = shlex.join(["python3", tool, *argv])
+    return write_result({"schema": SCHEMA, "kind": kind, "setup": setup, **payload}, result_path(kind, setup, folder))
+
+
 def wrote(path: Path, *others: str | None) -> str:
     """The line a subcommand ends with: where its files went, and for scratch how to keep them."""
     text = f"wrote {path}" + "".join(f" and {other}" for other in others if other)

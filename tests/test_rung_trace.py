@@ -131,6 +131,20 @@ def test_backward_phases_table_and_timeline():
     lines = rung_trace.timeline(t, 1, 1, rung_trace.BACKWARD_POINTS).splitlines()
     assert lines[0].split() == ["use", "consumer", "top", "turn", "1", "S", "dP", "dS", "turn", "2", "dKV"]
     assert lines[2].split() == ["1", "1", "300", "600", "1000", "1400", "1900", "2500"]
+    figures = rung_trace.summary(got, rung_trace.BACKWARD_PHASES)  # --results: the table's figures as numbers
+    assert figures["0"]["steps"] == 1 and figures["0"]["dS"] == {"median": 400.0, "p10": 400.0, "p90": 400.0}
+    assert figures["0"]["step"]["median"] == 2300.0 and set(figures) == {"0"}  # consumer 1 has no next loop top
+
+
+def test_a_tool_s_result_file_carries_its_command_and_payload(tmp_path):
+    import json
+
+    from benchmarks.results import write_tool_result
+
+    path = write_tool_result("rungtrace", "tools/rung_trace.py", ["--kernel", "b08"], {"rung": "b08_pingpong"}, tmp_path)
+    result = json.loads(path.read_text())
+    assert path.name.startswith("rungtrace-") and result["kind"] == "rungtrace" and result["rung"] == "b08_pingpong"
+    assert result["setup"]["command"] == "python3 tools/rung_trace.py --kernel b08" and "date" in result["setup"]
 
 
 @pytest.mark.skipif(wgmma_waits.nvdisasm() is None, reason="no nvdisasm (the test extra installs one)")

@@ -95,3 +95,12 @@ def test_the_detail_build_compiles_without_spills():
 def test_resolution_is_the_smallest_step_between_marks():
     t = np.array([[0, 1024, 2048], [1056, 3072, 0]], dtype=np.int64)
     assert step_trace.resolution(t) == 32
+
+
+def test_the_result_file_names_each_column_stage_spread_makes():
+    t = np.arange(1, 7, dtype=float).reshape(2, 3) * 1e3
+    assert stage_spread_columns(t) == len(step_trace.SPREAD_COLUMNS)
+
+
+def stage_spread_columns(t):
+    return step_trace.stage_spread(t, t + 1e3, t + 2e3).shape[1]

@@ -4,6 +4,7 @@ rungs after it, and of the backward rung kernels/backward/b08_pingpong.cu's dK/d
 
     python3 tools/rung_trace.py [--kernel v34] [--case 4x16x4096-d128-noncausal] [--timeline 6]
     python3 tools/rung_trace.py --kernel b08 [--case 2x16x4096-d128]
+    python3 tools/rung_trace.py --kernel b08 --results results    also a result file the docs can cite
 
 The rung must declare the diagnostic (`#ifndef STEP_TRACE` and `step_trace`); the tool compiles a copy of
 it with `-DSTEP_TRACE=1` added to its lab.options (the rung's own build is untouched: with the switch off
@@ -124,6 +125,16 @@ def table(by_consumer: dict[int, np.ndarray], names=PHASES) -> str:
     return "\n".join(lines)
 
 
+def summary(by_consumer: dict[int, np.ndarray], names=PHASES) -> dict:
+    """table()'s figures as numbers: per consumer, each phase's median, 10th and 90th percentile in cycles,
+    and the steps they come from."""
+    return {str(c): {"steps": len(rows), **{name: {"median": float(np.median(rows[:, i])),
+                                                   "p10": float(np.percentile(rows[:, i], 10)),
+                                                   "p90": float(np.percentile(rows[:, i], 90))}
+                                            for i, name in enumerate(names)}}
+            for c, rows in by_consumer.items()}
+
+
 def timeline(trace: np.ndarray, first: int, count: int, points=POINTS) -> str:
     """Ring uses first .. first + count - 1 of trace (consumers, uses, points), one line per use and
     consumer: the points in cycles after consumer 0's loop top at use `first` ('-': not traced)."""
@@ -203,6 +214,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeline", type=int, default=0, metavar="K",
                         help="also print K ring uses one after another from the middle of the first tile")
+    parser.add_argument("--results", type=Path, metavar="DIR",
+                        help="also write the phases and the raw clock reads into DIR/rungtrace-<device>-<UTC time>.json")
     args = parser.parse_args(argv)
     if args.timeline < 0:
         parser.error("--timeline: a count of ring uses, 0 or more")
@@ -260,6 +273,12 @@ def main(argv=None) -> int:
         first = max(1, min(tile // 2, host.shape[1] - args.timeline))
         print(f"\nring uses {first}-{first + args.timeline - 1}, cycles after consumer 0's loop top at use {first}:")
         print(timeline(host, first, args.timeline, points))
+    if args.results:
+        from benchmarks.results import write_tool_result
+
+        payload = {"rung": rung.name, "case": case_name, "config": config, "points": list(points),
+                   "phases": summary(by_consumer, names), "trace": host.tolist()}
+        print(f"wrote {write_tool_result('rungtrace', 'tools/rung_trace.py', sys.argv[1:] if argv is None else argv, payload, args.results)}")
     return 0
 
 

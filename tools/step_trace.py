@@ -3,6 +3,7 @@ global-timer trace, which `lab.py --profile-step` and tools/decode_breakdown.py 
 wait figure a stage, read here as distributions over the blocks.
 
     python3 tools/step_trace.py --size gpt2-xl --dtype float32 --position 264
+    python3 tools/step_trace.py --size gpt2-xl --detail --results results    also a result file to cite
 
 For each kind of stage (STEP_STAGES, then the lm_head), microseconds per stage averaged over the layers,
 each a median over --repeats runs of the second of two steps: a block's work (from its inputs in hand to
@@ -67,6 +68,10 @@ def stage_spread(start: np.ndarray, end: np.ndarray, ready: np.ndarray) -> np.nd
     return np.stack(cols, axis=1) / 1e3
 
 
+SPREAD_COLUMNS = ("work_least", "work_median", "work_most", "end_lag_median", "end_lag_most", "wait_least",
+                  "wait_median", "wait_most")  # stage_spread's columns
+
+
 def split_skew(start: np.ndarray, end: np.ndarray, heads: int, splits: int, pos: int) -> np.ndarray:
     """The attention stages' rows of start and end: per (stage, head), us between its splits' earliest
     and latest start, the same for their ends, and whether the split that holds `pos` ends last."""
@@ -87,6 +92,8 @@ def main(argv=None) -> int:
     parser.add_argument("--detail", action="store_true",
                         help="a build with TRACE_MARKS 6: stage B's own keys, combine wait, combine and projection "
                              "apart, and the projection run twice (the second pass's code already fetched)")
+    parser.add_argument("--results", type=Path, metavar="DIR",
+                        help="also write the figures printed into DIR/steptrace-<device>-<UTC time>.json")
     args = parser.parse_args(argv)
 
     import cupy as cp
@@ -128,20 +135,36 @@ def main(argv=None) -> int:
     spread, skew = np.median(spreads, axis=0), np.median(skews, axis=0)
     print(f"{'us a stage, mean over layers':<30} {'work least/median/most':>24} {'end lag median/most':>20} "
           f"{'wait least/median/most':>24}")
+    figures = {"size": args.size, "dtype": args.dtype, "position": args.position, "repeats": args.repeats,
+               "plan": str(engine.plan), "reduce_heads": bool(step.reduce_heads), "options": list(step.options),
+               "stages": {}, "units": "us"}
     for kind in kinds:
         rows = spread[[k for k, name in enumerate(names) if name.endswith(kind)]].mean(axis=0)
+        figures["stages"][kind] = dict(zip(SPREAD_COLUMNS, (float(x) for x in rows), strict=True))
         print(f"{kind:<30} {rows[0]:8.2f} {rows[1]:7.2f} {rows[2]:7.2f} {rows[3]:10.2f} {rows[4]:8.2f} "
               f"{rows[5]:8.2f} {rows[6]:7.2f} {rows[7]:7.2f}")
     inputs, ends, last = skew.reshape(-1, 3).T
+    figures["splits"] = {"splits": engine.plan.splits, "inputs_apart_median": float(np.median(inputs)),
+                         "inputs_apart_p90": float(np.percentile(inputs, 90)), "ends_apart_median": float(np.median(ends)),
+                         "ends_apart_p90": float(np.percentile(ends, 90)), "holder_last_share": float(last.mean())}
     print(f"attention, a head's {engine.plan.splits} key splits: inputs in hand {np.median(inputs):.2f} us apart "
           f"(median; 90th percentile {np.percentile(inputs, 90):.2f}), ends {np.median(ends):.2f} apart "
           f"({np.percentile(ends, 90):.2f}); the split holding the position ends last in {100 * last.mean():.0f}% "
           "of heads")
     if args.detail:
         p = np.median(phases, axis=0)  # (layers, working blocks, 3)
+        figures["attention_inside"] = {what: {"median": float(np.median(p[..., i], axis=1).mean()),
+                                              "most": float(p[..., i].max(axis=1).mean())}
+                                       for i, what in enumerate(PHASES)}
         print("attention stage inside, us (median / most over the working blocks, mean over layers): "
               + "; ".join(f"{what} {np.median(p[..., i], axis=1).mean():.2f} / {p[..., i].max(axis=1).mean():.2f}"
                           for i, what in enumerate(PHASES)))
+    if args.results:
+        from benchmarks.results import write_tool_result
+
+        path = write_tool_result("steptrace", "tools/step_trace.py", sys.argv[1:] if argv is None else argv, figures,
+                                 args.results)
+        print(f"wrote {path}")
     return 0
 
 

@@ -246,17 +246,11 @@ def main(argv=None) -> int:
 
 def save(rows: list[dict], options: dict, argv: list[str], folder: Path) -> Path:
     """The rows as a result file (benchmarks.results' naming and header: device, versions, date, command)."""
-    import shlex
+    from benchmarks.results import write_tool_result
 
-    from benchmarks.device import setup_info
-    from benchmarks.results import result_path, write_result
-
-    setup = setup_info([])
-    setup["command"] = shlex.join(["python3", "tools/wgmma_rate.py", *argv])
     options = {k: (str(v) if isinstance(v, Path) else v) for k, v in options.items() if k != "source"}
-    result = {"schema": 1, "kind": "wgmmarate", "setup": setup, "peak_flops_per_clock": PEAK, "options": options,
-              "rows": rows}
-    return write_result(result, result_path("wgmmarate", setup, folder))
+    return write_tool_result("wgmmarate", "tools/wgmma_rate.py", argv,
+                             {"peak_flops_per_clock": PEAK, "options": options, "rows": rows}, folder)
 
 
 if __name__ == "__main__":
