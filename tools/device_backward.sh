@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The backward ladder on one GPU, in one device call (191 s on an H200 for b08 and b09 on 2026-11-30:
 # the tests 29 s, the sanitizer 45, the two timed runs 50 and 40, sass 27): every GPU test of the
-# backward rungs; the newest rung under compute-sanitizer (one shape, the four tools at once); the two
+# backward rungs, after the newer rung's register budget and one GPU test of it (a hang stops the run
+# in 45 s, not in every step's limit); the newest rung under compute-sanitizer (one shape, the four tools at once); the two
 # newest bfloat16 rungs timed together at every case (bench.py backward --interleave, twice, the order
 # reversed, for bench.py compare); the newest rung's SASS, where its warps' stall samples fall
 # (bench.py sass --backward), at a d = 64 and a d = 128 shape; and, where the newest declares the
@@ -49,11 +50,26 @@ step() {
     local verdict="exit $code"
     [ "$code" -eq 124 ] && verdict="ran past its limit of $limit s"
     printf '%-9s %-26s %4d s\n' "$name" "$verdict" $((SECONDS - began)) >> "$OUT/summary.txt"
+    return "$code"
 }
 
 : > "$OUT/summary.txt"
 : > "$OUT/log.txt"
 echo "device ${device:-none}, rungs $older_name and $newer_name, commit $(git rev-parse --short HEAD 2>/dev/null)" >> "$OUT/summary.txt"
+
+# First what can stop a new rung cheaply, so that a hang costs seconds, not every step's limit: its
+# register request against the block's pool (tests/test_register_budget.py, NVRTC, no GPU: a request past
+# it hangs in setmaxnreg), then its GPU test after a forward rung, in bfloat16, under 45 s. Either failing
+# ends the run here (pytest's 5, no test chosen, passes: a rung without setmaxnreg or bfloat16).
+chosen='"$@"; code=$?; [ "$code" -eq 5 ] && exit 0; exit "$code"'  # run "$@", pytest's 5 as 0
+if ! step budget 120 bash -c "$chosen" _ python3 -m pytest -q -p no:cacheprovider tests/test_register_budget.py \
+        -k "$newer_name" \
+    || ! step smoke 45 bash -c "$chosen" _ python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/test_backward_gpu.py \
+        -k "$newer_name and bfloat16 and after_a_forward_rung"; then
+    echo "stopped: the newer rung failed its register budget or its first GPU test (log.txt)" >> "$OUT/summary.txt"
+    cat "$OUT/summary.txt"
+    exit 1
+fi
 
 # About 15 s on an H200 with -n 8 (each rung's configurations compiled once per worker).
 step tests 240 python3 -m pytest -q -n 8 -m gpu tests/test_backward_gpu.py --durations=10
