@@ -99,8 +99,4 @@ def test_resolution_is_the_smallest_step_between_marks():
 
 def test_the_result_file_names_each_column_stage_spread_makes():
     t = np.arange(1, 7, dtype=float).reshape(2, 3) * 1e3
-    assert stage_spread_columns(t) == len(step_trace.SPREAD_COLUMNS)
-
-
-def stage_spread_columns(t):
-    return step_trace.stage_spread(t, t + 1e3, t + 2e3).shape[1]
+    assert step_trace.stage_spread(t, t + 1e3, t + 2e3).shape[1] == len(step_trace.SPREAD_COLUMNS)
