@@ -14,10 +14,10 @@
 # A device call hands back only its output's tail and at most 8 files of $OUT, so every step writes its
 # output into one log, a section a step, and each step has a time limit of its own, so that one that hangs
 # leaves the others theirs (a sanitizer run stopped at its limit kills its children: tools/sanitize.py).
-# Writes 7 files into $OUT: log.txt (every step's output, `== step` before each), sanitize-*.json,
-# backward-*.json in bench-1/ and bench-2/, sass-*.json, compare.txt (bench.py compare of the two runs) and
-# summary.txt (each step's exit status and seconds, printed at the end). Exits non-zero if any step failed
-# or ran out of time.
+# Writes into $OUT: log.txt (every step's output, `== step` before each), sanitize-*.json,
+# backward-*.json in bench-1/ and bench-2/, sass-*.json, rungtrace-*.json (one a traced case),
+# compare.txt (bench.py compare of the two runs) and summary.txt (each step's exit status and seconds,
+# printed at the end). Exits non-zero if any step failed or ran out of time.
 set -u
 : "${OUT:?set OUT to the folder for the results}"
 cd "$(dirname "$0")/.."
@@ -85,14 +85,20 @@ for run in 1 2; do
         --cases gpt2,d128,noncausal,gqa,long --peers sdpa_cudnn --interleave --budget-ms 100 --results "$OUT/bench-$run"
 done
 
-step sass 150 python3 bench.py sass --backward "$newer" --cases 16x12x2048-d64,2x32x4096-d128 --results "$OUT"
+# The head sizes the newer rung takes (b10 takes only d = 128): its SASS and its trace at those.
+heads="$(python3 -c "import sys, kernels.backward as b; print(*b.load(sys.argv[1]).head_sizes())" "$newer_name")"
+sass_cases="" trace_cases=()
+case " $heads " in *" 64 "*) sass_cases="16x12x2048-d64" trace_cases+=("16x12x2048-d64");; esac
+case " $heads " in *" 128 "*) sass_cases="${sass_cases:+$sass_cases,}2x32x4096-d128"
+                              trace_cases+=("4x16x4096-d128-noncausal --timeline 4");; esac
+step sass 150 python3 bench.py sass --backward "$newer" --cases "$sass_cases" --results "$OUT"
 
 # Where the newer rung's step goes, cycle by cycle, if it declares the STEP_TRACE diagnostic (b08 and its
-# copies): about 15 s a case.
+# copies): about 15 s a case, a rungtrace-*.json each in $OUT.
 if grep -q '#ifndef STEP_TRACE' "kernels/backward/$newer_name.cu" 2>/dev/null; then
-    for case in 16x12x2048-d64 "4x16x4096-d128-noncausal --timeline 4"; do
+    for case in "${trace_cases[@]}"; do
         # shellcheck disable=SC2086  # the case carries its own options
-        step trace 60 python3 tools/rung_trace.py --kernel "$newer_name" --case $case
+        step trace 60 python3 tools/rung_trace.py --kernel "$newer_name" --case $case --results "$OUT"
     done
 fi
 
