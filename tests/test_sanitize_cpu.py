@@ -495,13 +495,17 @@ def test_the_targets_cover_every_rung_dtype_and_declared_feature():
         assert targets.rung_dtypes(rung, quick=False) == tuple(rung.dtypes)
         assert targets.rung_dtypes(rung, quick=True) == tuple(rung.dtypes[:1])
         full, quick = targets.case_shapes(rung, quick=False), targets.case_shapes(rung, quick=True)
+        assert {s[5] for s in full + quick} <= set(rung.head_sizes())  # no launch at a head size it lacks
+        base = targets.base_head_size(rung)  # 64, or the smallest a rung takes without 64 (b10: 128)
+        assert base == (64 if 64 in rung.head_sizes() else min(rung.head_sizes()))
+        cross, gqa, decode = (s[:5] + (base,) for s in (targets.CROSS, targets.GQA, targets.DECODE))
         split_kv = bool(getattr(rung, "split_kv", False))
-        assert (targets.CROSS in full) == ("cross" in rung.supports) and (targets.GQA in full) == ("gqa" in rung.supports)
-        assert (targets.DECODE in full) == (targets.DECODE in quick) == split_kv
+        assert (cross in full) == ("cross" in rung.supports) and (gqa in full) == ("gqa" in rung.supports)
+        assert (decode in full) == (decode in quick) == split_kv
         persistent = targets.persistent(rung)
         for _, NH, NH_kv, T_q, T_k, _ in quick[: 1 + persistent]:
             assert T_q % 16 and (T_q != T_k) == ("cross" in rung.supports) and (NH != NH_kv) == ("gqa" in rung.supports)
-        sizes = [d for d in rung.head_sizes() if d != 64]
+        sizes = [d for d in rung.head_sizes() if d != base]
         heads = len(sizes[-1:])  # --quick: the largest other head size; a full run: every one
         assert [s[5] for s in quick[len(quick) - heads:]] == sizes[-1:]
         assert all(s[:5] == quick[0][:5] for s in quick[len(quick) - heads:])  # QUICK's awkward shape, as declared

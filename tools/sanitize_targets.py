@@ -131,16 +131,25 @@ def case_shapes(rung, quick: bool) -> list[tuple]:
     else:
         cases = list(SHAPES) + [CROSS] * ("cross" in supports) + [GQA] * ("gqa" in supports)
     cases += [declared(MANY_TILES)] * persistent(rung) + [DECODE] * bool(getattr(rung, "split_kv", False))
+    first = base_head_size(rung)
+    cases = [c[:5] + (first,) for c in cases]
     for d in other_head_sizes(rung, quick):  # a full run walks a persistent rung's tiles at each of them too
         cases += [declared(QUICK[:5] + (d,))] + [declared(MANY_TILES[:5] + (d,))] * (persistent(rung) and not quick)
     return cases
 
 
+def base_head_size(rung) -> int:
+    """The head size of the shapes above: 64, or a rung's smallest where it takes no d = 64 (b10: 128 alone)."""
+    sizes = getattr(rung, "head_sizes", lambda: [])()
+    return QUICK[5] if not sizes or QUICK[5] in sizes else min(sizes)
+
+
 def other_head_sizes(rung, quick: bool) -> list[int]:
-    """The head sizes besides 64 that a rung declares configurations for, each launched at QUICK's shape in the
-    configuration the launcher picks for it (at d = 128 the register and shared-memory budgets, and often the
-    tiles, are not d = 64's): every one in a full run, the largest with --quick."""
-    sizes = [d for d in getattr(rung, "head_sizes", lambda: [])() if d != QUICK[5]]
+    """The head sizes besides the base one (base_head_size) that a rung declares configurations for, each
+    launched at QUICK's shape in the configuration the launcher picks for it (at d = 128 the register and
+    shared-memory budgets, and often the tiles, are not d = 64's): every one in a full run, the largest with
+    --quick."""
+    sizes = [d for d in getattr(rung, "head_sizes", lambda: [])() if d != base_head_size(rung)]
     return sizes[-1:] if quick else sizes
 
 
