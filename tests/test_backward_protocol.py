@@ -314,6 +314,28 @@ def b08_consumers(steps_of_tiles, break_it, turns_on, deterministic, item_full, 
             if deterministic:  # pass_turn: bulk_wait_all
                 yield lambda: reducing[c] is None
 
+    def last_dQ(c, p, n, u):
+        """A tile's last dQ_i share (block step n - 1), in a turn of its own after its last step's; K_j and V_j
+        released once it has landed (it reads K_j)."""
+        part = (c, p)
+        if break_it == "K_j released early":
+            reading_kv.discard(part)
+            kv_empty.arrive()
+        if break_it != "no dS full wait":
+            yield lambda m=n - 1: dS_full[m % 2].ready(m // 2 % 2, m // 2)
+        yield from share_free(c, p)
+        yield take_turn(c, p)  # the tile's last dQ_i
+        issued.append(c)
+        issue_dQ(part, n - 1, u)
+        give_turn(c, p)
+        yield None
+        dQ_landed(part, n - 1, u)
+        if break_it != "K_j released early":
+            reading_kv.discard(part)
+            kv_empty.arrive()
+        dS_empty[(n - 1) % 2].arrive()
+        yield from store_dQ(c, p, n - 1)
+
     def b11_turns(c, p, steps, n, u):
         """A tile's turns in b11_one_turn.cu, from block step n: each turn issues the dQ_i share of step n - 2
         (share), then dV_j and dK_j of step n - 1 (prev), the share landed and stored, dV_j and dK_j landed,
@@ -373,19 +395,7 @@ def b08_consumers(steps_of_tiles, break_it, turns_on, deterministic, item_full, 
             yield from turn(True, True, True)
         if steps > 0:
             yield from turn(True, steps > 1, False)
-            if break_it != "no dS full wait":
-                yield lambda m=n - 1: dS_full[m % 2].ready(m // 2 % 2, m // 2)
-            yield from share_free(c, p)
-            yield take_turn(c, p)  # the tile's last dQ_i
-            issued.append(c)
-            issue_dQ(part, n - 1, u)
-            give_turn(c, p)
-            yield None
-            dQ_landed(part, n - 1, u)
-            reading_kv.discard(part)
-            kv_empty.arrive()
-            dS_empty[(n - 1) % 2].arrive()
-            yield from store_dQ(c, p, n - 1)
+            yield from last_dQ(c, p, n, u)
         return n
 
     def consumer(c, p):
@@ -450,23 +460,7 @@ def b08_consumers(steps_of_tiles, break_it, turns_on, deterministic, item_full, 
                     yield from store_dQ(c, p, n - 1)
                 n += 1
             if steps:
-                if break_it == "K_j released early":
-                    reading_kv.discard(part)
-                    kv_empty.arrive()
-                if break_it != "no dS full wait":
-                    yield lambda m=n - 1: dS_full[m % 2].ready(m // 2 % 2, m // 2)
-                yield from share_free(c, p)
-                yield take_turn(c, p)  # the tile's last dQ_i
-                issued.append(c)
-                issue_dQ(part, n - 1, u)
-                give_turn(c, p)
-                yield None
-                dQ_landed(part, n - 1, u)
-                if break_it != "K_j released early":
-                    reading_kv.discard(part)
-                    kv_empty.arrive()
-                dS_empty[(n - 1) % 2].arrive()
-                yield from store_dQ(c, p, n - 1)
+                yield from last_dQ(c, p, n, u)
                 u += 1
         if c == 0 and turns_on and break_it != "no last take":
             yield take_turn(c, p)
@@ -525,8 +519,8 @@ def test_b11_random_interleavings_keep_the_protocol(deterministic):
             pytest.fail(f"run {i}, tiles with steps {tiles}: {exc}")
 
 
-@pytest.mark.parametrize("break_it", ["no dS empty wait", "no first pass", "no last take", "no stage wait", "no KV wait",
-                                      "no stage release"])
+@pytest.mark.parametrize("break_it", ["no dS empty wait", "K_j released early", "no first pass", "no last take",
+                                      "no stage wait", "no KV wait", "no stage release"])
 def test_b11_model_catches_a_broken_protocol(break_it):
     """As b08's; not "no dS full wait": with the turns a consumer's dQ_i(n - 2) comes after the other's turn
     n - 1, and so after its rows of dS^T(n - 2), with or without the barrier (the kernel keeps it, as b08)."""

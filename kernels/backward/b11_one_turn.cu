@@ -465,7 +465,7 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
     constexpr int KEY_STEPS = B_c / 16;      // k16 steps of dQ_i (over keys)
     // dQ_i's share of a warpgroup: 64 queries by DQ_N columns, from query DQ_ROW c and column DQ_COL c.
     constexpr int DQ_N = d_head * (B_r / 64) / CONSUMERS;
-    constexpr int DQ_ROW = B_r == 128 ? 64 : 0, DQ_COL = B_r == 128 ? 0 : DQ_N;
+    constexpr int DQ_ROW = 0, DQ_COL = DQ_N;  // b08's names; at d = 128 the split is by columns
     constexpr int DQ_BOXES = DQ_N / 32;      // dQ_accum's boxes of 64 rows x 32 float32 columns per warpgroup
     constexpr unsigned KV_BYTES = B_c * d_head * 2, QO_BYTES = B_r * d_head * 2;
     constexpr unsigned DS_BYTES = B_c * B_r * 2, DQ_BYTES = B_r * d_head * 4;
@@ -648,19 +648,19 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
 
     // The turns: consumer c issues each batch of products between its own turn barrier and the other's,
     // so the batches reach the tensor core alternately, and each consumer's exponentials run under the
-    // other's batch. A step's batch (one turn) is dQ_i's share of the step before, dV_j and dK_j of this
-    // step and S^T and dP^T of the next; a tile's first step's S^T and dP^T and its last dQ_i share take a
-    // turn each. Consumer 1 passes first so that consumer 0 takes the first turn; consumer 0 takes one
+    // other's batch. The turn before step n's exponentials issues dQ_i's share of step n - 2, dV_j and dK_j
+    // of step n - 1 and S^T and dP^T of step n; after a tile's last step a turn issues its dV_j and dK_j
+    // (with the share of the step before), and one more its last dQ_i share. Consumer 1 passes first so that consumer 0 takes the first turn; consumer 0 takes one
     // more turn at the end (consumer 1's last pass), so that every barrier ends with as many passes as
     // waits. Both take the same turns: a tile's steps + 2.
     auto take_turn = [&]() { barrier_sync(TURN + consumer, 256); };
     auto give_turn = [&]() { barrier_arrive(TURN + (consumer + 1) % CONSUMERS, 256); };
 
-    // dQ_i's share = dS K_j for step m: A = dS^T(m)'s 64 queries from DQ_ROW c (a half at d = 64, all of it
-    // at d = 128), every key of both warpgroups, read transposed (MN-major: its rows are the keys, k);
-    // B = K_j's rows, its columns from DQ_COL c, MN-major. Issued in the turn after step m's (with step
-    // m + 1's dV_j and dK_j, or alone after the tile's last step), once both consumers have arrived on
-    // dS_full(m): its accumulators are never live through the exponentials.
+    // dQ_i's share = dS K_j for step m: A = dS^T(m)'s 64 queries (all of them: DQ_ROW is 0), every key of
+    // both warpgroups, read transposed (MN-major: its rows are the keys, k); B = K_j's rows, its columns from
+    // DQ_COL c, MN-major. Issued in the turn after step m + 1's exponentials (or in the tile's last two
+    // turns), once both consumers have arrived on dS_full(m): its accumulators are never live through the
+    // exponentials.
     // dQ: 4 m + e is query DQ_ROW c + 16 warp + g + 8 (e / 2), column DQ_COL c + 8 m + 2 t + e % 2. Declared
     // where it is made, so that it is not live between the shares.
     auto issue_dQ = [&](float (&dQ)[DQ_N / 2], int m) {
