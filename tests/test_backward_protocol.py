@@ -98,11 +98,11 @@ def test_b07_counter_balances_the_blocks_where_a_fixed_order_does_not():
 
 
 def b07_block(steps_of_tiles, seed, break_it=None, pingpong=False, turns_on=True, deterministic=False, dq_first=False,
-              one_turn=False):
+              one_turn=False, dk_shared=False):
     """One block's agents over tiles with these step counts, interleaved at random with the copies: b07's
     consumers (one agent), or with pingpong b08's (two a warpgroup, below; turns_on False: without the
     turns; deterministic: each reduction waited for at once), or with one_turn b11's (b08's consumers with
-    one turn a step, over a ring of three stages)."""
+    one turn a step, over a ring of three stages; dk_shared: b12's, dK_j's products reading dS^T)."""
     C = 2 * PARTS if pingpong or one_turn else 1  # consumer agents, each arriving once for all its threads
     S = 3 if one_turn else 2  # stages of Q_i and dO_i
     full = [MBarrier(f"QdO_full{s}", 2) for s in range(S)]  # lane 0 and the other lanes
@@ -209,7 +209,7 @@ def b07_block(steps_of_tiles, seed, break_it=None, pingpong=False, turns_on=True
 
     agents, check_end = ([consumers()], lambda: None) if not (pingpong or one_turn) else b08_consumers(
         steps_of_tiles, break_it, turns_on, deterministic, item_full, item_empty, slot, kv_full, kv_empty, kv,
-        reading_kv, full, empty, stage, lse, reading, copies, dq_first, one_turn)
+        reading_kv, full, empty, stage, lse, reading, copies, dq_first, one_turn, dk_shared)
     interleave(random.Random(seed), [lane0(), lanes(), *agents], copies, land, copy_per_pending=True)
     check_end()
 
@@ -256,11 +256,13 @@ PARTS = 2  # agents a consumer warpgroup: warp 0 (thread 0's work too) and warps
 
 
 def b08_consumers(steps_of_tiles, break_it, turns_on, deterministic, item_full, item_empty, slot, kv_full, kv_empty,
-                  kv, reading_kv, full, empty, stage, lse, reading, copies, dq_first=False, one_turn=False):
+                  kv, reading_kv, full, empty, stage, lse, reading, copies, dq_first=False, one_turn=False,
+                  dk_shared=False):
     """The consumer agents of b08 (two a warpgroup), over b07_block's barriers and buffers; the turns,
     dS^T, dQ's shared memory and its reductions here. dq_first: d = 128's order (DQ_FIRST), the second
     turn's dQ_i share in a commit group of its own before dV_j and dK_j, landed and stored while they run.
-    one_turn: b11's order (b11_turns, below)."""
+    one_turn: b11's order (b11_turns, below); dk_shared: b12's, dK_j's products reading this part's rows of
+    dS^T from its buffer and landing with the next S^T and dP^T."""
     END = len(steps_of_tiles)
     S = len(full)  # stages of Q_i and dO_i
     agents = [(c, p) for c in range(2) for p in range(PARTS)]
@@ -340,7 +342,8 @@ def b08_consumers(steps_of_tiles, break_it, turns_on, deterministic, item_full, 
         """A tile's turns in b11_one_turn.cu, from block step n: each turn issues the dQ_i share of step n - 2
         (share), then dV_j and dK_j of step n - 1 (prev), the share landed and stored, dV_j and dK_j landed,
         then S^T and dP^T of step n (first), whose exponentials follow the turn; then the last dQ_i share
-        alone. Returns n past the tile's steps (yield from)."""
+        alone. With dk_shared (b12) dK_j reads this part's rows of dS^T(n - 1) and dV_j and dK_j land with
+        S^T and dP^T, after the turn. Returns n past the tile's steps (yield from)."""
         part = (c, p)
 
         def turn(prev, share, first):
@@ -358,31 +361,51 @@ def b08_consumers(steps_of_tiles, break_it, turns_on, deterministic, item_full, 
                 issue_dQ(part, n - 2, u)
             if prev and stage[(n - 1) % S] != n - 1:
                 raise Fail(f"step {n - 1}'s dV_j and dK_j read stage {stage[(n - 1) % S]}")
+            own_rows = [(c, q) for q in range(PARTS)]  # dK_j's A: its warpgroup's keys, both parts' rows
+            if prev and dk_shared:
+                if any(rows[(n - 1) % 2].get(r) != n - 1 for r in own_rows):
+                    raise Fail(f"{part}'s dK_j({n - 1}) reads its warpgroup's rows of dS^T {rows[(n - 1) % 2]}")
+                dS_readers[(n - 1) % 2].add((part, "dK", n - 1))
             if share:
                 yield None  # wait_group 1: the share landed
                 dQ_landed(part, n - 2, u)
                 dS_empty[(n - 2) % 2].arrive()
                 yield from store_dQ(c, p, n - 2)
-            if prev:
-                yield None  # dV_j and dK_j landed
+
+            def products_landed():
                 if stage[(n - 1) % S] != n - 1:
                     raise Fail(f"stage {(n - 1) % S} refilled under step {n - 1}'s dV_j and dK_j")
-            if first and (stage[n % S], lse[n % S], kv[0]) != (n, n, u):
-                raise Fail(f"step {n} of tile {u} read stage {stage[n % S]}, lse {lse[n % S]}, K/V {kv[0]}")
-            give_turn(c, p)
-            if prev:
+                if dk_shared:
+                    if any(rows[(n - 1) % 2].get(r) != n - 1 for r in own_rows):
+                        raise Fail(f"{part}'s warpgroup's rows of dS^T({n - 1}) changed under its dK_j: {rows[(n - 1) % 2]}")
+                    if break_it != "dK reads on":  # as if its products had not landed: the next write must clash
+                        dS_readers[(n - 1) % 2].discard((part, "dK", n - 1))
                 reading[(n - 1) % S].discard(part)
                 if break_it != "no stage release":
                     empty[(n - 1) % S].arrive()
+
+            if prev and not dk_shared:
+                yield None  # dV_j and dK_j landed
+                products_landed()
+            if first and (stage[n % S], lse[n % S], kv[0]) != (n, n, u):
+                raise Fail(f"step {n} of tile {u} read stage {stage[n % S]}, lse {lse[n % S]}, K/V {kv[0]}")
+            give_turn(c, p)
+            if dk_shared:
+                yield None  # every product of the turn landed
+                if prev:
+                    products_landed()
             if not first:
                 return
-            yield None  # S^T and dP^T landed: the exponentials
+            if not dk_shared:
+                yield None  # S^T and dP^T landed: the exponentials
             if stage[n % S] != n:
                 raise Fail(f"stage {n % S} refilled under step {n}'s S^T and dP^T")
             if n >= 2 and break_it != "no dS empty wait":
                 yield lambda n=n: dS_empty[n % 2].ready(n // 2 % 2 ^ 1, n // 2 - 1)
-            if dS_readers[n % 2]:
-                raise Fail(f"{part} writes dS^T({n}) while {dS_readers[n % 2]} read its buffer")
+            # dQ_i's products read every row of the buffer; dK_j's (b12) its own warpgroup's
+            clash = {r for r in dS_readers[n % 2] if len(r) == 2 or r[0][0] == c}
+            if clash:
+                raise Fail(f"{part} writes dS^T({n}) while {clash} read its rows")
             rows[n % 2][part] = n
             dS_full[n % 2].arrive()
             n += 1
@@ -528,6 +551,29 @@ def test_b11_model_catches_a_broken_protocol(break_it):
     for seed in range(80):
         try:
             b07_block([3, 0, 0, 2, 0, 4, 1], seed=seed, break_it=break_it, one_turn=True)
+        except Fail as exc:
+            caught.append(str(exc))
+    assert caught, f"{break_it}: no run failed"
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_b12_random_interleavings_keep_the_protocol(deterministic):
+    rnd = random.Random(12)
+    for i in range(100):
+        tiles = [rnd.choice([0, 1, 1, 2, 3, 5, 8]) for _ in range(rnd.randint(1, 6))]
+        try:
+            b07_block(tiles, seed=i, one_turn=True, dk_shared=True, deterministic=deterministic)
+        except Fail as exc:
+            pytest.fail(f"run {i}, tiles with steps {tiles}: {exc}")
+
+
+@pytest.mark.parametrize("break_it", ["no dS empty wait", "K_j released early", "no stage wait", "no stage release",
+                                      "dK reads on"])
+def test_b12_model_catches_a_broken_protocol(break_it):
+    caught = []
+    for seed in range(80):
+        try:
+            b07_block([3, 0, 0, 2, 0, 4, 1], seed=seed, break_it=break_it, one_turn=True, dk_shared=True)
         except Fail as exc:
             caught.append(str(exc))
     assert caught, f"{break_it}: no run failed"
