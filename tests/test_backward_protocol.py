@@ -530,14 +530,15 @@ def test_b08_model_catches_a_broken_protocol(break_it, turns_on, deterministic, 
     assert caught, f"{break_it}: no run failed"
 
 
+@pytest.mark.parametrize("dk_shared", [False, True], ids=["b11", "b12"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-def test_b11_random_interleavings_keep_the_protocol(deterministic):
+def test_b11_and_b12_random_interleavings_keep_the_protocol(deterministic, dk_shared):
     rnd = random.Random(11)
     real = [steps for k, (_, _, steps) in enumerate(b07_tiles(2048, 2048, 192, 1, True, False, 132)) if k % 132 == 0]
     for i in range(100):
         tiles = real if i == 0 else [rnd.choice([0, 1, 1, 2, 3, 5, 8]) for _ in range(rnd.randint(1, 6))]
         try:
-            b07_block(tiles, seed=i, one_turn=True, deterministic=deterministic)
+            b07_block(tiles, seed=i, one_turn=True, dk_shared=dk_shared, deterministic=deterministic)
         except Fail as exc:
             pytest.fail(f"run {i}, tiles with steps {tiles}: {exc}")
 
@@ -554,17 +555,6 @@ def test_b11_model_catches_a_broken_protocol(break_it):
         except Fail as exc:
             caught.append(str(exc))
     assert caught, f"{break_it}: no run failed"
-
-
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-def test_b12_random_interleavings_keep_the_protocol(deterministic):
-    rnd = random.Random(12)
-    for i in range(100):
-        tiles = [rnd.choice([0, 1, 1, 2, 3, 5, 8]) for _ in range(rnd.randint(1, 6))]
-        try:
-            b07_block(tiles, seed=i, one_turn=True, dk_shared=True, deterministic=deterministic)
-        except Fail as exc:
-            pytest.fail(f"run {i}, tiles with steps {tiles}: {exc}")
 
 
 @pytest.mark.parametrize("break_it", ["no dS empty wait", "K_j released early", "no stage wait", "no stage release",
