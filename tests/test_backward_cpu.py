@@ -318,9 +318,7 @@ def test_every_backward_phase_compiles_without_spills(name, arch):
 
 # rungs whose tiling holds only at d = 64, and why (the newest rung that takes d = 128 runs it there)
 D64_ONLY = {"b06_wide_query_tiles": "S^T and dP^T at n128 beside dK_j and dV_j pass the 240 registers at d = 128"}
-D128_ONLY = {"b10_tiles_of_80": "80 queries a tile is d = 128's trade; d = 64 keeps b08's tiles of 128",
-             "b11_one_turn": "one turn a step is d = 128's trade (its exponentials outlast the other consumer's first turn)",
-             "b12_dk_from_shared": "b11's, dK_j's products reading dS^T from shared memory"}
+D128_ONLY = {"b10_tiles_of_80": "80 queries a tile is d = 128's trade; d = 64 keeps b08's tiles of 128"}
 
 
 @pytest.mark.parametrize("name", RUNGS)

@@ -97,21 +97,18 @@ def test_b07_counter_balances_the_blocks_where_a_fixed_order_does_not():
     assert spread(2048, 16, "snake")[1] > 1.3 and spread(2048, 16, "counter")[1] < 1.06
 
 
-def b07_block(steps_of_tiles, seed, break_it=None, pingpong=False, turns_on=True, deterministic=False, dq_first=False,
-              one_turn=False, dk_shared=False):
+def b07_block(steps_of_tiles, seed, break_it=None, pingpong=False, turns_on=True, deterministic=False, dq_first=False):
     """One block's agents over tiles with these step counts, interleaved at random with the copies: b07's
     consumers (one agent), or with pingpong b08's (two a warpgroup, below; turns_on False: without the
-    turns; deterministic: each reduction waited for at once), or with one_turn b11's (b08's consumers with
-    one turn a step, over a ring of three stages; dk_shared: b12's, dK_j's products reading dS^T)."""
-    C = 2 * PARTS if pingpong or one_turn else 1  # consumer agents, each arriving once for all its threads
-    S = 3 if one_turn else 2  # stages of Q_i and dO_i
-    full = [MBarrier(f"QdO_full{s}", 2) for s in range(S)]  # lane 0 and the other lanes
-    empty = [MBarrier(f"QdO_empty{s}", C) for s in range(S)]  # the consumers
+    turns; deterministic: each reduction waited for at once)."""
+    C = 2 * PARTS if pingpong else 1  # consumer agents, each arriving once for all its threads
+    full = [MBarrier(f"QdO_full{s}", 2) for s in range(2)]  # lane 0 and the other lanes
+    empty = [MBarrier(f"QdO_empty{s}", C) for s in range(2)]  # the consumers
     kv_full, kv_empty = MBarrier("KV_full", 1), MBarrier("KV_empty", C)
     item_full = [MBarrier(f"item_full{s}", 1) for s in range(2)]  # lane 0
     item_empty = [MBarrier(f"item_empty{s}", C) for s in range(2)]  # the consumers
-    stage, lse, kv, slot = [None] * S, [None] * S, [None], [None, None]
-    reading, reading_kv = [set() for _ in range(S)], set()  # the consumers reading each stage, and K_j and V_j
+    stage, lse, kv, slot = [None, None], [None, None], [None], [None, None]
+    reading, reading_kv = [set(), set()], set()  # the consumers reading each stage, and K_j and V_j
     copies, drawn = [], []
     END = len(steps_of_tiles)  # the number past the end
 
@@ -126,14 +123,14 @@ def b07_block(steps_of_tiles, seed, break_it=None, pingpong=False, turns_on=True
             if t == END:
                 break
             for step in range(steps_of_tiles[t]):
-                if n >= S and break_it != "no stage wait":
-                    yield lambda n=n: empty[n % S].ready(n // S % 2 ^ 1, n // S - 1)
-                full[n % S].expect(2)
-                copies.extend([("stage", n % S, n, full[n % S])] * 2)
-                if reading[n % S]:
+                if n >= 2 and break_it != "no stage wait":
+                    yield lambda n=n: empty[n % 2].ready(n // 2 % 2 ^ 1, n // 2 - 1)
+                full[n % 2].expect(2)
+                copies.extend([("stage", n % 2, n, full[n % 2])] * 2)
+                if reading[n % 2]:
                     raise Fail(f"lse_i of step {n} written while the consumers read its stage")
-                lse[n % S] = n
-                full[n % S].arrive()
+                lse[n % 2] = n
+                full[n % 2].arrive()
                 if step == 0:
                     if u > 0 and break_it != "no KV wait":
                         parity = (u - 1) & 1 if break_it != "KV parity" else u & 1
@@ -145,8 +142,8 @@ def b07_block(steps_of_tiles, seed, break_it=None, pingpong=False, turns_on=True
                 yield None
         if u > 0:
             yield lambda: kv_full.ready((u - 1) & 1, u - 1)
-            for m in range(max(0, n - S), n):
-                yield lambda m=m: full[m % S].ready(m // S % 2, m // S)
+            for m in range(max(0, n - 2), n):
+                yield lambda m=m: full[m % 2].ready(m // 2 % 2, m // 2)
 
     def lanes():
         n = 0
@@ -155,12 +152,12 @@ def b07_block(steps_of_tiles, seed, break_it=None, pingpong=False, turns_on=True
             if t == END:
                 break
             for _ in range(steps_of_tiles[t]):
-                if n >= S:
-                    yield lambda n=n: empty[n % S].ready(n // S % 2 ^ 1, n // S - 1)
-                if reading[n % S]:
+                if n >= 2:
+                    yield lambda n=n: empty[n % 2].ready(n // 2 % 2 ^ 1, n // 2 - 1)
+                if reading[n % 2]:
                     raise Fail(f"lse_i of step {n} written while the consumers read its stage")
-                lse[n % S] = n
-                full[n % S].arrive()
+                lse[n % 2] = n
+                full[n % 2].arrive()
                 n += 1
                 yield None
 
@@ -178,15 +175,15 @@ def b07_block(steps_of_tiles, seed, break_it=None, pingpong=False, turns_on=True
                 yield lambda u=u: kv_full.ready(u & 1, u)
                 reading_kv.add(0)
             for _ in range(steps):
-                yield lambda n=n: full[n % S].ready(n // S % 2, n // S)
-                reading[n % S].add(0)
+                yield lambda n=n: full[n % 2].ready(n // 2 % 2, n // 2)
+                reading[n % 2].add(0)
                 for _ in range(2):  # the step's products, while copies land elsewhere
-                    if (stage[n % S], lse[n % S], kv[0]) != (n, n, u):
-                        raise Fail(f"step {n} of tile {u} read stage {stage[n % S]}, lse {lse[n % S]}, K/V {kv[0]}")
+                    if (stage[n % 2], lse[n % 2], kv[0]) != (n, n, u):
+                        raise Fail(f"step {n} of tile {u} read stage {stage[n % 2]}, lse {lse[n % 2]}, K/V {kv[0]}")
                     yield None
-                reading[n % S].discard(0)
+                reading[n % 2].discard(0)
                 if break_it != "no stage release" or n != 1:
-                    empty[n % S].arrive()
+                    empty[n % 2].arrive()
                 n += 1
             if steps:
                 reading_kv.discard(0)
@@ -207,9 +204,9 @@ def b07_block(steps_of_tiles, seed, break_it=None, pingpong=False, turns_on=True
             kv[0] = value
         barrier.complete_tx(1)
 
-    agents, check_end = ([consumers()], lambda: None) if not (pingpong or one_turn) else b08_consumers(
+    agents, check_end = ([consumers()], lambda: None) if not pingpong else b08_consumers(
         steps_of_tiles, break_it, turns_on, deterministic, item_full, item_empty, slot, kv_full, kv_empty, kv,
-        reading_kv, full, empty, stage, lse, reading, copies, dq_first, one_turn, dk_shared)
+        reading_kv, full, empty, stage, lse, reading, copies, dq_first)
     interleave(random.Random(seed), [lane0(), lanes(), *agents], copies, land, copy_per_pending=True)
     check_end()
 
@@ -256,15 +253,11 @@ PARTS = 2  # agents a consumer warpgroup: warp 0 (thread 0's work too) and warps
 
 
 def b08_consumers(steps_of_tiles, break_it, turns_on, deterministic, item_full, item_empty, slot, kv_full, kv_empty,
-                  kv, reading_kv, full, empty, stage, lse, reading, copies, dq_first=False, one_turn=False,
-                  dk_shared=False):
+                  kv, reading_kv, full, empty, stage, lse, reading, copies, dq_first=False):
     """The consumer agents of b08 (two a warpgroup), over b07_block's barriers and buffers; the turns,
     dS^T, dQ's shared memory and its reductions here. dq_first: d = 128's order (DQ_FIRST), the second
-    turn's dQ_i share in a commit group of its own before dV_j and dK_j, landed and stored while they run.
-    one_turn: b11's order (b11_turns, below); dk_shared: b12's, dK_j's products reading this part's rows of
-    dS^T from its buffer and landing with the next S^T and dP^T."""
+    turn's dQ_i share in a commit group of its own before dV_j and dK_j, landed and stored while they run."""
     END = len(steps_of_tiles)
-    S = len(full)  # stages of Q_i and dO_i
     agents = [(c, p) for c in range(2) for p in range(PARTS)]
     turns = [Gathering(f"turn{c}", 2 * PARTS, sorted([(c, True)] * PARTS + [(1 - c, False)] * PARTS))
              for c in range(2)]
@@ -316,111 +309,6 @@ def b08_consumers(steps_of_tiles, break_it, turns_on, deterministic, item_full, 
             if deterministic:  # pass_turn: bulk_wait_all
                 yield lambda: reducing[c] is None
 
-    def last_dQ(c, p, n, u):
-        """A tile's last dQ_i share (block step n - 1), in a turn of its own after its last step's; K_j and V_j
-        released once it has landed (it reads K_j)."""
-        part = (c, p)
-        if break_it == "K_j released early":
-            reading_kv.discard(part)
-            kv_empty.arrive()
-        if break_it != "no dS full wait":
-            yield lambda m=n - 1: dS_full[m % 2].ready(m // 2 % 2, m // 2)
-        yield from share_free(c, p)
-        yield take_turn(c, p)  # the tile's last dQ_i
-        issued.append(c)
-        issue_dQ(part, n - 1, u)
-        give_turn(c, p)
-        yield None
-        dQ_landed(part, n - 1, u)
-        if break_it != "K_j released early":
-            reading_kv.discard(part)
-            kv_empty.arrive()
-        dS_empty[(n - 1) % 2].arrive()
-        yield from store_dQ(c, p, n - 1)
-
-    def b11_turns(c, p, steps, n, u):
-        """A tile's turns in b11_one_turn.cu, from block step n: each turn issues the dQ_i share of step n - 2
-        (share), then dV_j and dK_j of step n - 1 (prev), the share landed and stored, dV_j and dK_j landed,
-        then S^T and dP^T of step n (first), whose exponentials follow the turn; then the last dQ_i share
-        alone. With dk_shared (b12) dK_j reads this part's rows of dS^T(n - 1) and dV_j and dK_j land with
-        S^T and dP^T, after the turn. Returns n past the tile's steps (yield from)."""
-        part = (c, p)
-
-        def turn(prev, share, first):
-            nonlocal n
-            if share:
-                if break_it != "no dS full wait":
-                    yield lambda m=n - 2: dS_full[m % 2].ready(m // 2 % 2, m // 2)
-                yield from share_free(c, p)
-            if first:
-                yield lambda n=n: full[n % S].ready(n // S % 2, n // S)
-                reading[n % S].add(part)
-            yield take_turn(c, p)
-            issued.append(c)
-            if share:
-                issue_dQ(part, n - 2, u)
-            if prev and stage[(n - 1) % S] != n - 1:
-                raise Fail(f"step {n - 1}'s dV_j and dK_j read stage {stage[(n - 1) % S]}")
-            own_rows = [(c, q) for q in range(PARTS)]  # dK_j's A: its warpgroup's keys, both parts' rows
-            if prev and dk_shared:
-                if any(rows[(n - 1) % 2].get(r) != n - 1 for r in own_rows):
-                    raise Fail(f"{part}'s dK_j({n - 1}) reads its warpgroup's rows of dS^T {rows[(n - 1) % 2]}")
-                dS_readers[(n - 1) % 2].add((part, "dK", n - 1))
-            if share:
-                yield None  # wait_group 1: the share landed
-                dQ_landed(part, n - 2, u)
-                dS_empty[(n - 2) % 2].arrive()
-                yield from store_dQ(c, p, n - 2)
-
-            def products_landed():
-                if stage[(n - 1) % S] != n - 1:
-                    raise Fail(f"stage {(n - 1) % S} refilled under step {n - 1}'s dV_j and dK_j")
-                if dk_shared:
-                    if any(rows[(n - 1) % 2].get(r) != n - 1 for r in own_rows):
-                        raise Fail(f"{part}'s warpgroup's rows of dS^T({n - 1}) changed under its dK_j: {rows[(n - 1) % 2]}")
-                    if break_it != "dK reads on":  # as if its products had not landed: the next write must clash
-                        dS_readers[(n - 1) % 2].discard((part, "dK", n - 1))
-                reading[(n - 1) % S].discard(part)
-                if break_it != "no stage release":
-                    empty[(n - 1) % S].arrive()
-
-            if prev and not dk_shared:
-                yield None  # dV_j and dK_j landed
-                products_landed()
-            if first and (stage[n % S], lse[n % S], kv[0]) != (n, n, u):
-                raise Fail(f"step {n} of tile {u} read stage {stage[n % S]}, lse {lse[n % S]}, K/V {kv[0]}")
-            give_turn(c, p)
-            if dk_shared:
-                yield None  # every product of the turn landed
-                if prev:
-                    products_landed()
-            if not first:
-                return
-            if not dk_shared:
-                yield None  # S^T and dP^T landed: the exponentials
-            if stage[n % S] != n:
-                raise Fail(f"stage {n % S} refilled under step {n}'s S^T and dP^T")
-            if n >= 2 and break_it != "no dS empty wait":
-                yield lambda n=n: dS_empty[n % 2].ready(n // 2 % 2 ^ 1, n // 2 - 1)
-            # dQ_i's products read every row of the buffer; dK_j's (b12) its own warpgroup's
-            clash = {r for r in dS_readers[n % 2] if len(r) == 2 or r[0][0] == c}
-            if clash:
-                raise Fail(f"{part} writes dS^T({n}) while {clash} read its rows")
-            rows[n % 2][part] = n
-            dS_full[n % 2].arrive()
-            n += 1
-
-        if steps > 0:
-            yield from turn(False, False, True)
-        if steps > 1:
-            yield from turn(True, False, True)
-        for _ in range(2, steps):
-            yield from turn(True, True, True)
-        if steps > 0:
-            yield from turn(True, steps > 1, False)
-            yield from last_dQ(c, p, n, u)
-        return n
-
     def consumer(c, p):
         part = (c, p)
         n = u = 0
@@ -437,17 +325,13 @@ def b08_consumers(steps_of_tiles, break_it, turns_on, deterministic, item_full, 
             if steps:
                 yield lambda u=u: kv_full.ready(u & 1, u)
                 reading_kv.add(part)
-            if one_turn:
-                n = yield from b11_turns(c, p, steps, n, u)
-                u += steps > 0
-                continue
             for step in range(steps):
-                yield lambda n=n: full[n % S].ready(n // S % 2, n // S)
-                reading[n % S].add(part)
+                yield lambda n=n: full[n % 2].ready(n // 2 % 2, n // 2)
+                reading[n % 2].add(part)
                 yield take_turn(c, p)  # S^T and dP^T
                 issued.append(c)
-                if (stage[n % S], lse[n % S], kv[0]) != (n, n, u):
-                    raise Fail(f"step {n} of tile {u} read stage {stage[n % S]}, lse {lse[n % S]}, K/V {kv[0]}")
+                if (stage[n % 2], lse[n % 2], kv[0]) != (n, n, u):
+                    raise Fail(f"step {n} of tile {u} read stage {stage[n % 2]}, lse {lse[n % 2]}, K/V {kv[0]}")
                 give_turn(c, p)
                 yield None  # landed
                 if n >= 2 and break_it != "no dS empty wait":
@@ -462,8 +346,8 @@ def b08_consumers(steps_of_tiles, break_it, turns_on, deterministic, item_full, 
                     yield from share_free(c, p)
                 yield take_turn(c, p)  # dV_j, dK_j and dQ_i(n - 1)
                 issued.append(c)
-                if stage[n % S] != n:
-                    raise Fail(f"step {n}'s dV_j and dK_j read stage {stage[n % S]}")
+                if stage[n % 2] != n:
+                    raise Fail(f"step {n}'s dV_j and dK_j read stage {stage[n % 2]}")
                 if step > 0:
                     issue_dQ(part, n - 1, u)
                 give_turn(c, p)
@@ -473,24 +357,39 @@ def b08_consumers(steps_of_tiles, break_it, turns_on, deterministic, item_full, 
                     dS_empty[(n - 1) % 2].arrive()
                     yield from store_dQ(c, p, n - 1)
                 yield None  # landed
-                if stage[n % S] != n:
+                if stage[n % 2] != n:
                     raise Fail(f"stage {n % 2} refilled under step {n}'s dV_j and dK_j")
-                reading[n % S].discard(part)
-                empty[n % S].arrive()
+                reading[n % 2].discard(part)
+                empty[n % 2].arrive()
                 if step > 0 and not dq_first:
                     dQ_landed(part, n - 1, u)
                     dS_empty[(n - 1) % 2].arrive()
                     yield from store_dQ(c, p, n - 1)
                 n += 1
             if steps:
-                yield from last_dQ(c, p, n, u)
+                if break_it == "K_j released early":
+                    reading_kv.discard(part)
+                    kv_empty.arrive()
+                if break_it != "no dS full wait":
+                    yield lambda m=n - 1: dS_full[m % 2].ready(m // 2 % 2, m // 2)
+                yield from share_free(c, p)
+                yield take_turn(c, p)  # the tile's last dQ_i
+                issued.append(c)
+                issue_dQ(part, n - 1, u)
+                give_turn(c, p)
+                yield None
+                dQ_landed(part, n - 1, u)
+                if break_it != "K_j released early":
+                    reading_kv.discard(part)
+                    kv_empty.arrive()
+                dS_empty[(n - 1) % 2].arrive()
+                yield from store_dQ(c, p, n - 1)
                 u += 1
         if c == 0 and turns_on and break_it != "no last take":
             yield take_turn(c, p)
 
     def check_end():  # every agent done: the turns alternated and no barrier is left half arrived
-        per_tile = (lambda s: s + 2 * (s > 0)) if one_turn else (lambda s: 2 * s + (s > 0))
-        assert len(issued) == len(agents) * sum(per_tile(s) for s in steps_of_tiles)
+        assert len(issued) == len(agents) * sum(2 * s + (s > 0) for s in steps_of_tiles)
         if turns_on and issued != [i // PARTS % 2 for i in range(len(issued))]:
             raise Fail(f"turns out of order: {issued}")
         for turn in turns + own:
@@ -525,45 +424,6 @@ def test_b08_model_catches_a_broken_protocol(break_it, turns_on, deterministic, 
         try:
             b07_block([3, 0, 0, 2, 0, 4, 1], seed=seed, break_it=break_it, pingpong=True, turns_on=turns_on,
                       deterministic=deterministic, dq_first=dq_first)
-        except Fail as exc:
-            caught.append(str(exc))
-    assert caught, f"{break_it}: no run failed"
-
-
-@pytest.mark.parametrize("dk_shared", [False, True], ids=["b11", "b12"])
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-def test_b11_and_b12_random_interleavings_keep_the_protocol(deterministic, dk_shared):
-    rnd = random.Random(11)
-    real = [steps for k, (_, _, steps) in enumerate(b07_tiles(2048, 2048, 192, 1, True, False, 132)) if k % 132 == 0]
-    for i in range(100):
-        tiles = real if i == 0 else [rnd.choice([0, 1, 1, 2, 3, 5, 8]) for _ in range(rnd.randint(1, 6))]
-        try:
-            b07_block(tiles, seed=i, one_turn=True, dk_shared=dk_shared, deterministic=deterministic)
-        except Fail as exc:
-            pytest.fail(f"run {i}, tiles with steps {tiles}: {exc}")
-
-
-@pytest.mark.parametrize("break_it", ["no dS empty wait", "K_j released early", "no first pass", "no last take",
-                                      "no stage wait", "no KV wait", "no stage release"])
-def test_b11_model_catches_a_broken_protocol(break_it):
-    """As b08's; not "no dS full wait": with the turns a consumer's dQ_i(n - 2) comes after the other's turn
-    n - 1, and so after its rows of dS^T(n - 2), with or without the barrier (the kernel keeps it, as b08)."""
-    caught = []
-    for seed in range(80):
-        try:
-            b07_block([3, 0, 0, 2, 0, 4, 1], seed=seed, break_it=break_it, one_turn=True)
-        except Fail as exc:
-            caught.append(str(exc))
-    assert caught, f"{break_it}: no run failed"
-
-
-@pytest.mark.parametrize("break_it", ["no dS empty wait", "K_j released early", "no stage wait", "no stage release",
-                                      "dK reads on"])
-def test_b12_model_catches_a_broken_protocol(break_it):
-    caught = []
-    for seed in range(80):
-        try:
-            b07_block([3, 0, 0, 2, 0, 4, 1], seed=seed, break_it=break_it, one_turn=True, dk_shared=True)
         except Fail as exc:
             caught.append(str(exc))
     assert caught, f"{break_it}: no run failed"

@@ -59,8 +59,7 @@ def test_the_rungs_forward_rung_and_peers_of_each_dtype():
 
 def test_a_rung_with_a_deterministic_configuration_runs_again_deterministic():
     """b01 is deterministic in every configuration: one row; b02-b10 declare both kinds: a second row (b06
-    at d = 64 only: at d = 128 its one row says it does not take the case; b10 at d = 128 only). b11 is
-    lab.unverified: no run takes it unless named."""
+    at d = 64 only: at d = 128 its one row says it does not take the case; b10 at d = 128 only)."""
     gpt2 = backward.CASE_SETS["gpt2"][0]
     assert backward.entries(gpt2, "float32", backward.rungs_for("float32")) == [
         ("b01_naive", False), ("b02_fa2", False), ("b02_fa2", True), ("b03_tf32_mma", False), ("b03_tf32_mma", True)]
