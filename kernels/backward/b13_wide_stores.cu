@@ -1,19 +1,20 @@
 /*
- * b13 - the next tile's K_j and V_j asked of L2 ahead: b10 with its producer warp, once it has drawn the
- * block's next key tile (about a step and a half before the consumers finish the current one), asking L2
- * for that tile's K_j and V_j (cp.async.bulk.prefetch.tensor), so that the copy into shared memory at the
- * tile's start reads L2 instead of HBM.
+ * b13 - dK_j and dV_j out 16 bytes a lane: b10 with the tile's end writing dK_j and dV_j as 16-byte stores,
+ * each lane first gathering 8 columns of a row from its quad (two shuffle rounds), where b10 stores 4 bytes
+ * a lane.
  *
- * Why: b10's cycle trace (and b08's) has a step that takes three at every key tile's start: at 4 x 16 x
- * 4096 non-causal, d = 128, the step from a tile's last to the next tile's first is 13,000-14,250 cycles
- * where the others are 4,724 (results/rungtrace-nvidia-h200-20261201T041007Z.json; b08's 13,400-14,200
- * against 4,311). Without the mask every block's tiles have the same number of steps, so all 132 blocks
- * switch tiles together: K_j and V_j (64 KB a block, 8.4 MB in all), the first step's Q_i and dO_i, dK_j
- * and dV_j going out and the last dQ_i share's reductions all at once, while the consumers wait for K_j
- * and V_j. That boundary is 7% of a tile of 26 steps (4 x 16 x 2048) and 4% of one of 52. Asked of L2 over
- * the last step and a half, K_j's and V_j's bytes arrive from HBM while the current tile's steps run (which
- * read their Q_i and dO_i mostly from L2, where the head's other key tiles brought them) and the tile's
- * start reads them from L2.
+ * Why: b10's cycle trace has a step that takes three at every key tile's start (4 x 16 x 4096 non-causal,
+ * d = 128: 13,000-14,250 cycles where the others take 4,724; b08's likewise). Clock reads at the tile's
+ * end (a diagnostic build, docs/backward.md#b13) put most of it in dK_j's and dV_j's stores: 4,400-5,900
+ * cycles a consumer for 64 stores a thread, and consumer 1's dQ_i share (stores to shared memory) waiting
+ * behind consumer 0's, so that the consumers reach the next tile about 12,000 cycles after the last dQ_i
+ * turn begins. The accumulators' layout gives a lane two adjacent columns of a row (4 bytes), a quad 8
+ * (16 bytes), so each store instruction of b10's writes 16 bytes in each of 8 rows: 8 lines and half a
+ * sector each. A 4 x 4 transpose within the quad (lanes t and t ^ 1 trade one word of each pair, then t
+ * and t ^ 2 two) gives lane t the 8 columns of column block 4 q + t: 16 stores a thread instead of 64,
+ * each instruction writing 64 contiguous bytes in each of 8 rows (whole sectors), a quarter of the lines.
+ * Before this, asking L2 for the next tile's K_j and V_j ahead (cp.async.bulk.prefetch.tensor, once the
+ * producer has drawn the tile) changed nothing: 1.00x b10 at every shape (docs/backward.md#b13).
  *
  * Everything else is b10's: the tiles of 80 queries, dQ_i transposed, the pingpong turns, the ring of two
  * stages, the persistent tiles, deterministic mode, the STEP_TRACE diagnostic.
@@ -97,6 +98,21 @@ __device__ __forceinline__ float to_float(element x)
     float y;
     asm("cvt.f32.f16 %0, %1;" : "=f"(y) : "h"(x));
     return y;
+}
+
+// A 4 x 4 transpose of 32-bit words within a quad (lanes 4 g + t, t = 0..3, all 32 lanes taking part):
+// lane t gives a[j], its word of column block j, and gets back the four lanes' words of block t, lane
+// s's as word s. Lanes t and t ^ 1 trade one word of each pair of blocks, then lanes t and t ^ 2 two.
+__device__ __forceinline__ uint4 quad_transpose(unsigned a0, unsigned a1, unsigned a2, unsigned a3, int t)
+{
+    const bool odd = t & 1, high = t & 2;
+    const unsigned r0 = __shfl_xor_sync(0xffffffffu, odd ? a0 : a1, 1);
+    const unsigned r1 = __shfl_xor_sync(0xffffffffu, odd ? a2 : a3, 1);
+    // words (lane t & ~1's, lane t | 1's) of blocks t & 1 (m0, m1) and 2 + (t & 1) (m2, m3)
+    const unsigned m0 = odd ? r0 : a0, m1 = odd ? a1 : r0, m2 = odd ? r1 : a2, m3 = odd ? a3 : r1;
+    const unsigned v0 = __shfl_xor_sync(0xffffffffu, high ? m0 : m2, 2);
+    const unsigned v1 = __shfl_xor_sync(0xffffffffu, high ? m1 : m3, 2);
+    return high ? make_uint4(v0, v1, m2, m3) : make_uint4(m0, m1, v0, v1);
 }
 
 template <int dtype_id>
@@ -324,17 +340,6 @@ __device__ __forceinline__ void load_tile(unsigned tile, const TensorMap* map, i
 #pragma unroll
     for (int half = 0; half < d_head / 64; ++half)
         tma_load(tile + half * rows * 128, map, 64 * half, row_start, head, batch, barrier);
-}
-
-// The same rows asked of L2 only, nothing written to shared memory and no barrier: a hint that the copy
-// above will read them soon (cp.async.bulk.prefetch.tensor, one per 64-column half).
-template <int d_head, int rows>
-__device__ __forceinline__ void prefetch_tile(const TensorMap* map, int row_start, int head, int batch)
-{
-#pragma unroll
-    for (int half = 0; half < d_head / 64; ++half)
-        asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];"
-                     ::"l"(map), "r"(64 * half), "r"(row_start), "r"(head), "r"(batch) : "memory");
 }
 
 // The box of the descriptor's float32 array at (col, row, head, batch) += the shared-memory tile at
@@ -604,12 +609,6 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
                 if (k >= items)
                     break;
                 const Item it = item_at(k);
-                // The tile's K_j and V_j asked of L2 now, while the consumers finish the tile before (its last
-                // step's Q_i and dO_i issued): its copy below waits for their release of that tile's.
-                if (lane == 0 && w > 0 && it.steps > 0) {
-                    prefetch_tile<d_head, B_c>(&K_map, it.col_start, it.kv_head, it.batch);
-                    prefetch_tile<d_head, B_c>(&V_map, it.col_start, it.kv_head, it.batch);
-                }
                 for (int step = 0; step < it.steps; ++step, ++n) {
                     // lse_i and D_i into registers first, so that their latency passes in the wait for the stage.
                     const int head = it.kv_head * kv_group + step / it.tiles_per_head;
@@ -924,17 +923,27 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
         }
 
         // dK_j = scale sum dS^T Q and dV_j, rounded to the dtype: lane (g, t) holds columns 8 n + 2 t, + 1 of
-        // keys warp_key + g and + 8; none past T_k.
+        // keys warp_key + g and + 8, a quad 8 n .. 8 n + 7; after quad_transpose over blocks n = 4 q + j, lane t
+        // holds columns 8 (4 q + t) .. + 7 of its row, 16 bytes. None past T_k (every lane shuffles first).
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int key = warp_key + g + 8 * h;
-            if (key < T_k) {
-                element* dK_row = dK + ((long long)it.kv_bh * T_k + key) * d_head;
-                element* dV_row = dV + ((long long)it.kv_bh * T_k + key) * d_head;
+            element* dK_row = dK + ((long long)it.kv_bh * T_k + key) * d_head;
+            element* dV_row = dV + ((long long)it.kv_bh * T_k + key) * d_head;
 #pragma unroll
-                for (int c = 0; c < d_head / 8; ++c) {
-                    *(unsigned*)&dK_row[8 * c + 2 * t] = pack_rounded<dtype_id>(dK_acc[4 * c + 2 * h] * scale, dK_acc[4 * c + 2 * h + 1] * scale);
-                    *(unsigned*)&dV_row[8 * c + 2 * t] = pack_rounded<dtype_id>(dV_acc[4 * c + 2 * h], dV_acc[4 * c + 2 * h + 1]);
+            for (int q = 0; q < d_head / 32; ++q) {
+                unsigned k[4], v[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int e = 4 * (4 * q + j) + 2 * h;
+                    k[j] = pack_rounded<dtype_id>(dK_acc[e] * scale, dK_acc[e + 1] * scale);
+                    v[j] = pack_rounded<dtype_id>(dV_acc[e], dV_acc[e + 1]);
+                }
+                const uint4 k4 = quad_transpose(k[0], k[1], k[2], k[3], t);
+                const uint4 v4 = quad_transpose(v[0], v[1], v[2], v[3], t);
+                if (key < T_k) {
+                    *(uint4*)&dK_row[8 * (4 * q + t)] = k4;
+                    *(uint4*)&dV_row[8 * (4 * q + t)] = v4;
                 }
             }
         }
