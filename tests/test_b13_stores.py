@@ -1,6 +1,6 @@
-"""b13's tile end, emulated in NumPy (no GPU): each lane's four words of dK_j or dV_j (its two adjacent
+"""b13's and b14's tile end, emulated in NumPy (no GPU): each lane's four words of dK_j or dV_j (its two adjacent
 columns in four 8-column blocks) through quad_transpose's two shuffle rounds, as the kernel writes them
-(kernels/backward/b13_wide_stores.cu), must give lane t of every quad the 8 columns of block 4 q + t in
+(kernels/backward/b13_wide_stores.cu at d = 128, b14_wide_stores_d64.cu at d = 64), must give lane t of every quad the 8 columns of block 4 q + t in
 order, so that its 16-byte store writes the row's columns 8 (4 q + t) .. + 7 and every column of the row
 is written once."""
 
@@ -9,9 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
-SOURCE = (Path(__file__).resolve().parents[1] / "kernels" / "backward" / "b13_wide_stores.cu").read_text()
-D = 128
+FOLDER = Path(__file__).resolve().parents[1] / "kernels" / "backward"
+RUNGS = {"b13_wide_stores": 128, "b14_wide_stores_d64": 64}  # each rung's head size
 
 
 def shfl_xor(values: list[int], mask: int) -> list[int]:
@@ -35,16 +36,19 @@ def quad_transpose(a: list[list[int]]) -> list[tuple[int, int, int, int]]:
     return [(v0[i], v1[i], m2[i], m3[i]) if high[i] else (m0[i], m1[i], v0[i], v1[i]) for i in range(32)]
 
 
-def test_the_kernel_has_the_transpose_emulated_here():
+@pytest.mark.parametrize("rung", RUNGS)
+def test_the_kernel_has_the_transpose_emulated_here(rung):
+    source = (FOLDER / f"{rung}.cu").read_text()
     for line in ("__shfl_xor_sync(0xffffffffu, odd ? a0 : a1, 1)", "__shfl_xor_sync(0xffffffffu, odd ? a2 : a3, 1)",
                  "m0 = odd ? r0 : a0, m1 = odd ? a1 : r0, m2 = odd ? r1 : a2, m3 = odd ? a3 : r1",
                  "__shfl_xor_sync(0xffffffffu, high ? m0 : m2, 2)", "__shfl_xor_sync(0xffffffffu, high ? m1 : m3, 2)",
                  "high ? make_uint4(v0, v1, m2, m3) : make_uint4(m0, m1, v0, v1)",
                  "const int e = 4 * (4 * q + j) + 2 * h;", "*(uint4*)&dK_row[8 * (4 * q + t)] = k4;"):
-        assert line in SOURCE, line
+        assert line in source, line
 
 
-def test_each_lane_stores_eight_columns_of_its_row_in_order():
+@pytest.mark.parametrize("D", sorted(set(RUNGS.values())))
+def test_each_lane_stores_eight_columns_of_its_row_in_order(D):
     rng = np.random.default_rng(13)
     for h in range(2):
         rows = rng.permutation(1 << 20)[: 16 * D].reshape(16, D)  # a warp's 16 keys: distinct values
