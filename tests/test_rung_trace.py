@@ -136,6 +136,25 @@ def test_backward_phases_table_and_timeline():
     assert figures["0"]["step"]["median"] == 2300.0 and set(figures) == {"0"}  # consumer 1 has no next loop top
 
 
+def test_b13_declares_its_tile_boundaries_and_the_table_reads_them():
+    from kernels import backward
+
+    assert rung_trace.tile_shape(backward.load("b13").path.read_text()) == (3, 24, 8)
+    assert rung_trace.tile_shape(backward.load("b10").path.read_text()) is None
+    t = np.zeros((3, 4, 8), dtype=np.int64)
+    t[0, 0, :5] = [1000, 1500, 2000, 2600, 4400]  # consumer 0's end of tile 0
+    t[1, 0, :5] = [1600, 2500, 3000, 4600, 6200]
+    t[0, 1, 5:7] = [4700, 5900]  # its start of tile 1
+    t[1, 1, 5:7] = [6400, 7000]
+    t[2, 1, :2] = [-3000, 3500]  # the producer: tile 1 drawn, its K_j and V_j copied
+    lines = rung_trace.tile_table(t).splitlines()
+    assert len(lines) == 2  # tile 1's end has no tile 2 start: one boundary
+    assert lines[0].split()[:3] == ["tile", "c0", "last"] and lines[0].split()[-4:] == ["drawn", "K", "V", "copy"]
+    assert [int(v) for v in lines[1].split()[1:]] == [0, 500, 1000, 1600, 3400, 3700, 4900,
+                                                      600, 1500, 2000, 3600, 5200, 5400, 6000, -4000, 2500]
+    assert lines[1].split()[0] == "0-1"
+
+
 def test_a_tool_s_result_file_carries_its_command_and_payload(tmp_path):
     import json
 

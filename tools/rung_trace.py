@@ -33,6 +33,18 @@ backward uses) has six points a step of its dK/dV loop, so these phases:
                done in the wait before)
     step       loop top to loop top
 
+Where the rung also declares `tile_trace` (b13 and b14), its key tiles' ends and starts are read too and
+printed for block 0's first boundaries, in cycles after consumer 0 reached its tile's last dQ_i turn:
+
+    last dQ    consumer c done with the tile's steps, before the last dQ_i share's turn
+    dQ turn    the turn taken
+    dQ landed  the share's products landed (K_j and V_j released after this)
+    dQ stored  the share out to dQ_accum
+    dK dV out  dK_j and dV_j stored to memory
+    next tile  the next tile's number read
+    K V in     the next tile's K_j and V_j landed
+    drawn, K V copy   the producer's: the next tile drawn; its K_j and V_j copy issued (after their release)
+
 `--timeline K` prints K ring uses one after another as well, from the middle of the block's first tile:
 when each consumer reached each point, in cycles after consumer 0's loop top at the first of them (the
 consumers of a block read one SM's clock), so that whose softmax overlaps whose products shows.
@@ -58,6 +70,8 @@ PHASES = ("issue", "S wait", "softmax", "PV wait", "rest", "step")
 POINTS = ("top", "issued", "S", "softmax", "PV")
 BACKWARD_PHASES = ("turn 1", "S dP wait", "dS", "turn 2", "dKV wait", "rest", "step")
 BACKWARD_POINTS = ("top", "turn 1", "S dP", "dS", "turn 2", "dKV")
+TILE_POINTS = ("last dQ", "dQ turn", "dQ landed", "dQ stored", "dK dV out", "next tile", "K V in")
+PRODUCER_POINTS = ("drawn", "K V copy")
 
 
 def with_trace(source: str) -> str:
@@ -186,22 +200,55 @@ def traced_backward(rung, source: str, shape, case, seed: int):
         path = Path(folder) / f"{rung.path.stem}_trace.cu"
         path.write_text(source)
         run = launcher.prepare_backward(q, k, v, o, lse, do, kernel=str(path), causal=case.causal)
-        return traced(run, run.instance.module, shape), run.instance.describe()
+        return traced(run, run.instance.module, shape, tile_shape(source)), run.instance.describe()
 
 
-def traced(run, module, shape) -> np.ndarray:
-    """step_trace after `run` once more, its first run a warm-up (the caches' first misses)."""
+def traced(run, module, shape, tiles_shape=None) -> tuple[np.ndarray, np.ndarray | None]:
+    """step_trace (and tile_trace where the rung declares it: tiles_shape) after `run` once more, its first
+    run a warm-up (the caches' first misses)."""
     import cupy as cp
 
     run()
     cp.cuda.Device().synchronize()
-    trace = module.get_global("step_trace")
-    host = np.zeros(shape, dtype=np.int64)
-    trace.copy_from_host(host.ctypes.data, host.nbytes)  # zero: untraced points read 0
+    arrays = [(module.get_global(name), np.zeros(s, dtype=np.int64))
+              for name, s in (("step_trace", shape), ("tile_trace", tiles_shape)) if s is not None]
+    for device_array, host in arrays:
+        device_array.copy_from_host(host.ctypes.data, host.nbytes)  # zero: untraced points read 0
     run()
     cp.cuda.Device().synchronize()
-    trace.copy_to_host(host.ctypes.data, host.nbytes)
-    return host
+    for device_array, host in arrays:
+        device_array.copy_to_host(host.ctypes.data, host.nbytes)
+    return arrays[0][1], arrays[1][1] if len(arrays) > 1 else None
+
+
+def tile_shape(source: str) -> tuple[int, int, int] | None:
+    """(3, tiles, 8) of the rung's tile_trace (consumers 0 and 1, then the producer), None where it has none."""
+    dims = re.search(r"__device__ long long tile_trace\[3\]\[(\w+)\]\[8\]", source)
+    if not dims:
+        return None
+    tiles = re.search(rf"constexpr int {dims.group(1)} = (\d+);", source) if not dims.group(1).isdigit() else None
+    return 3, int(tiles.group(1)) if tiles else int(dims.group(1)), 8
+
+
+def tile_table(tiles: np.ndarray, count: int = 6) -> str:
+    """Block 0's first key tile boundaries: each consumer's points at a tile's end and the next one's start,
+    and the producer's for the next tile, in cycles after consumer 0's `last dQ` of the tile."""
+    width = 10
+    header = ("tile  " + " ".join(f"{'c0 ' + p:>{width + 3}}" if i == 0 else f"{p:>{width}}" for i, p in enumerate(TILE_POINTS))
+              + "  " + " ".join(f"{'c1 ' + p:>{width + 3}}" if i == 0 else f"{p:>{width}}" for i, p in enumerate(TILE_POINTS))
+              + "  " + " ".join(f"{p:>{width}}" for p in PRODUCER_POINTS))
+    lines = [header]
+    for u in range(min(count, tiles.shape[1] - 1)):
+        base = tiles[0, u, 0]
+        if base == 0 or tiles[0, u + 1, 6] == 0:
+            break
+        cells = []
+        for c in range(2):
+            row = [tiles[c, u, p] for p in range(5)] + [tiles[c, u + 1, p] for p in (5, 6)]
+            cells.append(" ".join(f"{v - base:>{width + (3 if i == 0 else 0)}d}" for i, v in enumerate(row)))
+        producer = " ".join(f"{tiles[2, u + 1, p] - base:>{width}d}" for p in range(2))
+        lines.append(f"{u:>2}-{u + 1:<2} " + "  ".join(cells) + "  " + producer)
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -249,7 +296,7 @@ def main(argv=None) -> int:
 
     if is_backward:
         try:
-            host, config = traced_backward(rung, source, shape, case, args.seed)
+            (host, tiles), config = traced_backward(rung, source, shape, case, args.seed)
         except ValueError as exc:
             parser.error(str(exc))
     else:
@@ -264,7 +311,7 @@ def main(argv=None) -> int:
             path = Path(folder) / f"{rung.path.stem}_trace.cu"
             path.write_text(source)
             run = kernels.prepare(q, k, v, kernel=str(path), causal=case.causal)
-            host, config = traced(run, run.instance.module, shape), run.instance.describe()
+            (host, tiles), config = traced(run, run.instance.module, shape), run.instance.describe()
     by_consumer = phases(host)
     print(f"{rung.name} {case_name} (config {config}): block 0's steps, SM clock cycles")
     print(table(by_consumer, names))
@@ -273,11 +320,18 @@ def main(argv=None) -> int:
         first = max(1, min(tile // 2, host.shape[1] - args.timeline))
         print(f"\nring uses {first}-{first + args.timeline - 1}, cycles after consumer 0's loop top at use {first}:")
         print(timeline(host, first, args.timeline, points))
+    if tiles is not None:
+        print("\nkey tile boundaries, block 0, cycles after consumer 0's last dQ turn began (c0, c1: the tile's end, "
+              "then the next one's start; the producer's next tile)")
+        print(tile_table(tiles))
     if args.results:
         from benchmarks.results import write_tool_result
 
         payload = {"rung": rung.name, "case": case_name, "config": config, "points": list(points),
                    "phases": summary(by_consumer, names), "trace": host.tolist()}
+        if tiles is not None:
+            payload |= {"tile_points": list(TILE_POINTS), "producer_points": list(PRODUCER_POINTS),
+                        "tiles": tiles.tolist()}
         print(f"wrote {write_tool_result('rungtrace', 'tools/rung_trace.py', sys.argv[1:] if argv is None else argv, payload, args.results)}")
     return 0
 

@@ -63,6 +63,12 @@ constexpr unsigned FULL_WARP = 0xffffffffu;
 #if STEP_TRACE
 constexpr int TRACE_STEPS = 512, TRACE_POINTS = 6;
 __device__ long long step_trace[2][TRACE_STEPS][TRACE_POINTS];
+// And the block's first key tiles' ends and starts: tile_trace[c][u] of consumer c at tile u (its last dQ_i
+// turn begun, the turn taken, the share landed, stored, dK_j and dV_j stored; then, at tile u's start, its
+// number read and its K_j and V_j landed), tile_trace[2][u] of the producer (tile u drawn, its K_j and V_j
+// copy issued).
+constexpr int TRACE_TILES = 24;
+__device__ long long tile_trace[3][TRACE_TILES][8];
 #endif
 
 // STEP_TRACE's clock read at `point` of the block's step n, by thread 0 of consumer c's warpgroup in block 0.
@@ -73,6 +79,19 @@ __device__ __forceinline__ void trace_point(int c, int n, int point)
         long long t;
         asm volatile("mov.u64 %0, %%clock64;" : "=l"(t)::"memory");
         step_trace[c][n][point] = t;
+    }
+#endif
+}
+
+// STEP_TRACE's clock read at `point` of the block's tile u, by thread 0 of warpgroup `who` - 1 (the
+// producer: who = 2) in block 0.
+__device__ __forceinline__ void tile_point(int who, int u, int point)
+{
+#if STEP_TRACE
+    if (blockIdx.x == 0 && threadIdx.x % 128 == 0 && u >= 0 && u < TRACE_TILES) {
+        long long t;
+        asm volatile("mov.u64 %0, %%clock64;" : "=l"(t)::"memory");
+        tile_trace[who][u][point] = t;
     }
 #endif
 }
@@ -608,6 +627,7 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
                 if (k >= items)
                     break;
                 const Item it = item_at(k);
+                tile_point(2, u, 0);
                 for (int step = 0; step < it.steps; ++step, ++n) {
                     // lse_i and D_i into registers first, so that their latency passes in the wait for the stage.
                     const int head = it.kv_head * kv_group + step / it.tiles_per_head;
@@ -642,6 +662,7 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
                     if (step == 0 && lane == 0) {
                         if (u > 0)
                             mbarrier_wait(KV_empty, (unsigned)(u - 1) & 1u);
+                        tile_point(2, u, 1);
                         mbarrier_arrive_expect(KV_full, 2 * KV_BYTES);
                         load_tile<d_head, B_c>(K_smem, &K_map, it.col_start, it.kv_head, it.batch, KV_full);
                         load_tile<d_head, B_c>(V_smem, &V_map, it.col_start, it.kv_head, it.batch, KV_full);
@@ -764,6 +785,7 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
         mbarrier_wait(item_full(w), (unsigned)(w / 2) & 1u);
         const int k = item_slot[w % 2];
         mbarrier_arrive(item_empty(w));  // the read done (the arrival releases it)
+        tile_point(consumer, u, 5);
         if (k >= items)
             break;
         const Item it = item_at(k);
@@ -775,6 +797,7 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
 
         if (it.steps > 0)
             mbarrier_wait(KV_full, (unsigned)u & 1u);
+        tile_point(consumer, u, 6);
         // Step `step` of the tile, the block's step n: both turns' products and the exponentials between them;
         // with_dQ (every step but the tile's first, a constant so that no branch goes around a product): the
         // dQ_i share of the step before in the second turn.
@@ -907,17 +930,21 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
             one_step(step, Flag<true>{});
         if (it.steps > 0) {
             // The tile's last dQ_i share, in a turn of its own: it reads K_j, so before K_j's release.
+            tile_point(consumer, u, 0);
             mbarrier_wait(dS_full(n - 1), ds_parity(n - 1));
             share_free();
             float dQ[B_r / 2];
             take_turn();
+            tile_point(consumer, u, 1);
             wgmma_fence();
             issue_dQ(dQ, n - 1);
             wgmma_commit();
             give_turn();
             wgmma_wait_all();
+            tile_point(consumer, u, 2);
             mbarrier_arrive(KV_empty);  // this thread's products that read K_j and V_j have landed
             store_dQ(dQ, n - 1, it, it.steps - 1);
+            tile_point(consumer, u, 3);
             ++u;
         }
 
@@ -946,6 +973,7 @@ backward_dk_dv(const element* __restrict__ /* Q */, const element* __restrict__ 
                 }
             }
         }
+        tile_point(consumer, u - 1, 4);
     }
     if (consumer == 0)
         take_turn();  // consumer 1's last pass

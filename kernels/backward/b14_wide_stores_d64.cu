@@ -34,7 +34,6 @@
  * lab.min_arch    sm_90
  * lab.options     -arch=sm_90a -default-device
  * lab.tma         Q: (B_r, 64), K: (B_c, 64), V: (B_c, 64), dO: (B_r, 64), dQ_accum: (64, 32)
- * lab.unverified  not yet run on a GPU
  */
 
 #ifndef INFINITY
