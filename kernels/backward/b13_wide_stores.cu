@@ -4,10 +4,10 @@
  * a lane.
  *
  * Why: b10's cycle trace has a step that takes three at every key tile's start (4 x 16 x 4096 non-causal,
- * d = 128: 13,000-14,250 cycles where the others take 4,724; b08's likewise). Clock reads at the tile's
- * end (a diagnostic build, docs/backward.md#b13) put most of it in dK_j's and dV_j's stores: 4,400-5,900
+ * d = 128: 12,950-14,250 cycles where the others take 4,724; b08's likewise). Clock reads at the tile's
+ * end (a diagnostic build, docs/backward.md#b13) put most of it in dK_j's and dV_j's stores: 4,350-5,950
  * cycles a consumer for 64 stores a thread, and consumer 1's dQ_i share (stores to shared memory) waiting
- * behind consumer 0's, so that the consumers reach the next tile about 12,000 cycles after the last dQ_i
+ * behind consumer 0's, so that the consumers reach the next tile 12,100-13,850 cycles after the last dQ_i
  * turn begins. The accumulators' layout gives a lane two adjacent columns of a row (4 bytes), a quad 8
  * (16 bytes), so each store instruction of b10's writes 16 bytes in each of 8 rows: 8 lines and half a
  * sector each. A 4 x 4 transpose within the quad (lanes t and t ^ 1 trade one word of each pair, then t
@@ -17,7 +17,8 @@
  * producer has drawn the tile) changed nothing: 1.00x b10 at every shape (docs/backward.md#b13).
  *
  * Everything else is b10's: the tiles of 80 queries, dQ_i transposed, the pingpong turns, the ring of two
- * stages, the persistent tiles, deterministic mode, the STEP_TRACE diagnostic.
+ * stages, the persistent tiles, deterministic mode, the STEP_TRACE diagnostic (here with the key tiles' ends
+ * and starts too: tile_trace).
  *
  * Geometry: backward_dk_dv on grid (min(T_c x NH_kv x B, SMs), 1, 1), 384 threads, one block per SM;
  * shared memory 231,680 bytes, 14 mbarriers and two ints (static). Named barriers: 2 + c (consumer c's own
