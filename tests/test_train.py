@@ -563,7 +563,7 @@ def test_deterministic_asks_the_backward_rung_for_its_fixed_order(monkeypatch):
 
 @pytest.mark.parametrize("dtype, arch, forward, backward", [
     ("float32", "sm_90", "v13_fa2_partitioning", "b02_fa2"),  # float32 without TF32
-    ("bfloat16", "sm_90", "v19_wgmma_overlap", "b08_pingpong"),  # head size 64
+    ("bfloat16", "sm_90", "v19_wgmma_overlap", "b14_wide_stores_d64"),  # head size 64
     ("bfloat16", "sm_80", "v15_bf16_mma", "b04_bf16_mma"),  # no wgmma before Hopper
 ])
 def test_default_rungs(train, dtype, arch, forward, backward):
@@ -583,7 +583,7 @@ def test_a_backward_rung_not_yet_run_on_a_gpu_trains_only_when_named(train, monk
     monkeypatch.setattr(backward_ladder, "load", lambda n: newer if n == "b99_new" else load(n))
     monkeypatch.setattr(backward_ladder, "resolve", lambda n: newer.path.with_name("b99_new.cu") if n == "b99_new" else resolve(n))
     args = train.parse_args(["--data", "x.bin", "--dtype", "bfloat16"])
-    assert train.pick_rungs(args, gpt2.SIZES["gpt2"], "sm_90")[1] == "b08_pingpong"
+    assert train.pick_rungs(args, gpt2.SIZES["gpt2"], "sm_90")[1] == "b14_wide_stores_d64"
     args = train.parse_args(["--data", "x.bin", "--dtype", "bfloat16", "--backward", "b99_new"])
     assert train.pick_rungs(args, gpt2.SIZES["gpt2"], "sm_90")[1] == "b99_new"
 

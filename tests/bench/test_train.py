@@ -66,8 +66,8 @@ def test_the_per_tensor_row_is_measured_against_its_rung_and_says_so():
 
 def test_backward_rungs_that_run_here():
     assert train.rungs_for("bfloat16", "sm_90") == ["b04_bf16_mma", "b05_wgmma", "b06_wide_query_tiles", "b07_persistent",
-                                                    "b08_pingpong"]
-    assert train.rungs_for("bfloat16", "sm_80") == ["b04_bf16_mma"]  # b05-b08 are wgmma
+                                                    "b08_pingpong", "b14_wide_stores_d64"]  # b10, b13: d = 128 only
+    assert train.rungs_for("bfloat16", "sm_80") == ["b04_bf16_mma"]  # b05-b14 are wgmma
     assert train.rungs_for("float32", "sm_90") == ["b01_naive", "b02_fa2", "b03_tf32_mma"]
 
 
