@@ -14,6 +14,7 @@ that writes the log-sum-exp first and measures both passes together against the 
 and backward. Every output is poisoned with NaN before the measured run."""
 
 import math
+import secrets
 
 import pytest
 
@@ -54,6 +55,11 @@ def shape_id(shape):
 
 
 def random_inputs(cp, B, NH, NH_kv, T_q, T_k, d, dtype, seed=None):
+    """Fresh standard-normal q, k, v, do; without a seed, a new one each run, printed (pytest shows a failing
+    test's output), so that a failure seen once can be run again on the same inputs."""
+    if seed is None:
+        seed = secrets.randbits(32)
+        print(f"random_inputs: seed={seed} ({B}x{NH}/{NH_kv}x{T_q}x{T_k}, d={d}, {dtype})")
     rng = cp.random.default_rng(seed)
     q, do = ((rng.standard_normal((B, NH, T_q, d), dtype=cp.float32)).astype(dtype) for _ in range(2))
     k, v = ((rng.standard_normal((B, NH_kv, T_k, d), dtype=cp.float32)).astype(dtype) for _ in range(2))
