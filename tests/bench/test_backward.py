@@ -45,7 +45,7 @@ def test_the_rungs_forward_rung_and_peers_of_each_dtype():
     assert backward.rungs_for("float32") == ["b01_naive", "b02_fa2", "b03_tf32_mma"]
     assert backward.rungs_for("bfloat16") == backward.rungs_for("float16") == [
         "b04_bf16_mma", "b05_wgmma", "b06_wide_query_tiles", "b07_persistent", "b08_pingpong", "b10_tiles_of_80",
-        "b13_wide_stores"]
+        "b13_wide_stores", "b14_wide_stores_d64"]
     assert backward.rungs_for("float32", ["b03_tf32_mma"]) == ["b03_tf32_mma"]
     gpt2 = backward.CASE_SETS["gpt2"][1]
     assert backward.forward_rung(gpt2, "float32", "sm_90") == "v20_tf32_wgmma"
@@ -59,8 +59,9 @@ def test_the_rungs_forward_rung_and_peers_of_each_dtype():
 
 
 def test_a_rung_with_a_deterministic_configuration_runs_again_deterministic():
-    """b01 is deterministic in every configuration: one row; b02-b13 declare both kinds: a second row (b06
-    at d = 64 only: at d = 128 its one row says it does not take the case; b10 and b13 at d = 128 only)."""
+    """b01 is deterministic in every configuration: one row; b02-b14 declare both kinds: a second row (b06
+    and b14 at d = 64 only: at d = 128 their one row says they do not take the case; b10 and b13 at d = 128
+    only)."""
     gpt2 = backward.CASE_SETS["gpt2"][0]
     assert backward.entries(gpt2, "float32", backward.rungs_for("float32")) == [
         ("b01_naive", False), ("b02_fa2", False), ("b02_fa2", True), ("b03_tf32_mma", False), ("b03_tf32_mma", True)]
@@ -69,7 +70,7 @@ def test_a_rung_with_a_deterministic_configuration_runs_again_deterministic():
         ("b04_bf16_mma", False), ("b04_bf16_mma", True), ("b05_wgmma", False), ("b05_wgmma", True),
         ("b06_wide_query_tiles", False), ("b07_persistent", False), ("b07_persistent", True),
         ("b08_pingpong", False), ("b08_pingpong", True), ("b10_tiles_of_80", False), ("b10_tiles_of_80", True),
-        ("b13_wide_stores", False), ("b13_wide_stores", True)]
+        ("b13_wide_stores", False), ("b13_wide_stores", True), ("b14_wide_stores_d64", False)]
     assert backward.entries(gpt2, "bfloat16", ["b06_wide_query_tiles"]) == [
         ("b06_wide_query_tiles", False), ("b06_wide_query_tiles", True)]
     assert backward.entries(gpt2, "bfloat16", ["b02_fa2"]) == [("b02_fa2", False)]  # b02 has no bfloat16
