@@ -1,8 +1,8 @@
-"""b13's and b14's tile end, emulated in NumPy (no GPU): each lane's four words of dK_j or dV_j (its two adjacent
-columns in four 8-column blocks) through quad_transpose's two shuffle rounds, as the kernel writes them
-(kernels/backward/b13_wide_stores.cu at d = 128, b14_wide_stores_d64.cu at d = 64), must give lane t of every quad the 8 columns of block 4 q + t in
-order, so that its 16-byte store writes the row's columns 8 (4 q + t) .. + 7 and every column of the row
-is written once."""
+"""The 16-byte stores at a tile's end, emulated in NumPy (no GPU): each lane's four words of dK_j or dV_j (b13 at
+d = 128, b14 at d = 64) or of O_i (v40, d = 128), its two adjacent columns in four 8-column blocks, through
+quad_transpose's two shuffle rounds as the kernels write them, must give lane t of every quad the 8 columns
+of block 4 q + t in order, so that its 16-byte store writes the row's columns 8 (4 q + t) .. + 7 and every
+column of the row is written once."""
 
 from __future__ import annotations
 
@@ -11,8 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-FOLDER = Path(__file__).resolve().parents[1] / "kernels" / "backward"
-RUNGS = {"b13_wide_stores": 128, "b14_wide_stores_d64": 64}  # each rung's head size
+KERNELS = Path(__file__).resolve().parents[1] / "kernels"
+RUNGS = {"backward/b13_wide_stores": 128, "backward/b14_wide_stores_d64": 64, "v40_wide_o_stores": 128}  # head sizes
+STORES = {"backward/b13_wide_stores": "*(uint4*)&dK_row[8 * (4 * q + t)] = k4;",
+          "backward/b14_wide_stores_d64": "*(uint4*)&dK_row[8 * (4 * q + t)] = k4;",
+          "v40_wide_o_stores": "element* dst = dst_row + 8 * (4 * q + t);"}
 
 
 def shfl_xor(values: list[int], mask: int) -> list[int]:
@@ -38,12 +41,12 @@ def quad_transpose(a: list[list[int]]) -> list[tuple[int, int, int, int]]:
 
 @pytest.mark.parametrize("rung", RUNGS)
 def test_the_kernel_has_the_transpose_emulated_here(rung):
-    source = (FOLDER / f"{rung}.cu").read_text()
+    source = (KERNELS / f"{rung}.cu").read_text()
     for line in ("__shfl_xor_sync(0xffffffffu, odd ? a0 : a1, 1)", "__shfl_xor_sync(0xffffffffu, odd ? a2 : a3, 1)",
                  "m0 = odd ? r0 : a0, m1 = odd ? a1 : r0, m2 = odd ? r1 : a2, m3 = odd ? a3 : r1",
                  "__shfl_xor_sync(0xffffffffu, high ? m0 : m2, 2)", "__shfl_xor_sync(0xffffffffu, high ? m1 : m3, 2)",
                  "high ? make_uint4(v0, v1, m2, m3) : make_uint4(m0, m1, v0, v1)",
-                 "const int e = 4 * (4 * q + j) + 2 * h;", "*(uint4*)&dK_row[8 * (4 * q + t)] = k4;"):
+                 "const int e = 4 * (4 * q + j) + 2 * h;", STORES[rung]):
         assert line in source, line
 
 
