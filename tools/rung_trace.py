@@ -33,7 +33,7 @@ backward uses) has six points a step of its dK/dV loop, so these phases:
                done in the wait before)
     step       loop top to loop top
 
-Where the rung also declares `tile_trace` (b13 and b14), its key tiles' ends and starts are read too and
+Where the rung also declares `tile_trace` (b13), its key tiles' ends and starts are read too and
 printed for block 0's first boundaries, in cycles after consumer 0 reached its tile's last dQ_i turn:
 
     last dQ    consumer c done with the tile's steps, before the last dQ_i share's turn
@@ -234,9 +234,12 @@ def tile_table(tiles: np.ndarray, count: int = 6) -> str:
     """Block 0's first key tile boundaries: each consumer's points at a tile's end and the next one's start,
     and the producer's for the next tile, in cycles after consumer 0's `last dQ` of the tile."""
     width = 10
-    header = ("tile  " + " ".join(f"{'c0 ' + p:>{width + 3}}" if i == 0 else f"{p:>{width}}" for i, p in enumerate(TILE_POINTS))
-              + "  " + " ".join(f"{'c1 ' + p:>{width + 3}}" if i == 0 else f"{p:>{width}}" for i, p in enumerate(TILE_POINTS))
-              + "  " + " ".join(f"{p:>{width}}" for p in PRODUCER_POINTS))
+
+    def consumer_header(c: int) -> str:  # the first column named with its consumer, 3 wider
+        return " ".join(f"{f'c{c} ' + p:>{width + 3}}" if i == 0 else f"{p:>{width}}" for i, p in enumerate(TILE_POINTS))
+
+    header = ("tile  " + consumer_header(0) + "  " + consumer_header(1) + "  "
+              + " ".join(f"{p:>{width}}" for p in PRODUCER_POINTS))
     lines = [header]
     for u in range(min(count, tiles.shape[1] - 1)):
         base = tiles[0, u, 0]
