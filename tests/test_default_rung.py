@@ -34,7 +34,7 @@ def test_the_rungs_that_fit_are_those_whose_declarations_take_the_run(dtype, arc
 def test_known_defaults():
     assert kernels.default_rung("float32", arch="sm_80") == "v14_tf32_mma"
     assert kernels.default_rung("bfloat16", arch="sm_80") == "v15_bf16_mma"
-    assert kernels.default_rung("bfloat16", 128, True, "sm_90") == "v39_warp_redo"
+    assert kernels.default_rung("bfloat16", 128, True, "sm_90") == "v40_wide_o_stores"
     assert kernels.default_rung("float32", 128, True, "sm_90") == "v14_tf32_mma"  # v20 takes no head size 128
     assert kernels.default_rung("float32", 64, arch="sm_80", decode=True) == "v16_decode_split_kv"
     assert kernels.default_rung("float32", 63) is None  # no rung takes an odd head size

@@ -41,6 +41,12 @@ def random_qkv(cp, B, NH, T, d, *, magnitude=1.0, packed=False, seed=None, dtype
     return tuple((rng.standard_normal((B, NH, T, d), dtype=cp.float32) * magnitude).astype(dtype) for _ in range(3))
 
 
+def head_size(name):
+    """The head size the one-shape tests use: 64 where the rung takes it, else its first (v40: 128 alone)."""
+    sizes = kernels.load(name).head_sizes()
+    return 64 if 64 in sizes else sizes[0]
+
+
 def score_floor(cp, q, k, v, scale=None):
     """The output error that rounding the scores to float32 alone can cause: softmax moves by at most
     2 max|ds| (in each probability's share), ds = eps * |s|, and the output by that times max|v|."""
@@ -128,7 +134,7 @@ def test_rung_custom_scale(name):
     import cupy as cp
 
     dtype = kernels.load(name).dtypes[0]
-    check_against_reference(*random_qkv(cp, 1, 2, 130, 64, dtype=dtype), name, scale=0.5)
+    check_against_reference(*random_qkv(cp, 1, 2, 130, head_size(name), dtype=dtype), name, scale=0.5)
 
 
 @pytest.mark.exhaustive  # every configuration: the quick tier runs the ones the launcher picks
@@ -237,7 +243,7 @@ def test_inf_in_v_is_not_masked(name):
     import cupy as cp
 
     dtype = kernels.load(name).dtypes[0]
-    q, k, v = random_qkv(cp, 1, 1, 70, 64, dtype=dtype)
+    q, k, v = random_qkv(cp, 1, 1, 70, head_size(name), dtype=dtype)
     v[0, 0, 30, 5] = cp.inf
     out = kernels.attention(q, k, v, kernel=name).astype(cp.float32)
     assert not bool(cp.isfinite(out[0, 0, 30:, 5]).any()), f"{name}: an Inf in V was masked"
@@ -261,7 +267,7 @@ def check_nan_reaches(name, where, *, T_q, T_k, row, config=None, dtype=None):
     if dtype is None:  # a .cu rung's first dtype, or its config's
         rung = kernels.load(name)
         dtype = (rung.dtype_of(config) if config else None) or rung.dtypes[0]
-    d = config[0] if isinstance(config, tuple) else 64
+    d = config[0] if isinstance(config, tuple) else head_size(name) if name in RUNGS else 64  # triton rungs: 64
     q = (cp.random.standard_normal((1, 2, T_q, d), dtype=cp.float32)).astype(dtype)
     k, v = ((cp.random.standard_normal((1, 2, T_k, d), dtype=cp.float32)).astype(dtype) for _ in range(2))
     {"q": q, "k": k, "v": v}[where][0, 1, row, 3] = cp.nan

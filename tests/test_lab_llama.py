@@ -136,7 +136,7 @@ def test_a_rung_without_the_head_size_is_refused_naming_those_with_it():
 
 
 def test_the_default_rung_takes_the_model():
-    assert lab.fit_kernel("x", None, GQA_128, "bfloat16", "gpu", "sm_90") == "v39_warp_redo"
+    assert lab.fit_kernel("x", None, GQA_128, "bfloat16", "gpu", "sm_90") == "v40_wide_o_stores"
     assert lab.fit_kernel("x", None, GQA_128, "bfloat16", "gpu", "sm_80") == "v15_bf16_mma"
     assert lab.fit_kernel("x", None, GQA_128, "float32", "gpu", "sm_90") == "v14_tf32_mma"  # v20 has no 128
     assert lab.fit_kernel("x", None, GQA_64, "float32", "gpu", "sm_90") == "v20_tf32_wgmma"
