@@ -422,10 +422,12 @@ def test_the_streams_overrides_give_the_same_bits_and_the_attentions_the_same_to
     config, p32, _ = one_b
     plan = fast.Engine(p32, config, max_len=256, keep_logits=True)
     want = engine_forced(cp, plan, PROMPT, list(range(100, 116)))
-    for gemv in ({"blocks_per_sm": 1}, {"blocks_per_sm": 1, "item_loads": 4}):
+    for gemv in ({"blocks_per_sm": 1}, {"blocks_per_sm": 1, "item_loads": 4},
+                 {"blocks_per_sm_of": {"qkv": 1, "o_proj": 1}}):
         engine = fast.Engine(p32, config, max_len=256, keep_logits=True, gemv=gemv)
-        assert all(grid == min(engine.sm_count, -(-m.tasks // fast.plan.GEMV_WARPS))
-                   for (_, grid, _), m in zip(engine.gemv.values(), fast.matrices(config).values(), strict=True))
+        capped = set(fast.matrices(config)) if "blocks_per_sm" in gemv else set(gemv["blocks_per_sm_of"])
+        assert all(engine.gemv[key][1] == min(engine.sm_count, -(-m.tasks // fast.plan.GEMV_WARPS))
+                   for key, m in fast.matrices(config).items() if key in capped)
         got = engine_forced(cp, engine, PROMPT, list(range(100, 116)))
         assert all(bool((a == b).all()) for a, b in zip(got, want, strict=True)), f"gemv={gemv}: logits differ"
     tokens = plan.generate(PROMPT, 64, attend=reference_attend).tokens

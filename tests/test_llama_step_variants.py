@@ -29,9 +29,12 @@ def test_variants_parse_into_the_engine_s_overrides():
                                                           "l2": {}}
     assert variants.parse_variant("splits=32+gemv_bps=1+item_loads=4") == {
         "attention": {"splits": 32}, "gemv": {"blocks_per_sm": 1, "item_loads": 4}, "l2": {}}
+    assert variants.parse_variant("o_proj_bps=1+down_proj_bps=1+gemv_bps=2") == {
+        "attention": {}, "gemv": {"blocks_per_sm_of": {"o_proj": 1, "down_proj": 1}, "blocks_per_sm": 2}, "l2": {}}
     assert variants.parse_variant("attn_mb=16+cap_mb=32") == {
         "attention": {}, "gemv": {}, "l2": {"attention": 16 << 20, "cap": 32 << 20}}
-    for bad in ("keys", "keys=0", "rows=3", "keys=2.5", "warps=8,keys=4", "spread=1", "gemv_bps=0", "cap_mb=0"):
+    for bad in ("keys", "keys=0", "rows=3", "keys=2.5", "warps=8,keys=4", "spread=1", "gemv_bps=0", "cap_mb=0",
+                "oproj_bps=1", "qkv_bps=0"):
         with pytest.raises(ValueError, match="is not one of"):
             variants.parse_variant(bad)
     for text in variants.DEFAULT_VARIANTS.split(","):  # every default is a geometry the engine takes
@@ -41,8 +44,14 @@ def test_variants_parse_into_the_engine_s_overrides():
 
 
 def test_the_streams_overrides_are_checked():
-    assert gemv_options(None) == {"blocks_per_sm": 1 << 30, "item_loads": fast.plan.ITEM_LOADS}
-    for bad in ({"rows": 1}, {"spread": True}, {"blocks_per_sm": 0}, {"item_loads": 16}):
+    assert gemv_options(None) == {"blocks_per_sm": 1 << 30, "blocks_per_sm_of": fast.plan.STREAM_BLOCKS_PER_SM,
+                                  "item_loads": fast.plan.ITEM_LOADS}
+    plan = dict(fast.plan.STREAM_BLOCKS_PER_SM)
+    one = gemv_options({"blocks_per_sm_of": {"o_proj": 1}})
+    assert one["blocks_per_sm_of"] == {**plan, "o_proj": 1} and fast.plan.STREAM_BLOCKS_PER_SM == plan  # a copy
+    assert set(fast.plan.MATRIX_NAMES) == set(fast.matrices(ONE_B))
+    for bad in ({"rows": 1}, {"spread": True}, {"blocks_per_sm": 0}, {"item_loads": 16},
+                {"blocks_per_sm_of": {"oproj": 1}}, {"blocks_per_sm_of": {"qkv": 0}}):
         with pytest.raises(LabError, match="gemv"):
             gemv_options(bad)
     assert l2_options(None) == {"cap": fast.plan.PREFETCH_CAP, "attention": fast.plan.ATTENTION_PREFETCH}

@@ -11,7 +11,8 @@ from.
 A variant is `plan` (the engine's own choices) or `name=value` pairs joined by `+` (`keys=256+warps=8`):
 splits (launched per key/value head), keys (split_keys: at least the cache's length over the splits),
 warps (4, 8 or 16); gemv_bps (at most this
-many blocks of a stream an SM), item_loads (1 to 8: more spills under rms_gemv.cu's register cap); cap_mb
+many blocks of every stream an SM), qkv_bps, o_proj_bps, gate_up_bps, down_proj_bps, lm_head_bps (the
+same for one stream), item_loads (1 to 8: more spills under rms_gemv.cu's register cap); cap_mb
 (MiB of the next matrix each stream asks L2 to prefetch at its end) and attn_mb (MiB of the layer's gate/up
 the attention launch asks L2 for as it starts; 0: none). Writes llama_step_variants.json to --out.
 """
@@ -26,10 +27,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from llama.fast.plan import MATRIX_NAMES  # noqa: E402  (no CuPy needed)
+
 # a variant's names: (the Engine argument, its key there, the unit of the value)
 NAMES = {"splits": ("attention", "splits", 1), "keys": ("attention", "split_keys", 1),
          "warps": ("attention", "warps", 1), "gemv_bps": ("gemv", "blocks_per_sm", 1),
-         "item_loads": ("gemv", "item_loads", 1), "cap_mb": ("l2", "cap", 1 << 20), "attn_mb": ("l2", "attention", 1 << 20)}
+         "item_loads": ("gemv", "item_loads", 1), "cap_mb": ("l2", "cap", 1 << 20), "attn_mb": ("l2", "attention", 1 << 20),
+         **{f"{m}_bps": ("gemv", ("blocks_per_sm_of", m), 1) for m in MATRIX_NAMES}}
 DEFAULT_VARIANTS = "plan,keys=64,keys=256,warps=8,gemv_bps=1,item_loads=4"
 
 
@@ -44,7 +48,10 @@ def parse_variant(text: str) -> dict:
         if name not in NAMES or not value.isdigit() or int(value) < (0 if name == "attn_mb" else 1):
             raise ValueError(f"variant {text!r}: {part!r} is not one of {', '.join(f'{n}=N' for n in NAMES)}")
         where, key, unit = NAMES[name]
-        out[where][key] = int(value) * unit
+        if isinstance(key, tuple):  # one stream's: {"blocks_per_sm_of": {matrix: n}}
+            out[where].setdefault(key[0], {})[key[1]] = int(value) * unit
+        else:
+            out[where][key] = int(value) * unit
     return out
 
 

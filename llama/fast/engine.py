@@ -25,9 +25,11 @@ from .plan import (
     DEFAULT_POSITIONS,
     GEMV_WARPS,
     ITEM_LOADS,
+    MATRIX_NAMES,
     NULL,
     PREFETCH_CAP,
     STEPS_PER_GRAPH,
+    STREAM_BLOCKS_PER_SM,
     attention_kernel,
     attention_plan,
     cache_positions,
@@ -44,13 +46,20 @@ STEP_KINDS = ("rms+qkv+rope+kv_store", "gqa_attention", "o_proj+residual", "rms+
 
 def gemv_options(given: dict | None) -> dict:
     """The streams' overrides, for measuring (tools/llama_step_variants.py): blocks_per_sm (at most this
-    many blocks of a stream an SM) and item_loads (gemv_unroll's); by default the plan's: as many as
-    fit, ITEM_LOADS."""
-    out = {"blocks_per_sm": 1 << 30, "item_loads": ITEM_LOADS}
+    many blocks of every stream an SM), blocks_per_sm_of ({matrix: at most this many blocks of that
+    stream an SM}, over the plan's STREAM_BLOCKS_PER_SM) and item_loads (gemv_unroll's); by default the
+    plan's: STREAM_BLOCKS_PER_SM, else as many as fit, and ITEM_LOADS."""
+    out = {"blocks_per_sm": 1 << 30, "blocks_per_sm_of": dict(STREAM_BLOCKS_PER_SM), "item_loads": ITEM_LOADS}
     if unknown := set(given or {}) - set(out):
-        raise LabError(f"gemv {given}: unknown {', '.join(sorted(unknown))} (blocks_per_sm, item_loads)")
-    out.update(given or {})
-    if out["blocks_per_sm"] < 1 or not 1 <= out["item_loads"] <= ITEM_LOADS:
+        raise LabError(f"gemv {given}: unknown {', '.join(sorted(unknown))} (blocks_per_sm, blocks_per_sm_of, "
+                       "item_loads)")
+    out.update({k: v for k, v in (given or {}).items() if k != "blocks_per_sm_of"})
+    out["blocks_per_sm_of"].update((given or {}).get("blocks_per_sm_of", {}))
+    if unknown := set(out["blocks_per_sm_of"]) - set(MATRIX_NAMES):
+        raise LabError(f"gemv {given}: blocks_per_sm_of names {', '.join(sorted(unknown))}; the streams are "
+                       f"{', '.join(MATRIX_NAMES)}")
+    if (min([out["blocks_per_sm"], *out["blocks_per_sm_of"].values()]) < 1
+            or not 1 <= out["item_loads"] <= ITEM_LOADS):
         raise LabError(f"gemv {given}: blocks_per_sm at least 1, item_loads 1 to {ITEM_LOADS} (more spills "
                        "under rms_gemv.cu's 128 registers)")
     return out
@@ -104,7 +113,7 @@ class Engine(FastEngine):
                                        **(attention or {}))
         except (TypeError, ValueError) as exc:
             raise LabError(f"attention {attention}: {exc}") from None
-        self.gemv_options = gemv_options(gemv)  # the streams' overrides (blocks_per_sm, item_loads)
+        self.gemv_options = gemv_options(gemv)  # the streams' overrides (blocks_per_sm[_of], item_loads)
         self.l2_options = l2_options(l2)  # the prefetch hints' overrides (cap, attention)
         with self.stream:
             # the weights as the kernels read them: views of params in the run's dtype laid out by
@@ -164,7 +173,8 @@ class Engine(FastEngine):
         for key, m in matrices(c).items():
             fn, smem = self.fn[key], 4 * m.K
             fn.max_dynamic_shared_size_bytes = smem
-            held = min(driver.blocks_per_sm(fn, GEMV_WARPS * 32, smem), self.gemv_options["blocks_per_sm"])
+            held = min(driver.blocks_per_sm(fn, GEMV_WARPS * 32, smem), self.gemv_options["blocks_per_sm"],
+                       self.gemv_options["blocks_per_sm_of"].get(key, 1 << 30))
             grid = gemv_grid(m.tasks, held, self.sm_count)
             self.gemv[key] = (fn, grid, smem)
         # the compiled kernel is shared by every engine of this model and dtype: its opt-in only grows

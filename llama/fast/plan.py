@@ -26,6 +26,9 @@ PREFETCH_CAP = 8 << 20  # bytes of the next matrix a kernel asks L2 to fetch at 
 # behind the prefetch, and it is the step's critical path (Engine(l2=) measures other amounts)
 ATTENTION_PREFETCH = 0
 GEMV_WARPS = 8  # rms_gemv.cu's warps per block
+# at most this many blocks of a stream an SM, by matrix (the rest: as many as fit): none yet
+STREAM_BLOCKS_PER_SM: dict[str, int] = {}
+MATRIX_NAMES = ("qkv", "o_proj", "gate_up", "down_proj", "lm_head")  # matrices()' keys, in step order
 ITEM_LOADS = 8  # rms_gemv.cu: 16-byte loads per lane in one item (rows x UNROLL); two items in flight
 ATTENTION_WARPS = (4, 8, 16)  # gqa_decode_attention.cu's warps per block: the engine's plan picks one
 MAX_GROUP = 8  # query heads per key/value head that gqa_decode_attention.cu keeps in registers
