@@ -83,8 +83,28 @@ def test_streams_read_16_byte_vectors_two_items_ahead(key, dtype):
     item = m.rows * int(expr.rstrip(">").split(",")[-1])  # rows x UNROLL
     assert sum(at < wait for at in loads) == 2 * item, expr
     assert len(loads) == 4 * item, f"{expr}: {len(loads)} 16-byte weight loads, expected 2 + 2 items of {item}"
-    assert wait < body.index("ld.global.cg"), f"{expr}: the input read before the wait"
+    assert wait < body.index("ld.global.cg.v4.f32"), f"{expr}: the input read before the wait"
+    assert "st.global" not in body[:wait], f"{expr}: a store before the wait"
     assert "cp.async.bulk.prefetch.L2.global" in body, expr
+
+
+# what each stream's epilogue and RMSNorm read before griddep_wait() besides the weights (rms_gemv.cu's
+# ahead): RMSNorm's weight as float4s (nc: a weight), the residual's x (cg: two launches back), RoPE's
+# position (cg) and its angle's cos and sin (nc: tables)
+AHEAD = {"qkv": {"ld.global.nc.v4.f32", "ld.global.cg.s32", "ld.global.nc.f32"}, "o_proj": {"ld.global.cg.f32"},
+         "gate_up": {"ld.global.nc.v4.f32"}, "down_proj": {"ld.global.cg.f32"}, "lm_head": {"ld.global.nc.v4.f32"}}
+
+
+@pytest.mark.parametrize("key", sorted(AHEAD))
+@pytest.mark.parametrize("dtype", fast.DTYPES)
+def test_streams_read_their_epilogues_inputs_before_the_wait(key, dtype):
+    """Besides the weights' 16-byte vectors, a stream reads before griddep_wait() exactly what AHEAD
+    says: no epilogue and no RMSNorm pays a round trip through L2 after the last item's sums."""
+    file, expr = fast.kernel_expressions(llama.SIZES["llama-3.2-1b"], dtype)[key]
+    body = fused.ptx(file, expr)
+    body = body[body.index(".entry"):]
+    before = set(re.findall(r"\bld\.global[\w.]*", body[:body.index("griddepcontrol.wait")]))
+    assert before - {"ld.global.nc.v4.u32"} == AHEAD[key], expr
 
 
 def test_attention_stages_cached_rows_before_its_wait():

@@ -25,8 +25,11 @@
  * vectors l, l + 32, ... of each row, UNROLL of them per item, and an item's R x UNROLL loads are
  * issued together. Two items are in flight per warp (register buffers w0 and w1, refilled as soon as
  * they are reduced): 2 x R x UNROLL 16-byte loads per lane. The first two items are issued before
- * griddep_wait() (weights only: common.cuh's rule), so under programmatic dependent launch they
- * overlap the previous kernel and the staging of the input. K is looped in items of UNROLL vectors,
+ * griddep_wait() (common.cuh's rule), so under programmatic dependent launch they overlap the previous
+ * kernel and the staging of the input. So is everything else a stream reads that is final by then:
+ * RMSNorm's weight, and what the first task's epilogue reads beside its sums (the residual's x, RoPE's
+ * position and angle; an epilogue's ahead(), which reads the next task's as a task ends): after the
+ * wait the only round trips left are the input's and the stores. K is looped in items of UNROLL vectors,
  * so a row of any length fits (down_proj's 14,336), and the input lives in dynamic shared memory.
  * The grid is one wave (the SMs times the blocks an SM holds, no more than the tasks need), so no
  * block waits for a second wave, and the grid's warps take tasks 0 .. warps - 1 first, then the next
@@ -135,10 +138,27 @@ __device__ __forceinline__ void dot_item(const uint4 (&w)[R][UNROLL], const floa
     }
 }
 
+// RMSNorm's weight, this thread's float4s of it (i = threadIdx.x, + THREADS, ...), read before
+// griddep_wait(): a weight, so it is final, and the scaling pass after the row sum needs no round trip.
+template <int K, int THREADS>
+struct NormAhead {
+    static constexpr int N = (K / 4 + THREADS - 1) / THREADS;
+    float4 w[N];
+    __device__ __forceinline__ void load(const float* __restrict__ norm_w)
+    {
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+            const int i = threadIdx.x + k * THREADS;
+            w[k] = i < K / 4 ? __ldg(reinterpret_cast<const float4*>(norm_w) + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    }
+};
+
 // x_s = x, or RMSNorm(x) * norm_w = (x * (mean(x^2) + eps)^-1/2) * norm_w as llama/model.py's rms_norm,
-// K floats; ends with a barrier (the whole vector in place for every warp).
+// K floats: a thread scales the float4s it staged, with its float4s of norm_w (nw, read before the wait);
+// ends with a barrier (the whole vector in place for every warp).
 template <int K, int THREADS, bool RMS>
-__device__ __forceinline__ void stage_rms(const float* __restrict__ x, const float* __restrict__ norm_w, float eps,
+__device__ __forceinline__ void stage_rms(const float* __restrict__ x, const NormAhead<K, THREADS>& nw, float eps,
                                           float* x_s, float* scratch)
 {
     static_assert(K % 4 == 0, "the input is read as float4");
@@ -150,7 +170,15 @@ __device__ __forceinline__ void stage_rms(const float* __restrict__ x, const flo
     }
     if (RMS) {
         const float r = 1.0f / sqrtf(block_sum<THREADS>(ss, scratch) / K + eps);  // its barriers publish x_s
-        for (int i = threadIdx.x; i < K; i += THREADS) x_s[i] = x_s[i] * r * norm_w[i];
+#pragma unroll
+        for (int k = 0; k < NormAhead<K, THREADS>::N; ++k) {
+            const int i = threadIdx.x + k * THREADS;
+            if (i < K / 4) {
+                float4* p = reinterpret_cast<float4*>(x_s) + i;
+                const float4 v = *p, w = nw.w[k];
+                *p = make_float4(v.x * r * w.x, v.y * r * w.y, v.z * r * w.z, v.w * r * w.w);
+            }
+        }
     }
     __syncthreads();
 }
@@ -174,6 +202,7 @@ __device__ __forceinline__ bool advance(uint4 (&w)[Rows::R][UNROLL], int item, c
 #pragma unroll
         for (int r = 0; r < Rows::R; ++r) acc[r] = warp_sum(acc[r]);
         epi(task, acc, lane);
+        epi.ahead(task + stride, tasks, lane);  // the warp's next task's
 #pragma unroll
         for (int r = 0; r < Rows::R; ++r) acc[r] = 0.0f;
     }
@@ -200,9 +229,12 @@ __device__ __forceinline__ void stream_tasks(const weight_t* __restrict__ W, con
     uint4 w0[R][UNROLL], w1[R][UNROLL];
     load_item<weight_t, K, UNROLL>(w0, W, rows, first, 0, tasks, lane);
     load_item<weight_t, K, UNROLL>(w1, W, rows, first + (1 / S::GROUPS) * stride, 1 % S::GROUPS, tasks, lane);
+    NormAhead<K, WARPS * 32> nw;
+    if (RMS) nw.load(norm_w);
+    epi.ahead(first, tasks, lane);  // what the first task's epilogue reads beside its sums (common.cuh's rule)
     griddep_wait();  // from here on, the previous kernels' outputs (x, the state) are complete
     griddep_launch_dependents();
-    stage_rms<K, WARPS * 32, RMS>(x, norm_w, eps, x_s, scratch);
+    stage_rms<K, WARPS * 32, RMS>(x, nw, eps, x_s, scratch);
 
     float acc[R];
 #pragma unroll
@@ -216,16 +248,29 @@ __device__ __forceinline__ void stream_tasks(const weight_t* __restrict__ W, con
 
 // -- epilogues ---------------------------------------------------------------------------------------
 
+// An epilogue's ahead(n, tasks, lane) reads what task n's epilogue will need besides its sums, for the
+// warp's first task before griddep_wait() and for each next one as the task before it ends, so that
+// no epilogue waits on a round trip through L2 at the end of the stream. Before the wait only the
+// weights and what kernels two or more launches back wrote (common.cuh's rule): x for the residual
+// streams (o_proj's x is down_proj's of the layer before, down_proj's is o_proj's: each two launches
+// back), the state's position and RoPE's tables.
+
 struct AddResidual {  // x[n] += W_n . y, as the eager model adds x + o_proj(...)
     float* x;
+    float x_n = 0.0f;  // lane 0: x[n] of the warp's next task, read ahead
+    __device__ __forceinline__ void ahead(int n, int tasks, int lane)
+    {
+        if (lane == 0 && n < tasks) x_n = fresh(x + n);
+    }
     __device__ __forceinline__ void operator()(int n, const float (&acc)[1], int lane) const
     {
-        if (lane == 0) x[n] = fresh(x + n) + acc[0];
+        if (lane == 0) x[n] = x_n + acc[0];
     }
 };
 
 struct SiluMul {  // g[n] = silu(gate_n . h) * (up_n . h), silu(a) = a / (1 + e^-a) as llama/model.py's
     float* g;
+    __device__ __forceinline__ void ahead(int, int, int) {}
     __device__ __forceinline__ void operator()(int n, const float (&acc)[2], int lane) const
     {
         if (lane == 0) g[n] = acc[0] / (1.0f + expf(-acc[0])) * acc[1];
@@ -243,18 +288,29 @@ struct RopeStore {
     kv_t* v_cache;
     const float* rope_cos;  // (max_len, HS / 2)
     const float* rope_sin;
-    const int* state;  // {token, pos}: read after griddep_wait(), as every epilogue runs
     int n_head, kv_heads, max_len;
+
+    int pos;                           // state[1], read before griddep_wait() (the rule allows it)
+    float cos_t = 0.0f, sin_t = 0.0f;  // lane 0: the next task's cos and sin at pos (q's and k's heads)
+
+    __device__ __forceinline__ void ahead(int t, int tasks, int lane)
+    {
+        constexpr int HALF = HS / 2;
+        if (lane != 0 || t >= tasks) return;
+        if (t / HALF < n_head + kv_heads) {
+            cos_t = rope_cos[(long long)pos * HALF + t % HALF];
+            sin_t = rope_sin[(long long)pos * HALF + t % HALF];
+        }
+    }
 
     __device__ __forceinline__ void operator()(int t, const float (&acc)[2], int lane) const
     {
         if (lane != 0) return;
         constexpr int HALF = HS / 2;
-        const int pos = fresh(state + 1);
         const int head = t / HALF, i = t % HALF;  // heads: n_head of q, kv_heads of k, kv_heads of v
         float a = acc[0], b = acc[1];  // elements i and i + HALF
         if (head < n_head + kv_heads) {
-            const float c = rope_cos[(long long)pos * HALF + i], s = rope_sin[(long long)pos * HALF + i];
+            const float c = cos_t, s = sin_t;
             const float ra = __fadd_rn(__fmul_rn(a, c), __fmul_rn(-b, s));
             const float rb = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
             a = ra;
@@ -277,6 +333,7 @@ struct Argmax {  // each warp's best (value, row) over its rows, ascending: the 
     float* logits;  // written if not null
     float best;
     int arg;
+    __device__ __forceinline__ void ahead(int, int, int) {}
     __device__ __forceinline__ void operator()(int n, const float (&acc)[1], int lane)
     {
         if (logits != nullptr && lane == 0) logits[n] = acc[0];
@@ -323,7 +380,7 @@ rms_gemv_rope(const weight_t* __restrict__ W, const float* __restrict__ x, const
     static_assert(HS % 2 == 0, "RoPE rotates pairs");
     extern __shared__ __align__(16) float x_s[];
     __shared__ float scratch[WARPS];
-    RopeStore<weight_t, HS> epi{q, k_cache, v_cache, rope_cos, rope_sin, state, n_head, kv_heads, max_len};
+    RopeStore<weight_t, HS> epi{q, k_cache, v_cache, rope_cos, rope_sin, n_head, kv_heads, max_len, fresh(state + 1)};
     const int tasks = (n_head + 2 * kv_heads) * (HS / 2);
     stream_tasks<weight_t, K, WARPS, UNROLL, true>(W, RopePairs<HS>{}, tasks, x, norm_w, eps, x_s, scratch, epi);
     prefetch_l2(prefetch, prefetch_bytes);

@@ -136,6 +136,8 @@ def decode_weights(cp, params: dict, config: LlamaConfig, dtype: str) -> DecodeW
     layers = [{**{key: stack(i, names) for key, names in STACKS.items()},
                **{key: matrix(params[layer_name(i, name)]) for key, name in SINGLE.items()}}
               for i in range(config.num_hidden_layers)]
-    norms = {name: to_float32(cp, a) for name, a in params.items() if name.endswith("norm.weight")}
+    # float32, on a 16-byte boundary (rms_gemv.cu reads a norm's weight as float4s): a view that is not is copied
+    norms = {name: (n if n.data.ptr % 16 == 0 else n.copy())
+             for name, n in ((name, to_float32(cp, a)) for name, a in params.items() if name.endswith("norm.weight"))}
     head = embed if config.tie_word_embeddings else matrix(params["lm_head.weight"])
     return DecodeWeights(embed=embed, head=head, layers=layers, norms=norms)
