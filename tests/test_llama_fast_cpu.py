@@ -325,6 +325,20 @@ def test_engine_copies_each_matrix_once_when_params_are_not_laid_out(dtype):
     assert held_bytes(w.norms.values(), besides=params.values()) == 0
 
 
+def test_a_norm_off_a_16_byte_boundary_is_copied():
+    """rms_gemv.cu reads a norm's weight as float4s: a float32 view that starts 4 bytes into its buffer is
+    copied (onto a boundary, with its values), one that starts on a boundary is used as it is."""
+    from llama.fast.weights import on_16_bytes
+    from lm.arrays import address
+
+    buf = np.arange(9, dtype=np.float32)
+    on, off = buf[4:8], buf[1:5]
+    assert address(on) % 16 == 0 and address(off) % 16 == 4  # NumPy aligns its buffers to 16 bytes at least
+    assert on_16_bytes(on) is on
+    moved = on_16_bytes(off)
+    assert address(moved) % 16 == 0 and (moved == off).all()
+
+
 def test_weight_bytes_per_token_is_the_loader_s():
     c = llama.SIZES["llama-3.2-1b"]
     assert fast.weight_bytes_per_token(c, "bfloat16") == 2 * 1_235_814_400  # tied: the table once

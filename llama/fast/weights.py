@@ -117,6 +117,12 @@ class DecodeWeights:
                 **{f"layers.{i}.{key}": a for i, layer in enumerate(self.layers) for key, a in layer.items()}}
 
 
+def on_16_bytes(a):
+    """a, or a copy of it where it does not start on a 16-byte boundary (rms_gemv.cu reads a norm's weight
+    as float4s; a view into a larger array may start anywhere)."""
+    return a if address(a) % 16 == 0 else a.copy()
+
+
 def decode_weights(cp, params: dict, config: LlamaConfig, dtype: str) -> DecodeWeights:
     """The engine's weights from params: views of them where params already hold what the kernels read
     (the run's dtype; q/k/v and gate/up stacked by decode_layout), else one copy each."""
@@ -136,8 +142,6 @@ def decode_weights(cp, params: dict, config: LlamaConfig, dtype: str) -> DecodeW
     layers = [{**{key: stack(i, names) for key, names in STACKS.items()},
                **{key: matrix(params[layer_name(i, name)]) for key, name in SINGLE.items()}}
               for i in range(config.num_hidden_layers)]
-    # float32, on a 16-byte boundary (rms_gemv.cu reads a norm's weight as float4s): a view that is not is copied
-    norms = {name: (n if n.data.ptr % 16 == 0 else n.copy())
-             for name, n in ((name, to_float32(cp, a)) for name, a in params.items() if name.endswith("norm.weight"))}
+    norms = {name: on_16_bytes(to_float32(cp, a)) for name, a in params.items() if name.endswith("norm.weight")}
     head = embed if config.tie_word_embeddings else matrix(params["lm_head.weight"])
     return DecodeWeights(embed=embed, head=head, layers=layers, norms=norms)
