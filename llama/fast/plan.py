@@ -26,7 +26,14 @@ PREFETCH_CAP = 8 << 20  # bytes of the next matrix a kernel asks L2 to fetch at 
 # behind the prefetch, and it is the step's critical path (Engine(l2=) measures other amounts)
 ATTENTION_PREFETCH = 0
 GEMV_WARPS = 8  # rms_gemv.cu's warps per block
-# at most this many blocks of a stream an SM, by matrix (the rest: as many as fit): none yet
+# at most this many blocks of a stream an SM, by matrix (the rest: as many as fit): none. A small stream at
+# one block an SM leaves half the register file to the next kernel's blocks, which under programmatic
+# dependent launch could then issue their first items under its tail; every such cap measured slower
+# (H200, tools/llama_step_variants.py, two rounds, time a token against the plan's, positions 40 / 260 in
+# a 512-position cache, 1000 in 2,048; Engine(gemv={"blocks_per_sm_of": ...}) measures others):
+# o_proj 1.011-1.018x at 1B and 3B, 1.025x at 3.1 8B (position 128); qkv 0.998-1.016x; down_proj
+# 1.050-1.064x; qkv and o_proj 1.011-1.029x (8B 1.049x); all three 1.063-1.079x (8B 1.119x). Halving a
+# stream's loads in flight costs more than the next kernel's head start buys.
 STREAM_BLOCKS_PER_SM: dict[str, int] = {}
 MATRIX_NAMES = ("qkv", "o_proj", "gate_up", "down_proj", "lm_head")  # matrices()' keys, in step order
 ITEM_LOADS = 8  # rms_gemv.cu: 16-byte loads per lane in one item (rows x UNROLL); two items in flight
