@@ -31,6 +31,8 @@ def test_variants_parse_into_the_engine_s_overrides():
         "attention": {"splits": 32}, "gemv": {"blocks_per_sm": 1, "item_loads": 4}, "l2": {}}
     assert variants.parse_variant("o_proj_bps=1+down_proj_bps=1+gemv_bps=2") == {
         "attention": {}, "gemv": {"blocks_per_sm_of": {"o_proj": 1, "down_proj": 1}, "blocks_per_sm": 2}, "l2": {}}
+    assert variants.parse_variant("qkv_loads=4+down_proj_loads=6") == {
+        "attention": {}, "gemv": {"item_loads_of": {"qkv": 4, "down_proj": 6}}, "l2": {}}
     assert variants.parse_variant("attn_mb=16+cap_mb=32") == {
         "attention": {}, "gemv": {}, "l2": {"attention": 16 << 20, "cap": 32 << 20}}
     for bad in ("keys", "keys=0", "rows=3", "keys=2.5", "warps=8,keys=4", "spread=1", "gemv_bps=0", "cap_mb=0",
@@ -40,18 +42,20 @@ def test_variants_parse_into_the_engine_s_overrides():
     for text in variants.DEFAULT_VARIANTS.split(","):  # every default is a geometry the engine takes
         v = variants.parse_variant(text)
         fast.attention_plan(ONE_B, 512, 132, 2, **v["attention"])
-        assert gemv_options(v["gemv"])["item_loads"] >= 1
+        assert gemv_options(v["gemv"])["item_loads"] in (None, *range(1, fast.plan.ITEM_LOADS + 1))
 
 
 def test_the_streams_overrides_are_checked():
     assert gemv_options(None) == {"blocks_per_sm": 1 << 30, "blocks_per_sm_of": fast.plan.STREAM_BLOCKS_PER_SM,
-                                  "item_loads": fast.plan.ITEM_LOADS}
+                                  "item_loads": None, "item_loads_of": {}}
+    assert gemv_options({"item_loads_of": {"qkv": 4}})["item_loads_of"] == {"qkv": 4}
     plan = dict(fast.plan.STREAM_BLOCKS_PER_SM)
     one = gemv_options({"blocks_per_sm_of": {"o_proj": 1}})
     assert one["blocks_per_sm_of"] == {**plan, "o_proj": 1} and fast.plan.STREAM_BLOCKS_PER_SM == plan  # a copy
     assert set(fast.plan.MATRIX_NAMES) == set(fast.matrices(ONE_B))
     for bad in ({"rows": 1}, {"spread": True}, {"blocks_per_sm": 0}, {"item_loads": 16},
-                {"blocks_per_sm_of": {"oproj": 1}}, {"blocks_per_sm_of": {"qkv": 0}}):
+                {"blocks_per_sm_of": {"oproj": 1}}, {"blocks_per_sm_of": {"qkv": 0}}, {"item_loads_of": {"qkv": 9}},
+                {"item_loads_of": {"gate": 4}}):
         with pytest.raises(LabError, match="gemv"):
             gemv_options(bad)
     assert l2_options(None) == {"cap": fast.plan.PREFETCH_CAP, "attention": fast.plan.ATTENTION_PREFETCH}
@@ -108,6 +112,10 @@ def test_item_loads_change_only_the_streams_expressions():
     assert fewer["down_proj"] == ("rms_gemv", "rms_gemv_residual<unsigned short, 8192, 8, 4>")
     assert {k: v for k, v in fewer.items() if k not in fast.matrices(ONE_B)} == \
         {k: v for k, v in plain.items() if k not in fast.matrices(ONE_B)}
+    one = fast.kernel_expressions(ONE_B, "bfloat16", item_loads_of={"down_proj": 4})  # that stream alone
+    assert one == {**plain, "down_proj": fewer["down_proj"]}
+    both = fast.kernel_expressions(ONE_B, "bfloat16", item_loads=4, item_loads_of={"down_proj": 8})
+    assert both == {**fewer, "down_proj": plain["down_proj"]}
 
 
 def test_caches_parse_and_leave_room_for_the_timed_steps():

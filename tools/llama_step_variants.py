@@ -12,7 +12,8 @@ A variant is `plan` (the engine's own choices) or `name=value` pairs joined by `
 splits (launched per key/value head), keys (split_keys: at least the cache's length over the splits),
 warps (4, 8 or 16); gemv_bps (at most this
 many blocks of every stream an SM), qkv_bps, o_proj_bps, gate_up_bps, down_proj_bps, lm_head_bps (the
-same for one stream), item_loads (1 to 8: more spills under rms_gemv.cu's register cap); cap_mb
+same for one stream), item_loads (1 to 8: more spills under rms_gemv.cu's register cap) and qkv_loads,
+o_proj_loads, ... (one stream's); cap_mb
 (MiB of the next matrix each stream asks L2 to prefetch at its end) and attn_mb (MiB of the layer's gate/up
 the attention launch asks L2 for as it starts; 0: none). Writes llama_step_variants.json to --out.
 """
@@ -33,7 +34,8 @@ from llama.fast.plan import MATRIX_NAMES  # noqa: E402  (no CuPy needed)
 NAMES = {"splits": ("attention", "splits", 1), "keys": ("attention", "split_keys", 1),
          "warps": ("attention", "warps", 1), "gemv_bps": ("gemv", "blocks_per_sm", 1),
          "item_loads": ("gemv", "item_loads", 1), "cap_mb": ("l2", "cap", 1 << 20), "attn_mb": ("l2", "attention", 1 << 20),
-         **{f"{m}_bps": ("gemv", ("blocks_per_sm_of", m), 1) for m in MATRIX_NAMES}}
+         **{f"{m}_bps": ("gemv", ("blocks_per_sm_of", m), 1) for m in MATRIX_NAMES},
+         **{f"{m}_loads": ("gemv", ("item_loads_of", m), 1) for m in MATRIX_NAMES}}
 DEFAULT_VARIANTS = "plan,keys=64,keys=256,warps=8,gemv_bps=1,item_loads=4"
 
 

@@ -46,20 +46,25 @@ STEP_KINDS = ("rms+qkv+rope+kv_store", "gqa_attention", "o_proj+residual", "rms+
 
 def gemv_options(given: dict | None) -> dict:
     """The streams' overrides, for measuring (tools/llama_step_variants.py): blocks_per_sm (at most this
-    many blocks of every stream an SM), blocks_per_sm_of ({matrix: at most this many blocks of that
-    stream an SM}, over the plan's STREAM_BLOCKS_PER_SM) and item_loads (gemv_unroll's); by default the
-    plan's: STREAM_BLOCKS_PER_SM, else as many as fit, and ITEM_LOADS."""
-    out = {"blocks_per_sm": 1 << 30, "blocks_per_sm_of": dict(STREAM_BLOCKS_PER_SM), "item_loads": ITEM_LOADS}
+    many blocks of every stream an SM) and blocks_per_sm_of ({matrix: n}, that stream's, over the plan's
+    STREAM_BLOCKS_PER_SM); item_loads (every stream's gemv_unroll argument, None: the plan's) and
+    item_loads_of ({matrix: n}, that stream's). By default the plan's: STREAM_BLOCKS_PER_SM, else as
+    many as fit; STREAM_ITEM_LOADS, else ITEM_LOADS."""
+    out = {"blocks_per_sm": 1 << 30, "blocks_per_sm_of": dict(STREAM_BLOCKS_PER_SM), "item_loads": None,
+           "item_loads_of": {}}
     if unknown := set(given or {}) - set(out):
         raise LabError(f"gemv {given}: unknown {', '.join(sorted(unknown))} (blocks_per_sm, blocks_per_sm_of, "
-                       "item_loads)")
-    out.update({k: v for k, v in (given or {}).items() if k != "blocks_per_sm_of"})
-    out["blocks_per_sm_of"].update((given or {}).get("blocks_per_sm_of", {}))
-    if unknown := set(out["blocks_per_sm_of"]) - set(MATRIX_NAMES):
-        raise LabError(f"gemv {given}: blocks_per_sm_of names {', '.join(sorted(unknown))}; the streams are "
+                       "item_loads, item_loads_of)")
+    for key, value in (given or {}).items():
+        if key.endswith("_of"):
+            out[key].update(value)
+        else:
+            out[key] = value
+    if unknown := (set(out["blocks_per_sm_of"]) | set(out["item_loads_of"])) - set(MATRIX_NAMES):
+        raise LabError(f"gemv {given}: no stream {', '.join(sorted(unknown))}; the streams are "
                        f"{', '.join(MATRIX_NAMES)}")
-    if (min([out["blocks_per_sm"], *out["blocks_per_sm_of"].values()]) < 1
-            or not 1 <= out["item_loads"] <= ITEM_LOADS):
+    loads = [n for n in (out["item_loads"], *out["item_loads_of"].values()) if n is not None]
+    if min([out["blocks_per_sm"], *out["blocks_per_sm_of"].values()]) < 1 or not all(1 <= n <= ITEM_LOADS for n in loads):
         raise LabError(f"gemv {given}: blocks_per_sm at least 1, item_loads 1 to {ITEM_LOADS} (more spills "
                        "under rms_gemv.cu's 128 registers)")
     return out
@@ -166,7 +171,8 @@ class Engine(FastEngine):
         """Compile every kernel; each matrix's stream gets its one-wave grid (the kernel's occupancy with
         its input's K floats of dynamic shared memory) and opts in to that shared memory."""
         c = self.config
-        exprs = kernel_expressions(c, self.dtype, item_loads=self.gemv_options["item_loads"])
+        exprs = kernel_expressions(c, self.dtype, item_loads=self.gemv_options["item_loads"],
+                                   item_loads_of=self.gemv_options["item_loads_of"])
         exprs["attention"] = attention_kernel(c, self.dtype, self.attn.warps)  # the plan's
         self.fn = {key: fused.function(file, expr) for key, (file, expr) in exprs.items() if "/" not in key}
         self.gemv = {}

@@ -35,6 +35,7 @@ GEMV_WARPS = 8  # rms_gemv.cu's warps per block
 # 1.050-1.064x; qkv and o_proj 1.011-1.029x (8B 1.049x); all three 1.063-1.079x (8B 1.119x). Halving a
 # stream's loads in flight costs more than the next kernel's head start buys.
 STREAM_BLOCKS_PER_SM: dict[str, int] = {}
+STREAM_ITEM_LOADS: dict[str, int] = {}  # a matrix's ITEM_LOADS where not the default: none yet
 MATRIX_NAMES = ("qkv", "o_proj", "gate_up", "down_proj", "lm_head")  # matrices()' keys, in step order
 ITEM_LOADS = 8  # rms_gemv.cu: 16-byte loads per lane in one item (rows x UNROLL); two items in flight
 ATTENTION_WARPS = (4, 8, 16)  # gqa_decode_attention.cu's warps per block: the engine's plan picks one
@@ -128,15 +129,25 @@ def gemv_grid(tasks: int, blocks_per_sm: int, sm_count: int) -> int:
     return max(1, min(sm_count * max(1, blocks_per_sm), -(-tasks // GEMV_WARPS)))
 
 
-def kernel_expressions(config: LlamaConfig, dtype: str, *, item_loads: int = ITEM_LOADS) -> dict[str, tuple[str, str]]:
+def stream_item_loads(key: str, item_loads: int | None = None, item_loads_of: dict | None = None) -> int:
+    """gemv_unroll's item_loads for matrix `key`: item_loads_of's, else item_loads (every stream's),
+    else the plan's (STREAM_ITEM_LOADS, else ITEM_LOADS)."""
+    if item_loads_of and key in item_loads_of:
+        return item_loads_of[key]
+    return item_loads if item_loads is not None else STREAM_ITEM_LOADS.get(key, ITEM_LOADS)
+
+
+def kernel_expressions(config: LlamaConfig, dtype: str, *, item_loads: int | None = None,
+                       item_loads_of: dict | None = None) -> dict[str, tuple[str, str]]:
     """Every kernel the engine compiles for this model and dtype: key -> (kernels/fused file, name
-    expression). No device needed: the CPU tests compile exactly these. item_loads: the streams'
-    variant for measuring (Engine's gemv overrides; gemv_unroll's)."""
+    expression). No device needed: the CPU tests compile exactly these. item_loads (every stream's)
+    and item_loads_of ({matrix: n}): the streams' variants for measuring (Engine's gemv overrides;
+    stream_item_loads)."""
     item = 2 if dtype == "bfloat16" else 4
     wt = "unsigned short" if dtype == "bfloat16" else "float"
     out = {}
     for key, m in matrices(config).items():
-        unroll = gemv_unroll(m.K, item, m.rows, item_loads)
+        unroll = gemv_unroll(m.K, item, m.rows, stream_item_loads(key, item_loads, item_loads_of))
         head = f", {config.head_size}" if m.kernel == "rms_gemv_rope" else ""
         out[key] = ("rms_gemv", f"{m.kernel}<{wt}, {m.K}{head}, {GEMV_WARPS}, {unroll}>")
     return out | {
