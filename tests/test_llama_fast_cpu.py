@@ -53,10 +53,10 @@ def test_every_engine_kernel_compiles_for_sm90_without_spills(file, expr):
 def test_llama_3_2_1b_step_kernels():
     exprs = fast.kernel_expressions(llama.SIZES["llama-3.2-1b"], "bfloat16")
     assert exprs == {
-        "qkv": ("rms_gemv", "rms_gemv_rope<unsigned short, 2048, 64, 8, 4>"),
+        "qkv": ("rms_gemv", "rms_gemv_rope<unsigned short, 2048, 64, 8, 2>"),  # plan.STREAM_ITEM_LOADS: 4
         "o_proj": ("rms_gemv", "rms_gemv_residual<unsigned short, 2048, 8, 4>"),
-        "gate_up": ("rms_gemv", "rms_gemv_silu<unsigned short, 2048, 8, 4>"),
-        "down_proj": ("rms_gemv", "rms_gemv_residual<unsigned short, 8192, 8, 8>"),
+        "gate_up": ("rms_gemv", "rms_gemv_silu<unsigned short, 2048, 8, 2>"),
+        "down_proj": ("rms_gemv", "rms_gemv_residual<unsigned short, 8192, 8, 4>"),
         "lm_head": ("rms_gemv", "rms_gemv_argmax<unsigned short, 2048, 8, 4>"),
         **{f"attention/{w}": ("gqa_decode_attention", f"gqa_decode_attention<unsigned short, 64, 4, {w}>")
            for w in (4, 8, 16)},

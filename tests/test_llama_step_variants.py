@@ -106,16 +106,23 @@ def test_llama_3b_s_qkv_dealt_warp_by_warp_would_load_56_blocks_twice():
 
 
 def test_item_loads_change_only_the_streams_expressions():
-    plain = fast.kernel_expressions(ONE_B, "bfloat16")
-    fewer = fast.kernel_expressions(ONE_B, "bfloat16", item_loads=4)
-    assert plain["qkv"] == ("rms_gemv", "rms_gemv_rope<unsigned short, 2048, 64, 8, 4>")
+    three_b = llama.SIZES["llama-3.2-3b"]  # no entry of its own in STREAM_ITEM_LOADS
+    plain = fast.kernel_expressions(three_b, "bfloat16")
+    fewer = fast.kernel_expressions(three_b, "bfloat16", item_loads=4)
+    assert plain["qkv"] == ("rms_gemv", "rms_gemv_rope<unsigned short, 3072, 128, 8, 4>")
+    assert plain["down_proj"] == ("rms_gemv", "rms_gemv_residual<unsigned short, 8192, 8, 8>")
     assert fewer["down_proj"] == ("rms_gemv", "rms_gemv_residual<unsigned short, 8192, 8, 4>")
-    assert {k: v for k, v in fewer.items() if k not in fast.matrices(ONE_B)} == \
-        {k: v for k, v in plain.items() if k not in fast.matrices(ONE_B)}
-    one = fast.kernel_expressions(ONE_B, "bfloat16", item_loads_of={"down_proj": 4})  # that stream alone
+    assert {k: v for k, v in fewer.items() if k not in fast.matrices(three_b)} == \
+        {k: v for k, v in plain.items() if k not in fast.matrices(three_b)}
+    one = fast.kernel_expressions(three_b, "bfloat16", item_loads_of={"down_proj": 4})  # that stream alone
     assert one == {**plain, "down_proj": fewer["down_proj"]}
-    both = fast.kernel_expressions(ONE_B, "bfloat16", item_loads=4, item_loads_of={"down_proj": 8})
+    both = fast.kernel_expressions(three_b, "bfloat16", item_loads=4, item_loads_of={"down_proj": 8})
     assert both == {**fewer, "down_proj": plain["down_proj"]}
+    # the plan's per-size entry: Llama 3.2 1B in bfloat16 takes 4 for every stream whose items it changes,
+    # in float32 the default
+    assert fast.kernel_expressions(ONE_B, "bfloat16") == fast.kernel_expressions(ONE_B, "bfloat16", item_loads=4)
+    assert fast.kernel_expressions(ONE_B, "float32") == fast.kernel_expressions(ONE_B, "float32",
+                                                                                item_loads=fast.plan.ITEM_LOADS)
 
 
 def test_caches_parse_and_leave_room_for_the_timed_steps():

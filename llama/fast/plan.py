@@ -35,7 +35,17 @@ GEMV_WARPS = 8  # rms_gemv.cu's warps per block
 # 1.050-1.064x; qkv and o_proj 1.011-1.029x (8B 1.049x); all three 1.063-1.079x (8B 1.119x). Halving a
 # stream's loads in flight costs more than the next kernel's head start buys.
 STREAM_BLOCKS_PER_SM: dict[str, int] = {}
-STREAM_ITEM_LOADS: dict[str, int] = {}  # a matrix's ITEM_LOADS where not the default: none yet
+# A stream's ITEM_LOADS where a size measured faster with another, by (hidden_size, intermediate_size,
+# dtype): Llama 3.2 1B in bfloat16 with 4 for qkv, gate/up and down_proj (o_proj's and the head's items
+# are the same with 4 or 8 there). H200, tools/llama_step_variants.py after the streams' reads ahead, two
+# rounds, us a token at positions 40 / 260 (512-position cache) / 1000 (2,048), the plan's (8) against 4
+# for every stream: 1B 864.7 / 882.9 / 886.3 against 834.8 / 850.8 / 859.6 (0.965-0.970x); one stream at a
+# time, 1B qkv 0.985-0.994x, down_proj 0.981-0.986x, gate/up 0.997-1.003x; 3.2 3B every stream 1.025-1.031x
+# (down_proj 1.020-1.021x, o_proj 1.011-1.018x, qkv 0.986-1.000x); 3.1 8B (position 128) every stream 0.998x,
+# o_proj 0.991x, down_proj 0.994x, gate/up 1.005x. Only the clear one is taken.
+STREAM_ITEM_LOADS: dict[tuple[int, int, str], dict[str, int]] = {
+    (2048, 8192, "bfloat16"): {"qkv": 4, "gate_up": 4, "down_proj": 4},
+}
 MATRIX_NAMES = ("qkv", "o_proj", "gate_up", "down_proj", "lm_head")  # matrices()' keys, in step order
 ITEM_LOADS = 8  # rms_gemv.cu: 16-byte loads per lane in one item (rows x UNROLL); two items in flight
 ATTENTION_WARPS = (4, 8, 16)  # gqa_decode_attention.cu's warps per block: the engine's plan picks one
@@ -129,12 +139,15 @@ def gemv_grid(tasks: int, blocks_per_sm: int, sm_count: int) -> int:
     return max(1, min(sm_count * max(1, blocks_per_sm), -(-tasks // GEMV_WARPS)))
 
 
-def stream_item_loads(key: str, item_loads: int | None = None, item_loads_of: dict | None = None) -> int:
+def stream_item_loads(config: LlamaConfig, dtype: str, key: str, item_loads: int | None = None,
+                      item_loads_of: dict | None = None) -> int:
     """gemv_unroll's item_loads for matrix `key`: item_loads_of's, else item_loads (every stream's),
-    else the plan's (STREAM_ITEM_LOADS, else ITEM_LOADS)."""
+    else the plan's (STREAM_ITEM_LOADS for this size and dtype, else ITEM_LOADS)."""
     if item_loads_of and key in item_loads_of:
         return item_loads_of[key]
-    return item_loads if item_loads is not None else STREAM_ITEM_LOADS.get(key, ITEM_LOADS)
+    if item_loads is not None:
+        return item_loads
+    return STREAM_ITEM_LOADS.get((config.hidden_size, config.intermediate_size, dtype), {}).get(key, ITEM_LOADS)
 
 
 def kernel_expressions(config: LlamaConfig, dtype: str, *, item_loads: int | None = None,
@@ -147,7 +160,7 @@ def kernel_expressions(config: LlamaConfig, dtype: str, *, item_loads: int | Non
     wt = "unsigned short" if dtype == "bfloat16" else "float"
     out = {}
     for key, m in matrices(config).items():
-        unroll = gemv_unroll(m.K, item, m.rows, stream_item_loads(key, item_loads, item_loads_of))
+        unroll = gemv_unroll(m.K, item, m.rows, stream_item_loads(config, dtype, key, item_loads, item_loads_of))
         head = f", {config.head_size}" if m.kernel == "rms_gemv_rope" else ""
         out[key] = ("rms_gemv", f"{m.kernel}<{wt}, {m.K}{head}, {GEMV_WARPS}, {unroll}>")
     return out | {
