@@ -37,12 +37,12 @@ GEMV_WARPS = 8  # rms_gemv.cu's warps per block
 STREAM_BLOCKS_PER_SM: dict[str, int] = {}
 # A stream's ITEM_LOADS where a size measured faster with another, by (hidden_size, intermediate_size,
 # dtype): Llama 3.2 1B in bfloat16 with 4 for qkv, gate/up and down_proj (o_proj's and the head's items
-# are the same with 4 or 8 there). H200, tools/llama_step_variants.py after the streams' reads ahead, two
-# rounds, us a token at positions 40 / 260 (512-position cache) / 1000 (2,048), the plan's (8) against 4
-# for every stream: 1B 864.7 / 882.9 / 886.3 against 834.8 / 850.8 / 859.6 (0.965-0.970x); one stream at a
-# time, 1B qkv 0.985-0.994x, down_proj 0.981-0.986x, gate/up 0.997-1.003x; 3.2 3B every stream 1.025-1.031x
-# (down_proj 1.020-1.021x, o_proj 1.011-1.018x, qkv 0.986-1.000x); 3.1 8B (position 128) every stream 0.998x,
-# o_proj 0.991x, down_proj 0.994x, gate/up 1.005x. Only the clear one is taken.
+# are the same with 4 or 8 there). H200, tools/llama_step_variants.py after the streams' reads ahead, the
+# time a token against the plan's (8), the mean of two rounds, at positions 40 and 260 (a 512-position
+# cache) and 1000 (2,048): every stream 4: 1B 0.964-0.969x, 3.2 3B 1.024-1.033x, 3.1 8B (position 128)
+# 0.998x; one stream at a time, 1B qkv 0.986-0.993x, down_proj 0.981-0.984x, gate/up 0.997-1.003x; 3B
+# qkv 0.988-1.000x, o_proj 1.011-1.019x, down_proj 1.021-1.023x; 8B o_proj 0.992x, down_proj 0.995x,
+# gate/up 1.007x. Only the clear one is taken (the trees before and after at 1B: 1.035x the tokens/s).
 STREAM_ITEM_LOADS: dict[tuple[int, int, str], dict[str, int]] = {
     (2048, 8192, "bfloat16"): {"qkv": 4, "gate_up": 4, "down_proj": 4},
 }
