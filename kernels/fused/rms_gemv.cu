@@ -52,7 +52,8 @@
  * Geometry: any grid (the engine's: one wave), block WARPS * 32. Shared memory: K floats dynamic
  * (57 KB at K = 14,336: past 48 KB the host opts in), static one float per warp (and, argmax, a value
  * and an index per warp).
- * Registers: 2 x R x UNROLL x 4 of weights (64 with the engine's R x UNROLL = 8), at most 128 a thread
+ * Registers: 2 x R x UNROLL x 4 of weights (64 where R x UNROLL = 8, the plan's ITEM_LOADS; 32 with
+ * Llama 3.2 1B's items of 4, llama/fast/plan.py's STREAM_ITEM_LOADS), at most 128 a thread
  * (__launch_bounds__: two blocks of 8 warps per SM at least; left to itself ptxas spilled some short
  * rows' residual streams at 40 to 48 registers).
  * After its stream each block asks L2 to prefetch its share of `prefetch` (the next kernel's weights):
