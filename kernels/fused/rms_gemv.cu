@@ -31,8 +31,9 @@
  * position and angle; an epilogue's ahead(), which reads the next task's as a task ends): after the
  * wait the only round trips left are the input's and the stores. Against the same kernels reading
  * those after the wait (H200, tools/decode_before_after.sh, 256 tokens, one run each, the trees
- * alternating; the same tokens): 1.056x the tokens/s at Llama 3.2 1B, 1.112x at 3B, 1.043x at 3.1 8B. K is looped in items of UNROLL vectors,
- * so a row of any length fits (down_proj's 14,336), and the input lives in dynamic shared memory.
+ * alternating; the same tokens): 1.056x the tokens/s at Llama 3.2 1B, 1.112x at 3B, 1.043x at 3.1 8B.
+ * K is looped in items of UNROLL vectors, so a row of any length fits (down_proj's 14,336), and the
+ * input lives in dynamic shared memory.
  * The grid is one wave (the SMs times the blocks an SM holds, no more than the tasks need), so no
  * block waits for a second wave, and the grid's warps take tasks 0 .. warps - 1 first, then the next
  * stretch: at any moment the device reads one contiguous stretch of W. Where the tasks outnumber the

@@ -118,7 +118,7 @@ class Engine(FastEngine):
                                        **(attention or {}))
         except (TypeError, ValueError) as exc:
             raise LabError(f"attention {attention}: {exc}") from None
-        self.gemv_options = gemv_options(gemv)  # the streams' overrides (blocks_per_sm[_of], item_loads)
+        self.gemv_options = gemv_options(gemv)  # the streams' overrides (blocks_per_sm[_of], item_loads[_of])
         self.l2_options = l2_options(l2)  # the prefetch hints' overrides (cap, attention)
         with self.stream:
             # the weights as the kernels read them: views of params in the run's dtype laid out by
