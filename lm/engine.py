@@ -88,7 +88,8 @@ def same_arrays(held: dict | None, params: dict) -> bool:
 @dataclass
 class Launch:
     """One kernel launch with fixed arguments: the unit of the decode step. With pdl, launched through
-    cuLaunchKernelEx with programmatic stream serialization on `stream` (see kernels/fused/common.cuh)."""
+    cuLaunchKernelEx with programmatic stream serialization on `stream` (see kernels/fused/common.cuh);
+    with cluster, in thread-block clusters of those dimensions, through cuLaunchKernelEx on `stream`."""
 
     name: str
     fn: object
@@ -97,16 +98,17 @@ class Launch:
     args: tuple
     shared_mem: int = 0
     pdl: bool = False
-    stream: int = 0  # the CUstream handle of a pdl launch
-    _packed: object = field(default=None, repr=False, compare=False)  # cuLaunchKernelEx's arguments, packed on the first pdl call
+    stream: int = 0  # the CUstream handle of a pdl or cluster launch
+    cluster: tuple | None = None  # thread-block cluster dimensions, None: no clusters
+    _packed: object = field(default=None, repr=False, compare=False)  # cuLaunchKernelEx's arguments, packed on the first call
 
     def __call__(self):
-        if not self.pdl:
+        if not self.pdl and self.cluster is None:
             self.fn(self.grid, self.block, self.args, shared_mem=self.shared_mem)
             return
         if self._packed is None:  # packed on first use, after the engine sets pdl and stream
             self._packed = driver.PackedLaunch(self.fn, self.grid, self.block, self.args, shared_mem=self.shared_mem,
-                                               stream=self.stream, pdl=True, name=self.name)
+                                               stream=self.stream, pdl=self.pdl, cluster=self.cluster, name=self.name)
         self._packed()
 
 

@@ -58,8 +58,9 @@ def test_llama_3_2_1b_step_kernels():
         "gate_up": ("rms_gemv", "rms_gemv_silu<unsigned short, 2048, 8, 2>"),
         "down_proj": ("rms_gemv", "rms_gemv_residual<unsigned short, 8192, 8, 4>"),
         "lm_head": ("rms_gemv", "rms_gemv_argmax<unsigned short, 2048, 8, 4>"),
-        **{f"attention/{w}": ("gqa_decode_attention", f"gqa_decode_attention<unsigned short, 64, 4, {w}>")
-           for w in (4, 8, 16)},
+        **{f"attention/{w}{'/cluster' * c}": ("gqa_decode_attention",
+                                               f"gqa_decode_attention<unsigned short, 64, 4, {w}, {str(c).lower()}>")
+           for w in (4, 8, 16) for c in (False, True)},
         "embed": ("embed", "embed<unsigned short>"),
         "spin": ("spin", "spin"),
     }
@@ -166,7 +167,9 @@ def test_attention_plan_fills_the_sms_and_fits_shared_memory(size, max_len, item
     if max_len >= 16 * sms // c.num_key_value_heads:
         assert p.splits * c.num_key_value_heads >= sms - c.num_key_value_heads + 1  # a block per SM, about
     assert 1 <= p.staged_rows <= cap and 2 * p.staged_rows * c.head_size * itemsize <= fast.plan.STAGE_BYTES
-    assert p.smem == 4 * group * (-(-cap // 4) * 4) + 2 * p.staged_rows * c.head_size * itemsize
+    merge = 4 * p.splits * group * (c.head_size + 2) if p.cluster else 0  # rank 0's partials
+    assert p.smem == 4 * group * (-(-cap // 4) * 4) + 2 * p.staged_rows * c.head_size * itemsize + merge
+    assert not p.cluster or p.splits <= fast.plan.CLUSTER_SPLITS
     assert p.smem + 17 * 1024 < 227 * 1024  # with the static outputs: within an H100's block
 
 

@@ -15,6 +15,7 @@ with the same argmax wherever the margin is clear of both; graph replay and plai
 programmatic dependent launches, give the same tokens bit for bit.
 """
 
+import itertools
 import json
 import math
 
@@ -24,7 +25,7 @@ import pytest
 import llama
 import llama.fast as fast
 import llama.pointwise
-from kernels import fused, reference_attention
+from kernels import driver, fused, reference_attention
 from lm.arrays import held_bytes
 from lm.bf16 import bf16_bits, to_float32
 from lm.errors import LabError
@@ -251,8 +252,10 @@ ATTENTION = [(32, 8, 64), (24, 8, 128), (32, 8, 128), (8, 2, 64), (4, 2, 128)]  
 def test_gqa_decode_attention_matches_softmax_attention_over_the_cache(cp, heads, T_k, dtype):
     """One query per head over the cache rows 0..pos (pos = T_k - 1), each key/value head serving its
     group of query heads; rows past pos hold NaN (nothing may read them). The plan's splits and others
-    (one; seven holding a seventh of the cache each, or 400 keys: one, two or three of them in use);
-    for each, the plan's staged rows, none and five: the same bits whatever is staged."""
+    (one; seven holding a seventh of the cache each, or 400 keys: one, two or three of them in use;
+    sixteen); for each, the plan's staged rows, none and five: the same bits whatever is staged. The
+    splits combine by the ticket and, up to CLUSTER_SPLITS of them, in a thread-block cluster a key/value
+    head (clusters of seven and sixteen too), each combine the same bits at every staging."""
     NH, NKV, HS = heads
     max_len, pos = 1024 + 9, T_k - 1
     config = llama.LlamaConfig(hidden_size=NH * HS, num_attention_heads=NH, num_key_value_heads=NKV, head_dim=HS)
@@ -270,23 +273,35 @@ def test_gqa_decode_attention_matches_softmax_attention_over_the_cache(cp, heads
     plain = reference_attention(q.reshape(1, NH, 1, HS), k, v, causal=True).reshape(-1)
     plan = fast.attention_plan(config, max_len, 132, item)
     state = cp.asarray([3, pos], dtype=cp.int32)
-    for splits, keys in sorted({(plan.splits, plan.split_keys), (1, max_len), (7, -(-max_len // 7)), (7, 400)}):
+    geometries = {(plan.splits, plan.split_keys), (1, max_len), (7, -(-max_len // 7)), (7, 400), (16, -(-max_len // 16))}
+    for (splits, keys), cluster in itertools.product(sorted(geometries), (False, True)):
+        if cluster and splits > fast.plan.CLUSTER_SPLITS:
+            continue
         warps = fast.plan.attention_warps(keys, HS)
-        fn = fused.function("gqa_decode_attention", f"gqa_decode_attention<{WT[dtype]}, {HS}, {group}, {warps}>")
+        file, expr = fast.plan.attention_kernel(config, dtype, warps, cluster)
+        fn = fused.function(file, expr)
+        if cluster and splits > 8:
+            driver.allow_non_portable_clusters(fn)
         first = None
         for staged in sorted({min(plan.staged_rows, keys), 0, 5}):
-            smem = 4 * group * (-(-keys // 4) * 4) + 2 * staged * HS * item
+            smem = 4 * group * (-(-keys // 4) * 4) + 2 * staged * HS * item + 4 * splits * group * (HS + 2) * cluster
             fn.max_dynamic_shared_size_bytes = max(fn.max_dynamic_shared_size_bytes, smem)
             y = cp.full(NH * HS, cp.nan, dtype=cp.float32)
             partial = cp.full((NH, splits, HS + 2), cp.nan, dtype=cp.float32)
             counters = cp.zeros(NKV, dtype=cp.uint32)
-            fn((splits, NKV), (32 * warps,),
-               (q, caches[0], caches[1], state, np.int32(max_len), np.int32(keys), np.int32(staged),
-                np.float32(1 / math.sqrt(HS)),
-                partial, counters, y, NULL, np.uint64(0)), shared_mem=smem)
-            what = f"gqa {dtype} {heads} T_k={T_k} splits {splits} of {keys} keys, {warps} warps, staged {staged}"
+            args = (q, caches[0], caches[1], state, np.int32(max_len), np.int32(keys), np.int32(staged),
+                    np.float32(1 / math.sqrt(HS)), partial, counters, y, NULL, np.uint64(0))
+            if cluster:
+                driver.PackedLaunch(fn, (splits, NKV), (32 * warps,), args, shared_mem=smem,
+                                    stream=cp.cuda.get_current_stream().ptr, cluster=(splits, 1, 1))()
+            else:
+                fn((splits, NKV), (32 * warps,), args, shared_mem=smem)
+            what = (f"gqa {dtype} {heads} T_k={T_k} splits {splits} of {keys} keys, {warps} warps, staged {staged}, "
+                    f"{'cluster' if cluster else 'ticket'}")
             check_close(cp, y, ref, plain, what)
             assert int(counters.sum()) == 0, f"{what}: the last blocks must put the counters back to 0"
+            if cluster and splits > 1:
+                assert bool(cp.isnan(partial).all()), f"{what}: the cluster's combine writes no partial to memory"
             first = y if first is None else first
             assert bool((y == first).all()), f"{what}: staging changed the result"
 

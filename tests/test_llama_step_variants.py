@@ -6,6 +6,8 @@ tool itself)."""
 
 from __future__ import annotations
 
+import itertools
+import re
 import sys
 from pathlib import Path
 
@@ -147,6 +149,15 @@ def test_the_overrides_keep_the_plan_consistent_and_refuse_what_the_kernel_canno
         fast.attention_plan(ONE_B, 512, 132, 2, splits=0)
     with pytest.raises(ValueError, match="past a block's"):
         fast.attention_plan(ONE_B, 131072, 132, 2, splits=1)
+    # the cluster's combine: rank 0 holds every split's partial (GROUP rows of HS + 2 floats each)
+    clustered = fast.attention_plan(ONE_B, 512, 132, 2, cluster=True)
+    assert clustered.cluster and clustered.smem == plan.smem + 4 * 16 * 4 * (64 + 2)
+    assert not fast.attention_plan(ONE_B, 512, 132, 2, cluster=False).cluster
+    with pytest.raises(ValueError, match="past the 16 blocks a cluster holds"):
+        fast.attention_plan(ONE_B, 512, 132, 2, splits=17, cluster=True)
+    assert variants.parse_variant("cluster=1+splits=8") == {"attention": {"cluster": True, "splits": 8}, "gemv": {},
+                                                             "l2": {}}
+    assert variants.parse_variant("cluster=0")["attention"] == {"cluster": False}
 
 
 def test_the_table_gives_each_variant_its_geometry_and_times():
@@ -156,7 +167,7 @@ def test_the_table_gives_each_variant_its_geometry_and_times():
             {"size": "llama-3.2-1b", "max_len": 512, "variant": "warps=6", "position": 128,
              "plan": "attention {'warps': 6}: warps 6", "us_per_token": None}]
     text = variants.table(rows)
-    assert "   955.5    955.6" in text and "   16    32     4      192" in text and "warps 6" in text
+    assert "   955.5    955.6" in text and "   16    32     4   False      192" in text and "warps 6" in text
 
 
 @pytest.mark.parametrize("size", ["llama-3.2-1b", "llama-3.1-8b"])
@@ -178,8 +189,34 @@ def test_the_attention_compiles_without_spills_at_every_size_and_block(dtype):
     from kernels import fused
 
     for size in ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"):
-        for warps in fast.plan.ATTENTION_WARPS:
-            file, expr = fast.plan.attention_kernel(llama.SIZES[size], dtype, warps)
-            assert (file, expr) == fast.kernel_expressions(llama.SIZES[size], dtype)[f"attention/{warps}"]
+        for warps, cluster in itertools.product(fast.plan.ATTENTION_WARPS, (False, True)):
+            file, expr = fast.plan.attention_kernel(llama.SIZES[size], dtype, warps, cluster)
+            key = f"attention/{warps}{'/cluster' * cluster}"
+            assert (file, expr) == fast.kernel_expressions(llama.SIZES[size], dtype)[key]
             r = fused.compile_report(file, expr, "sm_90")
             assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0, (expr, r)
+
+
+@pytest.mark.parametrize("size", ["llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_cluster_combine_draws_no_ticket_and_crosses_no_fence_through_l2(size, dtype):
+    """With cluster, a split's partial goes to rank 0's shared memory (mapa, st.shared::cluster) between
+    the cluster barrier's halves, in order: arrive.relaxed at the start, wait before the first
+    remote store, arrive.release after the stores, wait.acquire in rank 0 before it combines; no atomic
+    ticket and no memory fence. The ticket's kernel has the ticket and no cluster instruction."""
+    from kernels import fused
+
+    def body(cluster):
+        text = fused.ptx(*fast.plan.attention_kernel(llama.SIZES[size], dtype, 4, cluster))
+        return text[text.index(".entry"):]
+
+    ticket, cluster = body(False), body(True)
+    assert "barrier.cluster" not in ticket and "mapa" not in ticket and len(re.findall(r"atom\.", ticket)) == 1
+    barriers = re.findall(r"barrier\.cluster\.(\w+)(?:\.(\w+))?", cluster)
+    assert barriers == [("arrive", "relaxed"), ("wait", "acquire"), ("arrive", "release"), ("wait", "acquire")], barriers
+    assert "mapa.shared::cluster" in cluster and "st.shared::cluster.f32" in cluster
+    assert not re.search(r"atom\.|membar|fence\.", cluster)
+    first_store, stores = cluster.index("st.shared::cluster"), [m.start() for m in re.finditer("st.shared::cluster", cluster)]
+    waits = [m.start() for m in re.finditer(r"barrier\.cluster\.wait", cluster)]
+    release = cluster.index("barrier.cluster.arrive.release")
+    assert waits[0] < first_store and max(stores) < release < waits[1]

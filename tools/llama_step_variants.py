@@ -10,7 +10,8 @@ from.
 
 A variant is `plan` (the engine's own choices) or `name=value` pairs joined by `+` (`keys=256+warps=8`):
 splits (launched per key/value head), keys (split_keys: at least the cache's length over the splits),
-warps (4, 8 or 16); gemv_bps (at most this
+warps (4, 8 or 16), cluster (1: a key/value head's splits combine in a thread-block cluster, 0: by a
+ticket through L2); gemv_bps (at most this
 many blocks of every stream an SM), qkv_bps, o_proj_bps, gate_up_bps, down_proj_bps, lm_head_bps (the
 same for one stream), item_loads (1 to 8: more spills under rms_gemv.cu's register cap) and qkv_loads,
 o_proj_loads, ... (one stream's); cap_mb
@@ -32,7 +33,7 @@ from llama.fast.plan import MATRIX_NAMES  # noqa: E402  (no CuPy needed)
 
 # a variant's names: (the Engine argument, its key there, the unit of the value)
 NAMES = {"splits": ("attention", "splits", 1), "keys": ("attention", "split_keys", 1),
-         "warps": ("attention", "warps", 1), "gemv_bps": ("gemv", "blocks_per_sm", 1),
+         "warps": ("attention", "warps", 1), "cluster": ("attention", "cluster", 1), "gemv_bps": ("gemv", "blocks_per_sm", 1),
          "item_loads": ("gemv", "item_loads", 1), "cap_mb": ("l2", "cap", 1 << 20), "attn_mb": ("l2", "attention", 1 << 20),
          **{f"{m}_bps": ("gemv", ("blocks_per_sm_of", m), 1) for m in MATRIX_NAMES},
          **{f"{m}_loads": ("gemv", ("item_loads_of", m), 1) for m in MATRIX_NAMES}}
@@ -47,13 +48,13 @@ def parse_variant(text: str) -> dict:
         return out
     for part in text.split("+"):
         name, _, value = part.partition("=")
-        if name not in NAMES or not value.isdigit() or int(value) < (0 if name == "attn_mb" else 1):
+        if name not in NAMES or not value.isdigit() or int(value) < (0 if name in ("attn_mb", "cluster") else 1):
             raise ValueError(f"variant {text!r}: {part!r} is not one of {', '.join(f'{n}=N' for n in NAMES)}")
         where, key, unit = NAMES[name]
         if isinstance(key, tuple):  # one stream's: {"blocks_per_sm_of": {matrix: n}}
             out[where].setdefault(key[0], {})[key[1]] = int(value) * unit
         else:
-            out[where][key] = int(value) * unit
+            out[where][key] = bool(int(value)) if key == "cluster" else int(value) * unit
     return out
 
 
@@ -110,7 +111,7 @@ def measure(size: str, caches: list[tuple[int, list[int]]], variants: list[str],
 
 def table(rows: list[dict]) -> str:
     lines = [f"{'size':14s} {'cache':>6s} {'position':>8s} {'variant':22s} {'splits':>6s} {'keys':>5s} {'warps':>5s} "
-             f"{'qkv grid':>8s}  us a token"]
+             f"{'cluster':>7s} {'qkv grid':>8s}  us a token"]
     for r in rows:
         p = r["plan"]
         if isinstance(p, str):
@@ -118,7 +119,7 @@ def table(rows: list[dict]) -> str:
             continue
         us = " ".join(f"{u:8.1f}" for u in r["us_per_token"])
         lines.append(f"{r['size']:14s} {r['max_len']:6d} {r['position']:8d} {r['variant']:22s} {p['splits']:6d} "
-                     f"{p['split_keys']:5d} {p['warps']:5d} {p['grids']['qkv']:8d}  {us}")
+                     f"{p['split_keys']:5d} {p['warps']:5d} {str(p['cluster']):>7s} {p['grids']['qkv']:8d}  {us}")
     return "\n".join(lines)
 
 

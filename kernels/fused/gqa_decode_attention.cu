@@ -109,7 +109,46 @@ __device__ __forceinline__ void block_reduce(float (&v)[GROUP], float (*scratch)
     __syncthreads();
 }
 
-template <typename kv_t, int HS, int GROUP, int WARPS>
+// -- the cluster's combine (sm_90): distributed shared memory and the cluster barrier ---------------
+
+// The barrier in two halves, the forms without .aligned: arrive.relaxed orders nothing (it says "this
+// block runs"); arrive (release) then wait (acquire) makes every store before the arrive visible after
+// the wait. Each waits for the cluster's non-exited threads only, so blocks may return early.
+__device__ __forceinline__ void cluster_arrive_relaxed()
+{
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_arrive()
+{
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait()
+{
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
+#endif
+}
+// p's place in the shared memory of the cluster's block `rank`, and a float stored there.
+__device__ __forceinline__ unsigned cluster_address(const void* p, unsigned rank)
+{
+    unsigned a = 0;
+#if __CUDA_ARCH__ >= 900
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"((unsigned)__cvta_generic_to_shared(p)), "r"(rank));
+#endif
+    return a;
+}
+__device__ __forceinline__ void store_cluster(unsigned a, float x)
+{
+#if __CUDA_ARCH__ >= 900
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(a), "f"(x) : "memory");
+#endif
+}
+
+template <typename kv_t, int HS, int GROUP, int WARPS, bool CLUSTER>
 __global__ void __launch_bounds__(WARPS * 32)
 gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cache, const kv_t* __restrict__ v_cache,
                      const int* __restrict__ state, int max_len, int split_keys, int staged_rows, float scale,
@@ -136,6 +175,7 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
     const int T_k = pos + 1;
     const int used = min(S, (T_k + split_keys - 1) / split_keys);  // splits in use
     if (s >= used) return;  // nothing to read: the splits before it take the T_k keys
+    if constexpr (CLUSTER) cluster_arrive_relaxed();  // this block runs: its shared memory exists
     const int chunk = (T_k + used - 1) / used;  // <= split_keys (split_keys >= ceil(max_len / S))
     const int start = min(s * chunk, T_k), end = min(start + chunk, T_k);
     const long long head = (long long)g * max_len * HS;  // this key/value head's rows
@@ -269,6 +309,46 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
                 for (int w = 0; w < WARPS; ++w) acc += o_s[w][j][d];
                 y[(g * GROUP + j) * HS + d] = acc / l[j];
             }
+        return;
+    }
+
+    if constexpr (CLUSTER) {  // the key/value head's splits are one cluster: rank s is split s
+        // This split's (o_j, m_j, l_j) into rank 0's shared memory (S x GROUP rows of HS + 2 floats past
+        // the staged rows), one barrier, then rank 0 combines them there: no ticket, no round trip to L2.
+        float* merge = reinterpret_cast<float*>(v_s + (long long)staged_rows * HS);
+        cluster_wait();  // every block of the cluster has arrived once: rank 0's shared memory exists
+        const unsigned mine = cluster_address(merge + s * GROUP * (HS + 2), 0);
+        for (int i = threadIdx.x; i < GROUP * HS; i += THREADS) {
+            const int j = i / HS, d = i % HS;
+            float acc = 0.0f;
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) acc += o_s[w][j][d];
+            store_cluster(mine + 4 * (j * (HS + 2) + d), acc);
+        }
+#pragma unroll
+        for (int j = 0; j < GROUP; ++j)
+            if (threadIdx.x == j) {
+                store_cluster(mine + 4 * (j * (HS + 2) + HS), m[j]);
+                store_cluster(mine + 4 * (j * (HS + 2) + HS + 1), l[j]);
+            }
+        cluster_arrive();  // release: the stores above
+        if (s != 0) return;  // nobody reads this block's shared memory
+        cluster_wait();  // acquire: the used splits' partials are in merge
+        // y_h = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s, M = max_s m_s, in split order: a thread
+        // an element of the group's heads, each thread its head's M and denominator (used <= S reads)
+        for (int i = threadIdx.x; i < GROUP * HS; i += THREADS) {
+            const int j = i / HS, d = i % HS;
+            float M = -INFINITY;
+            for (int r = 0; r < used; ++r) M = fmaxf(M, merge[(r * GROUP + j) * (HS + 2) + HS]);
+            float num = 0.0f, den = 0.0f;
+            for (int r = 0; r < used; ++r) {
+                const float* pr = merge + (r * GROUP + j) * (HS + 2);
+                const float w = expf(pr[HS] - M);
+                den = fmaf(w, pr[HS + 1], den);
+                num = fmaf(w, pr[d], num);
+            }
+            y[(g * GROUP + j) * HS + d] = num / den;
+        }
         return;
     }
 

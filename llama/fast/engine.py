@@ -113,7 +113,7 @@ class Engine(FastEngine):
         super().__init__(cp, config, dtype, max_len, steps_per_graph=steps_per_graph)
         self.sm_count = limits.sm_count
         self.eps = np.float32(config.rms_norm_eps)
-        try:  # attention: attention_plan's overrides (splits, split_keys, warps), for measuring
+        try:  # attention: attention_plan's overrides (splits, split_keys, warps, cluster), for measuring
             self.attn = attention_plan(config, self.max_len, self.sm_count, 2 if self.dtype == "bfloat16" else 4,
                                        **(attention or {}))
         except (TypeError, ValueError) as exc:
@@ -173,7 +173,7 @@ class Engine(FastEngine):
         c = self.config
         exprs = kernel_expressions(c, self.dtype, item_loads=self.gemv_options["item_loads"],
                                    item_loads_of=self.gemv_options["item_loads_of"])
-        exprs["attention"] = attention_kernel(c, self.dtype, self.attn.warps)  # the plan's
+        exprs["attention"] = attention_kernel(c, self.dtype, self.attn.warps, self.attn.cluster)  # the plan's
         self.fn = {key: fused.function(file, expr) for key, (file, expr) in exprs.items() if "/" not in key}
         self.gemv = {}
         for key, m in matrices(c).items():
@@ -186,6 +186,15 @@ class Engine(FastEngine):
         # the compiled kernel is shared by every engine of this model and dtype: its opt-in only grows
         attention = self.fn["attention"]
         attention.max_dynamic_shared_size_bytes = max(attention.max_dynamic_shared_size_bytes, self.attn.smem)
+        if self.attn.cluster:  # a cluster a key/value head: the device must hold one at least
+            S, NKV = self.attn.splits, c.num_key_value_heads
+            if S > 8:
+                driver.allow_non_portable_clusters(attention)
+            held = driver.max_active_clusters(attention, (S, NKV), (32 * self.attn.warps,), S, self.attn.smem)
+            if held < 1:
+                raise LabError(f"gqa_decode_attention: the device holds no cluster of {S} blocks of "
+                               f"{32 * self.attn.warps} threads and {self.attn.smem} bytes of shared memory "
+                               "(attention={'cluster': False} combines by a ticket)")
 
     # -- what the base runs: the decode step and the prefill -------------------------------------------
 
@@ -233,7 +242,8 @@ class Engine(FastEngine):
                        (self.q, k_cache, v_cache, self.state, np.int32(self.max_len), np.int32(self.attn.split_keys),
                         np.int32(self.attn.staged_rows),
                         np.float32(1.0 / math.sqrt(HS)), self.attn_partial, self.attn_counters, self.y,
-                        *attention_target(w.layers[i]["gate_up"])), shared_mem=self.attn.smem),
+                        *attention_target(w.layers[i]["gate_up"])), shared_mem=self.attn.smem,
+                       cluster=(self.attn.splits, 1, 1) if self.attn.cluster else None),
                 stream(k + 2, "o_proj", (self.y, np.int32(C), self.x)),
                 stream(k + 3, "gate_up", (self.x, norms[pre + "post_attention_layernorm.weight"], eps,
                                           np.int32(c.intermediate_size), self.g)),

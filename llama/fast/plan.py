@@ -49,6 +49,10 @@ STREAM_ITEM_LOADS: dict[tuple[int, int, str], dict[str, int]] = {
 MATRIX_NAMES = ("qkv", "o_proj", "gate_up", "down_proj", "lm_head")  # matrices()' keys, in step order
 ITEM_LOADS = 8  # rms_gemv.cu: 16-byte loads per lane in one item (rows x UNROLL); two items in flight
 ATTENTION_WARPS = (4, 8, 16)  # gqa_decode_attention.cu's warps per block: the engine's plan picks one
+# gqa_decode_attention.cu's combine: a key/value head's splits launched as one thread-block cluster that
+# combines in rank 0's shared memory (True), or the last block by a ticket through L2 (False)
+ATTENTION_CLUSTER = False
+CLUSTER_SPLITS = 16  # the most blocks a cluster holds on H100 and H200 (8 portable, 16 by opting in)
 MAX_GROUP = 8  # query heads per key/value head that gqa_decode_attention.cu keeps in registers
 SCORE_BYTES = 32 << 10  # at most this much shared memory for a split's scores (GROUP rows of its keys)
 STAGE_BYTES = 64 << 10  # shared memory for the K and V rows an attention block copies before its wait
@@ -164,17 +168,20 @@ def kernel_expressions(config: LlamaConfig, dtype: str, *, item_loads: int | Non
         head = f", {config.head_size}" if m.kernel == "rms_gemv_rope" else ""
         out[key] = ("rms_gemv", f"{m.kernel}<{wt}, {m.K}{head}, {GEMV_WARPS}, {unroll}>")
     return out | {
-        **{f"attention/{w}": attention_kernel(config, dtype, w) for w in ATTENTION_WARPS},  # the plan picks one
+        **{f"attention/{w}{'/cluster' * c}": attention_kernel(config, dtype, w, c)  # the plan picks one
+           for w in ATTENTION_WARPS for c in (False, True)},
         "embed": ("embed", f"embed<{wt}>"),
         "spin": ("spin", "spin"),
     }
 
 
-def attention_kernel(config: LlamaConfig, dtype: str, warps: int) -> tuple[str, str]:
-    """gqa_decode_attention.cu's (file, name expression) for this model and dtype, `warps` a block."""
+def attention_kernel(config: LlamaConfig, dtype: str, warps: int, cluster: bool = False) -> tuple[str, str]:
+    """gqa_decode_attention.cu's (file, name expression) for this model and dtype, `warps` a block, its
+    splits combining in a cluster or by a ticket."""
     wt = "unsigned short" if dtype == "bfloat16" else "float"
     group = config.num_attention_heads // config.num_key_value_heads
-    return "gqa_decode_attention", f"gqa_decode_attention<{wt}, {config.head_size}, {group}, {warps}>"
+    flag = "true" if cluster else "false"
+    return "gqa_decode_attention", f"gqa_decode_attention<{wt}, {config.head_size}, {group}, {warps}, {flag}>"
 
 
 @dataclass(frozen=True)
@@ -182,13 +189,15 @@ class AttentionPlan:
     """gqa_decode_attention.cu's geometry: `splits` key splits per key/value head launched, `split_keys`
     the keys a split holds (its scores' room; a position uses ceil(T_k / split_keys) splits), `warps`
     a block's, `staged_rows` K and V rows a block copies to shared memory before its wait, `smem`
-    dynamic bytes (scores, then the rows)."""
+    dynamic bytes (scores, then the rows, then with `cluster` the splits' partials that rank 0
+    combines), `cluster`: the splits of a key/value head are one cluster (else a ticket combines)."""
 
     splits: int
     split_keys: int
     warps: int
     staged_rows: int
     smem: int
+    cluster: bool = False
 
 
 def attention_warps(split_keys: int, head_size: int) -> int:
@@ -205,7 +214,8 @@ def attention_warps(split_keys: int, head_size: int) -> int:
 
 
 def attention_plan(config: LlamaConfig, max_len: int, sm_count: int, itemsize: int, *, splits: int | None = None,
-                   split_keys: int | None = None, warps: int | None = None) -> AttentionPlan:
+                   split_keys: int | None = None, warps: int | None = None,
+                   cluster: bool | None = None) -> AttentionPlan:
     """Enough splits to give every SM a block (at least 16 keys a split), more where a split's scores
     (GROUP rows of ceil(max_len / splits) floats) would pass SCORE_BYTES; a position takes the keys in
     as few of them as hold them (ceil(T_k / split_keys)); warps by attention_warps; as many rows staged
@@ -214,8 +224,10 @@ def attention_plan(config: LlamaConfig, max_len: int, sm_count: int, itemsize: i
     a split), 32 / 64 / 128 / 256 / 512 keys a split: 3B at position 400 2358 / 2508 / 2604 / 2972 /
     3459; 1B at 400, the exception, 990 / 970 / 1003 / 1175 / 1184. With 2,048 (128 keys a split),
     1B at 1000: 128 / 256 / 512 keys 1040 / 1186 / 1213.
-    splits, split_keys (at least the cache's length over the splits) and warps override the choices,
-    for measuring (tools/llama_step_variants.py); a geometry the kernel cannot take is a ValueError."""
+    The splits combine in a cluster (ATTENTION_CLUSTER) where there are at most CLUSTER_SPLITS of them.
+    splits, split_keys (at least the cache's length over the splits), warps and cluster override the
+    choices, for measuring (tools/llama_step_variants.py); a geometry the kernel cannot take is a
+    ValueError."""
     NKV, HS = config.num_key_value_heads, config.head_size
     group = config.num_attention_heads // NKV
     most = SCORE_BYTES // (4 * group)  # keys whose scores fit SCORE_BYTES
@@ -226,12 +238,15 @@ def attention_plan(config: LlamaConfig, max_len: int, sm_count: int, itemsize: i
     warps = warps or attention_warps(keys, HS)
     if warps not in ATTENTION_WARPS:
         raise ValueError(f"warps {warps}: gqa_decode_attention is compiled for {ATTENTION_WARPS}")
+    if cluster and splits > CLUSTER_SPLITS:
+        raise ValueError(f"cluster: {splits} splits, past the {CLUSTER_SPLITS} blocks a cluster holds")
+    cluster = ATTENTION_CLUSTER and splits <= CLUSTER_SPLITS if cluster is None else bool(cluster)
     rows = min(keys, STAGE_BYTES // (2 * HS * itemsize))
-    smem = 4 * group * (-(-keys // 4) * 4) + 2 * rows * HS * itemsize
+    smem = 4 * group * (-(-keys // 4) * 4) + 2 * rows * HS * itemsize + 4 * splits * group * (HS + 2) * cluster
     if smem + 4 * warps * group * HS > BLOCK_SMEM:  # with the static per-warp outputs
         raise ValueError(f"{keys} keys a split and {warps} warps: {smem + 4 * warps * group * HS} bytes of "
                          f"shared memory, past a block's {BLOCK_SMEM}")
-    return AttentionPlan(splits=splits, split_keys=keys, warps=warps, staged_rows=rows, smem=smem)
+    return AttentionPlan(splits=splits, split_keys=keys, warps=warps, staged_rows=rows, smem=smem, cluster=cluster)
 
 
 def cache_positions(positions: int, config: LlamaConfig) -> int:
