@@ -255,7 +255,7 @@ def test_gqa_decode_attention_matches_softmax_attention_over_the_cache(cp, heads
     (one; seven holding a seventh of the cache each, or 400 keys: one, two or three of them in use;
     sixteen); for each, the plan's staged rows, none and five: the same bits whatever is staged. The
     splits combine by the ticket and, up to CLUSTER_SPLITS of them, in a thread-block cluster a key/value
-    head (clusters of seven and sixteen too), each combine the same bits at every staging."""
+    head (clusters of seven and sixteen too): the same bits either way and at every staging."""
     NH, NKV, HS = heads
     max_len, pos = 1024 + 9, T_k - 1
     config = llama.LlamaConfig(hidden_size=NH * HS, num_attention_heads=NH, num_key_value_heads=NKV, head_dim=HS)
@@ -274,6 +274,7 @@ def test_gqa_decode_attention_matches_softmax_attention_over_the_cache(cp, heads
     plan = fast.attention_plan(config, max_len, 132, item)
     state = cp.asarray([3, pos], dtype=cp.int32)
     geometries = {(plan.splits, plan.split_keys), (1, max_len), (7, -(-max_len // 7)), (7, 400), (16, -(-max_len // 16))}
+    ticket = {}  # (splits, keys) -> the ticket's y
     for (splits, keys), cluster in itertools.product(sorted(geometries), (False, True)):
         if cluster and splits > fast.plan.CLUSTER_SPLITS:
             continue
@@ -304,6 +305,8 @@ def test_gqa_decode_attention_matches_softmax_attention_over_the_cache(cp, heads
                 assert bool(cp.isnan(partial).all()), f"{what}: the cluster's combine writes no partial to memory"
             first = y if first is None else first
             assert bool((y == first).all()), f"{what}: staging changed the result"
+            ticket.setdefault((splits, keys), y)
+            assert bool((y == ticket[(splits, keys)]).all()), f"{what}: not the ticket's bits"
 
 
 @pytest.mark.parametrize("dtype", fast.DTYPES)

@@ -11,6 +11,7 @@ import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import llama
@@ -139,7 +140,7 @@ def test_the_overrides_keep_the_plan_consistent_and_refuse_what_the_kernel_canno
     assert (plan.splits, plan.split_keys, plan.warps) == (16, 32, 4)
     more = fast.attention_plan(ONE_B, 512, 132, 2, split_keys=256, warps=8)
     assert (more.splits, more.split_keys, more.warps, more.staged_rows) == (16, 256, 8, 256)
-    assert more.smem == 4 * 4 * 256 + 2 * 256 * 64 * 2
+    assert more.smem == 4 * 4 * 256 + 2 * 256 * 64 * 2 + 4 * 16 * 4 * (64 + 2) * more.cluster
     assert fast.attention_plan(ONE_B, 512, 132, 2, split_keys=8).split_keys == 32  # never under max_len / splits
     assert fast.attention_plan(ONE_B, 512, 132, 2, splits=4).split_keys == 128
     assert fast.attention_plan(ONE_B, 512, 132, 2, split_keys=256).warps == 16  # attention_warps: one pass
@@ -150,9 +151,9 @@ def test_the_overrides_keep_the_plan_consistent_and_refuse_what_the_kernel_canno
     with pytest.raises(ValueError, match="past a block's"):
         fast.attention_plan(ONE_B, 131072, 132, 2, splits=1)
     # the cluster's combine: rank 0 holds every split's partial (GROUP rows of HS + 2 floats each)
-    clustered = fast.attention_plan(ONE_B, 512, 132, 2, cluster=True)
-    assert clustered.cluster and clustered.smem == plan.smem + 4 * 16 * 4 * (64 + 2)
-    assert not fast.attention_plan(ONE_B, 512, 132, 2, cluster=False).cluster
+    clustered, ticket = (fast.attention_plan(ONE_B, 512, 132, 2, cluster=c) for c in (True, False))
+    assert clustered.cluster and not ticket.cluster and clustered.smem == ticket.smem + 4 * 16 * 4 * (64 + 2)
+    assert plan.cluster == fast.plan.ATTENTION_CLUSTER
     with pytest.raises(ValueError, match="past the 16 blocks a cluster holds"):
         fast.attention_plan(ONE_B, 512, 132, 2, splits=17, cluster=True)
     assert variants.parse_variant("cluster=1+splits=8") == {"attention": {"cluster": True, "splits": 8}, "gemv": {},
@@ -167,7 +168,8 @@ def test_the_table_gives_each_variant_its_geometry_and_times():
             {"size": "llama-3.2-1b", "max_len": 512, "variant": "warps=6", "position": 128,
              "plan": "attention {'warps': 6}: warps 6", "us_per_token": None}]
     text = variants.table(rows)
-    assert "   955.5    955.6" in text and "   16    32     4   False      192" in text and "warps 6" in text
+    assert "   955.5    955.6" in text and f"   16    32     4 {str(plan['cluster']):>7s}      192" in text
+    assert "warps 6" in text
 
 
 @pytest.mark.parametrize("size", ["llama-3.2-1b", "llama-3.1-8b"])
@@ -220,3 +222,23 @@ def test_the_cluster_combine_draws_no_ticket_and_crosses_no_fence_through_l2(siz
     waits = [m.start() for m in re.finditer(r"barrier\.cluster\.wait", cluster)]
     release = cluster.index("barrier.cluster.arrive.release")
     assert waits[0] < first_store and max(stores) < release < waits[1]
+
+
+def test_the_cluster_s_denominator_is_the_ticket_s_shuffle_tree():
+    """gqa_decode_attention.cu's cluster combine adds rank 0's 16 terms e^(m_s - M) l_s in one fixed
+    tree, written out; the ticket's combine adds them across 32 lanes by __shfl_xor_sync by 16, 8, 4,
+    2, 1 (lanes past the splits in use hold 0). In float32, with NumPy: the same bits, for every count
+    of splits in use and terms of very different sizes."""
+    rng = np.random.default_rng(0)
+    for used in range(1, 17):
+        for _ in range(50):
+            terms = np.zeros(32, np.float32)
+            terms[:used] = (rng.random(used) * 10.0 ** rng.integers(-8, 8, used)).astype(np.float32)
+            lanes = terms.copy()
+            for o in (16, 8, 4, 2, 1):  # every lane adds its partner's value of the step before
+                lanes = (lanes + lanes[np.arange(32) ^ o]).astype(np.float32)
+            t = terms
+            tree = (((t[0] + t[8]) + (t[4] + t[12])) + ((t[2] + t[10]) + (t[6] + t[14]))) + \
+                   (((t[1] + t[9]) + (t[5] + t[13])) + ((t[3] + t[11]) + (t[7] + t[15])))
+            assert tree.dtype == np.float32 and tree.tobytes() == lanes[0].tobytes(), (used, terms)
+            assert (lanes == lanes[0]).all()  # every lane ends with the same sum

@@ -10,7 +10,7 @@ from.
 
 A variant is `plan` (the engine's own choices) or `name=value` pairs joined by `+` (`keys=256+warps=8`):
 splits (launched per key/value head), keys (split_keys: at least the cache's length over the splits),
-warps (4, 8 or 16), cluster (1: a key/value head's splits combine in a thread-block cluster, 0: by a
+warps (4, 8 or 16), staged (K and V rows a split copies before its wait), cluster (1: a key/value head's splits combine in a thread-block cluster, 0: by a
 ticket through L2); gemv_bps (at most this
 many blocks of every stream an SM), qkv_bps, o_proj_bps, gate_up_bps, down_proj_bps, lm_head_bps (the
 same for one stream), item_loads (1 to 8: more spills under rms_gemv.cu's register cap) and qkv_loads,
@@ -33,7 +33,8 @@ from llama.fast.plan import MATRIX_NAMES  # noqa: E402  (no CuPy needed)
 
 # a variant's names: (the Engine argument, its key there, the unit of the value)
 NAMES = {"splits": ("attention", "splits", 1), "keys": ("attention", "split_keys", 1),
-         "warps": ("attention", "warps", 1), "cluster": ("attention", "cluster", 1), "gemv_bps": ("gemv", "blocks_per_sm", 1),
+         "warps": ("attention", "warps", 1), "cluster": ("attention", "cluster", 1),
+         "staged": ("attention", "staged_rows", 1), "gemv_bps": ("gemv", "blocks_per_sm", 1),
          "item_loads": ("gemv", "item_loads", 1), "cap_mb": ("l2", "cap", 1 << 20), "attn_mb": ("l2", "attention", 1 << 20),
          **{f"{m}_bps": ("gemv", ("blocks_per_sm_of", m), 1) for m in MATRIX_NAMES},
          **{f"{m}_loads": ("gemv", ("item_loads_of", m), 1) for m in MATRIX_NAMES}}
@@ -48,7 +49,7 @@ def parse_variant(text: str) -> dict:
         return out
     for part in text.split("+"):
         name, _, value = part.partition("=")
-        if name not in NAMES or not value.isdigit() or int(value) < (0 if name in ("attn_mb", "cluster") else 1):
+        if name not in NAMES or not value.isdigit() or int(value) < (0 if name in ("attn_mb", "cluster", "staged") else 1):
             raise ValueError(f"variant {text!r}: {part!r} is not one of {', '.join(f'{n}=N' for n in NAMES)}")
         where, key, unit = NAMES[name]
         if isinstance(key, tuple):  # one stream's: {"blocks_per_sm_of": {matrix: n}}
@@ -92,7 +93,8 @@ def measure(size: str, caches: list[tuple[int, list[int]]], variants: list[str],
                 except LabError as exc:
                     plans[variant] = str(exc)
                     continue
-                plans[variant] = {**vars(engine.attn), "gemv": engine.gemv_options, "l2": engine.l2_options,
+                plans[variant] = {**vars(engine.attn), "clusters_held": engine.attn_clusters_held,
+                                  "gemv": engine.gemv_options, "l2": engine.l2_options,
                                   "grids": {key: grid for key, (_, grid, _) in engine.gemv.items()}}
                 for position in positions:
                     times.setdefault((variant, position), []).append(engine.replay_ms(position, 64, repeats=5))

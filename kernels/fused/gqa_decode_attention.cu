@@ -334,19 +334,26 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
         cluster_arrive();  // release: the stores above
         if (s != 0) return;  // nobody reads this block's shared memory
         cluster_wait();  // acquire: the used splits' partials are in merge
-        // y_h = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s, M = max_s m_s, in split order: a thread
-        // an element of the group's heads, each thread its head's M and denominator (used <= S reads)
+        // y_h = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s, M = max_s m_s: a thread an element of the
+        // group's heads, each its head's M and denominator. The ticket's arithmetic in the ticket's order
+        // (the numerator in split order, the denominator in its shuffles' tree; S <= COMBINE_SPLITS), so
+        // y has the same bits either way.
         for (int i = threadIdx.x; i < GROUP * HS; i += THREADS) {
             const int j = i / HS, d = i % HS;
             float M = -INFINITY;
             for (int r = 0; r < used; ++r) M = fmaxf(M, merge[(r * GROUP + j) * (HS + 2) + HS]);
-            float num = 0.0f, den = 0.0f;
-            for (int r = 0; r < used; ++r) {
+            float num = 0.0f;
+            for (int r = 0; r < used; ++r) {  // in split order
                 const float* pr = merge + (r * GROUP + j) * (HS + 2);
-                const float w = expf(pr[HS] - M);
-                den = fmaf(w, pr[HS + 1], den);
-                num = fmaf(w, pr[d], num);
+                num = fmaf(expf(pr[HS] - M), pr[d], num);
             }
+            auto t = [&](int r) {  // e^(m_r - M) l_r, 0 past the splits in use: the ticket's lane r
+                const float* pr = merge + (r * GROUP + j) * (HS + 2);
+                return r < used ? fmaf(expf(pr[HS] - M), pr[HS + 1], 0.0f) : 0.0f;
+            };
+            static_assert(COMBINE_SPLITS == 16, "the ticket's shuffles by 16 (lanes past 16 add 0), 8, 4, 2, 1");
+            const float den = (((t(0) + t(8)) + (t(4) + t(12))) + ((t(2) + t(10)) + (t(6) + t(14)))) +
+                              (((t(1) + t(9)) + (t(5) + t(13))) + ((t(3) + t(11)) + (t(7) + t(15))));
             y[(g * GROUP + j) * HS + d] = num / den;
         }
         return;

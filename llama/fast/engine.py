@@ -186,11 +186,13 @@ class Engine(FastEngine):
         # the compiled kernel is shared by every engine of this model and dtype: its opt-in only grows
         attention = self.fn["attention"]
         attention.max_dynamic_shared_size_bytes = max(attention.max_dynamic_shared_size_bytes, self.attn.smem)
+        self.attn_clusters_held = None  # with cluster: how many of the launch's clusters the device holds at once
         if self.attn.cluster:  # a cluster a key/value head: the device must hold one at least
             S, NKV = self.attn.splits, c.num_key_value_heads
             if S > 8:
                 driver.allow_non_portable_clusters(attention)
             held = driver.max_active_clusters(attention, (S, NKV), (32 * self.attn.warps,), S, self.attn.smem)
+            self.attn_clusters_held = held
             if held < 1:
                 raise LabError(f"gqa_decode_attention: the device holds no cluster of {S} blocks of "
                                f"{32 * self.attn.warps} threads and {self.attn.smem} bytes of shared memory "

@@ -214,7 +214,7 @@ def attention_warps(split_keys: int, head_size: int) -> int:
 
 
 def attention_plan(config: LlamaConfig, max_len: int, sm_count: int, itemsize: int, *, splits: int | None = None,
-                   split_keys: int | None = None, warps: int | None = None,
+                   split_keys: int | None = None, warps: int | None = None, staged_rows: int | None = None,
                    cluster: bool | None = None) -> AttentionPlan:
     """Enough splits to give every SM a block (at least 16 keys a split), more where a split's scores
     (GROUP rows of ceil(max_len / splits) floats) would pass SCORE_BYTES; a position takes the keys in
@@ -225,8 +225,8 @@ def attention_plan(config: LlamaConfig, max_len: int, sm_count: int, itemsize: i
     3459; 1B at 400, the exception, 990 / 970 / 1003 / 1175 / 1184. With 2,048 (128 keys a split),
     1B at 1000: 128 / 256 / 512 keys 1040 / 1186 / 1213.
     The splits combine in a cluster (ATTENTION_CLUSTER) where there are at most CLUSTER_SPLITS of them.
-    splits, split_keys (at least the cache's length over the splits), warps and cluster override the
-    choices, for measuring (tools/llama_step_variants.py); a geometry the kernel cannot take is a
+    splits, split_keys (at least the cache's length over the splits), warps, staged_rows (at most the
+    split's keys) and cluster override the choices, for measuring (tools/llama_step_variants.py); a geometry the kernel cannot take is a
     ValueError."""
     NKV, HS = config.num_key_value_heads, config.head_size
     group = config.num_attention_heads // NKV
@@ -241,7 +241,9 @@ def attention_plan(config: LlamaConfig, max_len: int, sm_count: int, itemsize: i
     if cluster and splits > CLUSTER_SPLITS:
         raise ValueError(f"cluster: {splits} splits, past the {CLUSTER_SPLITS} blocks a cluster holds")
     cluster = ATTENTION_CLUSTER and splits <= CLUSTER_SPLITS if cluster is None else bool(cluster)
-    rows = min(keys, STAGE_BYTES // (2 * HS * itemsize))
+    if staged_rows is not None and staged_rows < 0:
+        raise ValueError(f"staged_rows {staged_rows}: at least 0")
+    rows = min(keys, STAGE_BYTES // (2 * HS * itemsize) if staged_rows is None else staged_rows)
     smem = 4 * group * (-(-keys // 4) * 4) + 2 * rows * HS * itemsize + 4 * splits * group * (HS + 2) * cluster
     if smem + 4 * warps * group * HS > BLOCK_SMEM:  # with the static per-warp outputs
         raise ValueError(f"{keys} keys a split and {warps} warps: {smem + 4 * warps * group * HS} bytes of "
