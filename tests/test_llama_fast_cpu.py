@@ -164,7 +164,7 @@ def test_attention_plan_fills_the_sms_and_fits_shared_memory(size, max_len, item
     cap = p.split_keys
     assert cap == -(-max_len // p.splits) and p.warps == fast.plan.attention_warps(cap, c.head_size)
     assert p.splits >= 1 and 4 * group * cap <= max(fast.plan.SCORE_BYTES, 4 * group * 16)
-    if max_len >= 16 * sms // c.num_key_value_heads:
+    if max_len >= fast.plan.MIN_SPLIT_KEYS * sms // c.num_key_value_heads:
         assert p.splits * c.num_key_value_heads >= sms - c.num_key_value_heads + 1  # a block per SM, about
     assert 1 <= p.staged_rows <= cap and 2 * p.staged_rows * c.head_size * itemsize <= fast.plan.STAGE_BYTES
     merge = 4 * p.splits * group * (c.head_size + 2) if p.cluster else 0  # rank 0's partials

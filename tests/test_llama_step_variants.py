@@ -137,11 +137,11 @@ def test_caches_parse_and_leave_room_for_the_timed_steps():
 
 def test_the_overrides_keep_the_plan_consistent_and_refuse_what_the_kernel_cannot_take():
     plan = fast.attention_plan(ONE_B, 512, 132, 2)
-    assert (plan.splits, plan.split_keys, plan.warps) == (16, 32, 4)
+    assert (plan.splits, plan.split_keys, plan.warps) == (8, 64, 4)  # MIN_SPLIT_KEYS
     more = fast.attention_plan(ONE_B, 512, 132, 2, split_keys=256, warps=8)
-    assert (more.splits, more.split_keys, more.warps, more.staged_rows) == (16, 256, 8, 256)
-    assert more.smem == 4 * 4 * 256 + 2 * 256 * 64 * 2 + 4 * 16 * 4 * (64 + 2) * more.cluster
-    assert fast.attention_plan(ONE_B, 512, 132, 2, split_keys=8).split_keys == 32  # never under max_len / splits
+    assert (more.splits, more.split_keys, more.warps, more.staged_rows) == (8, 256, 8, 256)
+    assert more.smem == 4 * 4 * 256 + 2 * 256 * 64 * 2 + 4 * 8 * 4 * (64 + 2) * more.cluster
+    assert fast.attention_plan(ONE_B, 512, 132, 2, split_keys=8).split_keys == 64  # never under max_len / splits
     assert fast.attention_plan(ONE_B, 512, 132, 2, splits=4).split_keys == 128
     assert fast.attention_plan(ONE_B, 512, 132, 2, split_keys=256).warps == 16  # attention_warps: one pass
     with pytest.raises(ValueError, match="warps 6"):
@@ -152,7 +152,7 @@ def test_the_overrides_keep_the_plan_consistent_and_refuse_what_the_kernel_canno
         fast.attention_plan(ONE_B, 131072, 132, 2, splits=1)
     # the cluster's combine: rank 0 holds every split's partial (GROUP rows of HS + 2 floats each)
     clustered, ticket = (fast.attention_plan(ONE_B, 512, 132, 2, cluster=c) for c in (True, False))
-    assert clustered.cluster and not ticket.cluster and clustered.smem == ticket.smem + 4 * 16 * 4 * (64 + 2)
+    assert clustered.cluster and not ticket.cluster and clustered.smem == ticket.smem + 4 * 8 * 4 * (64 + 2)
     assert plan.cluster == fast.plan.ATTENTION_CLUSTER
     with pytest.raises(ValueError, match="past the 16 blocks a cluster holds"):
         fast.attention_plan(ONE_B, 512, 132, 2, splits=17, cluster=True)
@@ -168,7 +168,7 @@ def test_the_table_gives_each_variant_its_geometry_and_times():
             {"size": "llama-3.2-1b", "max_len": 512, "variant": "warps=6", "position": 128,
              "plan": "attention {'warps': 6}: warps 6", "us_per_token": None}]
     text = variants.table(rows)
-    assert "   955.5    955.6" in text and f"   16    32     4 {str(plan['cluster']):>7s}      192" in text
+    assert "   955.5    955.6" in text and f"    8    64     4 {str(plan['cluster']):>7s}      192" in text
     assert "warps 6" in text
 
 

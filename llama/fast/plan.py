@@ -51,9 +51,16 @@ ITEM_LOADS = 8  # rms_gemv.cu: 16-byte loads per lane in one item (rows x UNROLL
 ATTENTION_WARPS = (4, 8, 16)  # gqa_decode_attention.cu's warps per block: the engine's plan picks one
 # gqa_decode_attention.cu's combine: a key/value head's splits launched as one thread-block cluster that
 # combines in rank 0's shared memory (True), or the last block by a ticket through L2 (False)
-ATTENTION_CLUSTER = False
+ATTENTION_CLUSTER = True
 CLUSTER_SPLITS = 16  # the most blocks a cluster holds on H100 and H200 (8 portable, 16 by opting in)
 MAX_GROUP = 8  # query heads per key/value head that gqa_decode_attention.cu keeps in registers
+# at least this many keys a split where the cache is short: with a 512-position cache, 8 splits of 64 keys
+# (the warps of attention_warps: one pass) against the 16 of 32 that 16 keys a split gave, the time a token
+# (H200, tools/llama_step_variants.py, two rounds, positions 40 / 260): 3.2 1B 0.992 / 0.999x, 3.2 3B
+# 0.987 / 0.992x, 3.1 8B 0.992 / 0.995x; caches of 1,024 positions and more keep 16 splits (at 2,048, 8
+# splits of 256 keys were 1.02-1.06x at position 1000). Fewer splits in use at a position: at 40, one
+# (no combine) against two.
+MIN_SPLIT_KEYS = 64
 SCORE_BYTES = 32 << 10  # at most this much shared memory for a split's scores (GROUP rows of its keys)
 STAGE_BYTES = 64 << 10  # shared memory for the K and V rows an attention block copies before its wait
 BLOCK_SMEM = 227 << 10  # shared memory a block may have on H100 and H200 (dynamic and static)
@@ -216,14 +223,15 @@ def attention_warps(split_keys: int, head_size: int) -> int:
 def attention_plan(config: LlamaConfig, max_len: int, sm_count: int, itemsize: int, *, splits: int | None = None,
                    split_keys: int | None = None, warps: int | None = None, staged_rows: int | None = None,
                    cluster: bool | None = None) -> AttentionPlan:
-    """Enough splits to give every SM a block (at least 16 keys a split), more where a split's scores
-    (GROUP rows of ceil(max_len / splits) floats) would pass SCORE_BYTES; a position takes the keys in
-    as few of them as hold them (ceil(T_k / split_keys)); warps by attention_warps; as many rows staged
-    as a split holds, up to STAGE_BYTES. Splits holding more keys than that, fewer of them in use,
-    measured slower but once (H200, bfloat16, 4 warps, us a token). With a 512-position cache (32 keys
-    a split), 32 / 64 / 128 / 256 / 512 keys a split: 3B at position 400 2358 / 2508 / 2604 / 2972 /
-    3459; 1B at 400, the exception, 990 / 970 / 1003 / 1175 / 1184. With 2,048 (128 keys a split),
-    1B at 1000: 128 / 256 / 512 keys 1040 / 1186 / 1213.
+    """Enough splits to give every SM a block (at least MIN_SPLIT_KEYS keys a split), more where a
+    split's scores (GROUP rows of ceil(max_len / splits) floats) would pass SCORE_BYTES; a position
+    takes the keys in as few of them as hold them (ceil(T_k / split_keys)); warps by attention_warps; as
+    many rows staged as a split holds, up to STAGE_BYTES. Splits holding more keys than that, fewer of
+    them in use, measured slower but once (H200, bfloat16, 4 warps, us a token). With a 512-position
+    cache (32 keys a split), 32 / 64 / 128 / 256 / 512 keys a split: 3B at position 400 2358 / 2508 /
+    2604 / 2972 / 3459; 1B at 400, the exception, 990 / 970 / 1003 / 1175 / 1184. With 2,048 (128 keys
+    a split), 1B at 1000: 128 / 256 / 512 keys 1040 / 1186 / 1213. (64 keys with the warps that take
+    them in one pass came out faster since: MIN_SPLIT_KEYS.)
     The splits combine in a cluster (ATTENTION_CLUSTER) where there are at most CLUSTER_SPLITS of them.
     splits, split_keys (at least the cache's length over the splits), warps, staged_rows (at most the
     split's keys) and cluster override the choices, for measuring (tools/llama_step_variants.py); a geometry the kernel cannot take is a
@@ -233,7 +241,7 @@ def attention_plan(config: LlamaConfig, max_len: int, sm_count: int, itemsize: i
     most = SCORE_BYTES // (4 * group)  # keys whose scores fit SCORE_BYTES
     if splits is not None and not 1 <= splits <= max_len:
         raise ValueError(f"splits {splits}: 1 to the cache's {max_len} positions")
-    splits = splits or max(1, min(sm_count // NKV, -(-max_len // 16)), -(-max_len // most))
+    splits = splits or max(1, min(sm_count // NKV, -(-max_len // MIN_SPLIT_KEYS)), -(-max_len // most))
     keys = max(-(-max_len // splits), split_keys or 0)  # keys in the longest split
     warps = warps or attention_warps(keys, HS)
     if warps not in ATTENTION_WARPS:
