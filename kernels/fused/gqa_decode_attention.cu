@@ -50,11 +50,23 @@
  * copying row pos to shared memory beside q's loads (the score and value loops each read it from L2
  * after q): 0.999-1.009x.
  *
+ * CLUSTER (sm_90; off in the plan, a measured null): the S splits of a key/value head are launched as
+ * one thread-block cluster (the launch's cluster dimension (S, 1, 1), S <= 16, beyond 8 by opting in),
+ * so rank s is split s. Each split stores (o_j, m_j, l_j) into the shared memory of rank 0 (mapa,
+ * st.shared::cluster) and arrives at the cluster barrier (release); rank 0 waits (acquire) and combines
+ * from its own shared memory with the ticket's arithmetic in the ticket's order, so y has the same bits:
+ * no partial in L2, no fence, no ticket. Every block arrives once (relaxed) as it starts and waits before
+ * its first remote store, so that rank 0's shared memory exists; blocks past `used` exit at once, which
+ * the barrier allows (it waits for the cluster's non-exited threads). On an H200 it was no faster
+ * (llama/fast/plan.py ATTENTION_CLUSTER has the figures): the ticket's round trips are not what the
+ * attention's time in the step is made of.
+ *
  * Template parameters: kv_t (float or bfloat16 bits), HS (head size; a multiple of 8 with HS / 8
- * dividing 32: 8 to 256), GROUP (query heads per key/value head), WARPS.
- * Geometry: grid (S, NKV), block WARPS * 32. Shared memory: dynamic, GROUP rows of split_keys floats
- * for the scores (each row rounded up to 16 bytes), then staged_rows rows of K and of V
- * (llama/fast/plan.py attention_plan); static WARPS x GROUP x HS floats for the per-warp outputs.
+ * dividing 32: 8 to 256), GROUP (query heads per key/value head), WARPS, CLUSTER.
+ * Geometry: grid (S, NKV), block WARPS * 32; with CLUSTER, clusters of (S, 1, 1). Shared memory:
+ * dynamic, GROUP rows of split_keys floats for the scores (each row rounded up to 16 bytes), then
+ * staged_rows rows of K and of V (llama/fast/plan.py attention_plan), then with CLUSTER S x GROUP rows
+ * of HS + 2 floats (rank 0's partials); static WARPS x GROUP x HS floats for the per-warp outputs.
  * Register use: GROUP x 8 of q and of o per lane. Caches are (NKV, max_len, HS) for this layer; q is
  * (NH * HS,) float32, not yet scaled; partial is (NH, S, HS + 2) floats.
  */

@@ -50,8 +50,13 @@ MATRIX_NAMES = ("qkv", "o_proj", "gate_up", "down_proj", "lm_head")  # matrices(
 ITEM_LOADS = 8  # rms_gemv.cu: 16-byte loads per lane in one item (rows x UNROLL); two items in flight
 ATTENTION_WARPS = (4, 8, 16)  # gqa_decode_attention.cu's warps per block: the engine's plan picks one
 # gqa_decode_attention.cu's combine: a key/value head's splits launched as one thread-block cluster that
-# combines in rank 0's shared memory (True), or the last block by a ticket through L2 (False)
-ATTENTION_CLUSTER = True
+# combines in rank 0's shared memory (True), or the last block by a ticket through L2 (False). The ticket:
+# the cluster was no faster (H200, tools/llama_step_variants.py, two rounds, the time a token against the
+# ticket's, positions 40 / 260 in a 512-position cache, 1000 in 2,048; 16 splits a cluster of 16): 3.2 1B
+# 0.999 / 1.007 / 0.995x (0.982-0.984x in a run before), 3.2 3B 1.038 / 1.032 / 1.064x, 3.1 8B 1.053 / 1.040 /
+# 1.050x (at 2,048 the device holds 7 of the 8 clusters at once); 8 splits in clusters of 8 against the
+# ticket at 8 splits, 0.996-1.006x at 512. Engine(attention={"cluster": True}) measures it.
+ATTENTION_CLUSTER = False
 CLUSTER_SPLITS = 16  # the most blocks a cluster holds on H100 and H200 (8 portable, 16 by opting in)
 MAX_GROUP = 8  # query heads per key/value head that gqa_decode_attention.cu keeps in registers
 # at least this many keys a split where the cache is short: with a 512-position cache, 8 splits of 64 keys
