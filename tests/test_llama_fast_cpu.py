@@ -63,6 +63,7 @@ def test_llama_3_2_1b_step_kernels():
            for w in (4, 8, 16) for c in (False, True)},
         "embed": ("embed", "embed<unsigned short>"),
         "spin": ("spin", "spin"),
+        "handoff": ("spin", "handoff"),
     }
     assert fast.kernel_expressions(llama.SIZES["llama-3.1-8b"], "float32")["down_proj"] == (
         "rms_gemv", "rms_gemv_residual<float, 14336, 8, 8>")

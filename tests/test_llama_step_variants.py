@@ -242,3 +242,29 @@ def test_the_cluster_s_denominator_is_the_ticket_s_shuffle_tree():
                    (((t[1] + t[9]) + (t[5] + t[13])) + ((t[3] + t[11]) + (t[7] + t[15])))
             assert tree.dtype == np.float32 and tree.tobytes() == lanes[0].tobytes(), (used, terms)
             assert (lanes == lanes[0]).all()  # every lane ends with the same sum
+
+
+def test_pad_puts_empty_kernel_boundaries_after_each_attention_and_changes_nothing_else():
+    """pad=N: N launches of spin.cu's handoff after each layer's attention, no arguments, one warp; the
+    step's other launches as the engine's. The handoff lets the next kernel launch, then waits: one
+    grid completion more in the chain and nothing else."""
+    from kernels import fused
+    from tests.test_llama_fast_cpu import TINY, fake_engine
+
+    assert variants.parse_variant("pad=2") == {"attention": {}, "gemv": {}, "l2": {}, "pad": 2}
+    assert "pad" not in variants.parse_variant("plan")
+    e, _ = fake_engine(TINY, "bfloat16")
+    e.fn["handoff"] = "handoff"
+    plain = e._decode_launches(prefetch=False, pdl=False)
+    e.__class__ = variants.padded_engine(2)
+    padded = e._decode_launches(prefetch=False, pdl=False)
+    assert [x for x in padded if x.fn != "handoff"] == plain
+    for i in range(TINY.n_layer):
+        k = next(j for j, x in enumerate(padded) if x.name == f"h.{i}.{fast.STEP_KINDS[1]}")
+        assert [(x.name, x.fn, x.grid, x.block, x.args) for x in padded[k + 1:k + 3]] == [
+            (f"h.{i}.{fast.STEP_KINDS[1]}.pad{j}", "handoff", (1,), (32,), ()) for j in range(2)]
+        assert padded[k + 3].name == f"h.{i}.{fast.STEP_KINDS[2]}"
+    body = fused.ptx("spin", "handoff")
+    body = body[body.index(".entry"):]
+    assert re.findall(r"griddepcontrol\.(\w+)", body) == ["launch_dependents", "wait"]
+    assert not re.search(r"\b(ld|st|atom|red)\.global", body)

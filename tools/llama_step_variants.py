@@ -10,7 +10,8 @@ from.
 
 A variant is `plan` (the engine's own choices) or `name=value` pairs joined by `+` (`keys=256+warps=8`):
 splits (launched per key/value head), keys (split_keys: at least the cache's length over the splits),
-warps (4, 8 or 16), staged (K and V rows a split copies before its wait), cluster (1: a key/value head's splits combine in a thread-block cluster, 0: by a
+warps (4, 8 or 16), staged (K and V rows a split copies before its wait), pad (that many empty
+kernels, spin.cu's handoff, after each layer's attention: what a kernel boundary costs), cluster (1: a key/value head's splits combine in a thread-block cluster, 0: by a
 ticket through L2); gemv_bps (at most this
 many blocks of every stream an SM), qkv_bps, o_proj_bps, gate_up_bps, down_proj_bps, lm_head_bps (the
 same for one stream), item_loads (1 to 8: more spills under rms_gemv.cu's register cap) and qkv_loads,
@@ -34,7 +35,7 @@ from llama.fast.plan import MATRIX_NAMES  # noqa: E402  (no CuPy needed)
 # a variant's names: (the Engine argument, its key there, the unit of the value)
 NAMES = {"splits": ("attention", "splits", 1), "keys": ("attention", "split_keys", 1),
          "warps": ("attention", "warps", 1), "cluster": ("attention", "cluster", 1),
-         "staged": ("attention", "staged_rows", 1), "gemv_bps": ("gemv", "blocks_per_sm", 1),
+         "staged": ("attention", "staged_rows", 1), "pad": ("pad", None, 1), "gemv_bps": ("gemv", "blocks_per_sm", 1),
          "item_loads": ("gemv", "item_loads", 1), "cap_mb": ("l2", "cap", 1 << 20), "attn_mb": ("l2", "attention", 1 << 20),
          **{f"{m}_bps": ("gemv", ("blocks_per_sm_of", m), 1) for m in MATRIX_NAMES},
          **{f"{m}_loads": ("gemv", ("item_loads_of", m), 1) for m in MATRIX_NAMES}}
@@ -49,10 +50,12 @@ def parse_variant(text: str) -> dict:
         return out
     for part in text.split("+"):
         name, _, value = part.partition("=")
-        if name not in NAMES or not value.isdigit() or int(value) < (0 if name in ("attn_mb", "cluster", "staged") else 1):
+        if name not in NAMES or not value.isdigit() or int(value) < (0 if name in ("attn_mb", "cluster", "staged", "pad") else 1):
             raise ValueError(f"variant {text!r}: {part!r} is not one of {', '.join(f'{n}=N' for n in NAMES)}")
         where, key, unit = NAMES[name]
-        if isinstance(key, tuple):  # one stream's: {"blocks_per_sm_of": {matrix: n}}
+        if where == "pad":  # not an Engine argument: measure() builds a padded engine
+            out["pad"] = int(value)
+        elif isinstance(key, tuple):  # one stream's: {"blocks_per_sm_of": {matrix: n}}
             out[where].setdefault(key[0], {})[key[1]] = int(value) * unit
         else:
             out[where][key] = bool(int(value)) if key == "cluster" else int(value) * unit
@@ -69,6 +72,26 @@ def parse_cache(text: str) -> tuple[int, list[int]]:
     if not at or any(not 0 <= p < max_len - 65 for p in at):
         raise ValueError(f"--cache {text!r}: positions from 0 to {max_len - 66} (64 steps are timed from each)")
     return max_len, at
+
+
+def padded_engine(pad: int):
+    """llama.fast.Engine with `pad` handoff launches (spin.cu) after each layer's attention: each adds one
+    kernel boundary to the step's chain of programmatic dependent launches and nothing else, so what they
+    add to the time a token is what that many boundaries a layer cost."""
+    import llama.fast as fast
+    from lm.engine import Launch
+
+    class Padded(fast.Engine):
+        def _decode_launches(self, prefetch: bool, pdl: bool) -> list:
+            handoff = self.fn["handoff"]
+            out = []
+            for launch in super()._decode_launches(prefetch, pdl):
+                out.append(launch)
+                if launch.name.endswith(f".{fast.STEP_KINDS[1]}"):
+                    out += [Launch(f"{launch.name}.pad{i}", handoff, (1,), (32,), ()) for i in range(pad)]
+            return out
+
+    return Padded
 
 
 def measure(size: str, caches: list[tuple[int, list[int]]], variants: list[str], rounds: int, seed: int) -> list[dict]:
@@ -88,12 +111,14 @@ def measure(size: str, caches: list[tuple[int, list[int]]], variants: list[str],
         plans = {}
         for _ in range(rounds):
             for variant in variants:
+                kwargs = parse_variant(variant)
+                pad = kwargs.pop("pad", 0)
                 try:
-                    engine = fast.Engine(params, config, max_len=max_len, **parse_variant(variant))
+                    engine = (padded_engine(pad) if pad else fast.Engine)(params, config, max_len=max_len, **kwargs)
                 except LabError as exc:
                     plans[variant] = str(exc)
                     continue
-                plans[variant] = {**vars(engine.attn), "clusters_held": engine.attn_clusters_held,
+                plans[variant] = {**vars(engine.attn), "clusters_held": engine.attn_clusters_held, "pad": pad,
                                   "gemv": engine.gemv_options, "l2": engine.l2_options,
                                   "grids": {key: grid for key, (_, grid, _) in engine.gemv.items()}}
                 for position in positions:

@@ -184,6 +184,7 @@ def kernel_expressions(config: LlamaConfig, dtype: str, *, item_loads: int | Non
            for w in ATTENTION_WARPS for c in (False, True)},
         "embed": ("embed", f"embed<{wt}>"),
         "spin": ("spin", "spin"),
+        "handoff": ("spin", "handoff"),  # an empty kernel boundary, for measuring (tools/llama_step_variants.py)
     }
 
 
