@@ -59,7 +59,7 @@ def test_llama_3_2_1b_step_kernels():
         "down_proj": ("rms_gemv", "rms_gemv_residual<unsigned short, 8192, 8, 4>"),
         "lm_head": ("rms_gemv", "rms_gemv_argmax<unsigned short, 2048, 8, 4>"),
         **{f"attention/{w}{'/cluster' * c}": ("gqa_decode_attention",
-                                               f"gqa_decode_attention<unsigned short, 64, 4, {w}, {str(c).lower()}>")
+                                               f"gqa_decode_attention<unsigned short, 64, 4, {w}, {str(c).lower()}, false>")
            for w in (4, 8, 16) for c in (False, True)},
         "embed": ("embed", "embed<unsigned short>"),
         "spin": ("spin", "spin"),
@@ -424,6 +424,7 @@ def fake_engine(config, dtype):
     e.attn = fast.attention_plan(config, 64, 132, 2 if dtype == "bfloat16" else 4)
     e.attn_partial = np.zeros((NH, e.attn.splits, HS + 2), np.float32)
     e.attn_counters = np.zeros(NKV, np.uint32)
+    e.attn_trace = None
     e.block_max, e.block_arg, e.lm_counter = np.zeros(7, np.float32), np.zeros(7, np.int32), np.zeros(1, np.uint32)
     e.logits = np.zeros(config.vocab_size, np.float32)
     e.gemv = {key: (m.kernel, 7, 4 * m.K) for key, m in fast.matrices(config).items()}
@@ -458,7 +459,7 @@ def test_prefetch_hints_name_the_next_matrix_and_the_attention_the_layer_s_gate_
                               (gate_up, w.layers[i]["down_proj"]), (down, nxt)):
                 assert launch.args[-2:] == (m.data.ptr, min(m.nbytes, cap) // 256 * 256), launch.name
             want = (w.layers[i]["gate_up"].data.ptr, min(7000, ahead) // 256 * 256) if ahead else (0, 0)
-            assert attention.args[-2:] == want
+            assert attention.args[-3:-1] == want and attention.args[-1] == 0  # then trace: none
     e.l2_options = l2_options({"attention": 1 << 20})
     assert all(launch.args[-2:] == (0, 0) for launch in e._decode_launches(prefetch=False, pdl=False)[1:-1])
 

@@ -291,7 +291,7 @@ def test_gqa_decode_attention_matches_softmax_attention_over_the_cache(cp, heads
             partial = cp.full((NH, splits, HS + 2), cp.nan, dtype=cp.float32)
             counters = cp.zeros(NKV, dtype=cp.uint32)
             args = (q, caches[0], caches[1], state, np.int32(max_len), np.int32(keys), np.int32(staged),
-                    np.float32(1 / math.sqrt(HS)), partial, counters, y, NULL, np.uint64(0))
+                    np.float32(1 / math.sqrt(HS)), partial, counters, y, NULL, np.uint64(0), NULL)
             if cluster:
                 driver.PackedLaunch(fn, (splits, NKV), (32 * warps,), args, shared_mem=smem,
                                     stream=cp.cuda.get_current_stream().ptr, cluster=(splits, 1, 1))()
@@ -449,11 +449,30 @@ def test_the_streams_overrides_give_the_same_bits_and_the_attentions_the_same_to
         got = engine_forced(cp, engine, PROMPT, list(range(100, 116)))
         assert all(bool((a == b).all()) for a, b in zip(got, want, strict=True)), f"gemv={gemv}: logits differ"
     tokens = plan.generate(PROMPT, 64, attend=reference_attend).tokens
-    for attention in ({"warps": 16}, {"split_keys": 256}, {"splits": 3}):
+    for attention in ({"warps": 16}, {"split_keys": 256}, {"splits": 3}, {"cluster": True}, {"splits": 16, "cluster": True}):
         engine = fast.Engine(p32, config, max_len=256, attention=attention)
         assert engine.generate(PROMPT, 64, attend=reference_attend).tokens == tokens, attention
     with pytest.raises(LabError, match="warps 6"):
         fast.Engine(p32, config, max_len=256, attention={"warps": 6})
+
+
+def test_the_attention_s_trace_marks_its_phases_in_order_and_changes_no_token(cp, one_b):
+    """Engine(trace=True) runs gqa_decode_attention's diagnostic build: the same tokens, and in attn_trace
+    the last step's marks, in order, for every split in use (tools/attention_trace.py reads them)."""
+    config, _, p16 = one_b
+    want = fast.Engine(p16, config, max_len=512).generate(PROMPT, 40, attend=reference_attend).tokens
+    traced = fast.Engine(p16, config, max_len=512, trace=True)
+    assert traced.generate(PROMPT, 40, attend=reference_attend).tokens == want
+    t = cp.asnumpy(traced.attn_trace).astype(np.int64)  # (layers, NKV, splits, marks)
+    assert t.shape == (config.n_layer, config.num_key_value_heads, traced.attn.splits, fast.plan.ATTENTION_TRACE_MARKS)
+    used = t[..., 1] > 0
+    pos = int(traced.state[1]) - 1  # the last step's position: state holds the next one's
+    assert (used.sum(axis=-1) == min(traced.attn.splits, -(-(pos + 1) // traced.attn.split_keys))).all()
+    assert (np.diff(t[..., :7], axis=-1)[used] >= 0).all() and (t[..., 0] > 0).all()
+    combined = t[..., 7] > 0
+    assert (combined.sum(axis=-1) == (used.sum(axis=-1) > 1)).all()  # one combining block a head, where it combines
+    assert (t[..., 7] >= t[..., 6])[combined].all()
+    assert (t[~used][:, 1:] == 0).all()  # a split past the keys marks its start only
 
 
 def test_windows_end_of_text_and_streaming(cp, one_b):

@@ -61,8 +61,15 @@
  * (llama/fast/plan.py ATTENTION_CLUSTER has the figures): the ticket's round trips are not what the
  * attention's time in the step is made of.
  *
+ * TRACE (a diagnostic build, tools/attention_trace.py): thread 0 of each block records the global timer
+ * into trace (gridDim.y x gridDim.x x TRACE_MARKS, may be null without TRACE) at 0 its start (mark 0
+ * zeroes the rest: a mark not reached reads 0), 1 its wait's end (the projection has completed), 2 q
+ * and the staged rows in hand, 3 the scores, 4 the softmax, 5 the values, 6 its partial stored (with
+ * the ticket drawn; y stored where it is the only split), 7 the combine's end (the combining block).
+ * Without it the kernel is the same instructions (a CPU test compares the PTX).
+ *
  * Template parameters: kv_t (float or bfloat16 bits), HS (head size; a multiple of 8 with HS / 8
- * dividing 32: 8 to 256), GROUP (query heads per key/value head), WARPS, CLUSTER.
+ * dividing 32: 8 to 256), GROUP (query heads per key/value head), WARPS, CLUSTER, TRACE.
  * Geometry: grid (S, NKV), block WARPS * 32; with CLUSTER, clusters of (S, 1, 1). Shared memory:
  * dynamic, GROUP rows of split_keys floats for the scores (each row rounded up to 16 bytes), then
  * staged_rows rows of K and of V (llama/fast/plan.py attention_plan), then with CLUSTER S x GROUP rows
@@ -160,13 +167,33 @@ __device__ __forceinline__ void store_cluster(unsigned a, float x)
 #endif
 }
 
-template <typename kv_t, int HS, int GROUP, int WARPS, bool CLUSTER>
+// -- the trace (TRACE: a diagnostic build, tools/attention_trace.py) ---------------------------------
+
+#define TRACE_MARKS 8  // global-timer marks a block: see the header
+
+// Thread 0 records the global timer as mark `which` of its block in trace (gridDim.y x gridDim.x x
+// TRACE_MARKS); mark 0, at the start, zeroes the others, so a mark the block does not reach reads 0.
+template <bool TRACE>
+__device__ __forceinline__ void mark(unsigned long long* trace, int which)
+{
+    if constexpr (TRACE) {
+        if (threadIdx.x != 0) return;
+        unsigned long long now;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+        unsigned long long* mine = trace + ((long long)blockIdx.y * gridDim.x + blockIdx.x) * TRACE_MARKS;
+        mine[which] = now;
+        if (which == 0)
+            for (int i = 1; i < TRACE_MARKS; ++i) mine[i] = 0ull;
+    }
+}
+
+template <typename kv_t, int HS, int GROUP, int WARPS, bool CLUSTER, bool TRACE>
 __global__ void __launch_bounds__(WARPS * 32)
 gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cache, const kv_t* __restrict__ v_cache,
                      const int* __restrict__ state, int max_len, int split_keys, int staged_rows, float scale,
                      float* partial,
                      unsigned int* counters, float* __restrict__ y, const char* prefetch,
-                     unsigned long long prefetch_bytes)
+                     unsigned long long prefetch_bytes, unsigned long long* trace)
 {
     constexpr int THREADS = WARPS * 32;
     constexpr int LPK = HS / 8;       // lanes per key
@@ -179,6 +206,7 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
     __shared__ __align__(16) float o_s[WARPS][GROUP][HS];
     __shared__ bool is_last;
 
+    mark<TRACE>(trace, 0);  // the block runs (under programmatic dependent launch: before the wait)
     prefetch_l2(prefetch, prefetch_bytes);
 
     // Before griddep_wait(): the state and the cache rows before pos are final (see the header).
@@ -201,6 +229,7 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
         cp_async16(v_s + c * EPV, v_cache + from);
     }
     griddep_wait();  // q and the cache's row pos are the projection's from here on
+    mark<TRACE>(trace, 1);  // the projection has completed
     griddep_launch_dependents();
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -216,6 +245,7 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
     }
     cp_async_wait_all();
     __syncthreads();  // every thread's copies have landed
+    mark<TRACE>(trace, 2);  // q in registers, the staged rows in shared memory
 
     // S_jt = q_j . k_t / sqrt(HS) for t in [start, end)
     for (int base = start + warp * KPW; base < end; base += KPB * UNROLL) {
@@ -247,6 +277,7 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
         }
     }
     __syncthreads();
+    mark<TRACE>(trace, 3);  // the scores
 
     // m_j = max_t S_jt; p_jt = exp(S_jt - m_j); l_j = sum_t p_jt
     const int n = end - start;
@@ -267,6 +298,7 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
         }
     }
     block_reduce<WARPS, GROUP, false>(l, scratch);  // its barriers also publish p_s
+    mark<TRACE>(trace, 4);  // the softmax: m, p, l
 
     // o_j = sum_t p_jt v_t: lanes as above, each accumulating 8 elements of every head over its keys
     float o[GROUP][8];
@@ -311,6 +343,7 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
 #pragma unroll
             for (int e = 0; e < 8; ++e) o_s[warp][j][part * 8 + e] = o[j][e];
     __syncthreads();
+    mark<TRACE>(trace, 5);  // the values: each warp's o in o_s
 
     if (used == 1) {  // the only split: y_j = o_j / l_j, what the combine below gives for one split
 #pragma unroll
@@ -321,6 +354,7 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
                 for (int w = 0; w < WARPS; ++w) acc += o_s[w][j][d];
                 y[(g * GROUP + j) * HS + d] = acc / l[j];
             }
+        mark<TRACE>(trace, 6);  // y stored
         return;
     }
 
@@ -344,6 +378,7 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
                 store_cluster(mine + 4 * (j * (HS + 2) + HS + 1), l[j]);
             }
         cluster_arrive();  // release: the stores above
+        mark<TRACE>(trace, 6);  // the partial stored
         if (s != 0) return;  // nobody reads this block's shared memory
         cluster_wait();  // acquire: the used splits' partials are in merge
         // y_h = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s, M = max_s m_s: a thread an element of the
@@ -368,6 +403,7 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
                               (((t(1) + t(9)) + (t(5) + t(13))) + ((t(3) + t(11)) + (t(7) + t(15))));
             y[(g * GROUP + j) * HS + d] = num / den;
         }
+        mark<TRACE>(trace, 7);  // y combined and stored
         return;
     }
 
@@ -390,6 +426,7 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
     __syncthreads();
     if (threadIdx.x == 0) is_last = atomicAdd(counters + g, 1u) == (unsigned int)used - 1;
     __syncthreads();
+    mark<TRACE>(trace, 6);  // the partial stored, the ticket drawn
     if (!is_last) return;
     __threadfence();
 
@@ -441,6 +478,7 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
             }
         }
         if (threadIdx.x == 0) counters[g] = 0u;
+        mark<TRACE>(trace, 7);  // y combined and stored
         return;
     }
     for (int j = warp; j < GROUP; j += WARPS) {
@@ -478,4 +516,5 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
             if (lane + 32 * e < HS) y[h * HS + lane + 32 * e] = num[e] / den;
     }
     if (threadIdx.x == 0) counters[g] = 0u;
+    mark<TRACE>(trace, 7);  // y combined and stored
 }

@@ -22,6 +22,7 @@ from ..config import LlamaConfig
 from ..model import hidden_states, logits_of, rope_tables
 from .plan import (
     ATTENTION_PREFETCH,
+    ATTENTION_TRACE_MARKS,
     DEFAULT_POSITIONS,
     GEMV_WARPS,
     ITEM_LOADS,
@@ -93,7 +94,7 @@ class Engine(FastEngine):
     def __init__(self, params: dict, config: LlamaConfig, *, dtype: str | None = None, max_len: int | None = None,
                  prefetch: bool = True, pdl: bool | None = None, steps_per_graph: int = STEPS_PER_GRAPH,
                  keep_logits: bool = False, attention: dict | None = None, gemv: dict | None = None,
-                 l2: dict | None = None):
+                 l2: dict | None = None, trace: bool = False):
         import cupy as cp
 
         import kernels
@@ -118,6 +119,8 @@ class Engine(FastEngine):
                                        **(attention or {}))
         except (TypeError, ValueError) as exc:
             raise LabError(f"attention {attention}: {exc}") from None
+        self.trace = trace  # the attention's diagnostic build: its marks in attn_trace (tools/attention_trace.py)
+        self.attn_trace = None
         self.gemv_options = gemv_options(gemv)  # the streams' overrides (blocks_per_sm[_of], item_loads[_of])
         self.l2_options = l2_options(l2)  # the prefetch hints' overrides (cap, attention)
         with self.stream:
@@ -155,6 +158,9 @@ class Engine(FastEngine):
             Buffer("g", c.intermediate_size, np.float32),  # silu(gate) * up
             Buffer("attn_partial", (NH, self.attn.splits, HS + 2), np.float32),  # split-KV attention
             Buffer("attn_counters", NKV, np.uint32),
+            # with trace: each attention block's global-timer marks, by layer, key/value head and split
+            *([Buffer("attn_trace", (c.n_layer, NKV, self.attn.splits, ATTENTION_TRACE_MARKS), np.uint64)]
+              if self.trace else []),
             Buffer("block_max", lm_blocks, np.float32),  # lm_head: one (max, argmax) per block
             Buffer("block_arg", lm_blocks, np.int32),
             Buffer("lm_counter", 1, np.uint32),  # the last-block ticket
@@ -173,7 +179,7 @@ class Engine(FastEngine):
         c = self.config
         exprs = kernel_expressions(c, self.dtype, item_loads=self.gemv_options["item_loads"],
                                    item_loads_of=self.gemv_options["item_loads_of"])
-        exprs["attention"] = attention_kernel(c, self.dtype, self.attn.warps, self.attn.cluster)  # the plan's
+        exprs["attention"] = attention_kernel(c, self.dtype, self.attn.warps, self.attn.cluster, self.trace)  # the plan's
         self.fn = {key: fused.function(file, expr) for key, (file, expr) in exprs.items() if "/" not in key}
         self.gemv = {}
         for key, m in matrices(c).items():
@@ -244,7 +250,8 @@ class Engine(FastEngine):
                        (self.q, k_cache, v_cache, self.state, np.int32(self.max_len), np.int32(self.attn.split_keys),
                         np.int32(self.attn.staged_rows),
                         np.float32(1.0 / math.sqrt(HS)), self.attn_partial, self.attn_counters, self.y,
-                        *attention_target(w.layers[i]["gate_up"])), shared_mem=self.attn.smem,
+                        *attention_target(w.layers[i]["gate_up"]),
+                        self.attn_trace[i] if self.attn_trace is not None else NULL), shared_mem=self.attn.smem,
                        cluster=(self.attn.splits, 1, 1) if self.attn.cluster else None),
                 stream(k + 2, "o_proj", (self.y, np.int32(C), self.x)),
                 stream(k + 3, "gate_up", (self.x, norms[pre + "post_attention_layernorm.weight"], eps,

@@ -58,6 +58,7 @@ ATTENTION_WARPS = (4, 8, 16)  # gqa_decode_attention.cu's warps per block: the e
 # ticket at 8 splits, 0.996-1.006x at 512. Engine(attention={"cluster": True}) measures it.
 ATTENTION_CLUSTER = False
 CLUSTER_SPLITS = 16  # the most blocks a cluster holds on H100 and H200 (8 portable, 16 by opting in)
+ATTENTION_TRACE_MARKS = 8  # gqa_decode_attention.cu's TRACE_MARKS: global-timer marks a block in its trace
 MAX_GROUP = 8  # query heads per key/value head that gqa_decode_attention.cu keeps in registers
 # at least this many keys a split where the cache is short: with a 512-position cache, 8 splits of 64 keys
 # (the warps of attention_warps: one pass) against the 16 of 32 that 16 keys a split gave, the time a token
@@ -188,13 +189,14 @@ def kernel_expressions(config: LlamaConfig, dtype: str, *, item_loads: int | Non
     }
 
 
-def attention_kernel(config: LlamaConfig, dtype: str, warps: int, cluster: bool = False) -> tuple[str, str]:
+def attention_kernel(config: LlamaConfig, dtype: str, warps: int, cluster: bool = False,
+                     trace: bool = False) -> tuple[str, str]:
     """gqa_decode_attention.cu's (file, name expression) for this model and dtype, `warps` a block, its
-    splits combining in a cluster or by a ticket."""
+    splits combining in a cluster or by a ticket; with trace, the diagnostic build that records its marks."""
     wt = "unsigned short" if dtype == "bfloat16" else "float"
     group = config.num_attention_heads // config.num_key_value_heads
-    flag = "true" if cluster else "false"
-    return "gqa_decode_attention", f"gqa_decode_attention<{wt}, {config.head_size}, {group}, {warps}, {flag}>"
+    flags = ", ".join("true" if f else "false" for f in (cluster, trace))
+    return "gqa_decode_attention", f"gqa_decode_attention<{wt}, {config.head_size}, {group}, {warps}, {flags}>"
 
 
 @dataclass(frozen=True)
