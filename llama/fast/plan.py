@@ -231,8 +231,8 @@ def attention_warps(split_keys: int, head_size: int) -> int:
 def attention_plan(config: LlamaConfig, max_len: int, sm_count: int, itemsize: int, *, splits: int | None = None,
                    split_keys: int | None = None, warps: int | None = None, staged_rows: int | None = None,
                    cluster: bool | None = None) -> AttentionPlan:
-    """Enough splits to give every SM a block (at least MIN_SPLIT_KEYS keys a split), more where a
-    split's scores (GROUP rows of ceil(max_len / splits) floats) would pass SCORE_BYTES; a position
+    """Enough splits to give every SM a block where the cache holds MIN_SPLIT_KEYS keys for each (a
+    shorter cache takes fewer splits of that many), more where a split's scores (GROUP rows of ceil(max_len / splits) floats) would pass SCORE_BYTES; a position
     takes the keys in as few of them as hold them (ceil(T_k / split_keys)); warps by attention_warps; as
     many rows staged as a split holds, up to STAGE_BYTES. Splits holding more keys than that, fewer of
     them in use, measured slower but once (H200, bfloat16, 4 warps, us a token). With a 512-position
