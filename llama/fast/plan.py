@@ -232,18 +232,19 @@ def attention_plan(config: LlamaConfig, max_len: int, sm_count: int, itemsize: i
                    split_keys: int | None = None, warps: int | None = None, staged_rows: int | None = None,
                    cluster: bool | None = None) -> AttentionPlan:
     """Enough splits to give every SM a block where the cache holds MIN_SPLIT_KEYS keys for each (a
-    shorter cache takes fewer splits of that many), more where a split's scores (GROUP rows of ceil(max_len / splits) floats) would pass SCORE_BYTES; a position
-    takes the keys in as few of them as hold them (ceil(T_k / split_keys)); warps by attention_warps; as
-    many rows staged as a split holds, up to STAGE_BYTES. Splits holding more keys than that, fewer of
-    them in use, measured slower but once (H200, bfloat16, 4 warps, us a token). With a 512-position
-    cache (32 keys a split), 32 / 64 / 128 / 256 / 512 keys a split: 3B at position 400 2358 / 2508 /
-    2604 / 2972 / 3459; 1B at 400, the exception, 990 / 970 / 1003 / 1175 / 1184. With 2,048 (128 keys
-    a split), 1B at 1000: 128 / 256 / 512 keys 1040 / 1186 / 1213. (64 keys with the warps that take
-    them in one pass came out faster since: MIN_SPLIT_KEYS.)
+    shorter cache takes fewer splits of that many), more where a split's scores (GROUP rows of
+    ceil(max_len / splits) floats) would pass SCORE_BYTES; a position takes the keys in as few of them
+    as hold them (ceil(T_k / split_keys)); warps by attention_warps; as many rows staged as a split
+    holds, up to STAGE_BYTES. Splits holding more keys than that, fewer of them in use, measured slower
+    but once (H200, bfloat16, 4 warps, us a token). With a 512-position cache (32 keys a split), 32 / 64
+    / 128 / 256 / 512 keys a split: 3B at position 400 2358 / 2508 / 2604 / 2972 / 3459; 1B at 400, the
+    exception, 990 / 970 / 1003 / 1175 / 1184. With 2,048 (128 keys a split), 1B at 1000: 128 / 256 /
+    512 keys 1040 / 1186 / 1213. (64 keys with the warps that take them in one pass came out faster
+    since: MIN_SPLIT_KEYS.)
     The splits combine in a cluster (ATTENTION_CLUSTER) where there are at most CLUSTER_SPLITS of them.
     splits, split_keys (at least the cache's length over the splits), warps, staged_rows (at most the
-    split's keys) and cluster override the choices, for measuring (tools/llama_step_variants.py); a geometry the kernel cannot take is a
-    ValueError."""
+    split's keys) and cluster override the choices, for measuring (tools/llama_step_variants.py); a
+    geometry the kernel cannot take is a ValueError."""
     NKV, HS = config.num_key_value_heads, config.head_size
     group = config.num_attention_heads // NKV
     most = SCORE_BYTES // (4 * group)  # keys whose scores fit SCORE_BYTES
