@@ -28,6 +28,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import llama_step_variants  # noqa: E402  (beside this file)
+
 from llama.fast.plan import ATTENTION_TRACE_MARKS  # noqa: E402  (no CuPy needed)
 
 PHASES = ("waiting for the projection", "q and the staged rows", "scores", "softmax", "values",
@@ -64,15 +66,9 @@ def resolution(t: np.ndarray) -> int:
 
 
 def parse_cache(text: str) -> tuple[int, list[int]]:
-    """`512:40,260` -> (512, [40, 260]): a cache length and the positions traced in it."""
-    length, _, positions = text.partition(":")
-    try:
-        max_len, at = int(length), [int(p) for p in positions.split(",")]
-    except ValueError:
-        raise ValueError(f"--cache {text!r}: LENGTH:POSITION,POSITION,...") from None
-    if not at or any(not 7 <= p < max_len - 1 for p in at):
-        raise ValueError(f"--cache {text!r}: positions from 7 to {max_len - 2} (a graph of 8 steps ends there)")
-    return max_len, at
+    """`512:40,260` -> (512, [40, 260]): a cache length and the positions traced in it, each the last of a
+    graph of 8 steps (llama_step_variants.parse_cache's form)."""
+    return llama_step_variants.parse_cache(text, first=7, room=1, why="a graph of 8 steps ends there")
 
 
 def trace(size: str, caches: list[tuple[int, list[int]]], repeats: int, seed: int) -> list[dict]:

@@ -62,15 +62,17 @@ def parse_variant(text: str) -> dict:
     return out
 
 
-def parse_cache(text: str) -> tuple[int, list[int]]:
-    """`512:40,128,260` -> (512, [40, 128, 260]): a cache length and the positions timed in it."""
+def parse_cache(text: str, first: int = 0, room: int = 65,
+                why: str = "64 steps are timed from each") -> tuple[int, list[int]]:
+    """`512:40,128,260` -> (512, [40, 128, 260]): a cache length and the positions timed in it, each from
+    `first` on with `room` positions after it (tools/attention_trace.py asks for others)."""
     length, _, positions = text.partition(":")
     try:
         max_len, at = int(length), [int(p) for p in positions.split(",")]
     except ValueError:
         raise ValueError(f"--cache {text!r}: LENGTH:POSITION,POSITION,...") from None
-    if not at or any(not 0 <= p < max_len - 65 for p in at):
-        raise ValueError(f"--cache {text!r}: positions from 0 to {max_len - 66} (64 steps are timed from each)")
+    if not at or any(not first <= p < max_len - room for p in at):
+        raise ValueError(f"--cache {text!r}: positions from {first} to {max_len - room - 1} ({why})")
     return max_len, at
 
 
