@@ -58,9 +58,9 @@ def test_llama_3_2_1b_step_kernels():
         "gate_up": ("rms_gemv", "rms_gemv_silu<unsigned short, 2048, 8, 2>"),
         "down_proj": ("rms_gemv", "rms_gemv_residual<unsigned short, 8192, 8, 4>"),
         "lm_head": ("rms_gemv", "rms_gemv_argmax<unsigned short, 2048, 8, 4>"),
-        **{f"attention/{w}{'/cluster' * c}": ("gqa_decode_attention",
-                                               f"gqa_decode_attention<unsigned short, 64, 4, {w}, {str(c).lower()}, false>")
-           for w in (4, 8, 16) for c in (False, True)},
+        **{f"attention/{w}{'/cluster' * c}{f'/online{o}' * bool(o)}": (
+            "gqa_decode_attention", f"gqa_decode_attention<unsigned short, 64, 4, {w}, {str(c).lower()}, false, {o}>")
+           for w in (4, 8, 16) for c in (False, True) for o in (0, 2, 4) if o < 4 or w == 4},
         "embed": ("embed", "embed<unsigned short>"),
         "spin": ("spin", "spin"),
         "handoff": ("spin", "handoff"),

@@ -191,9 +191,11 @@ def test_the_attention_compiles_without_spills_at_every_size_and_block(dtype):
     from kernels import fused
 
     for size in ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"):
-        for warps, cluster in itertools.product(fast.plan.ATTENTION_WARPS, (False, True)):
-            file, expr = fast.plan.attention_kernel(llama.SIZES[size], dtype, warps, cluster)
-            key = f"attention/{warps}{'/cluster' * cluster}"
+        for warps, cluster, online in itertools.product(fast.plan.ATTENTION_WARPS, (False, True), (0, 2, 4)):
+            if fast.plan.online_spills(warps, online):
+                continue
+            file, expr = fast.plan.attention_kernel(llama.SIZES[size], dtype, warps, cluster, online=online)
+            key = f"attention/{warps}{'/cluster' * cluster}{f'/online{online}' * bool(online)}"
             assert (file, expr) == fast.kernel_expressions(llama.SIZES[size], dtype)[key]
             r = fused.compile_report(file, expr, "sm_90")
             assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0, (expr, r)

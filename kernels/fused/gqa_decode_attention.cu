@@ -187,7 +187,7 @@ __device__ __forceinline__ void mark(unsigned long long* trace, int which)
     }
 }
 
-template <typename kv_t, int HS, int GROUP, int WARPS, bool CLUSTER, bool TRACE>
+template <typename kv_t, int HS, int GROUP, int WARPS, bool CLUSTER, bool TRACE, int ONLINE>
 __global__ void __launch_bounds__(WARPS * 32)
 gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cache, const kv_t* __restrict__ v_cache,
                      const int* __restrict__ state, int max_len, int split_keys, int staged_rows, float scale,
@@ -200,9 +200,11 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
     constexpr int KPW = 32 / LPK;     // keys per warp and pass
     constexpr int KPB = KPW * WARPS;  // keys per block and pass
     constexpr int EPV = 16 / (int)sizeof(kv_t);  // elements per 16-byte vector
+    constexpr int OU = ONLINE > 0 ? ONLINE : 1;  // ONLINE: keys per lane whose K and V rows load together
     static_assert(HS % 8 == 0 && 32 % (HS / 8) == 0, "HS: a multiple of 8, HS / 8 divides 32");
-    extern __shared__ __align__(16) float p_s[];  // GROUP rows of scores S_jt, then p_jt; then K, V rows
+    extern __shared__ __align__(16) float p_s[];  // GROUP rows of scores S_jt, then p_jt (not ONLINE); then K, V rows
     __shared__ float scratch[WARPS][GROUP];
+    __shared__ float scratch_l[ONLINE ? WARPS : 1][GROUP];  // ONLINE: each warp's l_j
     __shared__ __align__(16) float o_s[WARPS][GROUP][HS];
     __shared__ bool is_last;
 
@@ -220,7 +222,7 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
     const int start = min(s * chunk, T_k), end = min(start + chunk, T_k);
     const long long head = (long long)g * max_len * HS;  // this key/value head's rows
     const int row_p = (split_keys + 3) / 4 * 4;  // one query head's scores, in whole 16 bytes
-    kv_t* k_s = reinterpret_cast<kv_t*>(p_s + GROUP * row_p);
+    kv_t* k_s = reinterpret_cast<kv_t*>(p_s + (ONLINE ? 0 : GROUP * row_p));
     kv_t* v_s = k_s + (long long)staged_rows * HS;
     const int staged = max(0, min(min(end, pos) - start, staged_rows));  // rows [start, start + staged)
     for (int c = threadIdx.x; c < staged * HS / EPV; c += THREADS) {
@@ -247,6 +249,87 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
     __syncthreads();  // every thread's copies have landed
     mark<TRACE>(trace, 2);  // q in registers, the staged rows in shared memory
 
+    float m[GROUP], l[GROUP], o[GROUP][8];  // the block's m_j and l_j; this lane's part of o_j
+#pragma unroll
+    for (int j = 0; j < GROUP; ++j)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o[j][e] = 0.0f;
+    if constexpr (ONLINE > 0) {
+        // Each warp its own keys in one pass: their K and V rows loaded together, S_jt, a running max
+        // m_w and sum l_w of the warp (o and l rescaled by e^(m_old - m_new) as the max grows), then the
+        // warps' (o, m_w, l_w) combined once: M = max_w m_w, o_j and l_j sums of e^(m_w - M) times each.
+        float mw[GROUP], lw[GROUP];
+#pragma unroll
+        for (int j = 0; j < GROUP; ++j) mw[j] = -INFINITY, lw[j] = 0.0f;
+        for (int base = start + warp * KPW; base < end; base += KPB * OU) {
+            float k[OU][8], v[OU][8];
+#pragma unroll
+            for (int u = 0; u < OU; ++u) {
+                const int t = base + u * KPB + sub;
+                if (t < end) {
+                    const bool in_smem = t - start < staged;
+                    const long long at = in_smem ? (long long)(t - start) * HS : head + (long long)t * HS;
+                    read8<kv_t>((in_smem ? k_s : k_cache) + at + part * 8, in_smem, k[u]);
+                    read8<kv_t>((in_smem ? v_s : v_cache) + at + part * 8, in_smem, v[u]);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) k[u][e] = v[u][e] = 0.0f;
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < GROUP; ++j) {
+                float sc[OU], mx = -INFINITY;
+#pragma unroll
+                for (int u = 0; u < OU; ++u) {
+                    float d = 0.0f;
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) d = fmaf(qr[j][e], k[u][e], d);
+#pragma unroll
+                    for (int off = LPK / 2; off > 0; off /= 2) d += __shfl_xor_sync(0xffffffffu, d, off);
+                    sc[u] = base + u * KPB + sub < end ? d : -INFINITY;
+                    mx = fmaxf(mx, sc[u]);
+                }
+#pragma unroll
+                for (int off = LPK; off < 32; off *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+                const float m_new = fmaxf(mw[j], mx);  // finite: key base (sub 0, u 0) is < end
+                const float c = expf(mw[j] - m_new);    // 0 on the warp's first pass
+                lw[j] *= c;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) o[j][e] *= c;
+#pragma unroll
+                for (int u = 0; u < OU; ++u) {
+                    const float p = expf(sc[u] - m_new);  // 0 past the end
+                    lw[j] += p;
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) o[j][e] = fmaf(p, v[u][e], o[j][e]);
+                }
+                mw[j] = m_new;
+            }
+        }
+#pragma unroll
+        for (int off = LPK; off < 32; off *= 2)  // sum over the warp's KPW keys (a key's lanes hold the same p)
+#pragma unroll
+            for (int j = 0; j < GROUP; ++j) lw[j] += __shfl_xor_sync(0xffffffffu, lw[j], off);
+        if (lane == 0)
+#pragma unroll
+            for (int j = 0; j < GROUP; ++j) scratch[warp][j] = mw[j];
+        mark<TRACE>(trace, 3);  // warp 0's pass
+        __syncthreads();
+        mark<TRACE>(trace, 4);  // every warp's pass
+#pragma unroll
+        for (int j = 0; j < GROUP; ++j) {
+            m[j] = -INFINITY;
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) m[j] = fmaxf(m[j], scratch[w][j]);
+            const float c = mw[j] == -INFINITY ? 0.0f : expf(mw[j] - m[j]);  // 0 for a warp without keys
+            lw[j] *= c;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o[j][e] *= c;
+        }
+        if (lane == 0)
+#pragma unroll
+            for (int j = 0; j < GROUP; ++j) scratch_l[warp][j] = lw[j];
+    } else {
     // S_jt = q_j . k_t / sqrt(HS) for t in [start, end)
     for (int base = start + warp * KPW; base < end; base += KPB * UNROLL) {
         float k[UNROLL][8];
@@ -281,7 +364,6 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
 
     // m_j = max_t S_jt; p_jt = exp(S_jt - m_j); l_j = sum_t p_jt
     const int n = end - start;
-    float m[GROUP], l[GROUP];
 #pragma unroll
     for (int j = 0; j < GROUP; ++j) {
         m[j] = -INFINITY;
@@ -301,11 +383,6 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
     mark<TRACE>(trace, 4);  // the softmax: m, p, l
 
     // o_j = sum_t p_jt v_t: lanes as above, each accumulating 8 elements of every head over its keys
-    float o[GROUP][8];
-#pragma unroll
-    for (int j = 0; j < GROUP; ++j)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) o[j][e] = 0.0f;
     for (int base = start + warp * KPW; base < end; base += KPB * UNROLL) {
         float v[UNROLL][8];
 #pragma unroll
@@ -331,6 +408,7 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
             }
         }
     }
+    }  // ONLINE
 #pragma unroll
     for (int off = LPK; off < 32; off *= 2)  // sum over the warp's KPW keys
 #pragma unroll
@@ -343,6 +421,13 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
 #pragma unroll
             for (int e = 0; e < 8; ++e) o_s[warp][j][part * 8 + e] = o[j][e];
     __syncthreads();
+    if constexpr (ONLINE > 0)
+#pragma unroll
+        for (int j = 0; j < GROUP; ++j) {
+            l[j] = 0.0f;
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) l[j] += scratch_l[w][j];
+        }
     mark<TRACE>(trace, 5);  // the values: each warp's o in o_s
 
     if (used == 1) {  // the only split: y_j = o_j / l_j, what the combine below gives for one split

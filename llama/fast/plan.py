@@ -57,6 +57,12 @@ ATTENTION_WARPS = (4, 8, 16)  # gqa_decode_attention.cu's warps per block: the e
 # 1.050x (at 2,048 the device holds 7 of the 8 clusters at once); 8 splits in clusters of 8 against the
 # ticket at 8 splits, 0.996-1.006x at 512. Engine(attention={"cluster": True}) measures it.
 ATTENTION_CLUSTER = False
+# gqa_decode_attention.cu's ONLINE: each warp takes its keys' scores, softmax and values in one pass (K
+# and V rows loaded together, ONLINE keys a lane at a time, a running max a warp), the warps' (o, m, l)
+# combined once (2 or 4); or the scores of the whole split to shared memory, the block's max and sum by
+# block reductions, then the values (0). Engine(attention={"online": 2}) measures it.
+ATTENTION_ONLINE = 0
+ONLINE_UNROLLS = (2, 4)  # ONLINE's keys a lane: 4 takes 168-176 registers a thread, so 4 warps only
 CLUSTER_SPLITS = 16  # the most blocks a cluster holds on H100 and H200 (8 portable, 16 by opting in)
 ATTENTION_TRACE_MARKS = 8  # gqa_decode_attention.cu's TRACE_MARKS: global-timer marks a block in its trace
 MAX_GROUP = 8  # query heads per key/value head that gqa_decode_attention.cu keeps in registers
@@ -181,8 +187,9 @@ def kernel_expressions(config: LlamaConfig, dtype: str, *, item_loads: int | Non
         head = f", {config.head_size}" if m.kernel == "rms_gemv_rope" else ""
         out[key] = ("rms_gemv", f"{m.kernel}<{wt}, {m.K}{head}, {GEMV_WARPS}, {unroll}>")
     return out | {
-        **{f"attention/{w}{'/cluster' * c}": attention_kernel(config, dtype, w, c)  # the plan picks one
-           for w in ATTENTION_WARPS for c in (False, True)},
+        **{f"attention/{w}{'/cluster' * c}{f'/online{o}' * bool(o)}": attention_kernel(config, dtype, w, c, online=o)
+           for w in ATTENTION_WARPS for c in (False, True) for o in (0, *ONLINE_UNROLLS)
+           if not online_spills(w, o)},  # the plan picks one
         "embed": ("embed", f"embed<{wt}>"),
         "spin": ("spin", "spin"),
         "handoff": ("spin", "handoff"),  # an empty kernel boundary, for measuring (tools/llama_step_variants.py)
@@ -190,13 +197,20 @@ def kernel_expressions(config: LlamaConfig, dtype: str, *, item_loads: int | Non
 
 
 def attention_kernel(config: LlamaConfig, dtype: str, warps: int, cluster: bool = False,
-                     trace: bool = False) -> tuple[str, str]:
+                     trace: bool = False, online: int = 0) -> tuple[str, str]:
     """gqa_decode_attention.cu's (file, name expression) for this model and dtype, `warps` a block, its
-    splits combining in a cluster or by a ticket; with trace, the diagnostic build that records its marks."""
+    splits combining in a cluster or by a ticket; with trace, the diagnostic build that records its marks;
+    with online (keys a lane), a warp's keys in one pass (ATTENTION_ONLINE)."""
     wt = "unsigned short" if dtype == "bfloat16" else "float"
     group = config.num_attention_heads // config.num_key_value_heads
-    flags = ", ".join("true" if f else "false" for f in (cluster, trace))
+    flags = ", ".join("true" if f else "false" for f in (cluster, trace)) + f", {int(online)}"
     return "gqa_decode_attention", f"gqa_decode_attention<{wt}, {config.head_size}, {group}, {warps}, {flags}>"
+
+
+def online_spills(warps: int, online: int) -> bool:
+    """Whether ONLINE's K and V rows of `online` keys a lane pass the registers a thread may take at
+    `warps` (168 at 8 warps, the engine's cap: tests/test_llama_fast_cpu.py; 128 at 16, where it spills)."""
+    return online == 4 and warps > 4
 
 
 @dataclass(frozen=True)
@@ -205,7 +219,8 @@ class AttentionPlan:
     the keys a split holds (its scores' room; a position uses ceil(T_k / split_keys) splits), `warps`
     a block's, `staged_rows` K and V rows a block copies to shared memory before its wait, `smem`
     dynamic bytes (scores, then the rows, then with `cluster` the splits' partials that rank 0
-    combines), `cluster`: the splits of a key/value head are one cluster (else a ticket combines)."""
+    combines), `cluster`: the splits of a key/value head are one cluster (else a ticket combines),
+    `online`: keys a lane of a warp's one pass, no scores in shared memory, 0: off (ATTENTION_ONLINE)."""
 
     splits: int
     split_keys: int
@@ -213,6 +228,7 @@ class AttentionPlan:
     staged_rows: int
     smem: int
     cluster: bool = False
+    online: int = 0
 
 
 def attention_warps(split_keys: int, head_size: int) -> int:
@@ -230,7 +246,7 @@ def attention_warps(split_keys: int, head_size: int) -> int:
 
 def attention_plan(config: LlamaConfig, max_len: int, sm_count: int, itemsize: int, *, splits: int | None = None,
                    split_keys: int | None = None, warps: int | None = None, staged_rows: int | None = None,
-                   cluster: bool | None = None) -> AttentionPlan:
+                   cluster: bool | None = None, online: int | None = None) -> AttentionPlan:
     """Enough splits to give every SM a block where the cache holds MIN_SPLIT_KEYS keys for each (a
     shorter cache takes fewer splits of that many), more where a split's scores (GROUP rows of
     ceil(max_len / splits) floats) would pass SCORE_BYTES; a position takes the keys in as few of them
@@ -243,7 +259,7 @@ def attention_plan(config: LlamaConfig, max_len: int, sm_count: int, itemsize: i
     since: MIN_SPLIT_KEYS.)
     The splits combine in a cluster (ATTENTION_CLUSTER) where there are at most CLUSTER_SPLITS of them.
     splits, split_keys (at least the cache's length over the splits), warps, staged_rows (at most the
-    split's keys) and cluster override the choices, for measuring (tools/llama_step_variants.py); a
+    split's keys), cluster and online override the choices, for measuring (tools/llama_step_variants.py); a
     geometry the kernel cannot take is a ValueError."""
     NKV, HS = config.num_key_value_heads, config.head_size
     group = config.num_attention_heads // NKV
@@ -261,11 +277,16 @@ def attention_plan(config: LlamaConfig, max_len: int, sm_count: int, itemsize: i
     if staged_rows is not None and staged_rows < 0:
         raise ValueError(f"staged_rows {staged_rows}: at least 0")
     rows = min(keys, STAGE_BYTES // (2 * HS * itemsize) if staged_rows is None else staged_rows)
-    smem = 4 * group * (-(-keys // 4) * 4) + 2 * rows * HS * itemsize + 4 * splits * group * (HS + 2) * cluster
+    online = ATTENTION_ONLINE if online is None else online
+    if online not in (0, *ONLINE_UNROLLS) or online_spills(warps, online):
+        raise ValueError(f"online {online} at {warps} warps: 0 or one of {ONLINE_UNROLLS} (4 at 4 warps only)")
+    scores = 0 if online else 4 * group * (-(-keys // 4) * 4)
+    smem = scores + 2 * rows * HS * itemsize + 4 * splits * group * (HS + 2) * cluster
     if smem + 4 * warps * group * HS > BLOCK_SMEM:  # with the static per-warp outputs
         raise ValueError(f"{keys} keys a split and {warps} warps: {smem + 4 * warps * group * HS} bytes of "
                          f"shared memory, past a block's {BLOCK_SMEM}")
-    return AttentionPlan(splits=splits, split_keys=keys, warps=warps, staged_rows=rows, smem=smem, cluster=cluster)
+    return AttentionPlan(splits=splits, split_keys=keys, warps=warps, staged_rows=rows, smem=smem, cluster=cluster,
+                         online=online)
 
 
 def cache_positions(positions: int, config: LlamaConfig) -> int:
