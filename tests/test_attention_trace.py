@@ -39,7 +39,7 @@ def test_phases_are_the_marks_differences_over_the_splits_in_use():
     got = attention_trace.phases(t)
     assert got["waiting for the projection"] == pytest.approx((3000 + 2900 + 3200 + 3000) / 4 / 1e3)
     assert got["q and the staged rows"] == pytest.approx((400 + 600 + 400 + 400) / 4 / 1e3)
-    assert got["values"] == pytest.approx((800 + 600 + 800 + 800) / 4 / 1e3)
+    assert got["warps combined"] == pytest.approx((800 + 600 + 800 + 800) / 4 / 1e3)
     assert got["partial and ticket"] == pytest.approx((500 + 700 + 500 + 500) / 4 / 1e3)
     assert got["combine"] == pytest.approx((900 + 1000) / 2 / 1e3)
     assert got["splits in use"] == 2

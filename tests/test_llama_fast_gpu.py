@@ -255,9 +255,7 @@ def test_gqa_decode_attention_matches_softmax_attention_over_the_cache(cp, heads
     (one; seven holding a seventh of the cache each, or 400 keys: one, two or three of them in use;
     sixteen); for each, the plan's staged rows, none and five: the same bits whatever is staged. The
     splits combine by the ticket and, up to CLUSTER_SPLITS of them, in a thread-block cluster a key/value
-    head (clusters of seven and sixteen too): the same bits either way and at every staging. Each with
-    the scores, softmax and values of a split in turn (online 0) and with a warp's keys in one pass
-    (online 2 and 4 keys a lane; 4 at 4 warps)."""
+    head (clusters of seven and sixteen too): the same bits either way and at every staging."""
     NH, NKV, HS = heads
     max_len, pos = 1024 + 9, T_k - 1
     config = llama.LlamaConfig(hidden_size=NH * HS, num_attention_heads=NH, num_key_value_heads=NKV, head_dim=HS)
@@ -276,19 +274,18 @@ def test_gqa_decode_attention_matches_softmax_attention_over_the_cache(cp, heads
     plan = fast.attention_plan(config, max_len, 132, item)
     state = cp.asarray([3, pos], dtype=cp.int32)
     geometries = {(plan.splits, plan.split_keys), (1, max_len), (7, -(-max_len // 7)), (7, 400), (16, -(-max_len // 16))}
-    ticket = {}  # (splits, keys, online) -> the ticket's y
-    for (splits, keys), online, cluster in itertools.product(sorted(geometries), (0, 2, 4), (False, True)):
+    ticket = {}  # (splits, keys) -> the ticket's y
+    for (splits, keys), cluster in itertools.product(sorted(geometries), (False, True)):
         if cluster and splits > fast.plan.CLUSTER_SPLITS:
             continue
-        warps = 4 if online == 4 else fast.plan.attention_warps(keys, HS)
-        file, expr = fast.plan.attention_kernel(config, dtype, warps, cluster, online=online)
+        warps = fast.plan.attention_warps(keys, HS)
+        file, expr = fast.plan.attention_kernel(config, dtype, warps, cluster)
         fn = fused.function(file, expr)
         if cluster and splits > 8:
             driver.allow_non_portable_clusters(fn)
         first = None
         for staged in sorted({min(plan.staged_rows, keys), 0, 5}):
-            scores = 0 if online else 4 * group * (-(-keys // 4) * 4)
-            smem = scores + 2 * staged * HS * item + 4 * splits * group * (HS + 2) * cluster
+            smem = 2 * staged * HS * item + 4 * splits * group * (HS + 2) * cluster
             fn.max_dynamic_shared_size_bytes = max(fn.max_dynamic_shared_size_bytes, smem)
             y = cp.full(NH * HS, cp.nan, dtype=cp.float32)
             partial = cp.full((NH, splits, HS + 2), cp.nan, dtype=cp.float32)
@@ -301,15 +298,15 @@ def test_gqa_decode_attention_matches_softmax_attention_over_the_cache(cp, heads
             else:
                 fn((splits, NKV), (32 * warps,), args, shared_mem=smem)
             what = (f"gqa {dtype} {heads} T_k={T_k} splits {splits} of {keys} keys, {warps} warps, staged {staged}, "
-                    f"{'cluster' if cluster else 'ticket'}, online {online}")
+                    f"{'cluster' if cluster else 'ticket'}")
             check_close(cp, y, ref, plain, what)
             assert int(counters.sum()) == 0, f"{what}: the last blocks must put the counters back to 0"
             if cluster and splits > 1:
                 assert bool(cp.isnan(partial).all()), f"{what}: the cluster's combine writes no partial to memory"
             first = y if first is None else first
             assert bool((y == first).all()), f"{what}: staging changed the result"
-            ticket.setdefault((splits, keys, online), y)
-            assert bool((y == ticket[(splits, keys, online)]).all()), f"{what}: not the ticket's bits"
+            ticket.setdefault((splits, keys), y)
+            assert bool((y == ticket[(splits, keys)]).all()), f"{what}: not the ticket's bits"
 
 
 @pytest.mark.parametrize("dtype", fast.DTYPES)
@@ -452,22 +449,20 @@ def test_the_streams_overrides_give_the_same_bits_and_the_attentions_the_same_to
         got = engine_forced(cp, engine, PROMPT, list(range(100, 116)))
         assert all(bool((a == b).all()) for a, b in zip(got, want, strict=True)), f"gemv={gemv}: logits differ"
     tokens = plan.generate(PROMPT, 64, attend=reference_attend).tokens
-    for attention in ({"warps": 16}, {"split_keys": 256}, {"splits": 3}, {"cluster": True}, {"splits": 16, "cluster": True},
-                      {"online": 2}, {"online": 4}, {"online": 2, "warps": 16, "splits": 3}, {"online": 2, "cluster": True}):
+    for attention in ({"warps": 4}, {"warps": 16}, {"split_keys": 256}, {"splits": 3}, {"cluster": True},
+                      {"splits": 16, "cluster": True}):
         engine = fast.Engine(p32, config, max_len=256, attention=attention)
         assert engine.generate(PROMPT, 64, attend=reference_attend).tokens == tokens, attention
     with pytest.raises(LabError, match="warps 6"):
         fast.Engine(p32, config, max_len=256, attention={"warps": 6})
 
 
-@pytest.mark.parametrize("online", [0, 2])
-def test_the_attention_s_trace_marks_its_phases_in_order_and_changes_no_token(cp, one_b, online):
+def test_the_attention_s_trace_marks_its_phases_in_order_and_changes_no_token(cp, one_b):
     """Engine(trace=True) runs gqa_decode_attention's diagnostic build: the same tokens, and in attn_trace
     the last step's marks, in order, for every split in use (tools/attention_trace.py reads them)."""
     config, _, p16 = one_b
-    attention = {"online": online}
-    want = fast.Engine(p16, config, max_len=512, attention=attention).generate(PROMPT, 40, attend=reference_attend).tokens
-    traced = fast.Engine(p16, config, max_len=512, trace=True, attention=attention)
+    want = fast.Engine(p16, config, max_len=512).generate(PROMPT, 40, attend=reference_attend).tokens
+    traced = fast.Engine(p16, config, max_len=512, trace=True)
     assert traced.generate(PROMPT, 40, attend=reference_attend).tokens == want
     t = cp.asnumpy(traced.attn_trace).astype(np.int64)  # (layers, NKV, splits, marks)
     assert t.shape == (config.n_layer, config.num_key_value_heads, traced.attn.splits, fast.plan.ATTENTION_TRACE_MARKS)

@@ -32,24 +32,21 @@ import llama_step_variants  # noqa: E402  (beside this file)
 
 from llama.fast.plan import ATTENTION_TRACE_MARKS  # noqa: E402  (no CuPy needed)
 
-PHASES = ("waiting for the projection", "q and the staged rows", "scores", "softmax", "values",
-          "partial and ticket", "combine")
-# with online (a warp's keys in one pass): marks 3 and 4 are warp 0's pass done and every warp's
-ONLINE_PHASES = (*PHASES[:2], "warp 0's pass", "other warps' passes", "warps combined", *PHASES[5:])
+PHASES = ("waiting for the projection", "q and the staged rows", "warp 0's pass", "other warps' passes",
+          "warps combined", "partial and ticket", "combine")
 
 
-def phases(t: np.ndarray, names: tuple[str, ...] = PHASES) -> dict:
+def phases(t: np.ndarray) -> dict:
     """t: (repeats, layers, key/value heads, splits, ATTENTION_TRACE_MARKS) global-timer marks, ns; a block
     past the splits in use has only mark 0, a block that does not combine no mark 7. Returns us: each of
-    names (PHASES or ONLINE_PHASES: marks k to k + 1, the combine 6 to 7), `critical` and `splits apart`
-    (the module's docstring)."""
+    PHASES (marks k to k + 1, the combine 6 to 7), `critical` and `splits apart` (the module's docstring)."""
     t = t.astype(np.int64)
     used = t[..., 1] > 0  # the blocks that waited for the projection: the splits in use
     out = {}
-    for k, name in enumerate(names[:-1]):
+    for k, name in enumerate(PHASES[:-1]):
         out[name] = float((t[..., k + 1] - t[..., k])[used].mean()) / 1e3
     combined = t[..., 7] > 0
-    out[names[-1]] = float((t[..., 7] - t[..., 6])[combined].mean()) / 1e3 if combined.any() else 0.0
+    out[PHASES[-1]] = float((t[..., 7] - t[..., 6])[combined].mean()) / 1e3 if combined.any() else 0.0
     # a head's y: the combining block's mark 7, or the only split's mark 6 (y stored itself)
     y_at = np.where(combined.any(axis=-1), t[..., 7].max(axis=-1), t[..., 0, 6])  # (repeats, layers, heads)
     ready = np.where(used, t[..., 1], np.iinfo(np.int64).max).min(axis=(-2, -1))  # (repeats, layers)
@@ -74,7 +71,7 @@ def parse_cache(text: str) -> tuple[int, list[int]]:
     return llama_step_variants.parse_cache(text, first=7, room=1, why="a graph of 8 steps ends there")
 
 
-def trace(size: str, caches: list[tuple[int, list[int]]], repeats: int, seed: int, online: int | None = None) -> list[dict]:
+def trace(size: str, caches: list[tuple[int, list[int]]], repeats: int, seed: int) -> list[dict]:
     import cupy
 
     import llama.fast as fast
@@ -86,8 +83,7 @@ def trace(size: str, caches: list[tuple[int, list[int]]], repeats: int, seed: in
     fam.decode_layout(params, config)
     rows = []
     for max_len, positions in caches:
-        engine = fast.Engine(params, config, max_len=max_len, trace=True, attention={"online": online})
-        names = ONLINE_PHASES if engine.attn.online else PHASES
+        engine = fast.Engine(params, config, max_len=max_len, trace=True)
         n = engine.steps_per_graph
         for position in positions:
             marks, ms = [], []
@@ -97,7 +93,7 @@ def trace(size: str, caches: list[tuple[int, list[int]]], repeats: int, seed: in
             t = np.stack(marks[1:])
             rows.append({"size": size, "max_len": max_len, "position": position, "plan": vars(engine.attn),
                          "us_per_token_traced": 1e3 * float(np.median(ms[1:])), "resolution_ns": resolution(t),
-                         "us": phases(t, names)})
+                         "us": phases(t)})
         del engine
     del ckpt, params
     scale.release()
@@ -105,7 +101,7 @@ def trace(size: str, caches: list[tuple[int, list[int]]], repeats: int, seed: in
 
 
 def table(rows: list[dict]) -> str:
-    names = [n for n in rows[0]["us"] if n != "splits in use"]  # the rows' phases, critical, splits apart
+    names = (*PHASES, "critical", "splits apart")
     lines = [f"{'size':14s} {'cache':>6s} {'pos':>5s} {'splits':>6s} " + " ".join(f"{n[:12]:>12s}" for n in names)
              + f" {'us a token':>10s}"]
     for r in rows:
@@ -120,8 +116,6 @@ def main(argv=None) -> int:
     parser.add_argument("--cache", action="append", help="LENGTH:POSITIONS (repeatable; default 512:40,260 and "
                         "2048:1000)")
     parser.add_argument("--repeats", type=int, default=20, help="replays traced a position (default 20)")
-    parser.add_argument("--online", type=int, choices=(0, 2, 4), help="2 or 4: a warp's keys in one pass, "
-                        "that many a lane at a time; 0: the split's scores, softmax, values (default: the plan's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for attention_trace.json")
     args = parser.parse_args(argv)
@@ -143,7 +137,7 @@ def main(argv=None) -> int:
     print(f"{info['name']}, driver {info['driver']}; marks a block: {ATTENTION_TRACE_MARKS}", flush=True)
     rows = []
     for size in sizes:
-        rows += trace(size, caches, args.repeats, args.seed, args.online)
+        rows += trace(size, caches, args.repeats, args.seed)
         print(table([r for r in rows if r["size"] == size]), flush=True)
     if args.out:
         path = Path(args.out) / "attention_trace.json"

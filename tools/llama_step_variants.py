@@ -11,10 +11,8 @@ from.
 A variant is `plan` (the engine's own choices) or `name=value` pairs joined by `+` (`keys=256+warps=8`):
 splits (launched per key/value head), keys (split_keys: at least the cache's length over the splits),
 warps (4, 8 or 16), staged (K and V rows a split copies before its wait), pad (that many empty
-kernels, spin.cu's handoff, after each layer's attention: what a kernel boundary costs), cluster (1: a
-key/value head's splits combine in a thread-block cluster, 0: by a ticket through L2), online (2 or
-4: a warp's keys in one pass, that many keys a lane at a time; 0: the split's scores, then its softmax,
-then its values); gemv_bps (at most this
+kernels, spin.cu's handoff, after each layer's attention: what a kernel boundary costs), cluster (1: a key/value head's splits combine in a thread-block cluster, 0: by a
+ticket through L2); gemv_bps (at most this
 many blocks of every stream an SM), qkv_bps, o_proj_bps, gate_up_bps, down_proj_bps, lm_head_bps (the
 same for one stream), item_loads (1 to 8: more spills under rms_gemv.cu's register cap) and qkv_loads,
 o_proj_loads, ... (one stream's); cap_mb
@@ -37,7 +35,6 @@ from llama.fast.plan import MATRIX_NAMES  # noqa: E402  (no CuPy needed)
 # a variant's names: (the Engine argument, its key there, the unit of the value)
 NAMES = {"splits": ("attention", "splits", 1), "keys": ("attention", "split_keys", 1),
          "warps": ("attention", "warps", 1), "cluster": ("attention", "cluster", 1),
-         "online": ("attention", "online", 1),
          "staged": ("attention", "staged_rows", 1), "pad": ("pad", None, 1), "gemv_bps": ("gemv", "blocks_per_sm", 1),
          "item_loads": ("gemv", "item_loads", 1), "cap_mb": ("l2", "cap", 1 << 20), "attn_mb": ("l2", "attention", 1 << 20),
          **{f"{m}_bps": ("gemv", ("blocks_per_sm_of", m), 1) for m in MATRIX_NAMES},
@@ -53,7 +50,7 @@ def parse_variant(text: str) -> dict:
         return out
     for part in text.split("+"):
         name, _, value = part.partition("=")
-        if name not in NAMES or not value.isdigit() or int(value) < (0 if name in ("attn_mb", "cluster", "online", "staged", "pad") else 1):
+        if name not in NAMES or not value.isdigit() or int(value) < (0 if name in ("attn_mb", "cluster", "staged", "pad") else 1):
             raise ValueError(f"variant {text!r}: {part!r} is not one of {', '.join(f'{n}=N' for n in NAMES)}")
         where, key, unit = NAMES[name]
         if where == "pad":  # not an Engine argument: measure() builds a padded engine

@@ -19,15 +19,15 @@
  * memory- and latency-bound; 8 key/value heads would put 8 SMs to work, so the keys are split across
  * S blocks (flash-decoding): block (s, g) takes keys [s * chunk, (s + 1) * chunk), chunk = ceil(T_k / used),
  * where only used = min(S, ceil(T_k / split_keys)) of the launch's S splits take keys, split_keys
- * (>= ceil(max_len / S)) being what a split's scores have room for: the rest return at once, and
- * where one split takes every key it writes y itself, with no partials and no combine (every split
- * more adds a partial result to wait for and combine, a chain of round trips through L2),
+ * (>= ceil(max_len / S)) being the most a split takes: the rest return at once, and where one split
+ * takes every key it writes y itself, with no partials and no combine (every split more adds a partial
+ * result to wait for and combine, a chain of round trips through L2),
  *   S_jt = q_j . k_t / sqrt(HS) (HS / 8 lanes per key, each lane 8 elements: one 16-byte bf16 load or
  *   two float4), m_j = max_t S_jt, p_jt = exp(S_jt - m_j), l_j = sum_t p_jt, o_j = sum_t p_jt v_t
- * for the group's heads j, and writes (o_j, m_j, l_j) to `partial`; the last block of the key/value
- * head to finish (a ticket from counters[g], reset to 0 by that block) combines the used partials of
- * each of its heads: y_h = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s, M = max_s m_s, in split order
- * whichever block is last, so the result does not depend on scheduling. Empty splits contribute
+ * for the group's heads j, in one pass a warp (below), and writes (o_j, m_j, l_j) to `partial`; the
+ * last block of the key/value head to finish (a ticket from counters[g], reset to 0 by that block)
+ * combines the used partials of each of its heads: y_h = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s,
+ * M = max_s m_s, in split order whichever block is last, so the result does not depend on scheduling. Empty splits contribute
  * m = -inf, l = 0. The combine is a chain of loads from L2 on the step's critical path, so it runs a
  * warp per head with the splits across the lanes (M and the denominator by shuffles), and each lane's
  * loads of o_s, one per split, do not wait for each other: with a thread per element looping over
@@ -47,8 +47,21 @@
  * replay, two rounds, as a template flag) a token took 0.960-0.977x the time of the three-trip combine
  * at Llama 3.2 1B, 0.977-0.984x at 3B, 0.988-0.993x at 3.1 8B, positions 40 to 1,000; the trees before
  * and after over 256 tokens (tools/decode_before_after.sh) 1.022x, 1.013x and 0.998x the tokens/s. Null:
- * copying row pos to shared memory beside q's loads (the score and value loops each read it from L2
+ * copying row pos to shared memory beside q's loads (the score and value loops then read it from L2
  * after q): 0.999-1.009x.
+ *
+ * One pass a warp: the warps split the split's keys (key base + u * KPB + sub, UNROLL keys a lane a
+ * step, the K and V rows of a key loaded together), and each takes its keys' scores, softmax and values
+ * at once with its own running max mw_j and sum lw_j (flash attention's rescaling by e^(m_old - m_new),
+ * inside a warp); the block's m_j = max_w mw_j and the warps' lw_j and o_j scaled by e^(mw_j - m_j) are
+ * summed at the end: two block barriers in all. Before it, the split's scores went to shared memory,
+ * the block's max and sum were two block reductions (four barriers), then a second loop read the values:
+ * on an H200 (tools/attention_trace.py) those three phases took 2.9-3.5 us after the wait at Llama 3.2 1B
+ * of a layer's 5.2-7.7 us from its projection's end to its y. Against that, as a template flag
+ * (tools/llama_step_variants.py, graph replay, two rounds, positions 40 / 260 in a 512-position cache,
+ * 1000 in 2,048, the time a token): with the warps that take a split's keys in one step each (llama/fast/
+ * plan.py attention_warps) 1B 0.977 / 0.979x at 512 (8 warps), 3B 0.982 / 0.988x and 3.1 8B 0.991 /
+ * 0.993x (16 warps), 0.995-1.002x at 2,048; 4 keys a lane (168 registers, 4 warps only) no faster.
  *
  * CLUSTER (sm_90; off in the plan, a measured null): the S splits of a key/value head are launched as
  * one thread-block cluster (the launch's cluster dimension (S, 1, 1), S <= 16, beyond 8 by opting in),
@@ -64,22 +77,22 @@
  * TRACE (a diagnostic build, tools/attention_trace.py): thread 0 of each block records the global timer
  * into trace (gridDim.y x gridDim.x x TRACE_MARKS, may be null without TRACE) at 0 its start (mark 0
  * zeroes the rest: a mark not reached reads 0), 1 its wait's end (the projection has completed), 2 q
- * and the staged rows in hand, 3 the scores, 4 the softmax, 5 the values, 6 its partial stored (with
- * the ticket drawn; y stored where it is the only split), 7 the combine's end (the combining block).
+ * and the staged rows in hand, 3 warp 0's pass done, 4 every warp's, 5 the warps combined, 6 its
+ * partial stored (with the ticket drawn; y stored where it is the only split), 7 the combine's end (the
+ * combining block).
  * Without it the kernel is the same instructions (a CPU test compares the PTX).
  *
  * Template parameters: kv_t (float or bfloat16 bits), HS (head size; a multiple of 8 with HS / 8
  * dividing 32: 8 to 256), GROUP (query heads per key/value head), WARPS, CLUSTER, TRACE.
  * Geometry: grid (S, NKV), block WARPS * 32; with CLUSTER, clusters of (S, 1, 1). Shared memory:
- * dynamic, GROUP rows of split_keys floats for the scores (each row rounded up to 16 bytes), then
- * staged_rows rows of K and of V (llama/fast/plan.py attention_plan), then with CLUSTER S x GROUP rows
- * of HS + 2 floats (rank 0's partials); static WARPS x GROUP x HS floats for the per-warp outputs.
- * Register use: GROUP x 8 of q and of o per lane. Caches are (NKV, max_len, HS) for this layer; q is
+ * dynamic, staged_rows rows of K and of V (llama/fast/plan.py attention_plan), then with CLUSTER S x
+ * GROUP rows of HS + 2 floats (rank 0's partials); static WARPS x GROUP x HS floats for the per-warp
+ * outputs. Register use: GROUP x 8 of q and of o and UNROLL x 8 of K and of V per lane. Caches are (NKV, max_len, HS) for this layer; q is
  * (NH * HS,) float32, not yet scaled; partial is (NH, S, HS + 2) floats.
  */
 #include "common.cuh"
 
-#define UNROLL 4  // keys per lane loaded before their use
+#define UNROLL 2  // keys a lane whose K and V rows are loaded before their use (4: no faster, 168 registers)
 #define COMBINE_SPLITS 16  // splits whose o the combine loads at once: one round trip through L2
 
 // Widen 8 elements held in 16-byte vectors: two vectors of float, one of bfloat16 bits.
@@ -101,31 +114,6 @@ __device__ __forceinline__ void read8(const kv_t* p, bool staged, float (&v)[8])
     for (int i = 0; i < N; ++i)
         raw[i] = staged ? reinterpret_cast<const uint4*>(p)[i] : fresh(reinterpret_cast<const uint4*>(p) + i);
     widen8(raw, v, kv_t{});
-}
-
-// v[j] = the block's max (MAX) or sum of v[j] over its threads, in every thread, for GROUP values at
-// once; scratch holds WARPS x GROUP floats. The same order in every thread.
-template <int WARPS, int GROUP, bool MAX>
-__device__ __forceinline__ void block_reduce(float (&v)[GROUP], float (*scratch)[GROUP])
-{
-#pragma unroll
-    for (int j = 0; j < GROUP; ++j)
-#pragma unroll
-        for (int o = 16; o > 0; o /= 2) {
-            const float other = __shfl_xor_sync(0xffffffffu, v[j], o);
-            v[j] = MAX ? fmaxf(v[j], other) : v[j] + other;
-        }
-    if (threadIdx.x % 32 == 0)
-#pragma unroll
-        for (int j = 0; j < GROUP; ++j) scratch[threadIdx.x / 32][j] = v[j];
-    __syncthreads();
-#pragma unroll
-    for (int j = 0; j < GROUP; ++j) {
-        v[j] = MAX ? -INFINITY : 0.0f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) v[j] = MAX ? fmaxf(v[j], scratch[w][j]) : v[j] + scratch[w][j];
-    }
-    __syncthreads();
 }
 
 // -- the cluster's combine (sm_90): distributed shared memory and the cluster barrier ---------------
@@ -187,7 +175,7 @@ __device__ __forceinline__ void mark(unsigned long long* trace, int which)
     }
 }
 
-template <typename kv_t, int HS, int GROUP, int WARPS, bool CLUSTER, bool TRACE, int ONLINE>
+template <typename kv_t, int HS, int GROUP, int WARPS, bool CLUSTER, bool TRACE>
 __global__ void __launch_bounds__(WARPS * 32)
 gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cache, const kv_t* __restrict__ v_cache,
                      const int* __restrict__ state, int max_len, int split_keys, int staged_rows, float scale,
@@ -200,11 +188,9 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
     constexpr int KPW = 32 / LPK;     // keys per warp and pass
     constexpr int KPB = KPW * WARPS;  // keys per block and pass
     constexpr int EPV = 16 / (int)sizeof(kv_t);  // elements per 16-byte vector
-    constexpr int OU = ONLINE > 0 ? ONLINE : 1;  // ONLINE: keys per lane whose K and V rows load together
     static_assert(HS % 8 == 0 && 32 % (HS / 8) == 0, "HS: a multiple of 8, HS / 8 divides 32");
-    extern __shared__ __align__(16) float p_s[];  // GROUP rows of scores S_jt, then p_jt (not ONLINE); then K, V rows
-    __shared__ float scratch[WARPS][GROUP];
-    __shared__ float scratch_l[ONLINE ? WARPS : 1][GROUP];  // ONLINE: each warp's l_j
+    extern __shared__ __align__(16) float rows_s[];  // staged_rows K rows, then as many V rows (then CLUSTER's partials)
+    __shared__ float m_w[WARPS][GROUP], l_w[WARPS][GROUP];  // each warp's max and sum for each head
     __shared__ __align__(16) float o_s[WARPS][GROUP][HS];
     __shared__ bool is_last;
 
@@ -221,8 +207,7 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
     const int chunk = (T_k + used - 1) / used;  // <= split_keys (split_keys >= ceil(max_len / S))
     const int start = min(s * chunk, T_k), end = min(start + chunk, T_k);
     const long long head = (long long)g * max_len * HS;  // this key/value head's rows
-    const int row_p = (split_keys + 3) / 4 * 4;  // one query head's scores, in whole 16 bytes
-    kv_t* k_s = reinterpret_cast<kv_t*>(p_s + (ONLINE ? 0 : GROUP * row_p));
+    kv_t* k_s = reinterpret_cast<kv_t*>(rows_s);
     kv_t* v_s = k_s + (long long)staged_rows * HS;
     const int staged = max(0, min(min(end, pos) - start, staged_rows));  // rows [start, start + staged)
     for (int c = threadIdx.x; c < staged * HS / EPV; c += THREADS) {
@@ -249,166 +234,86 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
     __syncthreads();  // every thread's copies have landed
     mark<TRACE>(trace, 2);  // q in registers, the staged rows in shared memory
 
-    float m[GROUP], l[GROUP], o[GROUP][8];  // the block's m_j and l_j; this lane's part of o_j
+    // Each warp its own keys in one pass (key base + u * KPB + sub of each step): their K and V rows
+    // loaded together, S_jt, then the warp's running max mw_j and sum lw_j, lw_j and o_j rescaled by
+    // e^(m_old - m_new) where the max grows. No scores in shared memory, no block barrier until the end.
+    float mw[GROUP], lw[GROUP], o[GROUP][8];  // the warp's max and sum; this lane's part of the warp's o_j
 #pragma unroll
-    for (int j = 0; j < GROUP; ++j)
+    for (int j = 0; j < GROUP; ++j) {
+        mw[j] = -INFINITY, lw[j] = 0.0f;
 #pragma unroll
         for (int e = 0; e < 8; ++e) o[j][e] = 0.0f;
-    if constexpr (ONLINE > 0) {
-        // Each warp its own keys in one pass: their K and V rows loaded together, S_jt, a running max
-        // m_w and sum l_w of the warp (o and l rescaled by e^(m_old - m_new) as the max grows), then the
-        // warps' (o, m_w, l_w) combined once: M = max_w m_w, o_j and l_j sums of e^(m_w - M) times each.
-        float mw[GROUP], lw[GROUP];
-#pragma unroll
-        for (int j = 0; j < GROUP; ++j) mw[j] = -INFINITY, lw[j] = 0.0f;
-        for (int base = start + warp * KPW; base < end; base += KPB * OU) {
-            float k[OU][8], v[OU][8];
-#pragma unroll
-            for (int u = 0; u < OU; ++u) {
-                const int t = base + u * KPB + sub;
-                if (t < end) {
-                    const bool in_smem = t - start < staged;
-                    const long long at = in_smem ? (long long)(t - start) * HS : head + (long long)t * HS;
-                    read8<kv_t>((in_smem ? k_s : k_cache) + at + part * 8, in_smem, k[u]);
-                    read8<kv_t>((in_smem ? v_s : v_cache) + at + part * 8, in_smem, v[u]);
-                } else {
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) k[u][e] = v[u][e] = 0.0f;
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < GROUP; ++j) {
-                float sc[OU], mx = -INFINITY;
-#pragma unroll
-                for (int u = 0; u < OU; ++u) {
-                    float d = 0.0f;
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) d = fmaf(qr[j][e], k[u][e], d);
-#pragma unroll
-                    for (int off = LPK / 2; off > 0; off /= 2) d += __shfl_xor_sync(0xffffffffu, d, off);
-                    sc[u] = base + u * KPB + sub < end ? d : -INFINITY;
-                    mx = fmaxf(mx, sc[u]);
-                }
-#pragma unroll
-                for (int off = LPK; off < 32; off *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-                const float m_new = fmaxf(mw[j], mx);  // finite: key base (sub 0, u 0) is < end
-                const float c = expf(mw[j] - m_new);    // 0 on the warp's first pass
-                lw[j] *= c;
-#pragma unroll
-                for (int e = 0; e < 8; ++e) o[j][e] *= c;
-#pragma unroll
-                for (int u = 0; u < OU; ++u) {
-                    const float p = expf(sc[u] - m_new);  // 0 past the end
-                    lw[j] += p;
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) o[j][e] = fmaf(p, v[u][e], o[j][e]);
-                }
-                mw[j] = m_new;
-            }
-        }
-#pragma unroll
-        for (int off = LPK; off < 32; off *= 2)  // sum over the warp's KPW keys (a key's lanes hold the same p)
-#pragma unroll
-            for (int j = 0; j < GROUP; ++j) lw[j] += __shfl_xor_sync(0xffffffffu, lw[j], off);
-        if (lane == 0)
-#pragma unroll
-            for (int j = 0; j < GROUP; ++j) scratch[warp][j] = mw[j];
-        mark<TRACE>(trace, 3);  // warp 0's pass
-        __syncthreads();
-        mark<TRACE>(trace, 4);  // every warp's pass
-#pragma unroll
-        for (int j = 0; j < GROUP; ++j) {
-            m[j] = -INFINITY;
-#pragma unroll
-            for (int w = 0; w < WARPS; ++w) m[j] = fmaxf(m[j], scratch[w][j]);
-            const float c = mw[j] == -INFINITY ? 0.0f : expf(mw[j] - m[j]);  // 0 for a warp without keys
-            lw[j] *= c;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) o[j][e] *= c;
-        }
-        if (lane == 0)
-#pragma unroll
-            for (int j = 0; j < GROUP; ++j) scratch_l[warp][j] = lw[j];
-    } else {
-    // S_jt = q_j . k_t / sqrt(HS) for t in [start, end)
+    }
     for (int base = start + warp * KPW; base < end; base += KPB * UNROLL) {
-        float k[UNROLL][8];
+        float k[UNROLL][8], v[UNROLL][8];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int t = base + u * KPB + sub;
             if (t < end) {
                 const bool in_smem = t - start < staged;
-                read8<kv_t>(in_smem ? k_s + (t - start) * HS + part * 8 : k_cache + head + (long long)t * HS + part * 8,
-                            in_smem, k[u]);
+                const long long at = in_smem ? (long long)(t - start) * HS : head + (long long)t * HS;
+                read8<kv_t>((in_smem ? k_s : k_cache) + at + part * 8, in_smem, k[u]);
+                read8<kv_t>((in_smem ? v_s : v_cache) + at + part * 8, in_smem, v[u]);
             } else {
 #pragma unroll
-                for (int e = 0; e < 8; ++e) k[u][e] = 0.0f;
+                for (int e = 0; e < 8; ++e) k[u][e] = v[u][e] = 0.0f;
             }
         }
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int t = base + u * KPB + sub;
+        for (int j = 0; j < GROUP; ++j) {
+            float sc[UNROLL], mx = -INFINITY;
 #pragma unroll
-            for (int j = 0; j < GROUP; ++j) {
+            for (int u = 0; u < UNROLL; ++u) {
                 float d = 0.0f;
 #pragma unroll
                 for (int e = 0; e < 8; ++e) d = fmaf(qr[j][e], k[u][e], d);
 #pragma unroll
-                for (int o = LPK / 2; o > 0; o /= 2) d += __shfl_xor_sync(0xffffffffu, d, o);
-                if (part == 0 && t < end) p_s[j * row_p + t - start] = d;
+                for (int off = LPK / 2; off > 0; off /= 2) d += __shfl_xor_sync(0xffffffffu, d, off);
+                sc[u] = base + u * KPB + sub < end ? d : -INFINITY;
+                mx = fmaxf(mx, sc[u]);
             }
-        }
-    }
-    __syncthreads();
-    mark<TRACE>(trace, 3);  // the scores
-
-    // m_j = max_t S_jt; p_jt = exp(S_jt - m_j); l_j = sum_t p_jt
-    const int n = end - start;
 #pragma unroll
-    for (int j = 0; j < GROUP; ++j) {
-        m[j] = -INFINITY;
-        for (int i = threadIdx.x; i < n; i += THREADS) m[j] = fmaxf(m[j], p_s[j * row_p + i]);
-    }
-    block_reduce<WARPS, GROUP, true>(m, scratch);
+            for (int off = LPK; off < 32; off *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+            const float m_new = fmaxf(mw[j], mx);  // finite: key base (sub 0, u 0) is < end
+            const float c = expf(mw[j] - m_new);    // 0 on the warp's first pass
+            lw[j] *= c;
 #pragma unroll
-    for (int j = 0; j < GROUP; ++j) {
-        l[j] = 0.0f;
-        for (int i = threadIdx.x; i < n; i += THREADS) {
-            const float p = expf(p_s[j * row_p + i] - m[j]);
-            p_s[j * row_p + i] = p;
-            l[j] += p;
-        }
-    }
-    block_reduce<WARPS, GROUP, false>(l, scratch);  // its barriers also publish p_s
-    mark<TRACE>(trace, 4);  // the softmax: m, p, l
-
-    // o_j = sum_t p_jt v_t: lanes as above, each accumulating 8 elements of every head over its keys
-    for (int base = start + warp * KPW; base < end; base += KPB * UNROLL) {
-        float v[UNROLL][8];
+            for (int e = 0; e < 8; ++e) o[j][e] *= c;
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int t = base + u * KPB + sub;
-            if (t < end) {
-                const bool in_smem = t - start < staged;
-                read8<kv_t>(in_smem ? v_s + (t - start) * HS + part * 8 : v_cache + head + (long long)t * HS + part * 8,
-                            in_smem, v[u]);
-            } else {
-#pragma unroll
-                for (int e = 0; e < 8; ++e) v[u][e] = 0.0f;
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int t = base + u * KPB + sub;
-#pragma unroll
-            for (int j = 0; j < GROUP; ++j) {
-                const float p = t < end ? p_s[j * row_p + t - start] : 0.0f;
+            for (int u = 0; u < UNROLL; ++u) {
+                const float p = expf(sc[u] - m_new);  // 0 past the end
+                lw[j] += p;
 #pragma unroll
                 for (int e = 0; e < 8; ++e) o[j][e] = fmaf(p, v[u][e], o[j][e]);
             }
+            mw[j] = m_new;
         }
     }
-    }  // ONLINE
+#pragma unroll
+    for (int off = LPK; off < 32; off *= 2)  // sum over the warp's KPW keys (a key's lanes hold the same p)
+#pragma unroll
+        for (int j = 0; j < GROUP; ++j) lw[j] += __shfl_xor_sync(0xffffffffu, lw[j], off);
+    if (lane == 0)
+#pragma unroll
+        for (int j = 0; j < GROUP; ++j) m_w[warp][j] = mw[j];
+    mark<TRACE>(trace, 3);  // warp 0's pass
+    __syncthreads();
+    mark<TRACE>(trace, 4);  // every warp's pass
+    // The warps combined: m_j = max_w mw_j; each warp's lw_j and o_j times e^(mw_j - m_j), summed below.
+    float m[GROUP], l[GROUP];  // the block's
+#pragma unroll
+    for (int j = 0; j < GROUP; ++j) {
+        m[j] = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) m[j] = fmaxf(m[j], m_w[w][j]);
+        const float c = mw[j] == -INFINITY ? 0.0f : expf(mw[j] - m[j]);  // 0 for a warp without keys
+        lw[j] *= c;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o[j][e] *= c;
+    }
+    if (lane == 0)
+#pragma unroll
+        for (int j = 0; j < GROUP; ++j) l_w[warp][j] = lw[j];
 #pragma unroll
     for (int off = LPK; off < 32; off *= 2)  // sum over the warp's KPW keys
 #pragma unroll
@@ -421,14 +326,13 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
 #pragma unroll
             for (int e = 0; e < 8; ++e) o_s[warp][j][part * 8 + e] = o[j][e];
     __syncthreads();
-    if constexpr (ONLINE > 0)
 #pragma unroll
-        for (int j = 0; j < GROUP; ++j) {
-            l[j] = 0.0f;
+    for (int j = 0; j < GROUP; ++j) {  // in warp order in every thread
+        l[j] = 0.0f;
 #pragma unroll
-            for (int w = 0; w < WARPS; ++w) l[j] += scratch_l[w][j];
-        }
-    mark<TRACE>(trace, 5);  // the values: each warp's o in o_s
+        for (int w = 0; w < WARPS; ++w) l[j] += l_w[w][j];
+    }
+    mark<TRACE>(trace, 5);  // the warps combined: o_j in o_s (summed over the warps below), l_j
 
     if (used == 1) {  // the only split: y_j = o_j / l_j, what the combine below gives for one split
 #pragma unroll

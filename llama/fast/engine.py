@@ -114,7 +114,7 @@ class Engine(FastEngine):
         super().__init__(cp, config, dtype, max_len, steps_per_graph=steps_per_graph)
         self.sm_count = limits.sm_count
         self.eps = np.float32(config.rms_norm_eps)
-        try:  # attention: attention_plan's overrides (splits, split_keys, warps, cluster, online), for measuring
+        try:  # attention: attention_plan's overrides (splits, split_keys, warps, cluster), for measuring
             self.attn = attention_plan(config, self.max_len, self.sm_count, 2 if self.dtype == "bfloat16" else 4,
                                        **(attention or {}))
         except (TypeError, ValueError) as exc:
@@ -179,7 +179,7 @@ class Engine(FastEngine):
         c = self.config
         exprs = kernel_expressions(c, self.dtype, item_loads=self.gemv_options["item_loads"],
                                    item_loads_of=self.gemv_options["item_loads_of"])
-        exprs["attention"] = attention_kernel(c, self.dtype, self.attn.warps, self.attn.cluster, self.trace, self.attn.online)  # the plan's
+        exprs["attention"] = attention_kernel(c, self.dtype, self.attn.warps, self.attn.cluster, self.trace)  # the plan's
         self.fn = {key: fused.function(file, expr) for key, (file, expr) in exprs.items() if "/" not in key}
         self.gemv = {}
         for key, m in matrices(c).items():

@@ -57,12 +57,6 @@ ATTENTION_WARPS = (4, 8, 16)  # gqa_decode_attention.cu's warps per block: the e
 # 1.050x (at 2,048 the device holds 7 of the 8 clusters at once); 8 splits in clusters of 8 against the
 # ticket at 8 splits, 0.996-1.006x at 512. Engine(attention={"cluster": True}) measures it.
 ATTENTION_CLUSTER = False
-# gqa_decode_attention.cu's ONLINE: each warp takes its keys' scores, softmax and values in one pass (K
-# and V rows loaded together, ONLINE keys a lane at a time, a running max a warp), the warps' (o, m, l)
-# combined once (2 or 4); or the scores of the whole split to shared memory, the block's max and sum by
-# block reductions, then the values (0). Engine(attention={"online": 2}) measures it.
-ATTENTION_ONLINE = 0
-ONLINE_UNROLLS = (2, 4)  # ONLINE's keys a lane: 4 takes 168-176 registers a thread, so 4 warps only
 CLUSTER_SPLITS = 16  # the most blocks a cluster holds on H100 and H200 (8 portable, 16 by opting in)
 ATTENTION_TRACE_MARKS = 8  # gqa_decode_attention.cu's TRACE_MARKS: global-timer marks a block in its trace
 MAX_GROUP = 8  # query heads per key/value head that gqa_decode_attention.cu keeps in registers
@@ -73,7 +67,7 @@ MAX_GROUP = 8  # query heads per key/value head that gqa_decode_attention.cu kee
 # splits of 256 keys were 1.02-1.06x at position 1000). Fewer splits in use at a position: at 40, one
 # (no combine) against two.
 MIN_SPLIT_KEYS = 64
-SCORE_BYTES = 32 << 10  # at most this much shared memory for a split's scores (GROUP rows of its keys)
+MAX_SPLIT_KEYS = 2048  # at most this many keys a split: a longer cache takes more splits
 STAGE_BYTES = 64 << 10  # shared memory for the K and V rows an attention block copies before its wait
 BLOCK_SMEM = 227 << 10  # shared memory a block may have on H100 and H200 (dynamic and static)
 CACHE_QUANTUM = 256  # the static cache's length is the run's positions rounded up to this
@@ -187,9 +181,8 @@ def kernel_expressions(config: LlamaConfig, dtype: str, *, item_loads: int | Non
         head = f", {config.head_size}" if m.kernel == "rms_gemv_rope" else ""
         out[key] = ("rms_gemv", f"{m.kernel}<{wt}, {m.K}{head}, {GEMV_WARPS}, {unroll}>")
     return out | {
-        **{f"attention/{w}{'/cluster' * c}{f'/online{o}' * bool(o)}": attention_kernel(config, dtype, w, c, online=o)
-           for w in ATTENTION_WARPS for c in (False, True) for o in (0, *ONLINE_UNROLLS)
-           if not online_spills(w, o)},  # the plan picks one
+        **{f"attention/{w}{'/cluster' * c}": attention_kernel(config, dtype, w, c)  # the plan picks one
+           for w in ATTENTION_WARPS for c in (False, True)},
         "embed": ("embed", f"embed<{wt}>"),
         "spin": ("spin", "spin"),
         "handoff": ("spin", "handoff"),  # an empty kernel boundary, for measuring (tools/llama_step_variants.py)
@@ -197,30 +190,22 @@ def kernel_expressions(config: LlamaConfig, dtype: str, *, item_loads: int | Non
 
 
 def attention_kernel(config: LlamaConfig, dtype: str, warps: int, cluster: bool = False,
-                     trace: bool = False, online: int = 0) -> tuple[str, str]:
+                     trace: bool = False) -> tuple[str, str]:
     """gqa_decode_attention.cu's (file, name expression) for this model and dtype, `warps` a block, its
-    splits combining in a cluster or by a ticket; with trace, the diagnostic build that records its marks;
-    with online (keys a lane), a warp's keys in one pass (ATTENTION_ONLINE)."""
+    splits combining in a cluster or by a ticket; with trace, the diagnostic build that records its marks."""
     wt = "unsigned short" if dtype == "bfloat16" else "float"
     group = config.num_attention_heads // config.num_key_value_heads
-    flags = ", ".join("true" if f else "false" for f in (cluster, trace)) + f", {int(online)}"
+    flags = ", ".join("true" if f else "false" for f in (cluster, trace))
     return "gqa_decode_attention", f"gqa_decode_attention<{wt}, {config.head_size}, {group}, {warps}, {flags}>"
-
-
-def online_spills(warps: int, online: int) -> bool:
-    """Whether ONLINE's K and V rows of `online` keys a lane pass the registers a thread may take at
-    `warps` (168 at 8 warps, the engine's cap: tests/test_llama_fast_cpu.py; 128 at 16, where it spills)."""
-    return online == 4 and warps > 4
 
 
 @dataclass(frozen=True)
 class AttentionPlan:
     """gqa_decode_attention.cu's geometry: `splits` key splits per key/value head launched, `split_keys`
-    the keys a split holds (its scores' room; a position uses ceil(T_k / split_keys) splits), `warps`
-    a block's, `staged_rows` K and V rows a block copies to shared memory before its wait, `smem`
-    dynamic bytes (scores, then the rows, then with `cluster` the splits' partials that rank 0
-    combines), `cluster`: the splits of a key/value head are one cluster (else a ticket combines),
-    `online`: keys a lane of a warp's one pass, no scores in shared memory, 0: off (ATTENTION_ONLINE)."""
+    the most keys a split holds (a position uses ceil(T_k / split_keys) splits), `warps` a block's,
+    `staged_rows` K and V rows a block copies to shared memory before its wait, `smem` dynamic bytes
+    (the rows, then with `cluster` the splits' partials that rank 0 combines), `cluster`: the splits of
+    a key/value head are one cluster (else a ticket combines)."""
 
     splits: int
     split_keys: int
@@ -228,28 +213,28 @@ class AttentionPlan:
     staged_rows: int
     smem: int
     cluster: bool = False
-    online: int = 0
 
 
 def attention_warps(split_keys: int, head_size: int) -> int:
-    """The fewest of ATTENTION_WARPS whose block takes a split's keys in one pass of its loops
-    (1024 / head_size keys a warp: head_size / 8 lanes a key, UNROLL = 4 keys a lane), else the most.
-    Measured (H200, bfloat16, graph replay, us a token, two rounds alike within 0.5%): with a
-    512-position cache (32 keys a split) 4 warps were the fastest or within 0.6% at positions 40, 128
-    and 260 (Llama 3.2 1B at 128: 4 / 8 / 16 warps 955.5 / 955.7 / 969.2; 3B 2321 / 2347 / 2362;
-    3.1 8B 4400 / 4410 / 4443); with 2,048 (128 keys a split) at position 1000, 1B 1040 / 975 / 997,
-    3B 2561 / 2444 / 2391. Two blocks an SM (33 splits a key/value head) were no faster at any of
-    those (1B at 1000 with 8 warps: 1001 against 975)."""
-    need = -(-split_keys * head_size // 1024)
+    """The fewest of ATTENTION_WARPS whose block takes a split's keys in one step of its warps' pass
+    (512 / head_size keys a warp: head_size / 8 lanes a key, UNROLL = 2 keys a lane), else the most: a
+    warp's pass is a chain of dependent steps, and fewer keys a warp make it shorter. Measured (H200,
+    tools/llama_step_variants.py, the mean of two rounds, us a token; llama-step-variants-online in
+    results/), 64 keys a split (a 512-position cache) at positions 40 / 260: 3.2 1B 4 / 8 / 16 warps
+    819.3 / 812.0 / 830.0 and 842.4 / 833.7 / 848.4; 3.2 3B 8 / 16 warps 1970.7 / 1941.3 and 2004.4 /
+    1987.5; 3.1 8B 4054.8 / 4042.4 and 4087.8 / 4080.7. 128 keys (2,048 positions) at 1000: 1B 8 / 16
+    warps 863.3 / 864.4, 3B 2096.1 / 2046.0, 8B 4236.2 / 4161.4. Two blocks an SM (33 splits a key/value
+    head) were no faster with the loops before the one pass (1B at 1000 with 8 warps: 1001 against 975)."""
+    need = -(-split_keys * head_size // 512)
     return next((w for w in ATTENTION_WARPS if w >= need), ATTENTION_WARPS[-1])
 
 
 def attention_plan(config: LlamaConfig, max_len: int, sm_count: int, itemsize: int, *, splits: int | None = None,
                    split_keys: int | None = None, warps: int | None = None, staged_rows: int | None = None,
-                   cluster: bool | None = None, online: int | None = None) -> AttentionPlan:
+                   cluster: bool | None = None) -> AttentionPlan:
     """Enough splits to give every SM a block where the cache holds MIN_SPLIT_KEYS keys for each (a
-    shorter cache takes fewer splits of that many), more where a split's scores (GROUP rows of
-    ceil(max_len / splits) floats) would pass SCORE_BYTES; a position takes the keys in as few of them
+    shorter cache takes fewer splits of that many), more where a split would hold more than
+    MAX_SPLIT_KEYS; a position takes the keys in as few of them
     as hold them (ceil(T_k / split_keys)); warps by attention_warps; as many rows staged as a split
     holds, up to STAGE_BYTES. Splits holding more keys than that, fewer of them in use, measured slower
     but once (H200, bfloat16, 4 warps, us a token). With a 512-position cache (32 keys a split), 32 / 64
@@ -259,14 +244,13 @@ def attention_plan(config: LlamaConfig, max_len: int, sm_count: int, itemsize: i
     since: MIN_SPLIT_KEYS.)
     The splits combine in a cluster (ATTENTION_CLUSTER) where there are at most CLUSTER_SPLITS of them.
     splits, split_keys (at least the cache's length over the splits), warps, staged_rows (at most the
-    split's keys), cluster and online override the choices, for measuring (tools/llama_step_variants.py); a
+    split's keys) and cluster override the choices, for measuring (tools/llama_step_variants.py); a
     geometry the kernel cannot take is a ValueError."""
     NKV, HS = config.num_key_value_heads, config.head_size
     group = config.num_attention_heads // NKV
-    most = SCORE_BYTES // (4 * group)  # keys whose scores fit SCORE_BYTES
     if splits is not None and not 1 <= splits <= max_len:
         raise ValueError(f"splits {splits}: 1 to the cache's {max_len} positions")
-    splits = splits or max(1, min(sm_count // NKV, -(-max_len // MIN_SPLIT_KEYS)), -(-max_len // most))
+    splits = splits or max(1, min(sm_count // NKV, -(-max_len // MIN_SPLIT_KEYS)), -(-max_len // MAX_SPLIT_KEYS))
     keys = max(-(-max_len // splits), split_keys or 0)  # keys in the longest split
     warps = warps or attention_warps(keys, HS)
     if warps not in ATTENTION_WARPS:
@@ -277,16 +261,11 @@ def attention_plan(config: LlamaConfig, max_len: int, sm_count: int, itemsize: i
     if staged_rows is not None and staged_rows < 0:
         raise ValueError(f"staged_rows {staged_rows}: at least 0")
     rows = min(keys, STAGE_BYTES // (2 * HS * itemsize) if staged_rows is None else staged_rows)
-    online = ATTENTION_ONLINE if online is None else online
-    if online not in (0, *ONLINE_UNROLLS) or online_spills(warps, online):
-        raise ValueError(f"online {online} at {warps} warps: 0 or one of {ONLINE_UNROLLS} (4 at 4 warps only)")
-    scores = 0 if online else 4 * group * (-(-keys // 4) * 4)
-    smem = scores + 2 * rows * HS * itemsize + 4 * splits * group * (HS + 2) * cluster
+    smem = 2 * rows * HS * itemsize + 4 * splits * group * (HS + 2) * cluster
     if smem + 4 * warps * group * HS > BLOCK_SMEM:  # with the static per-warp outputs
         raise ValueError(f"{keys} keys a split and {warps} warps: {smem + 4 * warps * group * HS} bytes of "
                          f"shared memory, past a block's {BLOCK_SMEM}")
-    return AttentionPlan(splits=splits, split_keys=keys, warps=warps, staged_rows=rows, smem=smem, cluster=cluster,
-                         online=online)
+    return AttentionPlan(splits=splits, split_keys=keys, warps=warps, staged_rows=rows, smem=smem, cluster=cluster)
 
 
 def cache_positions(positions: int, config: LlamaConfig) -> int:
