@@ -62,6 +62,8 @@
  * 1000 in 2,048, the time a token): with the warps that take a split's keys in one step each (llama/fast/
  * plan.py attention_warps) 1B 0.977 / 0.979x at 512 (8 warps), 3B 0.982 / 0.988x and 3.1 8B 0.991 /
  * 0.993x (16 warps), 0.995-1.002x at 2,048; 4 keys a lane (168 registers, 4 warps only) no faster.
+ * The trees before and after over 256 tokens (tools/decode_before_after.sh): 1.022x, 1.019x and
+ * 1.010x the tokens/s; the critical path above became 3.6-7.6 us at 1B (tools/attention_trace.py).
  *
  * CLUSTER (sm_90; off in the plan, a measured null): the S splits of a key/value head are launched as
  * one thread-block cluster (the launch's cluster dimension (S, 1, 1), S <= 16, beyond 8 by opting in),
