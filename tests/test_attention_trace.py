@@ -1,7 +1,9 @@
 """tools/attention_trace.py without a GPU: the phases it reads from a trace of known marks, and the
-kernel's diagnostic build: the marks it takes, and none without it."""
+kernel's diagnostic build: the marks it takes, and none without it; tools/attention_ncu.sh's errors."""
 
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -81,3 +83,18 @@ def test_the_trace_build_marks_each_phase_and_the_plain_build_none(size):
     assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0, r
     cu = fused.path_of("gqa_decode_attention").read_text()
     assert f"#define TRACE_MARKS {fast.plan.ATTENTION_TRACE_MARKS} " in cu
+
+
+def test_the_ncu_script_refuses_a_bad_size_and_a_machine_without_ncu(tmp_path):
+    """tools/attention_ncu.sh: a size that is not Llama's, or no ncu on the PATH, is a clear error (2);
+    its embedded driver is valid Python."""
+    script = Path(__file__).resolve().parent.parent / "tools" / "attention_ncu.sh"
+    env = {**os.environ, "OUT": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    bad = subprocess.run(["bash", str(script), "gpt2"], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "not a Llama size" in bad.stderr
+    if not any((Path(d) / "ncu").exists() for d in env["PATH"].split(":")):
+        none = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env)
+        assert none.returncode == 2 and "no ncu here" in none.stderr
+    text = script.read_text()
+    driver = text[text.index('DRIVER="') + len('DRIVER="'):text.index('"\nMETRICS=')]
+    compile(driver.replace("$SIZE", "llama-3.2-1b"), "attention_ncu driver", "exec")

@@ -9,6 +9,8 @@
 set -euo pipefail
 OUT=${OUT:-/tmp/attention_ncu}
 SIZE=${1:-llama-3.2-1b}
+case $SIZE in llama-3.2-1b|llama-3.2-3b|llama-3.1-8b) ;; *) echo "attention_ncu: $SIZE: not a Llama size" >&2; exit 2 ;; esac
+command -v ncu > /dev/null || { echo "attention_ncu: no ncu here: run it on the GPU machine" >&2; exit 2; }
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 DRIVER="
