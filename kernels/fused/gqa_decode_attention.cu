@@ -27,11 +27,11 @@
  * for the group's heads j, in one pass a warp (below), and writes (o_j, m_j, l_j) to `partial`; the
  * last block of the key/value head to finish (a ticket from counters[g], reset to 0 by that block)
  * combines the used partials of each of its heads: y_h = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s,
- * M = max_s m_s, in split order whichever block is last, so the result does not depend on scheduling. Empty splits contribute
- * m = -inf, l = 0. The combine is a chain of loads from L2 on the step's critical path, so it runs a
- * warp per head with the splits across the lanes (M and the denominator by shuffles), and each lane's
- * loads of o_s, one per split, do not wait for each other: with a thread per element looping over
- * the splits, M's loads and then each split's were one L2 round trip after another.
+ * M = max_s m_s, in split order whichever block is last, so the result does not depend on scheduling.
+ * Empty splits contribute m = -inf, l = 0. The combine is a chain of loads from L2 on the step's
+ * critical path, so it runs a warp per head with the splits across the lanes (M and the denominator by
+ * shuffles), and each lane's loads of o_s, one per split, do not wait for each other: with a thread per
+ * element looping over the splits, M's loads and then each split's were one L2 round trip after another.
  *
  * Under programmatic dependent launch the block starts while the projection runs; by then the state
  * and every cache row before pos are final (common.cuh's rule: written two or more launches back), so
@@ -89,8 +89,9 @@
  * Geometry: grid (S, NKV), block WARPS * 32; with CLUSTER, clusters of (S, 1, 1). Shared memory:
  * dynamic, staged_rows rows of K and of V (llama/fast/plan.py attention_plan), then with CLUSTER S x
  * GROUP rows of HS + 2 floats (rank 0's partials); static WARPS x GROUP x HS floats for the per-warp
- * outputs. Register use: GROUP x 8 of q and of o and UNROLL x 8 of K and of V per lane. Caches are (NKV, max_len, HS) for this layer; q is
- * (NH * HS,) float32, not yet scaled; partial is (NH, S, HS + 2) floats.
+ * outputs. Register use: GROUP x 8 of q and of o and UNROLL x 8 of K and of V per lane. Caches are
+ * (NKV, max_len, HS) for this layer; q is (NH * HS,) float32, not yet scaled; partial is (NH, S, HS + 2)
+ * floats.
  */
 #include "common.cuh"
 
@@ -191,7 +192,7 @@ gqa_decode_attention(const float* __restrict__ q, const kv_t* __restrict__ k_cac
     constexpr int KPB = KPW * WARPS;  // keys per block and pass
     constexpr int EPV = 16 / (int)sizeof(kv_t);  // elements per 16-byte vector
     static_assert(HS % 8 == 0 && 32 % (HS / 8) == 0, "HS: a multiple of 8, HS / 8 divides 32");
-    extern __shared__ __align__(16) float rows_s[];  // staged_rows K rows, then as many V rows (then CLUSTER's partials)
+    extern __shared__ __align__(16) float rows_s[];  // staged_rows K rows, as many V rows, CLUSTER's partials
     __shared__ float m_w[WARPS][GROUP], l_w[WARPS][GROUP];  // each warp's max and sum for each head
     __shared__ __align__(16) float o_s[WARPS][GROUP][HS];
     __shared__ bool is_last;

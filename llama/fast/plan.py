@@ -234,10 +234,10 @@ def attention_plan(config: LlamaConfig, max_len: int, sm_count: int, itemsize: i
                    cluster: bool | None = None) -> AttentionPlan:
     """Enough splits to give every SM a block where the cache holds MIN_SPLIT_KEYS keys for each (a
     shorter cache takes fewer splits of that many), more where a split would hold more than
-    MAX_SPLIT_KEYS; a position takes the keys in as few of them
-    as hold them (ceil(T_k / split_keys)); warps by attention_warps; as many rows staged as a split
-    holds, up to STAGE_BYTES. Splits holding more keys than that, fewer of them in use, measured slower
-    but once (H200, bfloat16, 4 warps, us a token). With a 512-position cache (32 keys a split), 32 / 64
+    MAX_SPLIT_KEYS; a position takes the keys in as few of them as hold them (ceil(T_k / split_keys));
+    warps by attention_warps; as many rows staged as a split holds, up to STAGE_BYTES. Splits holding
+    more keys than that, fewer of them in use, measured slower but once (H200, bfloat16, 4 warps, us a
+    token, with the loops before the one pass). With a 512-position cache (32 keys a split), 32 / 64
     / 128 / 256 / 512 keys a split: 3B at position 400 2358 / 2508 / 2604 / 2972 / 3459; 1B at 400, the
     exception, 990 / 970 / 1003 / 1175 / 1184. With 2,048 (128 keys a split), 1B at 1000: 128 / 256 /
     512 keys 1040 / 1186 / 1213. (64 keys with the warps that take them in one pass came out faster
@@ -250,7 +250,8 @@ def attention_plan(config: LlamaConfig, max_len: int, sm_count: int, itemsize: i
     group = config.num_attention_heads // NKV
     if splits is not None and not 1 <= splits <= max_len:
         raise ValueError(f"splits {splits}: 1 to the cache's {max_len} positions")
-    splits = splits or max(1, min(sm_count // NKV, -(-max_len // MIN_SPLIT_KEYS)), -(-max_len // MAX_SPLIT_KEYS))
+    fill = min(sm_count // NKV, -(-max_len // MIN_SPLIT_KEYS))  # a block an SM, MIN_SPLIT_KEYS keys each
+    splits = splits or max(1, fill, -(-max_len // MAX_SPLIT_KEYS))
     keys = max(-(-max_len // splits), split_keys or 0)  # keys in the longest split
     warps = warps or attention_warps(keys, HS)
     if warps not in ATTENTION_WARPS:
